@@ -1,0 +1,67 @@
+"""Held-out text slices and teacher-forced perplexity, shared by training, tests and benchmarks.
+
+The reference model ships two text files beside its weights: ``eval_slice.txt`` (held-out chapters)
+and ``calib_slice.txt`` (training chapters). Chapters are separated by one blank line; each chapter is
+tokenized on its own and followed by the end-of-text token, exactly as in training, so every
+measurement in the project sees the same token stream.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+EVAL_SLICE = "eval_slice.txt"
+CALIB_SLICE = "calib_slice.txt"
+
+
+def slice_token_ids(path: str | Path, tokenizer) -> list[int]:
+    """Token ids of a slice file: each blank-line-separated chapter, then the end-of-text token.
+
+    Args:
+        path: a slice file (chapters separated by ``"\\n\\n"``).
+        tokenizer: a Hugging Face tokenizer whose ``eos_token_id`` marks the end of a chapter.
+
+    Returns:
+        A flat list of token ids (about 20k for the shipped slices).
+    """
+    text = Path(path).read_text(encoding="utf-8")
+    ids: list[int] = []
+    for chapter in text.split("\n\n"):
+        chapter = chapter.strip("\n")
+        if chapter:
+            ids.extend(tokenizer.encode(chapter, add_special_tokens=False))
+            ids.append(tokenizer.eos_token_id)
+    return ids
+
+
+@torch.no_grad()
+def teacher_forced_perplexity(model, token_ids: list[int], window: int = 1024) -> float:
+    """Perplexity of ``token_ids`` under ``model`` with non-overlapping windows, one full forward each.
+
+    Each window of ``window`` tokens predicts its last ``window - 1`` tokens; the result is
+    ``exp(mean negative log-likelihood)`` over every predicted token of every window. A trailing
+    window shorter than 2 tokens is dropped.
+
+    Args:
+        model: a causal LM returning ``logits`` of shape (batch, seq_len, vocab_size).
+        token_ids: the token stream (e.g. from :func:`slice_token_ids`).
+        window: tokens per forward pass (at most the model's ``max_position_embeddings``).
+
+    Returns:
+        The perplexity (a float >= 1).
+    """
+    device = next(model.parameters()).device
+    total_nll, total_count = 0.0, 0
+    for start in range(0, len(token_ids), window):
+        chunk = token_ids[start : start + window]
+        if len(chunk) < 2:
+            break
+        ids = torch.tensor([chunk], device=device)  # (1, seq_len)
+        logits = model(input_ids=ids).logits.float()  # (1, seq_len, vocab_size)
+        nll = torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:], reduction="sum")
+        total_nll += nll.item()
+        total_count += len(chunk) - 1
+    return math.exp(total_nll / total_count)

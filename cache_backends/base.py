@@ -1,0 +1,123 @@
+"""The KV backend contract: a backend makes per-sequence KV stores and says what they cost.
+
+A *KV store* is one sequence's cache: a ``transformers.Cache`` whose layers are ``CacheLayerMixin``
+subclasses owned by the backend. The model writes each layer's new keys and values through
+``Cache.update`` (keys after RoPE, shape ``(batch, num_key_value_heads, new_tokens, head_dim)``) and
+reads back the keys and values it attends to. A store reports the bytes it really holds — the sum of
+``tensor.nelement() * tensor.element_size()`` over every tensor it keeps (scales and metadata
+included) — through :meth:`KVStore.nbytes`; the engine never infers memory from shapes.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+def tensor_bytes(*tensors: torch.Tensor | None) -> int:
+    """Bytes held by ``tensors`` (``None`` counts as 0)."""
+    return sum(t.nelement() * t.element_size() for t in tensors if t is not None)
+
+
+@dataclass(frozen=True)
+class ModelGeometry:
+    """The attention shape a backend needs, read from a model config.
+
+    Attributes:
+        num_layers: decoder layers (``num_hidden_layers``).
+        num_attention_heads: query heads per layer.
+        num_key_value_heads: K/V heads per layer.
+        head_dim: channels per head.
+        dtype_bytes: bytes per element of the K/V the model produces (4 for fp32, 2 for fp16/bf16).
+    """
+
+    num_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    dtype_bytes: int
+
+    @classmethod
+    def from_config(cls, config, dtype: torch.dtype) -> "ModelGeometry":
+        heads = config.num_attention_heads
+        return cls(
+            num_layers=config.num_hidden_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            dtype_bytes=torch.empty((), dtype=dtype).element_size(),
+        )
+
+
+class KVLayer(CacheLayerMixin):
+    """One layer of a KV store. Subclasses hold their tensors and count their bytes."""
+
+    is_sliding = False
+    is_croppable = False
+
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Bytes of every tensor this layer holds right now."""
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class KVStore(Cache):
+    """One sequence's KV cache: a ``transformers.Cache`` made of a backend's :class:`KVLayer` objects."""
+
+    def __init__(self, layers: list[KVLayer]):
+        super().__init__(layers=layers)
+
+    def nbytes(self) -> int:
+        """Bytes held by all layers (int)."""
+        return sum(layer.nbytes() for layer in self.layers)
+
+    def num_tokens(self) -> int:
+        """Tokens cached (the sequence length seen by layer 0)."""
+        return self.get_seq_length(0)
+
+    def release(self) -> None:
+        """Drop every tensor at once (a finished or cancelled sequence frees its KV here)."""
+        for layer in self.layers:
+            layer.reset()
+
+
+class KVBackend(ABC):
+    """A KV-cache strategy, selected by name with ``KV_BACKEND``.
+
+    Subclasses set :attr:`name`, implement :meth:`new_store` and :meth:`bytes_per_token_per_layer`,
+    and may override :meth:`prepare` (calibration) and :meth:`params` (shown in ``/info``).
+
+    Args:
+        geometry: the served model's attention shape.
+        options: backend parameters (already validated by the settings layer).
+    """
+
+    name: ClassVar[str]
+
+    def __init__(self, geometry: ModelGeometry, **options: Any):
+        self.geometry = geometry
+        self.options = options
+
+    def prepare(self, model, calibration_ids: list[int] | None = None) -> None:
+        """Fit whatever the backend needs on the loaded model (no-op by default)."""
+
+    def params(self) -> dict[str, Any]:
+        """The backend's parameters, for ``/info`` and metrics."""
+        return dict(self.options)
+
+    @abstractmethod
+    def new_store(self) -> KVStore:
+        """An empty KV store for one sequence."""
+
+    @abstractmethod
+    def bytes_per_token_per_layer(self) -> float:
+        """Closed-form bytes one token costs in one layer at the model's dtype (the estimator's formula)."""

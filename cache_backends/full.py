@@ -1,0 +1,33 @@
+"""``full``: exact K/V, the baseline every other backend is measured against.
+
+Stores, per layer, keys (after RoPE) and values of shape ``(1, num_key_value_heads, seq_len, head_dim)``
+in the model's dtype, grown by concatenation like transformers' ``DynamicLayer``.
+Bytes per token per layer: ``2 * num_key_value_heads * head_dim * dtype_bytes``.
+"""
+
+from __future__ import annotations
+
+from transformers.cache_utils import DynamicLayer
+
+from cache_backends.base import KVBackend, KVLayer, KVStore, tensor_bytes
+from cache_backends.estimate import full_bytes_per_token_per_layer
+
+
+class FullLayer(DynamicLayer, KVLayer):
+    """transformers' ``DynamicLayer`` with byte accounting."""
+
+    def nbytes(self) -> int:
+        return tensor_bytes(self.keys, self.values) if self.is_initialized else 0
+
+
+class FullBackend(KVBackend):
+    """Exact keys and values (no compression)."""
+
+    name = "full"
+
+    def new_store(self) -> KVStore:
+        return KVStore([FullLayer() for _ in range(self.geometry.num_layers)])
+
+    def bytes_per_token_per_layer(self) -> float:
+        g = self.geometry
+        return full_bytes_per_token_per_layer(g.num_key_value_heads, g.head_dim, g.dtype_bytes)

@@ -1,0 +1,1 @@
+"""HTTP routes and wire formats (TGI, and later OpenAI); converted to engine objects only here."""

@@ -1,0 +1,34 @@
+"""Operational routes: ``/health``, ``/info``, ``/metrics``."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from server.errors import error_response
+
+router = APIRouter(tags=["system"])
+
+
+@router.get("/health")
+async def health(request: Request):
+    """200 once the model is loaded and the engine runs; 503 before."""
+    state = request.app.state.kvserve
+    if state.service is None:
+        return error_response(503, state.load_error or "model is loading", "unhealthy")
+    return {"status": "ok"}
+
+
+@router.get("/info")
+async def info(request: Request):
+    """Model, KV backend and its parameters, limits, version."""
+    state = request.app.state.kvserve
+    if state.service is None:
+        return error_response(503, state.load_error or "model is loading", "unhealthy")
+    return state.info
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    """Prometheus exposition of every kvserve metric."""
+    return Response(generate_latest(request.app.state.kvserve.metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,93 @@
+"""TGI-compatible routes: ``POST /generate`` and ``POST /generate_stream`` (Server-Sent Events)."""
+
+from __future__ import annotations
+
+import json
+
+from fastapi import APIRouter, Request
+from sse_starlette.sse import EventSourceResponse
+
+from server.api.common import get_service
+from server.api.tgi_schemas import (ErrorBody, TGIDetails, TGIPrefillToken, TGIRequest, TGIResponse,
+                                    TGIStreamDetails, TGIStreamEvent, TGIToken)
+from server.engine.sequence import FinishReason, Sequence, TokenEvent
+from server.errors import error_response
+from server.service import GenerationRequest, GenerationService
+
+router = APIRouter(tags=["TGI"])
+
+ERRORS = {422: {"model": ErrorBody}, 429: {"model": ErrorBody}, 503: {"model": ErrorBody}}
+
+
+def to_generation_request(body: TGIRequest, service: GenerationService) -> GenerationRequest:
+    p = body.parameters
+    params, seed_given = service.sampling(p.do_sample, p.temperature, p.top_p, p.top_k, p.repetition_penalty,
+                                          p.seed)
+    return GenerationRequest(prompt=body.inputs, max_new_tokens=p.max_new_tokens, params=params, stop=p.stop,
+                             seed_given=seed_given, backend=service.default_backend,
+                             want_prompt_logprobs=p.decoder_input_details)
+
+
+def _token(service: GenerationService, ev: TokenEvent) -> TGIToken:
+    return TGIToken(id=ev.token_id, text=ev.text, logprob=ev.logprob, special=ev.special)
+
+
+def _reported_seed(seq: Sequence) -> int | None:
+    return seq.params.seed if seq.params.do_sample else None
+
+
+def _failure(ev: TokenEvent) -> dict | None:
+    if ev.finish_reason == FinishReason.ERROR:
+        return {"error": ev.error or "generation failed", "error_type": "generation"}
+    return None
+
+
+@router.post("/generate", response_model=TGIResponse, response_model_exclude_none=True, responses=ERRORS)
+async def generate(body: TGIRequest, request: Request):
+    """Generate text; with ``"stream": true`` the answer is the same event stream as ``/generate_stream``."""
+    if body.stream:
+        return await generate_stream(body, request)
+    service = get_service(request)
+    seq, events = await service.run(to_generation_request(body, service), request.is_disconnected)
+    collected = [ev async for ev in events]
+    if not collected or collected[-1].finish_reason == FinishReason.CANCELLED:
+        return error_response(499, "client closed request", "cancelled")
+    last = collected[-1]
+    if (failure := _failure(last)) is not None:
+        return error_response(500, failure["error"], failure["error_type"])
+    text = (body.inputs if body.parameters.return_full_text else "") + (last.generated_text or "")
+    details = None
+    if body.parameters.details:
+        prefill = []
+        if seq.prompt_logprobs is not None:
+            prefill = [TGIPrefillToken(id=i, text=service.tokenizer.decode([i]), logprob=lp)
+                       for i, lp in zip(seq.prompt_ids, seq.prompt_logprobs)]
+        details = TGIDetails(finish_reason=last.finish_reason.value, generated_tokens=len(seq.output_ids),
+                             seed=_reported_seed(seq), prefill=prefill,
+                             tokens=[_token(service, ev) for ev in collected if ev.token_id >= 0])
+    return TGIResponse(generated_text=text, details=details)
+
+
+@router.post("/generate_stream", response_model=TGIStreamEvent, responses=ERRORS)
+async def generate_stream(body: TGIRequest, request: Request):
+    """Stream one SSE ``data:`` event per token; the last carries ``generated_text`` and ``details``."""
+    service = get_service(request)
+    seq, events = await service.run(to_generation_request(body, service))
+    prefix = body.inputs if body.parameters.return_full_text else ""
+
+    async def sse():
+        async for ev in events:
+            if ev.finish_reason == FinishReason.CANCELLED:
+                return
+            if (failure := _failure(ev)) is not None:
+                yield {"data": json.dumps(failure)}
+                return
+            out = TGIStreamEvent(index=ev.index, token=_token(service, ev))
+            if ev.finish_reason is not None:
+                out.generated_text = prefix + (ev.generated_text or "")
+                out.details = TGIStreamDetails(finish_reason=ev.finish_reason.value,
+                                               generated_tokens=len(seq.output_ids), seed=_reported_seed(seq),
+                                               input_length=len(seq.prompt_ids))
+            yield {"data": out.model_dump_json()}
+
+    return EventSourceResponse(sse(), ping=15)

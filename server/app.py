@@ -1,0 +1,55 @@
+"""The FastAPI application: routes, error handlers, and model loading in the background at start-up.
+
+``/health`` answers 503 while the model loads and 200 once the engine runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from server import __version__
+from server.api import system, tgi
+from server.config import Settings
+from server.errors import install_error_handlers
+from server.state import ServerState
+
+log = logging.getLogger("kvserve")
+
+
+def create_app(settings: Settings, load_in_background: bool = True) -> FastAPI:
+    """Build the app for ``settings``.
+
+    Args:
+        settings: validated settings.
+        load_in_background: load the model in a thread after start-up (``/health`` is 503 until
+            done); ``False`` loads it before the app starts serving.
+    """
+    state = ServerState(settings)
+
+    def load() -> None:
+        try:
+            state.load()
+        except Exception as exc:  # noqa: BLE001 - reported through /health, and logged
+            state.load_error = f"model failed to load: {exc}"
+            log.exception("model failed to load")
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        if load_in_background:
+            threading.Thread(target=load, name="kvserve-load", daemon=True).start()
+        else:
+            load()
+        yield
+        state.shutdown()
+
+    app = FastAPI(title="kvserve", version=__version__, lifespan=lifespan,
+                  description="LLM inference server with pluggable KV-cache backends.")
+    app.state.kvserve = state
+    install_error_handlers(app)
+    app.include_router(system.router)
+    app.include_router(tgi.router)
+    return app

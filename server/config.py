@@ -1,0 +1,83 @@
+"""Server settings: one pydantic-settings object, read from environment variables once at start-up.
+
+Nothing else in kvserve reads the environment. A bad value raises :class:`ConfigError` with a one-line
+message naming the variable and what is allowed; ``kvserve serve`` prints it and exits with status 2.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from cache_backends.registry import available
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_MODEL = str(REPO_ROOT / "models" / "kjv-llama-mha")
+
+
+class ConfigError(ValueError):
+    """A setting is invalid; the message is one line naming the variable and the allowed values."""
+
+
+class Settings(BaseSettings):
+    """kvserve configuration (environment variables, case-insensitive)."""
+
+    model_config = SettingsConfigDict(env_prefix="", case_sensitive=False, extra="ignore")
+
+    model_id: str = Field(DEFAULT_MODEL, description="Local model folder or hub id.")
+    kv_backend: str = Field("full", description="KV-cache backend.")
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    max_batch_size: int = Field(16, ge=1, description="Most sequences decoding at once.")
+    max_concurrent_requests: int = Field(128, ge=1, description="Queued + running requests; more get 429.")
+    max_input_tokens: int | None = Field(None, ge=1, description="Default: MAX_TOTAL_TOKENS - 1.")
+    max_total_tokens: int | None = Field(None, ge=2, description="Default: the model's max_position_embeddings.")
+    max_stop_sequences: int = Field(4, ge=0)
+    kv_cache_budget_bytes: int | None = Field(None, ge=1)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("kv_backend")
+    @classmethod
+    def _known_backend(cls, v: str) -> str:
+        if v not in available():
+            raise ValueError(f"unknown backend {v!r}; allowed: {', '.join(available())}")
+        return v
+
+    @field_validator("kv_cache_budget_bytes", "max_input_tokens", "max_total_tokens", mode="before")
+    @classmethod
+    def _empty_is_none(cls, v):
+        return None if v == "" else v
+
+    @model_validator(mode="after")
+    def _limits(self) -> "Settings":
+        if self.max_total_tokens and self.max_input_tokens and self.max_total_tokens <= self.max_input_tokens:
+            raise ValueError(f"MAX_TOTAL_TOKENS ({self.max_total_tokens}) must be greater than "
+                             f"MAX_INPUT_TOKENS ({self.max_input_tokens})")
+        return self
+
+    def token_limits(self, model_max_positions: int) -> tuple[int, int]:
+        """``(max_input_tokens, max_total_tokens)`` with unset values derived from the model's context."""
+        total = self.max_total_tokens or model_max_positions
+        return self.max_input_tokens or total - 1, total
+
+
+def load_settings(**overrides) -> Settings:
+    """Read and validate the settings.
+
+    Raises:
+        ConfigError: naming the first invalid variable and its allowed values.
+    """
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        var = str(err["loc"][0]).upper() if err["loc"] else "configuration"
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["loc"]:
+            raise ConfigError(f"invalid {var}={err.get('input')!r}: {msg}") from None
+        raise ConfigError(f"invalid configuration: {msg}") from None

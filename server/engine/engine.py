@@ -1,0 +1,217 @@
+"""The engine loop: schedule → run → sample → update → hand each new token to its request.
+
+One background thread owns the model. Between decode steps it drops cancelled sequences (freeing
+their KV at once), admits waiting ones (continuous batching) and prefills them one at a time, then runs
+one batched decode step for every running sequence. Each new token goes to its request through the
+sequence's thread-safe ``emit`` callback. A failure inside one request's prefill fails that request
+only; a failure in a batched decode fails the sequences of that batch, and the loop goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+
+import torch
+
+from cache_backends.base import KVBackend
+from server.engine.detokenize import IncrementalDetokenizer
+from server.engine.runner import ModelRunner
+from server.engine.sampling import sample_token
+from server.engine.scheduler import Scheduler
+from server.engine.sequence import FinishReason, Sequence, TokenEvent
+
+log = logging.getLogger("kvserve.engine")
+
+
+class Overloaded(Exception):
+    """Raised by :meth:`Engine.submit` when ``max_concurrent_requests`` are already queued or running."""
+
+
+class Engine:
+    """Continuous-batching generation over pluggable KV stores.
+
+    Args:
+        runner: the model runner.
+        backends: KV backends by name (a request names one in ``Sequence.backend_name``).
+        tokenizer: the model's tokenizer (for incremental detokenization).
+        eos_token_ids: ids that end generation with ``eos_token``.
+        scheduler: admission policy.
+        max_concurrent_requests: queue + batch capacity; more is refused with :class:`Overloaded`.
+        recorder: receives plain stats (``server.metrics.Recorder``), or ``None``.
+    """
+
+    def __init__(self, runner: ModelRunner, backends: dict[str, KVBackend], tokenizer, eos_token_ids: set[int],
+                 scheduler: Scheduler, max_concurrent_requests: int, recorder=None):
+        self.runner = runner
+        self.backends = backends
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.special_ids = set(tokenizer.all_special_ids) | eos_token_ids
+        self.scheduler = scheduler
+        self.max_concurrent_requests = max_concurrent_requests
+        self.recorder = recorder
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ---- requests -------------------------------------------------------------------------------
+    def submit(self, seq: Sequence) -> None:
+        """Queue ``seq``.
+
+        Raises:
+            Overloaded: when ``max_concurrent_requests`` sequences are already queued or running.
+            ValueError: when the sequence could never fit the KV budget.
+        """
+        if not self.scheduler.fits_alone(seq):
+            raise ValueError(f"request needs {self.scheduler.reserved_bytes(seq):.0f} KV bytes, more than "
+                             f"KV_CACHE_BUDGET_BYTES={self.scheduler.kv_budget_bytes}")
+        with self._lock:
+            if len(self.waiting) + len(self.running) >= self.max_concurrent_requests:
+                raise Overloaded(f"{self.max_concurrent_requests} requests are already queued or running")
+            self.waiting.append(seq)
+        self._wake.set()
+
+    def wake(self) -> None:
+        """Make the loop look at its queues now (e.g. after a cancellation)."""
+        self._wake.set()
+
+    # ---- thread ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="kvserve-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while not self._stop.is_set():
+            if not self.running and not self.waiting:
+                self._wake.wait(0.1)
+                self._wake.clear()
+                continue
+            try:
+                self.step()
+            except Exception:  # noqa: BLE001 - the loop must survive anything one step does
+                log.exception("engine step failed")
+
+    # ---- one step -------------------------------------------------------------------------------
+    def step(self) -> None:
+        """Drop cancelled sequences, admit and prefill new ones, then decode the batch once."""
+        with self._lock:
+            for seq in [s for s in self.waiting if s.cancelled]:
+                self.waiting.remove(seq)
+                self._finish(seq, FinishReason.CANCELLED)
+            admitted = self.scheduler.admit(self.waiting, self.running)
+        for seq in [s for s in self.running if s.cancelled]:
+            self._finish(seq, FinishReason.CANCELLED)
+        for seq in admitted:
+            self._prefill(seq)
+        batch = [s for s in self.running if s.finish_reason is None]
+        if batch:
+            self._decode(batch)
+        self._report()
+
+    def _prefill(self, seq: Sequence) -> None:
+        seq.times.prefill_start = time.perf_counter()
+        seq.store = self.backends[seq.backend_name].new_store()
+        seq.generator = torch.Generator().manual_seed(seq.params.seed)
+        seq.detok = IncrementalDetokenizer(self.tokenizer, seq.stop, self.special_ids)
+        self.running.append(seq)
+        try:
+            logits = self.runner.prefill(seq.prompt_ids, seq.store, all_logits=seq.want_prompt_logprobs)
+            if seq.want_prompt_logprobs:
+                logprobs = torch.log_softmax(logits[:-1].float(), dim=-1)  # (prompt_len - 1, vocab_size)
+                targets = torch.tensor(seq.prompt_ids[1:], device=logits.device).unsqueeze(1)
+                seq.prompt_logprobs = [None] + logprobs.gather(1, targets).squeeze(1).tolist()
+            logits = logits[-1]
+        except Exception as exc:  # noqa: BLE001
+            log.exception("prefill failed for %s", seq.request_id)
+            self._finish(seq, FinishReason.ERROR, error=f"prefill failed: {exc}")
+            return
+        if self.recorder:
+            self.recorder.prefill_done(seq)
+        self._accept(seq, logits)
+
+    def _decode(self, batch: list[Sequence]) -> None:
+        try:
+            logits = self.runner.decode([s.output_ids[-1] for s in batch], [s.store for s in batch])
+        except Exception as exc:  # noqa: BLE001
+            log.exception("decode step failed")
+            for seq in batch:
+                self._finish(seq, FinishReason.ERROR, error=f"decode failed: {exc}")
+            return
+        for row, seq in enumerate(batch):
+            self._accept(seq, logits[row])
+
+    def _accept(self, seq: Sequence, logits: torch.Tensor) -> None:
+        """Sample one token for ``seq`` from ``logits`` (vocab_size,), emit it, and finish if done."""
+        if seq.cancelled:
+            self._finish(seq, FinishReason.CANCELLED)
+            return
+        seen = torch.tensor(seq.prompt_ids + seq.output_ids, dtype=torch.long, device=logits.device)
+        token, logprob = sample_token(logits, seq.params, seen, seq.generator)
+        now = time.perf_counter()
+        seq.output_ids.append(token)
+        seq.times.token_times.append(now)
+        seq.times.first_token = seq.times.first_token or now
+        seq.times.last_token = now
+        seq.peak_kv_bytes = max(seq.peak_kv_bytes, seq.store.nbytes())
+        text = seq.detok.add(token)
+        reason = None
+        if token in self.eos_token_ids:
+            reason = FinishReason.EOS
+        elif seq.detok.stopped:
+            reason = FinishReason.STOP
+        elif len(seq.output_ids) >= seq.max_new_tokens:
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            text += seq.detok.flush()
+        event = TokenEvent(index=len(seq.output_ids) - 1, token_id=token, text=text, logprob=logprob,
+                           special=token in self.special_ids)
+        if reason is not None:
+            self._finish(seq, reason, last=event)
+        else:
+            seq.emit(event)
+
+    def _finish(self, seq: Sequence, reason: FinishReason, last: TokenEvent | None = None,
+                error: str | None = None) -> None:
+        """End ``seq``: free its KV now, record its stats, send the closing event."""
+        seq.finish_reason = reason
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq.store is not None:
+            seq.peak_kv_bytes = max(seq.peak_kv_bytes, seq.store.nbytes())
+            seq.store.release()
+            seq.store = None
+        if self.recorder:
+            self.recorder.request_done(seq)
+        if last is None:
+            last = TokenEvent(index=len(seq.output_ids), token_id=-1, text="", logprob=0.0, special=True)
+        last.finish_reason = reason
+        last.error = error
+        last.generated_text = seq.detok.generated_text() if seq.detok else ""
+        seq.emit(last)
+
+    def _report(self) -> None:
+        if not self.recorder:
+            return
+        waiting: dict[str, int] = {}
+        with self._lock:
+            for seq in self.waiting:
+                waiting[seq.backend_name] = waiting.get(seq.backend_name, 0) + 1
+        self.recorder.step_state(self.running, waiting)
+
+    # ---- introspection --------------------------------------------------------------------------
+    def kv_bytes(self) -> int:
+        """Bytes held by every live sequence's KV store."""
+        return sum(s.store.nbytes() for s in list(self.running) if s.store is not None)

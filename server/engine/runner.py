@@ -1,0 +1,128 @@
+"""The model runner: owns the model and every tensor; turns scheduled sequences into logits.
+
+Prefill runs one sequence at a time (batch 1) into that sequence's own KV store. Decode runs all active
+sequences in one batched forward: a :class:`BatchedView` presents the per-sequence stores to the model
+as one ``transformers.Cache``; each layer writes every sequence's new K/V into its own store, and reads
+back the stores' keys and values left-padded to the longest sequence, with a 4-D mask hiding the
+padding. Padding is transient (it lives for one layer's attention), so nothing but each backend's own
+representation survives a step.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from cache_backends.base import KVStore
+
+
+class _BatchedLayerView(CacheLayerMixin):
+    """One layer of :class:`BatchedView`: fans the batch's new K/V out to each sequence's store."""
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, stores: list[KVStore], layer_idx: int, past_len: int):
+        super().__init__()
+        self.stores = stores
+        self.layer_idx = layer_idx
+        self.past_len = past_len  # longest cached length in the batch, before this step
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # pragma: no cover - never lazy
+        pass
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write each row's new K/V to its store; return padded K/V of every row.
+
+        Args:
+            key_states: (batch, num_key_value_heads, q_len, head_dim), after RoPE.
+            value_states: (batch, num_key_value_heads, q_len, v_head_dim).
+
+        Returns:
+            keys (batch, num_key_value_heads, past_len + q_len, head_dim) and values likewise,
+            each row right-aligned (left-padded with zeros).
+        """
+        batch, heads, q_len, _ = key_states.shape
+        total = self.past_len + q_len
+        keys = key_states.new_zeros(batch, heads, total, key_states.shape[-1])
+        values = value_states.new_zeros(batch, value_states.shape[1], total, value_states.shape[-1])
+        for row, store in enumerate(self.stores):
+            k, v = store.layers[self.layer_idx].update(key_states[row : row + 1], value_states[row : row + 1],
+                                                      *args, **kwargs)
+            keys[row, :, total - k.shape[-2] :] = k[0]
+            values[row, :, total - v.shape[-2] :] = v[0]
+        return keys, values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.past_len + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.past_len
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class BatchedView(Cache):
+    """Several sequences' KV stores seen by the model as one left-padded batch cache (one decode step)."""
+
+    def __init__(self, stores: list[KVStore], num_layers: int):
+        self.lengths = [s.num_tokens() for s in stores]
+        past = max(self.lengths)
+        super().__init__(layers=[_BatchedLayerView(stores, i, past) for i in range(num_layers)])
+
+
+class ModelRunner:
+    """Runs the model's forward passes.
+
+    Args:
+        model: a loaded causal LM (``eval()`` mode).
+        num_layers: decoder layers of ``model``.
+    """
+
+    def __init__(self, model, num_layers: int):
+        self.model = model
+        self.num_layers = num_layers
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+
+    @torch.inference_mode()
+    def prefill(self, prompt_ids: list[int], store: KVStore, all_logits: bool = False) -> torch.Tensor:
+        """Run the prompt through the model into ``store``.
+
+        Returns:
+            (1, vocab_size) logits of the last prompt position, or (prompt_len, vocab_size) logits of
+            every position when ``all_logits`` (for prompt log-probabilities).
+        """
+        ids = torch.tensor([prompt_ids], device=self.device)  # (1, prompt_len)
+        out = self.model(input_ids=ids, cache=store, use_cache=True, logits_to_keep=0 if all_logits else 1)
+        return out.logits[0]
+
+    @torch.inference_mode()
+    def decode(self, last_ids: list[int], stores: list[KVStore]) -> torch.Tensor:
+        """One decode step for a batch of sequences.
+
+        Args:
+            last_ids: the newest token of each sequence (not yet in its store).
+            stores: each sequence's KV store, in the same order.
+
+        Returns:
+            (batch, vocab_size) logits.
+        """
+        ids = torch.tensor(last_ids, device=self.device).unsqueeze(1)  # (batch, 1)
+        if len(stores) == 1:
+            out = self.model(input_ids=ids, cache=stores[0], use_cache=True, logits_to_keep=1)
+            return out.logits[:, -1]
+        view = BatchedView(stores, self.num_layers)
+        lengths = torch.tensor(view.lengths, device=self.device)  # (batch,)
+        past = max(view.lengths)
+        positions = lengths.unsqueeze(1)  # (batch, 1): each sequence's next position
+        # (batch, 1, 1, past + 1) additive mask: 0 where a row has a real cached token, -inf on padding.
+        columns = torch.arange(past + 1, device=self.device)
+        visible = columns.unsqueeze(0) >= (past - lengths).unsqueeze(1)  # (batch, past + 1)
+        mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
+        mask = mask.masked_fill(~visible, torch.finfo(self.dtype).min)[:, None, None, :]
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=view,
+                         use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1]

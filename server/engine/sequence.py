@@ -1,0 +1,101 @@
+"""One request's state inside the engine: tokens, sampling parameters, status and its KV store."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from cache_backends.base import KVStore
+from server.engine.sampling import SamplingParams
+
+
+class FinishReason(str, enum.Enum):
+    """Why a sequence stopped (TGI's names)."""
+
+    LENGTH = "length"
+    EOS = "eos_token"
+    STOP = "stop_sequence"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+@dataclass
+class TokenEvent:
+    """What the engine hands a request's queue for each generated token.
+
+    Attributes:
+        index: 0-based position of this token in the output.
+        token_id: the sampled id.
+        text: the text this token releases ('' if held back; see ``IncrementalDetokenizer``).
+        logprob: log-probability of the token under the model.
+        special: whether the token is a special token (e.g. end-of-text).
+        finish_reason: set on the last event only.
+        generated_text: the whole output text, on the last event only.
+        error: an error message when the sequence failed.
+    """
+
+    index: int
+    token_id: int
+    text: str
+    logprob: float
+    special: bool
+    finish_reason: FinishReason | None = None
+    generated_text: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class RequestTimes:
+    """Monotonic timestamps (seconds, ``time.perf_counter``) of one request's life."""
+
+    arrival: float = field(default_factory=time.perf_counter)
+    prefill_start: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    token_times: list[float] = field(default_factory=list)
+
+
+@dataclass
+class Sequence:
+    """A request in the engine.
+
+    Attributes:
+        request_id: unique id.
+        prompt_ids: prompt token ids.
+        max_new_tokens: generation budget (tokens).
+        params: sampling parameters.
+        stop: stop sequences.
+        emit: thread-safe callback receiving each :class:`TokenEvent`.
+        backend_name: the KV backend this sequence uses.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    params: SamplingParams
+    stop: list[str]
+    emit: Callable[[TokenEvent], None]
+    backend_name: str
+    output_ids: list[int] = field(default_factory=list)
+    store: KVStore | None = None
+    generator: torch.Generator | None = None
+    detok: Any = None
+    cancelled: bool = False
+    finish_reason: FinishReason | None = None
+    times: RequestTimes = field(default_factory=RequestTimes)
+    peak_kv_bytes: int = 0
+    want_prompt_logprobs: bool = False
+    prompt_logprobs: list[float | None] | None = None
+
+    @property
+    def total_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def cancel(self) -> None:
+        """Ask the engine to drop this sequence at its next step (thread-safe: a plain flag)."""
+        self.cancelled = True

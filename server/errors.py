@@ -1,0 +1,55 @@
+"""Error responses: TGI's ``{"error", "error_type"}`` body with the right status, for every failure."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from server.engine.engine import Overloaded
+from server.service import InvalidRequest
+
+
+def error_response(status: int, message: str, error_type: str) -> JSONResponse:
+    return JSONResponse(status_code=status, content={"error": message, "error_type": error_type})
+
+
+def _describe(exc: RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
+    return "; ".join(parts) or "invalid request"
+
+
+class NotReady(Exception):
+    """The model is still loading (503)."""
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Map every exception a route can raise to a JSON error (never a bare 500 page)."""
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError):
+        return error_response(422, _describe(exc), "validation")
+
+    @app.exception_handler(InvalidRequest)
+    async def _invalid(_: Request, exc: InvalidRequest):
+        return error_response(422, str(exc), "validation")
+
+    @app.exception_handler(Overloaded)
+    async def _overloaded(_: Request, exc: Overloaded):
+        return error_response(429, f"Model is overloaded: {exc}", "overloaded")
+
+    @app.exception_handler(NotReady)
+    async def _not_ready(_: Request, exc: NotReady):
+        return error_response(503, str(exc) or "model is loading", "unhealthy")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException):
+        return error_response(exc.status_code, str(exc.detail), "http")
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception):
+        return error_response(500, f"internal error: {type(exc).__name__}", "internal")

@@ -1,0 +1,137 @@
+"""Every Prometheus metric kvserve exports, defined once, and the recorder that updates them.
+
+Each metric carries the labels ``model`` and ``backend`` (the KV backend a request actually used).
+The engine hands the recorder plain objects (a finished ``Sequence``, the running batch); only this
+module touches prometheus-client. Definitions follow vLLM/TGI: TTFT = arrival → first generated
+token; TPOT = (last token − first token) / (generated tokens − 1), one value per request;
+inter-token latency = the gap between consecutive tokens of a request, one value per gap;
+e2e = arrival → last token; queue time = arrival → start of prefill.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+
+# `_created` timestamps double the series count and no dashboard uses them.
+disable_created_metrics()
+
+# Millisecond CPU timings up to minutes.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5,
+                   2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+BYTES_BUCKETS = tuple(float(2**k) for k in range(10, 37, 2))  # 1 KiB … 64 GiB
+
+LABELS = ("model", "backend")
+
+
+class Metrics:
+    """The metric objects, registered in their own ``CollectorRegistry`` (one per server)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("kvserve_time_to_first_token_seconds",
+                              "Time to first token: request arrival to its first generated token, seconds.",
+                              LABELS, buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("kvserve_time_per_output_token_seconds",
+                              "Time per output token, one value per request with 2+ tokens: "
+                              "(last token time - first token time) / (generated tokens - 1), seconds.",
+                              LABELS, buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("kvserve_inter_token_latency_seconds",
+                             "Inter-token latency: gap between consecutive generated tokens of one request, "
+                             "one value per gap, seconds.", LABELS, buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("kvserve_e2e_request_latency_seconds",
+                             "End-to-end latency: request arrival to its last generated token (or its end), seconds.",
+                             LABELS, buckets=LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("kvserve_request_queue_time_seconds",
+                               "Queue time: request arrival to the start of its prefill, seconds.",
+                               LABELS, buckets=LATENCY_BUCKETS, registry=r)
+        self.request_kv = Histogram("kvserve_request_kv_cache_bytes",
+                                    "KV-cache bytes one request's store held at its largest (sum of its tensors).",
+                                    LABELS, buckets=BYTES_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("kvserve_prompt_tokens", "Prompt tokens prefilled.", LABELS, registry=r)
+        self.generation_tokens = Counter("kvserve_generation_tokens", "Tokens generated.", LABELS, registry=r)
+        self.requests = Counter("kvserve_requests", "Requests ended, by finish reason "
+                                "(length, eos_token, stop_sequence, cancelled, error).",
+                                LABELS + ("finish_reason",), registry=r)
+        self.running = Gauge("kvserve_requests_running", "Requests in the running (decoding) batch.",
+                             LABELS, registry=r)
+        self.waiting = Gauge("kvserve_requests_waiting", "Requests queued, waiting for admission.",
+                             LABELS, registry=r)
+        self.kv_bytes = Gauge("kvserve_kv_cache_bytes",
+                              "KV-cache bytes held by all live sequences (sum of their stores' tensors).",
+                              LABELS, registry=r)
+        self.kv_tokens = Gauge("kvserve_kv_cache_tokens", "Tokens cached by all live sequences.",
+                               LABELS, registry=r)
+        self.kv_bytes_per_token = Gauge("kvserve_kv_cache_bytes_per_token",
+                                        "KV-cache bytes / cached tokens over the live sequences (all layers); "
+                                        "updated every step while any sequence is live.", LABELS, registry=r)
+
+
+class Recorder:
+    """Turns engine stats into metric updates.
+
+    Args:
+        metrics: the metric objects.
+        model: the ``model`` label value.
+        backends: the backend names that may appear (their gauges start at 0).
+    """
+
+    def __init__(self, metrics: Metrics, model: str, backends: list[str]):
+        self.m = metrics
+        self.model = model
+        self.backends = backends
+        for b in backends:
+            for gauge in (metrics.running, metrics.waiting, metrics.kv_bytes, metrics.kv_tokens):
+                gauge.labels(model, b).set(0)
+
+    def _l(self, backend: str) -> dict[str, str]:
+        return {"model": self.model, "backend": backend}
+
+    def prefill_done(self, seq) -> None:
+        labels = self._l(seq.backend_name)
+        self.m.queue.labels(**labels).observe(seq.times.prefill_start - seq.times.arrival)
+        self.m.prompt_tokens.labels(**labels).inc(len(seq.prompt_ids))
+
+    def request_done(self, seq) -> None:
+        labels = self._l(seq.backend_name)
+        t = seq.times
+        n = len(seq.output_ids)
+        self.m.requests.labels(finish_reason=seq.finish_reason.value, **labels).inc()
+        self.m.generation_tokens.labels(**labels).inc(n)
+        if t.prefill_start is None:
+            return  # cancelled while queued: it never reached the model
+        end = t.last_token if t.last_token is not None else t.prefill_start
+        self.m.e2e.labels(**labels).observe(end - t.arrival)
+        self.m.request_kv.labels(**labels).observe(seq.peak_kv_bytes)
+        if t.first_token is not None:
+            self.m.ttft.labels(**labels).observe(t.first_token - t.arrival)
+        if n > 1:
+            self.m.tpot.labels(**labels).observe((t.last_token - t.first_token) / (n - 1))
+            itl = self.m.itl.labels(**labels)
+            for a, b in zip(t.token_times, t.token_times[1:]):
+                itl.observe(b - a)
+
+    def step_state(self, running: list, waiting: dict[str, int]) -> None:
+        """Update the live gauges (called after every engine step).
+
+        Args:
+            running: the running sequences.
+            waiting: queued request counts by backend name.
+        """
+        per_backend: dict[str, list[int]] = {b: [0, 0, 0] for b in self.backends}
+        for seq in running:
+            if seq.store is None:
+                continue
+            row = per_backend.setdefault(seq.backend_name, [0, 0, 0])
+            row[0] += 1
+            row[1] += seq.store.nbytes()
+            row[2] += seq.store.num_tokens()
+        for backend, (count, nbytes, tokens) in per_backend.items():
+            labels = self._l(backend)
+            self.m.running.labels(**labels).set(count)
+            self.m.kv_bytes.labels(**labels).set(nbytes)
+            self.m.kv_tokens.labels(**labels).set(tokens)
+            if tokens:
+                self.m.kv_bytes_per_token.labels(**labels).set(nbytes / tokens)
+        for backend in per_backend:
+            self.m.waiting.labels(**self._l(backend)).set(waiting.get(backend, 0))

@@ -1,0 +1,162 @@
+"""The bridge between the HTTP edge and the engine: validated fields in, a stream of TokenEvents out."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+from server.engine.engine import Engine
+from server.engine.sampling import SamplingParams
+from server.engine.sequence import FinishReason, Sequence, TokenEvent
+
+DEFAULT_MAX_NEW_TOKENS = 100
+
+
+class InvalidRequest(ValueError):
+    """The request is well-formed JSON but cannot be served (422, ``error_type`` validation)."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Token limits (tokens) and stop-sequence count in force."""
+
+    max_input_tokens: int
+    max_total_tokens: int
+    max_stop_sequences: int
+
+
+@dataclass
+class GenerationRequest:
+    """What every route turns its body into before it reaches the engine."""
+
+    prompt: str
+    max_new_tokens: int | None
+    params: SamplingParams
+    stop: list[str]
+    seed_given: bool
+    backend: str
+    want_prompt_logprobs: bool = False
+
+
+class GenerationService:
+    """Validates requests against the limits and runs them on the engine.
+
+    Args:
+        engine: the running engine.
+        tokenizer: the model's tokenizer.
+        limits: token limits.
+        default_backend: backend name used when a request names none.
+    """
+
+    def __init__(self, engine: Engine, tokenizer, limits: Limits, default_backend: str):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.default_backend = default_backend
+
+    @staticmethod
+    def sampling(do_sample: bool, temperature: float | None, top_p: float | None, top_k: int | None,
+                 repetition_penalty: float | None, seed: int | None) -> tuple[SamplingParams, bool]:
+        """Build :class:`SamplingParams`; a missing seed becomes a random one. Temperature 0 means greedy."""
+        if temperature == 0:
+            do_sample = False
+        params = SamplingParams(
+            do_sample=do_sample, temperature=temperature or 1.0, top_k=top_k or 0,
+            top_p=top_p if top_p is not None else 1.0,
+            repetition_penalty=repetition_penalty if repetition_penalty is not None else 1.0,
+            seed=seed if seed is not None else secrets.randbits(63),
+        )
+        return params, seed is not None
+
+    def build_sequence(self, req: GenerationRequest, emit: Callable[[TokenEvent], None]) -> Sequence:
+        """Tokenize and check limits.
+
+        Raises:
+            InvalidRequest: empty prompt, too many stop sequences, prompt over MAX_INPUT_TOKENS, or
+                prompt + max_new_tokens over MAX_TOTAL_TOKENS.
+        """
+        lim = self.limits
+        if not req.prompt:
+            raise InvalidRequest("`inputs` must not be empty")
+        if len(req.stop) > lim.max_stop_sequences:
+            raise InvalidRequest(f"`stop` supports up to {lim.max_stop_sequences} stop sequences. "
+                                 f"Given: {len(req.stop)}")
+        if any(not s for s in req.stop):
+            raise InvalidRequest("stop sequences must not be empty strings")
+        ids = self.tokenizer.encode(req.prompt, add_special_tokens=True)
+        if not ids:
+            raise InvalidRequest("`inputs` tokenizes to no tokens")
+        if len(ids) > lim.max_input_tokens:
+            raise InvalidRequest(f"`inputs` must have less than {lim.max_input_tokens + 1} tokens. "
+                                 f"Given: {len(ids)}")
+        room = lim.max_total_tokens - len(ids)
+        max_new = req.max_new_tokens
+        if max_new is None:
+            max_new = min(DEFAULT_MAX_NEW_TOKENS, room)
+        elif len(ids) + max_new > lim.max_total_tokens:
+            raise InvalidRequest(f"`inputs` tokens + `max_new_tokens` must be <= {lim.max_total_tokens}. "
+                                 f"Given: {len(ids)} `inputs` tokens and {max_new} `max_new_tokens`")
+        if max_new < 1:
+            raise InvalidRequest(f"the prompt leaves no room for new tokens (MAX_TOTAL_TOKENS="
+                                 f"{lim.max_total_tokens}, prompt {len(ids)} tokens)")
+        return Sequence(request_id=uuid.uuid4().hex, prompt_ids=ids, max_new_tokens=max_new, params=req.params,
+                        stop=list(req.stop), emit=emit, backend_name=req.backend,
+                        want_prompt_logprobs=req.want_prompt_logprobs)
+
+    async def run(self, req: GenerationRequest,
+                  is_disconnected: Callable[[], Awaitable[bool]] | None = None
+                  ) -> tuple[Sequence, AsyncIterator[TokenEvent]]:
+        """Submit ``req``; return its sequence and an async iterator over its events.
+
+        The iterator ends after the event that carries ``finish_reason``. If the consumer stops early
+        (client gone), or ``is_disconnected`` turns true while waiting, the sequence is cancelled and
+        the engine frees its KV at its next step.
+
+        Raises:
+            InvalidRequest: see :meth:`build_sequence`, or the request can never fit the KV budget.
+            server.engine.engine.Overloaded: the queue is full.
+        """
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+
+        def emit(event: TokenEvent) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, event)
+            except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
+                seq.cancel()
+
+        seq = self.build_sequence(req, emit)
+        try:
+            self.engine.submit(seq)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
+
+        async def events() -> AsyncIterator[TokenEvent]:
+            try:
+                while True:
+                    if is_disconnected is None:
+                        event = await queue.get()
+                    else:
+                        try:
+                            event = await asyncio.wait_for(queue.get(), timeout=0.25)
+                        except TimeoutError:
+                            if await is_disconnected():
+                                return
+                            continue
+                    yield event
+                    if event.finish_reason is not None:
+                        return
+            finally:
+                if seq.finish_reason is None:
+                    seq.cancel()
+                    self.engine.wake()
+
+        return seq, events()
+
+
+def is_failure(event: TokenEvent) -> bool:
+    """Whether the closing event reports an engine-side failure."""
+    return event.finish_reason in (FinishReason.ERROR, FinishReason.CANCELLED)

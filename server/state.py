@@ -1,0 +1,74 @@
+"""Building the serving stack (model, backends, engine, metrics) from settings."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cache_backends import KVBackend, ModelGeometry, get_backend_class
+from server import __version__
+from server.config import Settings
+from server.engine.engine import Engine
+from server.engine.runner import ModelRunner
+from server.engine.scheduler import Scheduler
+from server.metrics import Metrics, Recorder
+from server.model_loading import load_model, resolve_device, resolve_dtype
+from server.service import GenerationService, Limits
+
+log = logging.getLogger("kvserve")
+
+
+@dataclass
+class ServerState:
+    """Everything the routes need; ``service`` is ``None`` until the model is loaded."""
+
+    settings: Settings
+    metrics: Metrics = field(default_factory=Metrics)
+    service: GenerationService | None = None
+    engine: Engine | None = None
+    backends: dict[str, KVBackend] = field(default_factory=dict)
+    model_name: str = ""
+    info: dict = field(default_factory=dict)
+    load_error: str | None = None
+
+    def load(self) -> None:
+        """Load the model and start the engine (runs in a background thread at start-up)."""
+        s = self.settings
+        device = resolve_device(s.device)
+        dtype = resolve_dtype(s.dtype, device)
+        model, tokenizer = load_model(s.model_id, device, dtype)
+        geometry = ModelGeometry.from_config(model.config, dtype)
+        names = [s.kv_backend]
+        self.backends = {name: get_backend_class(name)(geometry) for name in names}
+        for backend in self.backends.values():
+            backend.prepare(model)
+        self.model_name = Path(s.model_id).name if Path(s.model_id).exists() else s.model_id
+        max_input, max_total = s.token_limits(model.config.max_position_embeddings)
+        limits = Limits(max_input, max_total, s.max_stop_sequences)
+        per_token = {n: b.bytes_per_token_per_layer() * geometry.num_layers for n, b in self.backends.items()}
+        eos = model.generation_config.eos_token_id
+        eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [tokenizer.eos_token_id])
+        recorder = Recorder(self.metrics, self.model_name, names)
+        engine = Engine(ModelRunner(model, geometry.num_layers), self.backends, tokenizer, eos_ids,
+                        Scheduler(s.max_batch_size, s.kv_cache_budget_bytes, per_token),
+                        s.max_concurrent_requests, recorder)
+        engine.start()
+        self.engine = engine
+        self.info = {
+            "model_id": self.model_name, "model_path": s.model_id, "model_dtype": str(dtype).removeprefix("torch."),
+            "model_device_type": device.type, "kv_backend": s.kv_backend,
+            "kv_backend_params": {n: b.params() for n, b in self.backends.items()},
+            "kv_bytes_per_token": per_token, "num_layers": geometry.num_layers,
+            "num_attention_heads": geometry.num_attention_heads,
+            "num_key_value_heads": geometry.num_key_value_heads, "head_dim": geometry.head_dim,
+            "max_input_tokens": max_input, "max_total_tokens": max_total,
+            "max_stop_sequences": s.max_stop_sequences, "max_batch_size": s.max_batch_size,
+            "max_concurrent_requests": s.max_concurrent_requests,
+            "kv_cache_budget_bytes": s.kv_cache_budget_bytes, "version": __version__,
+        }
+        self.service = GenerationService(engine, tokenizer, limits, s.kv_backend)
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.stop()

@@ -1,0 +1,86 @@
+"""Shared fixtures: the shipped reference model, a tiny random model, and a real server on a free port."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL_DIR = Path(os.environ.get("KVSERVE_TEST_MODEL", REPO / "models" / "kjv-llama-mha"))
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    return MODEL_DIR
+
+
+@pytest.fixture(scope="session")
+def ref_model():
+    """The shipped reference model and tokenizer (fp32, CPU, eval mode)."""
+    from server.model_loading import load_model
+
+    return load_model(str(MODEL_DIR), torch.device("cpu"), torch.float32)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RunningServer:
+    """A real ``kvserve serve`` process on 127.0.0.1 (stopped by the fixture)."""
+
+    def __init__(self, env: dict[str, str]):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        full_env = {**os.environ, "HOST": "127.0.0.1", "PORT": str(self.port), "MODEL_ID": str(MODEL_DIR),
+                    "LOG_LEVEL": "warning", **env}
+        self.proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve"], env=full_env, cwd=REPO,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.proc.stdout.read()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise RuntimeError("server did not become healthy in 120 s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+    def metrics(self) -> dict[str, float]:
+        """Scrape /metrics into {"name{labels}": value}."""
+        out = {}
+        for line in httpx.get(self.url + "/metrics", timeout=5).text.splitlines():
+            if line and not line.startswith("#"):
+                key, _, value = line.rpartition(" ")
+                out[key] = float(value)
+        return out
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = RunningServer({"MAX_BATCH_SIZE": "8"})
+    yield srv
+    srv.stop()

@@ -1,0 +1,46 @@
+"""Drive an Engine synchronously (no thread, no HTTP) for value tests."""
+
+from __future__ import annotations
+
+import torch
+
+from cache_backends import ModelGeometry, get_backend_class
+from server.engine.engine import Engine
+from server.engine.runner import ModelRunner
+from server.engine.sampling import SamplingParams
+from server.engine.scheduler import Scheduler
+from server.engine.sequence import Sequence
+
+
+def make_engine(model, tokenizer, backend: str = "full", max_batch_size: int = 8, budget=None, **options):
+    geometry = ModelGeometry.from_config(model.config, next(model.parameters()).dtype)
+    be = get_backend_class(backend)(geometry, **options)
+    be.prepare(model)
+    per_token = {backend: be.bytes_per_token_per_layer() * geometry.num_layers}
+    eos = model.generation_config.eos_token_id
+    return Engine(ModelRunner(model, geometry.num_layers), {backend: be}, tokenizer,
+                  set(eos if isinstance(eos, list) else [eos]), Scheduler(max_batch_size, budget, per_token), 1000)
+
+
+def make_seq(tokenizer, prompt: str, max_new_tokens: int, backend: str = "full", params: SamplingParams = None,
+             stop=(), events=None) -> Sequence:
+    events = events if events is not None else []
+    return Sequence(request_id=prompt, prompt_ids=tokenizer.encode(prompt), max_new_tokens=max_new_tokens,
+                    params=params or SamplingParams(), stop=list(stop), emit=events.append, backend_name=backend)
+
+
+def run_all(engine: Engine, seqs: list[Sequence], max_steps: int = 10_000) -> None:
+    for s in seqs:
+        engine.submit(s)
+    for _ in range(max_steps):
+        if not engine.running and not engine.waiting:
+            return
+        engine.step()
+    raise AssertionError("engine did not finish")
+
+
+def reference_greedy(model, tokenizer, prompt: str, max_new_tokens: int) -> list[int]:
+    ids = torch.tensor([tokenizer.encode(prompt)])
+    out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id,
+                         eos_token_id=None)
+    return out[0, ids.shape[1]:].tolist()
