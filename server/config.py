@@ -18,6 +18,14 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = str(REPO_ROOT / "models" / "kjv-llama-mha")
 
 
+# backend name -> {constructor option: settings field}
+BACKEND_OPTIONS = {
+    "gqa": {"groups": "kv_gqa_groups", "method": "kv_gqa_method"},
+    "mla": {"rank": "kv_mla_rank"},
+    "int8": {"group_size": "kv_int8_group_size", "residual": "kv_int8_residual"},
+}
+
+
 class ConfigError(ValueError):
     """A setting is invalid; the message is one line naming the variable and the allowed values."""
 
@@ -40,6 +48,12 @@ class Settings(BaseSettings):
     max_stop_sequences: int = Field(4, ge=0)
     kv_cache_budget_bytes: int | None = Field(None, ge=1)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # backend parameters (see each backend's module docstring)
+    kv_gqa_groups: int | None = Field(None, ge=1, description="gqa: K/V heads kept (default num_kv_heads/4).")
+    kv_gqa_method: Literal["pca", "mean"] = Field("pca", description="gqa: calibrated (pca) or mean pooling.")
+    kv_mla_rank: int | None = Field(None, ge=1, description="mla: latent width per token per layer.")
+    kv_int8_group_size: int = Field(32, ge=1, description="int8: tokens per key quantization group.")
+    kv_int8_residual: int = Field(32, ge=0, description="int8: newest tokens kept in full precision.")
 
     @field_validator("kv_backend")
     @classmethod
@@ -48,7 +62,8 @@ class Settings(BaseSettings):
             raise ValueError(f"unknown backend {v!r}; allowed: {', '.join(available())}")
         return v
 
-    @field_validator("kv_cache_budget_bytes", "max_input_tokens", "max_total_tokens", mode="before")
+    @field_validator("kv_cache_budget_bytes", "max_input_tokens", "max_total_tokens", "kv_gqa_groups", "kv_mla_rank",
+                     mode="before")
     @classmethod
     def _empty_is_none(cls, v):
         return None if v == "" else v
@@ -59,6 +74,11 @@ class Settings(BaseSettings):
             raise ValueError(f"MAX_TOTAL_TOKENS ({self.max_total_tokens}) must be greater than "
                              f"MAX_INPUT_TOKENS ({self.max_input_tokens})")
         return self
+
+    def backend_options(self, name: str) -> dict:
+        """Constructor options of backend ``name`` from its ``KV_<NAME>_*`` variables (unset ones omitted)."""
+        values = {opt: getattr(self, field) for opt, field in BACKEND_OPTIONS.get(name, {}).items()}
+        return {k: v for k, v in values.items() if v is not None}
 
     def token_limits(self, model_max_positions: int) -> tuple[int, int]:
         """``(max_input_tokens, max_total_tokens)`` with unset values derived from the model's context."""

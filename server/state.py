@@ -40,7 +40,7 @@ class ServerState:
         model, tokenizer = load_model(s.model_id, device, dtype)
         geometry = ModelGeometry.from_config(model.config, dtype)
         names = [s.kv_backend]
-        self.backends = {name: get_backend_class(name)(geometry) for name in names}
+        self.backends = {name: get_backend_class(name)(geometry, **s.backend_options(name)) for name in names}
         for backend in self.backends.values():
             backend.prepare(model)
         self.model_name = Path(s.model_id).name if Path(s.model_id).exists() else s.model_id

@@ -70,12 +70,14 @@ class RunningServer:
                 self.proc.kill()
 
     def metrics(self) -> dict[str, float]:
-        """Scrape /metrics into {"name{labels}": value}."""
+        """Scrape /metrics into {'name{k="v",...}' (labels sorted): value}."""
+        from prometheus_client.parser import text_string_to_metric_families
+
         out = {}
-        for line in httpx.get(self.url + "/metrics", timeout=5).text.splitlines():
-            if line and not line.startswith("#"):
-                key, _, value = line.rpartition(" ")
-                out[key] = float(value)
+        for family in text_string_to_metric_families(httpx.get(self.url + "/metrics", timeout=5).text):
+            for sample in family.samples:
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+                out[f"{sample.name}{{{labels}}}"] = sample.value
         return out
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
 from sse_starlette.sse import EventSourceResponse
 
 from server.api.common import get_service
@@ -42,7 +43,7 @@ def _failure(ev: TokenEvent) -> dict | None:
     return None
 
 
-@router.post("/generate", response_model=TGIResponse, response_model_exclude_none=True, responses=ERRORS)
+@router.post("/generate", response_model=TGIResponse, responses=ERRORS)
 async def generate(body: TGIRequest, request: Request):
     """Generate text; with ``"stream": true`` the answer is the same event stream as ``/generate_stream``."""
     if body.stream:
@@ -65,7 +66,8 @@ async def generate(body: TGIRequest, request: Request):
         details = TGIDetails(finish_reason=last.finish_reason.value, generated_tokens=len(seq.output_ids),
                              seed=_reported_seed(seq), prefill=prefill,
                              tokens=[_token(service, ev) for ev in collected if ev.token_id >= 0])
-    return TGIResponse(generated_text=text, details=details)
+    out = TGIResponse(generated_text=text, details=details)
+    return JSONResponse(out.model_dump(exclude={"details"} if details is None else None))
 
 
 @router.post("/generate_stream", response_model=TGIStreamEvent, responses=ERRORS)

@@ -1,0 +1,211 @@
+"""Serving benchmark: kvserve side by side with the peers a user would pick instead.
+
+Two comparisons, in one run, on the same model, prompt and machine:
+
+1. Single-stream decode tokens/s: kvserve (one ``/generate_stream`` request over HTTP, decode rate =
+   (tokens - 1) / (last token time - first token time)) against transformers' ``model.generate()``
+   in-process (decode rate = (N - 1) / (time for N tokens - time for 1 token), greedy, same prompt).
+2. Aggregate streaming tokens/s and TTFT at several concurrencies: kvserve's ``/generate_stream``
+   against ``transformers serve --continuous-batching`` (OpenAI ``/v1/completions`` streaming).
+   Aggregate tokens/s = all tokens received / wall time from the first request sent to the last
+   stream closed. TTFT = request sent → first token received, per stream.
+
+Servers run one at a time on 127.0.0.1 (never both at once), so they do not share the CPU.
+This is a benchmark, not a test: run it with ``python -m bench.serving`` (see ``--help``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPT = "And it came to pass, when the king heard the words of the book of the law, that he"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def running(cmd: list[str], env: dict[str, str], health_url: str, timeout: float = 180):
+    """Start a server process, wait for its health URL, yield, then stop it."""
+    proc = subprocess.Popen(cmd, env={**os.environ, **env}, cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{cmd[0]} exited with {proc.returncode}")
+            try:
+                if httpx.get(health_url, timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.time() > deadline:
+                raise RuntimeError(f"{cmd} not healthy after {timeout} s")
+            time.sleep(0.5)
+        yield
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+async def _stream_kvserve(client: httpx.AsyncClient, url: str, tokens: int) -> dict:
+    body = {"inputs": PROMPT, "parameters": {"max_new_tokens": tokens}}
+    t0 = time.perf_counter()
+    times = []
+    async with client.stream("POST", url + "/generate_stream", json=body) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data:"):
+                times.append(time.perf_counter())
+    return {"start": t0, "times": times}
+
+
+async def _stream_openai(client: httpx.AsyncClient, url: str, model: str, tokens: int) -> dict:
+    body = {"model": model, "prompt": PROMPT, "max_tokens": tokens, "stream": True, "temperature": 0}
+    t0 = time.perf_counter()
+    times = []
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            if any(c.get("text") for c in chunk.get("choices", [])):
+                times.append(time.perf_counter())
+    return {"start": t0, "times": times}
+
+
+def summarize(results: list[dict]) -> dict:
+    start = min(r["start"] for r in results)
+    end = max(r["times"][-1] for r in results if r["times"])
+    tokens = sum(len(r["times"]) for r in results)
+    ttft = [r["times"][0] - r["start"] for r in results if r["times"]]
+    return {"streams": len(results), "tokens": tokens, "wall_s": end - start,
+            "aggregate_tokens_per_s": tokens / (end - start), "ttft_p50_s": statistics.median(ttft),
+            "ttft_max_s": max(ttft)}
+
+
+async def concurrent(fn, n: int) -> dict:
+    async with httpx.AsyncClient(timeout=600) as client:
+        return summarize(await asyncio.gather(*[fn(client) for _ in range(n)]))
+
+
+def decode_rate(times: list[float]) -> float:
+    return (len(times) - 1) / (times[-1] - times[0])
+
+
+def bench_generate(model_dir: str, tokens: int, repeats: int) -> float:
+    """transformers generate(): decode tokens/s (greedy), best of ``repeats``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = tok(PROMPT, return_tensors="pt").input_ids
+
+    def timed(n: int) -> float:
+        t = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                 pad_token_id=tok.eos_token_id)
+        assert out.shape[1] - ids.shape[1] == n
+        return time.perf_counter() - t
+
+    timed(4)  # warm-up
+    best = 0.0
+    for _ in range(repeats):
+        best = max(best, (tokens - 1) / (timed(tokens) - timed(1)))
+    return best
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description="kvserve vs transformers generate() and transformers serve")
+    p.add_argument("--model", default=str(REPO / "models" / "kjv-llama-mha"))
+    p.add_argument("--tokens", type=int, default=64, help="tokens generated per stream")
+    p.add_argument("--concurrency", default="1,4,8,16")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default=str(REPO / "bench" / "results" / "serving.json"))
+    p.add_argument("--skip-transformers-serve", action="store_true")
+    args = p.parse_args()
+    levels = [int(x) for x in args.concurrency.split(",")]
+    torch.set_num_threads(os.cpu_count() or 1)
+    report: dict = {"model": args.model, "tokens": args.tokens, "prompt": PROMPT, "cpu_count": os.cpu_count(),
+                    "torch": torch.__version__}
+
+    report["generate_decode_tokens_per_s"] = bench_generate(args.model, args.tokens, args.repeats)
+    print(f"generate(): {report['generate_decode_tokens_per_s']:.1f} decode tokens/s", flush=True)
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {"MODEL_ID": args.model, "PORT": str(port), "HOST": "127.0.0.1", "LOG_LEVEL": "warning",
+           "MAX_BATCH_SIZE": str(max(levels))}
+    with running([sys.executable, "-m", "server.cli", "serve"], env, url + "/health"):
+        asyncio.run(concurrent(lambda c: _stream_kvserve(c, url, 8), 1))  # warm-up
+        single = [decode_rate(asyncio.run(_single(lambda c: _stream_kvserve(c, url, args.tokens))))
+                  for _ in range(args.repeats)]
+        report["kvserve_decode_tokens_per_s"] = max(single)
+        print(f"kvserve single stream: {max(single):.1f} decode tokens/s", flush=True)
+        report["kvserve"] = {n: asyncio.run(concurrent(lambda c: _stream_kvserve(c, url, args.tokens), n))
+                             for n in levels}
+        print("kvserve:", json.dumps(report["kvserve"]), flush=True)
+
+    if not args.skip_transformers_serve:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        cmd = [str(Path(sys.executable).with_name("transformers")), "serve", "--continuous-batching",
+               "--device", "cpu", "--port", str(port), args.model]
+        with running(cmd, {}, url + "/health"):
+            model = args.model
+            asyncio.run(concurrent(lambda c: _stream_openai(c, url, model, 8), 1))  # warm-up (loads the model)
+            report["transformers_serve"] = {
+                n: asyncio.run(concurrent(lambda c: _stream_openai(c, url, model, args.tokens), n)) for n in levels}
+            print("transformers serve:", json.dumps(report["transformers_serve"]), flush=True)
+
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print(markdown(report))
+
+
+async def _single(fn) -> list[float]:
+    async with httpx.AsyncClient(timeout=600) as client:
+        return (await fn(client))["times"]
+
+
+def markdown(report: dict) -> str:
+    """The README table for a report."""
+    lines = ["| measure | kvserve | peer | ratio |", "|---|---|---|---|"]
+    k, g = report["kvserve_decode_tokens_per_s"], report["generate_decode_tokens_per_s"]
+    lines.append(f"| single-stream decode tokens/s (peer: `generate()`) | {k:.1f} | {g:.1f} | {k / g:.2f}x |")
+    peer = report.get("transformers_serve", {})
+    for n, row in report["kvserve"].items():
+        prow = peer.get(n) or peer.get(str(n))
+        if prow:
+            ratio = row["aggregate_tokens_per_s"] / prow["aggregate_tokens_per_s"]
+            lines.append(f"| {n} streams: aggregate tokens/s (peer: `transformers serve`) | "
+                         f"{row['aggregate_tokens_per_s']:.1f} | {prow['aggregate_tokens_per_s']:.1f} | {ratio:.2f}x |")
+            lines.append(f"| {n} streams: TTFT p50 s | {row['ttft_p50_s']:.3f} | {prow['ttft_p50_s']:.3f} | |")
+        else:
+            lines.append(f"| {n} streams: aggregate tokens/s | {row['aggregate_tokens_per_s']:.1f} | - | |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,211 @@
+"""``gqa``: post-hoc head sharing — keep G shared K/V heads instead of num_key_value_heads.
+
+Method (Ainslie et al., "GQA", arXiv 2305.13245, checkpoint conversion by mean pooling): the
+``num_key_value_heads`` heads are split into G groups of m = num_key_value_heads / G consecutive heads;
+each group stores one shared key head and one shared value head per token; every query head attends to
+its group's shared K/V, rebuilt to its own head when read.
+
+Two ways to make the shared head (``KV_GQA_METHOD``):
+
+* ``mean`` — the paper's conversion: shared = mean of the group's heads; every head reads it back as is.
+* ``pca`` (calibrated, the default) — the shared head is the group's best rank-``head_dim`` summary on
+  the calibration slice, and each head reads back its own reconstruction. Values: the top ``head_dim``
+  principal directions of the group's concatenated values (m·head_dim wide). Keys: the same, but in the
+  RoPE-compatible family — for each rotary frequency pair the m heads' pairs are treated as complex
+  numbers and summarised by their top complex principal component, a per-head complex scale
+  (rotation + gain) that commutes with RoPE, so keys can be compressed *after* RoPE. Mean pooling is
+  the special case with equal weights, so ``pca`` is never worse in reconstruction error.
+
+Storage per sequence and layer: shared keys and values of shape (1, G, seq_len, head_dim) in the
+model's dtype. Bytes per token per layer: ``2 * G * head_dim * dtype_bytes``. The encode/decode
+matrices are per-model constants (like weights), not per-token storage. With G = num_key_value_heads
+both methods are lossless (identity check).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cache_backends.base import KVBackend, KVLayer, KVStore, ModelGeometry, tensor_bytes
+from cache_backends.estimate import gqa_bytes_per_token_per_layer
+
+METHODS = ("pca", "mean")
+
+
+class GroupCodec:
+    """Per-layer encode/decode matrices for the K (or V) heads of every group.
+
+    Args:
+        encode: (G, m * head_dim, head_dim) — a group's concatenated heads → its shared head.
+        decode: (G, head_dim, m * head_dim) — a shared head → the group's heads.
+    """
+
+    def __init__(self, encode: torch.Tensor, decode: torch.Tensor):
+        self.encode_m = encode
+        self.decode_m = decode
+        self.groups = encode.shape[0]
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """(batch, heads, seq, head_dim) → (batch, G, seq, head_dim)."""
+        b, h, t, d = x.shape
+        grouped = x.reshape(b, self.groups, h // self.groups, t, d).permute(0, 1, 3, 2, 4)
+        grouped = grouped.reshape(b, self.groups, t, h // self.groups * d)  # (batch, G, seq, m * head_dim)
+        return grouped @ self.encode_m.to(x.dtype)
+
+    def decode(self, s: torch.Tensor) -> torch.Tensor:
+        """(batch, G, seq, head_dim) → (batch, heads, seq, head_dim)."""
+        b, g, t, d = s.shape
+        heads = s @ self.decode_m.to(s.dtype)  # (batch, G, seq, m * head_dim)
+        m = self.decode_m.shape[-1] // d
+        return heads.reshape(b, g, t, m, d).permute(0, 1, 3, 2, 4).reshape(b, g * m, t, d)
+
+
+def mean_codec(groups: int, per_group: int, head_dim: int) -> GroupCodec:
+    eye = torch.eye(head_dim)
+    enc = torch.cat([eye / per_group] * per_group, dim=0)  # (m * head_dim, head_dim)
+    dec = torch.cat([eye] * per_group, dim=1)  # (head_dim, m * head_dim)
+    return GroupCodec(enc.expand(groups, -1, -1).clone(), dec.expand(groups, -1, -1).clone())
+
+
+def pca_value_codec(values: torch.Tensor, groups: int) -> GroupCodec:
+    """Top-``head_dim`` principal directions of each group's concatenated values.
+
+    Args:
+        values: (tokens, heads, head_dim) calibration values.
+    """
+    n, h, d = values.shape
+    m = h // groups
+    enc, dec = [], []
+    for g in range(groups):
+        x = values[:, g * m : (g + 1) * m].reshape(n, m * d).double()
+        _, vecs = torch.linalg.eigh(x.T @ x)  # ascending eigenvalues
+        basis = vecs[:, -d:].flip(-1).float()  # (m * head_dim, head_dim), orthonormal columns
+        enc.append(basis)
+        dec.append(basis.T)
+    return GroupCodec(torch.stack(enc), torch.stack(dec))
+
+
+def pca_key_codec(keys: torch.Tensor, groups: int) -> GroupCodec:
+    """RoPE-commuting summary of each group's keys: one complex weight per head and frequency pair.
+
+    For frequency pair i (channels i and i + head_dim/2), the group's m pairs form z ∈ C^m; the shared
+    pair is s = u^H z with u the top eigenvector of E[z z^H], and head j reads back u_j s. RoPE
+    multiplies every z_j by the same phase, so E[z z^H] is the same before and after RoPE.
+
+    Args:
+        keys: (tokens, heads, head_dim) calibration keys (before or after RoPE).
+    """
+    n, h, d = keys.shape
+    m, half = h // groups, d // 2
+    z = torch.complex(keys[..., :half].double(), keys[..., half:].double())  # (tokens, heads, half)
+    enc = torch.zeros(groups, m * d, d)
+    dec = torch.zeros(groups, d, m * d)
+    for g in range(groups):
+        zg = z[:, g * m : (g + 1) * m]  # (tokens, m, half)
+        cov = torch.einsum("tji,tki->ijk", zg, zg.conj())  # (half, m, m) Hermitian
+        _, vecs = torch.linalg.eigh(cov)
+        u = vecs[..., -1]  # (half, m): top eigenvector per frequency pair
+        for j in range(m):
+            a, b = u[:, j].real.float(), u[:, j].imag.float()  # u_j = a + ib, per pair
+            rows = slice(j * d, (j + 1) * d)
+            idx = torch.arange(half)
+            # With row = input channel, column = output channel (y = x @ M):
+            #   s1 = a x1 + b x2,  s2 = -b x1 + a x2   (conj(u) * z)
+            enc_blk = torch.zeros(d, d)
+            enc_blk[idx, idx] = a
+            enc_blk[idx + half, idx] = b
+            enc_blk[idx, idx + half] = -b
+            enc_blk[idx + half, idx + half] = a
+            enc[g, rows, :] = enc_blk
+            #   z_j = u_j * s:  x1 = a s1 - b s2,  x2 = b s1 + a s2
+            dec_blk = torch.zeros(d, d)
+            dec_blk[idx, idx] = a
+            dec_blk[idx + half, idx] = -b
+            dec_blk[idx, idx + half] = b
+            dec_blk[idx + half, idx + half] = a
+            dec[g, :, rows] = dec_blk
+    return GroupCodec(enc, dec)
+
+
+class GQALayer(KVLayer):
+    """One layer's shared K/V heads: keys and values of shape (1, G, seq_len, head_dim)."""
+
+    def __init__(self, key_codec: GroupCodec, value_codec: GroupCodec):
+        super().__init__()
+        self.key_codec = key_codec
+        self.value_codec = value_codec
+        self.length = 0
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.keys = self.key_codec.encode(key_states[..., :0, :])
+        self.values = self.value_codec.encode(value_states[..., :0, :])
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Store the new tokens' shared heads; return every head's K/V rebuilt, (1, heads, seq_len, head_dim)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys = torch.cat([self.keys, self.key_codec.encode(key_states)], dim=-2)
+        self.values = torch.cat([self.values, self.value_codec.encode(value_states)], dim=-2)
+        self.length += key_states.shape[-2]
+        return self.key_codec.decode(self.keys), self.value_codec.decode(self.values)
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def reset(self) -> None:
+        self.keys = self.values = None
+        self.is_initialized = False
+        self.length = 0
+
+    def nbytes(self) -> int:
+        return tensor_bytes(self.keys, self.values)
+
+
+class GQABackend(KVBackend):
+    """Post-hoc grouped-query KV cache.
+
+    Args:
+        geometry: the model's attention shape.
+        groups: shared K/V heads kept per layer (``KV_GQA_GROUPS``); must divide num_key_value_heads.
+            Default num_key_value_heads // 4 (at least 1).
+        method: ``pca`` (calibrated) or ``mean`` (``KV_GQA_METHOD``).
+
+    Raises:
+        ValueError: if ``groups`` does not divide num_key_value_heads or ``method`` is unknown.
+    """
+
+    name = "gqa"
+
+    def __init__(self, geometry: ModelGeometry, groups: int | None = None, method: str = "pca"):
+        groups = groups or max(1, geometry.num_key_value_heads // 4)
+        if groups < 1 or geometry.num_key_value_heads % groups:
+            raise ValueError(f"KV_GQA_GROUPS={groups} must divide num_key_value_heads="
+                             f"{geometry.num_key_value_heads}")
+        if method not in METHODS:
+            raise ValueError(f"KV_GQA_METHOD={method!r}; allowed: {', '.join(METHODS)}")
+        super().__init__(geometry, groups=groups, method=method)
+        self.groups, self.method = groups, method
+        m = geometry.num_key_value_heads // groups
+        codec = mean_codec(groups, m, geometry.head_dim)
+        self.codecs = [(codec, codec)] * geometry.num_layers
+
+    def prepare(self, model, calibration_ids: list[int] | None = None) -> None:
+        """Fit the ``pca`` codecs on the calibration slice (no-op for ``mean``)."""
+        from cache_backends.calibration import calibration_ids as calib_ids
+        from cache_backends.calibration import collect_kv
+
+        device = next(model.parameters()).device
+        if self.method == "pca":
+            ids = calibration_ids if calibration_ids is not None else calib_ids(model)
+            kv = collect_kv(model, self.geometry, ids, desc="gqa calibration")
+            self.codecs = [(pca_key_codec(k, self.groups), pca_value_codec(v, self.groups)) for k, v in kv]
+        for kc, vc in self.codecs:
+            for c in (kc, vc):
+                c.encode_m, c.decode_m = c.encode_m.to(device), c.decode_m.to(device)
+
+    def new_store(self) -> KVStore:
+        return KVStore([GQALayer(k, v) for k, v in self.codecs])
+
+    def bytes_per_token_per_layer(self) -> float:
+        return gqa_bytes_per_token_per_layer(self.groups, self.geometry.head_dim, self.geometry.dtype_bytes)

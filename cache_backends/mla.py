@@ -1,0 +1,149 @@
+"""``mla``: a low-rank latent KV cache.
+
+Post-hoc on an MHA/GQA model (Palu, arXiv 2407.21118; MHA2MLA, arXiv 2502.14837): per layer, the keys
+*before* RoPE and the values of a token are concatenated, x = [K_pre ; V] (2 * H * d wide, H =
+num_key_value_heads, d = head_dim), and projected onto a rank-r basis P fitted on the calibration
+slice (principal components of x around its mean mu): the cache stores only the latent
+c = (x - mu) P, r values per token. When a layer attends, K_pre and V are rebuilt as c P^T + mu and RoPE
+is applied to K at each cached token's own position. Keys arrive from the model after RoPE; the layer
+undoes RoPE exactly (a rotation) before projecting. At r = 2 * H * d the rebuild is exact.
+
+Storage per sequence and layer: ``latent`` of shape (1, seq_len, r) in the model's dtype.
+Bytes per token per layer: ``r * dtype_bytes``. P (2Hd x r) and mu are per-model constants.
+
+Native MLA models (DeepSeek-V2, arXiv 2405.04434) are served by
+:mod:`cache_backends.mla_native` (the model's own latent and rope key).
+"""
+
+from __future__ import annotations
+
+import torch
+from tqdm import tqdm
+
+from cache_backends.base import KVBackend, KVLayer, KVStore, ModelGeometry, tensor_bytes
+from cache_backends.estimate import mla_bytes_per_token_per_layer
+from cache_backends.rope import RopeTable
+
+
+class LatentBasis:
+    """One layer's projection: ``basis`` (2*H*d, r) with orthonormal columns, ``mean`` (2*H*d,)."""
+
+    def __init__(self, basis: torch.Tensor, mean: torch.Tensor):
+        self.basis = basis
+        self.mean = mean
+
+    @classmethod
+    def fit(cls, keys: torch.Tensor, values: torch.Tensor, rank: int) -> "LatentBasis":
+        """Principal components of [K_pre ; V].
+
+        Args:
+            keys: (tokens, H, d) pre-RoPE calibration keys.
+            values: (tokens, H, d) calibration values.
+            rank: latent width r (<= 2 * H * d).
+        """
+        x = torch.cat([keys.flatten(1), values.flatten(1)], dim=1).double()  # (tokens, 2Hd)
+        mean = x.mean(0)
+        xc = x - mean
+        _, vecs = torch.linalg.eigh(xc.T @ xc)
+        basis = vecs[:, -rank:].flip(-1)  # (2Hd, r), strongest first
+        return cls(basis.float(), mean.float())
+
+
+class MLALayer(KVLayer):
+    """One layer's latent cache, ``latent`` of shape (1, seq_len, rank)."""
+
+    def __init__(self, basis: LatentBasis, rope: RopeTable, heads: int, head_dim: int):
+        super().__init__()
+        self.p = basis
+        self.rope = rope
+        self.heads, self.head_dim = heads, head_dim
+        self.latent: torch.Tensor | None = None
+        self.length = 0
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.latent = key_states.new_zeros(key_states.shape[0], 0, self.p.basis.shape[1])
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Store the new tokens' latents; return keys (RoPE re-applied) and values rebuilt from all latents.
+
+        Args:
+            key_states: (1, H, new, d) after RoPE, at positions ``seq_len .. seq_len + new - 1``.
+            value_states: (1, H, new, d).
+
+        Returns:
+            keys, values of shape (1, H, seq_len + new, d).
+        """
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        b, h, n, d = key_states.shape
+        k_pre = self.rope.invert(key_states, self.length)  # (b, H, n, d)
+        x = torch.cat([k_pre.transpose(1, 2).reshape(b, n, h * d), value_states.transpose(1, 2).reshape(b, n, h * d)],
+                      dim=-1)  # (b, n, 2Hd)
+        basis, mean = self.p.basis.to(x.dtype), self.p.mean.to(x.dtype)
+        self.latent = torch.cat([self.latent, (x - mean) @ basis], dim=1)  # (b, T, r)
+        self.length += n
+        t = self.length
+        rebuilt = self.latent @ basis.T + mean  # (b, T, 2Hd), transient
+        keys = rebuilt[..., : h * d].reshape(b, t, h, d).transpose(1, 2)
+        values = rebuilt[..., h * d :].reshape(b, t, h, d).transpose(1, 2)
+        return self.rope.apply(keys, 0), values
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def reset(self) -> None:
+        self.latent = None
+        self.is_initialized = False
+        self.length = 0
+
+    def nbytes(self) -> int:
+        return tensor_bytes(self.latent)
+
+
+class MLABackend(KVBackend):
+    """Post-hoc joint K/V latent (calibrated PCA).
+
+    Args:
+        geometry: the model's attention shape.
+        rank: latent width per token per layer (``KV_MLA_RANK``); default ``2 * H * d / 8``
+            (8x smaller than ``full``); at most ``2 * H * d``.
+
+    Raises:
+        ValueError: if ``rank`` is outside 1 .. 2 * num_key_value_heads * head_dim.
+    """
+
+    name = "mla"
+
+    def __init__(self, geometry: ModelGeometry, rank: int | None = None):
+        width = 2 * geometry.num_key_value_heads * geometry.head_dim
+        rank = rank or max(1, width // 8)
+        if not 1 <= rank <= width:
+            raise ValueError(f"KV_MLA_RANK={rank} must be between 1 and 2*num_key_value_heads*head_dim={width}")
+        super().__init__(geometry, rank=rank)
+        self.rank = rank
+        self.bases: list[LatentBasis] | None = None
+        self.rope: RopeTable | None = None
+
+    def prepare(self, model, calibration_ids: list[int] | None = None) -> None:
+        """Fit one basis per layer on the calibration slice (a progress bar shows it)."""
+        from cache_backends.calibration import calibration_ids as calib_ids
+        from cache_backends.calibration import collect_kv
+
+        ids = calibration_ids if calibration_ids is not None else calib_ids(model)
+        kv = collect_kv(model, self.geometry, ids, desc="mla calibration")
+        device = next(model.parameters()).device
+        self.bases = []
+        for k, v in tqdm(kv, desc="mla bases", leave=False):
+            b = LatentBasis.fit(k, v, self.rank)
+            self.bases.append(LatentBasis(b.basis.to(device), b.mean.to(device)))
+        self.rope = RopeTable(model, model.config.max_position_embeddings)
+
+    def new_store(self) -> KVStore:
+        if self.bases is None:
+            raise RuntimeError("mla backend used before prepare(model)")
+        g = self.geometry
+        return KVStore([MLALayer(b, self.rope, g.num_key_value_heads, g.head_dim) for b in self.bases])
+
+    def bytes_per_token_per_layer(self) -> float:
+        return mla_bytes_per_token_per_layer(self.rank, 0, self.geometry.dtype_bytes)

@@ -1,0 +1,50 @@
+"""Rotary position embedding (RoPE, Su et al., arXiv 2104.09864) helpers for backends that cache keys
+before RoPE (``mla``) and re-apply it when attending.
+
+Layout follows transformers' Llama: channel i pairs with channel i + head_dim/2 ("rotate_half").
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RopeTable:
+    """cos/sin of every position up to ``max_positions``, taken from the model's own rotary module.
+
+    Args:
+        model: a transformers causal LM whose ``model.rotary_emb`` computes ``(cos, sin)``.
+        max_positions: positions to precompute (the model's ``max_position_embeddings``).
+
+    Raises:
+        ValueError: if the model has no ``model.rotary_emb``.
+    """
+
+    def __init__(self, model, max_positions: int):
+        rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
+        if rotary is None:
+            raise ValueError("model has no model.rotary_emb: this backend needs a RoPE model")
+        p = next(model.parameters())
+        positions = torch.arange(max_positions, device=p.device).unsqueeze(0)
+        with torch.no_grad():
+            cos, sin = rotary(torch.zeros(1, device=p.device, dtype=torch.float32), positions)
+        self.cos = cos[0].to(p.dtype)  # (max_positions, head_dim)
+        self.sin = sin[0].to(p.dtype)
+        self.norm = (self.cos.float() ** 2 + self.sin.float() ** 2).to(p.dtype)  # attention_scaling², 1.0 by default
+
+    def apply(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """Rotate ``x`` (..., seq_len, head_dim) as positions ``start .. start + seq_len - 1``."""
+        n = x.shape[-2]
+        cos, sin = self.cos[start : start + n], self.sin[start : start + n]
+        return x * cos + rotate_half(x) * sin
+
+    def invert(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """Undo :meth:`apply` exactly (rotation by the opposite angle)."""
+        n = x.shape[-2]
+        cos, sin, norm = self.cos[start : start + n], self.sin[start : start + n], self.norm[start : start + n]
+        return (x * cos - rotate_half(x) * sin) / norm

@@ -1,0 +1,120 @@
+"""Every backend: identity at its lossless setting, bytes = sum of tensors = closed formula, no shadow copy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cache_backends import ModelGeometry, get_backend_class
+from server.engine.runner import ModelRunner
+
+TEXT = ("And God said, Let there be light: and there was light. And God saw the light, that it was good: "
+        "and God divided the light from the darkness.")
+
+
+@pytest.fixture(scope="module")
+def geometry(ref_model):
+    model, _ = ref_model
+    return ModelGeometry.from_config(model.config, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def calib(ref_model):
+    from cache_backends.calibration import calibration_ids
+
+    return calibration_ids(ref_model[0], ref_model[1], max_tokens=4096)
+
+
+def make(name, model, geometry, calib, **options):
+    backend = get_backend_class(name)(geometry, **options)
+    backend.prepare(model, calib)
+    return backend
+
+
+def cache_path_logits(model, backend, ids, prefix):
+    """Logits of positions prefix-1 .. len-1: prefill ``prefix`` tokens, then decode the rest one by one."""
+    runner = ModelRunner(model, backend.geometry.num_layers)
+    store = backend.new_store()
+    out = [runner.prefill(ids[:prefix], store)[-1]]
+    for t in ids[prefix:]:
+        out.append(runner.decode([t], [store])[0])
+    return torch.stack(out), store
+
+
+LOSSLESS = [("gqa", {"groups": 8, "method": "mean"}), ("gqa", {"groups": 8, "method": "pca"}),
+            ("mla", {"rank": 512})]
+
+
+@pytest.mark.parametrize("name,options", LOSSLESS, ids=lambda x: str(x))
+def test_lossless_setting_matches_full(ref_model, geometry, calib, name, options):
+    model, tok = ref_model
+    ids = tok.encode(TEXT)
+    full, _ = cache_path_logits(model, make("full", model, geometry, calib), ids, 8)
+    ours, _ = cache_path_logits(model, make(name, model, geometry, calib, **options), ids, 8)
+    assert (ours - full).abs().max().item() < 1e-3
+
+
+ALL = [("full", {}), ("gqa", {"groups": 2, "method": "mean"}), ("gqa", {"groups": 2, "method": "pca"}),
+       ("mla", {"rank": 64}), ("int8", {"group_size": 32, "residual": 32}), ("int8", {"group_size": 64, "residual": 0})]
+
+
+@pytest.mark.parametrize("name,options", ALL, ids=lambda x: str(x))
+def test_bytes_are_the_tensors_and_match_the_formula_at_1024(ref_model, geometry, calib, name, options):
+    model, _ = ref_model
+    backend = make(name, model, geometry, calib, **options)
+    runner = ModelRunner(model, geometry.num_layers)
+    store = backend.new_store()
+    runner.prefill(calib[:1000], store)
+    for t in calib[1000:1024]:
+        runner.decode([t], [store])
+    assert store.num_tokens() == 1024
+    held = 0
+    for layer in store.layers:
+        for value in vars(layer).values():
+            if isinstance(value, torch.Tensor):
+                held += value.nelement() * value.element_size()
+                # no full-precision shadow: no tensor in a compressed store spans every token at full width
+                if name != "full" and value.dtype == torch.float32 and value.dim() == 4:
+                    assert value.shape[1] * value.shape[-1] * value.shape[-2] < 8 * 32 * 1024
+    assert store.nbytes() == held
+    formula = backend.bytes_per_token_per_layer() * 1024 * geometry.num_layers
+    assert abs(store.nbytes() - formula) / formula < 0.05
+    store.release()
+    assert store.nbytes() == 0
+
+
+def test_int8_stores_int8_and_is_under_0_55x_of_full(ref_model, geometry, calib):
+    model, _ = ref_model
+    full = make("full", model, geometry, calib)
+    int8 = make("int8", model, geometry, calib)
+    sizes = {}
+    for b in (full, int8):
+        store = b.new_store()
+        ModelRunner(model, geometry.num_layers).prefill(calib[:1024], store)
+        sizes[b.name] = store.nbytes()
+        if b is int8:
+            assert all(layer.key_q.dtype == torch.int8 and layer.value_q.dtype == torch.int8 for layer in store.layers)
+    assert sizes["int8"] <= 0.55 * sizes["full"]
+
+
+def test_gqa_pca_reconstructs_better_than_mean(ref_model, geometry, calib):
+    """At the same cache size the calibrated shared head rebuilds K/V with less error than mean pooling."""
+    from cache_backends.calibration import collect_kv
+    from cache_backends.gqa import mean_codec, pca_key_codec, pca_value_codec
+
+    model, _ = ref_model
+    k, v = collect_kv(model, geometry, calib[:2048])[4]
+    x_k, x_v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # (1, H, T, d)
+    mean = mean_codec(2, 4, geometry.head_dim)
+    err = lambda codec, x: ((codec.decode(codec.encode(x)) - x) ** 2).mean().item()  # noqa: E731
+    assert err(pca_key_codec(k, 2), x_k) < err(mean, x_k)
+    assert err(pca_value_codec(v, 2), x_v) < err(mean, x_v)
+
+
+def test_bad_backend_parameters_are_refused(geometry):
+    with pytest.raises(ValueError, match="KV_GQA_GROUPS"):
+        get_backend_class("gqa")(geometry, groups=3)
+    with pytest.raises(ValueError, match="KV_MLA_RANK"):
+        get_backend_class("mla")(geometry, rank=10_000)
+    with pytest.raises(ValueError, match="KV_INT8_GROUP_SIZE"):
+        get_backend_class("int8")(geometry, group_size=0)
