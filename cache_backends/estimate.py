@@ -5,6 +5,8 @@ Every backend's closed-form check and ``kvserve estimate`` use these functions. 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 
 def full_bytes_per_token_per_layer(num_key_value_heads: int, head_dim: int, dtype_bytes: int) -> int:
     """Exact K and V: ``2 * num_key_value_heads * head_dim * dtype_bytes``."""
@@ -43,3 +45,102 @@ def int8_bytes_per_token_per_layer(num_key_value_heads: int, head_dim: int, dtyp
     value_bytes = q_tokens * hd + q_tokens * num_key_value_heads * 2 * dtype_bytes
     fp_bytes = fp_tokens * 2 * hd * dtype_bytes
     return (key_bytes + value_bytes + fp_bytes) / max(seq_len, 1)
+
+
+# ---- the estimator behind `kvserve estimate` -------------------------------------------------------
+
+DTYPE_BYTES = {"fp32": 4, "float32": 4, "fp16": 2, "float16": 2, "bf16": 2, "bfloat16": 2, "fp8": 1, "int8": 1}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the sums need from a model config (no weights).
+
+    Attributes:
+        num_layers: decoder layers.
+        num_key_value_heads: K/V heads.
+        k_head_dim: key channels per head (nope + rope on DeepSeek-style models).
+        v_head_dim: value channels per head.
+        kv_lora_rank: the native latent width (DeepSeek-V2/V3), else ``None``.
+        rope_dim: the decoupled rope key width of native MLA, else 0.
+    """
+
+    num_layers: int
+    num_key_value_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    kv_lora_rank: int | None = None
+    rope_dim: int = 0
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> "Shape":
+        heads = cfg["num_attention_heads"]
+        kv_heads = cfg.get("num_key_value_heads") or heads
+        if cfg.get("kv_lora_rank"):
+            rope = cfg.get("qk_rope_head_dim", 64)
+            return cls(cfg["num_hidden_layers"], heads, cfg.get("qk_nope_head_dim", 128) + rope,
+                       cfg.get("v_head_dim", 128), cfg["kv_lora_rank"], rope)
+        d = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        return cls(cfg["num_hidden_layers"], kv_heads, d, d)
+
+
+PRESETS: dict[str, Shape] = {
+    "llama-2-7b": Shape(num_layers=32, num_key_value_heads=32, k_head_dim=128, v_head_dim=128),
+    "llama-3-8b": Shape(num_layers=32, num_key_value_heads=8, k_head_dim=128, v_head_dim=128),
+    "deepseek-v3": Shape(num_layers=61, num_key_value_heads=128, k_head_dim=192, v_head_dim=128,
+                         kv_lora_rank=512, rope_dim=64),
+}
+
+
+def bytes_per_token_per_layer(shape: Shape, backend: str, params: dict, dtype_bytes: int, seq_len: int) -> float:
+    """Closed-form bytes one token costs in one layer for a backend spec.
+
+    Args:
+        shape: the model's attention shape.
+        backend: ``full``, ``gqa``, ``mla``, ``int8`` or ``dca``.
+        params: the spec's options (``gqa``: groups; ``mla``: rank, rope_dim; ``int8``: group_size,
+            residual; ``dca``: reuse_fraction and optional inner backend options).
+        dtype_bytes: bytes per element (2 for fp16).
+        seq_len: context length (matters for int8's residual window).
+
+    Raises:
+        ValueError: for an unknown backend or a parameter the shape cannot take.
+    """
+    h, dk, dv = shape.num_key_value_heads, shape.k_head_dim, shape.v_head_dim
+    if backend == "full":
+        return h * (dk + dv) * dtype_bytes
+    if backend == "gqa":
+        groups = params.get("groups", max(1, h // 4))
+        if h % groups:
+            raise ValueError(f"gqa groups={groups} must divide num_key_value_heads={h}")
+        return groups * (dk + dv) * dtype_bytes
+    if backend == "mla":
+        rank = params.get("rank", shape.kv_lora_rank or (h * (dk + dv)) // 8)
+        rope = params.get("rope_dim", shape.rope_dim if shape.kv_lora_rank else 0)
+        return mla_bytes_per_token_per_layer(rank, rope, dtype_bytes)
+    if backend == "int8":
+        g, r = params.get("group_size", 32), params.get("residual", 32)
+        if dk != dv:
+            raise ValueError("int8 sums assume k_head_dim == v_head_dim")
+        return int8_bytes_per_token_per_layer(h, dk, dtype_bytes, g, r, seq_len)
+    if backend == "dca":
+        f = params.get("reuse_fraction", 0.5)
+        if not 0 <= f < 1:
+            raise ValueError(f"dca reuse_fraction={f} must be in [0, 1)")
+        inner = params.get("inner", "full")
+        rest = {k: v for k, v in params.items() if k not in ("reuse_fraction", "inner")}
+        return (1 - f) * bytes_per_token_per_layer(shape, inner, rest, dtype_bytes, seq_len)
+    raise ValueError(f"unknown backend {backend!r}; allowed: full, gqa, mla, int8, dca")
+
+
+def estimate_rows(shape: Shape, specs: list[tuple[str, dict]], seq_lens: list[int], batches: list[int],
+                  dtype_bytes: int) -> list[dict]:
+    """One row per (spec, seq_len, batch): bytes per token per layer and total bytes (all layers, batch)."""
+    rows = []
+    for backend, params in specs:
+        for t in seq_lens:
+            per = bytes_per_token_per_layer(shape, backend, params, dtype_bytes, t)
+            for b in batches:
+                rows.append({"backend": backend, "params": params, "seq_len": t, "batch": b,
+                             "bytes_per_token_per_layer": per, "total_bytes": per * t * shape.num_layers * b})
+    return rows

@@ -111,6 +111,58 @@ def greedy_sample(model, tokenizer, prompt: str, new_tokens: int = 40) -> str:
     return tokenizer.decode(out[0], skip_special_tokens=True)
 
 
+def write_model_card(out: Path, summary: dict, config) -> None:
+    """Write MODEL_CARD.md from the training summary (every figure comes from this run)."""
+    samples = "\n".join(f"- **{p}** → {t!r}" for p, t in summary["samples"].items())
+    log = "\n".join(f"| {r['step']} | {r['train_loss']} | {r['heldout_ppl']} | {r['minutes']} |" for r in summary["log"])
+    card = f"""# kjv-llama-mha — kvserve's reference model
+
+A small Llama (multi-head attention, RoPE) trained from scratch on the King James Bible, so that every
+KV backend has a model with learned attention to compress. Trained on a 2-core CPU by:
+
+```
+{summary["command"]}
+```
+
+## Data
+- Source: Debian package `bible-kjv` (public domain), `bible -f "Gen1:1-Rev22:21"`, verse references
+  stripped; a chapter is its verses joined by newlines, followed by `<|endoftext|>`.
+- Split by whole chapters: chapter *i* (0-based, canonical order) is held out when `i % 20 == 10`
+  ({summary["heldout_chapters"]} held-out chapters, {summary["train_chapters"]} train chapters,
+  {summary["train_tokens"]:,} train tokens).
+- `eval_slice.txt`: the first held-out chapters, {summary["eval_slice_tokens"]:,} tokens.
+  `calib_slice.txt`: every 7th train chapter from the 2nd, about {summary["calib_slice_tokens"]:,} tokens.
+  Chapters are separated by a blank line; `bench.quality.slice_token_ids` turns a slice into tokens.
+- `corpus_words.txt`: every distinct word of the corpus (for the sample test).
+
+## Architecture
+`LlamaForCausalLM`: {config.num_hidden_layers} layers, hidden size {config.hidden_size}, {config.num_attention_heads}
+attention heads, num_key_value_heads {config.num_key_value_heads} (MHA), head_dim {config.head_dim}, MLP
+{config.intermediate_size}, RoPE theta {config.rope_theta if hasattr(config, "rope_theta") else 10000},
+max_position_embeddings {config.max_position_embeddings}, tied embeddings,
+vocabulary {config.vocab_size} (byte-level BPE trained with `tokenizers`, end-of-text `<|endoftext|>`).
+Parameters: {summary["parameters"]:,}.
+
+## Training
+AdamW (betas 0.9/0.95, weight decay 0.1 on matrices), linear warm-up then cosine decay to 10%, gradient
+clipping 1.0, seed 0, random 1024-token windows of the train stream.
+Steps {summary["steps"]}, tokens seen {summary["tokens_seen"]:,}, wall time {summary["wall_time_minutes"]} minutes
+(torch {summary["torch"]}, 2 CPU threads).
+
+| step | train loss (EMA) | held-out perplexity | minutes |
+|---|---|---|---|
+{log}
+
+**Final train loss: {summary["final_train_loss"]}. Held-out perplexity: {summary["heldout_perplexity"]}**
+(teacher-forced, non-overlapping {summary["eval_window"]}-token windows over `eval_slice.txt`, fp32;
+`bench.quality.teacher_forced_perplexity`; reproduced by `tests/test_reference_model.py`).
+
+## Greedy samples (40 new tokens)
+{samples}
+"""
+    (out / "MODEL_CARD.md").write_text(card)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="models/kjv-llama-mha")
@@ -206,6 +258,7 @@ def main() -> None:
         "torch": torch.__version__,
     }
     (out / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_model_card(out, summary, config)
     print(json.dumps({k: v for k, v in summary.items() if k != "log"}, indent=2))
 
 

@@ -50,11 +50,28 @@ def serve(_: argparse.Namespace) -> int:
     return 0
 
 
+def bench(args: argparse.Namespace) -> int:
+    from bench.report import main as bench_main
+
+    return bench_main(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvserve", description="LLM inference server with pluggable KV caches.")
     sub = parser.add_subparsers(dest="command", required=True)
     p_serve = sub.add_parser("serve", help="serve the model over HTTP (configured by environment variables)")
     p_serve.set_defaults(func=serve)
+    p_est = sub.add_parser("estimate", help="KV-cache size from a model config (no weights)")
+    from server.estimate_cli import add_arguments as estimate_arguments
+    from server.estimate_cli import main as estimate_main
+
+    estimate_arguments(p_est)
+    p_est.set_defaults(func=estimate_main)
+    p_bench = sub.add_parser("bench", help="measure every KV backend on the model: report.md, plots, JSON")
+    from bench.report import add_arguments
+
+    add_arguments(p_bench)
+    p_bench.set_defaults(func=bench)
     args = parser.parse_args(argv)
     return args.func(args)
 

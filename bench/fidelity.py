@@ -1,0 +1,98 @@
+"""Fidelity and speed of a KV backend, measured through its own cache path.
+
+* Held-out perplexity: the evaluation slice is cut into windows of ``window`` tokens; the first
+  ``prefix`` tokens of every window are prefilled into the backend's store, then every later token is
+  scored from the logits of the decode step that precedes it (teacher forcing through decode, all
+  windows in one batched decode per step). Perplexity = exp(mean negative log-likelihood) over the
+  scored tokens (``window - prefix`` per window).
+* Greedy agreement with ``full``: greedy continuations of ``new_tokens`` tokens after each prompt;
+  the fraction of positions where the backend's token equals ``full``'s.
+* Bytes per token: the store's own count after ``context`` tokens, divided by ``context``.
+* TPOT at a context length: mean wall time of one single-sequence decode step after prefilling
+  ``context - steps`` tokens, over ``steps`` steps (seconds).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from server.engine.runner import ModelRunner
+
+
+def _runner(model, backend) -> ModelRunner:
+    return ModelRunner(model, backend.geometry.num_layers)
+
+
+@torch.inference_mode()
+def cache_path_perplexity(model, backend, token_ids: list[int], window: int = 1024, prefix: int = 512,
+                          max_windows: int | None = None) -> float:
+    """Perplexity of the tokens after ``prefix`` in each ``window``-token window, scored through decode."""
+    runner = _runner(model, backend)
+    windows = [token_ids[s : s + window] for s in range(0, len(token_ids) - window + 1, window)]
+    windows = windows[:max_windows] if max_windows else windows
+    stores = [backend.new_store() for _ in windows]
+    nll, count = 0.0, 0
+    logits = torch.stack([runner.prefill(w[:prefix], s)[-1] for w, s in zip(windows, stores)])  # (n, vocab)
+    for pos in range(prefix, window):
+        targets = torch.tensor([w[pos] for w in windows], device=logits.device)
+        nll += torch.nn.functional.cross_entropy(logits.float(), targets, reduction="sum").item()
+        count += len(windows)
+        if pos + 1 < window:
+            logits = runner.decode([w[pos] for w in windows], stores)
+    for s in stores:
+        s.release()
+    return math.exp(nll / count)
+
+
+@torch.inference_mode()
+def greedy_tokens(model, backend, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """Greedy continuations (token ids) of every prompt, decoded as one batch through ``backend``."""
+    runner = _runner(model, backend)
+    stores = [backend.new_store() for _ in prompts]
+    last = [int(runner.prefill(p, s)[-1].argmax()) for p, s in zip(prompts, stores)]
+    outs = [[t] for t in last]
+    for _ in range(new_tokens - 1):
+        last = runner.decode(last, stores).argmax(-1).tolist()
+        for o, t in zip(outs, last):
+            o.append(t)
+    for s in stores:
+        s.release()
+    return outs
+
+
+def agreement(ours: list[list[int]], reference: list[list[int]]) -> float:
+    """Fraction of positions where two sets of continuations have the same token."""
+    same = sum(a == b for x, y in zip(ours, reference) for a, b in zip(x, y))
+    return same / sum(len(y) for y in reference)
+
+
+@torch.inference_mode()
+def measured_bytes_per_token(model, backend, token_ids: list[int], context: int = 1024) -> float:
+    """Bytes the store holds after ``context`` tokens (prefill then one decode step), per token (all layers)."""
+    runner = _runner(model, backend)
+    store = backend.new_store()
+    runner.prefill(token_ids[: context - 1], store)
+    runner.decode([token_ids[context - 1]], [store])
+    assert store.num_tokens() == context
+    nbytes = store.nbytes()
+    store.release()
+    return nbytes / context
+
+
+@torch.inference_mode()
+def tpot(model, backend, token_ids: list[int], context: int, steps: int = 16) -> float:
+    """Mean single-sequence decode step time (seconds) at about ``context`` tokens of context."""
+    runner = _runner(model, backend)
+    store = backend.new_store()
+    runner.prefill(token_ids[: context - steps], store)
+    last = token_ids[context - steps]
+    runner.decode([last], [store])  # warm-up step
+    t0 = time.perf_counter()
+    for i in range(steps - 1):
+        last = int(runner.decode([last], [store])[0].argmax())
+    elapsed = time.perf_counter() - t0
+    store.release()
+    return elapsed / (steps - 1)

@@ -1,0 +1,73 @@
+"""``kvserve estimate``: KV-cache size from a model's config, without loading weights."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from cache_backends.estimate import DTYPE_BYTES, PRESETS, Shape, estimate_rows
+from cache_backends.spec import parse_spec
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.replace(" ", "").split(",") if x]
+
+
+def load_shape(model: str) -> Shape:
+    """A preset name, a config.json, or a model folder holding one.
+
+    Raises:
+        ValueError: if it is none of these.
+    """
+    if model in PRESETS:
+        return PRESETS[model]
+    path = Path(model)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ValueError(f"--model {model!r} is not a preset ({', '.join(PRESETS)}) nor a config.json or model folder")
+    return Shape.from_config(json.loads(path.read_text()))
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.2f} {unit}" if unit != "B" else f"{n:.0f} B"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="llama-2-7b", help=f"preset ({', '.join(PRESETS)}), config.json or folder")
+    p.add_argument("--seq-len", default="4096,8192,32768", help="comma list of context lengths (tokens)")
+    p.add_argument("--batch", default="1,8,16", help="comma list of batch sizes")
+    p.add_argument("--dtype", default="fp16", choices=sorted(DTYPE_BYTES))
+    p.add_argument("backends", nargs="*", default=["full"],
+                   help="backend specs, e.g. full gqa:groups=8 mla:rank=512,rope_dim=64 int8 dca:reuse_fraction=0.5")
+    p.add_argument("--json", action="store_true", help="print rows as JSON")
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        shape = load_shape(args.model)
+        rows = estimate_rows(shape, [parse_spec(s) for s in args.backends], _ints(args.seq_len), _ints(args.batch),
+                             DTYPE_BYTES[args.dtype])
+    except ValueError as exc:
+        print(f"kvserve estimate: {exc}")
+        return 2
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"KV cache for {args.model} ({args.dtype})")
+    for col in ("backend", "params", "seq_len", "batch", "bytes/token/layer", "total"):
+        table.add_column(col, justify="right" if col not in ("backend", "params") else "left")
+    for r in rows:
+        params = ",".join(f"{k}={v}" for k, v in r["params"].items()) or "-"
+        table.add_row(r["backend"], params, str(r["seq_len"]), str(r["batch"]),
+                      f"{r['bytes_per_token_per_layer']:.0f}", human(r["total_bytes"]))
+    Console(width=120).print(table)
+    return 0

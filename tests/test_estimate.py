@@ -1,0 +1,55 @@
+"""`kvserve estimate` reproduces the known KV sums."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from cache_backends.estimate import PRESETS, estimate_rows
+from tests.conftest import REPO
+
+GiB, KiB = 2**30, 2**10
+
+
+@pytest.mark.parametrize("seq_len,expected_gib", [(4096, (2, 16, 32)), (8192, (4, 32, 64)), (32768, (16, 128, 256))])
+def test_llama2_7b_full_fp16(seq_len, expected_gib):
+    rows = estimate_rows(PRESETS["llama-2-7b"], [("full", {})], [seq_len], [1, 8, 16], 2)
+    assert all(r["bytes_per_token_per_layer"] == 16 * KiB for r in rows)
+    assert [r["total_bytes"] / GiB for r in rows] == list(expected_gib)
+
+
+def test_llama2_7b_gqa_and_mla():
+    (gqa,) = estimate_rows(PRESETS["llama-2-7b"], [("gqa", {"groups": 8})], [4096], [1], 2)
+    assert gqa["bytes_per_token_per_layer"] == 4 * KiB and gqa["total_bytes"] == 0.5 * GiB
+    mla = estimate_rows(PRESETS["llama-2-7b"], [("mla", {"rank": 512, "rope_dim": 64})], [4096, 32768], [1], 2)
+    assert all(r["bytes_per_token_per_layer"] == 1152 for r in mla)
+    assert abs(mla[0]["total_bytes"] / GiB - 0.14) < 0.01 and abs(mla[1]["total_bytes"] / GiB - 1.1) < 0.05
+
+
+def test_int8_counts_scales_and_residual_window():
+    (row,) = estimate_rows(PRESETS["llama-2-7b"], [("int8", {"group_size": 32, "residual": 32})], [4096], [1], 2)
+    hd = 32 * 128
+    # 4096 = 32 residual + 127 groups of 32 + 32 more residual... r = 32 + (4096 - 32) % 32 = 32
+    q = 4096 - 32
+    expected = (2 * q * hd + (q // 32) * hd * 2 * 2 + q * 32 * 2 * 2 + 32 * 2 * hd * 2) / 4096
+    assert row["bytes_per_token_per_layer"] == pytest.approx(expected)
+    assert 0.5 * 16 * KiB < row["bytes_per_token_per_layer"] < 0.6 * 16 * KiB
+
+
+def test_llama3_8b_and_deepseek_presets():
+    (l3,) = estimate_rows(PRESETS["llama-3-8b"], [("full", {})], [4096], [1], 2)
+    assert l3["bytes_per_token_per_layer"] == 4 * KiB
+    (ds,) = estimate_rows(PRESETS["deepseek-v3"], [("mla", {})], [4096], [1], 2)
+    assert ds["bytes_per_token_per_layer"] == (512 + 64) * 2
+
+
+def test_cli_json_rows_and_config_path(model_dir):
+    out = subprocess.run([sys.executable, "-m", "server.cli", "estimate", "--model", str(model_dir), "--dtype", "fp32",
+                          "--seq-len", "1024", "--batch", "1", "--json", "full", "gqa:groups=2"],
+                         cwd=REPO, capture_output=True, text=True, timeout=120, check=True).stdout
+    rows = json.loads(out)
+    assert set(rows[0]) == {"backend", "params", "seq_len", "batch", "bytes_per_token_per_layer", "total_bytes"}
+    assert rows[0]["bytes_per_token_per_layer"] == 2 * 8 * 32 * 4
+    assert rows[1]["bytes_per_token_per_layer"] == 2 * 2 * 32 * 4
+    assert rows[0]["total_bytes"] == 2 * 8 * 32 * 4 * 1024 * 8
