@@ -12,7 +12,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from server import __version__
-from server.api import system, tgi
+from server.api import openai, system, tgi
 from server.config import Settings
 from server.errors import install_error_handlers
 from server.state import ServerState
@@ -52,4 +52,5 @@ def create_app(settings: Settings, load_in_background: bool = True) -> FastAPI:
     install_error_handlers(app)
     app.include_router(system.router)
     app.include_router(tgi.router)
+    app.include_router(openai.router)
     return app

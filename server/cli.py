@@ -26,10 +26,11 @@ def check_backend(settings) -> None:
         raise ConfigError(f"invalid MODEL_ID={settings.model_id!r}: {exc}".splitlines()[0]) from None
     dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(settings.dtype, torch.float32)
     geometry = ModelGeometry.from_config(config, dtype)
-    try:
-        get_backend_class(settings.kv_backend)(geometry, **settings.backend_options(settings.kv_backend))
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+    for name in settings.served_backends():
+        try:
+            get_backend_class(name)(geometry, **settings.backend_options(name))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
 
 
 def serve(_: argparse.Namespace) -> int:

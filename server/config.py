@@ -36,7 +36,8 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="", case_sensitive=False, extra="ignore")
 
     model_id: str = Field(DEFAULT_MODEL, description="Local model folder or hub id.")
-    kv_backend: str = Field("full", description="KV-cache backend.")
+    kv_backend: str = Field("full", description="KV-cache backend (the default for requests).")
+    kv_backends: str = Field("", description="Comma list of backends a request may ask for; default KV_BACKEND.")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -62,6 +63,14 @@ class Settings(BaseSettings):
             raise ValueError(f"unknown backend {v!r}; allowed: {', '.join(available())}")
         return v
 
+    @field_validator("kv_backends")
+    @classmethod
+    def _known_backends(cls, v: str) -> str:
+        for name in filter(None, (x.strip() for x in v.split(","))):
+            if name not in available():
+                raise ValueError(f"unknown backend {name!r}; allowed: {', '.join(available())}")
+        return v
+
     @field_validator("kv_cache_budget_bytes", "max_input_tokens", "max_total_tokens", "kv_gqa_groups", "kv_mla_rank",
                      mode="before")
     @classmethod
@@ -74,6 +83,11 @@ class Settings(BaseSettings):
             raise ValueError(f"MAX_TOTAL_TOKENS ({self.max_total_tokens}) must be greater than "
                              f"MAX_INPUT_TOKENS ({self.max_input_tokens})")
         return self
+
+    def served_backends(self) -> list[str]:
+        """``KV_BACKEND`` first, then the other ``KV_BACKENDS`` (no duplicates)."""
+        names = [self.kv_backend] + [x.strip() for x in self.kv_backends.split(",") if x.strip()]
+        return list(dict.fromkeys(names))
 
     def backend_options(self, name: str) -> dict:
         """Constructor options of backend ``name`` from its ``KV_<NAME>_*`` variables (unset ones omitted)."""

@@ -11,7 +11,17 @@ from server.engine.engine import Overloaded
 from server.service import InvalidRequest
 
 
-def error_response(status: int, message: str, error_type: str) -> JSONResponse:
+OPENAI_TYPES = {"validation": "invalid_request_error", "overloaded": "overloaded_error",
+                "unhealthy": "service_unavailable_error", "authentication": "authentication_error",
+                "http": "invalid_request_error", "internal": "server_error"}
+
+
+def error_response(status: int, message: str, error_type: str, request: Request | None = None) -> JSONResponse:
+    """TGI's ``{"error", "error_type"}``, or OpenAI's error object on ``/v1`` routes."""
+    if request is not None and request.url.path.startswith("/v1/"):
+        body = {"error": {"message": message, "type": OPENAI_TYPES.get(error_type, error_type), "param": None,
+                          "code": error_type}}
+        return JSONResponse(status_code=status, content=body)
     return JSONResponse(status_code=status, content={"error": message, "error_type": error_type})
 
 
@@ -31,25 +41,25 @@ def install_error_handlers(app: FastAPI) -> None:
     """Map every exception a route can raise to a JSON error (never a bare 500 page)."""
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError):
-        return error_response(422, _describe(exc), "validation")
+    async def _validation(request: Request, exc: RequestValidationError):
+        return error_response(422, _describe(exc), "validation", request)
 
     @app.exception_handler(InvalidRequest)
-    async def _invalid(_: Request, exc: InvalidRequest):
-        return error_response(422, str(exc), "validation")
+    async def _invalid(request: Request, exc: InvalidRequest):
+        return error_response(422, str(exc), "validation", request)
 
     @app.exception_handler(Overloaded)
-    async def _overloaded(_: Request, exc: Overloaded):
-        return error_response(429, f"Model is overloaded: {exc}", "overloaded")
+    async def _overloaded(request: Request, exc: Overloaded):
+        return error_response(429, f"Model is overloaded: {exc}", "overloaded", request)
 
     @app.exception_handler(NotReady)
-    async def _not_ready(_: Request, exc: NotReady):
-        return error_response(503, str(exc) or "model is loading", "unhealthy")
+    async def _not_ready(request: Request, exc: NotReady):
+        return error_response(503, str(exc) or "model is loading", "unhealthy", request)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException):
-        return error_response(exc.status_code, str(exc.detail), "http")
+    async def _http(request: Request, exc: StarletteHTTPException):
+        return error_response(exc.status_code, str(exc.detail), "http", request)
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception):
-        return error_response(500, f"internal error: {type(exc).__name__}", "internal")
+    async def _unexpected(request: Request, exc: Exception):
+        return error_response(500, f"internal error: {type(exc).__name__}", "internal", request)

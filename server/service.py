@@ -79,6 +79,9 @@ class GenerationService:
                 prompt + max_new_tokens over MAX_TOTAL_TOKENS.
         """
         lim = self.limits
+        if req.backend not in self.engine.backends:
+            raise InvalidRequest(f"kv_backend {req.backend!r} is not served here; allowed: "
+                                 f"{', '.join(self.engine.backends)}")
         if not req.prompt:
             raise InvalidRequest("`inputs` must not be empty")
         if len(req.stop) > lim.max_stop_sequences:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +32,7 @@ class ServerState:
     model_name: str = ""
     info: dict = field(default_factory=dict)
     load_error: str | None = None
+    started: float = field(default_factory=time.time)
 
     def load(self) -> None:
         """Load the model and start the engine (runs in a background thread at start-up)."""
@@ -39,7 +41,7 @@ class ServerState:
         dtype = resolve_dtype(s.dtype, device)
         model, tokenizer = load_model(s.model_id, device, dtype)
         geometry = ModelGeometry.from_config(model.config, dtype)
-        names = [s.kv_backend]
+        names = s.served_backends()
         self.backends = {name: get_backend_class(name)(geometry, **s.backend_options(name)) for name in names}
         for backend in self.backends.values():
             backend.prepare(model)
@@ -57,7 +59,7 @@ class ServerState:
         self.engine = engine
         self.info = {
             "model_id": self.model_name, "model_path": s.model_id, "model_dtype": str(dtype).removeprefix("torch."),
-            "model_device_type": device.type, "kv_backend": s.kv_backend,
+            "model_device_type": device.type, "kv_backend": s.kv_backend, "kv_backends": names,
             "kv_backend_params": {n: b.params() for n, b in self.backends.items()},
             "kv_bytes_per_token": per_token, "num_layers": geometry.num_layers,
             "num_attention_heads": geometry.num_attention_heads,

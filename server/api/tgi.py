@@ -25,7 +25,7 @@ def to_generation_request(body: TGIRequest, service: GenerationService) -> Gener
     params, seed_given = service.sampling(p.do_sample, p.temperature, p.top_p, p.top_k, p.repetition_penalty,
                                           p.seed)
     return GenerationRequest(prompt=body.inputs, max_new_tokens=p.max_new_tokens, params=params, stop=p.stop,
-                             seed_given=seed_given, backend=service.default_backend,
+                             seed_given=seed_given, backend=p.kv_backend or service.default_backend,
                              want_prompt_logprobs=p.decoder_input_details)
 
 

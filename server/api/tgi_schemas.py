@@ -22,6 +22,7 @@ class TGIParameters(BaseModel):
     details: bool = False
     decoder_input_details: bool = False
     return_full_text: bool = False
+    kv_backend: str | None = Field(None, description="KV backend for this request (one of KV_BACKENDS).")
 
 
 class TGIRequest(BaseModel):
