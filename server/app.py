@@ -15,6 +15,7 @@ from server import __version__
 from server.api import openai, system, tgi
 from server.config import Settings
 from server.errors import install_error_handlers
+from server.middleware import BearerAuth, PayloadLimit
 from server.state import ServerState
 
 log = logging.getLogger("kvserve")
@@ -50,6 +51,9 @@ def create_app(settings: Settings, load_in_background: bool = True) -> FastAPI:
                   description="LLM inference server with pluggable KV-cache backends.")
     app.state.kvserve = state
     install_error_handlers(app)
+    app.add_middleware(PayloadLimit, limit=settings.payload_limit)
+    if settings.api_key:
+        app.add_middleware(BearerAuth, api_key=settings.api_key)
     app.include_router(system.router)
     app.include_router(tgi.router)
     app.include_router(openai.router)

@@ -49,6 +49,8 @@ class Settings(BaseSettings):
     max_stop_sequences: int = Field(4, ge=0)
     kv_cache_budget_bytes: int | None = Field(None, ge=1)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    payload_limit: int = Field(2_000_000, ge=1, description="Largest request body (bytes); larger gets 422.")
+    api_key: str | None = Field(None, description="When set, routes but /health and /metrics need a Bearer token.")
     # backend parameters (see each backend's module docstring)
     kv_gqa_groups: int | None = Field(None, ge=1, description="gqa: K/V heads kept (default num_kv_heads/4).")
     kv_gqa_method: Literal["pca", "mean"] = Field("pca", description="gqa: calibrated (pca) or mean pooling.")

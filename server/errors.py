@@ -58,6 +58,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 400:  # FastAPI could not decode the body (e.g. invalid UTF-8)
+            return error_response(422, f"invalid request body: {exc.detail} (expected UTF-8 JSON)", "validation",
+                                  request)
         return error_response(exc.status_code, str(exc.detail), "http", request)
 
     @app.exception_handler(Exception)
