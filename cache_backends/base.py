@@ -84,6 +84,14 @@ class KVStore(Cache):
         """Tokens cached (the sequence length seen by layer 0)."""
         return self.get_seq_length(0)
 
+    def skip_kv_projection(self, layer_idx: int) -> bool:
+        """Whether layer ``layer_idx`` may skip its K/V projections this step (only ``dca`` says yes)."""
+        return False
+
+    def stats(self) -> dict:
+        """Backend-specific live numbers for metrics (e.g. dca's reuse layers); empty by default."""
+        return {}
+
     def release(self) -> None:
         """Drop every tensor at once (a finished or cancelled sequence frees its KV here)."""
         for layer in self.layers:
@@ -111,8 +119,12 @@ class KVBackend(ABC):
         """Fit whatever the backend needs on the loaded model (no-op by default)."""
 
     def params(self) -> dict[str, Any]:
-        """The backend's parameters, for ``/info`` and metrics."""
+        """The backend's parameters (its constructor options), for ``/info`` and reports."""
         return dict(self.options)
+
+    def details(self) -> dict[str, Any]:
+        """Extra facts for ``/info`` (e.g. calibration results); empty by default."""
+        return {}
 
     @abstractmethod
     def new_store(self) -> KVStore:

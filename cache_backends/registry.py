@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from cache_backends.base import KVBackend
+from cache_backends.dca import DCABackend
 from cache_backends.full import FullBackend
 from cache_backends.gqa import GQABackend
 from cache_backends.int8 import Int8Backend
 from cache_backends.mla import MLABackend
 
-_BACKENDS: dict[str, type[KVBackend]] = {cls.name: cls for cls in (FullBackend, GQABackend, MLABackend, Int8Backend)}
+_BACKENDS: dict[str, type[KVBackend]] = {cls.name: cls for cls in (FullBackend, GQABackend, MLABackend, Int8Backend, DCABackend)}
 
 
 def available() -> list[str]:

@@ -65,6 +65,11 @@ class Metrics:
         self.kv_bytes_per_token = Gauge("kvserve_kv_cache_bytes_per_token",
                                         "KV-cache bytes / cached tokens over the live sequences (all layers); "
                                         "updated every step while any sequence is live.", LABELS, registry=r)
+        self.dca_reuse_layers = Gauge("kvserve_dca_reuse_layers",
+                                      "dca: layers currently reusing another layer's K/V, summed over live sequences.",
+                                      LABELS, registry=r)
+        self.dca_fallbacks = Counter("kvserve_dca_fallbacks", "dca: reuse layers that fell back to their own K/V "
+                                     "after a failed similarity probe.", LABELS, registry=r)
 
 
 class Recorder:
@@ -97,6 +102,8 @@ class Recorder:
         t = seq.times
         n = len(seq.output_ids)
         self.m.requests.labels(finish_reason=seq.finish_reason.value, **labels).inc()
+        if seq.kv_stats.get("dca_fallbacks"):
+            self.m.dca_fallbacks.labels(**labels).inc(seq.kv_stats["dca_fallbacks"])
         self.m.generation_tokens.labels(**labels).inc(n)
         if t.prefill_start is None:
             return  # cancelled while queued: it never reached the model
@@ -118,20 +125,23 @@ class Recorder:
             running: the running sequences.
             waiting: queued request counts by backend name.
         """
-        per_backend: dict[str, list[int]] = {b: [0, 0, 0] for b in self.backends}
+        per_backend: dict[str, list[int]] = {b: [0, 0, 0, 0] for b in self.backends}
         for seq in running:
             if seq.store is None:
                 continue
-            row = per_backend.setdefault(seq.backend_name, [0, 0, 0])
+            row = per_backend.setdefault(seq.backend_name, [0, 0, 0, 0])
             row[0] += 1
             row[1] += seq.store.nbytes()
             row[2] += seq.store.num_tokens()
-        for backend, (count, nbytes, tokens) in per_backend.items():
+            row[3] += seq.store.stats().get("dca_reuse_layers", 0)
+        for backend, (count, nbytes, tokens, reuse) in per_backend.items():
             labels = self._l(backend)
             self.m.running.labels(**labels).set(count)
             self.m.kv_bytes.labels(**labels).set(nbytes)
             self.m.kv_tokens.labels(**labels).set(tokens)
             if tokens:
                 self.m.kv_bytes_per_token.labels(**labels).set(nbytes / tokens)
+            if backend == "dca":
+                self.m.dca_reuse_layers.labels(**labels).set(reuse)
         for backend in per_backend:
             self.m.waiting.labels(**self._l(backend)).set(waiting.get(backend, 0))

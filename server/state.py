@@ -61,6 +61,7 @@ class ServerState:
             "model_id": self.model_name, "model_path": s.model_id, "model_dtype": str(dtype).removeprefix("torch."),
             "model_device_type": device.type, "kv_backend": s.kv_backend, "kv_backends": names,
             "kv_backend_params": {n: b.params() for n, b in self.backends.items()},
+            "kv_backend_details": {n: b.details() for n, b in self.backends.items() if b.details()},
             "kv_bytes_per_token": per_token, "num_layers": geometry.num_layers,
             "num_attention_heads": geometry.num_attention_heads,
             "num_key_value_heads": geometry.num_key_value_heads, "head_dim": geometry.head_dim,

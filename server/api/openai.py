@@ -24,6 +24,7 @@ from server.service import GenerationRequest, GenerationService, InvalidRequest
 
 router = APIRouter(prefix="/v1", tags=["OpenAI"])
 ERRORS = {code: {"model": OpenAIError} for code in (401, 422, 429, 503)}
+ERRORS[200] = {"content": {"text/event-stream": {"schema": {"type": "string", "description": "SSE chunks, then [DONE]"}}}}
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 ROLE_NAMES = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant", "tool": "Tool"}
 

@@ -17,7 +17,8 @@ from server.service import GenerationRequest, GenerationService
 
 router = APIRouter(tags=["TGI"])
 
-ERRORS = {422: {"model": ErrorBody}, 429: {"model": ErrorBody}, 503: {"model": ErrorBody}}
+ERRORS = {code: {"model": ErrorBody} for code in (401, 422, 429, 499, 503)}
+SSE = {"text/event-stream": {"schema": {"type": "string", "description": "data: <TGIStreamEvent JSON> per token"}}}
 
 
 def to_generation_request(body: TGIRequest, service: GenerationService) -> GenerationRequest:
@@ -43,7 +44,7 @@ def _failure(ev: TokenEvent) -> dict | None:
     return None
 
 
-@router.post("/generate", response_model=TGIResponse, responses=ERRORS)
+@router.post("/generate", response_model=TGIResponse, responses={**ERRORS, 200: {"content": SSE}})
 async def generate(body: TGIRequest, request: Request):
     """Generate text; with ``"stream": true`` the answer is the same event stream as ``/generate_stream``."""
     if body.stream:
@@ -70,7 +71,7 @@ async def generate(body: TGIRequest, request: Request):
     return JSONResponse(out.model_dump(exclude={"details"} if details is None else None))
 
 
-@router.post("/generate_stream", response_model=TGIStreamEvent, responses=ERRORS)
+@router.post("/generate_stream", response_class=EventSourceResponse, responses={**ERRORS, 200: {"content": SSE}})
 async def generate_stream(body: TGIRequest, request: Request):
     """Stream one SSE ``data:`` event per token; the last carries ``generated_text`` and ``details``."""
     service = get_service(request)

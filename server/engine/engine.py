@@ -191,6 +191,7 @@ class Engine:
             self.running.remove(seq)
         if seq.store is not None:
             seq.peak_kv_bytes = max(seq.peak_kv_bytes, seq.store.nbytes())
+            seq.kv_stats = seq.store.stats()
             seq.store.release()
             seq.store = None
         if self.recorder:

@@ -43,13 +43,16 @@ class _BatchedLayerView(CacheLayerMixin):
             keys (batch, num_key_value_heads, past_len + q_len, head_dim) and values likewise,
             each row right-aligned (left-padded with zeros).
         """
-        batch, heads, q_len, _ = key_states.shape
+        q_len = 1 if key_states is None else key_states.shape[-2]  # None: projections skipped (dca)
         total = self.past_len + q_len
-        keys = key_states.new_zeros(batch, heads, total, key_states.shape[-1])
-        values = value_states.new_zeros(batch, value_states.shape[1], total, value_states.shape[-1])
+        keys = values = None
         for row, store in enumerate(self.stores):
-            k, v = store.layers[self.layer_idx].update(key_states[row : row + 1], value_states[row : row + 1],
-                                                      *args, **kwargs)
+            k, v = store.layers[self.layer_idx].update(
+                None if key_states is None else key_states[row : row + 1],
+                None if value_states is None else value_states[row : row + 1], *args, **kwargs)
+            if keys is None:
+                keys = k.new_zeros(len(self.stores), k.shape[1], total, k.shape[-1])
+                values = v.new_zeros(len(self.stores), v.shape[1], total, v.shape[-1])
             keys[row, :, total - k.shape[-2] :] = k[0]
             values[row, :, total - v.shape[-2] :] = v[0]
         return keys, values
@@ -68,9 +71,14 @@ class BatchedView(Cache):
     """Several sequences' KV stores seen by the model as one left-padded batch cache (one decode step)."""
 
     def __init__(self, stores: list[KVStore], num_layers: int):
+        self.stores = stores
         self.lengths = [s.num_tokens() for s in stores]
         past = max(self.lengths)
         super().__init__(layers=[_BatchedLayerView(stores, i, past) for i in range(num_layers)])
+
+    def skip_kv_projection(self, layer_idx: int) -> bool:
+        """Skip only when every sequence in the batch may skip (else all compute, and those that reuse ignore it)."""
+        return all(s.skip_kv_projection(layer_idx) for s in self.stores)
 
 
 class ModelRunner:

@@ -88,6 +88,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     times: RequestTimes = field(default_factory=RequestTimes)
     peak_kv_bytes: int = 0
+    kv_stats: dict = field(default_factory=dict)
     want_prompt_logprobs: bool = False
     prompt_logprobs: list[float | None] | None = None
 
