@@ -26,8 +26,9 @@ from cache_backends.spec import format_spec, parse_spec
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_SPECS = ["full", "gqa:groups=4,method=mean", "gqa:groups=4,method=pca", "gqa:groups=2,method=mean",
                  "gqa:groups=2,method=pca", "mla:rank=128", "mla:rank=64", "mla:rank=32",
-                 "int8:group_size=32,residual=32", "int8:group_size=64,residual=64"]
-QUICK_SPECS = ["full", "gqa:groups=2,method=mean", "gqa:groups=2,method=pca", "mla:rank=64", "int8"]
+                 "int8:group_size=32,residual=32", "int8:group_size=64,residual=64",
+                 "dca:threshold=0.98,align=linear", "dca:threshold=0.95,align=linear", "dca:threshold=0.9,align=none"]
+QUICK_SPECS = ["full", "gqa:groups=2,method=mean", "gqa:groups=2,method=pca", "mla:rank=64", "int8", "dca"]
 
 
 def engine_throughput(model, tokenizer, backend, streams: int, new_tokens: int) -> float:

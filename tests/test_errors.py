@@ -1,0 +1,128 @@
+"""Bad input never gives a 500 or a dead server: each case's status code and error body."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from server.app import create_app
+from server.config import load_settings
+from tests.conftest import RunningServer
+
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def strict_server():
+    srv = RunningServer({"API_KEY": KEY, "PAYLOAD_LIMIT": "4096", "MAX_INPUT_TOKENS": "64", "MAX_TOTAL_TOKENS": "96",
+                         "MAX_CONCURRENT_REQUESTS": "2", "MAX_BATCH_SIZE": "1"})
+    yield srv
+    srv.stop()
+
+
+def post(srv, path, body=None, content=None, headers=AUTH):
+    kwargs = {"json": body} if content is None else {"content": content}
+    return httpx.post(srv.url + path, headers={"content-type": "application/json", **headers}, timeout=60, **kwargs)
+
+
+TGI_422 = [
+    ("missing inputs", {"parameters": {}}),
+    ("empty inputs", {"inputs": ""}),
+    ("inputs not a string", {"inputs": ["a"]}),
+    ("max_new_tokens a string", {"inputs": "a", "parameters": {"max_new_tokens": "5"}}),
+    ("max_new_tokens zero", {"inputs": "a", "parameters": {"max_new_tokens": 0}}),
+    ("max_new_tokens negative", {"inputs": "a", "parameters": {"max_new_tokens": -3}}),
+    ("temperature negative", {"inputs": "a", "parameters": {"temperature": -0.5}}),
+    ("top_p zero", {"inputs": "a", "parameters": {"top_p": 0}}),
+    ("top_p above one", {"inputs": "a", "parameters": {"top_p": 1.01}}),
+    ("top_k negative", {"inputs": "a", "parameters": {"top_k": -1}}),
+    ("too many stop sequences", {"inputs": "a", "parameters": {"stop": ["a", "b", "c", "d", "e"]}}),
+    ("prompt over MAX_INPUT_TOKENS", {"inputs": "And God said " * 40}),
+    ("prompt + new tokens over MAX_TOTAL_TOKENS", {"inputs": "And God said", "parameters": {"max_new_tokens": 95}}),
+    ("unknown kv_backend", {"inputs": "a", "parameters": {"kv_backend": "nope"}}),
+]
+
+
+@pytest.mark.parametrize("name,body", TGI_422, ids=[c[0] for c in TGI_422])
+def test_tgi_invalid_input_is_422_with_error_body(strict_server, name, body):
+    for path in ("/generate", "/generate_stream"):
+        r = post(strict_server, path, body)
+        assert r.status_code == 422, (path, r.text)
+        data = r.json()
+        assert set(data) == {"error", "error_type"} and data["error_type"] == "validation" and data["error"]
+
+
+@pytest.mark.parametrize("name,content", [("invalid JSON", b'{"inputs": "a",'), ("invalid UTF-8", b'{"inputs": "\xff\xfe"}'),
+                                          ("JSON not an object", b'[1, 2]'), ("body over PAYLOAD_LIMIT",
+                                                                              b'{"inputs": "' + b"a" * 5000 + b'"}')])
+def test_bad_bodies_are_422(strict_server, name, content):
+    r = post(strict_server, "/generate", content=content)
+    assert r.status_code == 422, r.text
+    assert r.json()["error_type"] == "validation"
+
+
+def test_openai_invalid_input_is_422_with_openai_error(strict_server):
+    cases = [{"prompt": ""}, {"prompt": "a", "n": 2}, {"prompt": "a", "max_tokens": 0},
+             {"prompt": "a", "temperature": -1}, {"prompt": "a", "top_p": 2}, {"prompt": 3},
+             {"prompt": "a", "stop": ["1", "2", "3", "4", "5"]}]
+    for body in cases:
+        r = post(strict_server, "/v1/completions", body)
+        assert r.status_code == 422, (body, r.text)
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and err["message"]
+    r = post(strict_server, "/v1/chat/completions", {"messages": []})
+    assert r.status_code == 422 and "error" in r.json()
+
+
+def test_api_key_required_except_health_and_metrics(strict_server):
+    assert httpx.get(strict_server.url + "/health").status_code == 200
+    assert httpx.get(strict_server.url + "/metrics").status_code == 200
+    for path in ("/info", "/v1/models"):
+        r = httpx.get(strict_server.url + path)
+        assert r.status_code == 401
+    r = post(strict_server, "/generate", {"inputs": "a"}, headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401 and r.json()["error_type"] == "authentication"
+    r = post(strict_server, "/v1/completions", {"prompt": "a"}, headers={})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(strict_server.url + "/info", headers=AUTH).status_code == 200
+
+
+def test_overload_is_429_and_accepted_requests_finish(strict_server):
+    """MAX_CONCURRENT_REQUESTS=2: two long requests are accepted, the third is refused, the two finish."""
+    results = {}
+
+    def long(i):
+        results[i] = post(strict_server, "/generate", {"inputs": "And God said", "parameters": {"max_new_tokens": 60}})
+
+    threads = [threading.Thread(target=long, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    import time
+
+    deadline = time.time() + 30
+    while time.time() < deadline:  # wait until both are queued or running
+        m = strict_server.metrics()
+        busy = sum(v for k, v in m.items() if k.startswith(("kvserve_requests_running{", "kvserve_requests_waiting{")))
+        if busy >= 2:
+            break
+        time.sleep(0.02)
+    r = post(strict_server, "/generate", {"inputs": "a", "parameters": {"max_new_tokens": 2}})
+    assert r.status_code == 429 and r.json()["error_type"] == "overloaded"
+    for t in threads:
+        t.join(60)
+    assert all(results[i].status_code == 200 for i in range(2))
+    assert httpx.get(strict_server.url + "/health").status_code == 200
+
+
+def test_not_ready_is_503():
+    app = create_app(load_settings(), load_in_background=True)
+    client = TestClient(app)  # no lifespan: the model never loads
+    assert client.get("/health").status_code == 503
+    r = client.post("/generate", json={"inputs": "a"})
+    assert r.status_code == 503 and r.json()["error_type"] == "unhealthy"
+    r = client.post("/v1/completions", json={"prompt": "a"})
+    assert r.status_code == 503 and r.json()["error"]["message"]
