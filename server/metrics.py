@@ -85,9 +85,16 @@ class Recorder:
         self.m = metrics
         self.model = model
         self.backends = backends
-        for b in backends:
+        for b in backends:  # every series exists from the start, so dashboards and rates see zeros, not gaps
             for gauge in (metrics.running, metrics.waiting, metrics.kv_bytes, metrics.kv_tokens):
                 gauge.labels(model, b).set(0)
+            for counter in (metrics.prompt_tokens, metrics.generation_tokens):
+                counter.labels(model, b)
+            for reason in ("length", "eos_token", "stop_sequence", "cancelled", "error"):
+                metrics.requests.labels(model, b, reason)
+            if b == "dca":
+                metrics.dca_reuse_layers.labels(model, b).set(0)
+                metrics.dca_fallbacks.labels(model, b)
 
     def _l(self, backend: str) -> dict[str, str]:
         return {"model": self.model, "backend": backend}
