@@ -35,14 +35,27 @@ def calibration_ids(model, tokenizer=None, max_tokens: int = 20_000) -> list[int
     return slice_token_ids(path, tokenizer)[:max_tokens]
 
 
+_LAST: tuple[tuple, list] | None = None  # the latest result, reused when several backends calibrate one model
+
+
 @torch.no_grad()
 def collect_kv(model, geometry, token_ids: list[int], window: int = 1024, desc: str = "calibrating"):
-    """Each layer's pre-RoPE keys and values over ``token_ids``.
+    """Each layer's pre-RoPE keys and values over ``token_ids`` (the latest call's result is reused).
 
     Returns:
         A list (one per layer) of ``(keys, values)``, each of shape
-        (tokens, num_key_value_heads, head_dim), float32, on the CPU.
+        (tokens, num_key_value_heads, head_dim), float32, on the CPU. Treat as read-only.
     """
+    global _LAST
+    key = (id(model), len(token_ids), hash(tuple(token_ids)), window)
+    if _LAST is not None and _LAST[0] == key:
+        return _LAST[1]
+    result = _collect(model, geometry, token_ids, window, desc)
+    _LAST = (key, result)
+    return result
+
+
+def _collect(model, geometry, token_ids, window, desc):
     rope = RopeTable(model, window)
     full = FullBackend(geometry)
     device = next(model.parameters()).device

@@ -1,0 +1,36 @@
+"""The Kubernetes manifests validate offline against the API schemas (kubernetes-validate)."""
+
+from __future__ import annotations
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from tests.conftest import REPO
+
+MANIFESTS = sorted((REPO / "deploy" / "k8s").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+def test_manifest_validates(path):
+    docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
+    assert docs
+    for doc in docs:
+        kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
+
+
+def test_deployment_probes_resources_and_non_root():
+    dep = yaml.safe_load((REPO / "deploy" / "k8s" / "deployment.yaml").read_text())
+    pod = dep["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert c["readinessProbe"]["httpGet"]["path"] == c["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert c["resources"]["requests"] and c["resources"]["limits"]
+    assert any(e["name"] == "KV_BACKEND" for e in c["env"])
+
+
+def test_hpa_scales_on_requests_waiting():
+    hpa = yaml.safe_load((REPO / "deploy" / "k8s" / "hpa.yaml").read_text())
+    assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == "kvserve_requests_waiting"
+    adapter = yaml.safe_load((REPO / "deploy" / "k8s" / "prometheus-adapter.yaml").read_text())
+    assert "kvserve_requests_waiting" in adapter["data"]["config.yaml"]
