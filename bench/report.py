@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from bench.fidelity import agreement, cache_path_perplexity, greedy_tokens, measured_bytes_per_token, tpot
 from bench.quality import CALIB_SLICE, EVAL_SLICE, slice_token_ids
-from cache_backends import ModelGeometry, get_backend_class
+from cache_backends import ModelGeometry, create
 from cache_backends.spec import format_spec, parse_spec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -82,7 +82,7 @@ def run(args) -> dict:
     for spec in bar:
         bar.set_postfix_str(spec)
         name, options = parse_spec(spec)
-        backend = get_backend_class(name)(geometry, **options)
+        backend = create(name, geometry, **options)
         t0 = time.perf_counter()
         backend.prepare(model, calib_ids)
         row = {"backend": name, "params": backend.params(), "spec": format_spec(name, backend.params()),

@@ -53,6 +53,42 @@ class ModelGeometry:
         )
 
 
+class FullStorage:
+    """A stream of per-token vectors, (batch, heads, seq_len, width), kept exactly (grown by concatenation).
+
+    The same interface as :class:`cache_backends.int8.Int8Storage`, so a backend that stores something
+    per token (shared heads, a latent) can hold it exactly or quantized.
+    """
+
+    def __init__(self):
+        self.data: torch.Tensor | None = None
+        self.length = 0
+
+    def append(self, x: torch.Tensor) -> None:
+        self.data = x if self.data is None else torch.cat([self.data, x], dim=-2)
+        self.length += x.shape[-2]
+
+    def read(self) -> torch.Tensor:
+        return self.data
+
+    def nbytes(self) -> int:
+        return tensor_bytes(self.data)
+
+
+def make_storage(axis: str, quantize: dict | None):
+    """An exact :class:`FullStorage`, or an ``Int8Storage`` when ``quantize`` gives group_size and residual.
+
+    Args:
+        axis: ``"channel"`` (key-like streams) or ``"token"`` (value-like streams), for int8.
+        quantize: ``None``, or ``{"group_size": int, "residual": int}``.
+    """
+    if quantize is None:
+        return FullStorage()
+    from cache_backends.int8 import Int8Storage
+
+    return Int8Storage(axis, quantize["group_size"], quantize["residual"])
+
+
 class KVLayer(CacheLayerMixin):
     """One layer of a KV store. Subclasses hold their tensors and count their bytes."""
 
@@ -62,6 +98,11 @@ class KVLayer(CacheLayerMixin):
     @abstractmethod
     def nbytes(self) -> int:
         """Bytes of every tensor this layer holds right now."""
+
+    @abstractmethod
+    def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (after RoPE) and values of every cached token, (1, num_key_value_heads, seq_len, head_dim),
+        rebuilt from what the layer holds (transient: the caller must not keep them)."""
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
@@ -126,10 +167,15 @@ class KVBackend(ABC):
         """Extra facts for ``/info`` (e.g. calibration results); empty by default."""
         return {}
 
-    @abstractmethod
     def new_store(self) -> KVStore:
-        """An empty KV store for one sequence."""
+        """An empty KV store for one sequence (one :meth:`new_layer` per model layer)."""
+        return KVStore([self.new_layer(i) for i in range(self.geometry.num_layers)])
 
     @abstractmethod
-    def bytes_per_token_per_layer(self) -> float:
-        """Closed-form bytes one token costs in one layer at the model's dtype (the estimator's formula)."""
+    def new_layer(self, index: int, position_offset: int = 0) -> KVLayer:
+        """An empty cache layer for model layer ``index``; its first token sits at ``position_offset``."""
+
+    @abstractmethod
+    def bytes_per_token_per_layer(self, seq_len: int = 1024) -> float:
+        """Closed-form bytes one token costs in one layer at the model's dtype (the estimator's formula),
+        averaged over a sequence of ``seq_len`` tokens (only windowed backends depend on it)."""

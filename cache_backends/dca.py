@@ -29,8 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from cache_backends.base import KVBackend, KVLayer, KVStore, ModelGeometry, tensor_bytes
-from cache_backends.estimate import full_bytes_per_token_per_layer
+from cache_backends.base import KVBackend, KVLayer, KVStore, ModelGeometry
 from cache_backends.rope import RopeTable
 
 ALIGNS = ("linear", "none")
@@ -80,17 +79,19 @@ def similarity(own_k, own_v, pred_k, pred_v) -> float:
 
 
 class DCALayer(KVLayer):
-    """One layer of a dca store: ``kept`` (own K/V), or ``reuse`` (nothing, or own K/V after a fall-back)."""
+    """One layer of a dca store: ``kept`` (its own inner layer), or ``reuse`` (nothing, or an inner layer of
+    its own K/V from the fall-back position on)."""
 
-    def __init__(self, store: "DCAStore", index: int, layer_map: LayerMap | None, threshold: float,
-                 probe_interval: int):
+    def __init__(self, store: "DCAStore", index: int, layer_map: LayerMap | None, backend: "DCABackend"):
         super().__init__()
         self.store = store
         self.index = index
         self.map = layer_map  # None for layer 0 (no source)
-        self.threshold = threshold
-        self.probe_interval = probe_interval
+        self.backend = backend
+        self.threshold = backend.threshold
+        self.probe_interval = backend.probe_interval
         self.mode = "undecided"
+        self.own: KVLayer | None = None  # the inner backend's layer holding this layer's own K/V
         self.length = 0
         self.decode_steps = 0
         self.fallback_at: int | None = None
@@ -113,13 +114,6 @@ class DCALayer(KVLayer):
     def skips_projection(self) -> bool:
         return self.reusing() and not self.probe_due()
 
-    def _store_own(self, key_states, value_states) -> None:
-        if self.keys is None:
-            self.keys, self.values = key_states, value_states
-        else:
-            self.keys = torch.cat([self.keys, key_states], dim=-2)
-            self.values = torch.cat([self.values, value_states], dim=-2)
-
     def update(self, key_states, value_states, *args, **kwargs):
         """Decide (prefill), store, and return the K/V this layer attends with, (1, H, seq_len, d).
 
@@ -131,28 +125,28 @@ class DCALayer(KVLayer):
             self.mode = self._decide(key_states, value_states)
             self.length += key_states.shape[-2]
             if self.mode == "kept":
-                self._store_own(key_states, value_states)
-            return key_states, value_states  # prefill attends with its own K/V either way
+                self.own = self.backend.inner.new_layer(self.index, 0)
+                return self.own.update(key_states, value_states)
+            return key_states, value_states  # a reuse layer's prefill attends with its own K/V, then drops them
         if self.mode == "kept":
-            self._store_own(key_states, value_states)
             self.length += key_states.shape[-2]
-            return self.keys, self.values
-        # reuse layer, decode
-        src = self.source
-        n = src.length - start  # the source has already taken this step's tokens
+            return self.own.update(key_states, value_states)
+        # reuse layer, decode: the source has already taken this step's tokens
+        src_keys, src_values = self.source.own.materialize()  # what the source stores, rebuilt (transient)
+        n = src_keys.shape[-2] - start
         if key_states is not None and self.reusing() and self.probe_due():
-            pk, pv = self.map.predict(src.keys[..., start:, :], src.values[..., start:, :], start)
+            pk, pv = self.map.predict(src_keys[..., start:, :], src_values[..., start:, :], start)
             if similarity(key_states, value_states, pk, pv) < self.threshold:
                 self.fallback_at = start
+                self.own = self.backend.inner.new_layer(self.index, start)
                 self.store.fallbacks += 1
-        if self.fallback_at is not None:
-            self._store_own(key_states, value_states)
+        own_kv = self.own.update(key_states, value_states) if self.fallback_at is not None else None
         self.length += n
         self.decode_steps += 1
         upto = self.fallback_at if self.fallback_at is not None else self.length
-        k, v = self.map.predict(src.keys[..., :upto, :], src.values[..., :upto, :], 0)
-        if self.fallback_at is not None:
-            return torch.cat([k, self.keys], dim=-2), torch.cat([v, self.values], dim=-2)
+        k, v = self.map.predict(src_keys[..., :upto, :], src_values[..., :upto, :], 0)
+        if own_kv is not None:
+            return torch.cat([k, own_kv[0]], dim=-2), torch.cat([v, own_kv[1]], dim=-2)
         return k, v
 
     def _decide(self, key_states, value_states) -> str:
@@ -160,20 +154,28 @@ class DCALayer(KVLayer):
         if src is None or src.mode != "kept" or self.threshold > 1:
             return "kept"
         start, n = self.length, key_states.shape[-2]
-        pk, pv = self.map.predict(src.keys[..., start : start + n, :], src.values[..., start : start + n, :], start)
+        src_keys, src_values = src.own.materialize()  # similarity on what the inner backend stores
+        pk, pv = self.map.predict(src_keys[..., start : start + n, :], src_values[..., start : start + n, :], start)
         self.similarity = similarity(key_states, value_states, pk, pv)
         return "reuse" if self.similarity >= self.threshold else "kept"
+
+    def materialize(self):
+        if self.mode == "kept":
+            return self.own.materialize()
+        raise RuntimeError("a reuse layer holds no K/V of its own to materialize")
 
     def get_seq_length(self) -> int:
         return self.length
 
     def reset(self) -> None:
-        self.keys = self.values = None
+        if self.own is not None:
+            self.own.reset()
+        self.own = None
         self.is_initialized = False
         self.length = 0
 
     def nbytes(self) -> int:
-        return tensor_bytes(self.keys, self.values)
+        return self.own.nbytes() if self.own is not None else 0
 
 
 class DCAStore(KVStore):
@@ -181,7 +183,7 @@ class DCAStore(KVStore):
 
     def __init__(self, backend: "DCABackend"):
         self.fallbacks = 0
-        layers = [DCALayer(self, i, backend.maps[i - 1] if i else None, backend.threshold, backend.probe_interval)
+        layers = [DCALayer(self, i, backend.maps[i - 1] if i else None, backend)
                   for i in range(backend.geometry.num_layers)]
         super().__init__(layers)
 
@@ -212,13 +214,18 @@ class DCABackend(KVBackend):
     name = "dca"
 
     def __init__(self, geometry: ModelGeometry, threshold: float = 0.98, probe_interval: int = 16,
-                 align: str = "linear"):
+                 align: str = "linear", inner: KVBackend | None = None):
         if probe_interval < 1:
             raise ValueError(f"KV_DCA_PROBE_INTERVAL={probe_interval} must be >= 1")
         if align not in ALIGNS:
             raise ValueError(f"KV_DCA_ALIGN={align!r}; allowed: {', '.join(ALIGNS)}")
         super().__init__(geometry, threshold=threshold, probe_interval=probe_interval, align=align)
         self.threshold, self.probe_interval, self.align = threshold, probe_interval, align
+        from cache_backends.full import FullBackend
+
+        self.inner = inner if inner is not None else FullBackend(geometry)
+        if inner is not None:
+            self.options.update(inner.params())
         self.maps: list[LayerMap] | None = None
         self.calibration: dict[str, list[float]] = {}
 
@@ -229,6 +236,7 @@ class DCABackend(KVBackend):
         from cache_backends.calibration import collect_kv
 
         ids = calibration_ids if calibration_ids is not None else calib_ids(model)
+        self.inner.prepare(model, ids)
         kv = collect_kv(model, self.geometry, ids, desc="dca calibration")
         rope = RopeTable(model, model.config.max_position_embeddings)
         device = next(model.parameters()).device
@@ -264,7 +272,9 @@ class DCABackend(KVBackend):
             raise RuntimeError("dca backend used before prepare(model)")
         return DCAStore(self)
 
-    def bytes_per_token_per_layer(self) -> float:
-        g = self.geometry
-        full = full_bytes_per_token_per_layer(g.num_key_value_heads, g.head_dim, g.dtype_bytes)
-        return (1 - self.expected_reuse_fraction()) * full
+    def new_layer(self, index: int, position_offset: int = 0) -> KVLayer:
+        raise RuntimeError("dca layers belong to a DCAStore; use new_store()")
+
+    def bytes_per_token_per_layer(self, seq_len: int = 1024) -> float:
+        """(1 - expected reuse fraction) x the inner backend's bytes per token per layer."""
+        return (1 - self.expected_reuse_fraction()) * self.inner.bytes_per_token_per_layer(seq_len)

@@ -36,15 +36,28 @@ def int8_bytes_per_token_per_layer(num_key_value_heads: int, head_dim: int, dtyp
         Average bytes per token per layer at ``seq_len`` tokens.
     """
     hd = num_key_value_heads * head_dim
-    if seq_len < residual + group_size:
-        fp_tokens = seq_len
-    else:
-        fp_tokens = residual + (seq_len - residual) % group_size
+    fp_tokens = _fp_tokens(seq_len, group_size, residual)
     q_tokens = seq_len - fp_tokens
     key_bytes = q_tokens * hd + (q_tokens // group_size) * hd * 2 * dtype_bytes
     value_bytes = q_tokens * hd + q_tokens * num_key_value_heads * 2 * dtype_bytes
     fp_bytes = fp_tokens * 2 * hd * dtype_bytes
     return (key_bytes + value_bytes + fp_bytes) / max(seq_len, 1)
+
+
+def _fp_tokens(seq_len: int, group_size: int, residual: int) -> int:
+    """Tokens still in full precision at ``seq_len`` (the residual window plus the forming group)."""
+    if seq_len < residual + group_size:
+        return seq_len
+    return residual + (seq_len - residual) % group_size
+
+
+def int8_latent_bytes_per_token_per_layer(rank: int, dtype_bytes: int, group_size: int, residual: int,
+                                          seq_len: int) -> float:
+    """``mla+int8``: an int8 latent of ``rank`` channels, one scale and minimum per channel per group of
+    ``group_size`` tokens, and the residual window in full precision; averaged at ``seq_len``."""
+    fp = _fp_tokens(seq_len, group_size, residual)
+    q = seq_len - fp
+    return (q * rank + (q // group_size) * rank * 2 * dtype_bytes + fp * rank * dtype_bytes) / max(seq_len, 1)
 
 
 # ---- the estimator behind `kvserve estimate` -------------------------------------------------------
@@ -97,7 +110,8 @@ def bytes_per_token_per_layer(shape: Shape, backend: str, params: dict, dtype_by
 
     Args:
         shape: the model's attention shape.
-        backend: ``full``, ``gqa``, ``mla``, ``int8`` or ``dca``.
+        backend: ``full``, ``gqa``, ``mla``, ``int8``, ``dca``, or a composition (``gqa+int8``,
+            ``mla+int8``, ``dca+int8``, ``dca+mla``).
         params: the spec's options (``gqa``: groups; ``mla``: rank, rope_dim; ``int8``: group_size,
             residual; ``dca``: reuse_fraction and optional inner backend options).
         dtype_bytes: bytes per element (2 for fp16).
@@ -107,6 +121,16 @@ def bytes_per_token_per_layer(shape: Shape, backend: str, params: dict, dtype_by
         ValueError: for an unknown backend or a parameter the shape cannot take.
     """
     h, dk, dv = shape.num_key_value_heads, shape.k_head_dim, shape.v_head_dim
+    if backend.startswith("dca+"):
+        return bytes_per_token_per_layer(shape, "dca", {**params, "inner": backend[4:]}, dtype_bytes, seq_len)
+    if backend == "gqa+int8":
+        groups = params.get("groups", max(1, h // 4))
+        return bytes_per_token_per_layer(Shape(shape.num_layers, groups, dk, dv), "int8", params, dtype_bytes, seq_len)
+    if backend == "mla+int8":
+        rank = params.get("rank", shape.kv_lora_rank or (h * (dk + dv)) // 8)
+        rope = params.get("rope_dim", shape.rope_dim if shape.kv_lora_rank else 0)
+        return int8_latent_bytes_per_token_per_layer(rank + rope, dtype_bytes, params.get("group_size", 32),
+                                                     params.get("residual", 32), seq_len)
     if backend == "full":
         return h * (dk + dv) * dtype_bytes
     if backend == "gqa":
@@ -130,7 +154,8 @@ def bytes_per_token_per_layer(shape: Shape, backend: str, params: dict, dtype_by
         inner = params.get("inner", "full")
         rest = {k: v for k, v in params.items() if k not in ("reuse_fraction", "inner")}
         return (1 - f) * bytes_per_token_per_layer(shape, inner, rest, dtype_bytes, seq_len)
-    raise ValueError(f"unknown backend {backend!r}; allowed: full, gqa, mla, int8, dca")
+    raise ValueError(f"unknown backend {backend!r}; allowed: full, gqa, mla, int8, dca, gqa+int8, mla+int8, "
+                     "dca+int8, dca+mla")
 
 
 def estimate_rows(shape: Shape, specs: list[tuple[str, dict]], seq_lens: list[int], batches: list[int],

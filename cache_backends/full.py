@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from transformers.cache_utils import DynamicLayer
 
-from cache_backends.base import KVBackend, KVLayer, KVStore, tensor_bytes
+from cache_backends.base import KVBackend, KVLayer, tensor_bytes
 from cache_backends.estimate import full_bytes_per_token_per_layer
 
 
@@ -19,15 +19,18 @@ class FullLayer(DynamicLayer, KVLayer):
     def nbytes(self) -> int:
         return tensor_bytes(self.keys, self.values) if self.is_initialized else 0
 
+    def materialize(self):
+        return self.keys, self.values
+
 
 class FullBackend(KVBackend):
     """Exact keys and values (no compression)."""
 
     name = "full"
 
-    def new_store(self) -> KVStore:
-        return KVStore([FullLayer() for _ in range(self.geometry.num_layers)])
+    def new_layer(self, index: int, position_offset: int = 0) -> FullLayer:
+        return FullLayer()
 
-    def bytes_per_token_per_layer(self) -> float:
+    def bytes_per_token_per_layer(self, seq_len: int = 1024) -> float:
         g = self.geometry
         return full_bytes_per_token_per_layer(g.num_key_value_heads, g.head_dim, g.dtype_bytes)

@@ -17,7 +17,7 @@ Two ways to make the shared head (``KV_GQA_METHOD``):
   the special case with equal weights, so ``pca`` is never worse in reconstruction error.
 
 Storage per sequence and layer: shared keys and values of shape (1, G, seq_len, head_dim) in the
-model's dtype. Bytes per token per layer: ``2 * G * head_dim * dtype_bytes``. The encode/decode
+model's dtype (``gqa+int8``: quantized as in ``int8``, keys per channel, values per token). Bytes per token per layer: ``2 * G * head_dim * dtype_bytes``. The encode/decode
 matrices are per-model constants (like weights), not per-token storage. With G = num_key_value_heads
 both methods are lossless (identity check).
 """
@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import torch
 
-from cache_backends.base import KVBackend, KVLayer, KVStore, ModelGeometry, tensor_bytes
-from cache_backends.estimate import gqa_bytes_per_token_per_layer
+from cache_backends.base import KVBackend, KVLayer, ModelGeometry, make_storage
+from cache_backends.estimate import gqa_bytes_per_token_per_layer, int8_bytes_per_token_per_layer
 
 METHODS = ("pca", "mean")
 
@@ -128,38 +128,38 @@ def pca_key_codec(keys: torch.Tensor, groups: int) -> GroupCodec:
 
 
 class GQALayer(KVLayer):
-    """One layer's shared K/V heads: keys and values of shape (1, G, seq_len, head_dim)."""
+    """One layer's shared K/V heads, (1, G, seq_len, head_dim) each, held exactly or as int8 (``gqa+int8``)."""
 
-    def __init__(self, key_codec: GroupCodec, value_codec: GroupCodec):
+    def __init__(self, key_codec: GroupCodec, value_codec: GroupCodec, quantize: dict | None = None):
         super().__init__()
         self.key_codec = key_codec
         self.value_codec = value_codec
-        self.length = 0
+        self.quantize = quantize
+        self.reset()
 
     def lazy_initialization(self, key_states, value_states) -> None:
-        self.keys = self.key_codec.encode(key_states[..., :0, :])
-        self.values = self.value_codec.encode(value_states[..., :0, :])
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Store the new tokens' shared heads; return every head's K/V rebuilt, (1, heads, seq_len, head_dim)."""
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        self.keys = torch.cat([self.keys, self.key_codec.encode(key_states)], dim=-2)
-        self.values = torch.cat([self.values, self.value_codec.encode(value_states)], dim=-2)
-        self.length += key_states.shape[-2]
-        return self.key_codec.decode(self.keys), self.value_codec.decode(self.values)
+        self.is_initialized = True
+        self.key_store.append(self.key_codec.encode(key_states))
+        self.value_store.append(self.value_codec.encode(value_states))
+        return self.materialize()
+
+    def materialize(self):
+        return self.key_codec.decode(self.key_store.read()), self.value_codec.decode(self.value_store.read())
 
     def get_seq_length(self) -> int:
-        return self.length
+        return self.key_store.length
 
     def reset(self) -> None:
-        self.keys = self.values = None
+        self.key_store = make_storage("channel", self.quantize)
+        self.value_store = make_storage("token", self.quantize)
         self.is_initialized = False
-        self.length = 0
 
     def nbytes(self) -> int:
-        return tensor_bytes(self.keys, self.values)
+        return self.key_store.nbytes() + self.value_store.nbytes()
 
 
 class GQABackend(KVBackend):
@@ -177,15 +177,16 @@ class GQABackend(KVBackend):
 
     name = "gqa"
 
-    def __init__(self, geometry: ModelGeometry, groups: int | None = None, method: str = "pca"):
+    def __init__(self, geometry: ModelGeometry, groups: int | None = None, method: str = "pca",
+                 quantize: dict | None = None):
         groups = groups or max(1, geometry.num_key_value_heads // 4)
         if groups < 1 or geometry.num_key_value_heads % groups:
             raise ValueError(f"KV_GQA_GROUPS={groups} must divide num_key_value_heads="
                              f"{geometry.num_key_value_heads}")
         if method not in METHODS:
             raise ValueError(f"KV_GQA_METHOD={method!r}; allowed: {', '.join(METHODS)}")
-        super().__init__(geometry, groups=groups, method=method)
-        self.groups, self.method = groups, method
+        super().__init__(geometry, groups=groups, method=method, **(quantize or {}))
+        self.groups, self.method, self.quantize = groups, method, quantize
         m = geometry.num_key_value_heads // groups
         codec = mean_codec(groups, m, geometry.head_dim)
         self.codecs = [(codec, codec)] * geometry.num_layers
@@ -204,8 +205,13 @@ class GQABackend(KVBackend):
             for c in (kc, vc):
                 c.encode_m, c.decode_m = c.encode_m.to(device), c.decode_m.to(device)
 
-    def new_store(self) -> KVStore:
-        return KVStore([GQALayer(k, v) for k, v in self.codecs])
+    def new_layer(self, index: int, position_offset: int = 0) -> GQALayer:
+        key_codec, value_codec = self.codecs[index]
+        return GQALayer(key_codec, value_codec, self.quantize)
 
-    def bytes_per_token_per_layer(self) -> float:
-        return gqa_bytes_per_token_per_layer(self.groups, self.geometry.head_dim, self.geometry.dtype_bytes)
+    def bytes_per_token_per_layer(self, seq_len: int = 1024) -> float:
+        g = self.geometry
+        if self.quantize:  # gqa+int8: the int8 sums with G heads in place of num_key_value_heads
+            return int8_bytes_per_token_per_layer(self.groups, g.head_dim, g.dtype_bytes, self.quantize["group_size"],
+                                                  self.quantize["residual"], seq_len)
+        return gqa_bytes_per_token_per_layer(self.groups, g.head_dim, g.dtype_bytes)

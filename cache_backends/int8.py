@@ -10,9 +10,12 @@ stay in full precision: once ``residual + group_size`` tokens are unquantized, t
 Storage per sequence and layer (H = num_key_value_heads, d = head_dim, Tq quantized tokens,
 Tr residual tokens, n = Tq / group_size):
 
-* ``key_q``   (1, H, Tq, d) int8, ``key_scale`` and ``key_min`` (1, H, n, d) model dtype;
-* ``value_q`` (1, H, Tq, d) int8, ``value_scale`` and ``value_min`` (1, H, Tq, 1) model dtype;
-* ``key_res``, ``value_res`` (1, H, Tr, d) model dtype.
+* keys (``Int8Layer.key_store``): ``q`` (1, H, Tq, d) int8, ``scale`` and ``minimum`` (1, H, n, d);
+* values (``Int8Layer.value_store``): ``q`` (1, H, Tq, d) int8, ``scale`` and ``minimum`` (1, H, Tq, 1);
+* each store's ``recent`` window (1, H, Tr, d) in the model dtype.
+
+:class:`Int8Storage` quantizes any per-token stream this way; the compositions ``gqa+int8`` and
+``mla+int8`` use it for the shared heads and for the latent.
 
 Bytes per token per layer (asymptotically): ``2*H*d + 2*H*d*B/group_size + 2*H*B`` — about 0.31x of
 ``full`` in fp32 and 0.63x in fp16/bf16 at group size 32 (the closed formula with the residual window
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from cache_backends.base import KVBackend, KVLayer, KVStore, ModelGeometry, tensor_bytes
+from cache_backends.base import KVBackend, KVLayer, ModelGeometry, tensor_bytes
 from cache_backends.estimate import int8_bytes_per_token_per_layer
 
 QMIN, QMAX = -128, 127
@@ -48,79 +51,100 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> t
     return (q.to(scale.dtype) - QMIN) * scale + minimum
 
 
-class Int8Layer(KVLayer):
-    """One layer's int8 K/V plus the full-precision residual window (shapes in the module docstring)."""
+class Int8Storage:
+    """A stream of per-token vectors, (batch, heads, seq_len, width), held as int8 plus a residual window.
 
-    def __init__(self, group_size: int, residual: int):
-        super().__init__()
+    Args:
+        axis: ``"channel"`` — one scale and minimum per channel over each group of ``group_size``
+            tokens (KIVI's keys); ``"token"`` — one scale and minimum per token and head over its
+            channels (KIVI's values).
+        group_size: tokens quantized together (the residual drains in whole groups).
+        residual: newest tokens always kept in full precision.
+    """
+
+    def __init__(self, axis: str, group_size: int, residual: int):
+        self.axis = axis
         self.group_size = group_size
         self.residual = residual
+        self.q = self.scale = self.minimum = self.recent = None
         self.length = 0
 
-    def lazy_initialization(self, key_states, value_states) -> None:
-        b, h, _, d = key_states.shape
-        dt, dev = key_states.dtype, key_states.device
-        self.key_q = torch.empty(b, h, 0, d, dtype=torch.int8, device=dev)
-        self.key_scale = torch.empty(b, h, 0, d, dtype=dt, device=dev)
-        self.key_min = torch.empty(b, h, 0, d, dtype=dt, device=dev)
-        self.value_q = torch.empty(b, h, 0, value_states.shape[-1], dtype=torch.int8, device=dev)
-        self.value_scale = torch.empty(b, h, 0, 1, dtype=dt, device=dev)
-        self.value_min = torch.empty(b, h, 0, 1, dtype=dt, device=dev)
-        self.key_res = key_states[..., :0, :]
-        self.value_res = value_states[..., :0, :]
-        self.is_initialized = True
+    def _init(self, x: torch.Tensor) -> None:
+        b, h, _, w = x.shape
+        self.q = torch.empty(b, h, 0, w, dtype=torch.int8, device=x.device)
+        self.scale = torch.empty(b, h, 0, w if self.axis == "channel" else 1, dtype=x.dtype, device=x.device)
+        self.minimum = torch.empty_like(self.scale)
+        self.recent = x[..., :0, :]
 
-    def _quantize_full_groups(self) -> None:
-        """Move whole groups of the oldest residual tokens into int8 storage."""
+    def append(self, x: torch.Tensor) -> None:
+        """Add ``n`` tokens (batch, heads, n, width); quantize the oldest whole groups past the window."""
+        if self.q is None:
+            self._init(x)
+        self.recent = torch.cat([self.recent, x], dim=-2)
+        self.length += x.shape[-2]
         g = self.group_size
-        n_groups = max(0, (self.key_res.shape[-2] - self.residual) // g)
+        n_groups = max(0, (self.recent.shape[-2] - self.residual) // g)
         if n_groups == 0:
             return
         n = n_groups * g
-        k, v = self.key_res[..., :n, :], self.value_res[..., :n, :]
-        b, h, _, d = k.shape
-        # keys: per channel over each group of g tokens
-        kq, ks, km = quantize(k.reshape(b, h, n_groups, g, d), dim=3)  # scale/min: (b, h, n_groups, 1, d)
-        self.key_q = torch.cat([self.key_q, kq.reshape(b, h, n, d)], dim=-2)
-        self.key_scale = torch.cat([self.key_scale, ks.squeeze(3)], dim=-2)
-        self.key_min = torch.cat([self.key_min, km.squeeze(3)], dim=-2)
-        # values: per token (and head) over its channels
-        vq, vs, vm = quantize(v, dim=-1)  # scale/min: (b, h, n, 1)
-        self.value_q = torch.cat([self.value_q, vq], dim=-2)
-        self.value_scale = torch.cat([self.value_scale, vs], dim=-2)
-        self.value_min = torch.cat([self.value_min, vm], dim=-2)
-        self.key_res = self.key_res[..., n:, :].clone()
-        self.value_res = self.value_res[..., n:, :].clone()
+        old = self.recent[..., :n, :]
+        b, h, _, w = old.shape
+        if self.axis == "channel":
+            q, scale, minimum = quantize(old.reshape(b, h, n_groups, g, w), dim=3)  # (b, h, groups, 1, w)
+            q, scale, minimum = q.reshape(b, h, n, w), scale.squeeze(3), minimum.squeeze(3)
+        else:
+            q, scale, minimum = quantize(old, dim=-1)  # (b, h, n, 1)
+        self.q = torch.cat([self.q, q], dim=-2)
+        self.scale = torch.cat([self.scale, scale], dim=-2)
+        self.minimum = torch.cat([self.minimum, minimum], dim=-2)
+        self.recent = self.recent[..., n:, :].clone()
+
+    def read(self) -> torch.Tensor:
+        """Every token, dequantized, then the full-precision window: (batch, heads, seq_len, width)."""
+        b, h, tq, w = self.q.shape
+        if self.axis == "channel":
+            g = self.group_size
+            old = dequantize(self.q.reshape(b, h, tq // g, g, w), self.scale.unsqueeze(3),
+                             self.minimum.unsqueeze(3)).reshape(b, h, tq, w)
+        else:
+            old = dequantize(self.q, self.scale, self.minimum)
+        return torch.cat([old, self.recent], dim=-2)
+
+    def nbytes(self) -> int:
+        return tensor_bytes(self.q, self.scale, self.minimum, self.recent)
+
+
+class Int8Layer(KVLayer):
+    """One layer's KIVI cache: keys in a per-channel :class:`Int8Storage`, values in a per-token one."""
+
+    def __init__(self, group_size: int, residual: int):
+        super().__init__()
+        self.group_size, self.residual = group_size, residual
+        self.reset()
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append new tokens; return all keys and values dequantized, (1, H, seq_len, head_dim)."""
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        self.key_res = torch.cat([self.key_res, key_states], dim=-2)
-        self.value_res = torch.cat([self.value_res, value_states], dim=-2)
-        self.length += key_states.shape[-2]
-        self._quantize_full_groups()
-        b, h, tq, d = self.key_q.shape
-        g = self.group_size
-        keys = dequantize(self.key_q.reshape(b, h, tq // g, g, d), self.key_scale.unsqueeze(3),
-                          self.key_min.unsqueeze(3)).reshape(b, h, tq, d)
-        values = dequantize(self.value_q, self.value_scale, self.value_min)
-        return torch.cat([keys, self.key_res], dim=-2), torch.cat([values, self.value_res], dim=-2)
+        self.is_initialized = True
+        self.key_store.append(key_states)
+        self.value_store.append(value_states)
+        return self.materialize()
+
+    def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.key_store.read(), self.value_store.read()
 
     def get_seq_length(self) -> int:
-        return self.length
+        return self.key_store.length
 
     def reset(self) -> None:
-        for name in ("key_q", "key_scale", "key_min", "value_q", "value_scale", "value_min", "key_res", "value_res"):
-            setattr(self, name, None)
+        self.key_store = Int8Storage("channel", self.group_size, self.residual)
+        self.value_store = Int8Storage("token", self.group_size, self.residual)
         self.is_initialized = False
-        self.length = 0
 
     def nbytes(self) -> int:
-        if not self.is_initialized:
-            return 0
-        return tensor_bytes(self.key_q, self.key_scale, self.key_min, self.value_q, self.value_scale,
-                            self.value_min, self.key_res, self.value_res)
+        return self.key_store.nbytes() + self.value_store.nbytes()
 
 
 class Int8Backend(KVBackend):
@@ -145,8 +169,8 @@ class Int8Backend(KVBackend):
         super().__init__(geometry, group_size=group_size, residual=residual)
         self.group_size, self.residual = group_size, residual
 
-    def new_store(self) -> KVStore:
-        return KVStore([Int8Layer(self.group_size, self.residual) for _ in range(self.geometry.num_layers)])
+    def new_layer(self, index: int, position_offset: int = 0) -> Int8Layer:
+        return Int8Layer(self.group_size, self.residual)
 
     def bytes_per_token_per_layer(self, seq_len: int = 1024) -> float:
         g = self.geometry

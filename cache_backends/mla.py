@@ -8,7 +8,8 @@ c = (x - mu) P, r values per token. When a layer attends, K_pre and V are rebuil
 is applied to K at each cached token's own position. Keys arrive from the model after RoPE; the layer
 undoes RoPE exactly (a rotation) before projecting. At r = 2 * H * d the rebuild is exact.
 
-Storage per sequence and layer: ``latent`` of shape (1, seq_len, r) in the model's dtype.
+Storage per sequence and layer: ``latent`` of shape (1, 1, seq_len, r) in the model's dtype
+(``mla+int8``: int8 per channel over token groups, with a full-precision residual window).
 Bytes per token per layer: ``r * dtype_bytes``. P (2Hd x r) and mu are per-model constants.
 
 Native MLA models (DeepSeek-V2, arXiv 2405.04434) are served by
@@ -20,8 +21,8 @@ from __future__ import annotations
 import torch
 from tqdm import tqdm
 
-from cache_backends.base import KVBackend, KVLayer, KVStore, ModelGeometry, tensor_bytes
-from cache_backends.estimate import mla_bytes_per_token_per_layer
+from cache_backends.base import KVBackend, KVLayer, ModelGeometry, make_storage
+from cache_backends.estimate import int8_latent_bytes_per_token_per_layer, mla_bytes_per_token_per_layer
 from cache_backends.rope import RopeTable
 
 
@@ -50,55 +51,67 @@ class LatentBasis:
 
 
 class MLALayer(KVLayer):
-    """One layer's latent cache, ``latent`` of shape (1, seq_len, rank)."""
+    """One layer's latent cache, (1, 1, seq_len, rank), held exactly or as int8 (``mla+int8``).
 
-    def __init__(self, basis: LatentBasis, rope: RopeTable, heads: int, head_dim: int):
+    Args:
+        basis: the layer's projection.
+        rope: the model's RoPE table.
+        heads, head_dim: H and d.
+        quantize: ``None`` or int8 options (the latent is quantized per channel over token groups,
+            since principal components differ in scale by orders of magnitude).
+        position_offset: the position of the first token this layer will hold.
+    """
+
+    def __init__(self, basis: LatentBasis, rope: RopeTable, heads: int, head_dim: int, quantize: dict | None = None,
+                 position_offset: int = 0):
         super().__init__()
         self.p = basis
         self.rope = rope
         self.heads, self.head_dim = heads, head_dim
-        self.latent: torch.Tensor | None = None
-        self.length = 0
+        self.quantize = quantize
+        self.position_offset = position_offset
+        self.reset()
 
     def lazy_initialization(self, key_states, value_states) -> None:
-        self.latent = key_states.new_zeros(key_states.shape[0], 0, self.p.basis.shape[1])
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Store the new tokens' latents; return keys (RoPE re-applied) and values rebuilt from all latents.
 
         Args:
-            key_states: (1, H, new, d) after RoPE, at positions ``seq_len .. seq_len + new - 1``.
+            key_states: (1, H, new, d) after RoPE, at positions ``offset + seq_len ..``.
             value_states: (1, H, new, d).
 
         Returns:
             keys, values of shape (1, H, seq_len + new, d).
         """
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
+        self.is_initialized = True
         b, h, n, d = key_states.shape
-        k_pre = self.rope.invert(key_states, self.length)  # (b, H, n, d)
+        k_pre = self.rope.invert(key_states, self.position_offset + self.latent.length)  # (b, H, n, d)
         x = torch.cat([k_pre.transpose(1, 2).reshape(b, n, h * d), value_states.transpose(1, 2).reshape(b, n, h * d)],
                       dim=-1)  # (b, n, 2Hd)
         basis, mean = self.p.basis.to(x.dtype), self.p.mean.to(x.dtype)
-        self.latent = torch.cat([self.latent, (x - mean) @ basis], dim=1)  # (b, T, r)
-        self.length += n
-        t = self.length
-        rebuilt = self.latent @ basis.T + mean  # (b, T, 2Hd), transient
+        self.latent.append(((x - mean) @ basis).unsqueeze(1))  # (b, 1, n, r)
+        return self.materialize()
+
+    def materialize(self):
+        latent = self.latent.read()[:, 0]  # (b, T, r)
+        b, t, _ = latent.shape
+        h, d = self.heads, self.head_dim
+        rebuilt = latent @ self.p.basis.to(latent.dtype).T + self.p.mean.to(latent.dtype)  # (b, T, 2Hd), transient
         keys = rebuilt[..., : h * d].reshape(b, t, h, d).transpose(1, 2)
         values = rebuilt[..., h * d :].reshape(b, t, h, d).transpose(1, 2)
-        return self.rope.apply(keys, 0), values
+        return self.rope.apply(keys, self.position_offset), values
 
     def get_seq_length(self) -> int:
-        return self.length
+        return self.latent.length
 
     def reset(self) -> None:
-        self.latent = None
+        self.latent = make_storage("channel", self.quantize)
         self.is_initialized = False
-        self.length = 0
 
     def nbytes(self) -> int:
-        return tensor_bytes(self.latent)
+        return self.latent.nbytes()
 
 
 class MLABackend(KVBackend):
@@ -115,13 +128,13 @@ class MLABackend(KVBackend):
 
     name = "mla"
 
-    def __init__(self, geometry: ModelGeometry, rank: int | None = None):
+    def __init__(self, geometry: ModelGeometry, rank: int | None = None, quantize: dict | None = None):
         width = 2 * geometry.num_key_value_heads * geometry.head_dim
         rank = rank or max(1, width // 8)
         if not 1 <= rank <= width:
             raise ValueError(f"KV_MLA_RANK={rank} must be between 1 and 2*num_key_value_heads*head_dim={width}")
-        super().__init__(geometry, rank=rank)
-        self.rank = rank
+        super().__init__(geometry, rank=rank, **(quantize or {}))
+        self.rank, self.quantize = rank, quantize
         self.bases: list[LatentBasis] | None = None
         self.rope: RopeTable | None = None
 
@@ -139,11 +152,15 @@ class MLABackend(KVBackend):
             self.bases.append(LatentBasis(b.basis.to(device), b.mean.to(device)))
         self.rope = RopeTable(model, model.config.max_position_embeddings)
 
-    def new_store(self) -> KVStore:
+    def new_layer(self, index: int, position_offset: int = 0) -> MLALayer:
         if self.bases is None:
             raise RuntimeError("mla backend used before prepare(model)")
         g = self.geometry
-        return KVStore([MLALayer(b, self.rope, g.num_key_value_heads, g.head_dim) for b in self.bases])
+        return MLALayer(self.bases[index], self.rope, g.num_key_value_heads, g.head_dim, self.quantize, position_offset)
 
-    def bytes_per_token_per_layer(self) -> float:
+    def bytes_per_token_per_layer(self, seq_len: int = 1024) -> float:
+        if self.quantize:  # mla+int8: one "head" of width r, quantized per channel; no per-token scales
+            q = self.quantize
+            return int8_latent_bytes_per_token_per_layer(self.rank, self.geometry.dtype_bytes, q["group_size"],
+                                                         q["residual"], seq_len)
         return mla_bytes_per_token_per_layer(self.rank, 0, self.geometry.dtype_bytes)

@@ -1,24 +1,37 @@
-"""Backend names → classes. ``KV_BACKEND`` must be one of :func:`available`."""
+"""Backend names → classes, and compositions joined with ``+``. ``KV_BACKEND`` must be one of :func:`available`.
+
+Compositions (``outer+inner``):
+
+* ``gqa+int8`` — the shared K/V heads are quantized as in ``int8``;
+* ``mla+int8`` — the latent is quantized (per channel over token groups, with a residual window);
+* ``dca+int8``, ``dca+mla`` — kept layers store what the inner backend stores; reuse layers predict from
+  it, and every similarity (prefill decision, probes) is measured on the inner backend's rebuilt K/V.
+"""
 
 from __future__ import annotations
 
-from cache_backends.base import KVBackend
+import inspect
+
+from cache_backends.base import KVBackend, ModelGeometry
 from cache_backends.dca import DCABackend
 from cache_backends.full import FullBackend
 from cache_backends.gqa import GQABackend
 from cache_backends.int8 import Int8Backend
 from cache_backends.mla import MLABackend
 
-_BACKENDS: dict[str, type[KVBackend]] = {cls.name: cls for cls in (FullBackend, GQABackend, MLABackend, Int8Backend, DCABackend)}
+_BACKENDS: dict[str, type[KVBackend]] = {cls.name: cls for cls in (FullBackend, GQABackend, MLABackend, Int8Backend,
+                                                                    DCABackend)}
+COMPOSITIONS = ("gqa+int8", "mla+int8", "dca+int8", "dca+mla")
+INT8_OPTIONS = ("group_size", "residual")
 
 
 def available() -> list[str]:
-    """Registered backend names, sorted."""
-    return sorted(_BACKENDS)
+    """Registered backend names and supported compositions."""
+    return sorted(_BACKENDS) + list(COMPOSITIONS)
 
 
 def get_backend_class(name: str) -> type[KVBackend]:
-    """The class registered as ``name``.
+    """The class registered as ``name`` (a single backend, not a composition).
 
     Raises:
         KeyError: if no backend has that name.
@@ -27,3 +40,56 @@ def get_backend_class(name: str) -> type[KVBackend]:
         return _BACKENDS[name]
     except KeyError:
         raise KeyError(f"unknown KV backend {name!r}; allowed: {', '.join(available())}") from None
+
+
+def _accepts(cls: type, options: dict) -> dict:
+    params = inspect.signature(cls.__init__).parameters
+    return {k: v for k, v in options.items() if k in params}
+
+
+def create(name: str, geometry: ModelGeometry, **options) -> KVBackend:
+    """Build backend ``name`` (single or composition) with its options.
+
+    A composition's options are routed by name to the component that takes them (e.g. ``rank`` to
+    ``mla``, ``group_size`` and ``residual`` to ``int8``); options no component takes are refused.
+
+    Raises:
+        ValueError: for an unsupported name or combination (listing the supported ones), an unknown
+            option, or an option value a backend refuses.
+    """
+    if "+" not in name:
+        if name not in _BACKENDS:
+            raise ValueError(f"unknown KV backend {name!r}; allowed: {', '.join(available())}")
+        cls = _BACKENDS[name]
+        unknown = set(options) - set(_accepts(cls, options))
+        if unknown:
+            raise ValueError(f"{name} takes no option {', '.join(sorted(unknown))}")
+        return cls(geometry, **options)
+    if name not in COMPOSITIONS:
+        raise ValueError(f"unsupported combination {name!r}; supported: {', '.join(COMPOSITIONS)}")
+    outer, inner = name.split("+")
+    used = set()
+    if inner == "int8":
+        quantize = {k: options[k] for k in INT8_OPTIONS if k in options}
+        used |= set(quantize)
+        quantize = {"group_size": quantize.get("group_size", 32), "residual": quantize.get("residual", 32)}
+        Int8Backend(geometry, **quantize)  # validates the values
+        if outer in ("gqa", "mla"):
+            own = _accepts(_BACKENDS[outer], options)
+            own.pop("quantize", None)
+            used |= set(own)
+            backend = _BACKENDS[outer](geometry, quantize=quantize, **own)
+        else:  # dca+int8
+            own = _accepts(DCABackend, options)
+            used |= set(own)
+            backend = DCABackend(geometry, inner=Int8Backend(geometry, **quantize), **own)
+    else:  # dca+mla
+        mla_opts = _accepts(MLABackend, options)
+        dca_opts = _accepts(DCABackend, options)
+        used |= set(mla_opts) | set(dca_opts)
+        backend = DCABackend(geometry, inner=MLABackend(geometry, **mla_opts), **dca_opts)
+    unknown = set(options) - used
+    if unknown:
+        raise ValueError(f"{name} takes no option {', '.join(sorted(unknown))}")
+    backend.name = name
+    return backend

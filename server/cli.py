@@ -17,7 +17,7 @@ def check_backend(settings) -> None:
     import torch
     from transformers import AutoConfig
 
-    from cache_backends import ModelGeometry, get_backend_class
+    from cache_backends import ModelGeometry, create
     from server.config import ConfigError
 
     try:
@@ -28,7 +28,7 @@ def check_backend(settings) -> None:
     geometry = ModelGeometry.from_config(config, dtype)
     for name in settings.served_backends():
         try:
-            get_backend_class(name)(geometry, **settings.backend_options(name))
+            create(name, geometry, **settings.backend_options(name))
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
 

@@ -96,8 +96,10 @@ class Settings(BaseSettings):
         return list(dict.fromkeys(names))
 
     def backend_options(self, name: str) -> dict:
-        """Constructor options of backend ``name`` from its ``KV_<NAME>_*`` variables (unset ones omitted)."""
-        values = {opt: getattr(self, field) for opt, field in BACKEND_OPTIONS.get(name, {}).items()}
+        """Options of backend ``name`` (or of each part of a composition such as ``mla+int8``) from the
+        ``KV_<PART>_*`` variables; unset ones are omitted."""
+        values = {opt: getattr(self, field) for part in name.split("+")
+                  for opt, field in BACKEND_OPTIONS.get(part, {}).items()}
         return {k: v for k, v in values.items() if v is not None}
 
     def token_limits(self, model_max_positions: int) -> tuple[int, int]:

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cache_backends import KVBackend, ModelGeometry, get_backend_class
+from cache_backends import KVBackend, ModelGeometry, create
 from server import __version__
 from server.config import Settings
 from server.engine.engine import Engine
@@ -42,7 +42,7 @@ class ServerState:
         model, tokenizer = load_model(s.model_id, device, dtype)
         geometry = ModelGeometry.from_config(model.config, dtype)
         names = s.served_backends()
-        self.backends = {name: get_backend_class(name)(geometry, **s.backend_options(name)) for name in names}
+        self.backends = {name: create(name, geometry, **s.backend_options(name)) for name in names}
         for backend in self.backends.values():
             backend.prepare(model)
         self.model_name = Path(s.model_id).name if Path(s.model_id).exists() else s.model_id

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from cache_backends import ModelGeometry, get_backend_class
+from cache_backends import ModelGeometry, create
 from server.engine.engine import Engine
 from server.engine.runner import ModelRunner
 from server.engine.sampling import SamplingParams
@@ -14,7 +14,7 @@ from server.engine.sequence import Sequence
 
 def make_engine(model, tokenizer, backend: str = "full", max_batch_size: int = 8, budget=None, **options):
     geometry = ModelGeometry.from_config(model.config, next(model.parameters()).dtype)
-    be = get_backend_class(backend)(geometry, **options)
+    be = create(backend, geometry, **options)
     be.prepare(model)
     per_token = {backend: be.bytes_per_token_per_layer() * geometry.num_layers}
     eos = model.generation_config.eos_token_id

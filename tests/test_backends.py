@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cache_backends import ModelGeometry, get_backend_class
+from cache_backends import KVLayer, ModelGeometry, create, get_backend_class
 from server.engine.runner import ModelRunner
 
 TEXT = ("And God said, Let there be light: and there was light. And God saw the light, that it was good: "
@@ -26,7 +26,7 @@ def calib(ref_model):
 
 
 def make(name, model, geometry, calib, **options):
-    backend = get_backend_class(name)(geometry, **options)
+    backend = create(name, geometry, **options)
     backend.prepare(model, calib)
     return backend
 
@@ -42,7 +42,7 @@ def cache_path_logits(model, backend, ids, prefix):
 
 
 LOSSLESS = [("gqa", {"groups": 8, "method": "mean"}), ("gqa", {"groups": 8, "method": "pca"}),
-            ("mla", {"rank": 512})]
+            ("mla", {"rank": 512}), ("dca", {"threshold": 1.01}), ("dca+mla", {"threshold": 1.01, "rank": 512})]
 
 
 @pytest.mark.parametrize("name,options", LOSSLESS, ids=lambda x: str(x))
@@ -55,7 +55,9 @@ def test_lossless_setting_matches_full(ref_model, geometry, calib, name, options
 
 
 ALL = [("full", {}), ("gqa", {"groups": 2, "method": "mean"}), ("gqa", {"groups": 2, "method": "pca"}),
-       ("mla", {"rank": 64}), ("int8", {"group_size": 32, "residual": 32}), ("int8", {"group_size": 64, "residual": 0})]
+       ("mla", {"rank": 64}), ("int8", {"group_size": 32, "residual": 32}), ("int8", {"group_size": 64, "residual": 0}),
+       ("gqa+int8", {"groups": 2}), ("mla+int8", {"rank": 64}), ("dca+int8", {"threshold": 0.5}),
+       ("dca+mla", {"threshold": 0.5, "rank": 64})]
 
 
 @pytest.mark.parametrize("name,options", ALL, ids=lambda x: str(x))
@@ -70,17 +72,32 @@ def test_bytes_are_the_tensors_and_match_the_formula_at_1024(ref_model, geometry
     assert store.num_tokens() == 1024
     held = 0
     for layer in store.layers:
-        for value in vars(layer).values():
-            if isinstance(value, torch.Tensor):
-                held += value.nelement() * value.element_size()
-                # no full-precision shadow: no tensor in a compressed store spans every token at full width
-                if name != "full" and value.dtype == torch.float32 and value.dim() == 4:
-                    assert value.shape[1] * value.shape[-1] * value.shape[-2] < 8 * 32 * 1024
+        for value in tensors_of(layer):
+            held += value.nelement() * value.element_size()
+            # no full-precision shadow: no tensor in a compressed store spans every token at full width
+            if name != "full" and value.dtype == torch.float32 and value.dim() == 4:
+                assert value.shape[1] * value.shape[-1] * value.shape[-2] < 8 * 32 * 1024
     assert store.nbytes() == held
-    formula = backend.bytes_per_token_per_layer() * 1024 * geometry.num_layers
+    if name.startswith("dca"):  # the store's own reuse decisions set its size: (1 - f) x the inner formula
+        kept = geometry.num_layers - sum(layer.mode == "reuse" for layer in store.layers)
+        formula = backend.inner.bytes_per_token_per_layer(1024) * 1024 * kept
+    else:
+        formula = backend.bytes_per_token_per_layer(1024) * 1024 * geometry.num_layers
     assert abs(store.nbytes() - formula) / formula < 0.05
     store.release()
     assert store.nbytes() == 0
+
+
+def tensors_of(obj):
+    """Every per-sequence tensor a layer holds: its own tensor attributes and those of its storage objects
+    (per-model constants such as codecs, bases, maps and RoPE tables are not per-sequence storage)."""
+    from cache_backends.int8 import Int8Storage
+
+    for value in vars(obj).values():
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (Int8Storage, KVLayer)):
+            yield from tensors_of(value)
 
 
 def test_int8_stores_int8_and_is_under_0_55x_of_full(ref_model, geometry, calib):
@@ -93,7 +110,8 @@ def test_int8_stores_int8_and_is_under_0_55x_of_full(ref_model, geometry, calib)
         ModelRunner(model, geometry.num_layers).prefill(calib[:1024], store)
         sizes[b.name] = store.nbytes()
         if b is int8:
-            assert all(layer.key_q.dtype == torch.int8 and layer.value_q.dtype == torch.int8 for layer in store.layers)
+            assert all(layer.key_store.q.dtype == torch.int8 and layer.value_store.q.dtype == torch.int8
+                       for layer in store.layers)
     assert sizes["int8"] <= 0.55 * sizes["full"]
 
 
@@ -109,6 +127,13 @@ def test_gqa_pca_reconstructs_better_than_mean(ref_model, geometry, calib):
     err = lambda codec, x: ((codec.decode(codec.encode(x)) - x) ** 2).mean().item()  # noqa: E731
     assert err(pca_key_codec(k, 2), x_k) < err(mean, x_k)
     assert err(pca_value_codec(v, 2), x_v) < err(mean, x_v)
+
+
+def test_unsupported_combination_lists_the_supported_ones(geometry):
+    with pytest.raises(ValueError, match="supported: gqa\\+int8, mla\\+int8, dca\\+int8, dca\\+mla"):
+        create("int8+mla", geometry)
+    with pytest.raises(ValueError, match="takes no option"):
+        create("mla+int8", geometry, groups=2)
 
 
 def test_bad_backend_parameters_are_refused(geometry):

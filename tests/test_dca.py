@@ -71,10 +71,10 @@ def test_probe_below_threshold_falls_back_and_stores_from_there(setup):
     assert store.fallbacks == 0
     runner.decode([calib[101]], [store])  # step 2: probe -> fall back at position 101
     assert store.fallbacks == 4 and store.reuse_layers() == 0
-    assert all(store.layers[i].fallback_at == 101 and store.layers[i].keys.shape[-2] == 1 for i in (1, 3, 5, 7))
+    assert all(store.layers[i].fallback_at == 101 and store.layers[i].own.keys.shape[-2] == 1 for i in (1, 3, 5, 7))
     logits = runner.decode([calib[102]], [store])
     assert torch.isfinite(logits).all() and store.num_tokens() == 103
-    assert store.layers[1].keys.shape[-2] == 2
+    assert store.layers[1].own.keys.shape[-2] == 2
 
 
 def test_calibration_similarity_reported(setup):

@@ -53,3 +53,14 @@ def test_cli_json_rows_and_config_path(model_dir):
     assert rows[0]["bytes_per_token_per_layer"] == 2 * 8 * 32 * 4
     assert rows[1]["bytes_per_token_per_layer"] == 2 * 2 * 32 * 4
     assert rows[0]["total_bytes"] == 2 * 8 * 32 * 4 * 1024 * 8
+
+
+def test_compositions_in_the_estimator():
+    shape = PRESETS["llama-2-7b"]
+    (gi,) = estimate_rows(shape, [("gqa+int8", {"groups": 8})], [4096], [1], 2)
+    (g,) = estimate_rows(shape, [("gqa", {"groups": 8})], [4096], [1], 2)
+    assert 0.5 * g["bytes_per_token_per_layer"] < gi["bytes_per_token_per_layer"] < 0.6 * g["bytes_per_token_per_layer"]
+    (mi,) = estimate_rows(shape, [("mla+int8", {"rank": 512, "rope_dim": 64})], [32768], [1], 2)
+    assert 576 < mi["bytes_per_token_per_layer"] < 0.6 * 1152
+    (d,) = estimate_rows(shape, [("dca+mla", {"reuse_fraction": 0.5, "rank": 512, "rope_dim": 64})], [4096], [1], 2)
+    assert d["bytes_per_token_per_layer"] == 576
