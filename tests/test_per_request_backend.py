@@ -1,0 +1,64 @@
+"""KV_BACKENDS: a request picks its backend; two concurrent requests on different backends; metrics by backend."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+
+from tests.conftest import MODEL_DIR, RunningServer
+
+
+@pytest.fixture(scope="module")
+def multi():
+    srv = RunningServer({"KV_BACKEND": "full", "KV_BACKENDS": "full,int8,mla+int8", "KV_MLA_RANK": "128"})
+    yield srv
+    srv.stop()
+
+
+def test_info_lists_the_served_backends(multi):
+    info = httpx.get(multi.url + "/info").json()
+    assert info["kv_backends"] == ["full", "int8", "mla+int8"]
+    assert info["kv_backend_params"]["mla+int8"] == {"rank": 128, "group_size": 32, "residual": 32}
+
+
+def test_two_concurrent_requests_on_different_backends(multi):
+    before = multi.metrics()
+    out = {}
+
+    def go(backend):
+        out[backend] = httpx.post(multi.url + "/generate", json={"inputs": "And God said", "parameters": {
+            "max_new_tokens": 40, "kv_backend": backend, "details": True}}, timeout=120)
+
+    threads = [threading.Thread(target=go, args=(b,)) for b in ("full", "int8")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert out["full"].status_code == out["int8"].status_code == 200
+    after = multi.metrics()
+    for backend in ("full", "int8"):
+        key = 'kvserve_requests_total{backend="%s",finish_reason="length",model="%s"}' % (backend, MODEL_DIR.name)
+        assert after[key] - before.get(key, 0) == 1
+    # int8 at 43 tokens holds everything in its residual window + one group: less than full only past that
+    peak = 'kvserve_request_kv_cache_bytes_sum{backend="%s",model="%s"}'
+    assert after[peak % ("int8", MODEL_DIR.name)] > 0 and after[peak % ("full", MODEL_DIR.name)] > 0
+
+
+def test_openai_extra_body_selects_the_backend(multi):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=multi.url + "/v1", api_key="x", max_retries=0)
+    out = client.completions.create(model="m", prompt="In the beginning", max_tokens=5, temperature=0,
+                                    extra_body={"kv_backend": "mla+int8"})
+    assert out.usage.completion_tokens == 5
+    import openai
+
+    with pytest.raises(openai.UnprocessableEntityError, match="allowed: full, int8, mla\\+int8"):
+        client.completions.create(model="m", prompt="x", max_tokens=2, extra_body={"kv_backend": "gqa"})
+
+
+def test_unlisted_backend_is_422_naming_the_allowed(multi):
+    r = httpx.post(multi.url + "/generate", json={"inputs": "a", "parameters": {"kv_backend": "dca"}})
+    assert r.status_code == 422 and "allowed: full, int8, mla+int8" in r.json()["error"]
