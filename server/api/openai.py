@@ -71,10 +71,35 @@ def _check(last):
         raise RuntimeError(last.error or "generation failed")
 
 
+def _wants_usage(body) -> bool:
+    return bool(body.stream_options and body.stream_options.include_usage)
+
+
+async def _stream(events, first: list[str], piece, usage):
+    """OpenAI SSE: ``first`` events, then ``piece(text, finish_reason)`` for each token that releases
+    text or finishes, then the usage chunk when asked, then ``[DONE]``. A failure sends an error object;
+    a cancelled request (client gone) ends silently."""
+    for data in first:
+        yield {"data": data}
+    async for ev in events:
+        if ev.finish_reason == FinishReason.CANCELLED:
+            return
+        if ev.finish_reason == FinishReason.ERROR:
+            yield {"data": OpenAIError(error={"message": ev.error or "generation failed",
+                                              "type": "server_error"}).model_dump_json()}
+            return
+        reason = finish(ev.finish_reason) if ev.finish_reason else None
+        if ev.text or reason:
+            yield {"data": piece(ev.text, reason)}
+    if usage is not None:
+        yield {"data": usage()}
+    yield {"data": "[DONE]"}
+
+
 @router.get("/models", response_model=ModelList)
 async def models(request: Request) -> ModelList:
     """The served model."""
-    service = get_service(request)
+    get_service(request)  # 503 while loading
     state = request.app.state.kvserve
     return ModelList(data=[ModelCard(id=state.model_name, created=int(state.started))])
 
@@ -98,28 +123,15 @@ async def completions(body: CompletionRequest, request: Request):
         return CompletionResponse(id=rid, created=created, model=model, usage=_usage(seq), choices=[
             CompletionChoice(text=echo + (last.generated_text or ""), finish_reason=finish(last.finish_reason))])
 
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    def piece(text: str, reason: str | None) -> str:
+        return CompletionResponse(id=rid, created=created, model=model, choices=[
+            CompletionChoice(text=text, finish_reason=reason)]).model_dump_json(exclude={"usage"})
 
-    async def sse():
-        if echo:
-            yield {"data": CompletionResponse(id=rid, created=created, model=model,
-                                              choices=[CompletionChoice(text=echo)]).model_dump_json()}
-        async for ev in events:
-            if ev.finish_reason in (FinishReason.CANCELLED, FinishReason.ERROR):
-                if ev.finish_reason == FinishReason.ERROR:
-                    yield {"data": OpenAIError(error={"message": ev.error or "generation failed",
-                                                      "type": "server_error"}).model_dump_json()}
-                return
-            reason = finish(ev.finish_reason) if ev.finish_reason else None
-            if ev.text or reason:
-                yield {"data": CompletionResponse(id=rid, created=created, model=model, choices=[
-                    CompletionChoice(text=ev.text, finish_reason=reason)]).model_dump_json(exclude={"usage"})}
-        if include_usage:
-            yield {"data": CompletionResponse(id=rid, created=created, model=model, choices=[],
-                                              usage=_usage(seq)).model_dump_json()}
-        yield {"data": "[DONE]"}
+    def usage() -> str:
+        return CompletionResponse(id=rid, created=created, model=model, choices=[], usage=_usage(seq)).model_dump_json()
 
-    return EventSourceResponse(sse(), ping=15)
+    first = [piece(echo, None)] if echo else []
+    return EventSourceResponse(_stream(events, first, piece, usage if _wants_usage(body) else None), ping=15)
 
 
 @router.post("/chat/completions", response_model=ChatResponse, responses=ERRORS)
@@ -136,26 +148,13 @@ async def chat_completions(body: ChatRequest, request: Request):
             ChatChoice(message=ChatResponseMessage(content=last.generated_text or ""),
                        finish_reason=finish(last.finish_reason))])
 
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    def piece(text: str, reason: str | None, role: str | None = None) -> str:
+        return ChatChunk(id=rid, created=created, model=model, choices=[ChatChunkChoice(
+            delta=ChatDelta(role=role, content=text if text or role else None), finish_reason=reason)]
+        ).model_dump_json(exclude={"usage"})
 
-    def chunk(delta: ChatDelta, reason: str | None = None) -> dict:
-        return {"data": ChatChunk(id=rid, created=created, model=model, choices=[
-            ChatChunkChoice(delta=delta, finish_reason=reason)]).model_dump_json(exclude={"usage"}, exclude_none=False)}
+    def usage() -> str:
+        return ChatChunk(id=rid, created=created, model=model, choices=[], usage=_usage(seq)).model_dump_json()
 
-    async def sse():
-        yield chunk(ChatDelta(role="assistant", content=""))
-        async for ev in events:
-            if ev.finish_reason in (FinishReason.CANCELLED, FinishReason.ERROR):
-                if ev.finish_reason == FinishReason.ERROR:
-                    yield {"data": OpenAIError(error={"message": ev.error or "generation failed",
-                                                      "type": "server_error"}).model_dump_json()}
-                return
-            reason = finish(ev.finish_reason) if ev.finish_reason else None
-            if ev.text or reason:
-                yield chunk(ChatDelta(content=ev.text or None), reason)
-        if include_usage:
-            yield {"data": ChatChunk(id=rid, created=created, model=model, choices=[],
-                                     usage=_usage(seq)).model_dump_json()}
-        yield {"data": "[DONE]"}
-
-    return EventSourceResponse(sse(), ping=15)
+    first = [piece("", None, role="assistant")]
+    return EventSourceResponse(_stream(events, first, piece, usage if _wants_usage(body) else None), ping=15)

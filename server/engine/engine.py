@@ -158,7 +158,8 @@ class Engine:
         if seq.cancelled:
             self._finish(seq, FinishReason.CANCELLED)
             return
-        seen = torch.tensor(seq.prompt_ids + seq.output_ids, dtype=torch.long, device=logits.device)
+        seen = (torch.tensor(seq.prompt_ids + seq.output_ids, dtype=torch.long, device=logits.device)
+                if seq.params.repetition_penalty != 1.0 else None)
         token, logprob = sample_token(logits, seq.params, seen, seq.generator)
         now = time.perf_counter()
         seq.output_ids.append(token)

@@ -35,7 +35,7 @@ class SamplingParams:
     seed: int = 0
 
 
-def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor | None, penalty: float) -> torch.Tensor:
     """Divide positive (multiply negative) logits of ``seen`` token ids by ``penalty``.
 
     Args:
@@ -43,7 +43,7 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
         seen: (n,) int64 token ids already in the sequence.
         penalty: > 0; 1.0 returns ``logits`` unchanged.
     """
-    if penalty == 1.0 or seen.numel() == 0:
+    if penalty == 1.0 or seen is None or seen.numel() == 0:
         return logits
     logits = logits.clone()
     scores = logits[seen]
@@ -51,14 +51,14 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
     return logits
 
 
-def sample_token(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor,
+def sample_token(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None,
                  generator: torch.Generator | None) -> tuple[int, float]:
     """Choose the next token for one sequence.
 
     Args:
         logits: (vocab_size,) raw logits of the last position (any float dtype).
         params: the request's sampling parameters.
-        seen: (n,) prompt and generated token ids (for the repetition penalty).
+        seen: (n,) prompt and generated token ids (for the repetition penalty; ``None`` when it is 1.0).
         generator: the request's seeded generator (used only when sampling).
 
     Returns:
