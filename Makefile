@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvserve-installed
 
-.PHONY: install serve test bench clean
+.PHONY: install serve test bench bench-quick bench-serving load-test clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,20 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# Benchmarks (not tests): numbers for the README tables.
+bench: $(STAMP)
+	$(BIN)/kvserve bench --out reports/bench
+
+bench-quick: $(STAMP)
+	$(BIN)/kvserve bench --quick --out reports/bench-quick
+
+bench-serving: $(STAMP)
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[test,bench]"
+	$(BIN)/python -m bench.serving
+
+load-test: $(STAMP)
+	$(BIN)/python -m bench.load_test
 
 clean:
 	rm -rf $(VENV) .pytest_cache
