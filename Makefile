@@ -8,7 +8,6 @@ STAMP  := $(VENV)/.kvserve-installed
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
 
 # Reinstall when the project's dependency files change.
 $(STAMP): $(BIN)/python pyproject.toml constraints.txt
