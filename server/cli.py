@@ -68,6 +68,12 @@ def main(argv: list[str] | None = None) -> int:
 
     estimate_arguments(p_est)
     p_est.set_defaults(func=estimate_main)
+    p_adv = sub.add_parser("advise", help="rank the backends that fit a workload's memory budget")
+    from server.advise_cli import add_arguments as advise_arguments
+    from server.advise_cli import main as advise_main
+
+    advise_arguments(p_adv)
+    p_adv.set_defaults(func=advise_main)
     p_bench = sub.add_parser("bench", help="measure every KV backend on the model: report.md, plots, JSON")
     from bench.report import add_arguments
 

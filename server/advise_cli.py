@@ -1,0 +1,143 @@
+"""``kvserve advise``: which KV backends fit a workload, ranked by measured quality loss and TPOT.
+
+Input: the workload (``--context`` tokens per sequence, ``--concurrency`` sequences, ``--memory-budget``
+for the KV cache, optional ``--tpot-target`` seconds) and a ``kvserve bench`` results JSON. Without a
+bench JSON it uses the estimator alone (memory only, quality unknown) for a model config or preset.
+
+A setting fits when bytes/token (measured by the bench at 1024 tokens, or the closed formula) ×
+context × concurrency is within the budget. Fitting settings are ranked by held-out perplexity change,
+then by TPOT at the nearest measured context; settings over the latency target come after the others.
+Each line says why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from cache_backends.estimate import DTYPE_BYTES, bytes_per_token_per_layer
+from cache_backends.spec import format_spec, parse_spec
+from server.estimate_cli import human, load_shape
+
+ESTIMATE_SPECS = ["full", "gqa:groups=8", "mla:rank=512", "int8", "dca:reuse_fraction=0.5", "mla+int8:rank=512",
+                  "gqa+int8:groups=8"]
+UNITS = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'24GiB', '512M', '1e9' → bytes."""
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    if t and t[-1] in UNITS:
+        return int(float(t[:-1]) * UNITS[t[-1]])
+    return int(float(t))
+
+
+def why(backend: str, context: int, concurrency: int, share: float, long_context: bool) -> str:
+    """The one-line reason a kind of backend suits (or does not suit) this workload."""
+    base = backend.split("+")[0]
+    if backend == "full":
+        return "exact; the baseline when memory allows"
+    if "int8" in backend and base in ("mla", "gqa", "dca"):
+        return "two savings stacked: the smallest cache when memory is the binding constraint"
+    if base == "mla":
+        return ("memory-bound long context favours a latent cache" if long_context
+                else "a latent cache: large savings, quality depends on the rank")
+    if base == "int8":
+        return ("quantized K/V: near-lossless, a safe default under memory pressure" if not long_context
+                else "memory-bound long context favours a quantized cache: near-lossless")
+    if base == "gqa":
+        return ("short context with high concurrency favours head sharing" if concurrency >= 8 and not long_context
+                else "head sharing: fixed savings, quality cost grows with fewer groups")
+    if base == "dca":
+        return "layer reuse: saves the reused layers' K/V and their projections; speed depends on the rebuild"
+    return ""
+
+
+def rows_from_bench(path: str) -> list[dict]:
+    data = json.loads(Path(path).read_text())
+    rows = []
+    for r in data["rows"]:
+        tpot = {int(k): v for k, v in r["tpot_s"].items()}
+        rows.append({"spec": r["spec"], "backend": r["backend"], "bytes_per_token": r["bytes_per_token"],
+                     "ppl_change_pct": r["perplexity_change_pct"], "tpot": tpot,
+                     "agreement": r["greedy_agreement"]})
+    return rows
+
+
+def rows_from_estimate(model: str, dtype: str, context: int, specs: list[str]) -> list[dict]:
+    shape = load_shape(model)
+    rows = []
+    for spec in specs:
+        name, params = parse_spec(spec)
+        per_layer = bytes_per_token_per_layer(shape, name, params, DTYPE_BYTES[dtype], context)
+        rows.append({"spec": format_spec(name, params), "backend": name,
+                     "bytes_per_token": per_layer * shape.num_layers, "ppl_change_pct": None, "tpot": {},
+                     "agreement": None})
+    return rows
+
+
+def advise(rows: list[dict], context: int, concurrency: int, budget: int, tpot_target: float | None) -> list[dict]:
+    """Annotate and rank ``rows``; returns every row with ``fits``, ``need_bytes``, ``rank_key`` and ``reason``."""
+    long_context = context >= 4096
+    out = []
+    for r in rows:
+        need = r["bytes_per_token"] * context * concurrency
+        tpot = None
+        if r["tpot"]:
+            nearest = min(r["tpot"], key=lambda c: abs(c - context))
+            tpot = r["tpot"][nearest]
+        slow = tpot_target is not None and tpot is not None and tpot > tpot_target
+        quality = r["ppl_change_pct"] if r["ppl_change_pct"] is not None else 0.0
+        reason = why(r["backend"], context, concurrency, need / budget, long_context)
+        facts = [f"{human(need)} for {concurrency} x {context} tokens ({100 * need / budget:.0f}% of budget)"]
+        if r["ppl_change_pct"] is not None:
+            facts.append(f"perplexity {r['ppl_change_pct']:+.2f}%")
+        if tpot is not None:
+            facts.append(f"TPOT {1000 * tpot:.1f} ms" + (" (over target)" if slow else ""))
+        out.append({**r, "need_bytes": need, "fits": need <= budget, "slow": slow, "tpot_at_context": tpot,
+                    "rank_key": (slow, quality if r["ppl_change_pct"] is not None else -r["bytes_per_token"],
+                                 tpot or 0.0),
+                    "reason": f"{reason}; " + ", ".join(facts)})
+    fitting = sorted((r for r in out if r["fits"]), key=lambda r: r["rank_key"])
+    return fitting + sorted((r for r in out if not r["fits"]), key=lambda r: r["need_bytes"])
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--context", type=int, required=True, help="tokens per sequence (prompt + output)")
+    p.add_argument("--concurrency", type=int, default=1, help="sequences held at once")
+    p.add_argument("--memory-budget", required=True, help="KV-cache budget, e.g. 24GiB or 512MiB")
+    p.add_argument("--tpot-target", type=float, default=None, help="latency target: TPOT in seconds")
+    p.add_argument("--bench", help="results.json written by `kvserve bench` (measured quality and speed)")
+    p.add_argument("--model", default="llama-2-7b", help="without --bench: preset, config.json or model folder")
+    p.add_argument("--dtype", default="fp16", choices=sorted(DTYPE_BYTES))
+    p.add_argument("--backends", nargs="*", default=ESTIMATE_SPECS, help="without --bench: specs to consider")
+    p.add_argument("--json", action="store_true")
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        budget = parse_bytes(args.memory_budget)
+        rows = rows_from_bench(args.bench) if args.bench else rows_from_estimate(args.model, args.dtype, args.context,
+                                                                                 args.backends)
+    except (ValueError, OSError, KeyError) as exc:
+        print(f"kvserve advise: {exc}")
+        return 2
+    ranked = advise(rows, args.context, args.concurrency, budget, args.tpot_target)
+    if args.json:
+        print(json.dumps([{k: v for k, v in r.items() if k != "rank_key"} for r in ranked], indent=2))
+        return 0
+    source = f"measured by {args.bench}" if args.bench else f"estimated for {args.model} ({args.dtype}), quality unmeasured"
+    print(f"Workload: {args.concurrency} x {args.context} tokens, KV budget {human(budget)}"
+          + (f", TPOT target {1000 * args.tpot_target:.0f} ms" if args.tpot_target else "") + f" — {source}")
+    n = 0
+    for r in ranked:
+        if r["fits"]:
+            n += 1
+            print(f"{n:>2}. {r['spec']}: {r['reason']}")
+    if n == 0:
+        print("Nothing fits the budget.")
+    for r in ranked:
+        if not r["fits"]:
+            print(f"  - {r['spec']} does not fit: {r['reason']}")
+    return 0

@@ -1,0 +1,34 @@
+"""`kvserve advise`: fits the budget, ranks by measured quality then TPOT, says why."""
+
+import json
+
+from server.advise_cli import advise, parse_bytes, rows_from_estimate
+
+
+def row(spec, bpt, ppl, tpot):
+    return {"spec": spec, "backend": spec.split(":")[0], "bytes_per_token": bpt, "ppl_change_pct": ppl,
+            "tpot": {1024: tpot}, "agreement": None}
+
+
+def test_parse_bytes():
+    assert parse_bytes("24GiB") == 24 * 2**30 and parse_bytes("512M") == 512 * 2**20 and parse_bytes("1000") == 1000
+
+
+def test_ranks_fitting_settings_by_quality_then_latency():
+    rows = [row("full", 1000, 0.0, 0.010), row("int8", 400, 0.2, 0.012), row("mla:rank=64", 150, 0.5, 0.011),
+            row("gqa:groups=2", 250, 30.0, 0.009)]
+    ranked = advise(rows, context=1000, concurrency=2, budget=1_000_000, tpot_target=None)
+    assert [r["spec"] for r in ranked if r["fits"]] == ["int8", "mla:rank=64", "gqa:groups=2"]
+    assert not ranked[-1]["fits"] and ranked[-1]["spec"] == "full"
+    assert all(r["reason"] for r in ranked)
+    slow = advise(rows, context=1000, concurrency=2, budget=1_000_000, tpot_target=0.0115)
+    assert [r["spec"] for r in slow if r["fits"]] == ["mla:rank=64", "gqa:groups=2", "int8"]
+
+
+def test_estimator_only_mode_uses_the_sums():
+    rows = rows_from_estimate("llama-2-7b", "fp16", 4096, ["full", "mla:rank=512,rope_dim=64"])
+    assert rows[0]["bytes_per_token"] == 16384 * 32 and rows[1]["bytes_per_token"] == 1152 * 32
+    ranked = advise(rows, context=4096, concurrency=1, budget=2**30, tpot_target=None)
+    assert [r["fits"] for r in ranked] == [True, False]
+    assert "latent" in ranked[0]["reason"]
+    json.dumps([{k: v for k, v in r.items() if k != "rank_key"} for r in ranked])
