@@ -91,12 +91,13 @@ def test_bytes_are_the_tensors_and_match_the_formula_at_1024(ref_model, geometry
 def tensors_of(obj):
     """Every per-sequence tensor a layer holds: its own tensor attributes and those of its storage objects
     (per-model constants such as codecs, bases, maps and RoPE tables are not per-sequence storage)."""
+    from cache_backends.base import FullStorage
     from cache_backends.int8 import Int8Storage
 
     for value in vars(obj).values():
         if isinstance(value, torch.Tensor):
             yield value
-        elif isinstance(value, (Int8Storage, KVLayer)):
+        elif isinstance(value, (Int8Storage, FullStorage, KVLayer)):
             yield from tensors_of(value)
 
 

@@ -45,3 +45,11 @@ def test_seed_reproduces_a_sampled_sequence():
     draw = lambda: [sample_token(logits, params, torch.tensor([], dtype=torch.long), g)[0]  # noqa: E731
                     for g in [torch.Generator().manual_seed(42)] for _ in range(20)]
     assert draw() == draw()
+
+
+def test_tiny_temperature_is_greedy_not_an_error():
+    logits = torch.tensor([1.0, 3.0, 2.0])
+    for t in (5e-324, 1e-9):
+        token, _ = sample_token(logits, SamplingParams(do_sample=True, temperature=t), None,
+                                torch.Generator().manual_seed(0))
+        assert token == 1

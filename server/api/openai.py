@@ -16,6 +16,7 @@ from fastapi import APIRouter, Request
 from sse_starlette.sse import EventSourceResponse
 
 from server.api.common import get_service
+from server.api.types import sse_schema
 from server.api.openai_schemas import (ChatChoice, ChatChunk, ChatChunkChoice, ChatDelta, ChatRequest,
                                        ChatResponse, ChatResponseMessage, CompletionChoice, CompletionRequest,
                                        CompletionResponse, ModelCard, ModelList, OpenAIError, Usage)
@@ -24,7 +25,11 @@ from server.service import GenerationRequest, GenerationService, InvalidRequest
 
 router = APIRouter(prefix="/v1", tags=["OpenAI"])
 ERRORS = {code: {"model": OpenAIError} for code in (401, 422, 429, 503)}
-ERRORS[200] = {"content": {"text/event-stream": {"schema": {"type": "string", "description": "SSE chunks, then [DONE]"}}}}
+DONE = {"type": "string", "enum": ["[DONE]"]}
+
+
+def _sse(*chunk_models) -> dict:
+    return {**ERRORS, 200: {"content": {"text/event-stream": {"schema": sse_schema(*chunk_models, OpenAIError, DONE, all_json=False)}}}}
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 ROLE_NAMES = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant", "tool": "Tool"}
 
@@ -104,7 +109,7 @@ async def models(request: Request) -> ModelList:
     return ModelList(data=[ModelCard(id=state.model_name, created=int(state.started))])
 
 
-@router.post("/completions", response_model=CompletionResponse, responses=ERRORS)
+@router.post("/completions", response_model=CompletionResponse, responses=_sse(CompletionResponse))
 async def completions(body: CompletionRequest, request: Request):
     """Text completion; ``stream: true`` answers SSE chunks ending with ``data: [DONE]``."""
     service = get_service(request)
@@ -134,7 +139,7 @@ async def completions(body: CompletionRequest, request: Request):
     return EventSourceResponse(_stream(events, first, piece, usage if _wants_usage(body) else None), ping=15)
 
 
-@router.post("/chat/completions", response_model=ChatResponse, responses=ERRORS)
+@router.post("/chat/completions", response_model=ChatResponse, responses=_sse(ChatChunk))
 async def chat_completions(body: ChatRequest, request: Request):
     """Chat completion; ``stream: true`` answers ``chat.completion.chunk`` events ending with ``[DONE]``."""
     service = get_service(request)

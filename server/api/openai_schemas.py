@@ -6,23 +6,25 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from server.api.types import Int
+
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore")
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: Int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0, description="Default 1.0; 0 means greedy.")
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, description="Only 1 is supported.")
+    n: Int = Field(1, ge=1, description="Only 1 is supported.")
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    seed: Int | None = Field(None, ge=0, le=2**63 - 1)
     kv_backend: str | None = Field(None, description="KV backend for this request (one of KV_BACKENDS).")
 
     def stop_list(self) -> list[str]:
@@ -37,7 +39,7 @@ class CompletionRequest(_Sampling):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str

@@ -28,7 +28,9 @@ async def info(request: Request):
     return state.info
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=Response,
+            responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                             "description": "Prometheus text exposition"}})
 async def metrics(request: Request) -> Response:
     """Prometheus exposition of every kvserve metric."""
     return Response(generate_latest(request.app.state.kvserve.metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -9,6 +9,7 @@ from fastapi.responses import JSONResponse
 from sse_starlette.sse import EventSourceResponse
 
 from server.api.common import get_service
+from server.api.types import sse_schema
 from server.api.tgi_schemas import (ErrorBody, TGIDetails, TGIPrefillToken, TGIRequest, TGIResponse,
                                     TGIStreamDetails, TGIStreamEvent, TGIToken)
 from server.engine.sequence import FinishReason, Sequence, TokenEvent
@@ -18,7 +19,7 @@ from server.service import GenerationRequest, GenerationService
 router = APIRouter(tags=["TGI"])
 
 ERRORS = {code: {"model": ErrorBody} for code in (401, 422, 429, 499, 503)}
-SSE = {"text/event-stream": {"schema": {"type": "string", "description": "data: <TGIStreamEvent JSON> per token"}}}
+SSE = {"text/event-stream": {"schema": sse_schema(TGIStreamEvent, ErrorBody)}}
 
 
 def to_generation_request(body: TGIRequest, service: GenerationService) -> GenerationRequest:
@@ -44,9 +45,12 @@ def _failure(ev: TokenEvent) -> dict | None:
     return None
 
 
+@router.post("/", response_model=TGIResponse, responses={**ERRORS, 200: {"content": SSE}})
 @router.post("/generate", response_model=TGIResponse, responses={**ERRORS, 200: {"content": SSE}})
 async def generate(body: TGIRequest, request: Request):
-    """Generate text; with ``"stream": true`` the answer is the same event stream as ``/generate_stream``."""
+    """Generate text; with ``"stream": true`` the answer is the same event stream as ``/generate_stream``.
+
+    ``POST /`` is TGI's compatibility route (what huggingface_hub's ``InferenceClient`` calls)."""
     if body.stream:
         return await generate_stream(body, request)
     service = get_service(request)

@@ -4,19 +4,21 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from server.api.types import Int
+
 
 class TGIParameters(BaseModel):
     """``parameters`` of a TGI request. Unknown keys are ignored, as TGI's clients send many ``null``s."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
 
-    max_new_tokens: int | None = Field(None, ge=1, description="Tokens to generate (default 100, capped by "
+    max_new_tokens: Int | None = Field(None, ge=1, description="Tokens to generate (default 100, capped by "
                                        "MAX_TOTAL_TOKENS - prompt tokens).")
     temperature: float | None = Field(None, ge=0.0, description="0 means greedy.")
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0, description="0 disables.")
+    top_k: Int | None = Field(None, ge=0, description="0 disables.")
     do_sample: bool = False
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    seed: Int | None = Field(None, ge=0, le=2**63 - 1)
     stop: list[str] = Field(default_factory=list)
     repetition_penalty: float | None = Field(None, gt=0.0)
     details: bool = False

@@ -12,6 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
+# Below this temperature sampling is greedy (as in vLLM): dividing by a tinier number overflows.
+MIN_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -68,7 +71,7 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, seen: torch.Tenso
     logits = logits.float()
     logprobs = torch.log_softmax(logits, dim=-1)
     scores = apply_repetition_penalty(logits, seen, params.repetition_penalty)
-    if not params.do_sample:
+    if not params.do_sample or params.temperature < MIN_TEMPERATURE:
         token = int(torch.argmax(scores))
         return token, float(logprobs[token])
     scores = scores / params.temperature
@@ -83,5 +86,8 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, seen: torch.Tenso
         drop_sorted = (cumulative - torch.softmax(sorted_scores, dim=-1)) >= params.top_p
         scores = scores.masked_fill(drop_sorted.scatter(0, order, drop_sorted), float("-inf"))
     probs = torch.softmax(scores, dim=-1)
+    if not torch.isfinite(probs).all():  # degenerate scores (e.g. all -inf): fall back to the arg-max
+        token = int(torch.argmax(logits))
+        return token, float(logprobs[token])
     token = int(torch.multinomial(probs, 1, generator=generator))
     return token, float(logprobs[token])
