@@ -27,10 +27,9 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_SPECS = ["full", "gqa:groups=4,method=mean", "gqa:groups=4,method=pca", "gqa:groups=2,method=mean",
                  "gqa:groups=2,method=pca", "mla:rank=128", "mla:rank=64", "mla:rank=32",
                  "int8:group_size=32,residual=32", "int8:group_size=64,residual=64",
-                 "dca:threshold=0.98,align=linear", "dca:threshold=0.95,align=linear", "dca:threshold=0.9,align=none",
-                 "gqa+int8:groups=2", "mla+int8:rank=64", "dca+int8:threshold=0.95", "dca+mla:threshold=0.95,rank=128"]
-QUICK_SPECS = ["full", "gqa:groups=2,method=mean", "gqa:groups=2,method=pca", "mla:rank=64", "int8", "dca",
-               "mla+int8:rank=64"]
+                 "dca:threshold=0.98,align=linear", "dca:threshold=0.9,align=none",
+                 "gqa+int8:groups=4", "mla+int8:rank=64", "dca+int8:threshold=0.98", "dca+mla:threshold=0.98,rank=128"]
+QUICK_SPECS = ["full", "gqa:groups=2,method=pca", "mla:rank=64", "int8", "dca"]
 
 
 def engine_throughput(model, tokenizer, backend, streams: int, new_tokens: int) -> float:
@@ -77,7 +76,7 @@ def run(args) -> dict:
     eval_ids = slice_token_ids(Path(args.model) / EVAL_SLICE, tokenizer)
     calib_ids = slice_token_ids(Path(args.model) / CALIB_SLICE, tokenizer)
     prompts = [eval_ids[i * 1000 : i * 1000 + 32] for i in range(args.prompts)]
-    contexts = [c for c in (256, 512, 1024) if not args.quick or c != 256]
+    contexts = [512, 1024] if args.quick else [256, 512, 1024]
     rows, reference = [], None
     specs = args.backends or (QUICK_SPECS if args.quick else DEFAULT_SPECS)
     bar = tqdm(specs, desc="kvserve bench")
@@ -88,7 +87,7 @@ def run(args) -> dict:
         t0 = time.perf_counter()
         backend.prepare(model, calib_ids)
         row = {"backend": name, "params": backend.params(), "spec": format_spec(name, backend.params()),
-               "prepare_s": time.perf_counter() - t0}
+               "prepare_s": time.perf_counter() - t0, "details": backend.details()}
         row["bytes_per_token"] = measured_bytes_per_token(model, backend, calib_ids, 1024)
         row["formula_bytes_per_token"] = backend.bytes_per_token_per_layer() * geometry.num_layers
         row["bytes_vs_context"] = {}
@@ -131,6 +130,20 @@ def markdown(result: dict) -> str:
                      f"{r['perplexity']:.3f} | {r['perplexity_change_pct']:+.2f}% | {r['greedy_agreement']:.3f} | "
                      f"{r['ttft_s']:.3f} | {tp} | {r['tokens_per_s'][1]:.1f} | {r['tokens_per_s'][8]:.1f} |")
     return "\n".join(lines)
+
+
+def similarity_table(result: dict) -> str:
+    """Per-layer calibration similarity of dca rows (raw neighbour vs fitted linear map), if any."""
+    for r in result["rows"]:
+        sim = r.get("details", {}).get("calibration_similarity_by_layer")
+        if sim:
+            head = "| layer (vs the one before) | " + " | ".join(str(x) for x in sim["layers"]) + " |"
+            lines = [head, "|" + "---|" * (len(sim["layers"]) + 1),
+                     "| cosine, K/V as they are (`align=none`) | " + " | ".join(f"{x:.3f}" for x in sim["similarity_none"]) + " |",
+                     "| cosine, through the fitted map (`align=linear`) | "
+                     + " | ".join(f"{x:.3f}" for x in sim["similarity_linear"]) + " |"]
+            return "\n".join(lines)
+    return ""
 
 
 def plots(result: dict, out: Path) -> list[Path]:
@@ -176,9 +189,11 @@ def plots(result: dict, out: Path) -> list[Path]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=str(REPO / "models" / "kjv-llama-mha"))
     p.add_argument("--backends", nargs="*", help="backend specs, e.g. full gqa:groups=2,method=pca mla:rank=64")
-    p.add_argument("--quick", action="store_true", help="fewer settings and windows (about 3 minutes)")
+    p.add_argument("--quick", action="store_true",
+                   help="5 settings, 2 windows scored after 768 tokens, 4 prompts x 32 tokens (under 3 minutes)")
     p.add_argument("--out", default="reports/bench")
-    p.add_argument("--windows", type=int, default=None, help="eval windows of 1024 tokens (default all)")
+    p.add_argument("--windows", type=int, default=6,
+                   help="1024-token windows of the eval slice scored through the cache path (20 = all; default 6)")
     p.add_argument("--prefix", type=int, default=512, help="tokens prefilled per window before scoring")
     p.add_argument("--prompts", type=int, default=20)
     p.add_argument("--new-tokens", type=int, default=128)
@@ -187,9 +202,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     if args.quick:
-        args.windows = args.windows or 4
-        args.prompts = min(args.prompts, 8)
-        args.new_tokens = min(args.new_tokens, 64)
+        args.windows = args.windows or 2
+        args.prefix = max(args.prefix, 768)
+        args.prompts = min(args.prompts, 4)
+        args.new_tokens = min(args.new_tokens, 32)
+        args.stream_tokens = min(args.stream_tokens, 16)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
@@ -198,11 +215,17 @@ def main(args: argparse.Namespace) -> int:
     (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     table = markdown(result)
     images = plots(result, out)
-    cmd = "kvserve bench" + (" --quick" if args.quick else "")
+    cmd = "kvserve bench" + (" --quick" if args.quick else "") + (
+        " --backends " + " ".join(args.backends) if args.backends else "")
+    sims = similarity_table(result)
     (out / "report.md").write_text(
         f"# kvserve bench — {Path(args.model).name}\n\nCommand: `{cmd}` ({result['wall_s'] / 60:.1f} min, "
         f"{result['threads']} threads, torch {result['torch']}).\n\n{table}\n\n"
+        + (f"dca calibration similarity (mean cosine over tokens and heads, K and V averaged):\n\n{sims}\n\n"
+           if sims else "")
         + "\n".join(f"![{p.stem}]({p.name})" for p in images) + "\n")
+    if sims:
+        print("\n" + sims)
     print(table)
     print(f"\nreport: {out / 'report.md'}")
     return 0

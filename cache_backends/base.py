@@ -33,6 +33,8 @@ class ModelGeometry:
         num_key_value_heads: K/V heads per layer.
         head_dim: channels per head.
         dtype_bytes: bytes per element of the K/V the model produces (4 for fp32, 2 for fp16/bf16).
+        kv_lora_rank: on a native-MLA model (DeepSeek-V2/V3), the latent width it caches; else ``None``.
+        rope_dim: on a native-MLA model, the width of its shared rope key (``qk_rope_head_dim``); else 0.
     """
 
     num_layers: int
@@ -40,6 +42,8 @@ class ModelGeometry:
     num_key_value_heads: int
     head_dim: int
     dtype_bytes: int
+    kv_lora_rank: int | None = None
+    rope_dim: int = 0
 
     @classmethod
     def from_config(cls, config, dtype: torch.dtype) -> "ModelGeometry":
@@ -50,6 +54,8 @@ class ModelGeometry:
             num_key_value_heads=getattr(config, "num_key_value_heads", None) or heads,
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
             dtype_bytes=torch.empty((), dtype=dtype).element_size(),
+            kv_lora_rank=getattr(config, "kv_lora_rank", None),
+            rope_dim=getattr(config, "qk_rope_head_dim", 0) if getattr(config, "kv_lora_rank", None) else 0,
         )
 
 

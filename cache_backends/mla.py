@@ -12,8 +12,13 @@ Storage per sequence and layer: ``latent`` of shape (1, 1, seq_len, r) in the mo
 (``mla+int8``: int8 per channel over token groups, with a full-precision residual window).
 Bytes per token per layer: ``r * dtype_bytes``. P (2Hd x r) and mu are per-model constants.
 
-Native MLA models (DeepSeek-V2, arXiv 2405.04434) are served by
-:mod:`cache_backends.mla_native` (the model's own latent and rope key).
+Native MLA models (DeepSeek-V2, arXiv 2405.04434; DeepSeek-V3 in transformers): the model itself computes
+the latent c_KV (``kv_lora_rank`` wide, after its layer norm) and one shared rope key (``qk_rope_head_dim``)
+and hands exactly these to the cache (transformers' DeepseekV3Attention expands them into per-head K/V
+only after the cache read). The backend then caches the model's own latent and rope key, unchanged and
+without calibration: (1, 1, seq_len, kv_lora_rank) and (1, 1, seq_len, qk_rope_head_dim). Bytes per token
+per layer: ``(kv_lora_rank + qk_rope_head_dim) * dtype_bytes``. ``KV_MLA_RANK`` must then be unset or
+equal to ``kv_lora_rank``.
 """
 
 from __future__ import annotations
@@ -129,6 +134,16 @@ class MLABackend(KVBackend):
     name = "mla"
 
     def __init__(self, geometry: ModelGeometry, rank: int | None = None, quantize: dict | None = None):
+        self.native = bool(geometry.kv_lora_rank)
+        if self.native:
+            if rank not in (None, geometry.kv_lora_rank):
+                raise ValueError(f"KV_MLA_RANK={rank}: this model is natively MLA and caches its own latent of "
+                                 f"kv_lora_rank={geometry.kv_lora_rank}; leave KV_MLA_RANK unset or equal to it")
+            if quantize:
+                raise ValueError("mla+int8 is supported on post-hoc latents (MHA/GQA models), not native MLA")
+            super().__init__(geometry, rank=geometry.kv_lora_rank, rope_dim=geometry.rope_dim, native=True)
+            self.rank, self.quantize, self.bases, self.rope = geometry.kv_lora_rank, None, None, None
+            return
         width = 2 * geometry.num_key_value_heads * geometry.head_dim
         rank = rank or max(1, width // 8)
         if not 1 <= rank <= width:
@@ -139,7 +154,9 @@ class MLABackend(KVBackend):
         self.rope: RopeTable | None = None
 
     def prepare(self, model, calibration_ids: list[int] | None = None) -> None:
-        """Fit one basis per layer on the calibration slice (a progress bar shows it)."""
+        """Fit one basis per layer on the calibration slice (a progress bar shows it); nothing on native MLA."""
+        if self.native:
+            return
         from cache_backends.calibration import calibration_ids as calib_ids
         from cache_backends.calibration import collect_kv
 
@@ -152,13 +169,20 @@ class MLABackend(KVBackend):
             self.bases.append(LatentBasis(b.basis.to(device), b.mean.to(device)))
         self.rope = RopeTable(model, model.config.max_position_embeddings)
 
-    def new_layer(self, index: int, position_offset: int = 0) -> MLALayer:
+    def new_layer(self, index: int, position_offset: int = 0) -> KVLayer:
+        if self.native:
+            from cache_backends.full import FullLayer
+
+            return FullLayer()  # holds exactly what the model hands over: its latent and its rope key
         if self.bases is None:
             raise RuntimeError("mla backend used before prepare(model)")
         g = self.geometry
         return MLALayer(self.bases[index], self.rope, g.num_key_value_heads, g.head_dim, self.quantize, position_offset)
 
     def bytes_per_token_per_layer(self, seq_len: int = 1024) -> float:
+        if self.native:
+            g = self.geometry
+            return mla_bytes_per_token_per_layer(g.kv_lora_rank, g.rope_dim, g.dtype_bytes)
         if self.quantize:  # mla+int8: one "head" of width r, quantized per channel; no per-token scales
             q = self.quantize
             return int8_latent_bytes_per_token_per_layer(self.rank, self.geometry.dtype_bytes, q["group_size"],

@@ -144,3 +144,16 @@ def test_bad_backend_parameters_are_refused(geometry):
         get_backend_class("mla")(geometry, rank=10_000)
     with pytest.raises(ValueError, match="KV_INT8_GROUP_SIZE"):
         get_backend_class("int8")(geometry, group_size=0)
+
+
+def test_int8_perplexity_gate(ref_model, geometry, calib):
+    """int8's held-out perplexity through its own cache path is within +1% of full's (2 windows, 1024 tokens scored)."""
+    from bench.fidelity import cache_path_perplexity
+    from bench.quality import EVAL_SLICE, slice_token_ids
+    from tests.conftest import MODEL_DIR
+
+    model, tok = ref_model
+    ids = slice_token_ids(MODEL_DIR / EVAL_SLICE, tok)
+    full = cache_path_perplexity(model, make("full", model, geometry, calib), ids, max_windows=2)
+    int8 = cache_path_perplexity(model, make("int8", model, geometry, calib), ids, max_windows=2)
+    assert int8 <= full * 1.01, (int8, full)
