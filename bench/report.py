@@ -146,6 +146,13 @@ def similarity_table(result: dict) -> str:
     return ""
 
 
+def short_label(row: dict) -> str:
+    """A backend and its distinguishing settings, for plot legends."""
+    skip = {"probe_interval", "residual"}
+    params = ",".join(f"{k}={v}" for k, v in row["params"].items() if k not in skip)
+    return f"{row['backend']}({params})" if params else row["backend"]
+
+
 def plots(result: dict, out: Path) -> list[Path]:
     import matplotlib
 
@@ -154,15 +161,19 @@ def plots(result: dict, out: Path) -> list[Path]:
 
     rows = result["rows"]
     paths = []
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in rows:
-        ax.scatter(r["compression"], r["perplexity_change_pct"], s=40)
-        ax.annotate(r["spec"], (r["compression"], r["perplexity_change_pct"]), fontsize=7,
-                    xytext=(4, 3), textcoords="offset points")
-    ax.set_xlabel("KV compression vs full (x)")
-    ax.set_ylabel("held-out perplexity change (%)")
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    for i, r in enumerate(rows):
+        ax.scatter(r["compression"], r["perplexity_change_pct"], s=40, label=short_label(r))
+        ax.annotate(str(i + 1), (r["compression"], r["perplexity_change_pct"]), fontsize=7, xytext=(4, 3),
+                    textcoords="offset points")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("symlog", linthresh=0.1)
+    ax.set_xlabel("KV compression vs full (x, log scale)")
+    ax.set_ylabel("held-out perplexity change (%, symlog)")
     ax.set_title("Quality vs memory: the trade-off frontier")
     ax.grid(alpha=0.3)
+    ax.legend([f"{i + 1}. {short_label(r)}" for i, r in enumerate(rows)], fontsize=6, loc="upper left",
+              bbox_to_anchor=(1.01, 1.0))
     paths.append(out / "frontier.png")
     fig.tight_layout()
     fig.savefig(paths[-1], dpi=120)
@@ -174,11 +185,11 @@ def plots(result: dict, out: Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for r in rows:
             xs = sorted(int(c) for c in r[key])
-            ax.plot(xs, [r[key][c if c in r[key] else str(c)] * scale for c in xs], marker="o", label=r["spec"])
+            ax.plot(xs, [r[key][c if c in r[key] else str(c)] * scale for c in xs], marker="o", label=short_label(r))
         ax.set_xlabel("context length (tokens)")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         paths.append(out / fname)
         fig.tight_layout()
         fig.savefig(paths[-1], dpi=120)

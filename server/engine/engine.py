@@ -150,17 +150,18 @@ class Engine:
             for seq in batch:
                 self._finish(seq, FinishReason.ERROR, error=f"decode failed: {exc}")
             return
+        logprobs = torch.log_softmax(logits.float(), dim=-1)  # (batch, vocab_size), once for the batch
         for row, seq in enumerate(batch):
-            self._accept(seq, logits[row])
+            self._accept(seq, logits[row], logprobs[row])
 
-    def _accept(self, seq: Sequence, logits: torch.Tensor) -> None:
+    def _accept(self, seq: Sequence, logits: torch.Tensor, logprobs: torch.Tensor | None = None) -> None:
         """Sample one token for ``seq`` from ``logits`` (vocab_size,), emit it, and finish if done."""
         if seq.cancelled:
             self._finish(seq, FinishReason.CANCELLED)
             return
         seen = (torch.tensor(seq.prompt_ids + seq.output_ids, dtype=torch.long, device=logits.device)
                 if seq.params.repetition_penalty != 1.0 else None)
-        token, logprob = sample_token(logits, seq.params, seen, seq.generator)
+        token, logprob = sample_token(logits, seq.params, seen, seq.generator, logprobs)
         now = time.perf_counter()
         seq.output_ids.append(token)
         seq.times.token_times.append(now)

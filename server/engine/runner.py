@@ -51,10 +51,14 @@ class _BatchedLayerView(CacheLayerMixin):
                 None if key_states is None else key_states[row : row + 1],
                 None if value_states is None else value_states[row : row + 1], *args, **kwargs)
             if keys is None:
-                keys = k.new_zeros(len(self.stores), k.shape[1], total, k.shape[-1])
-                values = v.new_zeros(len(self.stores), v.shape[1], total, v.shape[-1])
-            keys[row, :, total - k.shape[-2] :] = k[0]
-            values[row, :, total - v.shape[-2] :] = v[0]
+                keys = k.new_empty(len(self.stores), k.shape[1], total, k.shape[-1])
+                values = v.new_empty(len(self.stores), v.shape[1], total, v.shape[-1])
+            pad = total - k.shape[-2]
+            keys[row, :, pad:] = k[0]
+            values[row, :, pad:] = v[0]
+            if pad:  # masked, but must be finite: 0 * NaN garbage would still poison the output
+                keys[row, :, :pad] = 0
+                values[row, :, :pad] = 0
         return keys, values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:

@@ -55,7 +55,7 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor | None, pe
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None,
-                 generator: torch.Generator | None) -> tuple[int, float]:
+                 generator: torch.Generator | None, logprobs: torch.Tensor | None = None) -> tuple[int, float]:
     """Choose the next token for one sequence.
 
     Args:
@@ -63,13 +63,15 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, seen: torch.Tenso
         params: the request's sampling parameters.
         seen: (n,) prompt and generated token ids (for the repetition penalty; ``None`` when it is 1.0).
         generator: the request's seeded generator (used only when sampling).
+        logprobs: log-softmax of ``logits`` if already computed (a batch computes them at once).
 
     Returns:
         ``(token_id, logprob)``: the chosen id and its log-probability under the model's raw
         distribution (log-softmax of the unprocessed logits, as TGI reports it).
     """
     logits = logits.float()
-    logprobs = torch.log_softmax(logits, dim=-1)
+    if logprobs is None:
+        logprobs = torch.log_softmax(logits, dim=-1)
     scores = apply_repetition_penalty(logits, seen, params.repetition_penalty)
     if not params.do_sample or params.temperature < MIN_TEMPERATURE:
         token = int(torch.argmax(scores))
