@@ -9,6 +9,8 @@ only; a failure in a batched decode fails the sequences of that batch, and the l
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import threading
 import time
@@ -24,6 +26,19 @@ from server.engine.scheduler import Scheduler
 from server.engine.sequence import FinishReason, Sequence, TokenEvent
 
 log = logging.getLogger("kvserve.engine")
+
+
+def _malloc_trim():
+    """glibc's ``malloc_trim(0)``, or ``None`` elsewhere: hands freed heap pages back to the OS."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        return libc.malloc_trim if libc is not None and hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+_TRIM = _malloc_trim()
 
 
 class Overloaded(Exception):
@@ -94,11 +109,18 @@ class Engine:
 
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
+        busy = False
         while not self._stop.is_set():
             if not self.running and not self.waiting:
+                if busy and _TRIM is not None:
+                    # Freed KV tensors stay in glibc's arenas otherwise, and the process keeps the
+                    # memory of its busiest moment; trimming once per idle spell returns it to the OS.
+                    _TRIM(0)
+                busy = False
                 self._wake.wait(0.1)
                 self._wake.clear()
                 continue
+            busy = True
             try:
                 self.step()
             except Exception:  # noqa: BLE001 - the loop must survive anything one step does
