@@ -81,8 +81,16 @@ class RunningServer:
         return out
 
 
-@pytest.fixture(scope="module")
-def server():
-    srv = RunningServer({"MAX_BATCH_SIZE": "8"})
-    yield srv
-    srv.stop()
+def server_with(env: dict[str, str]):
+    """A module-scoped fixture running ``kvserve serve`` with ``env`` (stopped after the module)."""
+
+    @pytest.fixture(scope="module")
+    def fixture():
+        srv = RunningServer(env)
+        yield srv
+        srv.stop()
+
+    return fixture
+
+
+server = server_with({"MAX_BATCH_SIZE": "8"})

@@ -10,18 +10,14 @@ from fastapi.testclient import TestClient
 
 from server.app import create_app
 from server.config import load_settings
-from tests.conftest import RunningServer
+from tests.conftest import server_with
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
-@pytest.fixture(scope="module")
-def strict_server():
-    srv = RunningServer({"API_KEY": KEY, "PAYLOAD_LIMIT": "4096", "MAX_INPUT_TOKENS": "64", "MAX_TOTAL_TOKENS": "96",
-                         "MAX_CONCURRENT_REQUESTS": "2", "MAX_BATCH_SIZE": "1"})
-    yield srv
-    srv.stop()
+strict_server = server_with({"API_KEY": KEY, "PAYLOAD_LIMIT": "4096", "MAX_INPUT_TOKENS": "64",
+                             "MAX_TOTAL_TOKENS": "96", "MAX_CONCURRENT_REQUESTS": "2", "MAX_BATCH_SIZE": "1"})
 
 
 def post(srv, path, body=None, content=None, headers=AUTH):

@@ -7,14 +7,10 @@ import threading
 import httpx
 import pytest
 
-from tests.conftest import MODEL_DIR, RunningServer
+from tests.conftest import MODEL_DIR, server_with
 
 
-@pytest.fixture(scope="module")
-def multi():
-    srv = RunningServer({"KV_BACKEND": "full", "KV_BACKENDS": "full,int8,mla+int8", "KV_MLA_RANK": "128"})
-    yield srv
-    srv.stop()
+multi = server_with({"KV_BACKEND": "full", "KV_BACKENDS": "full,int8,mla+int8", "KV_MLA_RANK": "128"})
 
 
 def test_info_lists_the_served_backends(multi):

@@ -6,21 +6,16 @@ operation gets a bounded number of generated examples.
 
 from __future__ import annotations
 
-import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
-from tests.conftest import RunningServer
+from tests.conftest import server_with
 
 EXAMPLES = 25
 
 
-@pytest.fixture(scope="module")
-def small_server():
-    srv = RunningServer({"MAX_TOTAL_TOKENS": "48", "MAX_INPUT_TOKENS": "32", "MAX_CONCURRENT_REQUESTS": "64"})
-    yield srv
-    srv.stop()
+small_server = server_with({"MAX_TOTAL_TOKENS": "48", "MAX_INPUT_TOKENS": "32", "MAX_CONCURRENT_REQUESTS": "64"})
 
 
 def test_api_conforms(small_server):
