@@ -28,8 +28,12 @@ def error_response(status: int, message: str, error_type: str, request: Request 
 def _describe(exc: RequestValidationError) -> str:
     parts = []
     for err in exc.errors():
-        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
-        parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
+        if err.get("type") == "json_invalid":
+            detail = (err.get("ctx") or {}).get("error", "")
+            parts.append(f"invalid JSON at character {err['loc'][-1]}" + (f": {detail}" if detail else ""))
+            continue
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body") or "body"
+        parts.append(f"{loc}: {err.get('msg')}")
     return "; ".join(parts) or "invalid request"
 
 
