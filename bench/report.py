@@ -22,6 +22,7 @@ from bench.fidelity import agreement, cache_path_perplexity, greedy_tokens, meas
 from bench.quality import CALIB_SLICE, EVAL_SLICE, slice_token_ids
 from cache_backends import ModelGeometry, create
 from cache_backends.spec import format_spec, parse_spec
+from server.engine.runner import ModelRunner
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_SPECS = ["full", "gqa:groups=4,method=mean", "gqa:groups=4,method=pca", "gqa:groups=2,method=mean",
@@ -35,7 +36,6 @@ QUICK_SPECS = ["full", "gqa:groups=2,method=pca", "mla:rank=64", "int8", "dca"]
 def engine_throughput(model, tokenizer, backend, streams: int, new_tokens: int) -> float:
     """Aggregate decode tokens/s of the engine (in-process) with ``streams`` concurrent greedy sequences."""
     from server.engine.engine import Engine
-    from server.engine.runner import ModelRunner
     from server.engine.sampling import SamplingParams
     from server.engine.scheduler import Scheduler
     from server.engine.sequence import Sequence
@@ -56,7 +56,6 @@ def engine_throughput(model, tokenizer, backend, streams: int, new_tokens: int) 
 
 @torch.inference_mode()
 def ttft(model, backend, ids: list[int]) -> float:
-    from server.engine.runner import ModelRunner
 
     runner = ModelRunner(model, backend.geometry.num_layers)
     store = backend.new_store()
@@ -93,8 +92,6 @@ def run(args) -> dict:
         row["bytes_vs_context"] = {}
         for c in (128, 256, 512, 768, 1024):
             store = backend.new_store()
-            from server.engine.runner import ModelRunner
-
             ModelRunner(model, geometry.num_layers).prefill(calib_ids[:c], store)
             row["bytes_vs_context"][c] = store.nbytes()
             store.release()

@@ -138,7 +138,7 @@ class Recorder:
                 continue
             row = per_backend.setdefault(seq.backend_name, [0, 0, 0, 0])
             row[0] += 1
-            row[1] += seq.store.nbytes()
+            row[1] += seq.peak_kv_bytes  # measured by the engine this step (a live store only grows)
             row[2] += seq.store.num_tokens()
             row[3] += seq.store.stats().get("dca_reuse_layers", 0)
         for backend, (count, nbytes, tokens, reuse) in per_backend.items():

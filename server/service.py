@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from server.engine.engine import Engine
 from server.engine.sampling import SamplingParams
-from server.engine.sequence import FinishReason, Sequence, TokenEvent
+from server.engine.sequence import Sequence, TokenEvent
 
 DEFAULT_MAX_NEW_TOKENS = 100
 
@@ -36,7 +36,6 @@ class GenerationRequest:
     max_new_tokens: int | None
     params: SamplingParams
     stop: list[str]
-    seed_given: bool
     backend: str
     want_prompt_logprobs: bool = False
 
@@ -59,17 +58,16 @@ class GenerationService:
 
     @staticmethod
     def sampling(do_sample: bool, temperature: float | None, top_p: float | None, top_k: int | None,
-                 repetition_penalty: float | None, seed: int | None) -> tuple[SamplingParams, bool]:
+                 repetition_penalty: float | None, seed: int | None) -> SamplingParams:
         """Build :class:`SamplingParams`; a missing seed becomes a random one. Temperature 0 means greedy."""
         if temperature == 0:
             do_sample = False
-        params = SamplingParams(
+        return SamplingParams(
             do_sample=do_sample, temperature=temperature or 1.0, top_k=top_k or 0,
             top_p=top_p if top_p is not None else 1.0,
             repetition_penalty=repetition_penalty if repetition_penalty is not None else 1.0,
             seed=seed if seed is not None else secrets.randbits(63),
         )
-        return params, seed is not None
 
     def build_sequence(self, req: GenerationRequest, emit: Callable[[TokenEvent], None]) -> Sequence:
         """Tokenize and check limits.
@@ -159,7 +157,3 @@ class GenerationService:
 
         return seq, events()
 
-
-def is_failure(event: TokenEvent) -> bool:
-    """Whether the closing event reports an engine-side failure."""
-    return event.finish_reason in (FinishReason.ERROR, FinishReason.CANCELLED)

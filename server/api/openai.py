@@ -50,9 +50,9 @@ def to_generation_request(body, prompt: str, service: GenerationService, default
     if body.n != 1:
         raise InvalidRequest(f"n={body.n} is not supported; only n=1")
     temperature = 1.0 if body.temperature is None else body.temperature
-    params, seed_given = service.sampling(temperature > 0, temperature, body.top_p, None, None, body.seed)
+    params = service.sampling(temperature > 0, temperature, body.top_p, None, None, body.seed)
     return GenerationRequest(prompt=prompt, max_new_tokens=body.max_tokens or default_max, params=params,
-                             stop=body.stop_list(), seed_given=seed_given,
+                             stop=body.stop_list(),
                              backend=body.kv_backend or service.default_backend)
 
 

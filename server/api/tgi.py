@@ -24,14 +24,13 @@ SSE = {"text/event-stream": {"schema": sse_schema(TGIStreamEvent, ErrorBody)}}
 
 def to_generation_request(body: TGIRequest, service: GenerationService) -> GenerationRequest:
     p = body.parameters
-    params, seed_given = service.sampling(p.do_sample, p.temperature, p.top_p, p.top_k, p.repetition_penalty,
-                                          p.seed)
+    params = service.sampling(p.do_sample, p.temperature, p.top_p, p.top_k, p.repetition_penalty, p.seed)
     return GenerationRequest(prompt=body.inputs, max_new_tokens=p.max_new_tokens, params=params, stop=p.stop,
-                             seed_given=seed_given, backend=p.kv_backend or service.default_backend,
+                             backend=p.kv_backend or service.default_backend,
                              want_prompt_logprobs=p.decoder_input_details)
 
 
-def _token(service: GenerationService, ev: TokenEvent) -> TGIToken:
+def _token(ev: TokenEvent) -> TGIToken:
     return TGIToken(id=ev.token_id, text=ev.text, logprob=ev.logprob, special=ev.special)
 
 
@@ -70,7 +69,7 @@ async def generate(body: TGIRequest, request: Request):
                        for i, lp in zip(seq.prompt_ids, seq.prompt_logprobs)]
         details = TGIDetails(finish_reason=last.finish_reason.value, generated_tokens=len(seq.output_ids),
                              seed=_reported_seed(seq), prefill=prefill,
-                             tokens=[_token(service, ev) for ev in collected if ev.token_id >= 0])
+                             tokens=[_token(ev) for ev in collected if ev.token_id >= 0])
     out = TGIResponse(generated_text=text, details=details)
     return JSONResponse(out.model_dump(exclude={"details"} if details is None else None))
 
@@ -89,7 +88,7 @@ async def generate_stream(body: TGIRequest, request: Request):
             if (failure := _failure(ev)) is not None:
                 yield {"data": json.dumps(failure)}
                 return
-            out = TGIStreamEvent(index=ev.index, token=_token(service, ev))
+            out = TGIStreamEvent(index=ev.index, token=_token(ev))
             if ev.finish_reason is not None:
                 out.generated_text = prefix + (ev.generated_text or "")
                 out.details = TGIStreamDetails(finish_reason=ev.finish_reason.value,

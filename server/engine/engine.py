@@ -141,6 +141,8 @@ class Engine:
         batch = [s for s in self.running if s.finish_reason is None]
         if batch:
             self._decode(batch)
+        for seq in self.running:  # a live store only grows, so its size now is its peak so far
+            seq.peak_kv_bytes = seq.store.nbytes()
         self._report()
 
     def _prefill(self, seq: Sequence) -> None:
@@ -189,7 +191,6 @@ class Engine:
         seq.times.token_times.append(now)
         seq.times.first_token = seq.times.first_token or now
         seq.times.last_token = now
-        seq.peak_kv_bytes = max(seq.peak_kv_bytes, seq.store.nbytes())
         text = seq.detok.add(token)
         reason = None
         if token in self.eos_token_ids:
