@@ -8,13 +8,14 @@
 * Greedy agreement with ``full``: greedy continuations of ``new_tokens`` tokens after each prompt;
   the fraction of positions where the backend's token equals ``full``'s.
 * Bytes per token: the store's own count after ``context`` tokens, divided by ``context``.
-* TPOT at a context length: mean wall time of one single-sequence decode step after prefilling
+* TPOT at a context length: median wall time of one single-sequence decode step after prefilling
   ``context - steps`` tokens, over ``steps`` steps (seconds).
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 import time
 
 import torch
@@ -83,16 +84,20 @@ def measured_bytes_per_token(model, backend, token_ids: list[int], context: int 
 
 
 @torch.inference_mode()
-def tpot(model, backend, token_ids: list[int], context: int, steps: int = 16) -> float:
-    """Mean single-sequence decode step time (seconds) at about ``context`` tokens of context."""
+def tpot(model, backend, token_ids: list[int], context: int, steps: int = 32) -> float:
+    """Median single-sequence decode step time (seconds) over ``steps`` steps ending at ``context`` tokens.
+
+    The median, not the mean, so that one step delayed by the machine does not move the number.
+    """
     runner = _runner(model, backend)
     store = backend.new_store()
     runner.prefill(token_ids[: context - steps], store)
     last = token_ids[context - steps]
     runner.decode([last], [store])  # warm-up step
-    t0 = time.perf_counter()
-    for i in range(steps - 1):
+    times = []
+    for _ in range(steps - 1):
+        t0 = time.perf_counter()
         last = int(runner.decode([last], [store])[0].argmax())
-    elapsed = time.perf_counter() - t0
+        times.append(time.perf_counter() - t0)
     store.release()
-    return elapsed / (steps - 1)
+    return statistics.median(times)

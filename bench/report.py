@@ -4,14 +4,17 @@ For each backend setting it measures (see :mod:`bench.fidelity` for the definiti
 held at 1024 tokens, compression vs ``full``, held-out perplexity through the cache path and its
 change vs ``full``, greedy agreement with ``full``, TTFT (prefill of a 512-token prompt plus the first
 sampled token, in-process), TPOT at several context lengths, and aggregate decode tokens/s of the
-engine at 1 and 8 concurrent sequences. It writes ``report.md``, ``results.json`` and three PNG plots
-(perplexity change vs compression, TPOT vs context, KV bytes vs context) to ``--out``.
+engine at 1 and 8 concurrent sequences. Quality is measured setting by setting; speed is measured in
+``--rounds`` rounds over all settings and reported as the median over rounds. It writes ``report.md``,
+``results.json`` (with each setting's wall time per phase) and three PNG plots (perplexity change vs
+compression, TPOT vs context, KV bytes vs context) to ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -31,6 +34,11 @@ DEFAULT_SPECS = ["full", "gqa:groups=4,method=mean", "gqa:groups=4,method=pca", 
                  "dca:threshold=0.98,align=linear", "dca:threshold=0.9,align=none",
                  "gqa+int8:groups=4", "mla+int8:rank=64", "dca+int8:threshold=0.98", "dca+mla:threshold=0.98,rank=128"]
 QUICK_SPECS = ["full", "gqa:groups=2,method=pca", "mla:rank=64", "int8", "dca"]
+# Scoring sizes. Perplexity is scored token by token through each backend's decode path on the last
+# 1024 - prefix tokens of each window (where a compressed cache holds the most tokens); 6 windows x 256
+# tokens keep the default run of all 16 settings within 15 minutes on a 2-core CPU.
+DEFAULT = {"windows": 6, "prefix": 768, "prompts": 16, "new_tokens": 64, "stream_tokens": 64, "rounds": 3}
+QUICK = {"windows": 2, "prefix": 768, "prompts": 4, "new_tokens": 32, "stream_tokens": 32, "rounds": 3}
 
 
 def engine_throughput(model, tokenizer, backend, streams: int, new_tokens: int) -> float:
@@ -56,7 +64,7 @@ def engine_throughput(model, tokenizer, backend, streams: int, new_tokens: int) 
 
 @torch.inference_mode()
 def ttft(model, backend, ids: list[int]) -> float:
-
+    """Time (seconds) to prefill ``ids`` into an empty store and pick the first token, in-process."""
     runner = ModelRunner(model, backend.geometry.num_layers)
     store = backend.new_store()
     t0 = time.perf_counter()
@@ -64,6 +72,30 @@ def ttft(model, backend, ids: list[int]) -> float:
     elapsed = time.perf_counter() - t0
     store.release()
     return elapsed
+
+
+class Phases:
+    """Wall time (seconds) of each measurement of one setting, kept in the report to show where time goes."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    def __call__(self, name: str, fn, *args, **kwargs):
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+        return out
+
+
+def bytes_vs_context(model, backend, token_ids: list[int], contexts=(128, 256, 512, 768, 1024)) -> dict[int, int]:
+    """Bytes one sequence's store holds after a prefill of each context length (tokens -> bytes)."""
+    out = {}
+    for c in contexts:
+        store = backend.new_store()
+        ModelRunner(model, backend.geometry.num_layers).prefill(token_ids[:c], store)
+        out[c] = store.nbytes()
+        store.release()
+    return out
 
 
 def run(args) -> dict:
@@ -76,42 +108,53 @@ def run(args) -> dict:
     calib_ids = slice_token_ids(Path(args.model) / CALIB_SLICE, tokenizer)
     prompts = [eval_ids[i * 1000 : i * 1000 + 32] for i in range(args.prompts)]
     contexts = [512, 1024] if args.quick else [256, 512, 1024]
-    rows, reference = [], None
+    rows, backends, reference = [], [], None
     specs = args.backends or (QUICK_SPECS if args.quick else DEFAULT_SPECS)
-    bar = tqdm(specs, desc="kvserve bench")
+    bar = tqdm(specs, desc="kvserve bench: quality")
     for spec in bar:
         bar.set_postfix_str(spec)
         name, options = parse_spec(spec)
         backend = create(name, geometry, **options)
-        t0 = time.perf_counter()
-        backend.prepare(model, calib_ids)
+        timed = Phases()
+        timed("prepare", backend.prepare, model, calib_ids)
         row = {"backend": name, "params": backend.params(), "spec": format_spec(name, backend.params()),
-               "prepare_s": time.perf_counter() - t0, "details": backend.details()}
-        row["bytes_per_token"] = measured_bytes_per_token(model, backend, calib_ids, 1024)
+               "details": backend.details()}
+        row["bytes_per_token"] = timed("bytes", measured_bytes_per_token, model, backend, calib_ids, 1024)
         row["formula_bytes_per_token"] = backend.bytes_per_token_per_layer() * geometry.num_layers
-        row["bytes_vs_context"] = {}
-        for c in (128, 256, 512, 768, 1024):
-            store = backend.new_store()
-            ModelRunner(model, geometry.num_layers).prefill(calib_ids[:c], store)
-            row["bytes_vs_context"][c] = store.nbytes()
-            store.release()
-        row["perplexity"] = cache_path_perplexity(model, backend, eval_ids, max_windows=args.windows,
-                                                  prefix=args.prefix)
-        greedy = greedy_tokens(model, backend, prompts, args.new_tokens)
+        row["bytes_vs_context"] = timed("bytes", bytes_vs_context, model, backend, calib_ids)
+        row["perplexity"] = timed("perplexity", cache_path_perplexity, model, backend, eval_ids,
+                                  max_windows=args.windows, prefix=args.prefix)
+        greedy = timed("greedy", greedy_tokens, model, backend, prompts, args.new_tokens)
         if reference is None:
             reference = {"greedy": greedy, "perplexity": row["perplexity"], "bytes": row["bytes_per_token"]}
         row["greedy_agreement"] = agreement(greedy, reference["greedy"])
         row["compression"] = reference["bytes"] / row["bytes_per_token"]
         row["perplexity_change_pct"] = 100 * (row["perplexity"] / reference["perplexity"] - 1)
-        row["ttft_s"] = ttft(model, backend, eval_ids[:512])
-        row["tpot_s"] = {c: tpot(model, backend, calib_ids, c) for c in contexts}
-        row["tokens_per_s"] = {n: engine_throughput(model, tokenizer, backend, n, args.stream_tokens)
-                               for n in (1, 8)}
+        row["phase_s"] = timed.seconds
         rows.append(row)
+        backends.append((backend, timed))
         tqdm.write(f"{row['spec']}: {row['bytes_per_token']:.0f} B/token, ppl {row['perplexity']:.3f} "
                    f"({row['perplexity_change_pct']:+.2f}%), agreement {row['greedy_agreement']:.3f}")
+    # Speed: every setting once per round, round after round, and the median over rounds, so that a
+    # slow spell of a shared machine spreads over all settings instead of landing on one.
+    samples = [{"ttft": [], "tpot": {c: [] for c in contexts}, "tps": {1: [], 8: []}} for _ in rows]
+    bar = tqdm(total=args.rounds * len(rows), desc="kvserve bench: speed")
+    for _ in range(args.rounds):
+        for (backend, timed), sample in zip(backends, samples):
+            sample["ttft"].append(timed("latency", ttft, model, backend, eval_ids[:512]))
+            for c in contexts:
+                sample["tpot"][c].append(timed("latency", tpot, model, backend, calib_ids, c))
+            for n in (1, 8):
+                sample["tps"][n].append(timed("throughput", engine_throughput, model, tokenizer, backend, n,
+                                              args.stream_tokens))
+            bar.update()
+    bar.close()
+    for row, sample in zip(rows, samples):
+        row["ttft_s"] = statistics.median(sample["ttft"])
+        row["tpot_s"] = {c: statistics.median(v) for c, v in sample["tpot"].items()}
+        row["tokens_per_s"] = {n: statistics.median(v) for n, v in sample["tps"].items()}
     return {"model": args.model, "windows": args.windows, "prefix": args.prefix, "prompts": args.prompts,
-            "new_tokens": args.new_tokens, "contexts": contexts, "torch": torch.__version__,
+            "new_tokens": args.new_tokens, "rounds": args.rounds, "contexts": contexts, "torch": torch.__version__,
             "threads": torch.get_num_threads(), "rows": rows}
 
 
@@ -150,6 +193,23 @@ def short_label(row: dict) -> str:
     return f"{row['backend']}({params})" if params else row["backend"]
 
 
+def pareto_front(rows: list[dict]) -> list[dict]:
+    """Settings no other setting beats on both compression (higher) and perplexity change (lower),
+    ordered by compression."""
+    front = [r for r in rows if not any(
+        o["compression"] >= r["compression"] and o["perplexity_change_pct"] <= r["perplexity_change_pct"]
+        and (o["compression"], o["perplexity_change_pct"]) != (r["compression"], r["perplexity_change_pct"])
+        for o in rows)]
+    return sorted(front, key=lambda r: r["compression"])
+
+
+def style(row: dict, index: int) -> dict:
+    """Plot style of one setting: a colour per backend (compositions share one), a marker per setting."""
+    colours = {"full": "black", "gqa": "tab:red", "mla": "tab:blue", "int8": "tab:green", "dca": "tab:orange"}
+    markers = "osD^vP*Xh<>p"
+    return {"color": colours.get(row["backend"], "tab:purple"), "marker": markers[index % len(markers)]}
+
+
 def plots(result: dict, out: Path) -> list[Path]:
     import matplotlib
 
@@ -157,20 +217,26 @@ def plots(result: dict, out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     rows = result["rows"]
+    styles = [style(r, i) for i, r in enumerate(rows)]
     paths = []
-    fig, ax = plt.subplots(figsize=(8, 5.5))
-    for i, r in enumerate(rows):
-        ax.scatter(r["compression"], r["perplexity_change_pct"], s=40, label=short_label(r))
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for i, (r, st) in enumerate(zip(rows, styles)):
+        ax.scatter(r["compression"], r["perplexity_change_pct"], s=45, label=f"{i + 1}. {short_label(r)}",
+                   alpha=0.85, **st)
         ax.annotate(str(i + 1), (r["compression"], r["perplexity_change_pct"]), fontsize=7, xytext=(4, 3),
                     textcoords="offset points")
+    front = pareto_front(rows)
+    ax.plot([r["compression"] for r in front], [r["perplexity_change_pct"] for r in front], ls="--", lw=1,
+            color="grey", zorder=0, label="frontier (best quality at each size)")
+    changes = [r["perplexity_change_pct"] for r in rows]
     ax.set_xscale("log", base=2)
     ax.set_yscale("symlog", linthresh=0.1)
+    ax.set_ylim(min(-0.2, 2 * min(changes)), 3 * max(1.0, max(changes)))
     ax.set_xlabel("KV compression vs full (x, log scale)")
     ax.set_ylabel("held-out perplexity change (%, symlog)")
     ax.set_title("Quality vs memory: the trade-off frontier")
     ax.grid(alpha=0.3)
-    ax.legend([f"{i + 1}. {short_label(r)}" for i, r in enumerate(rows)], fontsize=6, loc="upper left",
-              bbox_to_anchor=(1.01, 1.0))
+    ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     paths.append(out / "frontier.png")
     fig.tight_layout()
     fig.savefig(paths[-1], dpi=120)
@@ -180,9 +246,10 @@ def plots(result: dict, out: Path) -> list[Path]:
                                       ("bytes_vs_context", "KV bytes per sequence (MiB)", "kv_bytes_vs_context.png",
                                        1 / 2**20)):
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        for r in rows:
+        for r, st in zip(rows, styles):
             xs = sorted(int(c) for c in r[key])
-            ax.plot(xs, [r[key][c if c in r[key] else str(c)] * scale for c in xs], marker="o", label=short_label(r))
+            ax.plot(xs, [r[key][c if c in r[key] else str(c)] * scale for c in xs], label=short_label(r),
+                    ms=4, lw=1, **st)
         ax.set_xlabel("context length (tokens)")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
@@ -198,23 +265,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=str(REPO / "models" / "kjv-llama-mha"))
     p.add_argument("--backends", nargs="*", help="backend specs, e.g. full gqa:groups=2,method=pca mla:rank=64")
     p.add_argument("--quick", action="store_true",
-                   help="5 settings, 2 windows scored after 768 tokens, 4 prompts x 32 tokens (under 3 minutes)")
+                   help=f"{len(QUICK_SPECS)} settings, {QUICK['windows']} windows, {QUICK['prompts']} prompts x "
+                        f"{QUICK['new_tokens']} tokens (under 3 minutes)")
     p.add_argument("--out", default="reports/bench")
-    p.add_argument("--windows", type=int, default=6,
-                   help="1024-token windows of the eval slice scored through the cache path (20 = all; default 6)")
-    p.add_argument("--prefix", type=int, default=512, help="tokens prefilled per window before scoring")
-    p.add_argument("--prompts", type=int, default=20)
-    p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--stream-tokens", type=int, default=32, help="tokens per stream for the tokens/s columns")
+    p.add_argument("--windows", type=int, default=None,
+                   help=f"1024-token windows of the eval slice scored through the cache path (20 = all; default "
+                        f"{DEFAULT['windows']}, --quick {QUICK['windows']})")
+    p.add_argument("--prefix", type=int, default=None,
+                   help=f"tokens prefilled per window before scoring by decode (default {DEFAULT['prefix']})")
+    p.add_argument("--prompts", type=int, default=None,
+                   help=f"greedy-agreement prompts (default {DEFAULT['prompts']}, --quick {QUICK['prompts']})")
+    p.add_argument("--new-tokens", type=int, default=None,
+                   help=f"greedy tokens per prompt (default {DEFAULT['new_tokens']}, --quick {QUICK['new_tokens']})")
+    p.add_argument("--stream-tokens", type=int, default=None,
+                   help=f"tokens per stream for the tokens/s columns (default {DEFAULT['stream_tokens']})")
+    p.add_argument("--rounds", type=int, default=None,
+                   help=f"speed rounds over all settings; speeds are medians over rounds (default "
+                        f"{DEFAULT['rounds']}, --quick {QUICK['rounds']})")
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.quick:
-        args.windows = args.windows or 2
-        args.prefix = max(args.prefix, 768)
-        args.prompts = min(args.prompts, 4)
-        args.new_tokens = min(args.new_tokens, 32)
-        args.stream_tokens = min(args.stream_tokens, 16)
+    for key, value in (QUICK if args.quick else DEFAULT).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()

@@ -1,0 +1,62 @@
+"""`kvserve bench --quick` on the shipped model, end to end: report, plots, JSON, then `kvserve advise` on it.
+
+One run (about 1.5 minutes on 2 cores) in a fresh process, as a user would start it; the checks are on
+values (bytes, compression, agreement, perplexity change), never on timings.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def quick_report(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("bench")
+    subprocess.run([sys.executable, "-m", "server.cli", "bench", "--quick", "--out", str(out)], cwd=REPO,
+                   check=True, capture_output=True, text=True, timeout=900)
+    return out
+
+
+def test_quick_bench_writes_report_plots_and_json(quick_report):
+    result = json.loads((quick_report / "results.json").read_text())
+    rows = {r["backend"]: r for r in result["rows"]}
+    assert list(rows) == ["full", "gqa", "mla", "int8", "dca"]
+    full = rows["full"]
+    # fp32 MHA, 8 layers x 8 heads x head_dim 32: K and V, 4 bytes each.
+    assert full["bytes_per_token"] == 2 * 8 * 8 * 32 * 4 and full["compression"] == 1.0
+    assert full["greedy_agreement"] == 1.0 and full["perplexity_change_pct"] == 0.0
+    for r in result["rows"]:
+        assert r["bytes_per_token"] == pytest.approx(r["formula_bytes_per_token"]), r["spec"]
+        assert r["bytes_vs_context"]["1024"] > r["bytes_vs_context"]["128"] > 0
+        assert set(r["tpot_s"]) == {"512", "1024"} and all(v > 0 for v in r["tpot_s"].values())
+        assert set(r["phase_s"]) == {"prepare", "bytes", "perplexity", "greedy", "latency", "throughput"}
+    assert rows["gqa"]["compression"] == 4.0 and rows["mla"]["compression"] == 8.0
+    assert rows["int8"]["compression"] > 2.5 and abs(rows["int8"]["perplexity_change_pct"]) < 1.0
+    assert abs(rows["mla"]["perplexity_change_pct"]) < 1.0  # rank 64 of 512 keeps the model (measured +0.03%)
+    assert 0.0 <= rows["gqa"]["greedy_agreement"] < rows["int8"]["greedy_agreement"]
+
+    report = (quick_report / "report.md").read_text()
+    assert "kvserve bench --quick" in report and report.count("\n| ") >= 1 + 5 + 2  # header, 5 rows, dca table
+    for name in ("frontier", "tpot_vs_context", "kv_bytes_vs_context"):
+        png = quick_report / f"{name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"({name}.png)" in report
+        import matplotlib.image
+
+        height, width, _ = matplotlib.image.imread(png).shape
+        assert width > 600 and height > 400
+
+
+def test_advise_ranks_the_measured_settings(quick_report):
+    out = subprocess.run([sys.executable, "-m", "server.cli", "advise", "--bench", str(quick_report / "results.json"),
+                          "--context", "1024", "--concurrency", "8", "--memory-budget", "64MiB", "--json"],
+                         cwd=REPO, check=True, capture_output=True, text=True, timeout=120)
+    ranked = json.loads(out.stdout)
+    fits = {r["spec"].split(":")[0]: r["fits"] for r in ranked}
+    # 8 x 1024 tokens: full needs 128 MiB, int8 ~43 MiB, mla rank 64 16 MiB.
+    assert fits["full"] is False and fits["int8"] is True and fits["mla"] is True
+    assert all(r["reason"] for r in ranked)
