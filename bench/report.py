@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -37,6 +38,8 @@ QUICK_SPECS = ["full", "gqa:groups=2,method=pca", "mla:rank=64", "int8", "dca"]
 # Scoring sizes. Perplexity is scored token by token through each backend's decode path on the last
 # 1024 - prefix tokens of each window (where a compressed cache holds the most tokens); 6 windows x 256
 # tokens keep the default run of all 16 settings within 15 minutes on a 2-core CPU.
+WINDOW = 1024  # tokens per perplexity window (the reference model's context)
+MAX_PROMPTS = 20  # greedy prompts start every 1000 tokens of the ~20.7k-token eval slice
 DEFAULT = {"windows": 6, "prefix": 768, "prompts": 16, "new_tokens": 64, "stream_tokens": 64, "rounds": 3}
 QUICK = {"windows": 2, "prefix": 768, "prompts": 4, "new_tokens": 32, "stream_tokens": 32, "rounds": 3}
 
@@ -123,7 +126,7 @@ def run(args) -> dict:
         row["formula_bytes_per_token"] = backend.bytes_per_token_per_layer() * geometry.num_layers
         row["bytes_vs_context"] = timed("bytes", bytes_vs_context, model, backend, calib_ids)
         row["perplexity"] = timed("perplexity", cache_path_perplexity, model, backend, eval_ids,
-                                  max_windows=args.windows, prefix=args.prefix)
+                                  window=WINDOW, max_windows=args.windows, prefix=args.prefix)
         greedy = timed("greedy", greedy_tokens, model, backend, prompts, args.new_tokens)
         if reference is None:
             reference = {"greedy": greedy, "perplexity": row["perplexity"], "bytes": row["bytes_per_token"]}
@@ -284,12 +287,49 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"{DEFAULT['rounds']}, --quick {QUICK['rounds']})")
 
 
+def check_arguments(args: argparse.Namespace) -> None:
+    """Refuse, before any model is loaded, settings the run could not use.
+
+    Raises:
+        ValueError: one line naming the bad argument (an unknown backend or option, a count below 1,
+            a prefix outside 1..1023, more prompts than the eval slice holds, a model folder without
+            ``config.json``).
+    """
+    from transformers import AutoConfig
+
+    for key in ("windows", "prompts", "new_tokens", "stream_tokens", "rounds"):
+        if getattr(args, key) < 1:
+            raise ValueError(f"--{key.replace('_', '-')} must be at least 1, got {getattr(args, key)}")
+    if not 1 <= args.prefix < WINDOW:
+        raise ValueError(f"--prefix must be between 1 and {WINDOW - 1} (windows are {WINDOW} tokens), got {args.prefix}")
+    if args.prompts > MAX_PROMPTS:
+        raise ValueError(f"--prompts must be at most {MAX_PROMPTS} (one per 1000 tokens of the eval slice)")
+    if not (Path(args.model) / "config.json").is_file():
+        raise ValueError(f"--model {args.model}: no config.json in that folder")
+    geometry = ModelGeometry.from_config(AutoConfig.from_pretrained(args.model), torch.float32)
+    for spec in args.backends or []:
+        try:
+            name, options = parse_spec(spec)
+            create(name, geometry, **options)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise ValueError(f"--backends {spec}: {str(exc).strip(chr(39))}") from None
+
+
 def main(args: argparse.Namespace) -> int:
     for key, value in (QUICK if args.quick else DEFAULT).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    try:
+        check_arguments(args)
+    except ValueError as exc:
+        print(f"kvserve bench: {exc}", file=sys.stderr)
+        return 2
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        print(f"kvserve bench: --out {out}: {exc.strerror}", file=sys.stderr)
+        return 2
     started = time.time()
     result = run(args)
     result["wall_s"] = time.time() - started

@@ -60,3 +60,19 @@ def test_advise_ranks_the_measured_settings(quick_report):
     # 8 x 1024 tokens: full needs 128 MiB, int8 ~43 MiB, mla rank 64 16 MiB.
     assert fits["full"] is False and fits["int8"] is True and fits["mla"] is True
     assert all(r["reason"] for r in ranked)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--backends", "full", "nosuch"], "--backends nosuch: unknown KV backend"),
+    (["--backends", "mla:rank=abc"], "--backends mla:rank=abc:"),
+    (["--backends", "gqa:groups"], "expected key=value"),
+    (["--prefix", "1024"], "--prefix must be between 1 and 1023"),
+    (["--rounds", "0"], "--rounds must be at least 1"),
+    (["--model", "/nonexistent"], "no config.json"),
+])
+def test_bad_arguments_fail_fast_with_one_line(args, message, tmp_path):
+    p = subprocess.run([sys.executable, "-m", "server.cli", "bench", "--out", str(tmp_path / "out"), *args], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert message in p.stderr and "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()  # refused before anything was written
