@@ -32,7 +32,7 @@ def slice_token_ids(path: str | Path, tokenizer) -> list[int]:
     for chapter in text.split("\n\n"):
         chapter = chapter.strip("\n")
         if chapter:
-            ids.extend(tokenizer.encode(chapter, add_special_tokens=False))
+            ids.extend(tokenizer.encode(chapter, add_special_tokens=False, verbose=False))  # chapters may exceed the context
             ids.append(tokenizer.eos_token_id)
     return ids
 

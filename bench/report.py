@@ -101,6 +101,13 @@ def bytes_vs_context(model, backend, token_ids: list[int], contexts=(128, 256, 5
     return out
 
 
+def settings(specs: list[str]) -> list[str]:
+    """``specs`` without repeats, with ``full`` first: every compression, perplexity change and greedy
+    agreement is measured against it, so it is added when not asked for."""
+    specs = list(dict.fromkeys(s.strip() for s in specs))
+    return ["full"] + [s for s in specs if s != "full"]
+
+
 def run(args) -> dict:
     from server.model_loading import load_model
 
@@ -112,7 +119,7 @@ def run(args) -> dict:
     prompts = [eval_ids[i * 1000 : i * 1000 + 32] for i in range(args.prompts)]
     contexts = [512, 1024] if args.quick else [256, 512, 1024]
     rows, backends, reference = [], [], None
-    specs = args.backends or (QUICK_SPECS if args.quick else DEFAULT_SPECS)
+    specs = settings(args.backends or (QUICK_SPECS if args.quick else DEFAULT_SPECS))
     bar = tqdm(specs, desc="kvserve bench: quality")
     for spec in bar:
         bar.set_postfix_str(spec)
@@ -266,7 +273,8 @@ def plots(result: dict, out: Path) -> list[Path]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=str(REPO / "models" / "kjv-llama-mha"))
-    p.add_argument("--backends", nargs="*", help="backend specs, e.g. full gqa:groups=2,method=pca mla:rank=64")
+    p.add_argument("--backends", nargs="+",
+                   help="backend specs, e.g. gqa:groups=2,method=pca mla:rank=64 (full, the reference, is always run)")
     p.add_argument("--quick", action="store_true",
                    help=f"{len(QUICK_SPECS)} settings, {QUICK['windows']} windows, {QUICK['prompts']} prompts x "
                         f"{QUICK['new_tokens']} tokens (under 3 minutes)")
@@ -308,11 +316,11 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"--model {args.model}: no config.json in that folder")
     geometry = ModelGeometry.from_config(AutoConfig.from_pretrained(args.model), torch.float32)
     for spec in args.backends or []:
+        name, options = parse_spec(spec)  # its errors name the spec
         try:
-            name, options = parse_spec(spec)
             create(name, geometry, **options)
         except (ValueError, TypeError, KeyError) as exc:
-            raise ValueError(f"--backends {spec}: {str(exc).strip(chr(39))}") from None
+            raise ValueError(f"--backends {spec}: {exc.args[0] if exc.args else exc}") from None
 
 
 def main(args: argparse.Namespace) -> int:

@@ -87,6 +87,19 @@ class Shape:
 
     @classmethod
     def from_config(cls, cfg: dict) -> "Shape":
+        """Read a Hugging Face ``config.json`` (as a dict).
+
+        Raises:
+            ValueError: if it lacks a field the sums need (num_attention_heads, num_hidden_layers, and
+                head_dim or hidden_size).
+        """
+        try:
+            return cls._from_config(cfg)
+        except (KeyError, TypeError, ZeroDivisionError) as exc:
+            raise ValueError(f"config.json has no usable attention shape (missing or bad {exc})") from None
+
+    @classmethod
+    def _from_config(cls, cfg: dict) -> "Shape":
         heads = cfg["num_attention_heads"]
         kv_heads = cfg.get("num_key_value_heads") or heads
         if cfg.get("kv_lora_rank"):
@@ -161,11 +174,17 @@ def bytes_per_token_per_layer(shape: Shape, backend: str, params: dict, dtype_by
 def estimate_rows(shape: Shape, specs: list[tuple[str, dict]], seq_lens: list[int], batches: list[int],
                   dtype_bytes: int) -> list[dict]:
     """One row per (spec, seq_len, batch): bytes per token per layer and total bytes (all layers, batch)."""
+    from cache_backends.spec import check_options
+
+    for name, value in (("seq_len", seq_lens), ("batch", batches)):
+        if not value or min(value) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} needs whole numbers >= 1, got {value}")
     rows = []
     for backend, params in specs:
+        check_options(backend, params)
         for t in seq_lens:
             per = bytes_per_token_per_layer(shape, backend, params, dtype_bytes, t)
             for b in batches:
                 rows.append({"backend": backend, "params": params, "seq_len": t, "batch": b,
-                             "bytes_per_token_per_layer": per, "total_bytes": per * t * shape.num_layers * b})
+                             "bytes_per_token_per_layer": per, "total_bytes": round(per * t * shape.num_layers * b)})
     return rows

@@ -179,7 +179,7 @@ class GQABackend(KVBackend):
 
     def __init__(self, geometry: ModelGeometry, groups: int | None = None, method: str = "pca",
                  quantize: dict | None = None):
-        groups = groups or max(1, geometry.num_key_value_heads // 4)
+        groups = max(1, geometry.num_key_value_heads // 4) if groups is None else groups
         if groups < 1 or geometry.num_key_value_heads % groups:
             raise ValueError(f"KV_GQA_GROUPS={groups} must divide num_key_value_heads="
                              f"{geometry.num_key_value_heads}")

@@ -145,7 +145,7 @@ class MLABackend(KVBackend):
             self.rank, self.quantize, self.bases, self.rope = geometry.kv_lora_rank, None, None, None
             return
         width = 2 * geometry.num_key_value_heads * geometry.head_dim
-        rank = rank or max(1, width // 8)
+        rank = max(1, width // 8) if rank is None else rank
         if not 1 <= rank <= width:
             raise ValueError(f"KV_MLA_RANK={rank} must be between 1 and 2*num_key_value_heads*head_dim={width}")
         super().__init__(geometry, rank=rank, **(quantize or {}))

@@ -1,31 +1,85 @@
-"""Backend specs on the command line: ``name`` or ``name:key=value,key=value`` (e.g. ``gqa:groups=2,method=mean``)."""
+"""Backend specs on the command line: ``name`` or ``name:key=value,key=value`` (e.g. ``gqa:groups=2,method=mean``).
+
+Every option a backend or the estimator knows has one type and one lower bound, checked here, so that a
+bad value is refused with one line naming the spec and the option, never replaced by a default.
+"""
 
 from __future__ import annotations
 
+# option -> (type, smallest allowed value, or the allowed words of a str option)
+OPTIONS: dict[str, tuple[type, float | tuple[str, ...] | None]] = {
+    "groups": (int, 1),  # gqa: shared K/V heads per layer
+    "method": (str, ("pca", "mean")),  # gqa: calibrated shared head or plain mean pooling
+    "rank": (int, 1),  # mla: latent width per token per layer
+    "rope_dim": (int, 0),  # mla (estimate): width of a native-MLA model's shared rope key
+    "group_size": (int, 1),  # int8: tokens (keys) / channels (values) per quantization group
+    "residual": (int, 0),  # int8: full-precision recent window, tokens
+    "threshold": (float, None),  # dca: similarity at or above which a layer reuses its source
+    "probe_interval": (int, 1),  # dca: decode steps between similarity probes
+    "align": (str, ("linear", "none")),  # dca: fitted map between layers, or none
+    "reuse_fraction": (float, 0),  # dca (estimate): fraction of layers reused
+}
 
-def _value(text: str):
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
+
+def _value(key: str, text: str, spec: str):
+    kind, low = OPTIONS.get(key, (None, None))
+    if kind is str:
+        if text not in low:
+            raise ValueError(f"{spec}: {key} must be one of {', '.join(low)}, got {text!r}")
+        return text
+    try:
+        value = int(text) if kind is int else float(text)
+    except ValueError:
+        if kind is None:  # an option no backend knows: keep it for the backend to name in its refusal
+            return text
+        raise ValueError(f"{spec}: {key} must be {'an integer' if kind is int else 'a number'}, got {text!r}") from None
+    if kind is None and value == int(value) and "." not in text:
+        value = int(value)
+    if low is not None and value < low:
+        raise ValueError(f"{spec}: {key} must be >= {low}, got {text}")
+    return value
 
 
 def parse_spec(spec: str) -> tuple[str, dict]:
-    """Split a spec into ``(name, options)``; numeric values become int or float.
+    """Split a spec into ``(name, options)``, each known option converted to its type and bound-checked.
 
     Raises:
-        ValueError: on an option without ``=``.
+        ValueError: on an option without ``=``, a value of the wrong type (``rank=abc``, ``groups=1.5``) or
+            below its bound (``groups=0``, ``residual=-1``), naming the spec.
     """
     name, _, rest = spec.partition(":")
     options = {}
     for item in filter(None, rest.split(",")):
         key, sep, value = item.partition("=")
-        if not sep:
+        if not sep or not key.strip():
             raise ValueError(f"bad option {item!r} in {spec!r}: expected key=value")
-        options[key.strip()] = _value(value.strip())
+        options[key.strip()] = _value(key.strip(), value.strip(), spec)
     return name.strip(), options
+
+
+# backend -> the options it takes (a composition takes the union of its parts')
+BACKEND_OPTIONS: dict[str, set[str]] = {
+    "full": set(),
+    "gqa": {"groups", "method"},
+    "mla": {"rank", "rope_dim"},
+    "int8": {"group_size", "residual"},
+    "dca": {"threshold", "probe_interval", "align", "reuse_fraction"},
+}
+
+
+def check_options(name: str, options: dict) -> None:
+    """Refuse options that backend ``name`` (or each part of a composition like ``mla+int8``) does not take.
+
+    Raises:
+        ValueError: naming the unknown backend or options.
+    """
+    parts = name.split("+")
+    unknown_parts = [p for p in parts if p not in BACKEND_OPTIONS]
+    if unknown_parts:
+        raise ValueError(f"unknown backend {unknown_parts[0]!r}; allowed: {', '.join(BACKEND_OPTIONS)}")
+    unknown = set(options) - set().union(*(BACKEND_OPTIONS[p] for p in parts))
+    if unknown:
+        raise ValueError(f"{name} takes no option {', '.join(sorted(unknown))}")
 
 
 def format_spec(name: str, options: dict) -> str:

@@ -14,23 +14,47 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from cache_backends.estimate import DTYPE_BYTES, bytes_per_token_per_layer
 from cache_backends.spec import format_spec, parse_spec
 from server.estimate_cli import human, load_shape
 
-ESTIMATE_SPECS = ["full", "gqa:groups=8", "mla:rank=512", "int8", "dca:reuse_fraction=0.5", "mla+int8:rank=512",
-                  "gqa+int8:groups=8"]
+# Without --bench: each backend at the estimator's defaults for the model (gqa: num_key_value_heads / 4
+# groups; mla: the model's kv_lora_rank, else 2 * num_key_value_heads * head_dim / 8; dca: half the layers).
+ESTIMATE_SPECS = ["full", "gqa", "mla", "int8", "dca", "mla+int8", "gqa+int8"]
 UNITS = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
 
 def parse_bytes(text: str) -> int:
-    """'24GiB', '512M', '1e9' → bytes."""
+    """'24GiB', '512M', '1e9' → bytes (argparse type).
+
+    Raises:
+        argparse.ArgumentTypeError: for anything else, or a size below 1 byte.
+    """
     t = text.strip().lower().removesuffix("ib").removesuffix("b")
-    if t and t[-1] in UNITS:
-        return int(float(t[:-1]) * UNITS[t[-1]])
-    return int(float(t))
+    scale = UNITS.get(t[-1:], 1)
+    try:
+        n = int(float(t[:-1] if t[-1:] in UNITS else t) * scale)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a size such as 24GiB, 512MiB or 1e9 (bytes), got {text!r}")
+    return n
+
+
+def _positive(kind):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = 0
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+        return value
+
+    return parse
 
 
 def why(backend: str, context: int, concurrency: int, share: float, long_context: bool) -> str:
@@ -55,7 +79,20 @@ def why(backend: str, context: int, concurrency: int, share: float, long_context
 
 
 def rows_from_bench(path: str) -> list[dict]:
-    data = json.loads(Path(path).read_text())
+    """Rows of a ``kvserve bench`` results.json.
+
+    Raises:
+        ValueError: if the file is not JSON or not a bench result; OSError if it cannot be read.
+    """
+    try:
+        return _rows_from_bench(json.loads(Path(path).read_text()))
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"--bench {path}: not a results.json written by kvserve bench (bad or missing {exc})") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--bench {path}: not JSON ({exc})") from None
+
+
+def _rows_from_bench(data: dict) -> list[dict]:
     rows = []
     for r in data["rows"]:
         tpot = {int(k): v for k, v in r["tpot_s"].items()}
@@ -65,12 +102,24 @@ def rows_from_bench(path: str) -> list[dict]:
     return rows
 
 
-def rows_from_estimate(model: str, dtype: str, context: int, specs: list[str]) -> list[dict]:
+def rows_from_estimate(model: str, dtype: str, context: int, specs: list[str], skip_inapplicable: bool = False
+                       ) -> list[dict]:
+    """Rows from the closed-form sums (no quality or speed); a spec the model cannot take raises ValueError,
+    or is left out with ``skip_inapplicable`` (the default list, e.g. int8 on a model whose K and V widths
+    differ)."""
+    from cache_backends.spec import check_options
+
     shape = load_shape(model)
     rows = []
     for spec in specs:
         name, params = parse_spec(spec)
-        per_layer = bytes_per_token_per_layer(shape, name, params, DTYPE_BYTES[dtype], context)
+        check_options(name, params)
+        try:
+            per_layer = bytes_per_token_per_layer(shape, name, params, DTYPE_BYTES[dtype], context)
+        except ValueError:
+            if skip_inapplicable:
+                continue
+            raise
         rows.append({"spec": format_spec(name, params), "backend": name,
                      "bytes_per_token": per_layer * shape.num_layers, "ppl_change_pct": None, "tpot": {},
                      "agreement": None})
@@ -104,30 +153,40 @@ def advise(rows: list[dict], context: int, concurrency: int, budget: int, tpot_t
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--context", type=int, required=True, help="tokens per sequence (prompt + output)")
-    p.add_argument("--concurrency", type=int, default=1, help="sequences held at once")
-    p.add_argument("--memory-budget", required=True, help="KV-cache budget, e.g. 24GiB or 512MiB")
-    p.add_argument("--tpot-target", type=float, default=None, help="latency target: TPOT in seconds")
+    p.add_argument("--context", type=_positive(int), required=True, help="tokens per sequence (prompt + output)")
+    p.add_argument("--concurrency", type=_positive(int), default=1, help="sequences held at once")
+    p.add_argument("--memory-budget", type=parse_bytes, required=True, help="KV-cache budget, e.g. 24GiB or 512MiB")
+    p.add_argument("--tpot-target", type=_positive(float), default=None, help="latency target: TPOT in seconds")
     p.add_argument("--bench", help="results.json written by `kvserve bench` (measured quality and speed)")
-    p.add_argument("--model", default="llama-2-7b", help="without --bench: preset, config.json or model folder")
-    p.add_argument("--dtype", default="fp16", choices=sorted(DTYPE_BYTES))
-    p.add_argument("--backends", nargs="*", default=ESTIMATE_SPECS, help="without --bench: specs to consider")
+    p.add_argument("--model", default=None, help="without --bench: preset, config.json or model folder "
+                                                 "(default llama-2-7b)")
+    p.add_argument("--dtype", default=None, choices=sorted(DTYPE_BYTES), help="without --bench (default fp16)")
+    p.add_argument("--backends", nargs="+", default=None,
+                   help=f"without --bench: specs to consider (default: {' '.join(ESTIMATE_SPECS)})")
     p.add_argument("--json", action="store_true")
 
 
 def main(args: argparse.Namespace) -> int:
+    budget = args.memory_budget
     try:
-        budget = parse_bytes(args.memory_budget)
-        rows = rows_from_bench(args.bench) if args.bench else rows_from_estimate(args.model, args.dtype, args.context,
-                                                                                 args.backends)
-    except (ValueError, OSError, KeyError) as exc:
-        print(f"kvserve advise: {exc}")
+        if args.bench:
+            given = [f"--{k}" for k in ("model", "dtype", "backends") if getattr(args, k) is not None]
+            if given:
+                raise ValueError(f"{', '.join(given)} appl{'y' if len(given) > 1 else 'ies'} only without --bench (the bench file fixes the model "
+                                 "and settings)")
+            rows = rows_from_bench(args.bench)
+        else:
+            rows = rows_from_estimate(args.model or "llama-2-7b", args.dtype or "fp16", args.context,
+                                      args.backends or ESTIMATE_SPECS, skip_inapplicable=args.backends is None)
+    except (ValueError, OSError) as exc:
+        print(f"kvserve advise: {exc}", file=sys.stderr)
         return 2
     ranked = advise(rows, args.context, args.concurrency, budget, args.tpot_target)
     if args.json:
         print(json.dumps([{k: v for k, v in r.items() if k != "rank_key"} for r in ranked], indent=2))
         return 0
-    source = f"measured by {args.bench}" if args.bench else f"estimated for {args.model} ({args.dtype}), quality unmeasured"
+    source = (f"measured by {args.bench}" if args.bench
+              else f"estimated for {args.model or 'llama-2-7b'} ({args.dtype or 'fp16'}), quality unmeasured")
     print(f"Workload: {args.concurrency} x {args.context} tokens, KV budget {human(budget)}"
           + (f", TPOT target {1000 * args.tpot_target:.0f} ms" if args.tpot_target else "") + f" — {source}")
     n = 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from cache_backends.estimate import DTYPE_BYTES, PRESETS, Shape, estimate_rows
@@ -11,7 +12,14 @@ from cache_backends.spec import parse_spec
 
 
 def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.replace(" ", "").split(",") if x]
+    """A comma list of whole numbers >= 1 (argparse type)."""
+    try:
+        values = [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected a comma list of whole numbers >= 1 (e.g. 4096,8192), got {text!r}")
+    return values
 
 
 def load_shape(model: str) -> Shape:
@@ -40,8 +48,8 @@ def human(n: float) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="llama-2-7b", help=f"preset ({', '.join(PRESETS)}), config.json or folder")
-    p.add_argument("--seq-len", default="4096,8192,32768", help="comma list of context lengths (tokens)")
-    p.add_argument("--batch", default="1,8,16", help="comma list of batch sizes")
+    p.add_argument("--seq-len", type=_ints, default="4096,8192,32768", help="comma list of context lengths (tokens)")
+    p.add_argument("--batch", type=_ints, default="1,8,16", help="comma list of batch sizes")
     p.add_argument("--dtype", default="fp16", choices=sorted(DTYPE_BYTES))
     p.add_argument("backends", nargs="*", default=["full"],
                    help="backend specs, e.g. full gqa:groups=8 mla:rank=512,rope_dim=64 int8 dca:reuse_fraction=0.5")
@@ -51,10 +59,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     try:
         shape = load_shape(args.model)
-        rows = estimate_rows(shape, [parse_spec(s) for s in args.backends], _ints(args.seq_len), _ints(args.batch),
+        rows = estimate_rows(shape, [parse_spec(s) for s in args.backends], args.seq_len, args.batch,
                              DTYPE_BYTES[args.dtype])
     except ValueError as exc:
-        print(f"kvserve estimate: {exc}")
+        print(f"kvserve estimate: {exc}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(rows, indent=2))

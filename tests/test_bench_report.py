@@ -64,7 +64,8 @@ def test_advise_ranks_the_measured_settings(quick_report):
 
 @pytest.mark.parametrize("args, message", [
     (["--backends", "full", "nosuch"], "--backends nosuch: unknown KV backend"),
-    (["--backends", "mla:rank=abc"], "--backends mla:rank=abc:"),
+    (["--backends", "mla:rank=abc"], "mla:rank=abc: rank must be an integer"),
+    (["--backends", "gqa:groups=0"], "gqa:groups=0: groups must be >= 1"),
     (["--backends", "gqa:groups"], "expected key=value"),
     (["--prefix", "1024"], "--prefix must be between 1 and 1023"),
     (["--rounds", "0"], "--rounds must be at least 1"),

@@ -1,0 +1,73 @@
+"""Bad command-line input to `kvserve estimate` and `kvserve advise`: exit 2 and one line naming the problem,
+never a traceback, a default silently put in its place, or nonsense printed with exit 0."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from cache_backends.spec import parse_spec
+from tests.conftest import REPO
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("mla:rank=abc", "rank must be an integer, got 'abc'"),
+    ("mla:rank=1.5", "rank must be an integer"),
+    ("gqa:groups=0", "groups must be >= 1, got 0"),
+    ("int8:residual=-1", "residual must be >= 0"),
+    ("gqa:method=foo", "method must be one of pca, mean"),
+    ("dca:align=foo", "align must be one of linear, none"),
+    ("gqa:groups", "expected key=value"),
+])
+def test_spec_values_are_typed_and_bounded(spec, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        parse_spec(spec)
+
+
+def test_spec_values_convert():
+    assert parse_spec("dca:threshold=0.9,probe_interval=8,align=none") == (
+        "dca", {"threshold": 0.9, "probe_interval": 8, "align": "none"})
+    assert parse_spec("int8:residual=0") == ("int8", {"residual": 0})
+
+
+def kvserve(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "server.cli", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["estimate", "gqa:groups=0"], "groups must be >= 1"),
+    (["estimate", "mla:rank=abc"], "rank must be an integer"),
+    (["estimate", "full:foo=1"], "full takes no option foo"),
+    (["estimate", "--seq-len", "-5"], "whole numbers >= 1"),
+    (["estimate", "--batch", "abc"], "whole numbers >= 1"),
+    (["estimate", "--model", "EMPTY_CONFIG"], "no usable attention shape"),
+    (["advise", "--context", "1024", "--memory-budget", "0"], "expected a size"),
+    (["advise", "--context", "1024", "--memory-budget", "10XB"], "expected a size"),
+    (["advise", "--context", "0", "--memory-budget", "1GiB"], "--context: expected a number > 0"),
+    (["advise", "--context", "1024", "--concurrency", "-3", "--memory-budget", "1GiB"], "expected a number > 0"),
+    (["advise", "--context", "1024", "--memory-budget", "1GiB", "--bench", "LIST_JSON"], "not a results.json"),
+    (["advise", "--context", "1024", "--memory-budget", "1GiB", "--bench", "docs/bench/results.json", "--model",
+      "llama-3-8b"], "--model applies only without --bench"),
+])
+def test_bad_input_exits_2_with_a_message(args, message, tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    args = [str(tmp_path) if a == "EMPTY_CONFIG" else str(tmp_path / "list.json") if a == "LIST_JSON" else a
+            for a in args]
+    p = kvserve(*args)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert message in p.stderr and "Traceback" not in p.stderr and p.stdout == ""
+
+
+def test_advise_default_settings_follow_the_model(model_dir):
+    """Without --bench, each backend at the estimator's defaults for *this* model (mla rank 64 here, not a
+    llama-2-7b number), and settings a model cannot take (int8 on DeepSeek's unequal K/V widths) left out."""
+    p = kvserve("advise", "--context", "1024", "--memory-budget", "64MiB", "--model", str(model_dir), "--dtype", "fp32",
+                "--json")
+    rows = {r["spec"]: r for r in json.loads(p.stdout)}
+    assert set(rows) == {"full", "gqa", "mla", "int8", "dca", "mla+int8", "gqa+int8"}
+    assert rows["mla"]["bytes_per_token"] == 64 * 4 * 8 and rows["full"]["bytes_per_token"] == 2 * 8 * 32 * 4 * 8
+    ds = kvserve("advise", "--context", "4096", "--memory-budget", "1GiB", "--model", "deepseek-v3", "--json")
+    assert ds.returncode == 0 and {r["spec"] for r in json.loads(ds.stdout)} == {"full", "gqa", "mla", "dca", "mla+int8"}
