@@ -118,6 +118,25 @@ PRESETS: dict[str, Shape] = {
 }
 
 
+def default_params(shape: Shape, backend: str) -> dict:
+    """The options the sums use for ``backend`` (or each part of a composition) when a spec leaves them out:
+    gqa num_key_value_heads / 4 groups; mla the model's kv_lora_rank and rope width, else
+    2 * num_key_value_heads * head_dim / 8 and no rope part; int8 group size 32 and residual 32 tokens;
+    dca half the layers reused."""
+    h, dk, dv = shape.num_key_value_heads, shape.k_head_dim, shape.v_head_dim
+    per_part = {
+        "gqa": {"groups": max(1, h // 4)},
+        "mla": {"rank": shape.kv_lora_rank or (h * (dk + dv)) // 8,
+                "rope_dim": shape.rope_dim if shape.kv_lora_rank else 0},
+        "int8": {"group_size": 32, "residual": 32},
+        "dca": {"reuse_fraction": 0.5},
+    }
+    out = {}
+    for part in backend.split("+"):
+        out.update(per_part.get(part, {}))
+    return out
+
+
 def bytes_per_token_per_layer(shape: Shape, backend: str, params: dict, dtype_bytes: int, seq_len: int) -> float:
     """Closed-form bytes one token costs in one layer for a backend spec.
 
@@ -133,35 +152,32 @@ def bytes_per_token_per_layer(shape: Shape, backend: str, params: dict, dtype_by
     Raises:
         ValueError: for an unknown backend or a parameter the shape cannot take.
     """
+    params = {**default_params(shape, backend), **params}
     h, dk, dv = shape.num_key_value_heads, shape.k_head_dim, shape.v_head_dim
     if backend.startswith("dca+"):
         return bytes_per_token_per_layer(shape, "dca", {**params, "inner": backend[4:]}, dtype_bytes, seq_len)
     if backend == "gqa+int8":
-        groups = params.get("groups", max(1, h // 4))
+        groups = params["groups"]
         return bytes_per_token_per_layer(Shape(shape.num_layers, groups, dk, dv), "int8", params, dtype_bytes, seq_len)
     if backend == "mla+int8":
-        rank = params.get("rank", shape.kv_lora_rank or (h * (dk + dv)) // 8)
-        rope = params.get("rope_dim", shape.rope_dim if shape.kv_lora_rank else 0)
-        return int8_latent_bytes_per_token_per_layer(rank + rope, dtype_bytes, params.get("group_size", 32),
-                                                     params.get("residual", 32), seq_len)
+        return int8_latent_bytes_per_token_per_layer(params["rank"] + params["rope_dim"], dtype_bytes,
+                                                     params["group_size"], params["residual"], seq_len)
     if backend == "full":
         return h * (dk + dv) * dtype_bytes
     if backend == "gqa":
-        groups = params.get("groups", max(1, h // 4))
+        groups = params["groups"]
         if h % groups:
             raise ValueError(f"gqa groups={groups} must divide num_key_value_heads={h}")
         return groups * (dk + dv) * dtype_bytes
     if backend == "mla":
-        rank = params.get("rank", shape.kv_lora_rank or (h * (dk + dv)) // 8)
-        rope = params.get("rope_dim", shape.rope_dim if shape.kv_lora_rank else 0)
-        return mla_bytes_per_token_per_layer(rank, rope, dtype_bytes)
+        return mla_bytes_per_token_per_layer(params["rank"], params["rope_dim"], dtype_bytes)
     if backend == "int8":
-        g, r = params.get("group_size", 32), params.get("residual", 32)
+        g, r = params["group_size"], params["residual"]
         if dk != dv:
             raise ValueError("int8 sums assume k_head_dim == v_head_dim")
         return int8_bytes_per_token_per_layer(h, dk, dtype_bytes, g, r, seq_len)
     if backend == "dca":
-        f = params.get("reuse_fraction", 0.5)
+        f = params["reuse_fraction"]
         if not 0 <= f < 1:
             raise ValueError(f"dca reuse_fraction={f} must be in [0, 1)")
         inner = params.get("inner", "full")
@@ -185,6 +201,7 @@ def estimate_rows(shape: Shape, specs: list[tuple[str, dict]], seq_lens: list[in
         for t in seq_lens:
             per = bytes_per_token_per_layer(shape, backend, params, dtype_bytes, t)
             for b in batches:
-                rows.append({"backend": backend, "params": params, "seq_len": t, "batch": b,
+                rows.append({"backend": backend, "params": {**default_params(shape, backend), **params},
+                             "seq_len": t, "batch": b,
                              "bytes_per_token_per_layer": per, "total_bytes": round(per * t * shape.num_layers * b)})
     return rows

@@ -19,11 +19,9 @@ from pathlib import Path
 
 from cache_backends.estimate import DTYPE_BYTES, bytes_per_token_per_layer
 from cache_backends.spec import format_spec, parse_spec
+from server.estimate_cli import DEFAULT_SPECS as ESTIMATE_SPECS
 from server.estimate_cli import human, load_shape
 
-# Without --bench: each backend at the estimator's defaults for the model (gqa: num_key_value_heads / 4
-# groups; mla: the model's kv_lora_rank, else 2 * num_key_value_heads * head_dim / 8; dca: half the layers).
-ESTIMATE_SPECS = ["full", "gqa", "mla", "int8", "dca", "mla+int8", "gqa+int8"]
 UNITS = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
 

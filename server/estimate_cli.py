@@ -7,8 +7,23 @@ import json
 import sys
 from pathlib import Path
 
-from cache_backends.estimate import DTYPE_BYTES, PRESETS, Shape, estimate_rows
+from cache_backends.estimate import DTYPE_BYTES, PRESETS, Shape, bytes_per_token_per_layer, estimate_rows
 from cache_backends.spec import parse_spec
+
+
+# Without specs: every backend (and the two most useful compositions) at the estimator's defaults for the
+# model: gqa num_key_value_heads / 4 groups; mla the model's kv_lora_rank, else 2 * num_key_value_heads *
+# head_dim / 8; int8 group size 32, residual 32; dca half the layers reused.
+DEFAULT_SPECS = ["full", "gqa", "mla", "int8", "dca", "mla+int8", "gqa+int8"]
+
+
+def applies(shape: Shape, spec: tuple[str, dict], dtype_bytes: int) -> bool:
+    """Whether the sums can size ``spec`` on this model (e.g. not int8 where K and V widths differ)."""
+    try:
+        bytes_per_token_per_layer(shape, *spec, dtype_bytes, 1)
+    except ValueError:
+        return False
+    return True
 
 
 def _ints(text: str) -> list[int]:
@@ -51,16 +66,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=_ints, default="4096,8192,32768", help="comma list of context lengths (tokens)")
     p.add_argument("--batch", type=_ints, default="1,8,16", help="comma list of batch sizes")
     p.add_argument("--dtype", default="fp16", choices=sorted(DTYPE_BYTES))
-    p.add_argument("backends", nargs="*", default=["full"],
-                   help="backend specs, e.g. full gqa:groups=8 mla:rank=512,rope_dim=64 int8 dca:reuse_fraction=0.5")
+    p.add_argument("backends", nargs="*",
+                   help="backend specs, e.g. full gqa:groups=8 mla:rank=512,rope_dim=64 int8 dca:reuse_fraction=0.5 "
+                        f"(default: {' '.join(DEFAULT_SPECS)}, each at the estimator's defaults for the model)")
     p.add_argument("--json", action="store_true", help="print rows as JSON")
 
 
 def main(args: argparse.Namespace) -> int:
     try:
         shape = load_shape(args.model)
-        rows = estimate_rows(shape, [parse_spec(s) for s in args.backends], args.seq_len, args.batch,
-                             DTYPE_BYTES[args.dtype])
+        specs = [parse_spec(s) for s in args.backends or DEFAULT_SPECS]
+        if not args.backends:  # the defaults: leave out what this model cannot take (int8 on unequal K/V widths)
+            specs = [spec for spec in specs if applies(shape, spec, DTYPE_BYTES[args.dtype])]
+        rows = estimate_rows(shape, specs, args.seq_len, args.batch, DTYPE_BYTES[args.dtype])
     except ValueError as exc:
         print(f"kvserve estimate: {exc}", file=sys.stderr)
         return 2

@@ -64,3 +64,14 @@ def test_compositions_in_the_estimator():
     assert 576 < mi["bytes_per_token_per_layer"] < 0.6 * 1152
     (d,) = estimate_rows(shape, [("dca+mla", {"reuse_fraction": 0.5, "rank": 512, "rope_dim": 64})], [4096], [1], 2)
     assert d["bytes_per_token_per_layer"] == 576
+
+
+def test_cli_without_specs_lists_every_backend_at_the_models_defaults():
+    out = subprocess.run([sys.executable, "-m", "server.cli", "estimate", "--model", "deepseek-v3", "--seq-len", "4096",
+                          "--batch", "1", "--json"], cwd=REPO, capture_output=True, text=True, timeout=120, check=True)
+    rows = {r["backend"]: r for r in json.loads(out.stdout)}
+    # int8 is left out: DeepSeek's K (192) and V (128) widths differ, which its sums do not cover.
+    assert list(rows) == ["full", "gqa", "mla", "dca", "mla+int8"]
+    assert rows["mla"]["params"] == {"rank": 512, "rope_dim": 64} and rows["mla"]["bytes_per_token_per_layer"] == 1152
+    assert rows["gqa"]["params"] == {"groups": 32} and rows["dca"]["params"] == {"reuse_fraction": 0.5}
+    assert rows["full"]["total_bytes"] == 128 * (192 + 128) * 2 * 4096 * 61
