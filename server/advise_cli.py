@@ -20,7 +20,7 @@ from pathlib import Path
 from cache_backends.estimate import DTYPE_BYTES, bytes_per_token_per_layer
 from cache_backends.spec import format_spec, parse_spec
 from server.estimate_cli import DEFAULT_SPECS as ESTIMATE_SPECS
-from server.estimate_cli import human, load_shape
+from server.estimate_cli import applies, human, load_shape
 
 UNITS = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
@@ -112,12 +112,9 @@ def rows_from_estimate(model: str, dtype: str, context: int, specs: list[str], s
     for spec in specs:
         name, params = parse_spec(spec)
         check_options(name, params)
-        try:
-            per_layer = bytes_per_token_per_layer(shape, name, params, DTYPE_BYTES[dtype], context)
-        except ValueError:
-            if skip_inapplicable:
-                continue
-            raise
+        if skip_inapplicable and not applies(shape, (name, params), DTYPE_BYTES[dtype]):
+            continue
+        per_layer = bytes_per_token_per_layer(shape, name, params, DTYPE_BYTES[dtype], context)
         rows.append({"spec": format_spec(name, params), "backend": name,
                      "bytes_per_token": per_layer * shape.num_layers, "ppl_change_pct": None, "tpot": {},
                      "agreement": None})
