@@ -92,10 +92,10 @@ class Phases:
 
 def bytes_vs_context(model, backend, token_ids: list[int], contexts=(128, 256, 512, 768, 1024)) -> dict[int, int]:
     """Bytes one sequence's store holds after a prefill of each context length (tokens -> bytes)."""
-    out = {}
+    runner, out = ModelRunner(model, backend.geometry.num_layers), {}
     for c in contexts:
         store = backend.new_store()
-        ModelRunner(model, backend.geometry.num_layers).prefill(token_ids[:c], store)
+        runner.prefill(token_ids[:c], store)
         out[c] = store.nbytes()
         store.release()
     return out

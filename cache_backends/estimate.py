@@ -192,16 +192,13 @@ def estimate_rows(shape: Shape, specs: list[tuple[str, dict]], seq_lens: list[in
     """One row per (spec, seq_len, batch): bytes per token per layer and total bytes (all layers, batch)."""
     from cache_backends.spec import check_options
 
-    for name, value in (("seq_len", seq_lens), ("batch", batches)):
-        if not value or min(value) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} needs whole numbers >= 1, got {value}")
     rows = []
     for backend, params in specs:
         check_options(backend, params)
+        used = {**default_params(shape, backend), **params}
         for t in seq_lens:
             per = bytes_per_token_per_layer(shape, backend, params, dtype_bytes, t)
             for b in batches:
-                rows.append({"backend": backend, "params": {**default_params(shape, backend), **params},
-                             "seq_len": t, "batch": b,
+                rows.append({"backend": backend, "params": used, "seq_len": t, "batch": b,
                              "bytes_per_token_per_layer": per, "total_bytes": round(per * t * shape.num_layers * b)})
     return rows

@@ -17,10 +17,10 @@ import json
 import sys
 from pathlib import Path
 
-from cache_backends.estimate import DTYPE_BYTES, bytes_per_token_per_layer
-from cache_backends.spec import format_spec, parse_spec
+from cache_backends.estimate import DTYPE_BYTES, estimate_rows
+from cache_backends.spec import format_spec
 from server.estimate_cli import DEFAULT_SPECS as ESTIMATE_SPECS
-from server.estimate_cli import applies, human, load_shape
+from server.estimate_cli import human, load_shape, resolve_specs
 
 UNITS = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
@@ -85,7 +85,8 @@ def rows_from_bench(path: str) -> list[dict]:
     try:
         return _rows_from_bench(json.loads(Path(path).read_text()))
     except (KeyError, TypeError, AttributeError) as exc:
-        raise ValueError(f"--bench {path}: not a results.json written by kvserve bench (bad or missing {exc})") from None
+        raise ValueError(f"--bench {path}: not a results.json written by kvserve bench "
+                         f"(bad or missing {exc})") from None
     except json.JSONDecodeError as exc:
         raise ValueError(f"--bench {path}: not JSON ({exc})") from None
 
@@ -100,25 +101,18 @@ def _rows_from_bench(data: dict) -> list[dict]:
     return rows
 
 
-def rows_from_estimate(model: str, dtype: str, context: int, specs: list[str], skip_inapplicable: bool = False
-                       ) -> list[dict]:
-    """Rows from the closed-form sums (no quality or speed); a spec the model cannot take raises ValueError,
-    or is left out with ``skip_inapplicable`` (the default list, e.g. int8 on a model whose K and V widths
-    differ)."""
-    from cache_backends.spec import check_options
+def rows_from_estimate(model: str, dtype: str, context: int, specs: list[str] | None) -> list[dict]:
+    """Rows from the closed-form sums (no quality or speed); without ``specs``, estimate's default list.
 
+    Raises:
+        ValueError: for an unknown model, a malformed spec or one the model cannot take.
+    """
     shape = load_shape(model)
-    rows = []
-    for spec in specs:
-        name, params = parse_spec(spec)
-        check_options(name, params)
-        if skip_inapplicable and not applies(shape, (name, params), DTYPE_BYTES[dtype]):
-            continue
-        per_layer = bytes_per_token_per_layer(shape, name, params, DTYPE_BYTES[dtype], context)
-        rows.append({"spec": format_spec(name, params), "backend": name,
-                     "bytes_per_token": per_layer * shape.num_layers, "ppl_change_pct": None, "tpot": {},
-                     "agreement": None})
-    return rows
+    parsed = resolve_specs(shape, specs, DTYPE_BYTES[dtype])
+    sums = estimate_rows(shape, parsed, [context], [1], DTYPE_BYTES[dtype])
+    return [{"spec": format_spec(name, params), "backend": name,
+             "bytes_per_token": row["bytes_per_token_per_layer"] * shape.num_layers, "ppl_change_pct": None,
+             "tpot": {}, "agreement": None} for (name, params), row in zip(parsed, sums)]
 
 
 def advise(rows: list[dict], context: int, concurrency: int, budget: int, tpot_target: float | None) -> list[dict]:
@@ -162,27 +156,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    budget = args.memory_budget
+    model, dtype = args.model or "llama-2-7b", args.dtype or "fp16"
     try:
         if args.bench:
             given = [f"--{k}" for k in ("model", "dtype", "backends") if getattr(args, k) is not None]
             if given:
-                raise ValueError(f"{', '.join(given)} appl{'y' if len(given) > 1 else 'ies'} only without --bench (the bench file fixes the model "
-                                 "and settings)")
+                raise ValueError(f"{', '.join(given)} appl{'y' if len(given) > 1 else 'ies'} only without --bench "
+                                 "(the bench file fixes the model and settings)")
             rows = rows_from_bench(args.bench)
         else:
-            rows = rows_from_estimate(args.model or "llama-2-7b", args.dtype or "fp16", args.context,
-                                      args.backends or ESTIMATE_SPECS, skip_inapplicable=args.backends is None)
+            rows = rows_from_estimate(model, dtype, args.context, args.backends)
     except (ValueError, OSError) as exc:
         print(f"kvserve advise: {exc}", file=sys.stderr)
         return 2
-    ranked = advise(rows, args.context, args.concurrency, budget, args.tpot_target)
+    ranked = advise(rows, args.context, args.concurrency, args.memory_budget, args.tpot_target)
     if args.json:
         print(json.dumps([{k: v for k, v in r.items() if k != "rank_key"} for r in ranked], indent=2))
         return 0
     source = (f"measured by {args.bench}" if args.bench
-              else f"estimated for {args.model or 'llama-2-7b'} ({args.dtype or 'fp16'}), quality unmeasured")
-    print(f"Workload: {args.concurrency} x {args.context} tokens, KV budget {human(budget)}"
+              else f"estimated for {model} ({dtype}), quality unmeasured")
+    print(f"Workload: {args.concurrency} x {args.context} tokens, KV budget {human(args.memory_budget)}"
           + (f", TPOT target {1000 * args.tpot_target:.0f} ms" if args.tpot_target else "") + f" — {source}")
     n = 0
     for r in ranked:

@@ -11,9 +11,7 @@ from cache_backends.estimate import DTYPE_BYTES, PRESETS, Shape, bytes_per_token
 from cache_backends.spec import parse_spec
 
 
-# Without specs: every backend (and the two most useful compositions) at the estimator's defaults for the
-# model: gqa num_key_value_heads / 4 groups; mla the model's kv_lora_rank, else 2 * num_key_value_heads *
-# head_dim / 8; int8 group size 32, residual 32; dca half the layers reused.
+# Without specs: every backend and the two most useful compositions, at ``default_params`` for the model.
 DEFAULT_SPECS = ["full", "gqa", "mla", "int8", "dca", "mla+int8", "gqa+int8"]
 
 
@@ -24,6 +22,17 @@ def applies(shape: Shape, spec: tuple[str, dict], dtype_bytes: int) -> bool:
     except ValueError:
         return False
     return True
+
+
+def resolve_specs(shape: Shape, specs: list[str] | None, dtype_bytes: int) -> list[tuple[str, dict]]:
+    """``specs`` parsed; without any, :data:`DEFAULT_SPECS` less what this model cannot take.
+
+    Raises:
+        ValueError: for a malformed spec (see :func:`parse_spec`).
+    """
+    if specs:
+        return [parse_spec(s) for s in specs]
+    return [spec for spec in map(parse_spec, DEFAULT_SPECS) if applies(shape, spec, dtype_bytes)]
 
 
 def _ints(text: str) -> list[int]:
@@ -75,9 +84,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     try:
         shape = load_shape(args.model)
-        specs = [parse_spec(s) for s in args.backends or DEFAULT_SPECS]
-        if not args.backends:  # the defaults: leave out what this model cannot take (int8 on unequal K/V widths)
-            specs = [spec for spec in specs if applies(shape, spec, DTYPE_BYTES[args.dtype])]
+        specs = resolve_specs(shape, args.backends, DTYPE_BYTES[args.dtype])
         rows = estimate_rows(shape, specs, args.seq_len, args.batch, DTYPE_BYTES[args.dtype])
     except ValueError as exc:
         print(f"kvserve estimate: {exc}", file=sys.stderr)
