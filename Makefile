@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvserve-installed
 
-.PHONY: install serve test bench bench-quick bench-serving load-test clean
+.PHONY: install serve test bench bench-quick bench-serving bench-budget load-test clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,9 @@ bench-quick: $(STAMP)
 bench-serving: $(STAMP)
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[test,bench]"
 	$(BIN)/python -m bench.serving
+
+bench-budget: $(STAMP)
+	$(BIN)/python -m bench.budget
 
 load-test: $(STAMP)
 	$(BIN)/python -m bench.load_test

@@ -53,7 +53,7 @@ def engine_throughput(model, tokenizer, backend, streams: int, new_tokens: int) 
 
     g = backend.geometry
     engine = Engine(ModelRunner(model, g.num_layers), {backend.name: backend}, tokenizer, set(),
-                    Scheduler(streams, None, {backend.name: 1.0}), streams)
+                    Scheduler(streams, None, {backend.name: backend.reserved_bytes}), streams)
     seqs = [Sequence(request_id=str(i), prompt_ids=tokenizer.encode(f"And the word of the LORD came {i}"),
                      max_new_tokens=new_tokens, params=SamplingParams(), stop=[], emit=lambda e: None,
                      backend_name=backend.name) for i in range(streams)]

@@ -66,7 +66,8 @@ def _collect(model, geometry, token_ids, window, desc):
         store = full.new_store()
         model(input_ids=torch.tensor([chunk], device=device), cache=store, use_cache=True, logits_to_keep=1)
         for i, layer in enumerate(store.layers):
-            k = rope.invert(layer.keys, 0)[0].transpose(0, 1)  # (tokens, heads, head_dim)
+            layer_keys, layer_values = layer.materialize()  # (1, heads, tokens, head_dim) views
+            k = rope.invert(layer_keys, 0)[0].transpose(0, 1)  # (tokens, heads, head_dim)
             keys[i].append(k.float().cpu())
-            values[i].append(layer.values[0].transpose(0, 1).float().cpu())
+            values[i].append(layer_values[0].transpose(0, 1).float().cpu())
     return [(torch.cat(k), torch.cat(v)) for k, v in zip(keys, values)]

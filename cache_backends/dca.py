@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from cache_backends.attention import LayerRead
 from cache_backends.base import KVBackend, KVLayer, KVStore, ModelGeometry
 from cache_backends.rope import RopeTable
 
@@ -40,37 +41,136 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1).mean().item()
 
 
+def _complex(x: torch.Tensor) -> torch.Tensor:
+    """(..., d) real → (..., d/2) complex: channel i pairs with i + d/2 (transformers' rotate_half layout)."""
+    half = x.shape[-1] // 2
+    return torch.complex(x[..., :half], x[..., half:])
+
+
+def _real(z: torch.Tensor) -> torch.Tensor:
+    return torch.cat([z.real, z.imag], dim=-1)
+
+
 class LayerMap:
-    """Predicts layer l's K (after RoPE) and V from its source layer's.
+    """Predicts layer l's K (after RoPE) and V from its source layer m's, in a form attention can fold.
+
+    Keys: per rotary frequency pair i, the destination's pair of head h is a complex combination of the
+    source's pairs over heads, plus a bias: ``z_l[h,i] = Σ_g A[h,g,i] z_m[g,i] + b[h,i]`` (pre-RoPE).
+    RoPE multiplies every head's pair i by the same phase, so the map commutes with it: post-RoPE
+    source keys map to post-RoPE destination keys (the bias rotated to each position), and a query
+    folds the map in: ``q_h · K̂_{h,t} = Σ_g (conj(A[h,g]) ⊙ q_h) · K_{g,t} + q_h · R_t b_h``.
+    Values: ``V̂_l[h] = Σ_g V_m[g] W[g,h] + c_h``, applied after attention:
+    ``o_h = Σ_g (Σ_t p_{h,t} V_{m,g,t}) W[g,h] + c_h``.
 
     Args:
-        weight: (2Hd + 1, 2Hd) affine map on pre-RoPE [K ; V] (last row = bias), or ``None`` for ``none``.
+        key_mix: (H, H, d/2) complex ``A`` (destination head, source head, pair); ``None`` for ``none``.
+        key_bias: (H, d) pre-RoPE bias (real layout).
+        value_map: (H, H, d, d) ``W`` (source head, destination head, in, out); value_bias: (H, d).
         rope: the model's RoPE table.
     """
 
-    def __init__(self, weight: torch.Tensor | None, rope: RopeTable):
-        self.weight = weight
+    def __init__(self, key_mix, key_bias, value_map, value_bias, rope: RopeTable):
+        self.key_mix, self.key_bias = key_mix, key_bias
+        self.value_map, self.value_bias = value_map, value_bias
         self.rope = rope
+
+    @classmethod
+    def fit(cls, src_k, src_v, dst_k, dst_v, rope: RopeTable) -> "LayerMap":
+        """Least squares on calibration K (pre-RoPE) and V, each (tokens, H, d)."""
+        n, h, d = src_k.shape
+        ones = torch.ones(n, 1, dtype=torch.complex128)
+        zs, zd = _complex(src_k.double()), _complex(dst_k.double())  # (tokens, H, d/2)
+        mix = torch.zeros(h, h, d // 2, dtype=torch.complex128)
+        bias = torch.zeros(h, d // 2, dtype=torch.complex128)
+        for i in range(d // 2):
+            sol = torch.linalg.lstsq(torch.cat([zs[:, :, i], ones], 1), zd[:, :, i]).solution  # (H + 1, H)
+            mix[:, :, i] = sol[:h].T
+            bias[:, i] = sol[h]
+        x = torch.cat([src_v.flatten(1).double(), torch.ones(n, 1, dtype=torch.float64)], 1)
+        w = torch.linalg.lstsq(x, dst_v.flatten(1).double()).solution  # (Hd + 1, Hd)
+        value_map = w[:-1].reshape(h, d, h, d).permute(0, 2, 1, 3)  # (source, destination, in, out)
+        return cls(mix.to(torch.complex64), _real(bias).float(), value_map.float(), w[-1].reshape(h, d).float(), rope)
+
+    def predict_pre_rope(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Calibration-side prediction: (tokens, H, d) pre-RoPE source K and V → predicted K (pre-RoPE), V."""
+        z = torch.einsum("hgi,ngi->nhi", self.key_mix, _complex(keys.float()))
+        v_hat = torch.einsum("ngd,ghde->nhe", values.float(), self.value_map) + self.value_bias
+        return _real(z) + self.key_bias, v_hat
+
+    def to(self, device) -> "LayerMap":
+        if self.key_mix is not None:
+            self.key_mix, self.key_bias = self.key_mix.to(device), self.key_bias.to(device)
+            self.value_map, self.value_bias = self.value_map.to(device), self.value_bias.to(device)
+        return self
+
+    def _rotated_bias(self, start: int, n: int, dtype) -> torch.Tensor:
+        """The key bias after RoPE at positions start .. start + n - 1: (H, n, d)."""
+        h, d = self.key_bias.shape
+        return self.rope.apply(self.key_bias.to(dtype)[:, None, :].expand(h, n, d), start)
 
     def predict(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(1, H, n, d) source K (after RoPE) and V at positions start.. → predicted K (after RoPE) and V."""
-        if self.weight is None:
+        if self.key_mix is None:
             return keys, values
-        b, h, n, d = keys.shape
-        k_pre = self.rope.invert(keys, start)
-        x = torch.cat([k_pre.transpose(1, 2).reshape(b, n, h * d), values.transpose(1, 2).reshape(b, n, h * d)], -1)
-        w = self.weight.to(x.dtype)
-        y = x @ w[:-1] + w[-1]  # (b, n, 2Hd)
-        k_hat = y[..., : h * d].reshape(b, n, h, d).transpose(1, 2)
-        v_hat = y[..., h * d :].reshape(b, n, h, d).transpose(1, 2)
-        return self.rope.apply(k_hat, start), v_hat
+        n = keys.shape[-2]
+        z = torch.einsum("hgi,bgni->bhni", self.key_mix, _complex(keys.float()))
+        k_hat = _real(z).to(keys.dtype) + self._rotated_bias(start, n, keys.dtype)
+        v_hat = torch.einsum("bgnd,ghde->bhne", values, self.value_map.to(values.dtype))
+        return k_hat, v_hat + self.value_bias.to(values.dtype)[None, :, None, :]
+
+    def attend(self, query: torch.Tensor, key_stream, value_stream, length: int, scaling: float) -> torch.Tensor:
+        """Decode attention of one query over the predicted K/V, read from the source's stored streams.
+
+        Args:
+            query: (1, Hq, 1, d) after RoPE.
+            key_stream, value_stream: the source's key and value storage (``dot``/``weighted_sum``), H heads,
+                ``length`` tokens.
+
+        Returns:
+            (1, Hq, 1, d).
+        """
+        _, hq, _, d = query.shape
+        h = self.key_bias.shape[0]
+        head = torch.arange(hq, device=query.device) // (hq // h)  # each query head's K/V head
+        q = query[0, :, 0]  # (Hq, d)
+        folded = _real(self.key_mix[head].conj() * _complex(q.float())[:, None, :]).to(q.dtype)  # (Hq, H, d)
+        scores = key_stream.dot(folded.transpose(0, 1)[None]).sum(1)[0]  # (Hq, length)
+        bias = self._rotated_bias(0, length, q.dtype)[head]  # (Hq, length, d)
+        scores = scores + torch.einsum("hd,htd->ht", q, bias)
+        probs = torch.softmax(scores * scaling, dim=-1)  # (Hq, length)
+        mixed = value_stream.weighted_sum(probs[None, None].expand(1, h, hq, length))[0]  # (H, Hq, d)
+        out = torch.einsum("ghd,ghde->he", mixed, self.value_map[:, head].to(mixed.dtype)) + self.value_bias[head]
+        return out[None, :, None, :]
 
 
-def fit_map(src_k, src_v, dst_k, dst_v) -> torch.Tensor:
-    """Least-squares affine map from the source's pre-RoPE [K ; V] to the destination's, (2Hd + 1, 2Hd)."""
+def fit_full_linear_map(src_k, src_v, dst_k, dst_v) -> torch.Tensor:
+    """The unrestricted least-squares affine map [K ; V] → [K ; V] (pre-RoPE), (2Hd + 1, 2Hd): reported in
+    calibration as the fidelity ceiling of a linear predictor (it does not commute with RoPE, so serving
+    it means rebuilding every source token per step)."""
     x = torch.cat([src_k.flatten(1), src_v.flatten(1), torch.ones(src_k.shape[0], 1)], 1).double()
     y = torch.cat([dst_k.flatten(1), dst_v.flatten(1)], 1).double()
     return torch.linalg.lstsq(x, y).solution.float()
+
+
+class TensorStream:
+    """Rebuilt per-token vectors (1, H, T, w) with the storage reading interface (``dot``, ``weighted_sum``)."""
+
+    def __init__(self, x: torch.Tensor):
+        self.x = x
+
+    def dot(self, query: torch.Tensor) -> torch.Tensor:
+        return query @ self.x.transpose(-1, -2)
+
+    def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
+        return weights @ self.x
+
+
+def source_streams(layer: KVLayer):
+    """A source layer's key and value storage as read by attention; rebuilt K/V where it stores a latent."""
+    if hasattr(layer, "key_store") and hasattr(layer.key_store, "dot"):
+        return layer.key_store, layer.value_store
+    keys, values = layer.materialize()
+    return TensorStream(keys), TensorStream(values)
 
 
 def similarity(own_k, own_v, pred_k, pred_v) -> float:
@@ -96,6 +196,20 @@ class DCALayer(KVLayer):
         self.decode_steps = 0
         self.fallback_at: int | None = None
         self.similarity: float | None = None
+        self.max_tokens: int | None = None
+
+    def reserve(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+
+    def _own_layer(self, position_offset: int, in_place: bool) -> KVLayer:
+        own = self.backend.inner.new_layer(self.index, position_offset)
+        own.in_place = in_place
+        if self.max_tokens is not None:
+            own.reserve(self.max_tokens - position_offset)
+        return own
+
+    def append(self, key_states, value_states) -> None:
+        raise NotImplementedError("a dca layer decides what to store in update()")
 
     @property
     def source(self) -> "DCALayer | None":
@@ -125,29 +239,41 @@ class DCALayer(KVLayer):
             self.mode = self._decide(key_states, value_states)
             self.length += key_states.shape[-2]
             if self.mode == "kept":
-                self.own = self.backend.inner.new_layer(self.index, 0)
+                self.own = self._own_layer(0, self.in_place)  # a kept layer attends in place
                 return self.own.update(key_states, value_states)
             return key_states, value_states  # a reuse layer's prefill attends with its own K/V, then drops them
         if self.mode == "kept":
             self.length += key_states.shape[-2]
             return self.own.update(key_states, value_states)
         # reuse layer, decode: the source has already taken this step's tokens
-        src_keys, src_values = self.source.own.materialize()  # what the source stores, rebuilt (transient)
-        n = src_keys.shape[-2] - start
+        n = self.source.length - start
         if key_states is not None and self.reusing() and self.probe_due():
+            src_keys, src_values = self.source.own.materialize()  # probe steps only (transient)
             pk, pv = self.map.predict(src_keys[..., start:, :], src_values[..., start:, :], start)
             if similarity(key_states, value_states, pk, pv) < self.threshold:
                 self.fallback_at = start
-                self.own = self.backend.inner.new_layer(self.index, start)
+                self.own = self._own_layer(start, False)  # its K/V join the rebuilt ones below
                 self.store.fallbacks += 1
-        own_kv = self.own.update(key_states, value_states) if self.fallback_at is not None else None
         self.length += n
         self.decode_steps += 1
-        upto = self.fallback_at if self.fallback_at is not None else self.length
-        k, v = self.map.predict(src_keys[..., :upto, :], src_values[..., :upto, :], 0)
-        if own_kv is not None:
-            return torch.cat([k, own_kv[0]], dim=-2), torch.cat([v, own_kv[1]], dim=-2)
-        return k, v
+        if self.fallback_at is None:
+            if self.in_place:
+                return LayerRead(self), None  # attends the source's cache with folded maps (attend)
+            src_keys, src_values = self.source.own.materialize()
+            return self.map.predict(src_keys, src_values, 0)
+        # after a fall-back: positions before it rebuilt from the source, its own K/V from there on
+        own_kv = self.own.update(key_states, value_states)
+        src_keys, src_values = self.source.own.materialize()
+        k, v = self.map.predict(src_keys[..., : self.fallback_at, :], src_values[..., : self.fallback_at, :], 0)
+        return torch.cat([k, own_kv[0]], dim=-2), torch.cat([v, own_kv[1]], dim=-2)
+
+    def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """A reuse layer's decode: the source's stored K/V read through the map folded into the query
+        (keys) and applied after attention (values); with ``align=none`` the source's own attention."""
+        if self.map.key_mix is None:
+            return self.source.own.attend(query, scaling)
+        key_stream, value_stream = source_streams(self.source.own)
+        return self.map.attend(query, key_stream, value_stream, self.length, scaling)
 
     def _decide(self, key_states, value_states) -> str:
         src = self.source
@@ -177,6 +303,9 @@ class DCALayer(KVLayer):
     def nbytes(self) -> int:
         return self.own.nbytes() if self.own is not None else 0
 
+    def allocated_bytes(self) -> int:
+        return self.own.allocated_bytes() if self.own is not None else 0
+
 
 class DCAStore(KVStore):
     """A dca sequence cache; tells the attention path which layers skip their K/V projections."""
@@ -189,6 +318,10 @@ class DCAStore(KVStore):
 
     def skip_kv_projection(self, layer_idx: int) -> bool:
         return self.layers[layer_idx].skips_projection()
+
+    @property
+    def supports_chunked_prefill(self) -> bool:
+        return False  # each layer decides kept/reuse once, on the whole prompt
 
     def reuse_layers(self) -> int:
         return sum(layer.reusing() for layer in self.layers)
@@ -240,16 +373,21 @@ class DCABackend(KVBackend):
         kv = collect_kv(model, self.geometry, ids, desc="dca calibration")
         rope = RopeTable(model, model.config.max_position_embeddings)
         device = next(model.parameters()).device
-        self.maps, raw, aligned = [], [], []
+        self.maps, raw, aligned, unrestricted = [], [], [], []
         for (sk, sv), (dk, dv) in zip(kv, kv[1:]):
-            weight = fit_map(sk, sv, dk, dv)
             raw.append(similarity(dk, dv, sk, sv))
+            layer_map = LayerMap.fit(sk, sv, dk, dv, rope)
+            aligned.append(similarity(dk, dv, *layer_map.predict_pre_rope(sk, sv)))
+            weight = fit_full_linear_map(sk, sv, dk, dv)
             pred = torch.cat([sk.flatten(1), sv.flatten(1), torch.ones(sk.shape[0], 1)], 1) @ weight
             h = dk.flatten(1).shape[1]
-            aligned.append(similarity(dk, dv, pred[:, :h].reshape(dk.shape), pred[:, h:].reshape(dv.shape)))
-            self.maps.append(LayerMap(weight.to(device) if self.align == "linear" else None, rope))
+            unrestricted.append(similarity(dk, dv, pred[:, :h].reshape(dk.shape), pred[:, h:].reshape(dv.shape)))
+            if self.align == "none":
+                layer_map = LayerMap(None, None, None, None, rope)
+            self.maps.append(layer_map.to(device))
         self.calibration = {"similarity_none": [round(x, 4) for x in raw],
-                            "similarity_linear": [round(x, 4) for x in aligned]}
+                            "similarity_linear": [round(x, 4) for x in aligned],
+                            "similarity_full_linear": [round(x, 4) for x in unrestricted]}
         dca_attention.install(model)
 
     def expected_reuse_fraction(self) -> float:
@@ -278,3 +416,7 @@ class DCABackend(KVBackend):
     def bytes_per_token_per_layer(self, seq_len: int = 1024) -> float:
         """(1 - expected reuse fraction) x the inner backend's bytes per token per layer."""
         return (1 - self.expected_reuse_fraction()) * self.inner.bytes_per_token_per_layer(seq_len)
+
+    def reserved_bytes(self, max_tokens: int) -> int:
+        """Every layer kept (the upper bound: a sequence may reuse no layer, or fall back everywhere)."""
+        return self.inner.reserved_bytes(max_tokens)

@@ -1,28 +1,39 @@
 """``full``: exact K/V, the baseline every other backend is measured against.
 
 Stores, per layer, keys (after RoPE) and values of shape ``(1, num_key_value_heads, seq_len, head_dim)``
-in the model's dtype, grown by concatenation like transformers' ``DynamicLayer``.
-Bytes per token per layer: ``2 * num_key_value_heads * head_dim * dtype_bytes``. (On a native-MLA model
-such as DeepSeek-V3, transformers hands the cache the model's latent and rope key instead, so ``full``
-holds those exactly: ``(kv_lora_rank + qk_rope_head_dim) * dtype_bytes``.)
+in the model's dtype, in preallocated buffers appended in place (:mod:`cache_backends.buffer`); decode
+attends through a view of them (no copy). Bytes per token per layer:
+``2 * num_key_value_heads * head_dim * dtype_bytes``. (On a native-MLA model such as DeepSeek-V3,
+transformers hands the cache the model's latent and rope key instead, so ``full`` holds those exactly:
+``(kv_lora_rank + qk_rope_head_dim) * dtype_bytes``.)
 """
 
 from __future__ import annotations
 
-from transformers.cache_utils import DynamicLayer
+import torch
 
-from cache_backends.base import KVBackend, KVLayer, tensor_bytes
+from cache_backends.attention import attend_kv
+from cache_backends.base import FullStorage, KVBackend, StreamPairLayer
 from cache_backends.estimate import full_bytes_per_token_per_layer, mla_bytes_per_token_per_layer
 
 
-class FullLayer(DynamicLayer, KVLayer):
-    """transformers' ``DynamicLayer`` with byte accounting."""
+class FullLayer(StreamPairLayer):
+    """Exact keys and values, (1, H, seq_len, d) each, in two in-place :class:`FullStorage` buffers."""
 
-    def nbytes(self) -> int:
-        return tensor_bytes(self.keys, self.values) if self.is_initialized else 0
+    def __init__(self):
+        super().__init__()
+        self.key_store, self.value_store = FullStorage(), FullStorage()
+
+    def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.key_store.append(key_states)
+        self.value_store.append(value_states)
 
     def materialize(self):
-        return self.keys, self.values
+        return self.key_store.read(), self.value_store.read()
+
+    def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        return attend_kv(query, self.key_store.read(), self.value_store.read(), scaling)
+
 
 
 class FullBackend(KVBackend):
@@ -38,3 +49,6 @@ class FullBackend(KVBackend):
         if g.kv_lora_rank:  # native-MLA models hand the cache their latent and rope key, not per-head K/V
             return mla_bytes_per_token_per_layer(g.kv_lora_rank, g.rope_dim, g.dtype_bytes)
         return full_bytes_per_token_per_layer(g.num_key_value_heads, g.head_dim, g.dtype_bytes)
+
+    def reserved_bytes(self, max_tokens: int) -> int:
+        return int(self.bytes_per_token_per_layer() * max_tokens * self.geometry.num_layers)

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import torch
 
-from cache_backends.base import KVBackend, KVLayer, ModelGeometry, make_storage
+from cache_backends.base import KVBackend, ModelGeometry, StreamPairLayer, make_storage, storage_reserved_bytes
 from cache_backends.estimate import gqa_bytes_per_token_per_layer, int8_bytes_per_token_per_layer
+from cache_backends.int8 import attend_stored
 
 METHODS = ("pca", "mean")
 
@@ -127,39 +128,52 @@ def pca_key_codec(keys: torch.Tensor, groups: int) -> GroupCodec:
     return GroupCodec(enc, dec)
 
 
-class GQALayer(KVLayer):
-    """One layer's shared K/V heads, (1, G, seq_len, head_dim) each, held exactly or as int8 (``gqa+int8``)."""
+def folded_maps(codec: GroupCodec, num_attention_heads: int) -> torch.Tensor:
+    """Per query head, its K/V head's read-back block of ``codec``: (num_attention_heads, head_dim, head_dim).
 
-    def __init__(self, key_codec: GroupCodec, value_codec: GroupCodec, quantize: dict | None = None):
+    Head j of group g reads ``x_j = s_g @ B_gj`` with ``B_gj = decode[g][:, j*d:(j+1)*d]``. Query head h
+    (of K/V head j = h // (num_attention_heads / num_key_value_heads)) gets ``B_gj``.
+    """
+    g, d, md = codec.decode_m.shape
+    m = md // d
+    blocks = codec.decode_m.reshape(g, d, m, d).permute(0, 2, 1, 3).reshape(g * m, d, d)  # per K/V head
+    return blocks.repeat_interleave(num_attention_heads // (g * m), dim=0)
+
+
+class GQALayer(StreamPairLayer):
+    """One layer's shared K/V heads, (1, G, seq_len, head_dim) each, held exactly or as int8 (``gqa+int8``).
+
+    Decode is grouped-query attention over the G shared heads: query head h scores
+    ``q_h · (s_g B^k_h) = (q_h B^k_h^T) · s_g`` and outputs ``(Σ_t p_t s^v_{g,t}) B^v_h``, so the key codec is
+    folded into the query and the value codec into the output; no head is rebuilt.
+    """
+
+    def __init__(self, key_codec: GroupCodec, value_codec: GroupCodec, quantize: dict | None = None,
+                 query_map: torch.Tensor | None = None, output_map: torch.Tensor | None = None):
         super().__init__()
         self.key_codec = key_codec
         self.value_codec = value_codec
         self.quantize = quantize
-        self.reset()
+        self.query_map = query_map  # (Hq, d, d): B^k per query head, transposed when applied
+        self.output_map = output_map  # (Hq, d, d): B^v per query head
+        self.key_store = make_storage("channel", self.quantize)
+        self.value_store = make_storage("token", self.quantize)
 
-    def lazy_initialization(self, key_states, value_states) -> None:
-        self.is_initialized = True
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Store the new tokens' shared heads; return every head's K/V rebuilt, (1, heads, seq_len, head_dim)."""
-        self.is_initialized = True
+    def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.key_store.append(self.key_codec.encode(key_states))
         self.value_store.append(self.value_codec.encode(value_states))
-        return self.materialize()
 
     def materialize(self):
         return self.key_codec.decode(self.key_store.read()), self.value_codec.decode(self.value_store.read())
 
-    def get_seq_length(self) -> int:
-        return self.key_store.length
+    def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Decode over the shared heads with folded codecs; prefill over rebuilt heads."""
+        if query.shape[-2] > 1 or self.query_map is None:
+            return super().attend(query, scaling)
+        q = torch.einsum("hd,hed->he", query[0, :, 0], self.query_map.to(query.dtype))  # q_h B_h^T, (Hq, d)
+        out = attend_stored(q[None, :, None], self.key_store, self.value_store, scaling)  # (1, Hq, 1, d)
+        return torch.einsum("hd,hde->he", out[0, :, 0], self.output_map.to(out.dtype))[None, :, None]
 
-    def reset(self) -> None:
-        self.key_store = make_storage("channel", self.quantize)
-        self.value_store = make_storage("token", self.quantize)
-        self.is_initialized = False
-
-    def nbytes(self) -> int:
-        return self.key_store.nbytes() + self.value_store.nbytes()
 
 
 class GQABackend(KVBackend):
@@ -190,6 +204,7 @@ class GQABackend(KVBackend):
         m = geometry.num_key_value_heads // groups
         codec = mean_codec(groups, m, geometry.head_dim)
         self.codecs = [(codec, codec)] * geometry.num_layers
+        self.folded: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer, made on first use
 
     def prepare(self, model, calibration_ids: list[int] | None = None) -> None:
         """Fit the ``pca`` codecs on the calibration slice (no-op for ``mean``)."""
@@ -204,10 +219,15 @@ class GQABackend(KVBackend):
         for kc, vc in self.codecs:
             for c in (kc, vc):
                 c.encode_m, c.decode_m = c.encode_m.to(device), c.decode_m.to(device)
+        self.folded = None
 
     def new_layer(self, index: int, position_offset: int = 0) -> GQALayer:
         key_codec, value_codec = self.codecs[index]
-        return GQALayer(key_codec, value_codec, self.quantize)
+        if self.folded is None:
+            heads = self.geometry.num_attention_heads
+            self.folded = [(folded_maps(kc, heads), folded_maps(vc, heads)) for kc, vc in self.codecs]
+        query_map, output_map = self.folded[index]
+        return GQALayer(key_codec, value_codec, self.quantize, query_map, output_map)
 
     def bytes_per_token_per_layer(self, seq_len: int = 1024) -> float:
         g = self.geometry
@@ -215,3 +235,9 @@ class GQABackend(KVBackend):
             return int8_bytes_per_token_per_layer(self.groups, g.head_dim, g.dtype_bytes, self.quantize["group_size"],
                                                   self.quantize["residual"], seq_len)
         return gqa_bytes_per_token_per_layer(self.groups, g.head_dim, g.dtype_bytes)
+
+    def reserved_bytes(self, max_tokens: int) -> int:
+        g = self.geometry
+        per_layer = sum(storage_reserved_bytes(self.quantize, axis, max_tokens, self.groups, g.head_dim, g.dtype_bytes)
+                        for axis in ("channel", "token"))
+        return per_layer * g.num_layers

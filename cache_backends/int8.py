@@ -10,53 +10,67 @@ stay in full precision: once ``residual + group_size`` tokens are unquantized, t
 Storage per sequence and layer (H = num_key_value_heads, d = head_dim, Tq quantized tokens,
 Tr residual tokens, n = Tq / group_size):
 
-* keys (``Int8Layer.key_store``): ``q`` (1, H, Tq, d) int8, ``scale`` and ``minimum`` (1, H, n, d);
-* values (``Int8Layer.value_store``): ``q`` (1, H, Tq, d) int8, ``scale`` and ``minimum`` (1, H, Tq, 1);
+* keys (``Int8Layer.key_store``): ``codes`` (1, H, Tq, d) int8, ``scale`` and ``zero`` (1, H, n, d);
+* values (``Int8Layer.value_store``): ``codes`` (1, H, Tq, d) int8, ``scale`` and ``zero`` (1, H, Tq, 1);
 * each store's ``recent`` window (1, H, Tr, d) in the model dtype.
 
 :class:`Int8Storage` quantizes any per-token stream this way; the compositions ``gqa+int8`` and
 ``mla+int8`` use it for the shared heads and for the latent.
 
 Bytes per token per layer (asymptotically): ``2*H*d + 2*H*d*B/group_size + 2*H*B`` — about 0.31x of
-``full`` in fp32 and 0.63x in fp16/bf16 at group size 32 (the closed formula with the residual window
-is :func:`cache_backends.estimate.int8_bytes_per_token_per_layer`). Dequantized K/V exist only while
-a layer attends; nothing full-precision but the residual window survives a step.
+``full`` in fp32 and 0.56x in fp16/bf16 at group size 32 (0.33x and 0.58x at 1024 tokens with the
+residual window: :func:`cache_backends.estimate.int8_bytes_per_token_per_layer`). Decode attends to the codes
+directly (scales folded into the query and the attention weights, :meth:`Int8Storage.dot` and
+:meth:`Int8Storage.weighted_sum`); nothing full-precision but the residual window survives a step.
 """
 
 from __future__ import annotations
 
 import torch
 
-from cache_backends.base import KVBackend, KVLayer, ModelGeometry, tensor_bytes
+from cache_backends.attention import grouped_query, ungroup
+from cache_backends.base import KVBackend, ModelGeometry, StreamPairLayer
+from cache_backends.buffer import TokenBuffer
 from cache_backends.estimate import int8_bytes_per_token_per_layer
 
 QMIN, QMAX = -128, 127
 
 
 def quantize(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric int8 quantization of ``x`` with one (scale, min) per slice along ``dim``.
+    """Asymmetric int8 quantization of ``x`` with one (scale, zero) per slice along ``dim``.
+
+    The arithmetic runs in fp32 whatever ``x``'s dtype (bf16 has 8 bits of mantissa: scales computed
+    in it would cost the codes about one bit); ``scale`` and ``zero`` are returned in ``x``'s dtype.
 
     Returns:
-        ``(q, scale, minimum)``: int8 codes shaped like ``x``; ``scale`` and ``minimum`` with ``dim``
-        reduced to size 1, in ``x``'s dtype. ``x ≈ (q - QMIN) * scale + minimum``.
+        ``(q, scale, zero)``: int8 codes shaped like ``x``; ``scale`` and ``zero`` with ``dim`` reduced to
+        size 1. ``x ≈ q * scale + zero`` (``zero`` = the slice minimum + 128 * scale, so a code times
+        the scale plus the zero point is the value: no offset to subtract when attending).
     """
-    lo = x.amin(dim=dim, keepdim=True)
-    hi = x.amax(dim=dim, keepdim=True)
-    scale = ((hi - lo) / (QMAX - QMIN)).clamp_min(torch.finfo(x.dtype).tiny)
-    q = torch.round((x - lo) / scale) + QMIN
-    return q.clamp_(QMIN, QMAX).to(torch.int8), scale, lo
+    xf = x.float()
+    lo = xf.amin(dim=dim, keepdim=True)
+    hi = xf.amax(dim=dim, keepdim=True)
+    scale = ((hi - lo) / (QMAX - QMIN)).clamp_min(torch.finfo(torch.float32).tiny)
+    q = torch.round((xf - lo) / scale) + QMIN
+    return q.clamp_(QMIN, QMAX).to(torch.int8), scale.to(x.dtype), (lo - QMIN * scale).to(x.dtype)
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
-    return (q.to(scale.dtype) - QMIN) * scale + minimum
+def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    return q.to(scale.dtype) * scale + zero
 
 
 class Int8Storage:
     """A stream of per-token vectors, (batch, heads, seq_len, width), held as int8 plus a residual window.
 
+    Every part lives in an in-place :class:`cache_backends.buffer.TokenBuffer`: codes (int8), scales and
+    zero points (model dtype), the full-precision window. Attention reads it without dequantizing the
+    whole cache: :meth:`dot` folds the scales and zero points into the query, :meth:`weighted_sum`
+    folds them into the attention weights; only the int8 codes are widened to the query's dtype (into
+    a transient the size of the codes) for the matrix product.
+
     Args:
-        axis: ``"channel"`` — one scale and minimum per channel over each group of ``group_size``
-            tokens (KIVI's keys); ``"token"`` — one scale and minimum per token and head over its
+        axis: ``"channel"`` — one scale and zero per channel over each group of ``group_size``
+            tokens (KIVI's keys); ``"token"`` — one scale and zero per token and head over its
             channels (KIVI's values).
         group_size: tokens quantized together (the residual drains in whole groups).
         residual: newest tokens always kept in full precision.
@@ -66,85 +80,180 @@ class Int8Storage:
         self.axis = axis
         self.group_size = group_size
         self.residual = residual
-        self.q = self.scale = self.minimum = self.recent = None
-        self.length = 0
+        self.codes = TokenBuffer()
+        self.scale = TokenBuffer()
+        self.zero = TokenBuffer()
+        self.recent = TokenBuffer(max_tokens=max(1, residual + group_size - 1))
 
-    def _init(self, x: torch.Tensor) -> None:
-        b, h, _, w = x.shape
-        self.q = torch.empty(b, h, 0, w, dtype=torch.int8, device=x.device)
-        self.scale = torch.empty(b, h, 0, w if self.axis == "channel" else 1, dtype=x.dtype, device=x.device)
-        self.minimum = torch.empty_like(self.scale)
-        self.recent = x[..., :0, :]
+    @property
+    def length(self) -> int:
+        return self.codes.length + self.recent.length
+
+    @property
+    def heads(self) -> int:
+        """Heads of the stream (the second dimension)."""
+        return (self.codes.data if self.codes.data is not None else self.recent.data).shape[1]
+
+    def reserve(self, max_tokens: int) -> None:
+        """Cap the capacities for a request of ``max_tokens`` tokens (before the first append)."""
+        self.codes.max_tokens = max_tokens
+        groups = max(1, max_tokens // self.group_size)
+        self.scale.max_tokens = self.zero.max_tokens = groups if self.axis == "channel" else max_tokens
+
+    @staticmethod
+    def reserved_bytes(axis: str, group_size: int, residual: int, max_tokens: int, heads: int, width: int,
+                       dtype_bytes: int) -> int:
+        """The most bytes a storage reserved for ``max_tokens`` can allocate (codes, scales, zeros, window)."""
+        codes = max_tokens * heads * width
+        if axis == "channel":
+            scales = 2 * max(1, max_tokens // group_size) * heads * width * dtype_bytes
+        else:
+            scales = 2 * max_tokens * heads * dtype_bytes
+        window = max(1, residual + group_size - 1) * heads * width * dtype_bytes
+        return codes + scales + window
 
     def append(self, x: torch.Tensor) -> None:
         """Add ``n`` tokens (batch, heads, n, width); quantize the oldest whole groups past the window."""
-        if self.q is None:
-            self._init(x)
-        self.recent = torch.cat([self.recent, x], dim=-2)
-        self.length += x.shape[-2]
         g = self.group_size
-        n_groups = max(0, (self.recent.shape[-2] - self.residual) // g)
+        pending = self.recent.length + x.shape[-2]
+        n_groups = max(0, (pending - self.residual) // g)
         if n_groups == 0:
+            self.recent.append(x)
             return
+        src = torch.cat([self.recent.view(), x], dim=-2) if self.recent.length else x  # O(residual + n)
         n = n_groups * g
-        old = self.recent[..., :n, :]
+        old = src[..., :n, :]
         b, h, _, w = old.shape
         if self.axis == "channel":
-            q, scale, minimum = quantize(old.reshape(b, h, n_groups, g, w), dim=3)  # (b, h, groups, 1, w)
-            q, scale, minimum = q.reshape(b, h, n, w), scale.squeeze(3), minimum.squeeze(3)
+            q, scale, zero = quantize(old.reshape(b, h, n_groups, g, w), dim=3)  # (b, h, groups, 1, w)
+            q, scale, zero = q.reshape(b, h, n, w), scale.squeeze(3), zero.squeeze(3)
         else:
-            q, scale, minimum = quantize(old, dim=-1)  # (b, h, n, 1)
-        self.q = torch.cat([self.q, q], dim=-2)
-        self.scale = torch.cat([self.scale, scale], dim=-2)
-        self.minimum = torch.cat([self.minimum, minimum], dim=-2)
-        self.recent = self.recent[..., n:, :].clone()
+            q, scale, zero = quantize(old, dim=-1)  # (b, h, n, 1)
+        self.codes.append(q)
+        self.scale.append(scale)
+        self.zero.append(zero)
+        rest = src[..., n:, :].clone()  # may alias the window's own buffer
+        self.recent.truncate(0)
+        if rest.shape[-2]:
+            self.recent.append(rest)
+
+    def _codes(self, dtype: torch.dtype) -> torch.Tensor:
+        """The int8 codes widened to ``dtype`` (transient, the size of the quantized part)."""
+        return self.codes.view().to(dtype)
 
     def read(self) -> torch.Tensor:
         """Every token, dequantized, then the full-precision window: (batch, heads, seq_len, width)."""
-        b, h, tq, w = self.q.shape
+        recent = self.recent.view() if self.recent.data is not None else None
+        if self.codes.length == 0:
+            return recent
+        b, h, tq, w = self.codes.view().shape
+        scale, zero = self.scale.view(), self.zero.view()
         if self.axis == "channel":
             g = self.group_size
-            old = dequantize(self.q.reshape(b, h, tq // g, g, w), self.scale.unsqueeze(3),
-                             self.minimum.unsqueeze(3)).reshape(b, h, tq, w)
+            old = dequantize(self.codes.view().reshape(b, h, tq // g, g, w), scale.unsqueeze(3),
+                             zero.unsqueeze(3)).reshape(b, h, tq, w)
         else:
-            old = dequantize(self.q, self.scale, self.minimum)
-        return torch.cat([old, self.recent], dim=-2)
+            old = dequantize(self.codes.view(), scale, zero)
+        return old if recent is None else torch.cat([old, recent], dim=-2)
+
+    def dot(self, query: torch.Tensor) -> torch.Tensor:
+        """Scores of every token against ``query`` (batch, heads, R, width) → (batch, heads, R, seq_len).
+
+        Channel axis: ``q · (c * s_g + z_g) = (q * s_g) · c + q · z_g`` per token group g;
+        token axis: ``q · (c_t * s_t + z_t) = s_t (q · c_t) + z_t Σ q``.
+        """
+        parts = []
+        if self.codes.length:
+            codes, scale, zero = self._codes(query.dtype), self.scale.view(), self.zero.view()
+            b, h, tq, w = codes.shape
+            if self.axis == "channel":
+                g, n = self.group_size, tq // self.group_size
+                folded = query.unsqueeze(2) * scale.unsqueeze(3)  # (b, h, n, R, w)
+                scores = folded @ codes.reshape(b, h, n, g, w).transpose(-1, -2)  # (b, h, n, R, g)
+                bias = (query @ zero.transpose(-1, -2)).unsqueeze(-1)  # (b, h, R, n, 1)
+                scores = scores.permute(0, 1, 3, 2, 4) + bias  # (b, h, R, n, g)
+                parts.append(scores.reshape(b, h, -1, tq))
+            else:
+                scores = (query @ codes.transpose(-1, -2)) * scale.transpose(-1, -2)  # (b, h, R, tq)
+                parts.append(scores + query.sum(-1, keepdim=True) * zero.transpose(-1, -2))
+        if self.recent.length:
+            parts.append(query @ self.recent.view().transpose(-1, -2))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+    def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
+        """``weights`` (batch, heads, R, seq_len) times every token → (batch, heads, R, width).
+
+        Token axis: ``Σ_t p_t (c_t s_t + z_t) = (p * s) · c + p · z``; channel axis: per group,
+        ``(p_g · c_g) * s_g + (Σ p_g) z_g``.
+        """
+        tq = self.codes.length
+        out = None
+        if tq:
+            codes, scale, zero = self._codes(weights.dtype), self.scale.view(), self.zero.view()
+            p = weights[..., :tq]
+            if self.axis == "token":
+                out = (p * scale.transpose(-1, -2)) @ codes + p @ zero
+            else:
+                b, h, r, _ = p.shape
+                g, n, w = self.group_size, tq // self.group_size, codes.shape[-1]
+                pg = p.reshape(b, h, r, n, g).transpose(2, 3)  # (b, h, n, R, g)
+                per_group = pg @ codes.reshape(b, h, n, g, w)  # (b, h, n, R, w)
+                out = (per_group * scale.unsqueeze(3)).sum(2) + pg.sum(-1).transpose(2, 3) @ zero
+        if self.recent.length:
+            window = weights[..., tq:] @ self.recent.view()
+            out = window if out is None else out + window
+        return out
 
     def nbytes(self) -> int:
-        return tensor_bytes(self.q, self.scale, self.minimum, self.recent)
+        return sum(buf.used_bytes() for buf in (self.codes, self.scale, self.zero, self.recent))
+
+    def allocated_bytes(self) -> int:
+        return sum(buf.allocated_bytes() for buf in (self.codes, self.scale, self.zero, self.recent))
+
+    def release(self) -> None:
+        for buf in (self.codes, self.scale, self.zero, self.recent):
+            buf.release()
 
 
-class Int8Layer(KVLayer):
+def attend_stored(query: torch.Tensor, key_store, value_store, scaling: float) -> torch.Tensor:
+    """One decode query's attention over a key storage and a value storage, read in their stored form.
+
+    Args:
+        query: (1, Hq, 1, d) with Hq a multiple of the stores' heads H.
+        key_store, value_store: :class:`Int8Storage` or :class:`cache_backends.base.FullStorage`,
+            (1, H, T, d) each.
+
+    Returns:
+        (1, Hq, 1, dv).
+    """
+    q = grouped_query(query, key_store.heads)  # (1, H, rep, d)
+    probs = torch.softmax(key_store.dot(q) * scaling, dim=-1)  # (1, H, rep, T)
+    return ungroup(value_store.weighted_sum(probs))
+
+
+class Int8Layer(StreamPairLayer):
     """One layer's KIVI cache: keys in a per-channel :class:`Int8Storage`, values in a per-token one."""
 
     def __init__(self, group_size: int, residual: int):
         super().__init__()
         self.group_size, self.residual = group_size, residual
-        self.reset()
+        self.key_store = Int8Storage("channel", group_size, residual)
+        self.value_store = Int8Storage("token", group_size, residual)
 
-    def lazy_initialization(self, key_states, value_states) -> None:
-        self.is_initialized = True
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Append new tokens; return all keys and values dequantized, (1, H, seq_len, head_dim)."""
-        self.is_initialized = True
+    def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.key_store.append(key_states)
         self.value_store.append(value_states)
-        return self.materialize()
 
     def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.key_store.read(), self.value_store.read()
 
-    def get_seq_length(self) -> int:
-        return self.key_store.length
+    def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Decode: scores from the int8 keys with scales folded into the query, output from the int8
+        values with scales folded into the weights (no dequantized cache). Prefill: rebuilt K/V."""
+        if query.shape[-2] > 1:
+            return super().attend(query, scaling)
+        return attend_stored(query, self.key_store, self.value_store, scaling)
 
-    def reset(self) -> None:
-        self.key_store = Int8Storage("channel", self.group_size, self.residual)
-        self.value_store = Int8Storage("token", self.group_size, self.residual)
-        self.is_initialized = False
-
-    def nbytes(self) -> int:
-        return self.key_store.nbytes() + self.value_store.nbytes()
 
 
 class Int8Backend(KVBackend):
@@ -176,3 +285,10 @@ class Int8Backend(KVBackend):
         g = self.geometry
         return int8_bytes_per_token_per_layer(g.num_key_value_heads, g.head_dim, g.dtype_bytes, self.group_size,
                                               self.residual, seq_len)
+
+    def reserved_bytes(self, max_tokens: int) -> int:
+        g = self.geometry
+        per_layer = sum(Int8Storage.reserved_bytes(axis, self.group_size, self.residual, max_tokens,
+                                                   g.num_key_value_heads, g.head_dim, g.dtype_bytes)
+                        for axis in ("channel", "token"))
+        return per_layer * g.num_layers

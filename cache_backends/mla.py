@@ -26,7 +26,9 @@ from __future__ import annotations
 import torch
 from tqdm import tqdm
 
-from cache_backends.base import KVBackend, KVLayer, ModelGeometry, make_storage
+from cache_backends.attention import BatchRead, causal_mask, grouped_query, ungroup
+from cache_backends.base import (FullStorage, KVBackend, KVLayer, KVStore, ModelGeometry, StreamPairLayer, make_storage,
+                                 storage_reserved_bytes)
 from cache_backends.estimate import int8_latent_bytes_per_token_per_layer, mla_bytes_per_token_per_layer
 from cache_backends.rope import RopeTable
 
@@ -75,48 +77,160 @@ class MLALayer(KVLayer):
         self.heads, self.head_dim = heads, head_dim
         self.quantize = quantize
         self.position_offset = position_offset
-        self.reset()
+        self.latent = make_storage("channel", self.quantize)
+        hd = heads * head_dim
+        rank = basis.basis.shape[1]
+        # P_v per head, (H, r, d), and the value mean per head, (H, 1, d): the absorbed value side.
+        self.value_up = basis.basis[hd:].reshape(heads, head_dim, rank).transpose(1, 2)
+        self.value_mean = basis.mean[hd:].reshape(heads, 1, head_dim)
 
-    def lazy_initialization(self, key_states, value_states) -> None:
-        self.is_initialized = True
+    def reserve(self, max_tokens: int) -> None:
+        self.latent.reserve(max_tokens)
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Store the new tokens' latents; return keys (RoPE re-applied) and values rebuilt from all latents.
+    def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Store the new tokens' latents.
 
         Args:
             key_states: (1, H, new, d) after RoPE, at positions ``offset + seq_len ..``.
             value_states: (1, H, new, d).
-
-        Returns:
-            keys, values of shape (1, H, seq_len + new, d).
         """
-        self.is_initialized = True
         b, h, n, d = key_states.shape
         k_pre = self.rope.invert(key_states, self.position_offset + self.latent.length)  # (b, H, n, d)
         x = torch.cat([k_pre.transpose(1, 2).reshape(b, n, h * d), value_states.transpose(1, 2).reshape(b, n, h * d)],
                       dim=-1)  # (b, n, 2Hd)
         basis, mean = self.p.basis.to(x.dtype), self.p.mean.to(x.dtype)
         self.latent.append(((x - mean) @ basis).unsqueeze(1))  # (b, 1, n, r)
-        return self.materialize()
+
+    def _keys(self, latent: torch.Tensor) -> torch.Tensor:
+        """Keys after RoPE rebuilt from the latent (b, T, r) → (b, H, T, d) (transient)."""
+        b, t, _ = latent.shape
+        h, d = self.heads, self.head_dim
+        basis, mean = self.p.basis[: h * d].to(latent.dtype), self.p.mean[: h * d].to(latent.dtype)
+        keys = (latent @ basis.T + mean).reshape(b, t, h, d).transpose(1, 2)
+        return self.rope.apply(keys, self.position_offset)
 
     def materialize(self):
         latent = self.latent.read()[:, 0]  # (b, T, r)
         b, t, _ = latent.shape
         h, d = self.heads, self.head_dim
-        rebuilt = latent @ self.p.basis.to(latent.dtype).T + self.p.mean.to(latent.dtype)  # (b, T, 2Hd), transient
-        keys = rebuilt[..., : h * d].reshape(b, t, h, d).transpose(1, 2)
-        values = rebuilt[..., h * d :].reshape(b, t, h, d).transpose(1, 2)
-        return self.rope.apply(keys, self.position_offset), values
+        values = latent @ self.p.basis[h * d :].to(latent.dtype).T + self.p.mean[h * d :].to(latent.dtype)
+        return self._keys(latent), values.reshape(b, t, h, d).transpose(1, 2)
+
+    def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Decode with the value side absorbed: ``o_h = (p_h C) P_v,h^T + mu_v,h`` (the weights sum to 1),
+        so values are never rebuilt; keys are rebuilt from the latent because RoPE, applied per position
+        after the up-projection, blocks folding P_k into the query (the "RoPE price" of post-hoc MLA)."""
+        if query.shape[-2] > 1:
+            return super().attend(query, scaling)
+        h, d = self.heads, self.head_dim
+        keys = self._keys(self.latent.read()[:, 0])  # (1, H, T, d)
+        q = grouped_query(query, h)  # (1, H, rep, d)
+        probs = torch.softmax((q @ keys.transpose(-1, -2)) * scaling, dim=-1)  # (1, H, rep, T)
+        rep = q.shape[2]
+        mixed = self.latent.weighted_sum(probs.reshape(1, 1, h * rep, -1))  # (1, 1, H*rep, r)
+        out = mixed.reshape(h, rep, -1) @ self.value_up.to(mixed.dtype) + self.value_mean.to(mixed.dtype)
+        return ungroup(out.unsqueeze(0))  # (1, Hq, 1, d)
 
     def get_seq_length(self) -> int:
         return self.latent.length
 
     def reset(self) -> None:
-        self.latent = make_storage("channel", self.quantize)
+        self.latent.release()
         self.is_initialized = False
 
     def nbytes(self) -> int:
         return self.latent.nbytes()
+
+    def allocated_bytes(self) -> int:
+        return self.latent.allocated_bytes()
+
+
+class NativeLatentLayer(StreamPairLayer):
+    """A native-MLA model's own cache entries, appended in place: the latent c_KV (1, 1, T, kv_lora_rank)
+    in ``key_store`` and the shared rope key (1, 1, T, qk_rope_head_dim) in ``value_store``. Decode
+    attends to them with absorbed attention (:class:`AbsorbedRead`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.key_store, self.value_store = FullStorage(), FullStorage()
+
+    def append(self, latent: torch.Tensor, rope_key: torch.Tensor) -> None:
+        self.key_store.append(latent)
+        self.value_store.append(rope_key)
+
+    def materialize(self):
+        return self.key_store.read(), self.value_store.read()
+
+
+class AbsorbedRead:
+    """Absorbed MLA attention of one sequence (DeepSeek-V2, arXiv 2405.04434, section 2.1.2; as vLLM and
+    SGLang serve it): with ``kv_b_proj`` split per head into W_UK (nope, r) and W_UV (v, r),
+    ``score_h,t = (W_UK_h^T q_nope_h) · c_t + q_rope_h · k_rope_t`` and ``o_h = W_UV_h (Σ_t p_h,t c_t)``:
+    the latent is never expanded to per-head K/V.
+
+    Args:
+        layer: the sequence's :class:`NativeLatentLayer`.
+        attention: the model's attention module (its ``kv_b_proj`` and head sizes).
+    """
+
+    def __init__(self, layer: NativeLatentLayer, attention):
+        self.layer, self.attention = layer, attention
+
+    def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """query (1, H, q_len, nope + rope) → (1, H, q_len, v_head_dim)."""
+        a = self.attention
+        nope, h = a.qk_nope_head_dim, query.shape[1]
+        w = a.kv_b_proj.weight.view(h, nope + a.v_head_dim, -1)  # (H, nope + v, r)
+        latent, rope_key = self.layer.key_store.read()[0, 0], self.layer.value_store.read()[0, 0]  # (T, r), (T, rope)
+        q_latent = query[0, :, :, :nope] @ w[:, :nope]  # (H, q_len, r): W_UK folded into the query
+        scores = q_latent @ latent.T + query[0, :, :, nope:] @ rope_key.T  # (H, q_len, T)
+        mask = causal_mask(query.shape[-2], latent.shape[0], query.device)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores * scaling, dim=-1)
+        return ((probs @ latent) @ w[:, nope:].transpose(1, 2))[None]  # W_UV applied after attention
+
+
+def absorb_reads(reads, attention):
+    """Wrap what a native-MLA cache returned (a read, or a batch of them) for absorbed attention."""
+    if isinstance(reads, BatchRead):
+        return BatchRead([absorb_reads(r, attention) for r in reads.reads])
+    return AbsorbedRead(reads.layer, attention)
+
+
+def install_absorbed_attention(model) -> None:
+    """Make each DeepSeek-style attention module hand kvserve's latent reads to absorbed attention.
+
+    transformers' ``DeepseekV3Attention`` expands the cached latent with ``expand_kv`` right after the
+    cache read; its subclass made here overrides ``expand_kv`` alone: given a kvserve read it returns an
+    :class:`AbsorbedRead` (attended by kvserve's attention function), given tensors (other caches,
+    ``generate()``) it expands them as before. Idempotent.
+
+    Raises:
+        ValueError: if the model's attention modules have no ``expand_kv``/``kv_b_proj``.
+    """
+    from cache_backends.attention import install
+
+    install(model)
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        if getattr(attn, "absorbs_latent", False):
+            continue
+        if not (hasattr(attn, "expand_kv") and hasattr(attn, "kv_b_proj")):
+            raise ValueError(f"absorbed MLA needs DeepSeek-style attention (expand_kv, kv_b_proj); "
+                             f"got {type(attn).__name__}")
+        base = type(attn)
+
+        class Absorbing(base):
+            absorbs_latent = True
+
+            def expand_kv(self, kv_nope, k_rot):
+                if hasattr(kv_nope, "attend"):
+                    return absorb_reads(kv_nope, self), None
+                return base.expand_kv(self, kv_nope, k_rot)
+
+        Absorbing.__name__ = f"Absorbing{base.__name__}"
+        attn.__class__ = Absorbing
 
 
 class MLABackend(KVBackend):
@@ -154,8 +268,10 @@ class MLABackend(KVBackend):
         self.rope: RopeTable | None = None
 
     def prepare(self, model, calibration_ids: list[int] | None = None) -> None:
-        """Fit one basis per layer on the calibration slice (a progress bar shows it); nothing on native MLA."""
+        """Fit one basis per layer on the calibration slice (a progress bar shows it); on native MLA, switch the
+        model's attention to absorbed attention over the cached latent (no calibration)."""
         if self.native:
+            install_absorbed_attention(model)
             return
         from cache_backends.calibration import calibration_ids as calib_ids
         from cache_backends.calibration import collect_kv
@@ -171,13 +287,15 @@ class MLABackend(KVBackend):
 
     def new_layer(self, index: int, position_offset: int = 0) -> KVLayer:
         if self.native:
-            from cache_backends.full import FullLayer
-
-            return FullLayer()  # holds exactly what the model hands over: its latent and its rope key
+            return NativeLatentLayer()  # holds exactly what the model hands over: its latent and its rope key
         if self.bases is None:
             raise RuntimeError("mla backend used before prepare(model)")
         g = self.geometry
         return MLALayer(self.bases[index], self.rope, g.num_key_value_heads, g.head_dim, self.quantize, position_offset)
+
+    def new_store(self) -> KVStore:
+        """One sequence's store; on a native-MLA model it is read in place by absorbed attention."""
+        return KVStore([self.new_layer(i) for i in range(self.geometry.num_layers)], in_place=True)
 
     def bytes_per_token_per_layer(self, seq_len: int = 1024) -> float:
         if self.native:
@@ -188,3 +306,9 @@ class MLABackend(KVBackend):
             return int8_latent_bytes_per_token_per_layer(self.rank, self.geometry.dtype_bytes, q["group_size"],
                                                          q["residual"], seq_len)
         return mla_bytes_per_token_per_layer(self.rank, 0, self.geometry.dtype_bytes)
+
+    def reserved_bytes(self, max_tokens: int) -> int:
+        g = self.geometry
+        if self.native:
+            return super().reserved_bytes(max_tokens)
+        return storage_reserved_bytes(self.quantize, "channel", max_tokens, 1, self.rank, g.dtype_bytes) * g.num_layers

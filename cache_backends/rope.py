@@ -29,22 +29,35 @@ class RopeTable:
         rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
         if rotary is None:
             raise ValueError("model has no model.rotary_emb: this backend needs a RoPE model")
-        p = next(model.parameters())
+        self.rotary = rotary
+        self.param = next(model.parameters())
+        self._build(max_positions)
+
+    def _build(self, max_positions: int) -> None:
+        p = self.param
         positions = torch.arange(max_positions, device=p.device).unsqueeze(0)
         with torch.no_grad():
-            cos, sin = rotary(torch.zeros(1, device=p.device, dtype=torch.float32), positions)
+            cos, sin = self.rotary(torch.zeros(1, device=p.device, dtype=torch.float32), positions)
         self.cos = cos[0].to(p.dtype)  # (max_positions, head_dim)
         self.sin = sin[0].to(p.dtype)
         self.norm = (self.cos.float() ** 2 + self.sin.float() ** 2).to(p.dtype)  # attention_scaling², 1.0 by default
 
+    def _cover(self, stop: int) -> None:
+        """Grow the tables (doubling) so positions up to ``stop`` exist: a served context may be set
+        longer than ``max_position_embeddings`` (``MAX_TOTAL_TOKENS``)."""
+        if stop > self.cos.shape[0]:
+            self._build(max(stop, 2 * self.cos.shape[0]))
+
     def apply(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """Rotate ``x`` (..., seq_len, head_dim) as positions ``start .. start + seq_len - 1``."""
         n = x.shape[-2]
+        self._cover(start + n)
         cos, sin = self.cos[start : start + n], self.sin[start : start + n]
         return x * cos + rotate_half(x) * sin
 
     def invert(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """Undo :meth:`apply` exactly (rotation by the opposite angle)."""
         n = x.shape[-2]
+        self._cover(start + n)
         cos, sin, norm = self.cos[start : start + n], self.sin[start : start + n], self.norm[start : start + n]
         return (x * cos - rotate_half(x) * sin) / norm

@@ -48,7 +48,11 @@ class Settings(BaseSettings):
     max_input_tokens: int | None = Field(None, ge=1, description="Default: MAX_TOTAL_TOKENS - 1.")
     max_total_tokens: int | None = Field(None, ge=2, description="Default: the model's max_position_embeddings.")
     max_stop_sequences: int = Field(4, ge=0)
-    kv_cache_budget_bytes: int | None = Field(None, ge=1)
+    kv_cache_budget_bytes: int | None = Field(None, ge=1, description="Cap on the KV bytes held (admission "
+                                              "reserves each request's exact upper bound).")
+    max_num_batched_tokens: int = Field(256, ge=0, description="Tokens one engine step processes: each decoding "
+                                        "sequence's one, prompt chunks the rest (chunked prefill); 0 prefills "
+                                        "whole prompts.")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     payload_limit: int = Field(2_000_000, ge=1, description="Largest request body (bytes); larger gets 422.")
     api_key: str | None = Field(None, description="When set, routes but /health and /metrics need a Bearer token.")

@@ -7,6 +7,8 @@ import logging
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from cache_backends.attention import install as install_attention
+
 log = logging.getLogger("kvserve.model")
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -33,9 +35,11 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def load_model(model_id: str, device: torch.device, dtype: torch.dtype):
-    """Load ``(model, tokenizer)`` in eval mode on ``device`` with ``dtype`` and SDPA attention."""
+    """Load ``(model, tokenizer)`` in eval mode on ``device`` with ``dtype`` and kvserve's attention function
+    (SDPA for plain K/V, in-place reads for kvserve's caches: :mod:`cache_backends.attention`)."""
     tokenizer = AutoTokenizer.from_pretrained(model_id)
     model = AutoModelForCausalLM.from_pretrained(model_id, dtype=dtype, attn_implementation="sdpa")
     model.to(device).eval()
+    install_attention(model)
     log.info("loaded %s on %s (%s)", model_id, device, dtype)
     return model, tokenizer

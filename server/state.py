@@ -53,7 +53,8 @@ class ServerState:
         eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [tokenizer.eos_token_id])
         recorder = Recorder(self.metrics, self.model_name, names)
         engine = Engine(ModelRunner(model, geometry.num_layers), self.backends, tokenizer, eos_ids,
-                        Scheduler(s.max_batch_size, s.kv_cache_budget_bytes, per_token),
+                        Scheduler(s.max_batch_size, s.kv_cache_budget_bytes,
+                                  {n: b.reserved_bytes for n, b in self.backends.items()}, s.max_num_batched_tokens or None),
                         s.max_concurrent_requests, recorder)
         engine.start()
         self.engine = engine

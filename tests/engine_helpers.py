@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from cache_backends import ModelGeometry, create
+from cache_backends.calibration import calibration_ids
 from server.engine.engine import Engine
 from server.engine.runner import ModelRunner
 from server.engine.sampling import SamplingParams
@@ -12,14 +13,15 @@ from server.engine.scheduler import Scheduler
 from server.engine.sequence import Sequence
 
 
-def make_engine(model, tokenizer, backend: str = "full", max_batch_size: int = 8, budget=None, **options):
+def make_engine(model, tokenizer, backend: str = "full", max_batch_size: int = 8, budget=None,
+                prefill_chunk_tokens: int | None = 256, **options):
     geometry = ModelGeometry.from_config(model.config, next(model.parameters()).dtype)
     be = create(backend, geometry, **options)
-    be.prepare(model)
-    per_token = {backend: be.bytes_per_token_per_layer() * geometry.num_layers}
+    be.prepare(model, calibration_ids(model, tokenizer, max_tokens=4096))  # tests: a short calibration slice
     eos = model.generation_config.eos_token_id
     return Engine(ModelRunner(model, geometry.num_layers), {backend: be}, tokenizer,
-                  set(eos if isinstance(eos, list) else [eos]), Scheduler(max_batch_size, budget, per_token), 1000)
+                  set(eos if isinstance(eos, list) else [eos]),
+                  Scheduler(max_batch_size, budget, {backend: be.reserved_bytes}, prefill_chunk_tokens), 1000)
 
 
 def make_seq(tokenizer, prompt: str, max_new_tokens: int, backend: str = "full", params: SamplingParams = None,

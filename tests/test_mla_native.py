@@ -37,7 +37,8 @@ def test_native_mla_caches_the_models_latent_and_rope_key(tiny_deepseek):
         reference = model(torch.tensor([ids[:-1]])).logits[0, 29:]
     assert (torch.stack(logits) - reference).abs().max().item() < 1e-4
     layer = store.layers[0]
-    assert layer.keys.shape == (1, 1, 39, 16) and layer.values.shape == (1, 1, 39, 8)  # latent, rope key
+    latent, rope_key = layer.materialize()
+    assert latent.shape == (1, 1, 39, 16) and rope_key.shape == (1, 1, 39, 8)  # latent, rope key
     assert store.nbytes() == (16 + 8) * 4 * 39 * 3 == backend.bytes_per_token_per_layer() * 39 * 3
 
 
@@ -45,3 +46,24 @@ def test_native_mla_refuses_another_rank(tiny_deepseek):
     geometry = ModelGeometry.from_config(tiny_deepseek.config, torch.float32)
     with pytest.raises(ValueError, match="kv_lora_rank=16"):
         create("mla", geometry, rank=8)
+
+
+def test_absorbed_attention_batched_matches_the_models_own_attention(tiny_deepseek):
+    """mla on native MLA decodes a ragged batch with absorbed attention (W_UK folded into the query, W_UV
+    after attention, the latent never expanded): each row's logits equal the model's own forward, 1e-4."""
+    model = tiny_deepseek
+    geometry = ModelGeometry.from_config(model.config, torch.float32)
+    backend = create("mla", geometry)
+    backend.prepare(model)
+    assert all(type(layer.self_attn).__name__.startswith("Absorbing") for layer in model.model.layers)
+    runner = ModelRunner(model, geometry.num_layers)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (9, 17, 30)]
+    stores = [backend.new_store() for _ in prompts]
+    for ids, store in zip(prompts, stores):
+        runner.prefill(ids[:-1], store)
+    batched = runner.decode([ids[-1] for ids in prompts], stores)
+    for row, ids in enumerate(prompts):
+        with torch.no_grad():
+            reference = model(torch.tensor([ids])).logits[0, -1]
+        assert (batched[row] - reference).abs().max().item() < 1e-4, row

@@ -1,8 +1,9 @@
 """The engine loop: schedule → run → sample → update → hand each new token to its request.
 
 One background thread owns the model. Between decode steps it drops cancelled sequences (freeing
-their KV at once), admits waiting ones (continuous batching) and prefills them one at a time, then runs
-one batched decode step for every running sequence. Each new token goes to its request through the
+their KV at once), admits waiting ones (continuous batching), prefills prompts within a per-step token
+budget (chunked prefill: a long prompt is spread over several steps), then runs one batched decode
+step for every sequence whose prompt is cached. Each new token goes to its request through the
 sequence's thread-safe ``emit`` callback. A failure inside one request's prefill fails that request
 only; a failure in a batched decode fails the sequences of that batch, and the loop goes on.
 """
@@ -39,6 +40,9 @@ def _malloc_trim():
 
 
 _TRIM = _malloc_trim()
+
+
+MIN_PREFILL_CHUNK = 64  # prompt tokens a step prefills at least, however many sequences decode
 
 
 class Overloaded(Exception):
@@ -128,7 +132,8 @@ class Engine:
 
     # ---- one step -------------------------------------------------------------------------------
     def step(self) -> None:
-        """Drop cancelled sequences, admit and prefill new ones, then decode the batch once."""
+        """Drop cancelled sequences, admit new ones, prefill up to the step's token budget (whole prompts
+        or chunks of them), then decode every sequence whose prompt is in its cache, once, as a batch."""
         with self._lock:
             for seq in [s for s in self.waiting if s.cancelled]:
                 self.waiting.remove(seq)
@@ -137,22 +142,55 @@ class Engine:
         for seq in [s for s in self.running if s.cancelled]:
             self._finish(seq, FinishReason.CANCELLED)
         for seq in admitted:
-            self._prefill(seq)
-        batch = [s for s in self.running if s.finish_reason is None]
+            self._start(seq)
+        decoding = sum(1 for s in self.running if s.prefilled == len(s.prompt_ids))
+        self._prefill_step(decoding)
+        batch = [s for s in self.running if s.finish_reason is None and s.prefilled == len(s.prompt_ids)]
         if batch:
             self._decode(batch)
         for seq in self.running:  # a live store only grows, so its size now is its peak so far
             seq.peak_kv_bytes = seq.store.nbytes()
         self._report()
 
-    def _prefill(self, seq: Sequence) -> None:
-        seq.times.prefill_start = time.perf_counter()
+    def _start(self, seq: Sequence) -> None:
+        """Give an admitted sequence its KV store (capped at its reservation), generator and detokenizer."""
         seq.store = self.backends[seq.backend_name].new_store()
-        seq.generator = torch.Generator().manual_seed(seq.params.seed)
+        seq.store.reserve(self.scheduler.token_budget(seq))
+        seq.generator = torch.Generator(device=self.runner.device).manual_seed(seq.params.seed)
         seq.detok = IncrementalDetokenizer(self.tokenizer, seq.stop, self.special_ids)
         self.running.append(seq)
+
+    def _prefill_step(self, decoding: int) -> None:
+        """Prefill waiting prompts in arrival order within this step's token budget.
+
+        The budget is ``prefill_chunk_tokens`` less the ``decoding`` sequences' one token each (at least
+        :data:`MIN_PREFILL_CHUNK`): a long prompt is written over several steps, each followed by a decode
+        step of the running batch, so it does not stall running streams (chunked prefill, as in vLLM's
+        scheduler). Prompts that want every position's log-probability, and stores that decide once per
+        prompt (``dca``), are prefilled whole.
+        """
+        chunk = self.scheduler.prefill_chunk_tokens
+        budget = None if not chunk else max(MIN_PREFILL_CHUNK, chunk - decoding)
+        for seq in [s for s in self.running if s.prefilled < len(s.prompt_ids)]:
+            if budget is not None and budget <= 0:
+                break
+            left = len(seq.prompt_ids) - seq.prefilled
+            whole = budget is None or seq.want_prompt_logprobs or not seq.store.supports_chunked_prefill
+            n = left if whole else min(left, budget)
+            if budget is not None:
+                budget -= n
+            self._prefill(seq, n)
+
+    def _prefill(self, seq: Sequence, n: int) -> None:
+        """Write the next ``n`` prompt tokens of ``seq`` into its store; after the last, sample its first token."""
+        if seq.times.prefill_start is None:
+            seq.times.prefill_start = time.perf_counter()
         try:
-            logits = self.runner.prefill(seq.prompt_ids, seq.store, all_logits=seq.want_prompt_logprobs)
+            chunk = seq.prompt_ids[seq.prefilled : seq.prefilled + n]
+            logits = self.runner.prefill(chunk, seq.store, all_logits=seq.want_prompt_logprobs)
+            seq.prefilled += n
+            if seq.prefilled < len(seq.prompt_ids):
+                return
             if seq.want_prompt_logprobs:
                 logprobs = torch.log_softmax(logits[:-1].float(), dim=-1)  # (prompt_len - 1, vocab_size)
                 targets = torch.tensor(seq.prompt_ids[1:], device=logits.device).unsqueeze(1)
@@ -239,5 +277,9 @@ class Engine:
 
     # ---- introspection --------------------------------------------------------------------------
     def kv_bytes(self) -> int:
-        """Bytes held by every live sequence's KV store."""
+        """Bytes allocated by every live sequence's KV store (capacity included: the memory held)."""
+        return sum(s.store.allocated_bytes() for s in list(self.running) if s.store is not None)
+
+    def kv_used_bytes(self) -> int:
+        """Bytes of the cached tokens of every live sequence (<= :meth:`kv_bytes`)."""
         return sum(s.store.nbytes() for s in list(self.running) if s.store is not None)

@@ -1,11 +1,13 @@
 """The model runner: owns the model and every tensor; turns scheduled sequences into logits.
 
-Prefill runs one sequence at a time (batch 1) into that sequence's own KV store. Decode runs all active
-sequences in one batched forward: a :class:`BatchedView` presents the per-sequence stores to the model
-as one ``transformers.Cache``; each layer writes every sequence's new K/V into its own store, and reads
-back the stores' keys and values left-padded to the longest sequence, with a 4-D mask hiding the
-padding. Padding is transient (it lives for one layer's attention), so nothing but each backend's own
-representation survives a step.
+Prefill runs one sequence at a time (batch 1, a whole prompt or one chunk of it) into that sequence's
+own KV store. Decode runs all active sequences in one batched forward over a ragged batch:
+:class:`RaggedView` presents the per-sequence stores to the model as one ``transformers.Cache``; each
+layer writes every sequence's new K/V into its own store (in place) and hands the attention a
+:class:`cache_backends.attention.BatchRead`, so each sequence attends to its own cache at its own
+length, in its backend's stored form: no padded copy of the context, no mask. Models whose attention
+needs K/V tensors after the cache read (native MLA, DeepSeek-V3) use :class:`BatchedView` instead,
+which left-pads rebuilt K/V to the longest sequence under a 4-D mask (transient, one layer at a time).
 """
 
 from __future__ import annotations
@@ -13,7 +15,22 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from cache_backends.attention import BatchRead, as_read
 from cache_backends.base import KVStore
+
+
+class RaggedView(Cache):
+    """Several sequences' KV stores seen by the model as one cache for a decode step (no padding)."""
+
+    def __init__(self, stores: list[KVStore], num_layers: int):
+        self.stores = stores
+        self.lengths = [s.num_tokens() for s in stores]
+        past = max(self.lengths)
+        super().__init__(layers=[_RaggedLayerView(stores, i, past) for i in range(num_layers)])
+
+    def skip_kv_projection(self, layer_idx: int) -> bool:
+        """Skip only when every sequence in the batch may skip (else all compute, and those that reuse ignore it)."""
+        return all(s.skip_kv_projection(layer_idx) for s in self.stores)
 
 
 class _BatchedLayerView(CacheLayerMixin):
@@ -71,6 +88,20 @@ class _BatchedLayerView(CacheLayerMixin):
         return -1
 
 
+class _RaggedLayerView(_BatchedLayerView):
+    """One layer of :class:`RaggedView`: each row's new K/V go to its own store; the reads go to attention."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Append row i's (1, num_key_value_heads, 1, head_dim) K/V to store i; return ``(BatchRead, None)``."""
+        reads = []
+        for row, store in enumerate(self.stores):
+            k, v = store.layers[self.layer_idx].update(
+                None if key_states is None else key_states[row : row + 1],
+                None if value_states is None else value_states[row : row + 1], *args, **kwargs)
+            reads.append(as_read(k, v))
+        return BatchRead(reads), None
+
+
 class BatchedView(Cache):
     """Several sequences' KV stores seen by the model as one left-padded batch cache (one decode step)."""
 
@@ -101,7 +132,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill(self, prompt_ids: list[int], store: KVStore, all_logits: bool = False) -> torch.Tensor:
-        """Run the prompt through the model into ``store``.
+        """Run prompt tokens through the model into ``store``: the whole prompt, or the next chunk of it
+        (positions continue from the tokens ``store`` already holds).
 
         Returns:
             (1, vocab_size) logits of the last prompt position, or (prompt_len, vocab_size) logits of
@@ -125,6 +157,11 @@ class ModelRunner:
         ids = torch.tensor(last_ids, device=self.device).unsqueeze(1)  # (batch, 1)
         if len(stores) == 1:
             out = self.model(input_ids=ids, cache=stores[0], use_cache=True, logits_to_keep=1)
+            return out.logits[:, -1]
+        if all(s.in_place for s in stores):
+            ragged = RaggedView(stores, self.num_layers)
+            positions = torch.tensor(ragged.lengths, device=self.device).unsqueeze(1)  # (batch, 1)
+            out = self.model(input_ids=ids, position_ids=positions, cache=ragged, use_cache=True, logits_to_keep=1)
             return out.logits[:, -1]
         view = BatchedView(stores, self.num_layers)
         lengths = torch.tensor(view.lengths, device=self.device)  # (batch,)

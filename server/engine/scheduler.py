@@ -1,14 +1,18 @@
 """Admission: which waiting sequences may join the running batch (no tensors here).
 
 A sequence is admitted when the batch has room (``max_batch_size``) and, if a KV budget is set, the
-bytes it may grow to (``bytes_per_token * (prompt + max_new_tokens)``, the backend's closed formula)
-fit beside what the running sequences may grow to. Sequences are admitted first come, first served;
-a sequence that does not fit waits, and so do those behind it (no overtaking, so nothing starves).
+bytes its store can ever allocate — its backend's :meth:`KVBackend.reserved_bytes` for its whole
+token budget (prompt + max_new_tokens), the exact capacity its buffers are capped at — fit beside the
+reservations of the running sequences. The budget is therefore a hard cap on the KV memory held, for
+every backend (windowed int8 stores and dca sequences that reuse few layers included). Sequences are
+admitted first come, first served; a sequence that does not fit waits, and so do those behind it (no
+overtaking, so nothing starves).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from typing import Callable
 
 from server.engine.sequence import Sequence
 
@@ -18,18 +22,28 @@ class Scheduler:
 
     Args:
         max_batch_size: most sequences decoding at once.
-        kv_budget_bytes: cap on the KV bytes the running sequences may reach; ``None`` for no cap.
-        bytes_per_token: closed-form KV bytes per token (all layers) for each backend name.
+        kv_budget_bytes: cap on the KV bytes the running sequences may hold; ``None`` for no cap.
+        reserved_bytes: for each backend name, bytes a store reserved for ``n`` tokens can allocate
+            (``KVBackend.reserved_bytes``).
+        prefill_chunk_tokens: most prompt tokens prefilled per engine step (chunked prefill, as vLLM's
+            scheduler budgets tokens per step); ``None`` prefills each prompt whole.
     """
 
-    def __init__(self, max_batch_size: int, kv_budget_bytes: int | None, bytes_per_token: dict[str, float]):
+    def __init__(self, max_batch_size: int, kv_budget_bytes: int | None,
+                 reserved_bytes: dict[str, Callable[[int], int]], prefill_chunk_tokens: int | None = 256):
         self.max_batch_size = max_batch_size
         self.kv_budget_bytes = kv_budget_bytes
-        self.bytes_per_token = bytes_per_token
+        self.reserved = reserved_bytes
+        self.prefill_chunk_tokens = prefill_chunk_tokens
 
-    def reserved_bytes(self, seq: Sequence) -> float:
-        """The most KV bytes ``seq`` can reach (its whole token budget at the closed formula)."""
-        return self.bytes_per_token[seq.backend_name] * (len(seq.prompt_ids) + seq.max_new_tokens)
+    @staticmethod
+    def token_budget(seq: Sequence) -> int:
+        """Tokens ``seq`` may hold: prompt plus max_new_tokens."""
+        return len(seq.prompt_ids) + seq.max_new_tokens
+
+    def reserved_bytes(self, seq: Sequence) -> int:
+        """The most KV bytes ``seq``'s store can allocate (bytes)."""
+        return self.reserved[seq.backend_name](self.token_budget(seq))
 
     def fits_alone(self, seq: Sequence) -> bool:
         """Whether ``seq`` could ever be admitted (it fits the budget on its own)."""

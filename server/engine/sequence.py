@@ -89,6 +89,7 @@ class Sequence:
     times: RequestTimes = field(default_factory=RequestTimes)
     peak_kv_bytes: int = 0
     kv_stats: dict = field(default_factory=dict)
+    prefilled: int = 0  # prompt tokens already written to the store (chunked prefill)
     want_prompt_logprobs: bool = False
     prompt_logprobs: list[float | None] | None = None
 
