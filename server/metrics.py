@@ -23,6 +23,11 @@ BYTES_BUCKETS = tuple(float(2**k) for k in range(10, 37, 2))  # 1 KiB … 64 GiB
 LABELS = ("model", "backend")
 
 
+def is_dca(backend: str) -> bool:
+    """Whether ``backend`` reuses layers (``dca`` or a composition with it, e.g. ``dca+int8``)."""
+    return "dca" in backend.split("+")
+
+
 class Metrics:
     """The metric objects, registered in their own ``CollectorRegistry`` (one per server)."""
 
@@ -92,7 +97,7 @@ class Recorder:
                 counter.labels(model, b)
             for reason in ("length", "eos_token", "stop_sequence", "cancelled", "error"):
                 metrics.requests.labels(model, b, reason)
-            if b == "dca":
+            if is_dca(b):
                 metrics.dca_reuse_layers.labels(model, b).set(0)
                 metrics.dca_fallbacks.labels(model, b)
 
@@ -125,12 +130,13 @@ class Recorder:
             for a, b in zip(t.token_times, t.token_times[1:]):
                 itl.observe(b - a)
 
-    def step_state(self, running: list, waiting: dict[str, int]) -> None:
-        """Update the live gauges (called after every engine step).
+    def step_state(self, running: list, waiting: dict[str, int] | None) -> None:
+        """Update the live gauges (after every engine step, and when a sequence finishes).
 
         Args:
             running: the running sequences.
-            waiting: queued request counts by backend name.
+            waiting: queued request counts by backend name, or ``None`` to leave the queue gauges as
+                they are.
         """
         per_backend: dict[str, list[int]] = {b: [0, 0, 0, 0] for b in self.backends}
         for seq in running:
@@ -138,7 +144,7 @@ class Recorder:
                 continue
             row = per_backend.setdefault(seq.backend_name, [0, 0, 0, 0])
             row[0] += 1
-            row[1] += seq.peak_kv_bytes  # measured by the engine this step (a live store only grows)
+            row[1] += seq.kv_bytes  # measured by the engine once per step (it may be below the peak)
             row[2] += seq.store.num_tokens()
             row[3] += seq.store.stats().get("dca_reuse_layers", 0)
         for backend, (count, nbytes, tokens, reuse) in per_backend.items():
@@ -148,7 +154,8 @@ class Recorder:
             self.m.kv_tokens.labels(**labels).set(tokens)
             if tokens:
                 self.m.kv_bytes_per_token.labels(**labels).set(nbytes / tokens)
-            if backend == "dca":
+            if is_dca(backend):
                 self.m.dca_reuse_layers.labels(**labels).set(reuse)
-        for backend in per_backend:
-            self.m.waiting.labels(**self._l(backend)).set(waiting.get(backend, 0))
+        if waiting is not None:
+            for backend in per_backend:
+                self.m.waiting.labels(**self._l(backend)).set(waiting.get(backend, 0))

@@ -138,12 +138,21 @@ class Engine:
             self._finish(seq, FinishReason.CANCELLED)
         for seq in admitted:
             self._prefill(seq)
+        # Measured after prefill too: an int8-family store can be at its largest right after prefill,
+        # and shrink in the same step's decode when its residual window drains.
+        self._measure([s for s in admitted if s.store is not None])
         batch = [s for s in self.running if s.finish_reason is None]
         if batch:
             self._decode(batch)
-        for seq in self.running:  # a live store only grows, so its size now is its peak so far
-            seq.peak_kv_bytes = seq.store.nbytes()
+        self._measure(self.running)
         self._report()
+
+    @staticmethod
+    def _measure(seqs: list[Sequence]) -> None:
+        """Record each store's bytes now (once per sequence per step) and keep the largest seen."""
+        for seq in seqs:
+            seq.kv_bytes = seq.store.nbytes()
+            seq.peak_kv_bytes = max(seq.peak_kv_bytes, seq.kv_bytes)
 
     def _prefill(self, seq: Sequence) -> None:
         seq.times.prefill_start = time.perf_counter()
@@ -212,15 +221,22 @@ class Engine:
                 error: str | None = None) -> None:
         """End ``seq``: free its KV now, record its stats, send the closing event."""
         seq.finish_reason = reason
-        if seq in self.running:
+        was_running = seq in self.running
+        if was_running:
             self.running.remove(seq)
         if seq.store is not None:
             seq.peak_kv_bytes = max(seq.peak_kv_bytes, seq.store.nbytes())
             seq.kv_stats = seq.store.stats()
             seq.store.release()
             seq.store = None
+            seq.kv_bytes = 0
         if self.recorder:
             self.recorder.request_done(seq)
+        if was_running:
+            # The gauges drop this sequence before its last event goes out, so a client that reads
+            # /metrics right after its response no longer sees its KV. (A sequence cancelled while
+            # queued is finished under self._lock and held no KV: the step's report covers it.)
+            self._report(queue=False)
         if last is None:
             last = TokenEvent(index=len(seq.output_ids), token_id=-1, text="", logprob=0.0, special=True)
         last.finish_reason = reason
@@ -228,13 +244,17 @@ class Engine:
         last.generated_text = seq.detok.generated_text() if seq.detok else ""
         seq.emit(last)
 
-    def _report(self) -> None:
+    def _report(self, queue: bool = True) -> None:
+        """Refresh the live gauges from the running batch and, with ``queue``, the queue lengths
+        (which takes ``self._lock``: the caller must not hold it then)."""
         if not self.recorder:
             return
-        waiting: dict[str, int] = {}
-        with self._lock:
-            for seq in self.waiting:
-                waiting[seq.backend_name] = waiting.get(seq.backend_name, 0) + 1
+        waiting: dict[str, int] | None = None
+        if queue:
+            waiting = {}
+            with self._lock:
+                for seq in self.waiting:
+                    waiting[seq.backend_name] = waiting.get(seq.backend_name, 0) + 1
         self.recorder.step_state(self.running, waiting)
 
     # ---- introspection --------------------------------------------------------------------------
