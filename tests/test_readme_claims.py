@@ -85,3 +85,30 @@ def test_metrics_table_lists_exactly_the_exported_metrics():
     for family in metrics.registry.collect():
         exported.add(family.name + ("_total" if family.type == "counter" else ""))
     assert documented == exported
+
+
+STOP_PROMPT = "And God said, Let there be light: and there was light. And God"
+
+
+@pytest.fixture(scope="module")
+def free_text(server):
+    tgi = {"inputs": STOP_PROMPT, "parameters": {"max_new_tokens": 30}}
+    return httpx.post(server.url + "/generate", json=tgi, timeout=120).json()["generated_text"]
+
+
+@pytest.mark.parametrize("stop", [["e", "h"], ["h", "e"], ["And", "\nAnd"], ["\nAnd", "And"]])
+def test_earliest_stop_ends_the_text_on_every_route(server, free_text, stop):
+    """HTTP API: the result ends just before the earliest occurrence of any stop, whatever the order."""
+    free = free_text
+    assert all(s in free for s in stop)
+    tgi = {"inputs": STOP_PROMPT, "parameters": {"max_new_tokens": 30}}
+    expected = free[: min(free.find(s) for s in stop)]
+    tgi["parameters"]["stop"] = stop
+    assert httpx.post(server.url + "/generate", json=tgi, timeout=120).json()["generated_text"] == expected
+    with httpx.stream("POST", server.url + "/generate_stream", json=tgi, timeout=120) as r:
+        events = [json.loads(line[5:]) for line in r.iter_lines() if line.startswith("data:")]
+    assert "".join(ev["token"]["text"] for ev in events) == events[-1]["generated_text"] == expected
+    assert events[-1]["details"]["finish_reason"] == "stop_sequence"
+    body = {"prompt": STOP_PROMPT, "max_tokens": 30, "temperature": 0, "stop": stop}
+    out = httpx.post(server.url + "/v1/completions", json=body, timeout=120).json()
+    assert out["choices"][0]["text"] == expected and out["choices"][0]["finish_reason"] == "stop"
