@@ -236,6 +236,8 @@ class Engine:
             # The gauges drop this sequence before its last event goes out, so a client that reads
             # /metrics right after its response no longer sees its KV. (A sequence cancelled while
             # queued is finished under self._lock and held no KV: the step's report covers it.)
+            # The others are measured again so that bytes and tokens describe the same moment.
+            self._measure(self.running)
             self._report(queue=False)
         if last is None:
             last = TokenEvent(index=len(seq.output_ids), token_id=-1, text="", logprob=0.0, special=True)
