@@ -54,7 +54,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Overloaded)
     async def _overloaded(request: Request, exc: Overloaded):
-        return error_response(429, f"Model is overloaded: {exc}", "overloaded", request)
+        response = error_response(429, f"Model is overloaded: {exc}", "overloaded", request)
+        response.headers["Retry-After"] = "1"  # seconds (RFC 9110 section 10.2.3)
+        return response
 
     @app.exception_handler(NotReady)
     async def _not_ready(request: Request, exc: NotReady):

@@ -23,6 +23,11 @@ BYTES_BUCKETS = tuple(float(2**k) for k in range(10, 37, 2))  # 1 KiB … 64 GiB
 LABELS = ("model", "backend")
 
 
+def is_dca(backend: str) -> bool:
+    """Whether ``backend`` reuses layers (``dca`` or a composition with it, e.g. ``dca+int8``)."""
+    return "dca" in backend.split("+")
+
+
 class Metrics:
     """The metric objects, registered in their own ``CollectorRegistry`` (one per server)."""
 
@@ -58,8 +63,12 @@ class Metrics:
         self.waiting = Gauge("kvserve_requests_waiting", "Requests queued, waiting for admission.",
                              LABELS, registry=r)
         self.kv_bytes = Gauge("kvserve_kv_cache_bytes",
-                              "KV-cache bytes held by all live sequences (sum of their stores' tensors).",
+                              "KV-cache bytes allocated by all live sequences (their stores' buffers, free "
+                              "capacity included: the memory held, capped by KV_CACHE_BUDGET_BYTES).",
                               LABELS, registry=r)
+        self.kv_used_bytes = Gauge("kvserve_kv_cache_used_bytes",
+                                   "KV-cache bytes of the cached tokens of all live sequences (what the "
+                                   "bytes-per-token formulas count; <= kvserve_kv_cache_bytes).", LABELS, registry=r)
         self.kv_tokens = Gauge("kvserve_kv_cache_tokens", "Tokens cached by all live sequences.",
                                LABELS, registry=r)
         self.kv_bytes_per_token = Gauge("kvserve_kv_cache_bytes_per_token",
@@ -86,13 +95,13 @@ class Recorder:
         self.model = model
         self.backends = backends
         for b in backends:  # every series exists from the start, so dashboards and rates see zeros, not gaps
-            for gauge in (metrics.running, metrics.waiting, metrics.kv_bytes, metrics.kv_tokens):
+            for gauge in (metrics.running, metrics.waiting, metrics.kv_bytes, metrics.kv_used_bytes, metrics.kv_tokens):
                 gauge.labels(model, b).set(0)
             for counter in (metrics.prompt_tokens, metrics.generation_tokens):
                 counter.labels(model, b)
             for reason in ("length", "eos_token", "stop_sequence", "cancelled", "error"):
                 metrics.requests.labels(model, b, reason)
-            if b == "dca":
+            if is_dca(b):
                 metrics.dca_reuse_layers.labels(model, b).set(0)
                 metrics.dca_fallbacks.labels(model, b)
 
@@ -125,30 +134,34 @@ class Recorder:
             for a, b in zip(t.token_times, t.token_times[1:]):
                 itl.observe(b - a)
 
-    def step_state(self, running: list, waiting: dict[str, int]) -> None:
-        """Update the live gauges (called after every engine step).
+    def step_state(self, running: list, waiting: dict[str, int] | None) -> None:
+        """Update the live gauges (after every engine step, and when a sequence finishes).
 
         Args:
             running: the running sequences.
-            waiting: queued request counts by backend name.
+            waiting: queued request counts by backend name, or ``None`` to leave the queue gauges as
+                they are.
         """
-        per_backend: dict[str, list[int]] = {b: [0, 0, 0, 0] for b in self.backends}
+        per_backend: dict[str, list[int]] = {b: [0, 0, 0, 0, 0] for b in self.backends}
         for seq in running:
             if seq.store is None:
                 continue
-            row = per_backend.setdefault(seq.backend_name, [0, 0, 0, 0])
+            row = per_backend.setdefault(seq.backend_name, [0, 0, 0, 0, 0])
             row[0] += 1
-            row[1] += seq.peak_kv_bytes  # measured by the engine this step (a live store only grows)
+            row[1] += seq.kv_bytes  # measured by the engine once per step (it may be below the peak)
             row[2] += seq.store.num_tokens()
             row[3] += seq.store.stats().get("dca_reuse_layers", 0)
-        for backend, (count, nbytes, tokens, reuse) in per_backend.items():
+            row[4] += seq.kv_allocated
+        for backend, (count, nbytes, tokens, reuse, allocated) in per_backend.items():
             labels = self._l(backend)
             self.m.running.labels(**labels).set(count)
-            self.m.kv_bytes.labels(**labels).set(nbytes)
+            self.m.kv_bytes.labels(**labels).set(allocated)
+            self.m.kv_used_bytes.labels(**labels).set(nbytes)
             self.m.kv_tokens.labels(**labels).set(tokens)
             if tokens:
                 self.m.kv_bytes_per_token.labels(**labels).set(nbytes / tokens)
-            if backend == "dca":
+            if is_dca(backend):
                 self.m.dca_reuse_layers.labels(**labels).set(reuse)
-        for backend in per_backend:
-            self.m.waiting.labels(**self._l(backend)).set(waiting.get(backend, 0))
+        if waiting is not None:
+            for backend in per_backend:
+                self.m.waiting.labels(**self._l(backend)).set(waiting.get(backend, 0))

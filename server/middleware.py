@@ -70,17 +70,21 @@ class PayloadLimit:
 
 
 class BearerAuth:
-    """When an API key is set, every route but /health and /metrics needs ``Authorization: Bearer <key>``."""
+    """When an API key is set, every route but /health and /metrics needs ``Authorization: Bearer <key>``.
+
+    The scheme name is case-insensitive (RFC 9110 section 11.1: ``bearer``, ``BEARER`` are the same
+    scheme); the key must match exactly.
+    """
 
     def __init__(self, app, api_key: str):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             return await self.app(scope, receive, send)
-        given = dict(scope.get("headers") or []).get(b"authorization", b"")
-        if not hmac.compare_digest(given, self.expected):
+        scheme, _, key = dict(scope.get("headers") or []).get(b"authorization", b"").strip().partition(b" ")
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(key.strip(), self.expected):
             return await _send_error(send, scope["path"], 401, "missing or invalid API key (Authorization: Bearer)",
                                      "authentication")
         return await self.app(scope, receive, send)

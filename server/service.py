@@ -107,14 +107,15 @@ class GenerationService:
                         stop=list(req.stop), emit=emit, backend_name=req.backend,
                         want_prompt_logprobs=req.want_prompt_logprobs)
 
-    async def run(self, req: GenerationRequest,
-                  is_disconnected: Callable[[], Awaitable[bool]] | None = None
+    async def run(self, req: GenerationRequest, receive: Callable[[], Awaitable[dict]] | None = None
                   ) -> tuple[Sequence, AsyncIterator[TokenEvent]]:
         """Submit ``req``; return its sequence and an async iterator over its events.
 
-        The iterator ends after the event that carries ``finish_reason``. If the consumer stops early
-        (client gone), or ``is_disconnected`` turns true while waiting, the sequence is cancelled and
-        the engine frees its KV at its next step.
+        The iterator ends after the event that carries ``finish_reason``. The sequence is cancelled (the
+        engine drops it, and frees its KV, at the end of the decode step under way) as soon as the
+        client leaves: when ``receive`` (the request's ASGI receive channel, read after the body) yields
+        ``http.disconnect``, whether or not anyone is iterating the events at that moment, or when the
+        consumer stops iterating early.
 
         Raises:
             InvalidRequest: see :meth:`build_sequence`, or the request can never fit the KV budget.
@@ -134,26 +135,32 @@ class GenerationService:
             self.engine.submit(seq)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
+        watcher = asyncio.create_task(self._cancel_on_disconnect(seq, receive)) if receive is not None else None
 
         async def events() -> AsyncIterator[TokenEvent]:
             try:
                 while True:
-                    if is_disconnected is None:
-                        event = await queue.get()
-                    else:
-                        try:
-                            event = await asyncio.wait_for(queue.get(), timeout=0.25)
-                        except TimeoutError:
-                            if await is_disconnected():
-                                return
-                            continue
+                    event = await queue.get()
                     yield event
                     if event.finish_reason is not None:
                         return
             finally:
-                if seq.finish_reason is None:
-                    seq.cancel()
-                    self.engine.wake()
+                if watcher is not None:
+                    watcher.cancel()
+                self._cancel(seq)
 
         return seq, events()
 
+    async def _cancel_on_disconnect(self, seq: Sequence, receive: Callable[[], Awaitable[dict]]) -> None:
+        """Wait for ``http.disconnect`` on ``receive``, then cancel ``seq`` (if it is still going)."""
+        try:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+        except (OSError, RuntimeError):  # the channel itself broke: the client is gone just the same
+            pass
+        self._cancel(seq)
+
+    def _cancel(self, seq: Sequence) -> None:
+        if seq.finish_reason is None and not seq.cancelled:
+            seq.cancel()
+            self.engine.wake()

@@ -49,3 +49,42 @@ def test_stop_sequence_never_released_even_partly(tok):
 def test_special_tokens_release_no_text(tok):
     d = IncrementalDetokenizer(tok, [], {tok.eos_token_id})
     assert d.add(tok.eos_token_id) == ""
+
+
+def test_earliest_stop_wins_whatever_the_list_order(tok):
+    """The stop that occurs first in the text ends it, not the first one listed (issue #14)."""
+    for stop in (["e", "h"], ["h", "e"]):
+        pieces, d = run(tok, "and there was light", stop=stop)
+        assert d.stopped and "".join(pieces) == d.generated_text() == "and t"
+    for stop in (["And", "\nAnd"], ["\nAnd", "And"]):
+        pieces, d = run(tok, "light.\nAnd God saw", stop=stop)
+        assert "".join(pieces) == "light."
+    # a longer stop that starts earlier wins over a shorter one inside it, once both are in the text
+    pieces, d = run(tok, "and there was light", stop=["was", "there was"])
+    assert "".join(pieces) == "and "
+
+
+def test_a_stop_that_never_completes_is_not_a_match(tok):
+    """Generation stops as soon as any stop occurs: a longer stop that the text would only have
+    completed later does not pull the cut back."""
+    d = IncrementalDetokenizer(tok, ["there was", "th"], {tok.eos_token_id})
+    out = "".join(d.add(i) for i in tok.encode("and there was", add_special_tokens=False) if not d.stopped)
+    assert d.stopped and out == "and "
+
+
+def test_detokenization_decodes_a_bounded_window_per_token(tok):
+    """Each token decodes only the ids since the last release (and the chunk before it), never all ids."""
+    lengths = []
+
+    class Counting:
+        def decode(self, ids, **kw):
+            lengths.append(len(ids))
+            return tok.decode(ids, **kw)
+
+    text = "In the beginning God created the heaven and the earth. " * 40
+    ids = tok.encode(text, add_special_tokens=False)
+    assert len(ids) > 400
+    d = IncrementalDetokenizer(Counting(), [], {tok.eos_token_id})
+    out = "".join(d.add(i) for i in ids) + d.flush()
+    assert out == text
+    assert max(lengths) <= 4

@@ -119,7 +119,7 @@ async def completions(body: CompletionRequest, request: Request):
             raise InvalidRequest("prompt must be a string or a list of exactly one string")
         prompt = prompt[0]
     greq = to_generation_request(body, prompt, service, COMPLETION_DEFAULT_MAX_TOKENS)
-    seq, events = await service.run(greq, None if body.stream else request.is_disconnected)
+    seq, events = await service.run(greq, request.receive)
     rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), request.app.state.kvserve.model_name
     echo = prompt if body.echo else ""
     if not body.stream:
@@ -144,7 +144,7 @@ async def chat_completions(body: ChatRequest, request: Request):
     """Chat completion; ``stream: true`` answers ``chat.completion.chunk`` events ending with ``[DONE]``."""
     service = get_service(request)
     greq = to_generation_request(body, chat_prompt(service.tokenizer, body.messages), service, None)
-    seq, events = await service.run(greq, None if body.stream else request.is_disconnected)
+    seq, events = await service.run(greq, request.receive)
     rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), request.app.state.kvserve.model_name
     if not body.stream:
         last = await _collect(events)

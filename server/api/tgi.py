@@ -53,7 +53,7 @@ async def generate(body: TGIRequest, request: Request):
     if body.stream:
         return await generate_stream(body, request)
     service = get_service(request)
-    seq, events = await service.run(to_generation_request(body, service), request.is_disconnected)
+    seq, events = await service.run(to_generation_request(body, service), request.receive)
     collected = [ev async for ev in events]
     if not collected or collected[-1].finish_reason == FinishReason.CANCELLED:
         return error_response(499, "client closed request", "cancelled")
@@ -78,7 +78,7 @@ async def generate(body: TGIRequest, request: Request):
 async def generate_stream(body: TGIRequest, request: Request):
     """Stream one SSE ``data:`` event per token; the last carries ``generated_text`` and ``details``."""
     service = get_service(request)
-    seq, events = await service.run(to_generation_request(body, service))
+    seq, events = await service.run(to_generation_request(body, service), request.receive)
     prefix = body.inputs if body.parameters.return_full_text else ""
 
     async def sse():

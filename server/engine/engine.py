@@ -144,13 +144,24 @@ class Engine:
         for seq in admitted:
             self._start(seq)
         decoding = sum(1 for s in self.running if s.prefilled == len(s.prompt_ids))
-        self._prefill_step(decoding)
+        prefilled = self._prefill_step(decoding)
+        # Measured after prefill too: an int8-family store can be at its largest right after prefill,
+        # and shrink in the same step's decode when its residual window drains.
+        self._measure([s for s in prefilled if s.store is not None])
         batch = [s for s in self.running if s.finish_reason is None and s.prefilled == len(s.prompt_ids)]
         if batch:
             self._decode(batch)
-        for seq in self.running:  # a live store only grows, so its size now is its peak so far
-            seq.peak_kv_bytes = seq.store.nbytes()
+        self._measure(self.running)
         self._report()
+
+    @staticmethod
+    def _measure(seqs: list[Sequence]) -> None:
+        """Record each store's bytes now (once per sequence per step) and keep the largest seen: the bytes
+        of the cached tokens (``kv_bytes``) and the bytes allocated, free capacity included (``kv_allocated``)."""
+        for seq in seqs:
+            seq.kv_bytes = seq.store.nbytes()
+            seq.kv_allocated = seq.store.allocated_bytes()
+            seq.peak_kv_bytes = max(seq.peak_kv_bytes, seq.kv_bytes)
 
     def _start(self, seq: Sequence) -> None:
         """Give an admitted sequence its KV store (capped at its reservation), generator and detokenizer."""
@@ -160,8 +171,8 @@ class Engine:
         seq.detok = IncrementalDetokenizer(self.tokenizer, seq.stop, self.special_ids)
         self.running.append(seq)
 
-    def _prefill_step(self, decoding: int) -> None:
-        """Prefill waiting prompts in arrival order within this step's token budget.
+    def _prefill_step(self, decoding: int) -> list[Sequence]:
+        """Prefill waiting prompts in arrival order within this step's token budget; return those written to.
 
         The budget is ``prefill_chunk_tokens`` less the ``decoding`` sequences' one token each (at least
         :data:`MIN_PREFILL_CHUNK`): a long prompt is written over several steps, each followed by a decode
@@ -171,15 +182,18 @@ class Engine:
         """
         chunk = self.scheduler.prefill_chunk_tokens
         budget = None if not chunk else max(MIN_PREFILL_CHUNK, chunk - decoding)
+        done: list[Sequence] = []
         for seq in [s for s in self.running if s.prefilled < len(s.prompt_ids)]:
             if budget is not None and budget <= 0:
                 break
+            done.append(seq)
             left = len(seq.prompt_ids) - seq.prefilled
             whole = budget is None or seq.want_prompt_logprobs or not seq.store.supports_chunked_prefill
             n = left if whole else min(left, budget)
             if budget is not None:
                 budget -= n
             self._prefill(seq, n)
+        return done
 
     def _prefill(self, seq: Sequence, n: int) -> None:
         """Write the next ``n`` prompt tokens of ``seq`` into its store; after the last, sample its first token."""
@@ -250,15 +264,24 @@ class Engine:
                 error: str | None = None) -> None:
         """End ``seq``: free its KV now, record its stats, send the closing event."""
         seq.finish_reason = reason
-        if seq in self.running:
+        was_running = seq in self.running
+        if was_running:
             self.running.remove(seq)
         if seq.store is not None:
             seq.peak_kv_bytes = max(seq.peak_kv_bytes, seq.store.nbytes())
             seq.kv_stats = seq.store.stats()
             seq.store.release()
             seq.store = None
+            seq.kv_bytes = seq.kv_allocated = 0
         if self.recorder:
             self.recorder.request_done(seq)
+        if was_running:
+            # The gauges drop this sequence before its last event goes out, so a client that reads
+            # /metrics right after its response no longer sees its KV. (A sequence cancelled while
+            # queued is finished under self._lock and held no KV: the step's report covers it.)
+            # The others are measured again so that bytes and tokens describe the same moment.
+            self._measure(self.running)
+            self._report(queue=False)
         if last is None:
             last = TokenEvent(index=len(seq.output_ids), token_id=-1, text="", logprob=0.0, special=True)
         last.finish_reason = reason
@@ -266,13 +289,17 @@ class Engine:
         last.generated_text = seq.detok.generated_text() if seq.detok else ""
         seq.emit(last)
 
-    def _report(self) -> None:
+    def _report(self, queue: bool = True) -> None:
+        """Refresh the live gauges from the running batch and, with ``queue``, the queue lengths
+        (which takes ``self._lock``: the caller must not hold it then)."""
         if not self.recorder:
             return
-        waiting: dict[str, int] = {}
-        with self._lock:
-            for seq in self.waiting:
-                waiting[seq.backend_name] = waiting.get(seq.backend_name, 0) + 1
+        waiting: dict[str, int] | None = None
+        if queue:
+            waiting = {}
+            with self._lock:
+                for seq in self.waiting:
+                    waiting[seq.backend_name] = waiting.get(seq.backend_name, 0) + 1
         self.recorder.step_state(self.running, waiting)
 
     # ---- introspection --------------------------------------------------------------------------

@@ -87,7 +87,9 @@ class Sequence:
     cancelled: bool = False
     finish_reason: FinishReason | None = None
     times: RequestTimes = field(default_factory=RequestTimes)
-    peak_kv_bytes: int = 0
+    kv_bytes: int = 0  # bytes its KV store held when the engine last measured it (once per step)
+    kv_allocated: int = 0  # bytes its KV store had allocated (capacity included) at that measurement
+    peak_kv_bytes: int = 0  # the largest of those measurements (int8-family stores shrink when they drain)
     kv_stats: dict = field(default_factory=dict)
     prefilled: int = 0  # prompt tokens already written to the store (chunked prefill)
     want_prompt_logprobs: bool = False
