@@ -6,6 +6,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import threading
 from contextlib import asynccontextmanager
 
@@ -21,13 +23,16 @@ from server.state import ServerState
 log = logging.getLogger("kvserve")
 
 
-def create_app(settings: Settings, load_in_background: bool = True) -> FastAPI:
+def create_app(settings: Settings, load_in_background: bool = True, exit_on_load_error: bool = False) -> FastAPI:
     """Build the app for ``settings``.
 
     Args:
         settings: validated settings.
         load_in_background: load the model in a thread after start-up (``/health`` is 503 until
             done); ``False`` loads it before the app starts serving.
+        exit_on_load_error: when loading fails (model, backend, calibration), stop the server (SIGINT to
+            this process) instead of answering 503 forever; ``kvserve serve`` then exits with status 1 and
+            one line naming the cause (``state.load_error``).
     """
     state = ServerState(settings)
 
@@ -35,8 +40,10 @@ def create_app(settings: Settings, load_in_background: bool = True) -> FastAPI:
         try:
             state.load()
         except Exception as exc:  # noqa: BLE001 - reported through /health, and logged
-            state.load_error = f"model failed to load: {exc}"
+            state.load_error = f"model failed to load: {' '.join(str(exc).split()) or type(exc).__name__}"
             log.exception("model failed to load")
+            if exit_on_load_error:
+                os.kill(os.getpid(), signal.SIGINT)  # uvicorn's graceful shutdown; the CLI exits 1
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):

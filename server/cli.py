@@ -47,7 +47,12 @@ def serve(_: argparse.Namespace) -> int:
     from server.app import create_app
 
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level)
+    app = create_app(settings, exit_on_load_error=True)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)
+    error = app.state.kvserve.load_error
+    if error:  # the server stopped because it could never serve: say why, in one line, and fail
+        print(f"kvserve: cannot serve: {error}", file=sys.stderr)
+        return 1
     return 0
 
 
