@@ -1,7 +1,11 @@
-"""Calibration data for backends that fit something on the model (``gqa`` pca, ``mla``).
+"""Calibration data for backends that fit something on the model (``gqa`` pca, ``mla``, ``dca``).
 
-Runs the model over the calibration slice shipped beside the model (``calib_slice.txt``) in windows and
-returns each layer's keys (before RoPE) and values, exactly what the model writes to its cache.
+The text comes from, in order: an explicit file (``KV_CALIBRATION_FILE``: plain text, chapters separated
+by blank lines, or ``.jsonl`` with one ``{"text": ...}`` per line), the model folder's
+``calib_slice.txt``, or the public-domain default shipped in the package
+(``cache_backends/data/calibration.txt``: chapters of the King James Bible), so any model folder can
+be calibrated. :func:`collect_kv` runs the model over it in windows and returns each layer's keys
+(before RoPE) and values, exactly what the model writes to its cache.
 """
 
 from __future__ import annotations
@@ -17,22 +21,56 @@ from cache_backends.rope import RopeTable
 CALIB_SLICE = "calib_slice.txt"
 
 
-def calibration_ids(model, tokenizer=None, max_tokens: int = 20_000) -> list[int]:
-    """Token ids of the calibration slice next to the model (``model.name_or_path``).
+DEFAULT_TEXT = Path(__file__).parent / "data" / "calibration.txt"
+
+
+def calibration_file(model, path: str | Path | None = None) -> Path:
+    """The calibration text to use: ``path`` if given, else the model folder's ``calib_slice.txt``, else the
+    packaged default.
 
     Raises:
-        FileNotFoundError: if the model folder has no ``calib_slice.txt``.
+        FileNotFoundError: if ``path`` is given and does not exist.
     """
+    if path:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"KV_CALIBRATION_FILE={path} not found")
+        return path
+    beside = Path(model.name_or_path) / CALIB_SLICE
+    return beside if beside.is_file() else DEFAULT_TEXT
+
+
+def calibration_ids(model, tokenizer=None, max_tokens: int = 20_000, path: str | Path | None = None) -> list[int]:
+    """Token ids of the calibration text (:func:`calibration_file`): each chapter (or jsonl record) then
+    the end-of-text token, at most ``max_tokens``.
+
+    Raises:
+        FileNotFoundError: if an explicit ``path`` does not exist.
+        ValueError: if a ``.jsonl`` line has no string ``"text"``, or the text yields no tokens.
+    """
+    import json
+
     from transformers import AutoTokenizer
 
     from bench.quality import slice_token_ids
 
-    folder = Path(model.name_or_path)
-    path = folder / CALIB_SLICE
-    if not path.exists():
-        raise FileNotFoundError(f"{path} not found: calibration needs the model's calibration slice")
-    tokenizer = tokenizer or AutoTokenizer.from_pretrained(folder)
-    return slice_token_ids(path, tokenizer)[:max_tokens]
+    source = calibration_file(model, path)
+    tokenizer = tokenizer or AutoTokenizer.from_pretrained(model.name_or_path)
+    if source.suffix == ".jsonl":
+        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        ids: list[int] = []
+        for n, line in enumerate(filter(str.strip, source.read_text(encoding="utf-8").splitlines()), 1):
+            record = json.loads(line)
+            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                raise ValueError(f"{source}: line {n} has no string field \"text\"")
+            ids += tokenizer.encode(record["text"], add_special_tokens=False) + eos
+            if len(ids) >= max_tokens:
+                break
+    else:
+        ids = slice_token_ids(source, tokenizer)
+    if not ids:
+        raise ValueError(f"{source}: the calibration text yields no tokens")
+    return ids[:max_tokens]
 
 
 _LAST: tuple[tuple, list] | None = None  # the latest result, reused when several backends calibrate one model
@@ -56,6 +94,9 @@ def collect_kv(model, geometry, token_ids: list[int], window: int = 1024, desc: 
 
 
 def _collect(model, geometry, token_ids, window, desc):
+    from cache_backends.attention import install
+
+    install(model)  # the full store below is read by kvserve's attention function
     rope = RopeTable(model, window)
     full = FullBackend(geometry)
     device = next(model.parameters()).device

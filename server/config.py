@@ -57,6 +57,9 @@ class Settings(BaseSettings):
     payload_limit: int = Field(2_000_000, ge=1, description="Largest request body (bytes); larger gets 422.")
     api_key: str | None = Field(None, description="When set, routes but /health and /metrics need a Bearer token.")
     # backend parameters (see each backend's module docstring)
+    kv_calibration_file: str | None = Field(None, description="gqa/mla/dca: calibration text (plain, chapters "
+                                            "split by blank lines, or .jsonl of {\"text\": ...}); default: the "
+                                            "model folder's calib_slice.txt, else the packaged KJV text.")
     kv_gqa_groups: int | None = Field(None, ge=1, description="gqa: K/V heads kept (default num_kv_heads/4).")
     kv_gqa_method: Literal["pca", "mean"] = Field("pca", description="gqa: calibrated (pca) or mean pooling.")
     kv_mla_rank: int | None = Field(None, ge=1, description="mla: latent width per token per layer.")
@@ -82,7 +85,7 @@ class Settings(BaseSettings):
         return v
 
     @field_validator("kv_cache_budget_bytes", "max_input_tokens", "max_total_tokens", "kv_gqa_groups", "kv_mla_rank",
-                     mode="before")
+                     "kv_calibration_file", mode="before")
     @classmethod
     def _empty_is_none(cls, v):
         return None if v == "" else v

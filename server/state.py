@@ -43,8 +43,13 @@ class ServerState:
         geometry = ModelGeometry.from_config(model.config, dtype)
         names = s.served_backends()
         self.backends = {name: create(name, geometry, **s.backend_options(name)) for name in names}
+        calibration = None
+        if any(part in ("gqa", "mla", "dca") for name in names for part in name.split("+")):
+            from cache_backends.calibration import calibration_ids
+
+            calibration = calibration_ids(model, tokenizer, path=s.kv_calibration_file)
         for backend in self.backends.values():
-            backend.prepare(model)
+            backend.prepare(model, calibration)
         self.model_name = Path(s.model_id).name if Path(s.model_id).exists() else s.model_id
         max_input, max_total = s.token_limits(model.config.max_position_embeddings)
         limits = Limits(max_input, max_total, s.max_stop_sequences)

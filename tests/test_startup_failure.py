@@ -4,7 +4,6 @@ stayed up answering /health 503 forever, which a container or pod cannot tell fr
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 
@@ -12,12 +11,38 @@ from tests.conftest import MODEL_DIR, free_port
 
 
 def test_backend_that_cannot_calibrate_exits_1_with_one_line(tmp_path):
-    model = tmp_path / "model"
-    shutil.copytree(MODEL_DIR, model, ignore=shutil.ignore_patterns("calib_slice.txt"))
-    env = {**os.environ, "MODEL_ID": str(model), "KV_BACKEND": "gqa", "PORT": str(free_port()),
-           "LOG_LEVEL": "error"}
+    env = {**os.environ, "MODEL_ID": str(MODEL_DIR), "KV_BACKEND": "gqa", "PORT": str(free_port()),
+           "LOG_LEVEL": "error", "KV_CALIBRATION_FILE": str(tmp_path / "missing.txt")}
     proc = subprocess.run([sys.executable, "-m", "server.cli", "serve"], env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 1, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("kvserve: cannot serve: model failed to load:") and "calib_slice.txt" in last, last
+    assert last.startswith("kvserve: cannot serve: model failed to load:") and "missing.txt" in last, last
+
+
+def test_model_folder_without_calibration_slice_calibrates_on_the_packaged_text(tmp_path, ref_model):
+    """gqa/mla/dca used to need calib_slice.txt beside the model; now the packaged default (or
+    KV_CALIBRATION_FILE, plain or jsonl) is used."""
+    import json
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from cache_backends import ModelGeometry, create
+    from cache_backends.calibration import DEFAULT_TEXT, calibration_file, calibration_ids
+
+    folder = tmp_path / "model"
+    shutil.copytree(MODEL_DIR, folder, ignore=shutil.ignore_patterns("calib_slice.txt", "eval_slice.txt"))
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    assert calibration_file(model) == DEFAULT_TEXT
+    tok = ref_model[1]
+    ids = calibration_ids(model, tok, max_tokens=2048)
+    assert len(ids) == 2048
+    backend = create("mla", ModelGeometry.from_config(model.config, torch.float32), rank=32)
+    backend.prepare(model, ids)
+    assert backend.bases is not None
+    jsonl = tmp_path / "calib.jsonl"
+    jsonl.write_text("\n".join(json.dumps({"text": t}) for t in ["And God said", "Let there be light"]))
+    assert calibration_ids(model, tok, path=jsonl) == tok.encode("And God said") + [tok.eos_token_id] + \
+        tok.encode("Let there be light") + [tok.eos_token_id]

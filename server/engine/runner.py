@@ -16,6 +16,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from cache_backends.attention import BatchRead, as_read
+from cache_backends.attention import install as install_attention
 from cache_backends.base import KVStore
 
 
@@ -126,6 +127,7 @@ class ModelRunner:
 
     def __init__(self, model, num_layers: int):
         self.model = model
+        install_attention(model)  # kvserve's stores are read by kvserve's attention function
         self.num_layers = num_layers
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
