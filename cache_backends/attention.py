@@ -113,22 +113,50 @@ def as_read(keys, values):
 def kvserve_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention-function signature; returns ``(output (batch, q_len, Hq, dv), None)``.
 
+    A ``sliding_window`` at least as long as the model's context is ignored (it masks nothing); models
+    whose window or soft-capping matters are refused by :func:`install`.
+
     Raises:
-        ValueError: for a read object on a layer that soft-caps logits or uses a sliding window
-            (features kvserve's in-place attention does not implement).
+        ValueError: for a read object on a layer that soft-caps logits (a guard: :func:`install` refuses
+            such models first).
     """
     if not hasattr(key, "attend"):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    if kwargs.get("softcap") or kwargs.get("sliding_window"):
-        raise ValueError("kvserve attention does not implement logit soft-capping or sliding windows")
+    if kwargs.get("softcap"):
+        raise ValueError("kvserve attention does not implement logit soft-capping")
     scaling = module.scaling if scaling is None else scaling
     out = key.attend(query, scaling)
     return out.transpose(1, 2).contiguous(), None
 
 
+def unsupported_features(config) -> list[str]:
+    """Attention features of ``config`` that kvserve's attention does not implement (empty: supported)."""
+    features = []
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap:
+        features.append(f"attention logit soft-capping (attn_logit_softcapping={softcap})")
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None) or []
+    windowed = window is not None and getattr(config, "use_sliding_window", True) and (
+        not layer_types or "sliding_attention" in layer_types)
+    if windowed and window < config.max_position_embeddings:
+        features.append(f"sliding-window attention (sliding_window={window} < max_position_embeddings="
+                        f"{config.max_position_embeddings})")
+    return features
+
+
 def install(model) -> None:
-    """Register ``"kvserve"`` (attention function and SDPA mask) and switch ``model`` to it (idempotent)."""
+    """Register ``"kvserve"`` (attention function and SDPA mask) and switch ``model`` to it (idempotent).
+
+    Raises:
+        ValueError: one line naming the model type and the attention features kvserve does not implement
+            (logit soft-capping, a sliding window shorter than the context).
+    """
+    features = unsupported_features(model.config)
+    if features:
+        raise ValueError(f"{model.config.model_type}: kvserve's attention does not implement "
+                         + "; ".join(features))
     ALL_ATTENTION_FUNCTIONS.register(NAME, kvserve_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
     if model.config._attn_implementation != NAME:

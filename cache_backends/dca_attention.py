@@ -2,8 +2,8 @@
 
 transformers' attention modules always compute ``k_proj``/``v_proj`` before they reach the cache, so
 layer reuse needs one step earlier than the ``Cache`` extension point: :class:`ReuseAwareAttention`
-wraps a Llama-style attention module (``q_proj``, ``o_proj``, ``head_dim``, ``scaling``, RoPE via
-``position_embeddings``) and asks the cache ``skip_kv_projection(layer_idx)`` first. When the cache says
+wraps a Llama-style attention module (``q_proj``, optional ``q_norm`` as in Qwen3, ``o_proj``,
+``head_dim``, ``scaling``, RoPE via ``position_embeddings``) and asks the cache ``skip_kv_projection(layer_idx)`` first. When the cache says
 yes, only the query is projected; the cache's ``update(None, None, layer_idx)`` returns the keys and
 values to attend to, rebuilt from another layer. In every other case the wrapped module runs unchanged,
 so other backends served by the same model see the original attention.
@@ -39,7 +39,10 @@ class ReuseAwareAttention(nn.Module):
                               cache=cache, **kwargs)
         inner = self.inner
         input_shape = hidden_states.shape[:-1]  # (batch, q_len)
-        query = inner.q_proj(hidden_states).view(*input_shape, -1, inner.head_dim).transpose(1, 2)
+        query = inner.q_proj(hidden_states).view(*input_shape, -1, inner.head_dim)
+        if getattr(inner, "q_norm", None) is not None:  # Qwen3-style per-head query norm before RoPE
+            query = inner.q_norm(query)
+        query = query.transpose(1, 2)
         cos, sin = position_embeddings  # (batch, q_len, head_dim)
         query = query * cos.unsqueeze(1) + rotate_half(query) * sin.unsqueeze(1)
         keys, values = cache.update(None, None, self.layer_idx)  # rebuilt, (batch, kv_heads, seq_len, head_dim)
@@ -64,5 +67,6 @@ def install(model) -> None:
         if isinstance(attn, ReuseAwareAttention):
             continue
         if not all(hasattr(attn, a) for a in ("q_proj", "o_proj", "head_dim", "scaling", "layer_idx")):
-            raise ValueError(f"dca supports Llama-style attention; got {type(attn).__name__}")
+            raise ValueError(f"dca needs Llama-style attention with separate q_proj/k_proj/v_proj/o_proj; "
+                             f"got {type(attn).__name__}")
         layer.self_attn = ReuseAwareAttention(attn)
