@@ -183,15 +183,18 @@ def markdown(result: dict) -> str:
 
 
 def similarity_table(result: dict) -> str:
-    """Per-layer calibration similarity of dca rows (raw neighbour vs fitted linear map), if any."""
+    """Per-layer calibration similarity of dca rows (raw neighbour, the served map, the unrestricted map), if any."""
     for r in result["rows"]:
         sim = r.get("details", {}).get("calibration_similarity_by_layer")
         if sim:
             head = "| layer (vs the one before) | " + " | ".join(str(x) for x in sim["layers"]) + " |"
             lines = [head, "|" + "---|" * (len(sim["layers"]) + 1),
                      "| cosine, K/V as they are (`align=none`) | " + " | ".join(f"{x:.3f}" for x in sim["similarity_none"]) + " |",
-                     "| cosine, through the fitted map (`align=linear`) | "
+                     "| cosine, through the served RoPE-commuting map (`align=linear`) | "
                      + " | ".join(f"{x:.3f}" for x in sim["similarity_linear"]) + " |"]
+            if "similarity_full_linear" in sim:  # the unrestricted map served before (rebuilt K/V every step)
+                lines.append("| cosine, through an unrestricted linear map on [K ; V] (not served) | "
+                             + " | ".join(f"{x:.3f}" for x in sim["similarity_full_linear"]) + " |")
             return "\n".join(lines)
     return ""
 
