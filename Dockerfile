@@ -1,26 +1,26 @@
 # kvserve image: CPU-only by default, a CUDA variant by build argument. Configure with environment variables:
 #   docker build -t kvserve .
 #   docker run --rm -p 8000:8000 -e KV_BACKEND=int8 kvserve
-# CUDA variant (torch's CUDA wheels bundle the CUDA runtime; the host needs the NVIDIA driver and container
-# toolkit, and `docker run --gpus all`):
-#   docker build --build-arg TORCH_VARIANT=cu128 -t kvserve:cuda .
-# TORCH_INDEX_URL overrides the torch index outright (e.g. a local mirror serving a CPU wheel).
+# CUDA variant: the same Dockerfile with a CUDA torch. PyPI's Linux torch wheel is the CUDA build and brings
+# the CUDA runtime as nvidia-* wheels (a PyTorch index such as https://download.pytorch.org/whl/cu128 picks
+# a CUDA version); the host needs the NVIDIA driver and container toolkit. DEVICE=auto uses the GPU:
+#   docker build --build-arg TORCH_INDEX_URL=https://pypi.org/simple -t kvserve:cuda .
+#   docker run --rm --gpus all -p 8000:8000 kvserve:cuda
 # Works with the classic builder and BuildKit (no BuildKit-only syntax).
 ARG PYTHON_IMAGE=python:3.11-slim
 
 # ---- build stage: a virtual environment with torch, the dependencies and kvserve; pip runs only here ----
 FROM ${PYTHON_IMAGE} AS build
-ARG TORCH_VARIANT=cpu
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/${TORCH_VARIANT}
+# Where torch comes from: PyTorch's CPU-only wheel index unless overridden (see the CUDA variant above).
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
 RUN python3 -m venv /opt/kvserve
 ENV PATH=/opt/kvserve/bin:$PATH
 WORKDIR /src
 COPY pyproject.toml constraints.txt README.md ./
-# torch alone from TORCH_INDEX_URL (the CPU wheel unless TORCH_VARIANT says otherwise), pinned by constraints.txt.
-# An empty argument (docker-compose v1 passes unset ones as "") means the default.
-RUN pip install -c constraints.txt \
-      --index-url "${TORCH_INDEX_URL:-https://download.pytorch.org/whl/${TORCH_VARIANT:-cpu}}" torch
+# torch alone from TORCH_INDEX_URL, pinned by constraints.txt. An empty argument (docker-compose v1 passes
+# unset ones as "") means the default.
+RUN pip install -c constraints.txt --index-url "${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}" torch
 # The other dependencies, read from pyproject.toml: a layer that only changes when the dependencies do.
 RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
       > /tmp/requirements.txt \
@@ -38,10 +38,8 @@ RUN pip install --no-deps . \
 
 # ---- runtime stage: the venv and the model; no pip caches, no build tools, no sources ----
 FROM ${PYTHON_IMAGE}
-ARG TORCH_VARIANT=cpu
 ENV PATH=/opt/kvserve/bin:$PATH PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 \
-    HOST=0.0.0.0 PORT=8000 KV_BACKEND=full DEVICE=auto MODEL_ID=/app/models/kjv-llama-mha \
-    KVSERVE_TORCH_VARIANT=${TORCH_VARIANT}
+    HOST=0.0.0.0 PORT=8000 KV_BACKEND=full DEVICE=auto MODEL_ID=/app/models/kjv-llama-mha
 RUN useradd --create-home --uid 10001 --user-group kvserve
 COPY --from=build /opt/kvserve /opt/kvserve
 COPY models /app/models

@@ -44,9 +44,8 @@ def dockerfile_arg(name: str) -> str:
 
 def test_plain_build_installs_the_cpu_torch_wheel():
     """Without build arguments, torch comes from PyTorch's CPU index (not PyPI's CUDA build)."""
-    assert dockerfile_arg("TORCH_VARIANT") == "cpu"
-    assert dockerfile_arg("TORCH_INDEX_URL") == "https://download.pytorch.org/whl/${TORCH_VARIANT}"
-    assert '--index-url "${TORCH_INDEX_URL:-https://download.pytorch.org/whl/${TORCH_VARIANT:-cpu}}" torch' in DOCKERFILE
+    assert dockerfile_arg("TORCH_INDEX_URL") == "https://download.pytorch.org/whl/cpu"
+    assert '--index-url "${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}" torch' in DOCKERFILE
 
 
 @pytest.fixture(scope="module")
