@@ -17,14 +17,17 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
 RUN python3 -m venv /opt/kvserve
 ENV PATH=/opt/kvserve/bin:$PATH
 WORKDIR /src
-COPY pyproject.toml constraints.txt README.md ./
+# Each layer copies only what it needs, so that editing the code or the README keeps the dependency layers.
+COPY constraints.txt ./
 # torch alone from TORCH_INDEX_URL, pinned by constraints.txt. An empty argument (docker-compose v1 passes
 # unset ones as "") means the default.
 RUN pip install -c constraints.txt --index-url "${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}" torch
-# The other dependencies, read from pyproject.toml: a layer that only changes when the dependencies do.
+# The other dependencies, read from pyproject.toml.
+COPY pyproject.toml ./
 RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
       > /tmp/requirements.txt \
  && pip install -c constraints.txt -r /tmp/requirements.txt
+COPY README.md ./
 COPY server ./server
 COPY cache_backends ./cache_backends
 COPY bench ./bench
