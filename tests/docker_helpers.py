@@ -93,16 +93,30 @@ def compose_command() -> list[str] | None:
     return None
 
 
-@lru_cache(maxsize=1)
+_BUILD: dict[str, object] = {}  # the one build's result, or its failure (not retried by every test)
+
+
 def build_image() -> tuple[str, float]:
-    """Build the repository's Dockerfile as IMAGE once per session; returns (image, build seconds)."""
+    """Build the repository's Dockerfile as IMAGE once per session; returns (image, build seconds).
+
+    Raises:
+        RuntimeError / subprocess.TimeoutExpired: the build failed (the same error for every later call).
+    """
     index = require_docker()
-    args = ["build", "--network", "host", "-t", IMAGE]
-    if index:
-        args += ["--build-arg", f"TORCH_INDEX_URL={index}"]
-    start = time.monotonic()
-    docker(*args, str(REPO), timeout=BUILD_TIMEOUT_S)
-    return IMAGE, time.monotonic() - start
+    if "error" in _BUILD:
+        raise _BUILD["error"]
+    if "result" not in _BUILD:
+        args = ["build", "--network", "host", "-t", IMAGE]
+        if index:
+            args += ["--build-arg", f"TORCH_INDEX_URL={index}"]
+        start = time.monotonic()
+        try:
+            docker(*args, str(REPO), timeout=BUILD_TIMEOUT_S)
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            _BUILD["error"] = exc
+            raise
+        _BUILD["result"] = (IMAGE, time.monotonic() - start)
+    return _BUILD["result"]
 
 
 def inspect(ref: str) -> dict:
