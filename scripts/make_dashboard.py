@@ -1,24 +1,37 @@
 """Write deploy/grafana/dashboards/kvserve.json (the Grafana dashboard) from the panel list below.
 
-    python scripts/make_dashboard.py
+    python scripts/make_dashboard.py           # write the JSON
+    python scripts/make_dashboard.py --check   # exit 1 when the committed JSON differs from the generated one
 
-Every panel sets its unit; every expression is checked against a real Prometheus by
-tests/test_prometheus.py.
+The dashboard is built with Grafana's typed SDK (`grafana-foundation-sdk`, pinned in constraints.txt to
+the release for the Grafana version in deploy/docker-compose.yml), so its JSON follows Grafana's schema
+rather than a hand-written dict. Every panel sets its unit; every expression is checked against a real
+Prometheus by tests/test_prometheus.py.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
+from grafana_foundation_sdk.builders import common, dashboard, prometheus, timeseries
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models.common import LegendDisplayMode, LegendPlacement
+from grafana_foundation_sdk.models.dashboard import DataSourceRef
+
 OUT = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "dashboards" / "kvserve.json"
+# The data source provisioned by deploy/grafana/provisioning/datasources/prometheus.yml.
+DATASOURCE = DataSourceRef(type_val="prometheus", uid="prometheus")
 
 
 def quantiles(metric: str, qs=(0.5, 0.95, 0.99)) -> list[tuple[str, str]]:
+    """(PromQL, legend) per quantile of histogram `metric`, split by backend."""
     return [(f"histogram_quantile({q}, sum by (le, backend) (rate({metric}_bucket[1m])))", f"p{int(q * 100)} {{{{backend}}}}")
             for q in qs]
 
 
+# (title, Grafana unit id, [(PromQL expression, legend format)]), laid out two per row.
 PANELS = [
     ("Time to first token (p50/p95/p99)", "s", quantiles("kvserve_time_to_first_token_seconds")),
     ("Time per output token (p50/p95/p99)", "s", quantiles("kvserve_time_per_output_token_seconds")),
@@ -43,24 +56,35 @@ PANELS = [
 ]
 
 
-def panel(i: int, title: str, unit: str, targets: list[tuple[str, str]]) -> dict:
-    return {
-        "id": i + 1, "type": "timeseries", "title": title,
-        "datasource": {"type": "prometheus", "uid": "prometheus"},
-        "gridPos": {"h": 8, "w": 12, "x": 12 * (i % 2), "y": 8 * (i // 2)},
-        "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
-        "options": {"legend": {"displayMode": "list", "placement": "bottom"}},
-        "targets": [{"refId": chr(65 + j), "expr": expr, "legendFormat": legend,
-                     "datasource": {"type": "prometheus", "uid": "prometheus"}} for j, (expr, legend) in enumerate(targets)],
-    }
+def panel(i: int, title: str, unit: str, targets: list[tuple[str, str]]) -> timeseries.Panel:
+    """Time-series panel `i` (0-based) in a grid of 12-wide, 8-high cells, two per row."""
+    p = (timeseries.Panel().id(i + 1).title(title).unit(unit).datasource(DATASOURCE).height(8).span(12)
+         .legend(common.VizLegendOptions().display_mode(LegendDisplayMode.LIST)
+                 .placement(LegendPlacement.BOTTOM).show_legend(True)))
+    for j, (expr, legend) in enumerate(targets):
+        p = p.with_target(prometheus.Dataquery().ref_id(chr(65 + j)).expr(expr).legend_format(legend)
+                          .datasource(DATASOURCE))
+    return p
 
 
-def dashboard() -> dict:
-    return {"uid": "kvserve", "title": "kvserve", "schemaVersion": 39, "version": 1, "refresh": "5s",
-            "time": {"from": "now-15m", "to": "now"}, "tags": ["kvserve", "llm", "kv-cache"],
-            "panels": [panel(i, *p) for i, p in enumerate(PANELS)]}
+def dashboard_json() -> dict:
+    """The dashboard as Grafana's JSON model (a dict), panels in PANELS order."""
+    d = (dashboard.Dashboard("kvserve").uid("kvserve").tags(["kvserve", "llm", "kv-cache"]).refresh("5s")
+         .time("now-15m", "now"))
+    for i, p in enumerate(PANELS):
+        d = d.with_panel(panel(i, *p))
+    return json.loads(JSONEncoder(sort_keys=True, indent=2).encode(d.build()))
+
+
+def render() -> str:
+    return json.dumps(dashboard_json(), indent=2, sort_keys=True) + "\n"
 
 
 if __name__ == "__main__":
-    OUT.write_text(json.dumps(dashboard(), indent=2) + "\n")
+    text = render()
+    if sys.argv[1:] == ["--check"]:
+        same = OUT.exists() and OUT.read_text() == text
+        print(f"{OUT} is {'up to date' if same else 'stale: run python scripts/make_dashboard.py'}")
+        sys.exit(0 if same else 1)
+    OUT.write_text(text)
     print(f"wrote {OUT}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -47,6 +48,23 @@ def dashboard_exprs() -> list[str]:
 def test_every_panel_sets_a_unit():
     for p in json.loads(DASHBOARD.read_text())["panels"]:
         assert p["fieldConfig"]["defaults"].get("unit"), p["title"]
+
+
+def test_dashboard_json_is_generated_with_the_typed_sdk():
+    """The committed JSON is exactly scripts/make_dashboard.py's output (built with grafana-foundation-sdk),
+    and it reads back into the SDK's typed models: time-series panels with Prometheus queries."""
+    r = subprocess.run([sys.executable, "scripts/make_dashboard.py", "--check"], cwd=REPO, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    from grafana_foundation_sdk.cog import plugins
+    from grafana_foundation_sdk.models import dashboard, prometheus
+
+    plugins.register_default_plugins()
+    model = dashboard.Dashboard.from_json(json.loads(DASHBOARD.read_text()))
+    assert model.uid == "kvserve" and len(model.panels) == len(json.loads(DASHBOARD.read_text())["panels"]) > 0
+    for p in model.panels:
+        assert p.type_val == "timeseries" and p.targets
+        assert all(isinstance(t, prometheus.Dataquery) and t.expr for t in p.targets), p.title
 
 
 def test_promtool_checks_the_shipped_config():
