@@ -173,3 +173,27 @@ def test_openai_async_client_many_prompts(server):
     out = asyncio.run(main())
     assert [c.index for c in out.choices] == [0, 1, 2, 3]
     assert out.choices[0].text == out.choices[1].text and len(out.choices[2].logprobs.tokens) == 4
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+def test_guidellm_synchronous_run(server, route, tmp_path):
+    """GuideLLM's CLI, its defaults but for a short synchronous run: streams with ``max_completion_tokens``
+    (chat) or ``max_tokens``, ``ignore_eos`` and ``continuous_usage_stats``; every request ends without
+    error after exactly the requested 8 tokens."""
+    out = tmp_path / "guidellm.json"
+    run = subprocess.run([
+        str(REPO / ".venv" / "bin" / "guidellm") if (REPO / ".venv" / "bin" / "guidellm").exists() else "guidellm",
+        "run", "--backend", f"kind=openai_http,target={server.url},model=kjv-llama-mha,request_format={route}",
+        "--profile", "kind=synchronous", "--constraint", "kind=max_requests,count=4",
+        "--data", "kind=synthetic_text,prompt_tokens=16,output_tokens=8",
+        "--tokenizer", f"kind=hf_auto,model={REPO / 'models' / 'kjv-llama-mha'}",
+        "--output", f"kind=json,path={out}", "--disable-console"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    requests = json.loads(out.read_text())["benchmarks"][0]["requests"]
+    assert len(requests["errored"]) == 0 and len(requests["incomplete"]) == 0
+    assert len(requests["successful"]) == 4
+    for r in requests["successful"]:
+        body = json.loads(r["request_args"])["body"]
+        assert body["ignore_eos"] is True and body.get("max_completion_tokens", body.get("max_tokens")) == 8
+        assert r["output_tokens"] == 8 and r["output"]

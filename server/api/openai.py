@@ -59,6 +59,11 @@ def _wants_usage(body) -> bool:
     return bool(body.stream_options and body.stream_options.include_usage)
 
 
+def _continuous_usage(body) -> bool:
+    """vLLM's ``stream_options.continuous_usage_stats``: every chunk carries the usage so far."""
+    return bool(body.stream_options and body.stream_options.continuous_usage_stats)
+
+
 def _error_event(ev: TokenEvent) -> dict:
     return {"data": OpenAIError(error={"message": ev.error or "generation failed",
                                        "type": "server_error"}).model_dump_json()}
@@ -114,8 +119,10 @@ async def completions(body: CompletionRequest, request: Request):
 
     def chunk(k: int, piece: str, reason: str | None, entries, offset: int) -> dict:
         logprobs = completion_logprobs(entries, text, offset) if want_logprobs else None
-        return {"data": CompletionResponse(id=rid, created=created, model=model, choices=[CompletionChoice(
-            index=k, text=piece, finish_reason=reason, logprobs=logprobs)]).model_dump_json(exclude={"usage"})}
+        usage = _usage(seqs, firsts, echo_only) if _continuous_usage(body) else None
+        return {"data": CompletionResponse(id=rid, created=created, model=model, usage=usage, choices=[CompletionChoice(
+            index=k, text=piece, finish_reason=reason, logprobs=logprobs)]).model_dump_json(
+                exclude=None if usage else {"usage"})}
 
     async def stream():
         offsets = [0] * len(seqs)
@@ -170,8 +177,10 @@ async def chat_completions(body: ChatRequest, request: Request):
 
     def chunk(k: int, delta: ChatDelta, reason: str | None = None, entries=None) -> dict:
         logprobs = chat_logprobs(entries, text) if body.logprobs and entries else None
-        return {"data": ChatChunk(id=rid, created=created, model=model, choices=[ChatChunkChoice(
-            index=k, delta=delta, finish_reason=reason, logprobs=logprobs)]).model_dump_json(exclude={"usage"})}
+        usage = _usage(seqs, seqs[:1]) if _continuous_usage(body) else None
+        return {"data": ChatChunk(id=rid, created=created, model=model, usage=usage, choices=[ChatChunkChoice(
+            index=k, delta=delta, finish_reason=reason, logprobs=logprobs)]).model_dump_json(
+                exclude=None if usage else {"usage"})}
 
     async def stream():
         pending = [[] for _ in seqs]

@@ -17,7 +17,8 @@ MAX_LOGPROBS = 20
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
-    include_usage: bool = False
+    include_usage: bool = Field(False, description="End the stream with a chunk carrying `usage`.")
+    continuous_usage_stats: bool = Field(False, description="vLLM extension: every chunk carries the usage so far.")
 
 
 class _Sampling(BaseModel):
