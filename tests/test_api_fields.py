@@ -201,6 +201,9 @@ def oa_max_tokens(srv, tok):
     assert cmpl(srv, max_tokens=3)["usage"]["completion_tokens"] == 3
     assert cmpl(srv, max_tokens=9, max_completion_tokens=4)["usage"]["completion_tokens"] == 4
     assert chat(srv, max_tokens=None, max_completion_tokens=5)["usage"]["completion_tokens"] == 5
+    # the defaults the README states: 16 for completions (OpenAI's), 100 for chat (as /generate)
+    assert cmpl(srv, max_tokens=None, ignore_eos=True)["usage"]["completion_tokens"] == 16
+    assert chat(srv, max_tokens=None, ignore_eos=True)["usage"]["completion_tokens"] == 100
 
 
 def oa_temperature_seed_n(srv, tok):
