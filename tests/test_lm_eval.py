@@ -106,8 +106,7 @@ def test_lm_eval_local_completions(server, ref_model, task_dir, tokenized, batch
 
     gens = result["samples"]["kjv_gen"]
     assert len(gens) == len(GEN)
-    for sample in gens:
-        prompt = sample["arguments"][0][0]
-        want = httpx.post(server.url + "/v1/completions", timeout=60, json={
-            "prompt": prompt, "max_tokens": MAX_GEN, "temperature": 0, "stop": UNTIL}).json()["choices"][0]["text"]
-        assert sample["resps"][0][0] == want
+    prompts = [sample["arguments"][0][0] for sample in gens]
+    want = httpx.post(server.url + "/v1/completions", timeout=120, json={
+        "prompt": prompts, "max_tokens": MAX_GEN, "temperature": 0, "stop": UNTIL}).json()["choices"]
+    assert [sample["resps"][0][0] for sample in gens] == [c["text"] for c in want]

@@ -200,8 +200,12 @@ class Engine:
             if isinstance(result, Exception):
                 log.error("sampling failed for %s: %r", seq.request_id, result)
                 self._finish(seq, FinishReason.ERROR, error=f"sampling failed: {result}")
-            else:
+                continue
+            try:
                 self._accept(seq, result)
+            except Exception as exc:  # noqa: BLE001 - e.g. detokenization: this request only
+                log.exception("accepting a token failed for %s", seq.request_id)
+                self._finish(seq, FinishReason.ERROR, error=f"token handling failed: {exc}")
 
     def _accept(self, seq: Sequence, sampled: Sampled) -> None:
         """Append ``sampled``'s token to ``seq``, emit it, and finish ``seq`` if it is done."""
