@@ -16,13 +16,34 @@ OPENAI_TYPES = {"validation": "invalid_request_error", "overloaded": "overloaded
                 "http": "invalid_request_error", "internal": "server_error"}
 
 
-def error_response(status: int, message: str, error_type: str, request: Request | None = None) -> JSONResponse:
-    """TGI's ``{"error", "error_type"}``, or OpenAI's error object on ``/v1`` routes."""
-    if request is not None and request.url.path.startswith("/v1/"):
-        body = {"error": {"message": message, "type": OPENAI_TYPES.get(error_type, error_type), "param": None,
+def is_openai(request: Request | None) -> bool:
+    return request is not None and request.url.path.startswith("/v1/")
+
+
+def error_response(status: int, message: str, error_type: str, request: Request | None = None,
+                   param: str | None = None) -> JSONResponse:
+    """TGI's ``{"error", "error_type"}``, or on ``/v1`` routes OpenAI's ``{"error": {"message", "type",
+    "param", "code"}}`` (``param``: the request field at fault, if one is)."""
+    if is_openai(request):
+        body = {"error": {"message": message, "type": OPENAI_TYPES.get(error_type, error_type), "param": param,
                           "code": error_type}}
         return JSONResponse(status_code=status, content=body)
     return JSONResponse(status_code=status, content={"error": message, "error_type": error_type})
+
+
+def validation_error(request: Request, message: str, param: str | None) -> JSONResponse:
+    """Invalid input: 422 with TGI's body, or 400 with OpenAI's on ``/v1`` routes (as OpenAI and vLLM)."""
+    return error_response(400 if is_openai(request) else 422, message, "validation", request, param)
+
+
+def _first_field(exc: RequestValidationError) -> str | None:
+    for err in exc.errors():
+        # Union branches appear in the location as type names ("str", "list[int]"): not field names.
+        loc = [str(x) for x in err.get("loc", ()) if x != "body" and not (
+            isinstance(x, str) and ("[" in x or x in ("str", "int", "float", "bool", "list", "dict", "none")))]
+        if loc and err.get("type") != "json_invalid":
+            return ".".join(loc)
+    return None
 
 
 def _describe(exc: RequestValidationError) -> str:
@@ -46,11 +67,11 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
-        return error_response(422, _describe(exc), "validation", request)
+        return validation_error(request, _describe(exc), _first_field(exc))
 
     @app.exception_handler(InvalidRequest)
     async def _invalid(request: Request, exc: InvalidRequest):
-        return error_response(422, str(exc), "validation", request)
+        return validation_error(request, str(exc), getattr(exc, "param", None))
 
     @app.exception_handler(Overloaded)
     async def _overloaded(request: Request, exc: Overloaded):
@@ -65,8 +86,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
         if exc.status_code == 400:  # FastAPI could not decode the body (e.g. invalid UTF-8)
-            return error_response(422, f"invalid request body: {exc.detail} (expected UTF-8 JSON)", "validation",
-                                  request)
+            return validation_error(request, f"invalid request body: {exc.detail} (expected UTF-8 JSON)", None)
         return error_response(exc.status_code, str(exc.detail), "http", request)
 
     @app.exception_handler(Exception)

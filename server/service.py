@@ -16,7 +16,16 @@ DEFAULT_MAX_NEW_TOKENS = 100
 
 
 class InvalidRequest(ValueError):
-    """The request is well-formed JSON but cannot be served (422, ``error_type`` validation)."""
+    """The request is well-formed JSON but cannot be served (422 on TGI routes, 400 on OpenAI routes).
+
+    Args:
+        message: what is wrong, naming the field.
+        param: the request field at fault (OpenAI's error ``param``), if one is.
+    """
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -32,12 +41,16 @@ class Limits:
 class GenerationRequest:
     """What every route turns its body into before it reaches the engine."""
 
-    prompt: str
+    prompt: str | list[int]
     max_new_tokens: int | None
     params: SamplingParams
     stop: list[str]
     backend: str
     want_prompt_logprobs: bool = False
+    truncate: int | None = None
+    """Keep only the last ``truncate`` prompt tokens (TGI's ``truncate``)."""
+    fields: dict[str, str] | None = None
+    """The route's names for ``inputs``, ``max_new_tokens``, ``stop`` and ``kv_backend`` in error messages."""
 
 
 class GenerationService:
@@ -73,36 +86,48 @@ class GenerationService:
         """Tokenize and check limits.
 
         Raises:
-            InvalidRequest: empty prompt, too many stop sequences, prompt over MAX_INPUT_TOKENS, or
-                prompt + max_new_tokens over MAX_TOTAL_TOKENS.
+            InvalidRequest: empty prompt, token ids outside the vocabulary, too many stop sequences,
+                prompt (after ``truncate``) over MAX_INPUT_TOKENS, or prompt + max_new_tokens over
+                MAX_TOTAL_TOKENS; its ``param`` names the field in the route's words.
         """
         lim = self.limits
+        f = {"inputs": "inputs", "max_new_tokens": "max_new_tokens", "stop": "stop", "kv_backend": "kv_backend",
+             **(req.fields or {})}
+        inputs, max_field = f["inputs"], f["max_new_tokens"]
         if req.backend not in self.engine.backends:
-            raise InvalidRequest(f"kv_backend {req.backend!r} is not served here; allowed: "
-                                 f"{', '.join(self.engine.backends)}")
+            raise InvalidRequest(f"`{f['kv_backend']}` {req.backend!r} is not served here; allowed: "
+                                 f"{', '.join(self.engine.backends)}", f["kv_backend"])
         if not req.prompt:
-            raise InvalidRequest("`inputs` must not be empty")
+            raise InvalidRequest(f"`{inputs}` must not be empty", inputs)
         if len(req.stop) > lim.max_stop_sequences:
-            raise InvalidRequest(f"`stop` supports up to {lim.max_stop_sequences} stop sequences. "
-                                 f"Given: {len(req.stop)}")
+            raise InvalidRequest(f"`{f['stop']}` supports up to {lim.max_stop_sequences} stop sequences. "
+                                 f"Given: {len(req.stop)}", f["stop"])
         if any(not s for s in req.stop):
-            raise InvalidRequest("stop sequences must not be empty strings")
-        ids = self.tokenizer.encode(req.prompt, add_special_tokens=True)
+            raise InvalidRequest(f"`{f['stop']}` sequences must not be empty strings", f["stop"])
+        if isinstance(req.prompt, str):
+            ids = self.tokenizer.encode(req.prompt, add_special_tokens=True)
+        else:
+            vocab = len(self.tokenizer)
+            if any(not 0 <= i < vocab for i in req.prompt):
+                raise InvalidRequest(f"`{inputs}` token ids must be in [0, {vocab})", inputs)
+            ids = list(req.prompt)
+        if req.truncate is not None:
+            ids = ids[-req.truncate:]
         if not ids:
-            raise InvalidRequest("`inputs` tokenizes to no tokens")
+            raise InvalidRequest(f"`{inputs}` tokenizes to no tokens", inputs)
         if len(ids) > lim.max_input_tokens:
-            raise InvalidRequest(f"`inputs` must have less than {lim.max_input_tokens + 1} tokens. "
-                                 f"Given: {len(ids)}")
+            raise InvalidRequest(f"`{inputs}` must have less than {lim.max_input_tokens + 1} tokens. "
+                                 f"Given: {len(ids)}", inputs)
         room = lim.max_total_tokens - len(ids)
         max_new = req.max_new_tokens
         if max_new is None:
             max_new = min(DEFAULT_MAX_NEW_TOKENS, room)
         elif len(ids) + max_new > lim.max_total_tokens:
-            raise InvalidRequest(f"`inputs` tokens + `max_new_tokens` must be <= {lim.max_total_tokens}. "
-                                 f"Given: {len(ids)} `inputs` tokens and {max_new} `max_new_tokens`")
+            raise InvalidRequest(f"`{inputs}` tokens + `{max_field}` must be <= {lim.max_total_tokens}. "
+                                 f"Given: {len(ids)} `{inputs}` tokens and {max_new} `{max_field}`", max_field)
         if max_new < 1:
             raise InvalidRequest(f"the prompt leaves no room for new tokens (MAX_TOTAL_TOKENS="
-                                 f"{lim.max_total_tokens}, prompt {len(ids)} tokens)")
+                                 f"{lim.max_total_tokens}, prompt {len(ids)} tokens)", inputs)
         return Sequence(request_id=uuid.uuid4().hex, prompt_ids=ids, max_new_tokens=max_new, params=req.params,
                         stop=list(req.stop), emit=emit, backend_name=req.backend,
                         want_prompt_logprobs=req.want_prompt_logprobs)
@@ -152,13 +177,17 @@ class GenerationService:
         return seq, events()
 
     async def _cancel_on_disconnect(self, seq: Sequence, receive: Callable[[], Awaitable[dict]]) -> None:
-        """Wait for ``http.disconnect`` on ``receive``, then cancel ``seq`` (if it is still going)."""
+        await self.cancel_on_disconnect([seq], receive)
+
+    async def cancel_on_disconnect(self, seqs: list[Sequence], receive: Callable[[], Awaitable[dict]]) -> None:
+        """Wait for ``http.disconnect`` on ``receive``, then cancel every sequence of ``seqs`` still going."""
         try:
             while (await receive())["type"] != "http.disconnect":
                 pass
         except (OSError, RuntimeError):  # the channel itself broke: the client is gone just the same
             pass
-        self._cancel(seq)
+        for seq in seqs:
+            self._cancel(seq)
 
     def _cancel(self, seq: Sequence) -> None:
         if seq.finish_reason is None and not seq.cancelled:

@@ -49,9 +49,9 @@ def test_openai_models_and_errors(oai):
     assert [m.id for m in oai.models.list().data] == ["kjv-llama-mha"]
     import openai
 
-    with pytest.raises(openai.UnprocessableEntityError) as err:
-        oai.completions.create(model="m", prompt="x", n=2)
-    assert "n=2" in str(err.value)
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.completions.create(model="m", prompt="x", suffix="y")
+    assert err.value.status_code == 400 and err.value.body["param"] == "suffix"
 
 
 def test_hf_text_generation(hf):

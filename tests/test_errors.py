@@ -61,17 +61,31 @@ def test_bad_bodies_are_422(strict_server, name, content):
     assert r.json()["error_type"] == "validation"
 
 
-def test_openai_invalid_input_is_422_with_openai_error(strict_server):
-    cases = [{"prompt": ""}, {"prompt": "a", "n": 2}, {"prompt": "a", "max_tokens": 0},
-             {"prompt": "a", "temperature": -1}, {"prompt": "a", "top_p": 2}, {"prompt": 3},
-             {"prompt": "a", "stop": ["1", "2", "3", "4", "5"]}]
-    for body in cases:
-        r = post(strict_server, "/v1/completions", body)
-        assert r.status_code == 422, (body, r.text)
-        err = r.json()["error"]
-        assert err["type"] == "invalid_request_error" and err["message"]
+OPENAI_400 = [  # (body, the field `param` names)
+    ({"prompt": ""}, "prompt"), ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "a", "temperature": -1}, "temperature"), ({"prompt": "a", "top_p": 2}, "top_p"),
+    ({"prompt": 3}, "prompt"), ({"prompt": "a", "stop": ["1", "2", "3", "4", "5"]}, "stop"),
+    ({"prompt": "And God said " * 40}, "prompt"), ({"prompt": "And God said", "max_tokens": 95}, "max_tokens"),
+    ({"prompt": "And God said", "max_completion_tokens": 95}, "max_completion_tokens"),
+    ({"prompt": "a", "kv_backend": "nope"}, "kv_backend"), ({"prompt": "a", "n": 17}, "n"),
+]
+
+
+@pytest.mark.parametrize("body,param", OPENAI_400, ids=[str(c[0])[:40] for c in OPENAI_400])
+def test_openai_invalid_input_is_400_with_openai_error_naming_the_field(strict_server, body, param):
+    r = post(strict_server, "/v1/completions", body)
+    assert r.status_code == 400, (body, r.text)
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "invalid_request_error" and err["param"] == param and param in err["message"]
+    assert "inputs" not in err["message"]
+
+
+def test_openai_chat_errors_name_chat_fields(strict_server):
     r = post(strict_server, "/v1/chat/completions", {"messages": []})
-    assert r.status_code == 422 and "error" in r.json()
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = post(strict_server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "And God said " * 40}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
 
 
 def test_api_key_required_except_health_and_metrics(strict_server):

@@ -51,7 +51,7 @@ def test_openai_extra_body_selects_the_backend(multi):
     assert out.usage.completion_tokens == 5
     import openai
 
-    with pytest.raises(openai.UnprocessableEntityError, match="allowed: full, int8, mla\\+int8"):
+    with pytest.raises(openai.BadRequestError, match="allowed: full, int8, mla\\+int8"):
         client.completions.create(model="m", prompt="x", max_tokens=2, extra_body={"kv_backend": "gqa"})
 
 

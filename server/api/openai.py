@@ -1,10 +1,13 @@
 """OpenAI-compatible routes: ``/v1/completions``, ``/v1/chat/completions`` (stream and not), ``/v1/models``.
 
-``max_tokens`` defaults as in vLLM: 16 for completions, the rest of the context for chat. ``temperature``
-defaults to 1.0 (sampling); 0 means greedy. Only ``n=1`` is supported (other values get 422).
-``finish_reason`` is ``length`` or ``stop`` (end-of-text token or a stop sequence).
-Chat messages become a prompt through the tokenizer's chat template or, when the model has none, the
-plain template documented in the README (``System: …\\nUser: …\\nAssistant:``).
+``max_tokens`` (or its alias ``max_completion_tokens``) defaults to 16 for completions (OpenAI's
+default) and, for chat, to 100 capped by the context (as ``/generate``). ``temperature`` defaults to 1.0
+(sampling); 0 means greedy. A completion ``prompt`` may be a string, strings, token ids or token-id lists;
+each prompt gets ``n`` choices (index ``prompt * n + j``, seed ``seed + j``). ``finish_reason`` is
+``length`` or ``stop`` (end-of-text token or a stop sequence). Validation errors are 400 with OpenAI's
+error object, its ``param`` naming the field. Chat messages become a prompt through the tokenizer's chat
+template or, when the model has none, the plain template documented in the README
+(``System: …\nUser: …\nAssistant:``).
 """
 
 from __future__ import annotations
@@ -16,89 +19,54 @@ from fastapi import APIRouter, Request
 from sse_starlette.sse import EventSourceResponse
 
 from server.api.common import get_service
-from server.api.types import sse_schema
+from server.api.fanout import collect_all, merged, submit_all
+from server.api.openai_convert import (TokenText, chat_logprobs, chat_requests, completion_logprobs,
+                                       completion_requests, finish, prompt_entries, token_entries)
 from server.api.openai_schemas import (ChatChoice, ChatChunk, ChatChunkChoice, ChatDelta, ChatRequest,
                                        ChatResponse, ChatResponseMessage, CompletionChoice, CompletionRequest,
                                        CompletionResponse, ModelCard, ModelList, OpenAIError, Usage)
-from server.engine.sequence import FinishReason
-from server.service import GenerationRequest, GenerationService, InvalidRequest
+from server.api.types import sse_schema
+from server.engine.sequence import FinishReason, TokenEvent
+from server.service import InvalidRequest
 
 router = APIRouter(prefix="/v1", tags=["OpenAI"])
-ERRORS = {code: {"model": OpenAIError} for code in (401, 422, 429, 503)}
+ERRORS = {code: {"model": OpenAIError} for code in (400, 401, 422, 429, 503)}
 DONE = {"type": "string", "enum": ["[DONE]"]}
 
 
 def _sse(*chunk_models) -> dict:
-    return {**ERRORS, 200: {"content": {"text/event-stream": {"schema": sse_schema(*chunk_models, OpenAIError, DONE, all_json=False)}}}}
-COMPLETION_DEFAULT_MAX_TOKENS = 16
-ROLE_NAMES = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant", "tool": "Tool"}
+    return {**ERRORS, 200: {"content": {"text/event-stream": {"schema": sse_schema(*chunk_models, OpenAIError, DONE,
+                                                                                   all_json=False)}}}}
 
 
-def finish(reason: FinishReason) -> str:
-    return "length" if reason == FinishReason.LENGTH else "stop"
+def _usage(seqs, counted_prompts, echo_only: bool = False) -> Usage:
+    prompt = sum(len(s.prompt_ids) for s in counted_prompts)
+    completion = 0 if echo_only else sum(len(s.output_ids) for s in seqs)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
-def chat_prompt(tokenizer, messages) -> str:
-    """The prompt for a chat: the tokenizer's chat template, or the plain one."""
-    turns = [{"role": m.role, "content": m.content} for m in messages]
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
-    return "".join(f"{ROLE_NAMES[t['role']]}: {t['content']}\n" for t in turns) + "Assistant:"
-
-
-def to_generation_request(body, prompt: str, service: GenerationService, default_max: int | None):
-    if body.n != 1:
-        raise InvalidRequest(f"n={body.n} is not supported; only n=1")
-    temperature = 1.0 if body.temperature is None else body.temperature
-    params = service.sampling(temperature > 0, temperature, body.top_p, None, None, body.seed)
-    return GenerationRequest(prompt=prompt, max_new_tokens=body.max_tokens or default_max, params=params,
-                             stop=body.stop_list(),
-                             backend=body.kv_backend or service.default_backend)
-
-
-def _usage(seq) -> Usage:
-    return Usage(prompt_tokens=len(seq.prompt_ids), completion_tokens=len(seq.output_ids),
-                 total_tokens=len(seq.prompt_ids) + len(seq.output_ids))
-
-
-async def _collect(events):
-    last = None
-    async for ev in events:
-        last = ev
-    return last
-
-
-def _check(last):
-    """Raise for a failed or cancelled generation (the handlers turn it into an error body)."""
+def _check(events: list[TokenEvent]) -> TokenEvent:
+    """The last event of a finished generation; raise for a failed or cancelled one."""
+    last = events[-1] if events else None
     if last is None or last.finish_reason == FinishReason.CANCELLED:
         raise InvalidRequest("client closed request")
     if last.finish_reason == FinishReason.ERROR:
         raise RuntimeError(last.error or "generation failed")
+    return last
 
 
 def _wants_usage(body) -> bool:
     return bool(body.stream_options and body.stream_options.include_usage)
 
 
-async def _stream(events, first: list[str], piece, usage):
-    """OpenAI SSE: ``first`` events, then ``piece(text, finish_reason)`` for each token that releases
-    text or finishes, then the usage chunk when asked, then ``[DONE]``. A failure sends an error object;
-    a cancelled request (client gone) ends silently."""
-    for data in first:
-        yield {"data": data}
-    async for ev in events:
-        if ev.finish_reason == FinishReason.CANCELLED:
-            return
-        if ev.finish_reason == FinishReason.ERROR:
-            yield {"data": OpenAIError(error={"message": ev.error or "generation failed",
-                                              "type": "server_error"}).model_dump_json()}
-            return
-        reason = finish(ev.finish_reason) if ev.finish_reason else None
-        if ev.text or reason:
-            yield {"data": piece(ev.text, reason)}
-    if usage is not None:
-        yield {"data": usage()}
-    yield {"data": "[DONE]"}
+def _continuous_usage(body) -> bool:
+    """vLLM's ``stream_options.continuous_usage_stats``: every chunk carries the usage so far."""
+    return bool(body.stream_options and body.stream_options.continuous_usage_stats)
+
+
+def _error_event(ev: TokenEvent) -> dict:
+    return {"data": OpenAIError(error={"message": ev.error or "generation failed",
+                                       "type": "server_error"}).model_dump_json()}
 
 
 @router.get("/models", response_model=ModelList)
@@ -113,53 +81,126 @@ async def models(request: Request) -> ModelList:
 async def completions(body: CompletionRequest, request: Request):
     """Text completion; ``stream: true`` answers SSE chunks ending with ``data: [DONE]``."""
     service = get_service(request)
-    prompt = body.prompt
-    if isinstance(prompt, list):
-        if len(prompt) != 1:
-            raise InvalidRequest("prompt must be a string or a list of exactly one string")
-        prompt = prompt[0]
-    greq = to_generation_request(body, prompt, service, COMPLETION_DEFAULT_MAX_TOKENS)
-    seq, events = await service.run(greq, request.receive)
+    prompts, reqs, echo_only = completion_requests(body, service)
+    per_prompt = len(reqs) // len(prompts)
+    started = await submit_all(service, reqs, request.receive)
+    seqs = [seq for seq, _ in started]
+    firsts = seqs[::per_prompt]  # one sequence per prompt, for the prompt's tokens
     rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), request.app.state.kvserve.model_name
-    echo = prompt if body.echo else ""
+    text = TokenText(service.tokenizer)
+    want_logprobs = body.logprobs is not None
+
+    def echo_of(k: int) -> str:
+        prompt = prompts[k // per_prompt]
+        return (prompt if isinstance(prompt, str) else service.tokenizer.decode(
+            seqs[k].prompt_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)) if body.echo else ""
+
+    def echo_entries(k: int):
+        return prompt_entries(seqs[k]) if body.echo else []
+
     if not body.stream:
-        last = await _collect(events)
-        _check(last)
-        return CompletionResponse(id=rid, created=created, model=model, usage=_usage(seq), choices=[
-            CompletionChoice(text=echo + (last.generated_text or ""), finish_reason=finish(last.finish_reason))])
+        results = await collect_all(started)
+        lasts = [_check(events) for events in results]
+        choices = []
+        for i in range(len(prompts)):
+            ks = list(range(i * per_prompt, (i + 1) * per_prompt))
+            if per_prompt > body.n:  # best_of: the n candidates with the highest log-probability
+                ks = sorted(ks, key=lambda k: -sum(e[1] for e in token_entries(results[k])))[: body.n]
+            for j, k in enumerate(ks):
+                gen = [] if echo_only else results[k]
+                logprobs = None
+                if want_logprobs:
+                    logprobs = completion_logprobs(echo_entries(k) + token_entries(gen), text)
+                choices.append(CompletionChoice(index=i * body.n + j, logprobs=logprobs,
+                                                text=echo_of(k) + ("" if echo_only else lasts[k].generated_text or ""),
+                                                finish_reason=finish(lasts[k].finish_reason)))
+        return CompletionResponse(id=rid, created=created, model=model, choices=choices,
+                                  usage=_usage(seqs, firsts, echo_only))
 
-    def piece(text: str, reason: str | None) -> str:
-        return CompletionResponse(id=rid, created=created, model=model, choices=[
-            CompletionChoice(text=text, finish_reason=reason)]).model_dump_json(exclude={"usage"})
+    def chunk(k: int, piece: str, reason: str | None, entries, offset: int) -> dict:
+        logprobs = completion_logprobs(entries, text, offset) if want_logprobs else None
+        usage = _usage(seqs, firsts, echo_only) if _continuous_usage(body) else None
+        return {"data": CompletionResponse(id=rid, created=created, model=model, usage=usage, choices=[CompletionChoice(
+            index=k, text=piece, finish_reason=reason, logprobs=logprobs)]).model_dump_json(
+                exclude=None if usage else {"usage"})}
 
-    def usage() -> str:
-        return CompletionResponse(id=rid, created=created, model=model, choices=[], usage=_usage(seq)).model_dump_json()
+    async def stream():
+        offsets = [0] * len(seqs)
+        pending = [[] for _ in seqs]  # token entries not sent yet (their text is held back)
+        echoed = [not body.echo] * len(seqs)
+        async for k, ev in merged(started):
+            if ev.finish_reason == FinishReason.CANCELLED:
+                return
+            if ev.finish_reason == FinishReason.ERROR:
+                yield _error_event(ev)
+                return
+            if not echoed[k]:  # after the prefill, which computed the prompt's log-probabilities
+                echoed[k] = True
+                yield chunk(k, echo_of(k), None, echo_entries(k), 0)
+                offsets[k] = sum(len(text(e[0])) for e in echo_entries(k))
+            reason = finish(ev.finish_reason)
+            if echo_only:
+                if reason:
+                    yield chunk(k, "", reason, [], offsets[k])
+                continue
+            pending[k] += token_entries([ev])
+            if ev.text or reason:
+                yield chunk(k, ev.text, reason, pending[k], offsets[k])
+                offsets[k] += sum(len(text(e[0])) for e in pending[k])
+                pending[k] = []
+        if _wants_usage(body):
+            yield {"data": CompletionResponse(id=rid, created=created, model=model, choices=[],
+                                              usage=_usage(seqs, firsts, echo_only)).model_dump_json()}
+        yield {"data": "[DONE]"}
 
-    first = [piece(echo, None)] if echo else []
-    return EventSourceResponse(_stream(events, first, piece, usage if _wants_usage(body) else None), ping=15)
+    return EventSourceResponse(stream(), ping=15)
 
 
 @router.post("/chat/completions", response_model=ChatResponse, responses=_sse(ChatChunk))
 async def chat_completions(body: ChatRequest, request: Request):
     """Chat completion; ``stream: true`` answers ``chat.completion.chunk`` events ending with ``[DONE]``."""
     service = get_service(request)
-    greq = to_generation_request(body, chat_prompt(service.tokenizer, body.messages), service, None)
-    seq, events = await service.run(greq, request.receive)
+    reqs = chat_requests(body, service)
+    started = await submit_all(service, reqs, request.receive)
+    seqs = [seq for seq, _ in started]
     rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), request.app.state.kvserve.model_name
+    text = TokenText(service.tokenizer)
     if not body.stream:
-        last = await _collect(events)
-        _check(last)
-        return ChatResponse(id=rid, created=created, model=model, usage=_usage(seq), choices=[
-            ChatChoice(message=ChatResponseMessage(content=last.generated_text or ""),
-                       finish_reason=finish(last.finish_reason))])
+        results = await collect_all(started)
+        choices = []
+        for k, events in enumerate(results):
+            last = _check(events)
+            logprobs = chat_logprobs(token_entries(events), text) if body.logprobs else None
+            choices.append(ChatChoice(index=k, message=ChatResponseMessage(content=last.generated_text or ""),
+                                      finish_reason=finish(last.finish_reason), logprobs=logprobs))
+        return ChatResponse(id=rid, created=created, model=model, usage=_usage(seqs, seqs[:1]), choices=choices)
 
-    def piece(text: str, reason: str | None, role: str | None = None) -> str:
-        return ChatChunk(id=rid, created=created, model=model, choices=[ChatChunkChoice(
-            delta=ChatDelta(role=role, content=text if text or role else None), finish_reason=reason)]
-        ).model_dump_json(exclude={"usage"})
+    def chunk(k: int, delta: ChatDelta, reason: str | None = None, entries=None) -> dict:
+        logprobs = chat_logprobs(entries, text) if body.logprobs and entries else None
+        usage = _usage(seqs, seqs[:1]) if _continuous_usage(body) else None
+        return {"data": ChatChunk(id=rid, created=created, model=model, usage=usage, choices=[ChatChunkChoice(
+            index=k, delta=delta, finish_reason=reason, logprobs=logprobs)]).model_dump_json(
+                exclude=None if usage else {"usage"})}
 
-    def usage() -> str:
-        return ChatChunk(id=rid, created=created, model=model, choices=[], usage=_usage(seq)).model_dump_json()
+    async def stream():
+        pending = [[] for _ in seqs]
+        for k in range(len(seqs)):
+            yield chunk(k, ChatDelta(role="assistant", content=""))
+        async for k, ev in merged(started):
+            if ev.finish_reason == FinishReason.CANCELLED:
+                return
+            if ev.finish_reason == FinishReason.ERROR:
+                yield _error_event(ev)
+                return
+            pending[k] += token_entries([ev])
+            if ev.text:
+                yield chunk(k, ChatDelta(content=ev.text), entries=pending[k])
+                pending[k] = []
+            if ev.finish_reason is not None:
+                yield chunk(k, ChatDelta(), finish(ev.finish_reason), entries=pending[k])
+        if _wants_usage(body):
+            yield {"data": ChatChunk(id=rid, created=created, model=model, choices=[],
+                                     usage=_usage(seqs, seqs[:1])).model_dump_json()}
+        yield {"data": "[DONE]"}
 
-    first = [piece("", None, role="assistant")]
-    return EventSourceResponse(_stream(events, first, piece, usage if _wants_usage(body) else None), ping=15)
+    return EventSourceResponse(stream(), ping=15)

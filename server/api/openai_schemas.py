@@ -4,27 +4,48 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from server.api.types import Int
 
+MAX_CHOICES = 16
+"""Most choices per prompt (``n``, ``best_of``)."""
+MAX_LOGPROBS = 20
+"""Most top log-probabilities per position."""
+
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    include_usage: bool = Field(False, description="End the stream with a chunk carrying `usage`.")
+    continuous_usage_stats: bool = Field(False, description="vLLM extension: every chunk carries the usage so far.")
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    """Fields shared by both OpenAI routes. A key this server does not implement is refused (400, naming
+    it) unless its value is ``null``, ``false``, ``[]`` or ``{}``; non-finite numbers are refused."""
+
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 
     model: str | None = None
-    max_tokens: Int | None = Field(None, ge=1)
+    max_tokens: Int | None = Field(None, ge=0, description="New tokens (0 only with `echo` on completions).")
+    max_completion_tokens: Int | None = Field(None, ge=0, description="Alias of `max_tokens` (wins when both).")
     temperature: float | None = Field(None, ge=0.0, le=2.0, description="Default 1.0; 0 means greedy.")
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    n: Int = Field(1, ge=1, description="Only 1 is supported.")
+    top_k: Int | None = Field(None, ge=-1, description="vLLM extension: keep the k most likely tokens; 0 or -1 "
+                              "disables.")
+    n: Int = Field(1, ge=1, le=MAX_CHOICES, description="Choices per prompt.")
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: Int | None = Field(None, ge=0, le=2**63 - 1)
+    seed: Int | None = Field(None, ge=0, le=2**63 - 1, description="Choice j of n uses seed + j.")
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, description="vLLM extension (CTRL-style).")
+    logit_bias: dict[str, float] | None = Field(None, description="token id (as a string) -> bias in [-100, 100]")
+    ignore_eos: bool = Field(False, description="vLLM extension: never stop at end-of-text.")
+    min_tokens: Int = Field(0, ge=0, description="vLLM extension: end-of-text is masked until this many tokens.")
+    user: str | None = Field(None, description="End-user id (informational only, as in OpenAI).")
     kv_backend: str | None = Field(None, description="KV backend for this request (one of KV_BACKENDS).")
 
     def stop_list(self) -> list[str]:
@@ -32,21 +53,49 @@ class _Sampling(BaseModel):
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    def new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+Prompt = str | list[str] | list[Int] | list[list[Int]]
+
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] = Field(description="The prompt (a list must hold exactly one string).")
-    echo: bool = False
+    prompt: Prompt = Field(description="A string, a list of strings, token ids, or a list of token-id lists; "
+                           "each prompt gets `n` choices.")
+    echo: bool = Field(False, description="Prepend the prompt to the text (and to `logprobs`).")
+    logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Return the log-probabilities of the "
+                                 "tokens and of this many most likely ones at each position.")
+    best_of: Int | None = Field(None, ge=1, le=MAX_CHOICES, description="Generate this many per prompt and "
+                                "return the `n` with the highest log-probability (not with `stream`).")
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    type: str = Field(description="Only `text` is supported.")
+    text: str | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text or "" for part in self.content)
 
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = Field(False, description="Return each generated token's log-probability.")
+    top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="With `logprobs`: this many most "
+                                     "likely tokens at each position.")
 
 
 class Usage(BaseModel):
@@ -55,11 +104,18 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -76,11 +132,25 @@ class ChatResponseMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] = Field(default_factory=list)
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatResponseMessage
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatResponse(BaseModel):
@@ -93,15 +163,21 @@ class ChatResponse(BaseModel):
 
 
 class ChatDelta(BaseModel):
+    """A stream chunk's delta; unset keys are left out (the last chunk's delta is ``{}``)."""
+
     role: Literal["assistant"] | None = None
     content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatChunk(BaseModel):

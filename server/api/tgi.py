@@ -1,20 +1,29 @@
-"""TGI-compatible routes: ``POST /generate`` and ``POST /generate_stream`` (Server-Sent Events)."""
+"""TGI-compatible routes: ``POST /generate``, ``POST /generate_stream`` (Server-Sent Events) and ``POST /``.
+
+Sampling follows TGI's rule: it is on when ``do_sample`` is true or when ``temperature`` != 1,
+``top_k`` > 0, ``top_p`` < 1 or ``typical_p`` < 1; ``temperature: 0`` is greedy (TGI refuses 0).
+``POST /`` answers a one-element list when not streaming, as TGI does.
+"""
 
 from __future__ import annotations
 
 import json
+import secrets
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from sse_starlette.sse import EventSourceResponse
 
 from server.api.common import get_service
+from server.api.fanout import collect_all, submit_all
+from server.api.tgi_schemas import (ErrorBody, TGIBestOfSequence, TGIDetails, TGIParameters, TGIPrefillToken,
+                                    TGIRequest, TGIResponse, TGIStreamDetails, TGIStreamEvent, TGIToken)
 from server.api.types import sse_schema
-from server.api.tgi_schemas import (ErrorBody, TGIDetails, TGIPrefillToken, TGIRequest, TGIResponse,
-                                    TGIStreamDetails, TGIStreamEvent, TGIToken)
+from server.api.validation import refuse_unimplemented
+from server.engine.sampling import SamplingParams
 from server.engine.sequence import FinishReason, Sequence, TokenEvent
 from server.errors import error_response
-from server.service import GenerationRequest, GenerationService
+from server.service import GenerationRequest, GenerationService, InvalidRequest
 
 router = APIRouter(tags=["TGI"])
 
@@ -22,16 +31,59 @@ ERRORS = {code: {"model": ErrorBody} for code in (401, 422, 429, 499, 503)}
 SSE = {"text/event-stream": {"schema": sse_schema(TGIStreamEvent, ErrorBody)}}
 
 
-def to_generation_request(body: TGIRequest, service: GenerationService) -> GenerationRequest:
+def samples(p: TGIParameters) -> bool:
+    """TGI's rule: sample when asked, or when any warper is set away from its neutral value."""
+    if p.temperature == 0:
+        return False
+    return (p.do_sample or (p.temperature is not None and p.temperature != 1.0) or bool(p.top_k)
+            or (p.top_p is not None and p.top_p < 1.0) or (p.typical_p is not None and p.typical_p < 1.0))
+
+
+def sampling_params(p: TGIParameters, seed: int | None) -> SamplingParams:
+    do_sample = samples(p)
+    return SamplingParams(
+        do_sample=do_sample, temperature=p.temperature if do_sample and p.temperature else 1.0,
+        top_k=p.top_k or 0, top_p=1.0 if p.top_p is None else p.top_p,
+        typical_p=1.0 if p.typical_p is None else p.typical_p,
+        repetition_penalty=1.0 if p.repetition_penalty is None else p.repetition_penalty,
+        frequency_penalty=p.frequency_penalty or 0.0, frequency_over_all=True, top_n=p.top_n_tokens or 0,
+        seed=seed if seed is not None else secrets.randbits(63))
+
+
+def to_generation_requests(body: TGIRequest, service: GenerationService) -> list[GenerationRequest]:
+    """One engine request, or ``best_of`` of them.
+
+    Raises:
+        InvalidRequest: an unimplemented field, or ``best_of`` > 1 without sampling, with a seed, or streamed.
+    """
+    refuse_unimplemented(body)
     p = body.parameters
-    params = service.sampling(p.do_sample, p.temperature, p.top_p, p.top_k, p.repetition_penalty, p.seed)
-    return GenerationRequest(prompt=body.inputs, max_new_tokens=p.max_new_tokens, params=params, stop=p.stop,
-                             backend=p.kv_backend or service.default_backend,
-                             want_prompt_logprobs=p.decoder_input_details)
+    best_of = p.best_of or 1
+    if best_of > 1:
+        if body.stream:
+            raise InvalidRequest("`best_of` > 1 is not supported when streaming tokens", "best_of")
+        if not samples(p):
+            raise InvalidRequest("`best_of` > 1 needs sampling (do_sample, or temperature, top_k, top_p or "
+                                 "typical_p set)", "best_of")
+        if p.seed is not None:
+            raise InvalidRequest("`seed` must not be set when `best_of` > 1", "seed")
+    return [GenerationRequest(prompt=body.inputs, max_new_tokens=p.max_new_tokens, params=sampling_params(p, p.seed),
+                              stop=p.stop, backend=p.kv_backend or service.default_backend,
+                              want_prompt_logprobs=p.decoder_input_details, truncate=p.truncate)
+            for _ in range(best_of)]
 
 
 def _token(ev: TokenEvent) -> TGIToken:
     return TGIToken(id=ev.token_id, text=ev.text, logprob=ev.logprob, special=ev.special)
+
+
+class _TopTokens:
+    def __init__(self, tokenizer, special_ids: set[int]):
+        self.tokenizer, self.special_ids = tokenizer, special_ids
+
+    def __call__(self, ev: TokenEvent) -> list[TGIToken]:
+        return [TGIToken(id=t, text=self.tokenizer.decode([t]), logprob=lp, special=t in self.special_ids)
+                for t, lp in ev.top]
 
 
 def _reported_seed(seq: Sequence) -> int | None:
@@ -44,42 +96,76 @@ def _failure(ev: TokenEvent) -> dict | None:
     return None
 
 
-@router.post("/", response_model=TGIResponse, responses={**ERRORS, 200: {"content": SSE}})
-@router.post("/generate", response_model=TGIResponse, responses={**ERRORS, 200: {"content": SSE}})
-async def generate(body: TGIRequest, request: Request):
-    """Generate text; with ``"stream": true`` the answer is the same event stream as ``/generate_stream``.
-
-    ``POST /`` is TGI's compatibility route (what huggingface_hub's ``InferenceClient`` calls)."""
-    if body.stream:
-        return await generate_stream(body, request)
+async def _generate(body: TGIRequest, request: Request):
+    """The non-streaming answer as a dict, or an error response."""
     service = get_service(request)
-    seq, events = await service.run(to_generation_request(body, service), request.receive)
-    collected = [ev async for ev in events]
-    if not collected or collected[-1].finish_reason == FinishReason.CANCELLED:
-        return error_response(499, "client closed request", "cancelled")
-    last = collected[-1]
-    if (failure := _failure(last)) is not None:
-        return error_response(500, failure["error"], failure["error_type"])
-    text = (body.inputs if body.parameters.return_full_text else "") + (last.generated_text or "")
-    details = None
-    if body.parameters.details:
+    started = await submit_all(service, to_generation_requests(body, service), request.receive)
+    results = await collect_all(started)
+    for events in results:
+        if not events or events[-1].finish_reason == FinishReason.CANCELLED:
+            return error_response(499, "client closed request", "cancelled")
+        if (failure := _failure(events[-1])) is not None:
+            return error_response(500, failure["error"], failure["error_type"])
+    p = body.parameters
+    top = _TopTokens(service.tokenizer, service.engine.special_ids)
+
+    def logprob(events):
+        return sum(ev.logprob for ev in events if ev.token_id >= 0)
+
+    order = sorted(range(len(results)), key=lambda k: -logprob(results[k]))  # best_of: the most likely first
+    prefix = body.inputs if p.return_full_text else ""
+
+    def sequence(k: int) -> TGIBestOfSequence:
+        seq, events = started[k][0], results[k]
         prefill = []
         if seq.prompt_logprobs is not None:
             prefill = [TGIPrefillToken(id=i, text=service.tokenizer.decode([i]), logprob=lp)
                        for i, lp in zip(seq.prompt_ids, seq.prompt_logprobs)]
-        details = TGIDetails(finish_reason=last.finish_reason.value, generated_tokens=len(seq.output_ids),
-                             seed=_reported_seed(seq), prefill=prefill,
-                             tokens=[_token(ev) for ev in collected if ev.token_id >= 0])
-    out = TGIResponse(generated_text=text, details=details)
-    return JSONResponse(out.model_dump(exclude={"details"} if details is None else None))
+        tokens = [ev for ev in events if ev.token_id >= 0]
+        return TGIBestOfSequence(generated_text=prefix + (events[-1].generated_text or ""),
+                                 finish_reason=events[-1].finish_reason.value, generated_tokens=len(seq.output_ids),
+                                 seed=_reported_seed(seq), prefill=prefill, tokens=[_token(ev) for ev in tokens],
+                                 top_tokens=[top(ev) for ev in tokens] if p.top_n_tokens else None)
+
+    best = sequence(order[0])
+    out = {"generated_text": best.generated_text}
+    if p.details:
+        details = TGIDetails(**best.model_dump(exclude={"generated_text"}))
+        if len(order) > 1:
+            details.best_of_sequences = [sequence(k) for k in order[1:]]
+        out["details"] = details.model_dump(exclude_none=False, exclude={
+            k for k in ("top_tokens", "best_of_sequences") if getattr(details, k) is None})
+    return out
+
+
+@router.post("/generate", response_model=TGIResponse, responses={**ERRORS, 200: {"content": SSE}})
+async def generate(body: TGIRequest, request: Request):
+    """Generate text; with ``"stream": true`` the answer is the same event stream as ``/generate_stream``."""
+    if body.stream:
+        return await generate_stream(body, request)
+    out = await _generate(body, request)
+    return out if isinstance(out, JSONResponse) else JSONResponse(out)
+
+
+@router.post("/", response_model=list[TGIResponse], responses={**ERRORS, 200: {"content": SSE}})
+async def compat_generate(body: TGIRequest, request: Request):
+    """TGI's compatibility route: ``[response]`` (a one-element list), or the event stream with
+    ``"stream": true``."""
+    if body.stream:
+        return await generate_stream(body, request)
+    out = await _generate(body, request)
+    return out if isinstance(out, JSONResponse) else JSONResponse([out])
 
 
 @router.post("/generate_stream", response_class=EventSourceResponse, responses={**ERRORS, 200: {"content": SSE}})
 async def generate_stream(body: TGIRequest, request: Request):
     """Stream one SSE ``data:`` event per token; the last carries ``generated_text`` and ``details``."""
     service = get_service(request)
-    seq, events = await service.run(to_generation_request(body, service), request.receive)
+    body.stream = True
+    (req,) = to_generation_requests(body, service)
+    seq, events = await service.run(req, request.receive)
     prefix = body.inputs if body.parameters.return_full_text else ""
+    top = _TopTokens(service.tokenizer, service.engine.special_ids) if body.parameters.top_n_tokens else None
 
     async def sse():
         async for ev in events:
@@ -88,12 +174,12 @@ async def generate_stream(body: TGIRequest, request: Request):
             if (failure := _failure(ev)) is not None:
                 yield {"data": json.dumps(failure)}
                 return
-            out = TGIStreamEvent(index=ev.index, token=_token(ev))
+            out = TGIStreamEvent(index=ev.index, token=_token(ev), top_tokens=top(ev) if top else None)
             if ev.finish_reason is not None:
                 out.generated_text = prefix + (ev.generated_text or "")
                 out.details = TGIStreamDetails(finish_reason=ev.finish_reason.value,
                                                generated_tokens=len(seq.output_ids), seed=_reported_seed(seq),
                                                input_length=len(seq.prompt_ids))
-            yield {"data": out.model_dump_json()}
+            yield {"data": out.model_dump_json(exclude={"top_tokens"} if top is None else None)}
 
     return EventSourceResponse(sse(), ping=15)

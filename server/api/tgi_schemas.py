@@ -6,21 +6,35 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from server.api.types import Int
 
+MAX_BEST_OF = 4
+MAX_TOP_N_TOKENS = 10
+
 
 class TGIParameters(BaseModel):
-    """``parameters`` of a TGI request. Unknown keys are ignored, as TGI's clients send many ``null``s."""
+    """``parameters`` of a TGI request. A key this server does not implement (e.g. ``grammar``,
+    ``watermark``, ``adapter_id``) is refused (422, naming it) unless it is ``null``, ``false``, ``[]`` or
+    ``{}``, since TGI's clients send many of those; non-finite numbers are refused."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 
     max_new_tokens: Int | None = Field(None, ge=1, description="Tokens to generate (default 100, capped by "
                                        "MAX_TOTAL_TOKENS - prompt tokens).")
     temperature: float | None = Field(None, ge=0.0, description="0 means greedy.")
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: Int | None = Field(None, ge=0, description="0 disables.")
-    do_sample: bool = False
+    typical_p: float | None = Field(None, gt=0.0, le=1.0, description="Locally typical sampling; 1 disables.")
+    do_sample: bool = Field(False, description="Sampling is also on whenever temperature != 1, top_k > 0, "
+                            "top_p < 1 or typical_p < 1 (TGI's rule); temperature 0 is greedy.")
     seed: Int | None = Field(None, ge=0, le=2**63 - 1)
     stop: list[str] = Field(default_factory=list)
     repetition_penalty: float | None = Field(None, gt=0.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="TGI's: subtracts penalty x "
+                                            "(occurrences / length) over prompt and output.")
+    truncate: Int | None = Field(None, ge=1, description="Keep only the last N prompt tokens.")
+    top_n_tokens: Int | None = Field(None, ge=0, le=MAX_TOP_N_TOKENS, description="Also return the N most likely "
+                                     "tokens at each step (`top_tokens`).")
+    best_of: Int | None = Field(None, ge=1, le=MAX_BEST_OF, description="Sample this many and answer the one with "
+                                "the highest log-probability (needs sampling, no seed, no stream).")
     details: bool = False
     decoder_input_details: bool = False
     return_full_text: bool = False
@@ -28,9 +42,9 @@ class TGIParameters(BaseModel):
 
 
 class TGIRequest(BaseModel):
-    """Body of ``POST /generate`` and ``POST /generate_stream``."""
+    """Body of ``POST /generate``, ``POST /generate_stream`` and ``POST /``."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 
     inputs: str = Field(min_length=1, description="The prompt.")
     parameters: TGIParameters = Field(default_factory=TGIParameters)
@@ -50,12 +64,24 @@ class TGIPrefillToken(BaseModel):
     logprob: float | None = None
 
 
+class TGIBestOfSequence(BaseModel):
+    generated_text: str
+    finish_reason: str
+    generated_tokens: int
+    seed: int | None = None
+    prefill: list[TGIPrefillToken] = Field(default_factory=list)
+    tokens: list[TGIToken] = Field(default_factory=list)
+    top_tokens: list[list[TGIToken]] | None = None
+
+
 class TGIDetails(BaseModel):
     finish_reason: str
     generated_tokens: int
     seed: int | None = None
     prefill: list[TGIPrefillToken] = Field(default_factory=list)
     tokens: list[TGIToken] = Field(default_factory=list)
+    top_tokens: list[list[TGIToken]] | None = None
+    best_of_sequences: list[TGIBestOfSequence] | None = None
 
 
 class TGIResponse(BaseModel):
@@ -73,6 +99,7 @@ class TGIStreamDetails(BaseModel):
 class TGIStreamEvent(BaseModel):
     index: int
     token: TGIToken
+    top_tokens: list[TGIToken] | None = None
     generated_text: str | None = None
     details: TGIStreamDetails | None = None
 

@@ -22,7 +22,7 @@ import torch
 from cache_backends.base import KVBackend
 from server.engine.detokenize import IncrementalDetokenizer
 from server.engine.runner import ModelRunner
-from server.engine.sampling import sample_token
+from server.engine.sampling import RowRequest, Sampled, new_generator, prompt_logprobs, sample_batch
 from server.engine.scheduler import Scheduler
 from server.engine.sequence import FinishReason, Sequence, TokenEvent
 
@@ -167,7 +167,6 @@ class Engine:
         """Give an admitted sequence its KV store (capped at its reservation), generator and detokenizer."""
         seq.store = self.backends[seq.backend_name].new_store()
         seq.store.reserve(self.scheduler.token_budget(seq))
-        seq.generator = torch.Generator(device=self.runner.device).manual_seed(seq.params.seed)
         seq.detok = IncrementalDetokenizer(self.tokenizer, seq.stop, self.special_ids)
         self.running.append(seq)
 
@@ -206,17 +205,16 @@ class Engine:
             if seq.prefilled < len(seq.prompt_ids):
                 return
             if seq.want_prompt_logprobs:
-                logprobs = torch.log_softmax(logits[:-1].float(), dim=-1)  # (prompt_len - 1, vocab_size)
-                targets = torch.tensor(seq.prompt_ids[1:], device=logits.device).unsqueeze(1)
-                seq.prompt_logprobs = [None] + logprobs.gather(1, targets).squeeze(1).tolist()
-            logits = logits[-1]
+                seq.prompt_logprobs, seq.prompt_top_logprobs = prompt_logprobs(logits, seq.prompt_ids,
+                                                                               seq.params.top_n)
+            logits = logits[-1:]
         except Exception as exc:  # noqa: BLE001
             log.exception("prefill failed for %s", seq.request_id)
             self._finish(seq, FinishReason.ERROR, error=f"prefill failed: {exc}")
             return
         if self.recorder:
             self.recorder.prefill_done(seq)
-        self._accept(seq, logits)
+        self._accept_batch([seq], logits)
 
     def _decode(self, batch: list[Sequence]) -> None:
         try:
@@ -226,18 +224,44 @@ class Engine:
             for seq in batch:
                 self._finish(seq, FinishReason.ERROR, error=f"decode failed: {exc}")
             return
-        logprobs = torch.log_softmax(logits.float(), dim=-1)  # (batch, vocab_size), once for the batch
-        for row, seq in enumerate(batch):
-            self._accept(seq, logits[row], logprobs[row])
+        self._accept_batch(batch, logits)
 
-    def _accept(self, seq: Sequence, logits: torch.Tensor, logprobs: torch.Tensor | None = None) -> None:
-        """Sample one token for ``seq`` from ``logits`` (vocab_size,), emit it, and finish if done."""
-        if seq.cancelled:
-            self._finish(seq, FinishReason.CANCELLED)
+    def _accept_batch(self, batch: list[Sequence], logits: torch.Tensor) -> None:
+        """Sample one token for every sequence of ``batch`` from ``logits`` (batch, vocab_size) in one
+        batched sampler call, emit each, and finish the sequences that are done.
+
+        A cancelled sequence is finished without a token; a row whose sampling fails finishes with
+        ``error`` and the other rows get their token as usual.
+        """
+        live = []
+        for row, seq in enumerate(batch):
+            if seq.cancelled:
+                self._finish(seq, FinishReason.CANCELLED)
+            else:
+                live.append(row)
+        if not live:
             return
-        seen = (torch.tensor(seq.prompt_ids + seq.output_ids, dtype=torch.long, device=logits.device)
-                if seq.params.repetition_penalty != 1.0 else None)
-        token, logprob = sample_token(logits, seq.params, seen, seq.generator, logprobs)
+        if len(live) < len(batch):
+            logits = logits[live]
+        seqs = [batch[row] for row in live]
+        for seq in seqs:
+            if seq.generator is None and not seq.params.greedy:
+                seq.generator = new_generator(seq.params.seed, logits.device)
+        rows = [RowRequest(s.params, s.prompt_ids, s.output_ids, s.generator) for s in seqs]
+        for seq, result in zip(seqs, sample_batch(logits, rows, self.eos_token_ids)):
+            if isinstance(result, Exception):
+                log.error("sampling failed for %s: %r", seq.request_id, result)
+                self._finish(seq, FinishReason.ERROR, error=f"sampling failed: {result}")
+                continue
+            try:
+                self._accept(seq, result)
+            except Exception as exc:  # noqa: BLE001 - e.g. detokenization: this request only
+                log.exception("accepting a token failed for %s", seq.request_id)
+                self._finish(seq, FinishReason.ERROR, error=f"token handling failed: {exc}")
+
+    def _accept(self, seq: Sequence, sampled: Sampled) -> None:
+        """Append ``sampled``'s token to ``seq``, emit it, and finish ``seq`` if it is done."""
+        token = sampled.token
         now = time.perf_counter()
         seq.output_ids.append(token)
         seq.times.token_times.append(now)
@@ -253,8 +277,8 @@ class Engine:
             reason = FinishReason.LENGTH
         if reason is not None:
             text += seq.detok.flush()
-        event = TokenEvent(index=len(seq.output_ids) - 1, token_id=token, text=text, logprob=logprob,
-                           special=token in self.special_ids)
+        event = TokenEvent(index=len(seq.output_ids) - 1, token_id=token, text=text, logprob=sampled.logprob,
+                           special=token in self.special_ids, top=sampled.top)
         if reason is not None:
             self._finish(seq, reason, last=event)
         else:

@@ -33,6 +33,7 @@ class TokenEvent:
         text: the text this token releases ('' if held back; see ``IncrementalDetokenizer``).
         logprob: log-probability of the token under the model.
         special: whether the token is a special token (e.g. end-of-text).
+        top: the most likely ``(token_id, logprob)`` pairs at this step (``params.top_n`` of them).
         finish_reason: set on the last event only.
         generated_text: the whole output text, on the last event only.
         error: an error message when the sequence failed.
@@ -43,6 +44,7 @@ class TokenEvent:
     text: str
     logprob: float
     special: bool
+    top: list[tuple[int, float]] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     generated_text: str | None = None
     error: str | None = None
@@ -94,6 +96,7 @@ class Sequence:
     prefilled: int = 0  # prompt tokens already written to the store (chunked prefill)
     want_prompt_logprobs: bool = False
     prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
     @property
     def total_tokens(self) -> int:

@@ -1,0 +1,205 @@
+"""OpenAI request bodies to engine requests, and engine results to OpenAI's ``logprobs`` objects."""
+
+from __future__ import annotations
+
+import secrets
+
+from server.api.openai_schemas import (ChatLogprobs, ChatRequest, CompletionLogprobs, CompletionRequest,
+                                       TokenLogprob, TopLogprob, _Sampling)
+from server.api.validation import refuse_unimplemented
+from server.engine.sampling import SamplingParams
+from server.engine.sequence import FinishReason, Sequence, TokenEvent
+from server.service import GenerationRequest, GenerationService, InvalidRequest
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+MAX_SEQUENCES = 64
+"""Most generations one request may start (prompts x ``best_of`` or ``n``)."""
+ROLE_NAMES = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant", "tool": "Tool"}
+FIELDS = {"inputs": "prompt", "max_new_tokens": "max_tokens", "stop": "stop", "kv_backend": "kv_backend"}
+CHAT_FIELDS = {**FIELDS, "inputs": "messages"}
+
+
+def finish(reason: FinishReason | None) -> str | None:
+    if reason is None:
+        return None
+    return "length" if reason == FinishReason.LENGTH else "stop"
+
+
+def _logit_bias(body: _Sampling, vocab: int) -> tuple[tuple[int, float], ...]:
+    out = []
+    for key, bias in (body.logit_bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise InvalidRequest(f"`logit_bias` keys must be token ids; got {key!r}", "logit_bias") from None
+        if not 0 <= token < vocab:
+            raise InvalidRequest(f"`logit_bias` token id {token} is outside the vocabulary [0, {vocab})", "logit_bias")
+        if not -100.0 <= bias <= 100.0:
+            raise InvalidRequest(f"`logit_bias` values must be in [-100, 100]; got {bias}", "logit_bias")
+        out.append((token, float(bias)))
+    return tuple(out)
+
+
+def sampling_params(body: _Sampling, vocab: int, top_n: int) -> list[SamplingParams]:
+    """One :class:`SamplingParams` per choice (``n``, or ``best_of`` when larger): choice j gets seed + j."""
+    temperature = 1.0 if body.temperature is None else body.temperature
+    seed = body.seed if body.seed is not None else secrets.randbits(63)
+    count = max(body.n, getattr(body, "best_of", None) or 0)
+    common = dict(do_sample=temperature > 0, temperature=temperature if temperature > 0 else 1.0,
+                  top_k=body.top_k if body.top_k and body.top_k > 0 else 0,
+                  top_p=1.0 if body.top_p is None else body.top_p,
+                  repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+                  frequency_penalty=body.frequency_penalty or 0.0, presence_penalty=body.presence_penalty or 0.0,
+                  logit_bias=_logit_bias(body, vocab), min_tokens=body.min_tokens, ignore_eos=body.ignore_eos,
+                  top_n=top_n)
+    return [SamplingParams(**common, seed=(seed + j) % 2**63) for j in range(count)]
+
+
+def _check_common(body: _Sampling, max_tokens: int | None) -> None:
+    refuse_unimplemented(body)
+    field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    if max_tokens is not None and body.min_tokens > max(max_tokens, 1):
+        raise InvalidRequest(f"`min_tokens` ({body.min_tokens}) must not exceed `{field}` ({max_tokens})",
+                             "min_tokens")
+
+
+def prompts_of(body: CompletionRequest) -> list[str | list[int]]:
+    """The prompts of a completion request: a string, strings, token ids, or lists of token ids."""
+    p = body.prompt
+    if isinstance(p, str):
+        return [p]
+    if not p:
+        raise InvalidRequest("`prompt` must not be an empty list", "prompt")
+    if all(isinstance(x, int) for x in p):
+        return [list(p)]
+    if all(isinstance(x, (str, list)) for x in p):
+        return [x if isinstance(x, str) else list(x) for x in p]
+    raise InvalidRequest("`prompt` must be a string, a list of strings, a list of token ids or a list of "
+                         "token-id lists", "prompt")
+
+
+def completion_requests(body: CompletionRequest, service: GenerationService
+                        ) -> tuple[list[str | list[int]], list[GenerationRequest], bool]:
+    """The engine requests for a completion body: for each prompt, ``best_of`` (or ``n``) of them.
+
+    Returns:
+        ``(prompts, requests, echo_only)``; ``echo_only`` when ``max_tokens`` is 0 (with ``echo``):
+        one token is generated for the prompt's log-probabilities and then left out of the answer.
+
+    Raises:
+        InvalidRequest: naming the field.
+    """
+    max_tokens = body.new_tokens()
+    _check_common(body, max_tokens)
+    field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    if max_tokens is None:
+        max_tokens = COMPLETION_DEFAULT_MAX_TOKENS
+    echo_only = max_tokens == 0
+    if echo_only and not body.echo:
+        raise InvalidRequest(f"`{field}` 0 is only allowed with `echo`", field)
+    best_of = body.best_of or body.n
+    if best_of < body.n:
+        raise InvalidRequest(f"`best_of` ({best_of}) must be >= `n` ({body.n})", "best_of")
+    if body.stream and best_of != body.n:
+        raise InvalidRequest("`best_of` other than `n` is not supported with `stream`", "best_of")
+    prompts = prompts_of(body)
+    if len(prompts) * best_of > MAX_SEQUENCES:
+        raise InvalidRequest(f"{len(prompts)} prompts x {best_of} choices is over {MAX_SEQUENCES} generations "
+                             "per request", "prompt")
+    params = sampling_params(body, len(service.tokenizer), body.logprobs or 0)
+    backend = body.kv_backend or service.default_backend
+    fields = {**FIELDS, "max_new_tokens": field}
+    reqs = [GenerationRequest(prompt=p, max_new_tokens=1 if echo_only else max_tokens, params=params[j],
+                              stop=body.stop_list(), backend=backend,
+                              want_prompt_logprobs=body.echo and body.logprobs is not None, fields=fields)
+            for p in prompts for j in range(best_of)]
+    return prompts, reqs, echo_only
+
+
+def chat_prompt(tokenizer, body: ChatRequest) -> str:
+    """The prompt for a chat: the tokenizer's chat template, or the plain one."""
+    turns = [{"role": m.role, "content": m.text()} for m in body.messages]
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+    return "".join(f"{ROLE_NAMES[t['role']]}: {t['content']}\n" for t in turns) + "Assistant:"
+
+
+def chat_requests(body: ChatRequest, service: GenerationService) -> list[GenerationRequest]:
+    """The engine requests for a chat body, one per choice.
+
+    Raises:
+        InvalidRequest: naming the field.
+    """
+    for i, m in enumerate(body.messages):
+        for j, part in enumerate(m.content if isinstance(m.content, list) else []):
+            if part.type != "text":
+                raise InvalidRequest(f"`messages[{i}].content[{j}].type` {part.type!r} is not supported; only "
+                                     "'text'", f"messages[{i}].content[{j}].type")
+    max_tokens = body.new_tokens()
+    _check_common(body, max_tokens)
+    field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    if max_tokens == 0:
+        raise InvalidRequest(f"`{field}` must be at least 1", field)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise InvalidRequest("`top_logprobs` needs `logprobs: true`", "top_logprobs")
+    prompt = chat_prompt(service.tokenizer, body)
+    params = sampling_params(body, len(service.tokenizer), (body.top_logprobs or 0) if body.logprobs else 0)
+    backend = body.kv_backend or service.default_backend
+    return [GenerationRequest(prompt=prompt, max_new_tokens=max_tokens, params=p, stop=body.stop_list(),
+                              backend=backend, fields={**CHAT_FIELDS, "max_new_tokens": field}) for p in params]
+
+
+class TokenText:
+    """Each token id's own text (``tokenizer.decode([id])``), cached per request."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        if token_id not in self.cache:
+            self.cache[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False,
+                                                         clean_up_tokenization_spaces=False)
+        return self.cache[token_id]
+
+
+Entry = tuple[int, float | None, list[tuple[int, float]] | None]
+"""One position: token id, its log-probability (None for a prompt's first token), top alternatives."""
+
+
+def prompt_entries(seq: Sequence) -> list[Entry]:
+    tops = seq.prompt_top_logprobs or [None] * len(seq.prompt_ids)
+    return list(zip(seq.prompt_ids, seq.prompt_logprobs or [None] * len(seq.prompt_ids), tops))
+
+
+def token_entries(events: list[TokenEvent]) -> list[Entry]:
+    return [(ev.token_id, ev.logprob, ev.top) for ev in events if ev.token_id >= 0]
+
+
+def completion_logprobs(entries: list[Entry], text: TokenText, offset: int = 0) -> CompletionLogprobs:
+    """OpenAI's completion ``logprobs``: tokens, their log-probabilities, the top alternatives (with the
+    chosen token) and each token's character offset in the choice's text, from ``offset`` on."""
+    out = CompletionLogprobs()
+    for token_id, logprob, top in entries:
+        tok = text(token_id)
+        out.tokens.append(tok)
+        out.token_logprobs.append(logprob)
+        if top is None or logprob is None:
+            out.top_logprobs.append(None)
+        else:
+            alternatives = {text(t): lp for t, lp in top}
+            alternatives.setdefault(tok, logprob)
+            out.top_logprobs.append(alternatives)
+        out.text_offset.append(offset)
+        offset += len(tok)
+    return out
+
+
+def chat_logprobs(entries: list[Entry], text: TokenText) -> ChatLogprobs:
+    """OpenAI's chat ``logprobs``: one entry per generated token with its ``top_logprobs``."""
+    def top(token_id: int, logprob: float) -> TopLogprob:
+        tok = text(token_id)
+        return TopLogprob(token=tok, logprob=logprob, bytes=list(tok.encode("utf-8")))
+
+    return ChatLogprobs(content=[TokenLogprob(**top(t, lp).model_dump(), top_logprobs=[top(a, b) for a, b in alts or []])
+                                 for t, lp, alts in entries])

@@ -1,0 +1,429 @@
+"""Every documented request field of both APIs has an effect (checked by value) or is refused with a 4xx
+naming it; nothing is silently ignored. Plus the OpenAI and TGI wire details real clients rely on."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from server.api.openai_schemas import ChatRequest, CompletionRequest
+from server.api.tgi_schemas import TGIParameters, TGIRequest
+from tests.conftest import MODEL_DIR
+
+PROMPT = "And God said"
+EOS = 0
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return AutoTokenizer.from_pretrained(str(MODEL_DIR))
+
+
+def post(srv, path, body, status=200):
+    r = httpx.post(srv.url + path, json=body, timeout=120)
+    assert r.status_code == status, (path, body, r.status_code, r.text)
+    return r.json()
+
+
+def sse(srv, path, body) -> list:
+    with httpx.stream("POST", srv.url + path, json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    return [json.loads(x) for x in lines if x != "[DONE]"]
+
+
+_BASELINES: dict = {}
+
+
+def _baseline(srv, path, body):
+    """The greedy answer without any optional field, asked once per server (it is deterministic)."""
+    key = (srv.url, path)
+    if key not in _BASELINES:
+        _BASELINES[key] = post(srv, path, body)
+    return _BASELINES[key]
+
+
+def gen(srv, **params):
+    body = {"inputs": params.pop("inputs", PROMPT), "parameters": {"max_new_tokens": 10, "details": True, **params}}
+    return post(srv, "/generate", body) if params or body["inputs"] != PROMPT else _baseline(srv, "/generate", body)
+
+
+def cmpl(srv, **fields):
+    body = {"prompt": PROMPT, "max_tokens": 10, "temperature": 0, **fields}
+    return post(srv, "/v1/completions", body) if fields else _baseline(srv, "/v1/completions", body)
+
+
+def chat(srv, **fields):
+    body = {"messages": [{"role": "user", "content": "Who made light?"}], "max_tokens": 10, "temperature": 0, **fields}
+    return post(srv, "/v1/chat/completions", body) if fields else _baseline(srv, "/v1/chat/completions", body)
+
+
+def text(out) -> str:
+    return out["generated_text"] if "generated_text" in out else out["choices"][0].get("text") or \
+        out["choices"][0]["message"]["content"]
+
+
+def refused(srv, path, body, field, status):
+    r = httpx.post(srv.url + path, json=body, timeout=60)
+    assert r.status_code == status, (body, r.text)
+    err = r.json()["error"]
+    message = err if isinstance(err, str) else err["message"]
+    assert field in message, (field, message)
+    if path.startswith("/v1"):
+        assert err["param"] == field and err["type"] == "invalid_request_error"
+
+
+# ---- TGI -------------------------------------------------------------------------------------------
+
+def tgi_max_new_tokens(srv, tok):
+    assert gen(srv, max_new_tokens=3)["details"]["generated_tokens"] == 3
+
+
+def tgi_sampling_rule(srv, tok):
+    """temperature, top_k, top_p, typical_p each switch sampling on (TGI's rule); temperature 0 is greedy."""
+    greedy = gen(srv)
+    assert greedy["details"]["seed"] is None
+    for field, value in (("temperature", 1.3), ("top_k", 50), ("top_p", 0.95), ("typical_p", 0.95)):
+        a, b = gen(srv, **{field: value, "seed": 1}), gen(srv, **{field: value, "seed": 2})
+        assert a["details"]["seed"] == 1 and b["details"]["seed"] == 2, field
+        assert a["generated_text"] != b["generated_text"], field
+    assert gen(srv, temperature=1.3, seed=1)["generated_text"] == gen(srv, temperature=1.3, seed=1)["generated_text"]
+    assert gen(srv, temperature=0, do_sample=True, seed=1)["generated_text"] == greedy["generated_text"]
+    assert gen(srv, do_sample=True, seed=3)["details"]["seed"] == 3
+
+
+def tgi_top_k_one_is_greedy(srv, tok):
+    assert gen(srv, top_k=1, seed=5)["generated_text"] == gen(srv)["generated_text"]
+
+
+def tgi_stop(srv, tok):
+    full = gen(srv)["generated_text"]
+    out = gen(srv, stop=[full[8:12]])
+    assert out["generated_text"] == full[: full.index(full[8:12])] and out["details"]["finish_reason"] == "stop_sequence"
+
+
+def tgi_repetition_penalty(srv, tok):
+    assert gen(srv, repetition_penalty=1.3)["generated_text"] != gen(srv)["generated_text"]
+
+
+def tgi_frequency_penalty(srv, tok):
+    base, pen = gen(srv), gen(srv, frequency_penalty=2.0)
+    assert pen["generated_text"] != base["generated_text"]
+    assert pen["generated_text"].count("Israel") < base["generated_text"].count("Israel")
+
+
+def tgi_truncate(srv, tok):
+    long = "In the beginning God created the heaven"
+    out = gen(srv, inputs=long, truncate=3, decoder_input_details=True)
+    kept = tok.encode(long)[-3:]
+    assert [t["id"] for t in out["details"]["prefill"]] == kept
+    assert out["generated_text"] == text(cmpl(srv, prompt=kept))
+    assert out["generated_text"] != gen(srv, inputs=long)["generated_text"]
+
+
+def tgi_top_n_tokens(srv, tok):
+    out = gen(srv, top_n_tokens=3)
+    tops, tokens = out["details"]["top_tokens"], out["details"]["tokens"]
+    assert len(tops) == len(tokens) == 10
+    for top, token in zip(tops, tokens):
+        assert len(top) == 3 and top[0]["id"] == token["id"]  # greedy: the chosen token is the most likely
+        assert top[0]["logprob"] == pytest.approx(token["logprob"])
+        assert [t["logprob"] for t in top] == sorted((t["logprob"] for t in top), reverse=True)
+    events = sse(srv, "/generate_stream", {"inputs": PROMPT, "parameters": {"max_new_tokens": 4, "top_n_tokens": 2}})
+    assert [len(e["top_tokens"]) for e in events] == [2, 2, 2, 2]
+    assert "top_tokens" not in gen(srv)["details"]
+
+
+def tgi_best_of(srv, tok):
+    out = gen(srv, best_of=2, do_sample=True)
+    others = out["details"]["best_of_sequences"]
+    assert len(others) == 1
+    best = sum(t["logprob"] for t in out["details"]["tokens"])
+    assert best >= sum(t["logprob"] for t in others[0]["tokens"])
+    assert out["details"]["seed"] != others[0]["seed"]
+    refused(srv, "/generate", {"inputs": PROMPT, "parameters": {"best_of": 2}}, "best_of", 422)
+    refused(srv, "/generate", {"inputs": PROMPT, "parameters": {"best_of": 2, "do_sample": True, "seed": 1}},
+            "seed", 422)
+    refused(srv, "/generate_stream", {"inputs": PROMPT, "parameters": {"best_of": 2, "do_sample": True}},
+            "best_of", 422)
+
+
+def tgi_details(srv, tok):
+    assert "details" not in post(srv, "/generate", {"inputs": PROMPT, "parameters": {"max_new_tokens": 2}})
+    assert gen(srv)["details"]["generated_tokens"] == 10
+
+
+def tgi_decoder_input_details(srv, tok):
+    assert gen(srv)["details"]["prefill"] == []
+    prefill = gen(srv, decoder_input_details=True)["details"]["prefill"]
+    assert [t["id"] for t in prefill] == tok.encode(PROMPT) and prefill[0]["logprob"] is None
+
+
+def tgi_return_full_text(srv, tok):
+    assert gen(srv, return_full_text=True)["generated_text"] == PROMPT + gen(srv)["generated_text"]
+
+
+def tgi_seed(srv, tok):
+    assert gen(srv, do_sample=True, seed=9)["generated_text"] == gen(srv, do_sample=True, seed=9)["generated_text"]
+
+
+def tgi_kv_backend(srv, tok):
+    refused(srv, "/generate", {"inputs": PROMPT, "parameters": {"kv_backend": "nope"}}, "kv_backend", 422)
+
+
+def tgi_stream(srv, tok):
+    events = sse(srv, "/generate", {"inputs": PROMPT, "parameters": {"max_new_tokens": 3}, "stream": True})
+    assert len(events) == 3 and events[-1]["generated_text"] == gen(srv, max_new_tokens=3)["generated_text"]
+
+
+def tgi_inputs(srv, tok):
+    assert gen(srv, inputs="In the beginning")["generated_text"] != gen(srv)["generated_text"]
+
+
+TGI_CASES = {
+    "inputs": tgi_inputs, "stream": tgi_stream, "max_new_tokens": tgi_max_new_tokens, "temperature": tgi_sampling_rule,
+    "top_p": tgi_sampling_rule, "top_k": tgi_top_k_one_is_greedy, "typical_p": tgi_sampling_rule,
+    "do_sample": tgi_sampling_rule, "seed": tgi_seed, "stop": tgi_stop, "repetition_penalty": tgi_repetition_penalty,
+    "frequency_penalty": tgi_frequency_penalty, "truncate": tgi_truncate, "top_n_tokens": tgi_top_n_tokens,
+    "best_of": tgi_best_of, "details": tgi_details, "decoder_input_details": tgi_decoder_input_details,
+    "return_full_text": tgi_return_full_text, "kv_backend": tgi_kv_backend,
+}
+
+
+# ---- OpenAI ----------------------------------------------------------------------------------------
+
+def oa_prompt_forms(srv, tok):
+    ids = tok.encode(PROMPT)
+    one = cmpl(srv)["choices"][0]["text"]
+    assert cmpl(srv, prompt=ids)["choices"][0]["text"] == one
+    out = cmpl(srv, prompt=[PROMPT, "In the beginning"])
+    assert [c["index"] for c in out["choices"]] == [0, 1] and out["choices"][0]["text"] == one
+    assert out["choices"][1]["text"] == cmpl(srv, prompt="In the beginning")["choices"][0]["text"]
+    out = cmpl(srv, prompt=[ids, tok.encode("In the beginning")])
+    assert [c["text"] for c in out["choices"]] == [one, out["choices"][1]["text"]] and len(out["choices"]) == 2
+    assert out["usage"]["prompt_tokens"] == len(ids) + len(tok.encode("In the beginning"))
+    refused(srv, "/v1/completions", {"prompt": [tok.vocab_size + 5]}, "prompt", 400)
+
+
+def oa_max_tokens(srv, tok):
+    assert cmpl(srv, max_tokens=3)["usage"]["completion_tokens"] == 3
+    assert cmpl(srv, max_tokens=9, max_completion_tokens=4)["usage"]["completion_tokens"] == 4
+    assert chat(srv, max_tokens=None, max_completion_tokens=5)["usage"]["completion_tokens"] == 5
+    # the defaults the README states: 16 for completions (OpenAI's), 100 for chat (as /generate)
+    assert cmpl(srv, max_tokens=None, ignore_eos=True)["usage"]["completion_tokens"] == 16
+    assert chat(srv, max_tokens=None, ignore_eos=True)["usage"]["completion_tokens"] == 100
+
+
+def oa_temperature_seed_n(srv, tok):
+    a = cmpl(srv, temperature=1.0, seed=7, n=2)
+    assert [c["index"] for c in a["choices"]] == [0, 1]
+    for j in range(2):  # choice j uses seed + j
+        assert a["choices"][j]["text"] == cmpl(srv, temperature=1.0, seed=7 + j)["choices"][0]["text"]
+    assert a["choices"][0]["text"] != a["choices"][1]["text"]
+    out = cmpl(srv, prompt=[PROMPT, "In the beginning"], n=2)
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+    c = chat(srv, n=3, temperature=1.0, seed=1)
+    assert [x["index"] for x in c["choices"]] == [0, 1, 2]
+
+
+def oa_top_p(srv, tok):
+    greedy = cmpl(srv)["choices"][0]["text"]
+    assert cmpl(srv, temperature=1.0, top_p=1e-6, seed=3)["choices"][0]["text"] == greedy
+
+
+def oa_top_k(srv, tok):
+    greedy = cmpl(srv)["choices"][0]["text"]
+    assert cmpl(srv, temperature=1.0, top_k=1, seed=3)["choices"][0]["text"] == greedy
+
+
+def oa_stop(srv, tok):
+    full = cmpl(srv)["choices"][0]["text"]
+    for stop in (full[8:12], [full[8:12], "zzz"]):
+        out = cmpl(srv, stop=stop)["choices"][0]
+        assert out["text"] == full[: full.index(full[8:12])] and out["finish_reason"] == "stop"
+
+
+def oa_penalties(srv, tok):
+    base = cmpl(srv, max_tokens=12)["choices"][0]["text"]
+    for field in ("frequency_penalty", "presence_penalty"):
+        out = cmpl(srv, max_tokens=12, **{field: 2.0})["choices"][0]["text"]
+        assert out.count("Israel") < base.count("Israel"), (field, out)
+    assert cmpl(srv, max_tokens=12, repetition_penalty=1.3)["choices"][0]["text"] != base
+
+
+def oa_logit_bias(srv, tok):
+    target = tok.encode(" light")[0]
+    out = cmpl(srv, max_tokens=3, logit_bias={str(target): 100}, logprobs=0)
+    assert out["choices"][0]["logprobs"]["tokens"] == [" light"] * 3
+
+
+def oa_eos_controls(srv, tok):
+    force_eos = {str(EOS): 100}
+    out = cmpl(srv, logit_bias=force_eos)
+    assert out["usage"]["completion_tokens"] == 1 and out["choices"][0]["finish_reason"] == "stop"
+    out = cmpl(srv, logit_bias=force_eos, min_tokens=4)
+    assert out["usage"]["completion_tokens"] == 5 and out["choices"][0]["finish_reason"] == "stop"
+    out = cmpl(srv, logit_bias=force_eos, ignore_eos=True, max_tokens=6)
+    assert out["usage"]["completion_tokens"] == 6 and out["choices"][0]["finish_reason"] == "length"
+    refused(srv, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "min_tokens": 3}, "min_tokens", 400)
+
+
+def oa_echo_logprobs(srv, tok, ref_model=None):
+    ids = tok.encode(PROMPT)
+    out = cmpl(srv, max_tokens=0, echo=True, logprobs=2)
+    choice = out["choices"][0]
+    assert choice["text"] == PROMPT and out["usage"]["completion_tokens"] == 0
+    lp = choice["logprobs"]
+    assert lp["tokens"] == [tok.decode([i]) for i in ids] and lp["token_logprobs"][0] is None
+    assert lp["text_offset"] == [0, 3, 7] and lp["top_logprobs"][0] is None
+    assert all(len(top) in (2, 3) for top in lp["top_logprobs"][1:])
+    gen_ = cmpl(srv, max_tokens=3, logprobs=1)["choices"][0]
+    assert len(gen_["logprobs"]["tokens"]) == 3 and "".join(gen_["logprobs"]["tokens"]) == gen_["text"]
+    for token, logprob, top in zip(*(gen_["logprobs"][k] for k in ("tokens", "token_logprobs", "top_logprobs"))):
+        assert top[token] == logprob == max(top.values())  # greedy: the chosen token is the most likely
+    assert cmpl(srv, echo=True, max_tokens=2)["choices"][0]["text"].startswith(PROMPT)
+
+
+def oa_best_of(srv, tok):
+    out = cmpl(srv, temperature=1.0, best_of=3, n=1, logprobs=0, seed=4)
+    best = sum(out["choices"][0]["logprobs"]["token_logprobs"])
+    for j in range(3):
+        other = cmpl(srv, temperature=1.0, seed=4 + j, logprobs=0)["choices"][0]["logprobs"]["token_logprobs"]
+        assert best >= sum(other) - 1e-6
+    refused(srv, "/v1/completions", {"prompt": PROMPT, "best_of": 2, "stream": True}, "best_of", 400)
+
+
+def oa_stream(srv, tok):
+    whole = cmpl(srv)["choices"][0]["text"]
+    chunks = sse(srv, "/v1/completions", {"prompt": PROMPT, "max_tokens": 10, "temperature": 0, "stream": True,
+                                          "stream_options": {"include_usage": True}})
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == whole
+    assert chunks[-1]["usage"]["completion_tokens"] == 10
+    chunks = sse(srv, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+                                               "temperature": 0, "stream": True})
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[-1]["choices"][0]["delta"] == {} and chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def oa_chat_messages(srv, tok):
+    parts = chat(srv, messages=[{"role": "user", "content": [{"type": "text", "text": "Who made "},
+                                                             {"type": "text", "text": "light?"}]}])
+    assert text(parts) == text(chat(srv))
+    assert text(chat(srv, messages=[{"role": "user", "content": "In the beginning"}])) != text(chat(srv))
+    refused(srv, "/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages[0].content[0].type", 400)
+
+
+def oa_chat_logprobs(srv, tok):
+    out = chat(srv, logprobs=True, top_logprobs=2)["choices"][0]
+    content = out["logprobs"]["content"]
+    assert "".join(c["token"] for c in content) == out["message"]["content"]
+    for c in content:
+        assert len(c["top_logprobs"]) == 2 and c["top_logprobs"][0]["logprob"] == pytest.approx(c["logprob"])
+        assert c["bytes"] == list(c["token"].encode())
+    assert chat(srv)["choices"][0]["logprobs"] is None
+    refused(srv, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+            "top_logprobs", 400)
+
+
+def oa_kv_backend(srv, tok):
+    refused(srv, "/v1/completions", {"prompt": PROMPT, "kv_backend": "nope"}, "kv_backend", 400)
+
+
+def oa_model_user(srv, tok):
+    """`model` names the served model (one is served); `user` is informational (as in OpenAI): same output."""
+    assert text(cmpl(srv, model="anything", user="u1")) == text(cmpl(srv))
+
+
+OPENAI_CASES = {
+    "prompt": oa_prompt_forms, "max_tokens": oa_max_tokens, "max_completion_tokens": oa_max_tokens,
+    "temperature": oa_temperature_seed_n, "seed": oa_temperature_seed_n, "n": oa_temperature_seed_n,
+    "top_p": oa_top_p, "top_k": oa_top_k, "stop": oa_stop, "frequency_penalty": oa_penalties,
+    "presence_penalty": oa_penalties, "repetition_penalty": oa_penalties, "logit_bias": oa_logit_bias,
+    "ignore_eos": oa_eos_controls, "min_tokens": oa_eos_controls, "echo": oa_echo_logprobs,
+    "logprobs": oa_echo_logprobs, "best_of": oa_best_of, "stream": oa_stream, "stream_options": oa_stream,
+    "messages": oa_chat_messages, "top_logprobs": oa_chat_logprobs, "kv_backend": oa_kv_backend,
+    "model": oa_model_user, "user": oa_model_user,
+}
+
+
+def test_every_documented_field_is_covered():
+    """Adding a field to a request schema without a case here fails this test."""
+    tgi = set(TGIParameters.model_fields) | set(TGIRequest.model_fields) - {"parameters"}
+    assert tgi == set(TGI_CASES)
+    assert set(CompletionRequest.model_fields) | set(ChatRequest.model_fields) == set(OPENAI_CASES)
+
+
+@pytest.mark.parametrize("case", sorted(set(TGI_CASES.values()) | set(OPENAI_CASES.values()), key=lambda f: f.__name__),
+                         ids=lambda f: f.__name__)
+def test_field_has_its_effect(server, tok, case):
+    case(server, tok)
+
+
+def test_chat_logprobs_field(server, tok):
+    oa_chat_logprobs(server, tok)  # `logprobs` on chat (a bool there)
+
+
+REFUSED_OPENAI = {"suffix": "x", "response_format": {"type": "json_object"}, "tools": [{"type": "function"}],
+                  "tool_choice": "auto", "functions": [{"name": "f"}], "parallel_tool_calls": True,
+                  "audio": {"voice": "x"}, "made_up_field": 1}
+REFUSED_TGI = {"grammar": {"type": "json", "value": {}}, "watermark": True, "adapter_id": "x", "made_up": 1}
+
+
+@pytest.mark.parametrize("field,value", REFUSED_OPENAI.items(), ids=list(REFUSED_OPENAI))
+def test_unimplemented_openai_fields_are_400_naming_them(server, field, value):
+    refused(server, "/v1/completions", {"prompt": PROMPT, field: value}, field, 400)
+    refused(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], field: value}, field, 400)
+
+
+@pytest.mark.parametrize("field,value", REFUSED_TGI.items(), ids=list(REFUSED_TGI))
+def test_unimplemented_tgi_fields_are_422_naming_them(server, field, value):
+    refused(server, "/generate", {"inputs": PROMPT, "parameters": {field: value}}, field, 422)
+
+
+def test_unset_unimplemented_fields_ask_for_nothing(server):
+    """Clients send unset fields as null/false/[]: accepted, same output."""
+    base = gen(server)["generated_text"]
+    assert gen(server, grammar=None, watermark=False, adapter_id=None)["generated_text"] == base
+    assert text(cmpl(server, suffix=None, tools=[], parallel_tool_calls=False)) == text(cmpl(server))
+
+
+FLOATS_TGI = ["temperature", "top_p", "typical_p", "repetition_penalty", "frequency_penalty"]
+FLOATS_OPENAI = ["temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"]
+
+
+@pytest.mark.parametrize("raw", ["Infinity", "-Infinity", "NaN", "1e400"])
+def test_non_finite_numbers_are_refused_naming_the_field(server, raw):
+    for field in FLOATS_TGI:
+        body = '{"inputs": "a", "parameters": {"%s": %s}}' % (field, raw)
+        r = httpx.post(server.url + "/generate", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 422 and field in r.json()["error"], (field, raw, r.text)
+    for field in FLOATS_OPENAI:
+        body = '{"prompt": "a", "max_tokens": 1, "%s": %s}' % (field, raw)
+        r = httpx.post(server.url + "/v1/completions", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, raw, r.text)
+    body = '{"prompt": "a", "logit_bias": {"5": %s}}' % raw
+    r = httpx.post(server.url + "/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "logit_bias" in r.json()["error"]["param"]
+
+
+def test_post_root_answers_a_one_element_list(server):
+    out = post(server, "/", {"inputs": PROMPT, "parameters": {"max_new_tokens": 4}})
+    assert isinstance(out, list) and len(out) == 1
+    assert out[0]["generated_text"] == gen(server, max_new_tokens=4)["generated_text"]
+
+
+def test_echo_logprobs_equal_the_models(server, tok, ref_model):
+    """The prompt log-probabilities of ``echo`` + ``max_tokens: 0`` equal model(...)'s within 1e-4."""
+    model, _ = ref_model
+    prompt = "In the beginning God created the heaven and the earth."
+    ids = tok.encode(prompt)
+    lp = cmpl(server, prompt=ids, max_tokens=0, echo=True, logprobs=1)["choices"][0]["logprobs"]["token_logprobs"]
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].float(), -1)
+    want = ref.gather(1, torch.tensor(ids[1:]).unsqueeze(1)).squeeze(1).tolist()
+    assert lp[0] is None and lp[1:] == pytest.approx(want, abs=1e-4)

@@ -1,0 +1,199 @@
+"""Real client libraries, unchanged, against a real server on 127.0.0.1: langchain-openai, LiteLLM,
+text-generation (Client and AsyncClient) and huggingface_hub's InferenceClient. Results checked by value.
+
+text-generation 0.7.0 pins ``huggingface_hub<1``, which transformers 5 cannot use; it is installed
+without its dependencies into ``.venv-clients/text-generation`` (once) and run in a subprocess with that
+folder on ``PYTHONPATH``, where it works with the project's own huggingface_hub, pydantic and aiohttp.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # LiteLLM would fetch a price list at import
+
+MESSAGES = [{"role": "user", "content": "Who made light?"}]
+TEXT_GENERATION = "text-generation==0.7.0"
+TEXT_GENERATION_DIR = REPO / ".venv-clients" / "text-generation"
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def reference_chat(oai, max_tokens: int) -> str:
+    out = oai.chat.completions.create(model="m", messages=MESSAGES, max_tokens=max_tokens, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    return out.choices[0].message.content
+
+
+def reference_completion(oai, prompt: str, max_tokens: int) -> str:
+    return oai.completions.create(model="m", prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                  extra_body={"ignore_eos": True}).choices[0].text
+
+
+def test_langchain_chat_openai(server, oai):
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(base_url=server.url + "/v1", api_key="unused", model="kjv-llama-mha", max_tokens=12,
+                     temperature=0, max_retries=0, extra_body={"ignore_eos": True})
+    out = llm.invoke(MESSAGES)
+    assert out.content == reference_chat(oai, 12)  # max_tokens arrives (as max_completion_tokens) and is kept
+    assert out.response_metadata["token_usage"]["completion_tokens"] == 12
+    assert "".join(chunk.content for chunk in llm.stream(MESSAGES)) == out.content
+    batch = llm.batch([MESSAGES, [{"role": "user", "content": "In the beginning"}]])
+    assert batch[0].content == out.content and len(batch) == 2
+
+
+def test_langchain_openai_completions(server, oai):
+    from langchain_openai import OpenAI
+
+    llm = OpenAI(base_url=server.url + "/v1", api_key="unused", model="kjv-llama-mha", max_tokens=8,
+                 temperature=0, max_retries=0, extra_body={"ignore_eos": True})
+    prompts = ["And God said", "In the beginning"]
+    want = [reference_completion(oai, p, 8) for p in prompts]
+    assert llm.invoke(prompts[0]) == want[0]
+    assert "".join(llm.stream(prompts[0])) == want[0]
+    assert llm.batch(prompts) == want  # one request with a list of two prompts
+
+
+def test_litellm_openai_and_text_completion_providers(server, oai):
+    import litellm
+
+    base = dict(api_base=server.url + "/v1", api_key="unused", temperature=0, max_tokens=8, ignore_eos=True)
+    want = reference_chat(oai, 8)
+    out = litellm.completion(model="openai/kjv-llama-mha", messages=MESSAGES, **base)
+    assert out.choices[0].message.content == want and out.usage.completion_tokens == 8
+    stream = litellm.completion(model="openai/kjv-llama-mha", messages=MESSAGES, stream=True, **base)
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == want
+    out = litellm.completion(model="openai/kjv-llama-mha", messages=MESSAGES, logprobs=True, top_logprobs=2, **base)
+    content = out.choices[0].logprobs["content"] if isinstance(out.choices[0].logprobs, dict) else \
+        out.choices[0].logprobs.content
+    assert len(content) == 8
+
+    want = reference_completion(oai, "And God said", 8)
+    out = litellm.text_completion(model="text-completion-openai/kjv-llama-mha", prompt="And God said", **base)
+    assert out.choices[0].text == want
+    stream = litellm.text_completion(model="text-completion-openai/kjv-llama-mha", prompt="And God said",
+                                     stream=True, **base)
+    assert "".join(c.choices[0].text or "" for c in stream) == want
+
+
+TGI_CLIENT_SCRIPT = r"""
+import asyncio, json, sys
+from text_generation import AsyncClient, Client
+
+url = sys.argv[1]
+client, aclient = Client(url, timeout=120), AsyncClient(url, timeout=120)
+out = {}
+r = client.generate("And God said", max_new_tokens=8)
+out["generate"] = [r.generated_text, r.details.generated_tokens, r.details.finish_reason]
+out["stream"] = [s.token.text for s in client.generate_stream("And God said", max_new_tokens=8)]
+s1 = client.generate("And God said", max_new_tokens=8, temperature=0.7, seed=1)
+s2 = client.generate("And God said", max_new_tokens=8, temperature=0.7, seed=2)
+out["sampled"] = [s1.generated_text, s1.details.seed, s2.generated_text, s2.details.seed]
+t = client.generate("And God said", max_new_tokens=4, top_n_tokens=2, decoder_input_details=True)
+out["top_tokens"] = [[tok.id for tok in top] for top in t.details.top_tokens]
+out["prefill"] = [p.id for p in t.details.prefill]
+
+async def run_async():
+    r = await aclient.generate("And God said", max_new_tokens=8)
+    pieces = [s.token.text async for s in aclient.generate_stream("And God said", max_new_tokens=8)]
+    return [r.generated_text, pieces]
+
+out["async"] = asyncio.run(run_async())
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def text_generation_path():
+    if not (TEXT_GENERATION_DIR / "text_generation").is_dir():
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target",
+                        str(TEXT_GENERATION_DIR), TEXT_GENERATION], check=True, timeout=300)
+    return TEXT_GENERATION_DIR
+
+
+def test_text_generation_client_and_async_client(server, text_generation_path):
+    import httpx
+
+    run = subprocess.run([sys.executable, "-c", TGI_CLIENT_SCRIPT, server.url], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "PYTHONPATH": str(text_generation_path)})
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    ref = httpx.post(server.url + "/generate", json={"inputs": "And God said", "parameters": {
+        "max_new_tokens": 8, "details": True, "top_n_tokens": 2, "decoder_input_details": True}}, timeout=60).json()
+    text = ref["generated_text"]
+    assert out["generate"] == [text, 8, "length"]
+    assert "".join(out["stream"]) == text and len(out["stream"]) == 8
+    s1, seed1, s2, seed2 = out["sampled"]
+    assert (seed1, seed2) == (1, 2) and s1 != s2  # temperature 0.7 samples (TGI's rule), seeded
+    assert out["top_tokens"] == [[t["id"] for t in top] for top in ref["details"]["top_tokens"][:4]]
+    assert out["prefill"] == [t["id"] for t in ref["details"]["prefill"]]
+    assert out["async"] == [text, out["stream"]]
+
+
+def test_inference_client_text_generation_and_chat(server, oai):
+    from huggingface_hub import InferenceClient
+
+    hf = InferenceClient(base_url=server.url, timeout=120)
+    a = hf.text_generation("And God said", max_new_tokens=8, temperature=0.7, seed=1, details=True)
+    b = hf.text_generation("And God said", max_new_tokens=8, temperature=0.7, seed=2, details=True)
+    assert a.details.seed == 1 and b.details.seed == 2 and a.generated_text != b.generated_text
+    again = hf.text_generation("And God said", max_new_tokens=8, temperature=0.7, seed=1)
+    assert again == a.generated_text
+    chat_client = InferenceClient(base_url=server.url + "/v1", timeout=120)
+    out = chat_client.chat_completion(MESSAGES, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    assert out.choices[0].message.content == reference_chat(oai, 8)
+    pieces = chat_client.chat_completion(MESSAGES, max_tokens=8, temperature=0, stream=True,
+                                         extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].delta.content or "" for c in pieces) == out.choices[0].message.content
+
+
+def test_openai_async_client_many_prompts(server):
+    from openai import AsyncOpenAI
+
+    async def main():
+        client = AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        out = await client.completions.create(model="m", prompt=["And God said", "In the beginning"], max_tokens=4,
+                                              temperature=0, n=2, logprobs=1)
+        return out
+
+    out = asyncio.run(main())
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert out.choices[0].text == out.choices[1].text and len(out.choices[2].logprobs.tokens) == 4
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+def test_guidellm_synchronous_run(server, route, tmp_path):
+    """GuideLLM's CLI, its defaults but for a short synchronous run: streams with ``max_completion_tokens``
+    (chat) or ``max_tokens``, ``ignore_eos`` and ``continuous_usage_stats``; every request ends without
+    error after exactly the requested 8 tokens."""
+    out = tmp_path / "guidellm.json"
+    run = subprocess.run([
+        str(REPO / ".venv" / "bin" / "guidellm") if (REPO / ".venv" / "bin" / "guidellm").exists() else "guidellm",
+        "run", "--backend", f"kind=openai_http,target={server.url},model=kjv-llama-mha,request_format={route}",
+        "--profile", "kind=synchronous", "--constraint", "kind=max_requests,count=4",
+        "--data", "kind=synthetic_text,prompt_tokens=16,output_tokens=8",
+        "--tokenizer", f"kind=hf_auto,model={REPO / 'models' / 'kjv-llama-mha'}",
+        "--output", f"kind=json,path={out}", "--disable-console"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    requests = json.loads(out.read_text())["benchmarks"][0]["requests"]
+    assert len(requests["errored"]) == 0 and len(requests["incomplete"]) == 0
+    assert len(requests["successful"]) == 4
+    for r in requests["successful"]:
+        body = json.loads(r["request_args"])["body"]
+        assert body["ignore_eos"] is True and body.get("max_completion_tokens", body.get("max_tokens")) == 8
+        assert r["output_tokens"] == 8 and r["output"]
