@@ -32,8 +32,8 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_SPECS = ["full", "gqa:groups=4,method=mean", "gqa:groups=4,method=pca", "gqa:groups=2,method=mean",
                  "gqa:groups=2,method=pca", "mla:rank=128", "mla:rank=64", "mla:rank=32",
                  "int8:group_size=32,residual=32", "int8:group_size=64,residual=64",
-                 "dca:threshold=0.98,align=linear", "dca:threshold=0.9,align=none",
-                 "gqa+int8:groups=4", "mla+int8:rank=64", "dca+int8:threshold=0.98", "dca+mla:threshold=0.98,rank=128"]
+                 "dca:threshold=0.95,align=linear", "dca:threshold=0.9,align=none",
+                 "gqa+int8:groups=4", "mla+int8:rank=64", "dca+int8:threshold=0.95", "dca+mla:threshold=0.95,rank=128"]
 QUICK_SPECS = ["full", "gqa:groups=2,method=pca", "mla:rank=64", "int8", "dca"]
 # Scoring sizes. Perplexity is scored token by token through each backend's decode path on the last
 # 1024 - prefix tokens of each window (where a compressed cache holds the most tokens); 6 windows x 256

@@ -335,7 +335,8 @@ class DCABackend(KVBackend):
 
     Args:
         geometry: the model's attention shape.
-        threshold: similarity at or above which a layer reuses its source (``KV_DCA_THRESHOLD``, 0.98);
+        threshold: similarity at or above which a layer reuses its source (``KV_DCA_THRESHOLD``, 0.95;
+            the RoPE-commuting map reaches 0.96-0.98 on the reference model);
             above 1 nothing is reused.
         probe_interval: decode steps between checks of a reuse layer (``KV_DCA_PROBE_INTERVAL``, 16).
         align: ``linear`` (fitted map) or ``none`` (``KV_DCA_ALIGN``).
@@ -346,7 +347,7 @@ class DCABackend(KVBackend):
 
     name = "dca"
 
-    def __init__(self, geometry: ModelGeometry, threshold: float = 0.98, probe_interval: int = 16,
+    def __init__(self, geometry: ModelGeometry, threshold: float = 0.95, probe_interval: int = 16,
                  align: str = "linear", inner: KVBackend | None = None):
         if probe_interval < 1:
             raise ValueError(f"KV_DCA_PROBE_INTERVAL={probe_interval} must be >= 1")
