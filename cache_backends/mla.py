@@ -27,8 +27,8 @@ import torch
 from tqdm import tqdm
 
 from cache_backends.attention import BatchRead, causal_mask, grouped_query, ungroup
-from cache_backends.base import (FullStorage, KVBackend, KVLayer, KVStore, ModelGeometry, StreamPairLayer, make_storage,
-                                 storage_reserved_bytes)
+from cache_backends.base import KVBackend, KVLayer, KVStore, ModelGeometry, make_storage, storage_reserved_bytes
+from cache_backends.full import FullLayer
 from cache_backends.estimate import int8_latent_bytes_per_token_per_layer, mla_bytes_per_token_per_layer
 from cache_backends.rope import RopeTable
 
@@ -145,21 +145,11 @@ class MLALayer(KVLayer):
         return self.latent.allocated_bytes()
 
 
-class NativeLatentLayer(StreamPairLayer):
-    """A native-MLA model's own cache entries, appended in place: the latent c_KV (1, 1, T, kv_lora_rank)
-    in ``key_store`` and the shared rope key (1, 1, T, qk_rope_head_dim) in ``value_store``. Decode
-    attends to them with absorbed attention (:class:`AbsorbedRead`)."""
-
-    def __init__(self):
-        super().__init__()
-        self.key_store, self.value_store = FullStorage(), FullStorage()
-
-    def append(self, latent: torch.Tensor, rope_key: torch.Tensor) -> None:
-        self.key_store.append(latent)
-        self.value_store.append(rope_key)
-
-    def materialize(self):
-        return self.key_store.read(), self.value_store.read()
+class NativeLatentLayer(FullLayer):
+    """A native-MLA model's own cache entries, appended in place: what the model hands as "keys" is the
+    latent c_KV (1, 1, T, kv_lora_rank) and as "values" the shared rope key (1, 1, T, qk_rope_head_dim).
+    Decode attends to them with absorbed attention (:class:`AbsorbedRead`), never through
+    :meth:`FullLayer.attend`."""
 
 
 class AbsorbedRead:
