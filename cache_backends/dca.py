@@ -105,8 +105,14 @@ class LayerMap:
 
     def _rotated_bias(self, start: int, n: int, dtype) -> torch.Tensor:
         """The key bias after RoPE at positions start .. start + n - 1: (H, n, d)."""
-        h, d = self.key_bias.shape
-        return self.rope.apply(self.key_bias.to(dtype)[:, None, :].expand(h, n, d), start)
+        stop = start + n
+        table = getattr(self, "_bias_table", None)
+        if table is None or table.shape[1] < stop or table.dtype != dtype:  # a per-model constant, grown x2
+            h, d = self.key_bias.shape
+            size = max(stop, 2 * table.shape[1] if table is not None else 1024)
+            table = self.rope.apply(self.key_bias.to(dtype)[:, None, :].expand(h, size, d), 0)
+            self._bias_table = table
+        return table[:, start:stop]
 
     def predict(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(1, H, n, d) source K (after RoPE) and V at positions start.. → predicted K (after RoPE) and V."""

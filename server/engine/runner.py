@@ -20,20 +20,6 @@ from cache_backends.attention import install as install_attention
 from cache_backends.base import KVStore
 
 
-class RaggedView(Cache):
-    """Several sequences' KV stores seen by the model as one cache for a decode step (no padding)."""
-
-    def __init__(self, stores: list[KVStore], num_layers: int):
-        self.stores = stores
-        self.lengths = [s.num_tokens() for s in stores]
-        past = max(self.lengths)
-        super().__init__(layers=[_RaggedLayerView(stores, i, past) for i in range(num_layers)])
-
-    def skip_kv_projection(self, layer_idx: int) -> bool:
-        """Skip only when every sequence in the batch may skip (else all compute, and those that reuse ignore it)."""
-        return all(s.skip_kv_projection(layer_idx) for s in self.stores)
-
-
 class _BatchedLayerView(CacheLayerMixin):
     """One layer of :class:`BatchedView`: fans the batch's new K/V out to each sequence's store."""
 
@@ -106,15 +92,23 @@ class _RaggedLayerView(_BatchedLayerView):
 class BatchedView(Cache):
     """Several sequences' KV stores seen by the model as one left-padded batch cache (one decode step)."""
 
+    layer_view = _BatchedLayerView
+
     def __init__(self, stores: list[KVStore], num_layers: int):
         self.stores = stores
         self.lengths = [s.num_tokens() for s in stores]
         past = max(self.lengths)
-        super().__init__(layers=[_BatchedLayerView(stores, i, past) for i in range(num_layers)])
+        super().__init__(layers=[self.layer_view(stores, i, past) for i in range(num_layers)])
 
     def skip_kv_projection(self, layer_idx: int) -> bool:
         """Skip only when every sequence in the batch may skip (else all compute, and those that reuse ignore it)."""
         return all(s.skip_kv_projection(layer_idx) for s in self.stores)
+
+
+class RaggedView(BatchedView):
+    """Several sequences' KV stores seen by the model as one cache for a decode step (no padding)."""
+
+    layer_view = _RaggedLayerView
 
 
 class ModelRunner:
