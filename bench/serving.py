@@ -10,6 +10,14 @@ Two comparisons, in one run, on the same model, prompt and machine:
    Aggregate tokens/s = all tokens received / wall time from the first request sent to the last
    stream closed. TTFT = request sent → first token received, per stream.
 
+3. Static batching: ``model.generate()`` on a batch of N copies of the prompt (the throughput a user gets
+   by batching offline), aggregate tokens/s = N x tokens / wall time, best of ``--repeats``.
+4. Inter-token latency of running streams while long prompts arrive: 8 streams decode, then 4 requests
+   with ~900-token prompts arrive; ITL p50/p95 of the running streams from the first arrival to the end,
+   with chunked prefill (``MAX_NUM_BATCHED_TOKENS``, default 256) and without (0: whole prompts).
+5. Single-stream llama.cpp (``--gguf``, needs ``llama-cpp-python``): decode tokens/s on the same weights
+   with f16 KV and with q8_0 KV + flash attention.
+
 Servers run one at a time on 127.0.0.1 (never both at once), so they do not share the CPU.
 This is a benchmark, not a test: run it with ``python -m bench.serving`` (see ``--help``).
 """
@@ -136,6 +144,73 @@ def bench_generate(model_dir: str, tokens: int, repeats: int) -> float:
     return best
 
 
+def bench_generate_static(model_dir: str, streams: int, tokens: int, repeats: int) -> float:
+    """transformers generate() on a static batch of ``streams`` copies of the prompt: aggregate tokens/s."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = tok([PROMPT] * streams, return_tensors="pt").input_ids
+    best = 0.0
+    for _ in range(repeats):
+        t = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+                           pad_token_id=tok.eos_token_id)
+        best = max(best, streams * tokens / (time.perf_counter() - t))
+    return best
+
+
+def long_prompts(model_dir: str, n: int, tokens: int) -> list[str]:
+    """``n`` different ~``tokens``-token texts from the model's held-out slice."""
+    from transformers import AutoTokenizer
+
+    from bench.quality import EVAL_SLICE, slice_token_ids
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ids = slice_token_ids(Path(model_dir) / EVAL_SLICE, tok)
+    return [tok.decode(ids[i * tokens:(i + 1) * tokens]) for i in range(n)]
+
+
+async def _long_arrival(url: str, prompts: list[str], running: int, tokens: int) -> dict:
+    """``running`` streams decode ``tokens`` tokens; after their first tokens, ``prompts`` arrive (8 new tokens
+    each). Returns ITL p50/p95 (seconds) of the running streams' gaps that end after the first arrival."""
+    async with httpx.AsyncClient(timeout=600) as client:
+        streams = [asyncio.create_task(_stream_kvserve(client, url, tokens)) for _ in range(running)]
+        await asyncio.sleep(1.0)
+        arrival = time.perf_counter()
+        long = [asyncio.create_task(client.post(url + "/generate", json={
+            "inputs": p, "parameters": {"max_new_tokens": 8}})) for p in prompts]
+        results = await asyncio.gather(*streams)
+        for r in await asyncio.gather(*long):
+            r.raise_for_status()
+    gaps = sorted(b - a for r in results for a, b in zip(r["times"], r["times"][1:]) if b > arrival)
+    if not gaps:
+        raise RuntimeError("no running-stream token after the long prompts arrived: raise --tokens")
+    return {"itl_p50_s": statistics.median(gaps), "itl_p95_s": gaps[int(0.95 * (len(gaps) - 1))],
+            "gaps": len(gaps)}
+
+
+def bench_llama_cpp(gguf: str, tokens: int, repeats: int) -> dict:
+    """llama.cpp (llama-cpp-python) single-stream decode tokens/s on a GGUF of the same weights: f16 KV, and
+    q8_0 KV with flash attention. Decode rate as kvserve's: (tokens - 1) / (last - first token time)."""
+    import llama_cpp
+
+    out = {}
+    for name, kw in {"f16_kv": {}, "q8_0_kv_flash": {"type_k": llama_cpp.GGML_TYPE_Q8_0,
+                                                      "type_v": llama_cpp.GGML_TYPE_Q8_0, "flash_attn": True}}.items():
+        llm = llama_cpp.Llama(gguf, n_ctx=1024, n_threads=os.cpu_count() or 1, verbose=False, **kw)
+        best = 0.0
+        for _ in range(repeats):
+            times = []
+            for _chunk in llm.create_completion(PROMPT, max_tokens=tokens, temperature=0.0, stream=True):
+                times.append(time.perf_counter())
+            best = max(best, decode_rate(times))
+        out[name] = best
+        del llm
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description="kvserve vs transformers generate() and transformers serve")
     p.add_argument("--model", default=str(REPO / "models" / "kjv-llama-mha"))
@@ -144,6 +219,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "serving.json"))
     p.add_argument("--skip-transformers-serve", action="store_true")
+    p.add_argument("--gguf", help="the same weights as GGUF, to measure llama.cpp single-stream decode")
+    p.add_argument("--long-prompt-tokens", type=int, default=900)
     args = p.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
     torch.set_num_threads(os.cpu_count() or 1)
@@ -152,6 +229,26 @@ def main() -> None:
 
     report["generate_decode_tokens_per_s"] = bench_generate(args.model, args.tokens, args.repeats)
     print(f"generate(): {report['generate_decode_tokens_per_s']:.1f} decode tokens/s", flush=True)
+
+    report["generate_static"] = {n: bench_generate_static(args.model, n, args.tokens, args.repeats)
+                                 for n in levels if n > 1}
+    print("generate() static batch:", json.dumps(report["generate_static"]), flush=True)
+    if args.gguf:
+        report["llama_cpp_decode_tokens_per_s"] = bench_llama_cpp(args.gguf, args.tokens, args.repeats)
+        print("llama.cpp:", json.dumps(report["llama_cpp_decode_tokens_per_s"]), flush=True)
+
+    prompts = long_prompts(args.model, 4, args.long_prompt_tokens)
+    report["long_prompt_itl"] = {}
+    for chunk in ("0", "256"):
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        env = {"MODEL_ID": args.model, "PORT": str(port), "HOST": "127.0.0.1", "LOG_LEVEL": "warning",
+               "MAX_BATCH_SIZE": "16", "MAX_NUM_BATCHED_TOKENS": chunk}
+        with running([sys.executable, "-m", "server.cli", "serve"], env, url + "/health"):
+            asyncio.run(concurrent(lambda c: _stream_kvserve(c, url, 8), 1))  # warm-up
+            report["long_prompt_itl"][chunk] = asyncio.run(_long_arrival(url, prompts, 8, 2 * args.tokens))
+        print(f"ITL while long prompts arrive, MAX_NUM_BATCHED_TOKENS={chunk}:",
+              json.dumps(report["long_prompt_itl"][chunk]), flush=True)
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -202,8 +299,21 @@ def markdown(report: dict) -> str:
             lines.append(f"| {n} streams: aggregate tokens/s (peer: `transformers serve`) | "
                          f"{row['aggregate_tokens_per_s']:.1f} | {prow['aggregate_tokens_per_s']:.1f} | {ratio:.2f}x |")
             lines.append(f"| {n} streams: TTFT p50 s | {row['ttft_p50_s']:.3f} | {prow['ttft_p50_s']:.3f} | |")
-        else:
+        static = report.get("generate_static", {})
+        srow = static.get(n) or static.get(str(n))
+        if srow:
+            lines.append(f"| {n} streams: aggregate tokens/s (peer: `generate()` static batch) | "
+                         f"{row['aggregate_tokens_per_s']:.1f} | {srow:.1f} | "
+                         f"{row['aggregate_tokens_per_s'] / srow:.2f}x |")
+        if not prow and not srow:
             lines.append(f"| {n} streams: aggregate tokens/s | {row['aggregate_tokens_per_s']:.1f} | - | |")
+    for name, rate in report.get("llama_cpp_decode_tokens_per_s", {}).items():
+        lines.append(f"| single-stream decode tokens/s (peer: llama.cpp, {name}) | {k:.1f} | {rate:.1f} | "
+                     f"{k / rate:.2f}x |")
+    for chunk, r in report.get("long_prompt_itl", {}).items():
+        label = "whole-prompt prefill" if chunk == "0" else f"chunked prefill, {chunk} tokens/step"
+        lines.append(f"| ITL p50 / p95 s of 8 running streams while 4 long prompts arrive ({label}) | "
+                     f"{r['itl_p50_s']:.3f} / {r['itl_p95_s']:.3f} | | p95/p50 {r['itl_p95_s'] / r['itl_p50_s']:.1f} |")
     return "\n".join(lines)
 
 

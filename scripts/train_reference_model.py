@@ -97,6 +97,40 @@ def write_corpus_words(path: Path, chapters: list[str]) -> int:
     return len(words)
 
 
+def train_stream(tokenizer) -> torch.Tensor:
+    """The training chapters as one token stream (each chapter followed by end-of-text): (tokens,) int64."""
+    stream: list[int] = []
+    for ids in tokenizer(train_chapters(), add_special_tokens=False).input_ids:
+        stream.extend(ids + [tokenizer.eos_token_id])
+    return torch.tensor(stream, dtype=torch.long)
+
+
+def train_chapters() -> list[str]:
+    return [c for i, c in enumerate(read_chapters()) if not is_held_out(i)]
+
+
+def make_optimizer(model, lr: float) -> torch.optim.AdamW:
+    """AdamW, betas 0.9/0.95, weight decay 0.1 on matrices only."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                             lr=lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def train_step(model, opt, data: torch.Tensor, seq_len: int, batch: int, gen: torch.Generator) -> float:
+    """One optimiser step on ``batch`` random ``seq_len``-token windows of ``data``; returns the loss."""
+    starts = torch.randint(0, len(data) - seq_len - 1, (batch,), generator=gen)
+    windows = torch.stack([data[s : s + seq_len + 1] for s in starts])  # (batch, seq_len + 1)
+    model.train()
+    logits = model(input_ids=windows[:, :-1]).logits  # (batch, seq_len, vocab_size)
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), windows[:, 1:].reshape(-1))
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss.item()
+
+
 def lr_at(step: int, args) -> float:
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
@@ -193,10 +227,8 @@ def main() -> None:
     write_corpus_words(out / "corpus_words.txt", chapters)
     calib_tokens = write_slice(out / CALIB_SLICE, train_ch[1::7], tokenizer, 20_000)
 
-    stream: list[int] = []
-    for ids in tokenizer(train_ch, add_special_tokens=False).input_ids:
-        stream.extend(ids + [tokenizer.eos_token_id])
-    data = torch.tensor(stream, dtype=torch.long)
+    data = train_stream(tokenizer)
+    stream = data.tolist()
     eval_ids = slice_token_ids(out / EVAL_SLICE, tokenizer)
     print(f"chapters: {len(train_ch)} train / {len(held_ch)} held out; train tokens {len(stream):,}; "
           f"eval slice {eval_tokens:,} tokens; calibration slice {calib_tokens:,} tokens", flush=True)
@@ -212,10 +244,7 @@ def main() -> None:
     n_params = sum(p.numel() for p in model.parameters())
     print(f"parameters: {n_params:,}", flush=True)
 
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    opt = make_optimizer(model, args.lr)
     gen = torch.Generator().manual_seed(args.seed)
     log: list[dict] = []
     bar = tqdm(range(args.steps), desc="train", mininterval=10)
@@ -223,16 +252,8 @@ def main() -> None:
     for step in bar:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args)
-        starts = torch.randint(0, len(data) - args.seq_len - 1, (args.batch,), generator=gen)
-        batch = torch.stack([data[s : s + args.seq_len + 1] for s in starts])  # (batch, seq_len + 1)
-        model.train()
-        logits = model(input_ids=batch[:, :-1]).logits  # (batch, seq_len, vocab_size)
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        loss_ema = loss.item() if loss_ema is None else 0.95 * loss_ema + 0.05 * loss.item()
+        loss = train_step(model, opt, data, args.seq_len, args.batch, gen)
+        loss_ema = loss if loss_ema is None else 0.95 * loss_ema + 0.05 * loss
         bar.set_postfix(loss=f"{loss_ema:.3f}", lr=f"{lr_at(step, args):.2e}")
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             model.eval()
