@@ -29,7 +29,7 @@ def vendored_llama_cpp(src: Path, scratch: Path) -> Path:
     if src.is_file():
         with tarfile.open(src) as tar:
             members = [m for m in tar.getmembers() if "/vendor/llama.cpp/" in m.name and
-                       ("convert_hf_to_gguf.py" in m.name or "/gguf-py/" in m.name)]
+                       any(part in m.name for part in ("convert_hf_to_gguf.py", "/gguf-py/", "/conversion/"))]
             tar.extractall(scratch, members=members, filter="data")
         src = scratch
     found = sorted(src.rglob("vendor/llama.cpp/convert_hf_to_gguf.py"))
@@ -49,8 +49,9 @@ def main() -> None:
         root = vendored_llama_cpp(args.llama_src, Path(scratch))
         sys.path[:0] = [str(root / "gguf-py"), str(root)]
         import convert_hf_to_gguf as conv
+        from conversion.base import TextModel
 
-        conv.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+        TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
         sys.argv = ["convert_hf_to_gguf.py", args.model, "--outfile", args.out, "--outtype", args.outtype]
         conv.main()
 
