@@ -19,6 +19,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from cache_backends.attention import LayerRead, attend_kv
 from cache_backends.buffer import TokenBuffer
+from cache_backends.estimate import Shape, bytes_per_token_per_layer
 
 
 def tensor_bytes(*tensors: torch.Tensor | None) -> int:
@@ -60,6 +61,11 @@ class ModelGeometry:
             kv_lora_rank=getattr(config, "kv_lora_rank", None),
             rope_dim=getattr(config, "qk_rope_head_dim", 0) if getattr(config, "kv_lora_rank", None) else 0,
         )
+
+    def shape(self) -> Shape:
+        """The same shape as the closed-form sums (and ``kvserve estimate``) take it."""
+        return Shape(self.num_layers, self.num_key_value_heads, self.head_dim, self.head_dim, self.kv_lora_rank,
+                     self.rope_dim)
 
 
 class FullStorage:
@@ -284,8 +290,8 @@ class KVStore(Cache):
 class KVBackend(ABC):
     """A KV-cache strategy, selected by name with ``KV_BACKEND``.
 
-    Subclasses set :attr:`name`, implement :meth:`new_store` and :meth:`bytes_per_token_per_layer`,
-    and may override :meth:`prepare` (calibration) and :meth:`params` (shown in ``/info``).
+    Subclasses set :attr:`name`, implement :meth:`new_layer` and :meth:`sums_spec` (what they cost), and
+    may override :meth:`prepare` (calibration) and :meth:`params` (shown in ``/info``).
 
     Args:
         geometry: the served model's attention shape.
@@ -328,6 +334,20 @@ class KVBackend(ABC):
         """An empty cache layer for model layer ``index``; its first token sits at ``position_offset``."""
 
     @abstractmethod
+    def sums_spec(self) -> tuple[str, dict[str, Any]]:
+        """This backend as the closed-form sums take it: a ``kvserve estimate`` spec name and the options
+        that size it, e.g. ``("gqa+int8", {"groups": 2, "group_size": 32, "residual": 32})``."""
+
     def bytes_per_token_per_layer(self, seq_len: int = 1024) -> float:
-        """Closed-form bytes one token costs in one layer at the model's dtype (the estimator's formula),
-        averaged over a sequence of ``seq_len`` tokens (only windowed backends depend on it)."""
+        """Bytes one token costs in one layer at the model's dtype, averaged over a sequence of ``seq_len``
+        tokens (int8-family backends depend on it through their full-precision window):
+        :func:`cache_backends.estimate.bytes_per_token_per_layer` of :meth:`sums_spec`, the function
+        ``kvserve estimate`` prints. ``/info`` reports it."""
+        g = self.geometry
+        return bytes_per_token_per_layer(g.shape(), *self.sums_spec(), g.dtype_bytes, seq_len)
+
+    def live_bytes_per_token_per_layer(self, store: KVStore) -> float:
+        """The sums for one live store: :meth:`bytes_per_token_per_layer` at its length, except where the
+        store's own decisions set its layout (``dca``: the layers this sequence reuses). Equals
+        ``store.nbytes() / (tokens * num_layers)``."""
+        return self.bytes_per_token_per_layer(store.num_tokens())

@@ -19,6 +19,7 @@ from cache_backends.full import FullBackend
 from cache_backends.rope import RopeTable
 
 CALIB_SLICE = "calib_slice.txt"
+CALIBRATION_WINDOW = 1024  # tokens per forward pass over the calibration text (one sequence each)
 
 
 DEFAULT_TEXT = Path(__file__).parent / "data" / "calibration.txt"
@@ -77,7 +78,7 @@ _LAST: tuple[tuple, list] | None = None  # the latest result, reused when severa
 
 
 @torch.no_grad()
-def collect_kv(model, geometry, token_ids: list[int], window: int = 1024, desc: str = "calibrating"):
+def collect_kv(model, geometry, token_ids: list[int], window: int = CALIBRATION_WINDOW, desc: str = "calibrating"):
     """Each layer's pre-RoPE keys and values over ``token_ids`` (the latest call's result is reused).
 
     Returns:

@@ -20,9 +20,14 @@ m = l - 1) stores nothing and, during decode, attends with K/V rebuilt from the 
 
 Storage per sequence: kept layers hold K and V like ``full``, (1, H, seq_len, d); reuse layers hold
 nothing (after a fall-back, their own K/V from the fall-back position on). Bytes per token per layer:
-``(1 - f) * 2 * H * d * B`` with f the fraction of reuse layers (the backend's formula uses the
-fraction calibration predicts; a store reports its own). The maps (2Hd+1 x 2Hd per layer) are
-per-model constants. A threshold above 1 reuses nothing (identity check).
+``(1 - f) * 2 * H * d * B`` with f the fraction of reuse layers (the inner backend's sum in place of
+``2 * H * d * B`` for ``dca+int8`` and ``dca+mla``). f depends on the input, so it is counted two ways:
+``bytes_per_token_per_layer`` (``/info``, ``kvserve estimate``) takes the calibrated f, the layers the
+prefill decision itself reuses on the calibration windows, prefilled into real stores (so a
+composition's similarity is measured on what its inner backend stores, as in serving);
+``live_bytes_per_token_per_layer(store)`` takes the store's own reuse and fall-backs, and equals its
+``nbytes()``. The maps (2Hd+1 x 2Hd per layer) are per-model constants. A threshold above 1 reuses
+nothing (identity check).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import torch
 
 from cache_backends.attention import LayerRead
 from cache_backends.base import KVBackend, KVLayer, KVStore, ModelGeometry
+from cache_backends.estimate import dca_store_bytes_per_token_per_layer
 from cache_backends.rope import RopeTable
 
 ALIGNS = ("linear", "none")
@@ -332,6 +338,11 @@ class DCAStore(KVStore):
     def reuse_layers(self) -> int:
         return sum(layer.reusing() for layer in self.layers)
 
+    def own_tokens(self) -> list[int]:
+        """Per layer, the tokens it stores itself: all for a kept layer, none for a reuse layer, those from
+        its fall-back position on after a fall-back."""
+        return [layer.own.get_seq_length() if layer.own is not None else 0 for layer in self.layers]
+
     def stats(self) -> dict:
         return {"dca_reuse_layers": self.reuse_layers(), "dca_fallbacks": self.fallbacks}
 
@@ -368,9 +379,11 @@ class DCABackend(KVBackend):
             self.options.update(inner.params())
         self.maps: list[LayerMap] | None = None
         self.calibration: dict[str, list[float]] = {}
+        self.calibration_reuse: list[tuple[int, int]] = []  # per calibration window: (tokens, reuse layers)
 
     def prepare(self, model, calibration_ids: list[int] | None = None) -> None:
-        """Fit the maps, measure per-layer similarity on the calibration slice, install the attention path."""
+        """Fit the maps, measure per-layer similarity on the calibration slice, install the attention path, and
+        count the layers the prefill decision reuses on each calibration window (the calibrated reuse share)."""
         from cache_backends import dca_attention
         from cache_backends.calibration import calibration_ids as calib_ids
         from cache_backends.calibration import collect_kv
@@ -396,20 +409,34 @@ class DCABackend(KVBackend):
                             "similarity_linear": [round(x, 4) for x in aligned],
                             "similarity_full_linear": [round(x, 4) for x in unrestricted]}
         dca_attention.install(model)
+        self.calibration_reuse = self._served_reuse(model, ids)
+
+    @torch.no_grad()
+    def _served_reuse(self, model, ids: list[int]) -> list[tuple[int, int]]:
+        """Prefill each calibration window into a store of this backend, as serving does, and count the
+        layers its decision reuses: ``[(tokens, reuse layers), ...]``."""
+        from cache_backends.calibration import CALIBRATION_WINDOW
+
+        device = next(model.parameters()).device
+        out = []
+        for start in range(0, len(ids), CALIBRATION_WINDOW):
+            chunk = ids[start : start + CALIBRATION_WINDOW]
+            store = self.new_store()
+            model(input_ids=torch.tensor([chunk], device=device), cache=store, use_cache=True, logits_to_keep=1)
+            out.append((len(chunk), store.reuse_layers()))
+            store.release()
+        return out
 
     def expected_reuse_fraction(self) -> float:
-        """Fraction of layers calibration predicts to be reused (alternating rule: a source must be kept)."""
-        sims = self.calibration.get(f"similarity_{self.align}", [])
-        reused, prev_reused = 0, False
-        for s in sims:  # layers 1 .. L-1
-            now = (not prev_reused) and s >= self.threshold and self.threshold <= 1
-            reused += now
-            prev_reused = now
-        return reused / self.geometry.num_layers
+        """Fraction of layers reused on the calibration windows (token-weighted), by the prefill decision
+        itself; 0 before :meth:`prepare`."""
+        tokens = sum(n for n, _ in self.calibration_reuse)
+        return sum(n * r for n, r in self.calibration_reuse) / (tokens * self.geometry.num_layers) if tokens else 0.0
 
     def details(self) -> dict:
         return {"calibration_similarity_by_layer": {"layers": list(range(1, self.geometry.num_layers)),
                                                     **self.calibration},
+                "calibration_reuse_layers_by_window": [r for _, r in self.calibration_reuse],
                 "expected_reuse_fraction": self.expected_reuse_fraction()}
 
     def new_store(self) -> KVStore:
@@ -420,9 +447,18 @@ class DCABackend(KVBackend):
     def new_layer(self, index: int, position_offset: int = 0) -> KVLayer:
         raise RuntimeError("dca layers belong to a DCAStore; use new_store()")
 
-    def bytes_per_token_per_layer(self, seq_len: int = 1024) -> float:
-        """(1 - expected reuse fraction) x the inner backend's bytes per token per layer."""
-        return (1 - self.expected_reuse_fraction()) * self.inner.bytes_per_token_per_layer(seq_len)
+    def sums_spec(self) -> tuple[str, dict]:
+        """``dca`` (or ``dca+<inner>``) at the calibrated reuse fraction, with the inner backend's options:
+        (1 - f) x the inner backend's sum."""
+        inner, options = self.inner.sums_spec()
+        return ("dca" if inner == "full" else f"dca+{inner}"), {"reuse_fraction": self.expected_reuse_fraction(),
+                                                                **options}
+
+    def live_bytes_per_token_per_layer(self, store: "DCAStore") -> float:
+        """The sums over this sequence's own layers: its reuse decisions and fall-backs, not the calibrated
+        fraction."""
+        return dca_store_bytes_per_token_per_layer(store.own_tokens(), store.num_tokens(),
+                                                   self.inner.bytes_per_token_per_layer)
 
     def reserved_bytes(self, max_tokens: int) -> int:
         """Every layer kept (the upper bound: a sequence may reuse no layer, or fall back everywhere)."""

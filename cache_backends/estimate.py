@@ -1,10 +1,18 @@
 """The KV-cache sums, in one place: bytes per token per layer for each backend.
 
-Every backend's closed-form check and ``kvserve estimate`` use these functions. Units are bytes.
+A served backend sizes itself with :func:`bytes_per_token_per_layer` of its own spec
+(:meth:`cache_backends.base.KVBackend.sums_spec`), the same function ``kvserve estimate`` prints, so
+``/info`` and the estimator give one number. Every sum is exact: it counts what a store holds at
+``seq_len`` tokens (codes, scales, zero points, the full-precision residual window, latents, shared
+heads), so it equals ``store.nbytes() / seq_len`` per layer at every length, not only asymptotically.
+The one input that is not a config value is ``dca``'s share of reused layers: the estimator takes it
+as a parameter, a served backend uses its calibrated share, and a live sequence its own
+(:func:`dca_store_bytes_per_token_per_layer`). Units are bytes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 
@@ -58,6 +66,23 @@ def int8_latent_bytes_per_token_per_layer(rank: int, dtype_bytes: int, group_siz
     fp = _fp_tokens(seq_len, group_size, residual)
     q = seq_len - fp
     return (q * rank + (q // group_size) * rank * 2 * dtype_bytes + fp * rank * dtype_bytes) / max(seq_len, 1)
+
+
+def dca_store_bytes_per_token_per_layer(own_tokens: Sequence[int], seq_len: int,
+                                        inner: Callable[[int], float]) -> float:
+    """``dca`` for one live sequence, from the tokens each of its layers stores itself.
+
+    Args:
+        own_tokens: per layer, the tokens it holds in the inner backend's form: ``seq_len`` for a kept
+            layer, 0 for a reuse layer, ``seq_len - p`` for a reuse layer that fell back at position p.
+        seq_len: tokens in the sequence.
+        inner: the inner backend's bytes per token per layer at a given length (a fallen-back layer's
+            own cache starts at p, so an int8 inner's residual window is counted at its own length).
+
+    Returns:
+        Average bytes per token per layer over all layers at ``seq_len`` tokens.
+    """
+    return sum(inner(n) * n for n in own_tokens if n) / (len(own_tokens) * max(seq_len, 1))
 
 
 # ---- the estimator behind `kvserve estimate` -------------------------------------------------------

@@ -14,7 +14,6 @@ import torch
 
 from cache_backends.attention import attend_kv
 from cache_backends.base import FullStorage, KVBackend, StreamPairLayer
-from cache_backends.estimate import full_bytes_per_token_per_layer, mla_bytes_per_token_per_layer
 
 
 class FullLayer(StreamPairLayer):
@@ -44,11 +43,11 @@ class FullBackend(KVBackend):
     def new_layer(self, index: int, position_offset: int = 0) -> FullLayer:
         return FullLayer()
 
-    def bytes_per_token_per_layer(self, seq_len: int = 1024) -> float:
+    def sums_spec(self) -> tuple[str, dict]:
         g = self.geometry
         if g.kv_lora_rank:  # native-MLA models hand the cache their latent and rope key, not per-head K/V
-            return mla_bytes_per_token_per_layer(g.kv_lora_rank, g.rope_dim, g.dtype_bytes)
-        return full_bytes_per_token_per_layer(g.num_key_value_heads, g.head_dim, g.dtype_bytes)
+            return "mla", {"rank": g.kv_lora_rank, "rope_dim": g.rope_dim}
+        return "full", {}
 
     def reserved_bytes(self, max_tokens: int) -> int:
         return int(self.bytes_per_token_per_layer() * max_tokens * self.geometry.num_layers)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import torch
 
 from cache_backends.base import KVBackend, ModelGeometry, StreamPairLayer, make_storage, storage_reserved_bytes
-from cache_backends.estimate import gqa_bytes_per_token_per_layer, int8_bytes_per_token_per_layer
 from cache_backends.int8 import attend_stored
 
 METHODS = ("pca", "mean")
@@ -229,12 +228,10 @@ class GQABackend(KVBackend):
         query_map, output_map = self.folded[index]
         return GQALayer(key_codec, value_codec, self.quantize, query_map, output_map)
 
-    def bytes_per_token_per_layer(self, seq_len: int = 1024) -> float:
-        g = self.geometry
+    def sums_spec(self) -> tuple[str, dict]:
         if self.quantize:  # gqa+int8: the int8 sums with G heads in place of num_key_value_heads
-            return int8_bytes_per_token_per_layer(self.groups, g.head_dim, g.dtype_bytes, self.quantize["group_size"],
-                                                  self.quantize["residual"], seq_len)
-        return gqa_bytes_per_token_per_layer(self.groups, g.head_dim, g.dtype_bytes)
+            return "gqa+int8", {"groups": self.groups, **self.quantize}
+        return "gqa", {"groups": self.groups}
 
     def reserved_bytes(self, max_tokens: int) -> int:
         g = self.geometry

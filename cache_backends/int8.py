@@ -31,7 +31,6 @@ import torch
 from cache_backends.attention import grouped_query, ungroup
 from cache_backends.base import KVBackend, ModelGeometry, StreamPairLayer
 from cache_backends.buffer import TokenBuffer
-from cache_backends.estimate import int8_bytes_per_token_per_layer
 
 QMIN, QMAX = -128, 127
 
@@ -281,10 +280,8 @@ class Int8Backend(KVBackend):
     def new_layer(self, index: int, position_offset: int = 0) -> Int8Layer:
         return Int8Layer(self.group_size, self.residual)
 
-    def bytes_per_token_per_layer(self, seq_len: int = 1024) -> float:
-        g = self.geometry
-        return int8_bytes_per_token_per_layer(g.num_key_value_heads, g.head_dim, g.dtype_bytes, self.group_size,
-                                              self.residual, seq_len)
+    def sums_spec(self) -> tuple[str, dict]:
+        return "int8", {"group_size": self.group_size, "residual": self.residual}
 
     def reserved_bytes(self, max_tokens: int) -> int:
         g = self.geometry

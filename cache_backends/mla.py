@@ -29,7 +29,6 @@ from tqdm import tqdm
 from cache_backends.attention import BatchRead, causal_mask, grouped_query, ungroup
 from cache_backends.base import KVBackend, KVLayer, KVStore, ModelGeometry, make_storage, storage_reserved_bytes
 from cache_backends.full import FullLayer
-from cache_backends.estimate import int8_latent_bytes_per_token_per_layer, mla_bytes_per_token_per_layer
 from cache_backends.rope import RopeTable
 
 
@@ -287,15 +286,12 @@ class MLABackend(KVBackend):
         """One sequence's store; on a native-MLA model it is read in place by absorbed attention."""
         return KVStore([self.new_layer(i) for i in range(self.geometry.num_layers)], in_place=True)
 
-    def bytes_per_token_per_layer(self, seq_len: int = 1024) -> float:
-        if self.native:
-            g = self.geometry
-            return mla_bytes_per_token_per_layer(g.kv_lora_rank, g.rope_dim, g.dtype_bytes)
+    def sums_spec(self) -> tuple[str, dict]:
+        if self.native:  # the model's own latent and its shared rope key
+            return "mla", {"rank": self.rank, "rope_dim": self.geometry.rope_dim}
         if self.quantize:  # mla+int8: one "head" of width r, quantized per channel; no per-token scales
-            q = self.quantize
-            return int8_latent_bytes_per_token_per_layer(self.rank, self.geometry.dtype_bytes, q["group_size"],
-                                                         q["residual"], seq_len)
-        return mla_bytes_per_token_per_layer(self.rank, 0, self.geometry.dtype_bytes)
+            return "mla+int8", {"rank": self.rank, "rope_dim": 0, **self.quantize}
+        return "mla", {"rank": self.rank, "rope_dim": 0}
 
     def reserved_bytes(self, max_tokens: int) -> int:
         g = self.geometry

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cache_backends import KVBackend, ModelGeometry, create
+from cache_backends.spec import format_spec
 from server import __version__
 from server.config import Settings
 from server.engine.engine import Engine
@@ -18,6 +19,31 @@ from server.model_loading import load_model, resolve_device, resolve_dtype
 from server.service import GenerationService, Limits
 
 log = logging.getLogger("kvserve")
+
+REFERENCE_SEQ_LEN = 1024  # the length of /info's headline bytes per token (as the README's tables and the bench)
+SHORT_SEQ_LEN = 128
+
+
+def kv_sizes(backends: dict[str, KVBackend], num_layers: int, max_total_tokens: int) -> dict:
+    """``/info``'s KV sizes, each backend's bytes per token over all layers from its closed-form sums (the
+    function ``kvserve estimate`` prints):
+
+    * ``kv_bytes_per_token``: at :data:`REFERENCE_SEQ_LEN` tokens;
+    * ``kv_bytes_per_token_by_seq_len``: at 128 and 1024 tokens (those under ``max_total_tokens``) and at
+      ``max_total_tokens``, keyed by the length as a string. A sequence of n tokens holds n times the
+      figure at n: int8-family backends cost more per token on short sequences, whose newest 32-63 tokens
+      (the residual window and the forming group) are in full precision;
+    * ``kv_estimate_spec``: the ``kvserve estimate`` spec that gives the same numbers (``dca``: with its
+      calibrated reuse fraction; a live sequence's own reuse shows in ``kvserve_dca_reuse_layers``).
+    """
+    lengths = sorted({n for n in (SHORT_SEQ_LEN, REFERENCE_SEQ_LEN) if n < max_total_tokens} | {max_total_tokens})
+    return {
+        "kv_bytes_per_token": {n: b.bytes_per_token_per_layer(REFERENCE_SEQ_LEN) * num_layers
+                               for n, b in backends.items()},
+        "kv_bytes_per_token_by_seq_len": {n: {str(t): b.bytes_per_token_per_layer(t) * num_layers for t in lengths}
+                                          for n, b in backends.items()},
+        "kv_estimate_spec": {n: format_spec(*b.sums_spec()) for n, b in backends.items()},
+    }
 
 
 @dataclass
@@ -53,7 +79,6 @@ class ServerState:
         self.model_name = Path(s.model_id).name if Path(s.model_id).exists() else s.model_id
         max_input, max_total = s.token_limits(model.config.max_position_embeddings)
         limits = Limits(max_input, max_total, s.max_stop_sequences)
-        per_token = {n: b.bytes_per_token_per_layer() * geometry.num_layers for n, b in self.backends.items()}
         eos = model.generation_config.eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [tokenizer.eos_token_id])
         recorder = Recorder(self.metrics, self.model_name, names)
@@ -68,7 +93,7 @@ class ServerState:
             "model_device_type": device.type, "kv_backend": s.kv_backend, "kv_backends": names,
             "kv_backend_params": {n: b.params() for n, b in self.backends.items()},
             "kv_backend_details": {n: b.details() for n, b in self.backends.items() if b.details()},
-            "kv_bytes_per_token": per_token, "num_layers": geometry.num_layers,
+            **kv_sizes(self.backends, geometry.num_layers, max_total), "num_layers": geometry.num_layers,
             "num_attention_heads": geometry.num_attention_heads,
             "num_key_value_heads": geometry.num_key_value_heads, "head_dim": geometry.head_dim,
             "max_input_tokens": max_input, "max_total_tokens": max_total,

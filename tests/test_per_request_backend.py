@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
 
 import httpx
 import pytest
 
-from tests.conftest import MODEL_DIR, server_with
+from tests.conftest import MODEL_DIR, REPO, server_with
 
 
 multi = server_with({"KV_BACKEND": "full", "KV_BACKENDS": "full,int8,mla+int8", "KV_MLA_RANK": "128"})
@@ -17,6 +20,25 @@ def test_info_lists_the_served_backends(multi):
     info = httpx.get(multi.url + "/info").json()
     assert info["kv_backends"] == ["full", "int8", "mla+int8"]
     assert info["kv_backend_params"]["mla+int8"] == {"rank": 128, "group_size": 32, "residual": 32}
+
+
+def test_info_kv_sizes_are_what_kvserve_estimate_prints(multi):
+    """/info's bytes per token (at 1024 tokens, and at 128 and max_total_tokens) for each served backend are
+    the rows `kvserve estimate` prints for the spec /info names."""
+    info = httpx.get(multi.url + "/info").json()
+    assert info["kv_estimate_spec"] == {"full": "full", "int8": "int8:group_size=32,residual=32",
+                                        "mla+int8": "mla+int8:rank=128,rope_dim=0,group_size=32,residual=32"}
+    out = subprocess.run([sys.executable, "-m", "server.cli", "estimate", "--model", str(MODEL_DIR), "--dtype",
+                          "float32", "--seq-len", "128,1024", "--batch", "1", "--json",
+                          *info["kv_estimate_spec"].values()], cwd=REPO, capture_output=True, text=True, check=True,
+                         timeout=120).stdout
+    rows = json.loads(out)
+    for name, (short, long) in zip(info["kv_backends"], zip(rows[::2], rows[1::2])):
+        layers = info["num_layers"]
+        assert info["kv_bytes_per_token_by_seq_len"][name] == {"128": short["bytes_per_token_per_layer"] * layers,
+                                                               "1024": long["bytes_per_token_per_layer"] * layers}
+        assert info["kv_bytes_per_token"][name] == long["bytes_per_token_per_layer"] * layers
+    assert info["kv_bytes_per_token"]["int8"] == 5472 < info["kv_bytes_per_token_by_seq_len"]["int8"]["128"]
 
 
 def test_two_concurrent_requests_on_different_backends(multi):

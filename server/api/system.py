@@ -21,7 +21,7 @@ async def health(request: Request):
 
 @router.get("/info")
 async def info(request: Request):
-    """Model, KV backend and its parameters, limits, version."""
+    """Model, KV backends and their parameters, KV bytes per token (:func:`server.state.kv_sizes`), limits, version."""
     state = request.app.state.kvserve
     if state.service is None:
         return error_response(503, state.load_error or "model is loading", "unhealthy")
