@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvserve-installed
 
-.PHONY: install serve test bench bench-quick bench-serving bench-budget load-test clean
+.PHONY: install serve test test-gpu bench bench-quick bench-serving bench-budget load-test clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,15 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# The value tests (pytest marker `value`: backends, engine parity with generate(), native MLA, the architecture
+# matrix, dca) on CUDA, in bf16 and fp16 (DTYPE=bfloat16 or DTYPE=float16 for one). Without a CUDA device
+# pytest stops with one line saying so and exit status 4: a GPU run that tests nothing must not pass.
+# DEVICE=cpu DTYPE=bfloat16 make test-gpu runs the same selection on the CPU.
+VALUE_TESTS := tests/test_backends.py tests/test_engine.py tests/test_mla_native.py tests/test_arch_matrix.py \
+               tests/test_dca.py tests/test_precision.py
+test-gpu: $(STAMP)
+	DEVICE=$${DEVICE:-cuda} $(BIN)/python -m pytest -q -m value $(VALUE_TESTS)
 
 # Benchmarks (not tests): numbers for the README tables.
 bench: $(STAMP)

@@ -127,8 +127,8 @@ class LayerMap:
         n = keys.shape[-2]
         z = torch.einsum("hgi,bgni->bhni", self.key_mix, _complex(keys.float()))
         k_hat = _real(z).to(keys.dtype) + self._rotated_bias(start, n, keys.dtype)
-        v_hat = torch.einsum("bgnd,ghde->bhne", values, self.value_map.to(values.dtype))
-        return k_hat, v_hat + self.value_bias.to(values.dtype)[None, :, None, :]
+        v_hat = torch.einsum("bgnd,ghde->bhne", values.float(), self.value_map)  # fp32: see attend
+        return k_hat, (v_hat + self.value_bias[None, :, None, :]).to(values.dtype)
 
     def attend(self, query: torch.Tensor, key_stream, value_stream, length: int, scaling: float) -> torch.Tensor:
         """Decode attention of one query over the predicted K/V, read from the source's stored streams.
@@ -151,8 +151,11 @@ class LayerMap:
         scores = scores + torch.einsum("hd,htd->ht", q, bias)
         probs = torch.softmax(scores * scaling, dim=-1)  # (Hq, length)
         mixed = value_stream.weighted_sum(probs[None, None].expand(1, h, hq, length))[0]  # (H, Hq, d)
-        out = torch.einsum("ghd,ghde->he", mixed, self.value_map[:, head].to(mixed.dtype)) + self.value_bias[head]
-        return out[None, :, None, :]
+        # The least-squares value map cancels large weights (column L1 norms ~1e4 on the reference model):
+        # applied in bf16 its rounding alone moved outputs by ~0.05 (of ~2), so it is applied in fp32 (a
+        # (H, Hq, d, d) product, nothing per token), and the result is returned in the query's dtype.
+        out = torch.einsum("ghd,ghde->he", mixed.float(), self.value_map[:, head]) + self.value_bias[head]
+        return out.to(query.dtype)[None, :, None, :]
 
 
 def fit_full_linear_map(src_k, src_v, dst_k, dst_v) -> torch.Tensor:

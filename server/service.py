@@ -51,6 +51,10 @@ class GenerationRequest:
     """Keep only the last ``truncate`` prompt tokens (TGI's ``truncate``)."""
     fields: dict[str, str] | None = None
     """The route's names for ``inputs``, ``max_new_tokens``, ``stop`` and ``kv_backend`` in error messages."""
+    add_special_tokens: bool = True
+    """Let the tokenizer add its special tokens (BOS) to a string prompt. False for a prompt rendered from a
+    chat template, which writes them itself (vLLM's rule for chat): encoding it with them again would start
+    a Llama-style prompt with two BOS tokens."""
 
 
 class GenerationService:
@@ -105,7 +109,7 @@ class GenerationService:
         if any(not s for s in req.stop):
             raise InvalidRequest(f"`{f['stop']}` sequences must not be empty strings", f["stop"])
         if isinstance(req.prompt, str):
-            ids = self.tokenizer.encode(req.prompt, add_special_tokens=True)
+            ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         else:
             vocab = len(self.tokenizer)
             if any(not 0 <= i < vocab for i in req.prompt):

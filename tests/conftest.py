@@ -1,7 +1,9 @@
-"""Shared fixtures: the shipped reference model, a tiny random model, and a real server on a free port."""
+"""Shared fixtures: the shipped reference model (fp32, and in each precision under test), and a real server
+on a free port."""
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import subprocess
@@ -13,10 +15,40 @@ import httpx
 import pytest
 import torch
 
+from tests.precision import Precision, selected
+
 REPO = Path(__file__).resolve().parents[1]
 MODEL_DIR = Path(os.environ.get("KVSERVE_TEST_MODEL", REPO / "models" / "kjv-llama-mha"))
+PRECISIONS: list[Precision] = []
+"""The device and dtypes of the value tests (``DEVICE``, ``DTYPE``: :mod:`tests.precision`)."""
 
-torch.set_num_threads(2)
+if "OMP_NUM_THREADS" not in os.environ:  # an explicit thread count wins (1 on a shared machine: two spinning
+    torch.set_num_threads(2)             # intra-op threads on a loaded CPU ran the value tests 20x slower)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "value: a value test, run once per selected precision (DEVICE, DTYPE); "
+                                       "`make test-gpu` runs these on CUDA")
+    try:
+        PRECISIONS[:] = selected(os.environ.get("DEVICE"), os.environ.get("DTYPE"))
+    except ValueError as exc:  # e.g. DEVICE=cuda without a CUDA device: one line, exit status 4
+        raise pytest.UsageError(str(exc)) from None
+
+
+def pytest_report_header(config):
+    return f"value tests in: {', '.join(map(str, PRECISIONS))} (DEVICE, DTYPE)"
+
+
+def pytest_generate_tests(metafunc):
+    """A test that takes ``precision`` (itself or through a fixture) runs once per selected precision."""
+    if "precision" in metafunc.fixturenames:
+        metafunc.parametrize("precision", PRECISIONS, ids=str, scope="session")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "precision" in item.fixturenames:
+            item.add_marker(pytest.mark.value)
 
 
 @pytest.fixture(scope="session")
@@ -30,6 +62,20 @@ def ref_model():
     from server.model_loading import load_model
 
     return load_model(str(MODEL_DIR), torch.device("cpu"), torch.float32)
+
+
+@functools.cache
+def _model_in(precision: Precision):
+    from server.model_loading import load_model
+
+    return load_model(str(MODEL_DIR), precision.device, precision.dtype)
+
+
+@pytest.fixture(scope="session")
+def value_model(precision):
+    """The shipped reference model and tokenizer on the device and in the dtype under test (eval mode;
+    loaded through the server's loader; each kept for the session, so no two share an ``id``)."""
+    return _model_in(precision)
 
 
 def free_port() -> int:

@@ -42,7 +42,7 @@ def run_all(engine: Engine, seqs: list[Sequence], max_steps: int = 10_000) -> No
 
 
 def reference_greedy(model, tokenizer, prompt: str, max_new_tokens: int) -> list[int]:
-    ids = torch.tensor([tokenizer.encode(prompt)])
+    ids = torch.tensor([tokenizer.encode(prompt)], device=model.device)
     out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id,
                          eos_token_id=None)
     return out[0, ids.shape[1]:].tolist()

@@ -1,4 +1,7 @@
-"""Every backend: identity at its lossless setting, bytes = sum of tensors = closed formula, no shadow copy."""
+"""Every backend: identity at its lossless setting, bytes = sum of tensors = closed formula, no shadow copy.
+
+Value tests run in each precision under test (:mod:`tests.precision`: fp32 and bf16 on the CPU by default),
+comparing within that dtype's tolerance."""
 
 from __future__ import annotations
 
@@ -16,6 +19,13 @@ TEXT = ("And God said, Let there be light: and there was light. And God saw the 
 def geometry(ref_model):
     model, _ = ref_model
     return ModelGeometry.from_config(model.config, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def typed(value_model):
+    """``(model, tokenizer, geometry)`` in the precision under test."""
+    model, tok = value_model
+    return model, tok, ModelGeometry.from_config(model.config, model.dtype)
 
 
 @pytest.fixture(scope="module")
@@ -46,12 +56,12 @@ LOSSLESS = [("gqa", {"groups": 8, "method": "mean"}), ("gqa", {"groups": 8, "met
 
 
 @pytest.mark.parametrize("name,options", LOSSLESS, ids=lambda x: str(x))
-def test_lossless_setting_matches_full(ref_model, geometry, calib, name, options):
-    model, tok = ref_model
+def test_lossless_setting_matches_full(typed, precision, calib, name, options):
+    model, tok, geometry = typed
     ids = tok.encode(TEXT)
     full, _ = cache_path_logits(model, make("full", model, geometry, calib), ids, 8)
     ours, _ = cache_path_logits(model, make(name, model, geometry, calib, **options), ids, 8)
-    assert (ours - full).abs().max().item() < 1e-4
+    precision.assert_close(ours, full, what=name)
 
 
 ALL = [("full", {}), ("gqa", {"groups": 2, "method": "mean"}), ("gqa", {"groups": 2, "method": "pca"}),
@@ -167,23 +177,25 @@ ATTEND = [("full", {}), ("int8", {"group_size": 32, "residual": 32}), ("int8", {
 
 
 @pytest.mark.parametrize("name,options", ATTEND, ids=lambda x: str(x))
-def test_decode_attends_in_stored_form_exactly(ref_model, geometry, calib, name, options):
+def test_decode_attends_in_stored_form_exactly(typed, precision, calib, name, options):
     """Each layer's decode attention over its stored form (int8 codes with folded scales, shared heads with
-    folded codecs, an absorbed latent) equals attention over the K/V it rebuilds, within 1e-4 in fp32."""
+    folded codecs, an absorbed latent) equals attention over the K/V it rebuilds, within the dtype's
+    attention tolerance (:mod:`tests.precision`)."""
     from cache_backends.attention import attend_kv
 
-    model, _ = ref_model
+    model, _, geometry = typed
     backend = make(name, model, geometry, calib, **options)
     store = backend.new_store()
     ModelRunner(model, geometry.num_layers).prefill(calib[:300], store)  # 300: quantized groups + a window
     gen = torch.Generator().manual_seed(0)
-    for layer in store.layers:
-        query = torch.randn(1, geometry.num_attention_heads, 1, geometry.head_dim, generator=gen)
+    for i, layer in enumerate(store.layers):
+        query = precision.randn(1, geometry.num_attention_heads, 1, geometry.head_dim, generator=gen)
         keys, values = layer.materialize()
         want = attend_kv(query, keys, values, geometry.head_dim ** -0.5)
         got = layer.attend(query, geometry.head_dim ** -0.5)
-        assert got.shape == want.shape
-        assert (got - want).abs().max().item() < 1e-4, name
+        assert got.dtype == want.dtype == precision.dtype, (name, got.dtype, want.dtype)
+        precision.assert_attention_close(got, want, query, keys, values, geometry.head_dim ** -0.5,
+                                         f"{name} layer {i}")
 
 
 def test_rope_tables_grow_past_max_position_embeddings(ref_model):

@@ -6,8 +6,8 @@ default) and, for chat, to 100 capped by the context (as ``/generate``). ``tempe
 each prompt gets ``n`` choices (index ``prompt * n + j``, seed ``seed + j``). ``finish_reason`` is
 ``length`` or ``stop`` (end-of-text token or a stop sequence). Validation errors are 400 with OpenAI's
 error object, its ``param`` naming the field. Chat messages become a prompt through the tokenizer's chat
-template or, when the model has none, the plain template documented in the README
-(``System: …\nUser: …\nAssistant:``).
+template (encoded without adding special tokens again: the template writes its own BOS) or, when the model
+has none, the plain template documented in the README (``System: …\nUser: …\nAssistant:``).
 """
 
 from __future__ import annotations

@@ -116,12 +116,17 @@ def completion_requests(body: CompletionRequest, service: GenerationService
     return prompts, reqs, echo_only
 
 
-def chat_prompt(tokenizer, body: ChatRequest) -> str:
-    """The prompt for a chat: the tokenizer's chat template, or the plain one."""
+def chat_prompt(tokenizer, body: ChatRequest) -> tuple[str, bool]:
+    """The prompt for a chat and whether the tokenizer should add its special tokens when encoding it.
+
+    With the tokenizer's chat template: the rendered text, ``False`` (the template writes BOS and any other
+    special tokens itself; vLLM encodes it the same way). Without one: the plain template
+    ``System: ...\nUser: ...\nAssistant:``, ``True`` (it writes none, so it is encoded as a completion is).
+    """
     turns = [{"role": m.role, "content": m.text()} for m in body.messages]
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
-    return "".join(f"{ROLE_NAMES[t['role']]}: {t['content']}\n" for t in turns) + "Assistant:"
+        return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True), False
+    return "".join(f"{ROLE_NAMES[t['role']]}: {t['content']}\n" for t in turns) + "Assistant:", True
 
 
 def chat_requests(body: ChatRequest, service: GenerationService) -> list[GenerationRequest]:
@@ -142,11 +147,12 @@ def chat_requests(body: ChatRequest, service: GenerationService) -> list[Generat
         raise InvalidRequest(f"`{field}` must be at least 1", field)
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidRequest("`top_logprobs` needs `logprobs: true`", "top_logprobs")
-    prompt = chat_prompt(service.tokenizer, body)
+    prompt, special = chat_prompt(service.tokenizer, body)
     params = sampling_params(body, len(service.tokenizer), (body.top_logprobs or 0) if body.logprobs else 0)
     backend = body.kv_backend or service.default_backend
     return [GenerationRequest(prompt=prompt, max_new_tokens=max_tokens, params=p, stop=body.stop_list(),
-                              backend=backend, fields={**CHAT_FIELDS, "max_new_tokens": field}) for p in params]
+                              backend=backend, fields={**CHAT_FIELDS, "max_new_tokens": field},
+                              add_special_tokens=special) for p in params]
 
 
 class TokenText:
