@@ -77,10 +77,11 @@ def running(cmd: list[str], env: dict[str, str], health_url: str, timeout: float
             proc.kill()
 
 
-async def _stream_kvserve(client: httpx.AsyncClient, url: str, tokens: int) -> dict:
+async def _stream_kvserve(client: httpx.AsyncClient, url: str, tokens: int, times: list | None = None) -> dict:
+    """Stream one request; ``times`` (token arrival times) fills as tokens arrive."""
     body = {"inputs": PROMPT, "parameters": {"max_new_tokens": tokens}}
     t0 = time.perf_counter()
-    times = []
+    times = [] if times is None else times
     async with client.stream("POST", url + "/generate_stream", json=body) as r:
         async for line in r.aiter_lines():
             if line.startswith("data:"):
@@ -173,11 +174,13 @@ def long_prompts(model_dir: str, n: int, tokens: int) -> list[str]:
 
 
 async def _long_arrival(url: str, prompts: list[str], running: int, tokens: int) -> dict:
-    """``running`` streams decode ``tokens`` tokens; after their first tokens, ``prompts`` arrive (8 new tokens
+    """``running`` streams decode ``tokens`` tokens; once each has 4 tokens, ``prompts`` arrive (8 new tokens
     each). Returns ITL p50/p95 (seconds) of the running streams' gaps that end after the first arrival."""
     async with httpx.AsyncClient(timeout=600) as client:
-        streams = [asyncio.create_task(_stream_kvserve(client, url, tokens)) for _ in range(running)]
-        await asyncio.sleep(1.0)
+        seen = [[] for _ in range(running)]
+        streams = [asyncio.create_task(_stream_kvserve(client, url, tokens, times)) for times in seen]
+        while min(len(t) for t in seen) < 4:
+            await asyncio.sleep(0.01)
         arrival = time.perf_counter()
         long = [asyncio.create_task(client.post(url + "/generate", json={
             "inputs": p, "parameters": {"max_new_tokens": 8}})) for p in prompts]
@@ -246,7 +249,7 @@ def main() -> None:
                "MAX_BATCH_SIZE": "16", "MAX_NUM_BATCHED_TOKENS": chunk}
         with running([sys.executable, "-m", "server.cli", "serve"], env, url + "/health"):
             asyncio.run(concurrent(lambda c: _stream_kvserve(c, url, 8), 1))  # warm-up
-            report["long_prompt_itl"][chunk] = asyncio.run(_long_arrival(url, prompts, 8, 2 * args.tokens))
+            report["long_prompt_itl"][chunk] = asyncio.run(_long_arrival(url, prompts, 8, max(128, args.tokens)))
         print(f"ITL while long prompts arrive, MAX_NUM_BATCHED_TOKENS={chunk}:",
               json.dumps(report["long_prompt_itl"][chunk]), flush=True)
 
