@@ -22,7 +22,8 @@ Storage per sequence: kept layers hold K and V like ``full``, (1, H, seq_len, d)
 nothing (after a fall-back, their own K/V from the fall-back position on). Bytes per token per layer:
 ``(1 - f) * 2 * H * d * B`` with f the fraction of reuse layers (the backend's formula uses the
 fraction calibration predicts; a store reports its own). The maps (2Hd+1 x 2Hd per layer) are
-per-model constants. A threshold above 1 reuses nothing (identity check).
+per-model constants, fitted once with every similarity and kept in the calibration cache
+(:mod:`cache_backends.calibration_cache`; no dca parameter changes them). A threshold above 1 reuses nothing (identity check).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from cache_backends.base import KVBackend, KVLayer, KVStore, ModelGeometry
 from cache_backends.rope import RopeTable
 
 ALIGNS = ("linear", "none")
+FIT_VERSION = 1  # of the calibration cache entry (bump when the fit changes)
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -369,19 +371,30 @@ class DCABackend(KVBackend):
         self.maps: list[LayerMap] | None = None
         self.calibration: dict[str, list[float]] = {}
 
-    def prepare(self, model, calibration_ids: list[int] | None = None) -> None:
-        """Fit the maps, measure per-layer similarity on the calibration slice, install the attention path."""
+    def prepare(self, model, calibration_ids: list[int] | None = None, cache=None) -> None:
+        """Fit the maps and measure per-layer similarity on the calibration slice (or load both from
+        ``cache``: no parameter of dca changes them), prepare the inner backend, install the attention path."""
         from cache_backends import dca_attention
         from cache_backends.calibration import calibration_ids as calib_ids
-        from cache_backends.calibration import collect_kv
+        from cache_backends.calibration_cache import CalibrationCache
 
         ids = calibration_ids if calibration_ids is not None else calib_ids(model)
-        self.inner.prepare(model, ids)
-        kv = collect_kv(model, self.geometry, ids, desc="dca calibration")
+        self.inner.prepare(model, ids, cache)
         rope = RopeTable(model, model.config.max_position_embeddings)
         device = next(model.parameters()).device
-        self.maps, raw, aligned, unrestricted = [], [], [], []
-        for (sk, sv), (dk, dv) in zip(kv, kv[1:]):
+        self.maps, self.calibration = (cache or CalibrationCache()).fetch(
+            "dca", model, ids, {}, fit=lambda: self._fit(model, ids, rope),
+            load=lambda tensors, figures: (self._load(tensors, rope, device), figures), version=FIT_VERSION)
+        dca_attention.install(model)
+
+    def _fit(self, model, ids: list[int], rope: RopeTable) -> tuple[dict[str, torch.Tensor], dict]:
+        """Per layer l >= 1, as ``{l}.*``: the :class:`LayerMap` from layer l - 1 (its complex key mix as
+        (H, H, d/2, 2) real and imaginary parts); figures: the similarities of :meth:`details`."""
+        from cache_backends.calibration import collect_kv
+
+        kv = collect_kv(model, self.geometry, ids, desc="dca calibration")
+        tensors, raw, aligned, unrestricted = {}, [], [], []
+        for layer, ((sk, sv), (dk, dv)) in enumerate(zip(kv, kv[1:]), start=1):
             raw.append(similarity(dk, dv, sk, sv))
             layer_map = LayerMap.fit(sk, sv, dk, dv, rope)
             aligned.append(similarity(dk, dv, *layer_map.predict_pre_rope(sk, sv)))
@@ -389,23 +402,45 @@ class DCABackend(KVBackend):
             pred = torch.cat([sk.flatten(1), sv.flatten(1), torch.ones(sk.shape[0], 1)], 1) @ weight
             h = dk.flatten(1).shape[1]
             unrestricted.append(similarity(dk, dv, pred[:, :h].reshape(dk.shape), pred[:, h:].reshape(dv.shape)))
+            tensors.update({f"{layer}.key_mix": torch.view_as_real(layer_map.key_mix),
+                            f"{layer}.key_bias": layer_map.key_bias, f"{layer}.value_map": layer_map.value_map,
+                            f"{layer}.value_bias": layer_map.value_bias})
+        return tensors, {"similarity_none": [round(x, 4) for x in raw],
+                         "similarity_linear": [round(x, 4) for x in aligned],
+                         "similarity_full_linear": [round(x, 4) for x in unrestricted]}
+
+    def _load(self, tensors: dict[str, torch.Tensor], rope: RopeTable, device) -> list[LayerMap]:
+        """The maps of layers 1 .. L-1 on ``device`` (empty maps for ``align=none``)."""
+        from cache_backends.calibration_cache import take
+
+        h, d = self.geometry.num_key_value_heads, self.geometry.head_dim
+        maps = []
+        for layer in range(1, self.geometry.num_layers):
+            parts = [take(tensors, f"{layer}.{name}", shape) for name, shape in (
+                ("key_mix", (h, h, d // 2, 2)), ("key_bias", (h, d)), ("value_map", (h, h, d, d)),
+                ("value_bias", (h, d)))]
             if self.align == "none":
-                layer_map = LayerMap(None, None, None, None, rope)
-            self.maps.append(layer_map.to(device))
-        self.calibration = {"similarity_none": [round(x, 4) for x in raw],
-                            "similarity_linear": [round(x, 4) for x in aligned],
-                            "similarity_full_linear": [round(x, 4) for x in unrestricted]}
-        dca_attention.install(model)
+                maps.append(LayerMap(None, None, None, None, rope))
+                continue
+            key_mix, key_bias, value_map, value_bias = parts
+            maps.append(LayerMap(torch.view_as_complex(key_mix.contiguous()), key_bias, value_map, value_bias,
+                                 rope).to(device))
+        return maps
+
+    def expected_reuse_layers(self) -> list[int]:
+        """The layers calibration predicts to be reused (alternating rule: a source must be kept)."""
+        sims = self.calibration.get(f"similarity_{self.align}", [])
+        reused, prev_reused = [], False
+        for layer, s in enumerate(sims, start=1):
+            now = (not prev_reused) and s >= self.threshold and self.threshold <= 1
+            if now:
+                reused.append(layer)
+            prev_reused = now
+        return reused
 
     def expected_reuse_fraction(self) -> float:
-        """Fraction of layers calibration predicts to be reused (alternating rule: a source must be kept)."""
-        sims = self.calibration.get(f"similarity_{self.align}", [])
-        reused, prev_reused = 0, False
-        for s in sims:  # layers 1 .. L-1
-            now = (not prev_reused) and s >= self.threshold and self.threshold <= 1
-            reused += now
-            prev_reused = now
-        return reused / self.geometry.num_layers
+        """Fraction of layers calibration predicts to be reused (:meth:`expected_reuse_layers`)."""
+        return len(self.expected_reuse_layers()) / self.geometry.num_layers
 
     def details(self) -> dict:
         return {"calibration_similarity_by_layer": {"layers": list(range(1, self.geometry.num_layers)),
