@@ -1,6 +1,10 @@
 # kvserve image: CPU-only by default, a CUDA variant by build argument. Configure with environment variables:
 #   docker build -t kvserve .
 #   docker run --rm -p 8000:8000 -e KV_BACKEND=int8 kvserve
+# Calibration shipped in the image (optional): the gqa/mla/dca fits made at build time by `kvserve calibrate`,
+# so a container serving those backends starts without calibrating (pass the run's KV_MLA_RANK/KV_GQA_GROUPS
+# too, when set; they select the fit):
+#   docker build --build-arg CALIBRATE="gqa mla dca" --build-arg KV_MLA_RANK=64 -t kvserve .
 # CUDA variant: the same Dockerfile with a CUDA torch. PyPI's Linux torch wheel is the CUDA build and brings
 # the CUDA runtime as nvidia-* wheels (a PyTorch index such as https://download.pytorch.org/whl/cu128 picks
 # a CUDA version); the host needs the NVIDIA driver and container toolkit. DEVICE=auto uses the GPU:
@@ -42,12 +46,24 @@ RUN pip install --no-deps . \
 # ---- runtime stage: the venv and the model; no pip caches, no build tools, no sources ----
 FROM ${PYTHON_IMAGE}
 ENV PATH=/opt/kvserve/bin:$PATH PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 \
-    HOST=0.0.0.0 PORT=8000 KV_BACKEND=full DEVICE=auto MODEL_ID=/app/models/kjv-llama-mha
-RUN useradd --create-home --uid 10001 --user-group kvserve
+    HOST=0.0.0.0 PORT=8000 KV_BACKEND=full DEVICE=auto MODEL_ID=/app/models/kjv-llama-mha \
+    KV_CALIBRATION_CACHE_DIR=/app/calibration
+RUN useradd --create-home --uid 10001 --user-group kvserve \
+ && mkdir -p /app/calibration && chown 10001:10001 /app/calibration
 COPY --from=build /opt/kvserve /opt/kvserve
 COPY models /app/models
 WORKDIR /app
 USER 10001:10001
+# Backends whose fits the image ships (space or comma separated; e.g. "gqa mla dca"): empty by default, as the
+# default KV_BACKEND (full) fits nothing, a default build stays as fast as before, and a larger model's
+# calibration is worth running where its hardware is. The fits are keyed by the backend parameters that
+# change them (KV_MLA_RANK, KV_GQA_GROUPS: give the values the containers will run with, or they refit at
+# start) and are device/dtype independent: fitted here on the CPU in float32, they serve a CUDA bfloat16 run.
+ARG CALIBRATE=
+ARG KV_MLA_RANK=
+ARG KV_GQA_GROUPS=
+# (unquoted on purpose: each word is one --backend value; a comma list is split by kvserve calibrate)
+RUN if [ -n "$CALIBRATE" ]; then kvserve calibrate --backend $CALIBRATE; fi
 EXPOSE 8000
 HEALTHCHECK --interval=15s --timeout=5s --start-period=120s --retries=3 \
   CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen(f'http://127.0.0.1:{os.environ.get(\"PORT\", \"8000\")}/health', timeout=4)"]

@@ -304,8 +304,15 @@ class KVBackend(ABC):
         self.geometry = geometry
         self.options = options
 
-    def prepare(self, model, calibration_ids: list[int] | None = None) -> None:
-        """Fit whatever the backend needs on the loaded model (no-op by default)."""
+    def prepare(self, model, calibration_ids: list[int] | None = None, cache=None) -> None:
+        """Fit whatever the backend needs on the loaded model (no-op by default).
+
+        Args:
+            model: the loaded model.
+            calibration_ids: calibration token ids (default: :func:`cache_backends.calibration.calibration_ids`).
+            cache: a :class:`cache_backends.calibration_cache.CalibrationCache` to load fits from and save
+                them to; ``None`` fits without one.
+        """
 
     def params(self) -> dict[str, Any]:
         """The backend's parameters (its constructor options), for ``/info`` and reports."""

@@ -26,8 +26,10 @@ nothing (after a fall-back, their own K/V from the fall-back position on). Bytes
 prefill decision itself reuses on the calibration windows, prefilled into real stores (so a
 composition's similarity is measured on what its inner backend stores, as in serving);
 ``live_bytes_per_token_per_layer(store)`` takes the store's own reuse and fall-backs, and equals its
-``nbytes()``. The maps (2Hd+1 x 2Hd per layer) are per-model constants. A threshold above 1 reuses
-nothing (identity check).
+``nbytes()``. The maps (2Hd+1 x 2Hd per layer) are per-model constants, fitted once with every similarity
+and kept in the calibration cache (:mod:`cache_backends.calibration_cache`; no dca parameter changes them);
+the calibrated reuse is measured at each start (it depends on the threshold and the inner backend).
+A threshold above 1 reuses nothing (identity check).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from cache_backends.estimate import dca_store_bytes_per_token_per_layer
 from cache_backends.rope import RopeTable
 
 ALIGNS = ("linear", "none")
+FIT_VERSION = 1  # of the calibration cache entry (bump when the fit changes)
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -384,20 +387,33 @@ class DCABackend(KVBackend):
         self.calibration: dict[str, list[float]] = {}
         self.calibration_reuse: list[tuple[int, int]] = []  # per calibration window: (tokens, reuse layers)
 
-    def prepare(self, model, calibration_ids: list[int] | None = None) -> None:
-        """Fit the maps, measure per-layer similarity on the calibration slice, install the attention path, and
-        count the layers the prefill decision reuses on each calibration window (the calibrated reuse share)."""
+    def prepare(self, model, calibration_ids: list[int] | None = None, cache=None) -> None:
+        """Fit the maps and measure per-layer similarity on the calibration slice (or load both from
+        ``cache``: no parameter of dca changes them), prepare the inner backend, install the attention path,
+        and count the layers the prefill decision reuses on each calibration window (the calibrated reuse
+        share, measured at every start: it depends on the threshold and on what the inner backend stores)."""
         from cache_backends import dca_attention
         from cache_backends.calibration import calibration_ids as calib_ids
-        from cache_backends.calibration import collect_kv
+        from cache_backends.calibration_cache import CalibrationCache
 
         ids = calibration_ids if calibration_ids is not None else calib_ids(model)
-        self.inner.prepare(model, ids)
-        kv = collect_kv(model, self.geometry, ids, desc="dca calibration")
+        self.inner.prepare(model, ids, cache)
         rope = RopeTable(model, model.config.max_position_embeddings)
         device = next(model.parameters()).device
-        self.maps, raw, aligned, unrestricted = [], [], [], []
-        for (sk, sv), (dk, dv) in zip(kv, kv[1:]):
+        self.maps, self.calibration = (cache or CalibrationCache()).fetch(
+            "dca", model, ids, {}, fit=lambda: self._fit(model, ids, rope),
+            load=lambda tensors, figures: (self._load(tensors, rope, device), figures), version=FIT_VERSION)
+        dca_attention.install(model)
+        self.calibration_reuse = self._served_reuse(model, ids)
+
+    def _fit(self, model, ids: list[int], rope: RopeTable) -> tuple[dict[str, torch.Tensor], dict]:
+        """Per layer l >= 1, as ``{l}.*``: the :class:`LayerMap` from layer l - 1 (its complex key mix as
+        (H, H, d/2, 2) real and imaginary parts); figures: the similarities of :meth:`details`."""
+        from cache_backends.calibration import collect_kv
+
+        kv = collect_kv(model, self.geometry, ids, desc="dca calibration")
+        tensors, raw, aligned, unrestricted = {}, [], [], []
+        for layer, ((sk, sv), (dk, dv)) in enumerate(zip(kv, kv[1:]), start=1):
             raw.append(similarity(dk, dv, sk, sv))
             layer_map = LayerMap.fit(sk, sv, dk, dv, rope)
             aligned.append(similarity(dk, dv, *layer_map.predict_pre_rope(sk, sv)))
@@ -405,14 +421,42 @@ class DCABackend(KVBackend):
             pred = torch.cat([sk.flatten(1), sv.flatten(1), torch.ones(sk.shape[0], 1)], 1) @ weight
             h = dk.flatten(1).shape[1]
             unrestricted.append(similarity(dk, dv, pred[:, :h].reshape(dk.shape), pred[:, h:].reshape(dv.shape)))
+            tensors.update({f"{layer}.key_mix": torch.view_as_real(layer_map.key_mix),
+                            f"{layer}.key_bias": layer_map.key_bias, f"{layer}.value_map": layer_map.value_map,
+                            f"{layer}.value_bias": layer_map.value_bias})
+        return tensors, {"similarity_none": [round(x, 4) for x in raw],
+                         "similarity_linear": [round(x, 4) for x in aligned],
+                         "similarity_full_linear": [round(x, 4) for x in unrestricted]}
+
+    def _load(self, tensors: dict[str, torch.Tensor], rope: RopeTable, device) -> list[LayerMap]:
+        """The maps of layers 1 .. L-1 on ``device`` (empty maps for ``align=none``)."""
+        from cache_backends.calibration_cache import take
+
+        h, d = self.geometry.num_key_value_heads, self.geometry.head_dim
+        maps = []
+        for layer in range(1, self.geometry.num_layers):
+            parts = [take(tensors, f"{layer}.{name}", shape) for name, shape in (
+                ("key_mix", (h, h, d // 2, 2)), ("key_bias", (h, d)), ("value_map", (h, h, d, d)),
+                ("value_bias", (h, d)))]
             if self.align == "none":
-                layer_map = LayerMap(None, None, None, None, rope)
-            self.maps.append(layer_map.to(device))
-        self.calibration = {"similarity_none": [round(x, 4) for x in raw],
-                            "similarity_linear": [round(x, 4) for x in aligned],
-                            "similarity_full_linear": [round(x, 4) for x in unrestricted]}
-        dca_attention.install(model)
-        self.calibration_reuse = self._served_reuse(model, ids)
+                maps.append(LayerMap(None, None, None, None, rope))
+                continue
+            key_mix, key_bias, value_map, value_bias = parts
+            maps.append(LayerMap(torch.view_as_complex(key_mix.contiguous()), key_bias, value_map, value_bias,
+                                 rope).to(device))
+        return maps
+
+    def expected_reuse_layers(self) -> list[int]:
+        """The layers the calibration similarities (mean over the slice) predict to be reused at this threshold
+        (alternating rule: a source must be kept); what stores really reuse is :meth:`expected_reuse_fraction`."""
+        sims = self.calibration.get(f"similarity_{self.align}", [])
+        reused, prev_reused = [], False
+        for layer, s in enumerate(sims, start=1):
+            now = (not prev_reused) and s >= self.threshold and self.threshold <= 1
+            if now:
+                reused.append(layer)
+            prev_reused = now
+        return reused
 
     @torch.no_grad()
     def _served_reuse(self, model, ids: list[int]) -> list[tuple[int, int]]:

@@ -18,7 +18,8 @@ Two ways to make the shared head (``KV_GQA_METHOD``):
 
 Storage per sequence and layer: shared keys and values of shape (1, G, seq_len, head_dim) in the
 model's dtype (``gqa+int8``: quantized as in ``int8``, keys per channel, values per token). Bytes per token per layer: ``2 * G * head_dim * dtype_bytes``. The encode/decode
-matrices are per-model constants (like weights), not per-token storage. With G = num_key_value_heads
+matrices are per-model constants (like weights), not per-token storage, fitted once and kept in the
+calibration cache (:mod:`cache_backends.calibration_cache`, keyed by G). With G = num_key_value_heads
 both methods are lossless (identity check).
 """
 
@@ -30,6 +31,7 @@ from cache_backends.base import KVBackend, ModelGeometry, StreamPairLayer, make_
 from cache_backends.int8 import attend_stored
 
 METHODS = ("pca", "mean")
+FIT_VERSION = 1  # of the calibration cache entry (bump when the fit changes)
 
 
 class GroupCodec:
@@ -205,20 +207,47 @@ class GQABackend(KVBackend):
         self.codecs = [(codec, codec)] * geometry.num_layers
         self.folded: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer, made on first use
 
-    def prepare(self, model, calibration_ids: list[int] | None = None) -> None:
-        """Fit the ``pca`` codecs on the calibration slice (no-op for ``mean``)."""
+    def prepare(self, model, calibration_ids: list[int] | None = None, cache=None) -> None:
+        """Fit the ``pca`` codecs on the calibration slice, or load them from ``cache`` (keyed by the
+        groups); no-op for ``mean``."""
         from cache_backends.calibration import calibration_ids as calib_ids
-        from cache_backends.calibration import collect_kv
+        from cache_backends.calibration_cache import CalibrationCache
 
         device = next(model.parameters()).device
         if self.method == "pca":
             ids = calibration_ids if calibration_ids is not None else calib_ids(model)
-            kv = collect_kv(model, self.geometry, ids, desc="gqa calibration")
-            self.codecs = [(pca_key_codec(k, self.groups), pca_value_codec(v, self.groups)) for k, v in kv]
+            self.codecs = (cache or CalibrationCache()).fetch(
+                "gqa", model, ids, {"groups": self.groups, "method": "pca"}, fit=lambda: self._fit(model, ids),
+                load=lambda tensors, _: self._load(tensors), version=FIT_VERSION)
         for kc, vc in self.codecs:
             for c in (kc, vc):
                 c.encode_m, c.decode_m = c.encode_m.to(device), c.decode_m.to(device)
         self.folded = None
+
+    def _fit(self, model, ids: list[int]) -> tuple[dict[str, torch.Tensor], dict]:
+        """Per layer i: ``{i}.{key,value}.{encode,decode}``; figures: each layer's relative squared error of
+        the rebuilt K and V on the calibration slice (``|x - decode(encode(x))|² / |x|²``)."""
+        from cache_backends.calibration import collect_kv
+
+        kv = collect_kv(model, self.geometry, ids, desc="gqa calibration")
+        tensors, errors = {}, {"key_relative_error": [], "value_relative_error": []}
+        for i, (k, v) in enumerate(kv):
+            codecs = (("key", k, pca_key_codec(k, self.groups)), ("value", v, pca_value_codec(v, self.groups)))
+            for part, x, codec in codecs:
+                tensors[f"{i}.{part}.encode"], tensors[f"{i}.{part}.decode"] = codec.encode_m, codec.decode_m
+                heads = x.transpose(0, 1)[None]  # (1, H, tokens, d)
+                err = (codec.decode(codec.encode(heads)) - heads).pow(2).sum() / heads.pow(2).sum().clamp_min(1e-30)
+                errors[f"{part}_relative_error"].append(round(err.item(), 6))
+        return tensors, errors
+
+    def _load(self, tensors: dict[str, torch.Tensor]) -> list[tuple[GroupCodec, GroupCodec]]:
+        from cache_backends.calibration_cache import take
+
+        g, d = self.groups, self.geometry.head_dim
+        md = self.geometry.num_key_value_heads // g * d
+        return [tuple(GroupCodec(take(tensors, f"{i}.{part}.encode", (g, md, d)),
+                                 take(tensors, f"{i}.{part}.decode", (g, d, md))) for part in ("key", "value"))
+                for i in range(self.geometry.num_layers)]
 
     def new_layer(self, index: int, position_offset: int = 0) -> GQALayer:
         key_codec, value_codec = self.codecs[index]

@@ -10,7 +10,8 @@ undoes RoPE exactly (a rotation) before projecting. At r = 2 * H * d the rebuild
 
 Storage per sequence and layer: ``latent`` of shape (1, 1, seq_len, r) in the model's dtype
 (``mla+int8``: int8 per channel over token groups, with a full-precision residual window).
-Bytes per token per layer: ``r * dtype_bytes``. P (2Hd x r) and mu are per-model constants.
+Bytes per token per layer: ``r * dtype_bytes``. P (2Hd x r) and mu are per-model constants, fitted once and kept in the
+calibration cache (:mod:`cache_backends.calibration_cache`, keyed by r).
 
 Native MLA models (DeepSeek-V2, arXiv 2405.04434; DeepSeek-V3 in transformers): the model itself computes
 the latent c_KV (``kv_lora_rank`` wide, after its layer norm) and one shared rope key (``qk_rope_head_dim``)
@@ -31,13 +32,20 @@ from cache_backends.base import KVBackend, KVLayer, KVStore, ModelGeometry, make
 from cache_backends.full import FullLayer
 from cache_backends.rope import RopeTable
 
+FIT_VERSION = 1  # of the calibration cache entry (bump when the fit changes)
+
 
 class LatentBasis:
-    """One layer's projection: ``basis`` (2*H*d, r) with orthonormal columns, ``mean`` (2*H*d,)."""
+    """One layer's projection: ``basis`` (2*H*d, r) with orthonormal columns, ``mean`` (2*H*d,).
 
-    def __init__(self, basis: torch.Tensor, mean: torch.Tensor):
+    ``explained`` is, after :meth:`fit`, the share of the calibration variance of [K_pre ; V] the basis
+    keeps (1 - the relative squared error of the rebuild, on the calibration slice); ``None`` otherwise.
+    """
+
+    def __init__(self, basis: torch.Tensor, mean: torch.Tensor, explained: float | None = None):
         self.basis = basis
         self.mean = mean
+        self.explained = explained
 
     @classmethod
     def fit(cls, keys: torch.Tensor, values: torch.Tensor, rank: int) -> "LatentBasis":
@@ -51,9 +59,10 @@ class LatentBasis:
         x = torch.cat([keys.flatten(1), values.flatten(1)], dim=1).double()  # (tokens, 2Hd)
         mean = x.mean(0)
         xc = x - mean
-        _, vecs = torch.linalg.eigh(xc.T @ xc)
+        vals, vecs = torch.linalg.eigh(xc.T @ xc)  # ascending
         basis = vecs[:, -rank:].flip(-1)  # (2Hd, r), strongest first
-        return cls(basis.float(), mean.float())
+        explained = (vals[-rank:].sum() / vals.sum().clamp_min(1e-30)).item()
+        return cls(basis.float(), mean.float(), explained)
 
 
 class MLALayer(KVLayer):
@@ -256,23 +265,41 @@ class MLABackend(KVBackend):
         self.bases: list[LatentBasis] | None = None
         self.rope: RopeTable | None = None
 
-    def prepare(self, model, calibration_ids: list[int] | None = None) -> None:
-        """Fit one basis per layer on the calibration slice (a progress bar shows it); on native MLA, switch the
-        model's attention to absorbed attention over the cached latent (no calibration)."""
+    def prepare(self, model, calibration_ids: list[int] | None = None, cache=None) -> None:
+        """Fit one basis per layer on the calibration slice (a progress bar shows it), or load it from
+        ``cache`` (keyed by the rank); on native MLA, switch the model's attention to absorbed attention over
+        the cached latent (no calibration)."""
         if self.native:
             install_absorbed_attention(model)
             return
         from cache_backends.calibration import calibration_ids as calib_ids
-        from cache_backends.calibration import collect_kv
+        from cache_backends.calibration_cache import CalibrationCache
 
         ids = calibration_ids if calibration_ids is not None else calib_ids(model)
-        kv = collect_kv(model, self.geometry, ids, desc="mla calibration")
         device = next(model.parameters()).device
-        self.bases = []
-        for k, v in tqdm(kv, desc="mla bases", leave=False):
-            b = LatentBasis.fit(k, v, self.rank)
-            self.bases.append(LatentBasis(b.basis.to(device), b.mean.to(device)))
+        self.bases = (cache or CalibrationCache()).fetch(
+            "mla", model, ids, {"rank": self.rank}, fit=lambda: self._fit(model, ids),
+            load=lambda tensors, _: self._load(tensors, device), version=FIT_VERSION)
         self.rope = RopeTable(model, model.config.max_position_embeddings)
+
+    def _fit(self, model, ids: list[int]) -> tuple[dict[str, torch.Tensor], dict]:
+        """Per layer i: ``{i}.basis`` (2Hd, r) and ``{i}.mean`` (2Hd,); figures: each layer's explained variance."""
+        from cache_backends.calibration import collect_kv
+
+        kv = collect_kv(model, self.geometry, ids, desc="mla calibration")
+        tensors, explained = {}, []
+        for i, (k, v) in enumerate(tqdm(kv, desc="mla bases", leave=False)):
+            b = LatentBasis.fit(k, v, self.rank)
+            tensors[f"{i}.basis"], tensors[f"{i}.mean"] = b.basis, b.mean
+            explained.append(round(b.explained, 6))
+        return tensors, {"explained_variance": explained}
+
+    def _load(self, tensors: dict[str, torch.Tensor], device) -> list[LatentBasis]:
+        from cache_backends.calibration_cache import take
+
+        width = 2 * self.geometry.num_key_value_heads * self.geometry.head_dim
+        return [LatentBasis(take(tensors, f"{i}.basis", (width, self.rank)).to(device),
+                            take(tensors, f"{i}.mean", (width,)).to(device)) for i in range(self.geometry.num_layers)]
 
     def new_layer(self, index: int, position_offset: int = 0) -> KVLayer:
         if self.native:

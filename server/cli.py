@@ -1,4 +1,5 @@
-"""``kvserve`` command line: ``kvserve serve`` starts the HTTP server with settings from the environment."""
+"""``kvserve`` command line: ``kvserve serve`` starts the HTTP server with settings from the environment;
+``kvserve calibrate`` fills the calibration cache it reads."""
 
 from __future__ import annotations
 
@@ -67,6 +68,13 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p_serve = sub.add_parser("serve", help="serve the model over HTTP (configured by environment variables)")
     p_serve.set_defaults(func=serve)
+    p_cal = sub.add_parser("calibrate", help="fit the gqa/mla/dca calibration ahead of serving into the "
+                           "calibration cache (same settings as serve)")
+    from server.calibrate_cli import add_arguments as calibrate_arguments
+    from server.calibrate_cli import main as calibrate_main
+
+    calibrate_arguments(p_cal)
+    p_cal.set_defaults(func=calibrate_main)
     p_est = sub.add_parser("estimate", help="KV-cache size from a model config (no weights)")
     from server.estimate_cli import add_arguments as estimate_arguments
     from server.estimate_cli import main as estimate_main

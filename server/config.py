@@ -6,6 +6,7 @@ message naming the variable and what is allowed; ``kvserve serve`` prints it and
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -25,6 +26,13 @@ BACKEND_OPTIONS = {
     "int8": {"group_size": "kv_int8_group_size", "residual": "kv_int8_residual"},
     "dca": {"threshold": "kv_dca_threshold", "probe_interval": "kv_dca_probe_interval", "align": "kv_dca_align"},
 }
+
+
+def default_calibration_cache_dir() -> str:
+    """``$XDG_CACHE_HOME/kvserve/calibration``, else ``~/.cache/kvserve/calibration`` (where huggingface_hub
+    puts its own cache, by the same rule)."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return str(Path(base) / "kvserve" / "calibration")
 
 
 class ConfigError(ValueError):
@@ -60,6 +68,10 @@ class Settings(BaseSettings):
     kv_calibration_file: str | None = Field(None, description="gqa/mla/dca: calibration text (plain, chapters "
                                             "split by blank lines, or .jsonl of {\"text\": ...}); default: the "
                                             "model folder's calib_slice.txt, else the packaged KJV text.")
+    kv_calibration_cache_dir: str | None = Field(default_factory=default_calibration_cache_dir,
+                                                 description="gqa/mla/dca: where fitted codecs, bases and maps "
+                                                 "are saved and reused at the next start (see `kvserve "
+                                                 "calibrate`); empty: fit at every start, save nothing.")
     kv_gqa_groups: int | None = Field(None, ge=1, description="gqa: K/V heads kept (default num_kv_heads/4).")
     kv_gqa_method: Literal["pca", "mean"] = Field("pca", description="gqa: calibrated (pca) or mean pooling.")
     kv_mla_rank: int | None = Field(None, ge=1, description="mla: latent width per token per layer.")
@@ -85,7 +97,7 @@ class Settings(BaseSettings):
         return v
 
     @field_validator("kv_cache_budget_bytes", "max_input_tokens", "max_total_tokens", "kv_gqa_groups", "kv_mla_rank",
-                     "kv_calibration_file", mode="before")
+                     "kv_calibration_file", "kv_calibration_cache_dir", mode="before")
     @classmethod
     def _empty_is_none(cls, v):
         return None if v == "" else v

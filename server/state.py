@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cache_backends import KVBackend, ModelGeometry, create
+from cache_backends.calibration_cache import CalibrationCache
 from cache_backends.spec import format_spec
 from server import __version__
 from server.config import Settings
@@ -74,8 +75,9 @@ class ServerState:
             from cache_backends.calibration import calibration_ids
 
             calibration = calibration_ids(model, tokenizer, path=s.kv_calibration_file)
+        cache = CalibrationCache(s.kv_calibration_cache_dir)
         for backend in self.backends.values():
-            backend.prepare(model, calibration)
+            backend.prepare(model, calibration, cache)
         self.model_name = Path(s.model_id).name if Path(s.model_id).exists() else s.model_id
         max_input, max_total = s.token_limits(model.config.max_position_embeddings)
         limits = Limits(max_input, max_total, s.max_stop_sequences)
@@ -93,6 +95,7 @@ class ServerState:
             "model_device_type": device.type, "kv_backend": s.kv_backend, "kv_backends": names,
             "kv_backend_params": {n: b.params() for n, b in self.backends.items()},
             "kv_backend_details": {n: b.details() for n, b in self.backends.items() if b.details()},
+            "kv_calibration": [{k: v for k, v in e.as_dict().items() if k != "figures"} for e in cache.events],
             **kv_sizes(self.backends, geometry.num_layers, max_total), "num_layers": geometry.num_layers,
             "num_attention_heads": geometry.num_attention_heads,
             "num_key_value_heads": geometry.num_key_value_heads, "head_dim": geometry.head_dim,

@@ -51,6 +51,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.value)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def calibration_cache_dir(tmp_path_factory) -> Path:
+    """Every server and ``kvserve calibrate`` the tests start keep their calibration cache here (one per
+    run, shared by the tests), never in the user's home."""
+    path = tmp_path_factory.mktemp("calibration-cache")
+    before = os.environ.get("KV_CALIBRATION_CACHE_DIR")
+    os.environ["KV_CALIBRATION_CACHE_DIR"] = str(path)
+    yield path
+    if before is None:
+        os.environ.pop("KV_CALIBRATION_CACHE_DIR", None)
+    else:
+        os.environ["KV_CALIBRATION_CACHE_DIR"] = before
+
+
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
     return MODEL_DIR

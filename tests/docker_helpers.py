@@ -31,6 +31,8 @@ from tests.conftest import REPO
 DOCKER_LOCAL = REPO.parent / "shared" / "tools" / "docker-local.sh"
 IMAGE = os.environ.get("KVSERVE_TEST_IMAGE", "kvserve:test")
 BUILD_TIMEOUT_S = 1800
+# the image ships mla's rank-64 fit (the Dockerfile's optional calibration step), which the mla+int8 container uses
+BUILD_ARGS = ("CALIBRATE=mla", "KV_MLA_RANK=64")
 
 
 def docker(*args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
@@ -106,7 +108,7 @@ def build_image() -> tuple[str, float]:
     if "error" in _BUILD:
         raise _BUILD["error"]
     if "result" not in _BUILD:
-        args = ["build", "--network", "host", "-t", IMAGE]
+        args = ["build", "--network", "host", "-t", IMAGE, *(f"--build-arg={a}" for a in BUILD_ARGS)]
         if index:
             args += ["--build-arg", f"TORCH_INDEX_URL={index}"]
         start = time.monotonic()

@@ -129,6 +129,15 @@ def test_info_names_the_backend_and_its_bytes_per_token(served):
     assert info["kv_bytes_per_token"][backend] == pytest.approx(expected_bytes_per_token(spec), rel=1e-9)
 
 
+def test_image_ships_the_fits_it_was_built_with(served):
+    """Built with CALIBRATE=mla KV_MLA_RANK=64, the mla+int8 container loads mla's bases from the image's
+    calibration cache instead of calibrating at start; int8 needs none."""
+    c, backend, _, _ = served
+    info = httpx.get(c.url + "/info", timeout=10).json()
+    events = [(e["kind"], e["source"], e["path"].rsplit("/", 1)[0]) for e in info["kv_calibration"]]
+    assert events == ([("mla", "cache", "/app/calibration")] if backend == "mla+int8" else [])
+
+
 def stream_events(url: str, body: dict) -> list[dict]:
     with httpx.stream("POST", url + "/generate_stream", json=body, timeout=120) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")

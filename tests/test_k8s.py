@@ -29,6 +29,19 @@ def test_deployment_probes_resources_and_non_root():
     assert any(e["name"] == "KV_BACKEND" for e in c["env"])
 
 
+def test_init_container_calibrates_into_the_servers_cache():
+    """`kvserve calibrate` runs first with the server's backend and writes where the server reads."""
+    pod = yaml.safe_load((REPO / "deploy" / "k8s" / "deployment.yaml").read_text())["spec"]["template"]["spec"]
+    (init,), (server,) = pod["initContainers"], pod["containers"]
+    assert init["command"] == ["kvserve", "calibrate"] and init["image"] == server["image"]
+    env = [{e["name"]: e["value"] for e in c["env"]} for c in (init, server)]
+    assert env[0]["KV_BACKEND"] == env[1]["KV_BACKEND"]
+    assert env[0]["KV_CALIBRATION_CACHE_DIR"] == env[1]["KV_CALIBRATION_CACHE_DIR"]
+    mounts = [{m["name"]: m["mountPath"] for m in c["volumeMounts"]} for c in (init, server)]
+    assert mounts[0] == mounts[1] and env[1]["KV_CALIBRATION_CACHE_DIR"].startswith(mounts[1]["calibration"] + "/")
+    assert any(v["name"] == "calibration" for v in pod["volumes"])
+
+
 def test_hpa_scales_on_requests_waiting():
     hpa = yaml.safe_load((REPO / "deploy" / "k8s" / "hpa.yaml").read_text())
     assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == "kvserve_requests_waiting"
