@@ -13,28 +13,10 @@ from pathlib import Path
 
 import torch
 
+from cache_backends.calibration import slice_token_ids  # noqa: F401  (re-exported: bench and tests use it)
+
 EVAL_SLICE = "eval_slice.txt"
 CALIB_SLICE = "calib_slice.txt"
-
-
-def slice_token_ids(path: str | Path, tokenizer) -> list[int]:
-    """Token ids of a slice file: each blank-line-separated chapter, then the end-of-text token.
-
-    Args:
-        path: a slice file (chapters separated by ``"\\n\\n"``).
-        tokenizer: a Hugging Face tokenizer whose ``eos_token_id`` marks the end of a chapter.
-
-    Returns:
-        A flat list of token ids (about 20k for the shipped slices).
-    """
-    text = Path(path).read_text(encoding="utf-8")
-    ids: list[int] = []
-    for chapter in text.split("\n\n"):
-        chapter = chapter.strip("\n")
-        if chapter:
-            ids.extend(tokenizer.encode(chapter, add_special_tokens=False, verbose=False))  # chapters may exceed the context
-            ids.append(tokenizer.eos_token_id)
-    return ids
 
 
 @torch.no_grad()

@@ -41,6 +41,28 @@ def calibration_file(model, path: str | Path | None = None) -> Path:
     return beside if beside.is_file() else DEFAULT_TEXT
 
 
+def slice_token_ids(path: str | Path, tokenizer) -> list[int]:
+    """Token ids of a slice file: each blank-line-separated chapter, then the end-of-text token (when the
+    tokenizer has one).
+
+    Args:
+        path: a slice file (chapters separated by ``"\\n\\n"``).
+        tokenizer: a Hugging Face tokenizer whose ``eos_token_id`` marks the end of a chapter.
+
+    Returns:
+        A flat list of token ids (about 20k for the shipped slices).
+    """
+    text = Path(path).read_text(encoding="utf-8")
+    ids: list[int] = []
+    for chapter in text.split("\n\n"):
+        chapter = chapter.strip("\n")
+        if chapter:
+            ids.extend(tokenizer.encode(chapter, add_special_tokens=False, verbose=False))  # chapters may exceed the context
+            if tokenizer.eos_token_id is not None:
+                ids.append(tokenizer.eos_token_id)
+    return ids
+
+
 def calibration_ids(model, tokenizer=None, max_tokens: int = 20_000, path: str | Path | None = None) -> list[int]:
     """Token ids of the calibration text (:func:`calibration_file`): each chapter (or jsonl record) then
     the end-of-text token, at most ``max_tokens``.
@@ -52,8 +74,6 @@ def calibration_ids(model, tokenizer=None, max_tokens: int = 20_000, path: str |
     import json
 
     from transformers import AutoTokenizer
-
-    from bench.quality import slice_token_ids
 
     source = calibration_file(model, path)
     tokenizer = tokenizer or AutoTokenizer.from_pretrained(model.name_or_path)
