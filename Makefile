@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvserve-installed
 
-.PHONY: install serve test test-gpu bench bench-quick bench-serving bench-budget load-test clean
+.PHONY: install serve test test-gpu bench bench-quick bench-serving bench-budget bench-mla-routes load-test clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -38,9 +38,22 @@ bench: $(STAMP)
 bench-quick: $(STAMP)
 	$(BIN)/kvserve bench --quick --out reports/bench-quick
 
-bench-serving: $(STAMP)
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[test,bench]"
-	$(BIN)/python -m bench.serving
+# bench.serving's llama.cpp peer: llama-cpp-python built from source (about 5 minutes on 2 cores) and a GGUF of
+# the reference model made by the converter vendored in its source distribution.
+LLAMA_CPP_VERSION := 0.3.36
+GGUF := build/kjv-llama-mha-f32.gguf
+$(GGUF): $(STAMP)
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[test,bench,llamacpp]"
+	$(BIN)/python -m pip download --quiet --no-deps --no-binary llama-cpp-python \
+		llama-cpp-python==$(LLAMA_CPP_VERSION) -d build/llama-src
+	$(BIN)/python scripts/make_gguf.py --llama-src build/llama-src/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz \
+		--model models/kjv-llama-mha --out $(GGUF)
+
+bench-serving: $(GGUF)
+	$(BIN)/python -m bench.serving --tokens 128 --concurrency 1,8,16 --gguf $(GGUF)
+
+bench-mla-routes: $(STAMP)
+	$(BIN)/python -m bench.mla_routes
 
 bench-budget: $(STAMP)
 	$(BIN)/python -m bench.budget
