@@ -71,16 +71,20 @@ def agreement(ours: list[list[int]], reference: list[list[int]]) -> float:
 
 
 @torch.inference_mode()
-def measured_bytes_per_token(model, backend, token_ids: list[int], context: int = 1024) -> float:
-    """Bytes the store holds after ``context`` tokens (prefill then one decode step), per token (all layers)."""
+def measured_bytes_per_token(model, backend, token_ids: list[int], context: int = 1024) -> tuple[float, float]:
+    """Bytes the store holds after ``context`` tokens (prefill then one decode step), per token (all layers),
+    and the sums' figure for that same store: the backend's formula at ``context``, or for dca (whose reuse
+    depends on the input) the formula over this sequence's own reuse decisions."""
     runner = _runner(model, backend)
     store = backend.new_store()
     runner.prefill(token_ids[: context - 1], store)
     runner.decode([token_ids[context - 1]], [store])
     assert store.num_tokens() == context
     nbytes = store.nbytes()
+    live = getattr(backend, "live_bytes_per_token_per_layer", None)
+    formula = live(store) if live else backend.bytes_per_token_per_layer(context)
     store.release()
-    return nbytes / context
+    return nbytes / context, formula * backend.geometry.num_layers
 
 
 @torch.inference_mode()
