@@ -64,23 +64,21 @@ class TGIPrefillToken(BaseModel):
     logprob: float | None = None
 
 
-class TGIBestOfSequence(BaseModel):
+class TGISequenceDetails(BaseModel):
+    """What TGI reports of one generated sequence (the response's details, and each best_of sequence)."""
+    finish_reason: str
+    generated_tokens: int
+    seed: int | None = None
+    prefill: list[TGIPrefillToken] = Field(default_factory=list)
+    tokens: list[TGIToken] = Field(default_factory=list)
+    top_tokens: list[list[TGIToken]] | None = None
+
+
+class TGIBestOfSequence(TGISequenceDetails):
     generated_text: str
-    finish_reason: str
-    generated_tokens: int
-    seed: int | None = None
-    prefill: list[TGIPrefillToken] = Field(default_factory=list)
-    tokens: list[TGIToken] = Field(default_factory=list)
-    top_tokens: list[list[TGIToken]] | None = None
 
 
-class TGIDetails(BaseModel):
-    finish_reason: str
-    generated_tokens: int
-    seed: int | None = None
-    prefill: list[TGIPrefillToken] = Field(default_factory=list)
-    tokens: list[TGIToken] = Field(default_factory=list)
-    top_tokens: list[list[TGIToken]] | None = None
+class TGIDetails(TGISequenceDetails):
     best_of_sequences: list[TGIBestOfSequence] | None = None
 
 
