@@ -4,8 +4,8 @@ Where Docker comes from, in order:
 1. a daemon that already answers `docker info` (CI's `.ci/run` starts one with ../shared/tools/docker-local.sh);
 2. on machines that carry ../shared/tools/docker-local.sh, that script (Debian's docker.io, a local stand-in for
    `python:3.11-slim`, and a local index serving the machine's CPU torch wheel);
-3. neither: the Docker tests are skipped with the reason, unless KVSERVE_REQUIRE_DOCKER=1 (set by .ci/run),
-   where they fail instead.
+3. neither, or no torch index answering (a daemon left running without the local index): the Docker tests are
+   skipped with the reason, unless KVSERVE_REQUIRE_DOCKER=1 (set by .ci/run), where they fail instead.
 
 Builds and containers use the host network (`--network host`): it works both on a normal Docker host and on
 a daemon started without iptables, whose bridge containers have no way out. The torch index for the build
@@ -31,6 +31,7 @@ from tests.conftest import REPO
 DOCKER_LOCAL = REPO.parent / "shared" / "tools" / "docker-local.sh"
 IMAGE = os.environ.get("KVSERVE_TEST_IMAGE", "kvserve:test")
 BUILD_TIMEOUT_S = 1800
+DEFAULT_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"  # the Dockerfile's TORCH_INDEX_URL default
 # the image ships mla's rank-64 fit (the Dockerfile's optional calibration step), which the mla+int8 container uses
 BUILD_ARGS = ("CALIBRATE=mla", "KV_MLA_RANK=64")
 
@@ -71,7 +72,22 @@ def _prepare() -> tuple[str | None, str | None]:
     if not _daemon_answers():
         why = "no docker client on PATH" if shutil.which("docker") is None else "`docker info` fails (no daemon)"
         return None, f"{why}, and {DOCKER_LOCAL} is not there to start one"
+    torch_index = (index or DEFAULT_TORCH_INDEX).rstrip("/") + "/torch/"
+    if not _answers(torch_index):  # the build would fail at `pip install torch` after minutes of work
+        return None, (f"the torch index {torch_index} does not answer (set KVSERVE_TORCH_INDEX, or run .ci/run, "
+                      "which serves the machine's CPU wheel)")
     return index, None
+
+
+def _answers(url: str, timeout: float = 10) -> bool:
+    """Whether an HTTP GET of ``url`` succeeds within ``timeout`` seconds."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status < 400
+    except (OSError, ValueError):
+        return False
 
 
 def require_docker() -> str | None:

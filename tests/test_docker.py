@@ -176,3 +176,20 @@ def test_server_process_runs_as_the_non_root_user(served):
     # PID 1 is the server itself (exec-form CMD): its owner is the image's user, not root.
     assert c.exec("stat", "-c", "%u", "/proc/1") == USER_ID
     assert "kvserve" in c.exec("cat", "/proc/1/cmdline")
+
+
+def test_docker_tests_skip_when_no_torch_index_answers(monkeypatch):
+    """A daemon that answers without a reachable torch index (one left running by an earlier `.ci/run`, whose
+    local index is gone) is reported as unavailable with the index named, instead of a build that fails at
+    `pip install torch` after minutes."""
+    from tests import docker_helpers
+
+    monkeypatch.setattr(docker_helpers, "_daemon_answers", lambda: True)
+    monkeypatch.setattr(docker_helpers, "DOCKER_LOCAL", REPO / "no-such-docker-local.sh")
+    monkeypatch.setenv("KVSERVE_TORCH_INDEX", f"http://127.0.0.1:{free_port()}/simple")
+    docker_helpers._prepare.cache_clear()
+    try:
+        index, why = docker_helpers._prepare()
+    finally:
+        docker_helpers._prepare.cache_clear()
+    assert index is None and "does not answer" in why and "/simple/torch/" in why
