@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvserve-installed
 
-.PHONY: install serve test test-gpu bench bench-quick bench-serving bench-budget bench-mla-routes load-test clean
+.PHONY: install serve test test-gpu bench bench-quick bench-serving bench-budget bench-mla-routes bench-dca load-test clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,9 @@ bench-serving: $(GGUF)
 
 bench-mla-routes: $(STAMP)
 	$(BIN)/python -m bench.mla_routes
+
+bench-dca: $(STAMP)
+	$(BIN)/python -m bench.dca_long
 
 bench-budget: $(STAMP)
 	$(BIN)/python -m bench.budget

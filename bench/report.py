@@ -196,8 +196,26 @@ def similarity_table(result: dict) -> str:
             if "similarity_full_linear" in sim:  # the unrestricted map served before (rebuilt K/V every step)
                 lines.append("| cosine, through an unrestricted linear map on [K ; V] (not served) | "
                              + " | ".join(f"{x:.3f}" for x in sim["similarity_full_linear"]) + " |")
-            return "\n".join(lines)
+            return "\n".join(lines + served_threshold_rows(result, sim["layers"]))
     return ""
+
+
+def served_threshold_rows(result: dict, layers: list[int]) -> list[str]:
+    """Per dca setting: each layer's similarity as served (on what its inner backend stores) and, for its reuse
+    candidates, the calibrated runtime thresholds at 1 / 16 / 1024 tokens."""
+    lines = []
+    for r in result["rows"]:
+        details = r.get("details", {})
+        if "served_similarity_by_layer" not in details:
+            continue
+        served = {int(k): v for k, v in details["served_similarity_by_layer"].items()}
+        spans = {int(k): v for k, v in details["runtime_thresholds_by_layer"].items()}
+        lines.append(f"| served similarity, `{r['spec']}` | "
+                     + " | ".join(f"{served[x]:.3f}" if x in served else "-" for x in layers) + " |")
+        lines.append(f"| runtime threshold at 1 / 16 / 1024 tokens, `{r['spec']}` | "
+                     + " | ".join(f"{spans[x]['1']:.3f} / {spans[x]['16']:.3f} / {spans[x]['1024']:.3f}"
+                                  if x in spans else "not a candidate" for x in layers) + " |")
+    return lines
 
 
 def short_label(row: dict) -> str:

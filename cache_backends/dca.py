@@ -2,47 +2,56 @@
 
 Method (after MiniCache, arXiv 2405.14366, and CLA, arXiv 2405.12981, decided per sequence at run
 time): a layer l whose keys and values are well predicted from the layer before it (its *source*,
-m = l - 1) stores nothing and, during decode, attends with K/V rebuilt from the source's cache.
+m = l - 1) stores only a residual window of its newest tokens and, during decode, attends with K/V
+predicted from the source's cache for the older ones.
 
-* Prediction (``KV_DCA_ALIGN``): ``none`` takes m's K/V as they are; ``linear`` maps m's pre-RoPE
-  [K ; V] (2·H·d wide) to l's through an affine map fitted by least squares on the calibration slice,
-  then applies RoPE at each cached position.
+* Prediction (``KV_DCA_ALIGN``): ``none`` takes m's K/V as they are; ``linear`` maps m's K/V to l's through
+  a calibrated map that commutes with RoPE (:class:`LayerMap`: per frequency pair a complex mix across
+  heads for keys, a linear map for values; ridge least squares, so that int8 or low-rank error in the
+  source is not amplified).
 * Similarity of l to m: the mean cosine, over tokens and heads, between l's own K and the predicted K,
   averaged with the same for V.
-* Prefill: each layer's similarity is re-measured on the prompt; a layer whose source is kept and
-  whose similarity is at least ``KV_DCA_THRESHOLD`` becomes a reuse layer for this sequence (so no
-  reuse layer depends on another). Prefill itself attends with the layer's own K/V.
-* Decode: a reuse layer skips its K/V projections (:mod:`cache_backends.dca_attention`) and attends with
-  K/V rebuilt from the source. Every ``KV_DCA_PROBE_INTERVAL`` decode steps it computes its true K/V
-  for the current token and compares; below the threshold it *falls back*: from that token on it
-  computes and stores its own K/V. Positions before the fall-back keep being served from the rebuild
-  (they were never stored); positions from the fall-back on come from its own cache.
+* Calibration (every start; the maps themselves are cached): each calibration window is prefilled into a
+  measuring store of this backend, so the source K/V are what the inner backend stores (``dca+int8``:
+  int8). Per layer: its mean similarity, and its *runtime thresholds*, the 1% quantile of the mean
+  similarity over spans of 1, 4, 16 ... 1024 tokens (:func:`span_thresholds`: short spans vary more).
+  The *reuse candidates* are the largest set of non-adjacent layers whose mean similarity reaches
+  ``KV_DCA_THRESHOLD`` (:func:`select_reuse_layers`; a reuse layer's source keeps its K/V).
+* Prefill: a candidate whose source is kept becomes a reuse layer for this sequence when the prompt's
+  similarity reaches its runtime threshold at the prompt's length (capped by ``KV_DCA_THRESHOLD``).
+  Prefill itself attends with the layer's own K/V; a reuse layer keeps the newest of them (its window).
+* Decode: a reuse layer attends with the source's cache read through the folded maps and its own window,
+  in one softmax. With ``KV_DCA_WINDOW=0`` it skips its K/V projections
+  (:mod:`cache_backends.dca_attention`) between probes. Every ``KV_DCA_PROBE_INTERVAL`` decode steps it
+  compares its true K/V for the current token with the prediction; the mean over its latest 4 probes below
+  the runtime threshold for that many tokens makes it *fall back*: from then on it keeps all its own K/V
+  (its window stops sliding). Older positions keep being served from the prediction.
 
-Storage per sequence: kept layers hold K and V like ``full``, (1, H, seq_len, d); reuse layers hold
-nothing (after a fall-back, their own K/V from the fall-back position on). Bytes per token per layer:
-``(1 - f) * 2 * H * d * B`` with f the fraction of reuse layers (the inner backend's sum in place of
-``2 * H * d * B`` for ``dca+int8`` and ``dca+mla``). f depends on the input, so it is counted two ways:
-``bytes_per_token_per_layer`` (``/info``, ``kvserve estimate``) takes the calibrated f, the layers the
-prefill decision itself reuses on the calibration windows, prefilled into real stores (so a
-composition's similarity is measured on what its inner backend stores, as in serving);
-``live_bytes_per_token_per_layer(store)`` takes the store's own reuse and fall-backs, and equals its
-``nbytes()``. The maps (2Hd+1 x 2Hd per layer) are per-model constants, fitted once with every similarity
-and kept in the calibration cache (:mod:`cache_backends.calibration_cache`; no dca parameter changes them);
-the calibrated reuse is measured at each start (it depends on the threshold and the inner backend).
-A threshold above 1 reuses nothing (identity check).
+Storage per sequence: kept layers hold K and V like ``full``, (1, H, seq_len, d); reuse layers hold their
+window, the newest ``min(T, w + T % w)`` tokens (after a fall-back, everything from the window's start).
+Bytes per token per layer: ``(1 - f) * 2 * H * d * B + f * 2 * H * d * B * window_tokens / T`` with f the
+fraction of reuse layers (the inner backend's sum in place of ``2 * H * d * B`` for ``dca+int8`` and
+``dca+mla``). f depends on the input, so it is counted two ways: ``bytes_per_token_per_layer`` (``/info``,
+``kvserve estimate``) takes the calibrated f, the layers the prefill decision itself reuses on the
+calibration windows, prefilled into real stores; ``live_bytes_per_token_per_layer(store)`` takes the
+store's own reuse and fall-backs, and equals its ``nbytes()``. The maps (per layer (H, H, d/2) complex
+and (H, H, d, d)) are per-model constants kept in the calibration cache
+(:mod:`cache_backends.calibration_cache`; no dca parameter changes them). A threshold above 1 reuses
+nothing (identity check).
 """
 
 from __future__ import annotations
 
 import torch
 
-from cache_backends.attention import LayerRead
+from cache_backends.attention import LayerRead, attend_kv
 from cache_backends.base import KVBackend, KVLayer, KVStore, ModelGeometry
 from cache_backends.estimate import dca_store_bytes_per_token_per_layer
 from cache_backends.rope import RopeTable
 
 ALIGNS = ("linear", "none")
-FIT_VERSION = 1  # of the calibration cache entry (bump when the fit changes)
+FIT_VERSION = 2  # of the calibration cache entry (bump when the fit changes); 2: ridge maps
+RIDGE = 1e-5  # ridge of the map fits, relative to the mean diagonal of the Gram matrix (see LayerMap.fit)
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -58,6 +67,16 @@ def _complex(x: torch.Tensor) -> torch.Tensor:
 
 def _real(z: torch.Tensor) -> torch.Tensor:
     return torch.cat([z.real, z.imag], dim=-1)
+
+
+def ridge_solve(x: torch.Tensor, y: torch.Tensor, ridge: float) -> torch.Tensor:
+    """argmin_w |x w - y|^2 + λ |w[:-1]|^2 with λ = ``ridge`` x mean(diag(x^H x)): the last column of ``x`` is
+    the bias (ones) and is not shrunk. ``x`` (n, k), ``y`` (n, m), real or complex, float64 → w (k, m)."""
+    gram = x.conj().T @ x
+    shrink = torch.ones(gram.shape[0], dtype=torch.float64)
+    shrink[-1] = 0
+    gram = gram + torch.diag(ridge * gram.diagonal().real.mean() * shrink).to(gram.dtype)
+    return torch.linalg.solve(gram, x.conj().T @ y)
 
 
 class LayerMap:
@@ -84,19 +103,26 @@ class LayerMap:
         self.rope = rope
 
     @classmethod
-    def fit(cls, src_k, src_v, dst_k, dst_v, rope: RopeTable) -> "LayerMap":
-        """Least squares on calibration K (pre-RoPE) and V, each (tokens, H, d)."""
+    def fit(cls, src_k, src_v, dst_k, dst_v, rope: RopeTable, ridge: float = RIDGE) -> "LayerMap":
+        """Ridge least squares on calibration K (pre-RoPE) and V, each (tokens, H, d).
+
+        Plain least squares is ill-conditioned here (neighbouring layers' channels are nearly collinear): on
+        the reference model its value maps had column L1 norms up to ~6600, so the 0.4% error of int8-stored
+        source values became a 57% error in the prediction (similarity 0.98 → 0.69 in ``dca+int8``). A ridge
+        of ``ridge`` x the mean diagonal of the Gram matrix (not on the bias) keeps the norms under ~70 at a
+        cost of at most 0.0002 in exact-source similarity (:func:`ridge_solve`).
+        """
         n, h, d = src_k.shape
         ones = torch.ones(n, 1, dtype=torch.complex128)
         zs, zd = _complex(src_k.double()), _complex(dst_k.double())  # (tokens, H, d/2)
         mix = torch.zeros(h, h, d // 2, dtype=torch.complex128)
         bias = torch.zeros(h, d // 2, dtype=torch.complex128)
         for i in range(d // 2):
-            sol = torch.linalg.lstsq(torch.cat([zs[:, :, i], ones], 1), zd[:, :, i]).solution  # (H + 1, H)
+            sol = ridge_solve(torch.cat([zs[:, :, i], ones], 1), zd[:, :, i], ridge)  # (H + 1, H)
             mix[:, :, i] = sol[:h].T
             bias[:, i] = sol[h]
         x = torch.cat([src_v.flatten(1).double(), torch.ones(n, 1, dtype=torch.float64)], 1)
-        w = torch.linalg.lstsq(x, dst_v.flatten(1).double()).solution  # (Hd + 1, Hd)
+        w = ridge_solve(x, dst_v.flatten(1).double(), ridge)  # (Hd + 1, Hd)
         value_map = w[:-1].reshape(h, d, h, d).permute(0, 2, 1, 3)  # (source, destination, in, out)
         return cls(mix.to(torch.complex64), _real(bias).float(), value_map.float(), w[-1].reshape(h, d).float(), rope)
 
@@ -133,13 +159,17 @@ class LayerMap:
         v_hat = torch.einsum("bgnd,ghde->bhne", values.float(), self.value_map)  # fp32: see attend
         return k_hat, (v_hat + self.value_bias[None, :, None, :]).to(values.dtype)
 
-    def attend(self, query: torch.Tensor, key_stream, value_stream, length: int, scaling: float) -> torch.Tensor:
-        """Decode attention of one query over the predicted K/V, read from the source's stored streams.
+    def attend(self, query: torch.Tensor, key_stream, value_stream, length: int, scaling: float,
+               own_keys: torch.Tensor | None = None, own_values: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode attention of one query over the predicted K/V of the first ``length`` positions, read from the
+        source's stored streams, and (optionally) the layer's own K/V of the positions after them, in one softmax.
 
         Args:
             query: (1, Hq, 1, d) after RoPE.
-            key_stream, value_stream: the source's key and value storage (``dot``/``weighted_sum``), H heads,
-                ``length`` tokens.
+            key_stream, value_stream: the source's key and value storage (``dot``/``weighted_sum``), H heads;
+                it may hold more than ``length`` tokens (those are served by ``own_keys``).
+            length: positions served from the source.
+            own_keys, own_values: (1, H, w, d), the layer's own K/V of positions ``length .. length + w - 1``.
 
         Returns:
             (1, Hq, 1, d).
@@ -149,15 +179,23 @@ class LayerMap:
         head = torch.arange(hq, device=query.device) // (hq // h)  # each query head's K/V head
         q = query[0, :, 0]  # (Hq, d)
         folded = _real(self.key_mix[head].conj() * _complex(q.float())[:, None, :]).to(q.dtype)  # (Hq, H, d)
-        scores = key_stream.dot(folded.transpose(0, 1)[None]).sum(1)[0]  # (Hq, length)
+        scores = key_stream.dot(folded.transpose(0, 1)[None]).sum(1)[0]  # (Hq, stored)
+        stored = scores.shape[-1]
         bias = self._rotated_bias(0, length, q.dtype)[head]  # (Hq, length, d)
-        scores = scores + torch.einsum("hd,htd->ht", q, bias)
-        probs = torch.softmax(scores * scaling, dim=-1)  # (Hq, length)
-        mixed = value_stream.weighted_sum(probs[None, None].expand(1, h, hq, length))[0]  # (H, Hq, d)
-        # The least-squares value map cancels large weights (column L1 norms ~1e4 on the reference model):
-        # applied in bf16 its rounding alone moved outputs by ~0.05 (of ~2), so it is applied in fp32 (a
-        # (H, Hq, d, d) product, nothing per token), and the result is returned in the query's dtype.
-        out = torch.einsum("ghd,ghde->he", mixed.float(), self.value_map[:, head]) + self.value_bias[head]
+        scores = scores[:, :length] + torch.einsum("hd,htd->ht", q, bias)
+        if own_keys is not None:
+            scores = torch.cat([scores, torch.einsum("hd,htd->ht", q, own_keys[0, head])], dim=-1)
+        probs = torch.softmax(scores * scaling, dim=-1)  # (Hq, length [+ w])
+        from_source = probs[:, :length]
+        if stored > length:  # the source's newer tokens carry no weight here
+            from_source = torch.nn.functional.pad(from_source, (0, stored - length))
+        mixed = value_stream.weighted_sum(from_source[None, None].expand(1, h, hq, stored))[0]  # (H, Hq, d)
+        # The value map is applied in fp32 (a (H, Hq, d, d) product, nothing per token): its weights are
+        # large enough (column L1 norms up to ~70 after the ridge) that bf16 rounding would show.
+        out = torch.einsum("ghd,ghde->he", mixed.float(), self.value_map[:, head])
+        out = out + self.value_bias[head] * probs[:, :length].sum(-1, keepdim=True).float()
+        if own_values is not None:
+            out = out + torch.einsum("ht,htd->hd", probs[:, length:], own_values[0, head]).float()
         return out.to(query.dtype)[None, :, None, :]
 
 
@@ -196,6 +234,55 @@ def similarity(own_k, own_v, pred_k, pred_v) -> float:
     return 0.5 * (cosine(own_k, pred_k) + cosine(own_v, pred_v))
 
 
+def token_similarity(own_k, own_v, pred_k, pred_v) -> torch.Tensor:
+    """Per token, (cos(K) + cos(V)) / 2 averaged over heads: (1, H, n, d) inputs → (n,) float32 on the CPU.
+    Its mean over the tokens is :func:`similarity`."""
+    cos = torch.nn.functional.cosine_similarity
+    both = cos(own_k.float(), pred_k.float(), dim=-1) + cos(own_v.float(), pred_v.float(), dim=-1)  # (1, H, n)
+    return (0.5 * both.mean(1)[0]).cpu()
+
+
+def window_start(length: int, window: int) -> int:
+    """The first position a reuse layer's residual window holds at ``length`` tokens: the newest
+    ``min(length, window + length % window)`` tokens (between ``window`` and ``2 * window - 1`` once the
+    sequence is that long; it drops its oldest ``window`` tokens at once). ``length`` for ``window`` 0."""
+    if window <= 0:
+        return length
+    return max(0, (length // window - 1) * window)
+
+
+SPANS = (1, 4, 16, 64, 256, 1024)  # token counts at which each layer's runtime threshold is calibrated
+QUANTILE = 0.01  # a layer's runtime threshold: this quantile of its calibrated similarity over such spans
+PROBE_WINDOW = 4  # a decode probe compares the mean of the last this-many probed tokens
+
+
+def span_thresholds(per_window: list[torch.Tensor], quantile: float = QUANTILE) -> dict[int, float]:
+    """One layer's runtime thresholds: for each span n of :data:`SPANS`, the ``quantile`` of the mean
+    per-token similarity over contiguous n-token spans of the calibration windows (each (tokens,)).
+    Short spans vary more than long ones, so their thresholds are lower; a span longer than every window
+    takes the windows' own means."""
+    out = {}
+    for n in SPANS:
+        means = [w[: len(w) // n * n].reshape(-1, n).mean(1) for w in per_window if len(w) >= n]
+        means = torch.cat(means) if means else torch.stack([w.mean() for w in per_window])
+        out[n] = round(torch.quantile(means.double(), quantile).item(), 4)
+    return out
+
+
+def select_reuse_layers(mean_similarity: dict[int, float], threshold: float) -> list[int]:
+    """The reuse candidates: the largest set of layers with calibrated similarity >= ``threshold`` in which no
+    two are adjacent (a reuse layer's source must keep its own K/V); among equally large sets, the one with the
+    highest summed similarity. Exact (dynamic programming over the layers in order)."""
+    best = {0: (0, 0.0, [])}  # by "previous layer chosen" (1/0): (count, summed similarity, layers)
+    best[1] = (-1, 0.0, [])
+    for layer in sorted(mean_similarity):
+        s = mean_similarity[layer]
+        skip = max(best[0], best[1], key=lambda c: (c[0], c[1]))
+        take = (best[0][0] + 1, best[0][1] + s, best[0][2] + [layer]) if s >= threshold and threshold <= 1 else (-1, 0.0, [])
+        best = {0: skip, 1: take}
+    return max(best[0], best[1], key=lambda c: (c[0], c[1]))[2]
+
+
 class DCALayer(KVLayer):
     """One layer of a dca store: ``kept`` (its own inner layer), or ``reuse`` (nothing, or an inner layer of
     its own K/V from the fall-back position on)."""
@@ -207,12 +294,16 @@ class DCALayer(KVLayer):
         self.map = layer_map  # None for layer 0 (no source)
         self.backend = backend
         self.threshold = backend.threshold
+        self.thresholds = backend.layer_thresholds.get(index)  # span → calibrated threshold; None: never reused
         self.probe_interval = backend.probe_interval
+        self.probes: list[float] = []  # similarity of the latest probed tokens (at most PROBE_WINDOW)
         self.mode = "undecided"
         self.own: KVLayer | None = None  # the inner backend's layer holding this layer's own K/V
         self.length = 0
         self.decode_steps = 0
         self.fallback_at: int | None = None
+        self.own_start = 0  # the first position of ``own`` (a reuse layer: its residual window, or its fall-back)
+        self.window = backend.window
         self.similarity: float | None = None
         self.max_tokens: int | None = None
 
@@ -240,16 +331,27 @@ class DCALayer(KVLayer):
         """Reusing its source right now (a reuse layer that has not fallen back)."""
         return self.mode == "reuse" and self.fallback_at is None
 
+    def threshold_for(self, tokens: int) -> float:
+        """The similarity a span of ``tokens`` tokens must reach to keep reusing: the lower of ``KV_DCA_THRESHOLD``
+        and this layer's calibrated quantile at the longest calibrated span not above ``tokens``. A layer that
+        is not a reuse candidate never passes (+inf)."""
+        if self.thresholds is None:
+            return float("inf")
+        span = max((n for n in SPANS if n <= tokens), default=SPANS[0])
+        return min(self.threshold, self.thresholds[span])
+
     def probe_due(self) -> bool:
         return (self.decode_steps + 1) % self.probe_interval == 0
 
     def skips_projection(self) -> bool:
-        return self.reusing() and not self.probe_due()
+        return self.reusing() and not self.window and not self.probe_due()
 
     def update(self, key_states, value_states, *args, **kwargs):
-        """Decide (prefill), store, and return the K/V this layer attends with, (1, H, seq_len, d).
+        """Decide (prefill), store, and return what this layer attends with: a :class:`LayerRead` (in place) or
+        K/V tensors (1, H, seq_len, d).
 
-        ``key_states``/``value_states`` are ``None`` when the attention skipped its projections.
+        ``key_states``/``value_states`` are ``None`` when the attention skipped its projections (a reuse layer
+        without a residual window, between probes).
         """
         self.is_initialized = True
         start = self.length
@@ -259,7 +361,9 @@ class DCALayer(KVLayer):
             if self.mode == "kept":
                 self.own = self._own_layer(0, self.in_place)  # a kept layer attends in place
                 return self.own.update(key_states, value_states)
-            return key_states, value_states  # a reuse layer's prefill attends with its own K/V, then drops them
+            if self.window:  # the residual window: its own K/V for the newest tokens of the prompt
+                self._restart_own(window_start(self.length, self.window), key_states, value_states, start)
+            return key_states, value_states  # a reuse layer's prefill attends with its own K/V
         if self.mode == "kept":
             self.length += key_states.shape[-2]
             return self.own.update(key_states, value_states)
@@ -268,40 +372,68 @@ class DCALayer(KVLayer):
         if key_states is not None and self.reusing() and self.probe_due():
             src_keys, src_values = self.source.own.materialize()  # probe steps only (transient)
             pk, pv = self.map.predict(src_keys[..., start:, :], src_values[..., start:, :], start)
-            if similarity(key_states, value_states, pk, pv) < self.threshold:
-                self.fallback_at = start
-                self.own = self._own_layer(start, False)  # its K/V join the rebuilt ones below
+            self.probes = (self.probes + [similarity(key_states, value_states, pk, pv)])[-PROBE_WINDOW:]
+            if sum(self.probes) / len(self.probes) < self.threshold_for(len(self.probes)):
+                self.fallback_at = start  # from here on it keeps all its own K/V (the window stops sliding)
+                if self.own is None:
+                    self.own, self.own_start = self._own_layer(start, False), start
                 self.store.fallbacks += 1
         self.length += n
         self.decode_steps += 1
-        if self.fallback_at is None:
-            if self.in_place:
-                return LayerRead(self), None  # attends the source's cache with folded maps (attend)
-            src_keys, src_values = self.source.own.materialize()
-            return self.map.predict(src_keys, src_values, 0)
-        # after a fall-back: positions before it rebuilt from the source, its own K/V from there on
-        own_kv = self.own.update(key_states, value_states)
+        if self.own is not None:
+            self.own.update(key_states, value_states)
+            if self.fallback_at is None and window_start(self.length, self.window) > self.own_start:
+                own_keys, own_values = self.own.materialize()
+                self._restart_own(window_start(self.length, self.window), own_keys, own_values, self.own_start)
+        if self.in_place:
+            return LayerRead(self), None  # attends the source's cache with folded maps (attend)
+        return self._rebuilt()
+
+    def _restart_own(self, position: int, keys, values, first: int) -> None:
+        """Hold own K/V from ``position`` on, taken from ``keys``/``values`` (1, H, n, d) whose first token sits at
+        ``first`` (the window slides by dropping its oldest tokens: they are served from the source again)."""
+        self.own, self.own_start = self._own_layer(position, False), position
+        self.own.update(keys[..., position - first :, :], values[..., position - first :, :])
+
+    def _rebuilt(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V tensors (1, H, length, d): predicted from the source up to ``own_start``, its own from there on."""
         src_keys, src_values = self.source.own.materialize()
-        k, v = self.map.predict(src_keys[..., : self.fallback_at, :], src_values[..., : self.fallback_at, :], 0)
-        return torch.cat([k, own_kv[0]], dim=-2), torch.cat([v, own_kv[1]], dim=-2)
+        if self.own is None:
+            return self.map.predict(src_keys, src_values, 0)
+        k, v = self.map.predict(src_keys[..., : self.own_start, :], src_values[..., : self.own_start, :], 0)
+        own_keys, own_values = self.own.materialize()
+        return torch.cat([k, own_keys], dim=-2), torch.cat([v, own_values], dim=-2)
 
     def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """A reuse layer's decode: the source's stored K/V read through the map folded into the query
-        (keys) and applied after attention (values); with ``align=none`` the source's own attention."""
+        """A reuse layer's decode: the source's stored K/V read through the map folded into the query (keys) and
+        applied after attention (values), joined in one softmax with its own K/V (residual window, or after a
+        fall-back); with ``align=none`` and no own K/V, the source's own attention."""
         if self.map.key_mix is None:
-            return self.source.own.attend(query, scaling)
+            if self.own is None:
+                return self.source.own.attend(query, scaling)
+            return attend_kv(query, *self._rebuilt(), scaling)
         key_stream, value_stream = source_streams(self.source.own)
-        return self.map.attend(query, key_stream, value_stream, self.length, scaling)
+        if self.own is None:
+            return self.map.attend(query, key_stream, value_stream, self.length, scaling)
+        own_keys, own_values = self.own.materialize()
+        return self.map.attend(query, key_stream, value_stream, self.own_start, scaling, own_keys, own_values)
 
     def _decide(self, key_states, value_states) -> str:
+        """Reuse if this layer is a reuse candidate, its source keeps its K/V, and the prompt's similarity reaches
+        :meth:`threshold_for` its length; a measuring store (calibration) keeps every layer and records each
+        layer's per-token similarity."""
         src = self.source
-        if src is None or src.mode != "kept" or self.threshold > 1:
+        measuring = self.store.measuring
+        if src is None or src.mode != "kept" or (self.thresholds is None and not measuring):
             return "kept"
         start, n = self.length, key_states.shape[-2]
         src_keys, src_values = src.own.materialize()  # similarity on what the inner backend stores
         pk, pv = self.map.predict(src_keys[..., start : start + n, :], src_values[..., start : start + n, :], start)
+        if measuring:
+            self.store.token_similarity[self.index] = token_similarity(key_states, value_states, pk, pv)
+            return "kept"
         self.similarity = similarity(key_states, value_states, pk, pv)
-        return "reuse" if self.similarity >= self.threshold else "kept"
+        return "reuse" if self.similarity >= self.threshold_for(n) else "kept"
 
     def materialize(self):
         if self.mode == "kept":
@@ -316,7 +448,8 @@ class DCALayer(KVLayer):
             self.own.reset()
         self.own = None
         self.is_initialized = False
-        self.length = 0
+        self.length = self.own_start = self.decode_steps = 0
+        self.mode, self.fallback_at, self.probes = "undecided", None, []
 
     def nbytes(self) -> int:
         return self.own.nbytes() if self.own is not None else 0
@@ -326,10 +459,17 @@ class DCALayer(KVLayer):
 
 
 class DCAStore(KVStore):
-    """A dca sequence cache; tells the attention path which layers skip their K/V projections."""
+    """A dca sequence cache; tells the attention path which layers skip their K/V projections.
 
-    def __init__(self, backend: "DCABackend"):
+    Args:
+        measuring: calibration only: keep every layer and record, per layer l >= 1, the per-token similarity of
+            its K/V to the prediction from layer l - 1 as stored (``token_similarity``: layer → (tokens,)).
+    """
+
+    def __init__(self, backend: "DCABackend", measuring: bool = False):
         self.fallbacks = 0
+        self.measuring = measuring
+        self.token_similarity: dict[int, torch.Tensor] = {}
         layers = [DCALayer(self, i, backend.maps[i - 1] if i else None, backend)
                   for i in range(backend.geometry.num_layers)]
         super().__init__(layers)
@@ -358,26 +498,29 @@ class DCABackend(KVBackend):
 
     Args:
         geometry: the model's attention shape.
-        threshold: similarity at or above which a layer reuses its source (``KV_DCA_THRESHOLD``, 0.95;
-            the RoPE-commuting map reaches 0.96-0.98 on the reference model);
-            above 1 nothing is reused.
+        threshold: calibrated mean similarity at or above which a layer is a reuse candidate, and the cap of
+            each candidate's runtime thresholds (``KV_DCA_THRESHOLD``, 0.95; the RoPE-commuting map reaches
+            0.96-0.98 on the reference model); above 1 nothing is reused.
         probe_interval: decode steps between checks of a reuse layer (``KV_DCA_PROBE_INTERVAL``, 16).
         align: ``linear`` (fitted map) or ``none`` (``KV_DCA_ALIGN``).
+        window: a reuse layer's residual window, tokens (``KV_DCA_WINDOW``, 32; 0: none).
 
     Raises:
-        ValueError: for a probe interval below 1 or an unknown ``align``.
+        ValueError: for a probe interval below 1, a negative window or an unknown ``align``.
     """
 
     name = "dca"
 
     def __init__(self, geometry: ModelGeometry, threshold: float = 0.95, probe_interval: int = 16,
-                 align: str = "linear", inner: KVBackend | None = None):
+                 align: str = "linear", window: int = 32, inner: KVBackend | None = None):
         if probe_interval < 1:
             raise ValueError(f"KV_DCA_PROBE_INTERVAL={probe_interval} must be >= 1")
         if align not in ALIGNS:
             raise ValueError(f"KV_DCA_ALIGN={align!r}; allowed: {', '.join(ALIGNS)}")
-        super().__init__(geometry, threshold=threshold, probe_interval=probe_interval, align=align)
-        self.threshold, self.probe_interval, self.align = threshold, probe_interval, align
+        if window < 0:
+            raise ValueError(f"KV_DCA_WINDOW={window} must be >= 0")
+        super().__init__(geometry, threshold=threshold, probe_interval=probe_interval, align=align, window=window)
+        self.threshold, self.probe_interval, self.align, self.window = threshold, probe_interval, align, window
         from cache_backends.full import FullBackend
 
         self.inner = inner if inner is not None else FullBackend(geometry)
@@ -386,6 +529,9 @@ class DCABackend(KVBackend):
         self.maps: list[LayerMap] | None = None
         self.calibration: dict[str, list[float]] = {}
         self.calibration_reuse: list[tuple[int, int]] = []  # per calibration window: (tokens, reuse layers)
+        self.served_similarity: dict[int, float] = {}  # layer → mean similarity on what the inner backend stores
+        self.reuse_candidates: list[int] = []
+        self.layer_thresholds: dict[int, dict[int, float]] = {}  # candidate layer → span → runtime threshold
 
     def prepare(self, model, calibration_ids: list[int] | None = None, cache=None) -> None:
         """Fit the maps and measure per-layer similarity on the calibration slice (or load both from
@@ -404,6 +550,9 @@ class DCABackend(KVBackend):
             "dca", model, ids, {}, fit=lambda: self._fit(model, ids, rope),
             load=lambda tensors, figures: (self._load(tensors, rope, device), figures), version=FIT_VERSION)
         dca_attention.install(model)
+        self.served_similarity, thresholds = self._calibrate_thresholds(model, ids)
+        self.reuse_candidates = select_reuse_layers(self.served_similarity, self.threshold)
+        self.layer_thresholds = {layer: thresholds[layer] for layer in self.reuse_candidates}
         self.calibration_reuse = self._served_reuse(model, ids)
 
     def _fit(self, model, ids: list[int], rope: RopeTable) -> tuple[dict[str, torch.Tensor], dict]:
@@ -447,32 +596,38 @@ class DCABackend(KVBackend):
         return maps
 
     def expected_reuse_layers(self) -> list[int]:
-        """The layers the calibration similarities (mean over the slice) predict to be reused at this threshold
-        (alternating rule: a source must be kept); what stores really reuse is :meth:`expected_reuse_fraction`."""
-        sims = self.calibration.get(f"similarity_{self.align}", [])
-        reused, prev_reused = [], False
-        for layer, s in enumerate(sims, start=1):
-            now = (not prev_reused) and s >= self.threshold and self.threshold <= 1
-            if now:
-                reused.append(layer)
-            prev_reused = now
-        return reused
+        """The reuse candidates (:func:`select_reuse_layers` on the served calibration similarities at this
+        threshold); what stores really reuse is :meth:`expected_reuse_fraction`."""
+        return list(self.reuse_candidates)
 
     @torch.no_grad()
-    def _served_reuse(self, model, ids: list[int]) -> list[tuple[int, int]]:
-        """Prefill each calibration window into a store of this backend, as serving does, and count the
-        layers its decision reuses: ``[(tokens, reuse layers), ...]``."""
+    def _prefilled_windows(self, model, ids: list[int], measuring: bool = False):
+        """Each calibration window prefilled into a store of this backend, as serving does: yields
+        ``(tokens, store)``; the store is released after the caller's turn."""
         from cache_backends.calibration import CALIBRATION_WINDOW
 
         device = next(model.parameters()).device
-        out = []
         for start in range(0, len(ids), CALIBRATION_WINDOW):
             chunk = ids[start : start + CALIBRATION_WINDOW]
-            store = self.new_store()
+            store = DCAStore(self, measuring=measuring)
             model(input_ids=torch.tensor([chunk], device=device), cache=store, use_cache=True, logits_to_keep=1)
-            out.append((len(chunk), store.reuse_layers()))
+            yield len(chunk), store
             store.release()
-        return out
+
+    def _calibrate_thresholds(self, model, ids: list[int]) -> tuple[dict[int, float], dict[int, dict[int, float]]]:
+        """Per layer l >= 1, measured on what the inner backend stores (``dca+int8``: int8 source K/V): the mean
+        similarity over the calibration windows, and the runtime thresholds of :func:`span_thresholds`.
+        Measured at every start: it depends on the inner backend (the maps alone are cached)."""
+        per_layer: dict[int, list[torch.Tensor]] = {}
+        for _, store in self._prefilled_windows(model, ids, measuring=True):
+            for layer, sims in store.token_similarity.items():
+                per_layer.setdefault(layer, []).append(sims)
+        means = {layer: round(torch.cat(w).mean().item(), 4) for layer, w in sorted(per_layer.items())}
+        return means, {layer: span_thresholds(w) for layer, w in per_layer.items()}
+
+    def _served_reuse(self, model, ids: list[int]) -> list[tuple[int, int]]:
+        """Count the layers the prefill decision reuses on each calibration window: ``[(tokens, reuse layers)]``."""
+        return [(tokens, store.reuse_layers()) for tokens, store in self._prefilled_windows(model, ids)]
 
     def expected_reuse_fraction(self) -> float:
         """Fraction of layers reused on the calibration windows (token-weighted), by the prefill decision
@@ -483,6 +638,10 @@ class DCABackend(KVBackend):
     def details(self) -> dict:
         return {"calibration_similarity_by_layer": {"layers": list(range(1, self.geometry.num_layers)),
                                                     **self.calibration},
+                "served_similarity_by_layer": self.served_similarity,
+                "reuse_candidates": self.reuse_candidates,
+                "runtime_thresholds_by_layer": {str(layer): {str(n): t for n, t in spans.items()}
+                                                for layer, spans in self.layer_thresholds.items()},
                 "calibration_reuse_layers_by_window": [r for _, r in self.calibration_reuse],
                 "expected_reuse_fraction": self.expected_reuse_fraction()}
 
@@ -495,11 +654,11 @@ class DCABackend(KVBackend):
         raise RuntimeError("dca layers belong to a DCAStore; use new_store()")
 
     def sums_spec(self) -> tuple[str, dict]:
-        """``dca`` (or ``dca+<inner>``) at the calibrated reuse fraction, with the inner backend's options:
-        (1 - f) x the inner backend's sum."""
+        """``dca`` (or ``dca+<inner>``) at the calibrated reuse fraction f, with the residual window and the inner
+        backend's options: (1 - f) x the inner backend's sum + f x the window's tokens in the inner form."""
         inner, options = self.inner.sums_spec()
         return ("dca" if inner == "full" else f"dca+{inner}"), {"reuse_fraction": self.expected_reuse_fraction(),
-                                                                **options}
+                                                                "window": self.window, **options}
 
     def live_bytes_per_token_per_layer(self, store: "DCAStore") -> float:
         """The sums over this sequence's own layers: its reuse decisions and fall-backs, not the calibrated

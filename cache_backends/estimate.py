@@ -68,6 +68,12 @@ def int8_latent_bytes_per_token_per_layer(rank: int, dtype_bytes: int, group_siz
     return (q * rank + (q // group_size) * rank * 2 * dtype_bytes + fp * rank * dtype_bytes) / max(seq_len, 1)
 
 
+def dca_window_tokens(seq_len: int, window: int) -> int:
+    """Tokens a ``dca`` reuse layer's residual window holds at ``seq_len`` tokens: the newest
+    ``min(seq_len, window + seq_len % window)`` (0 without a window)."""
+    return min(seq_len, window + seq_len % window) if window > 0 else 0
+
+
 def dca_store_bytes_per_token_per_layer(own_tokens: Sequence[int], seq_len: int,
                                         inner: Callable[[int], float]) -> float:
     """``dca`` for one live sequence, from the tokens each of its layers stores itself.
@@ -154,7 +160,7 @@ def default_params(shape: Shape, backend: str) -> dict:
         "mla": {"rank": shape.kv_lora_rank or (h * (dk + dv)) // 8,
                 "rope_dim": shape.rope_dim if shape.kv_lora_rank else 0},
         "int8": {"group_size": 32, "residual": 32},
-        "dca": {"reuse_fraction": 0.5},
+        "dca": {"reuse_fraction": 0.5, "window": 32},
     }
     out = {}
     for part in backend.split("+"):
@@ -170,7 +176,8 @@ def bytes_per_token_per_layer(shape: Shape, backend: str, params: dict, dtype_by
         backend: ``full``, ``gqa``, ``mla``, ``int8``, ``dca``, or a composition (``gqa+int8``,
             ``mla+int8``, ``dca+int8``, ``dca+mla``).
         params: the spec's options (``gqa``: groups; ``mla``: rank, rope_dim; ``int8``: group_size,
-            residual; ``dca``: reuse_fraction and optional inner backend options).
+            residual; ``dca``: reuse_fraction, window (a reuse layer's residual window, tokens) and optional inner
+            backend options).
         dtype_bytes: bytes per element (2 for fp16).
         seq_len: context length (matters for int8's residual window).
 
@@ -206,8 +213,13 @@ def bytes_per_token_per_layer(shape: Shape, backend: str, params: dict, dtype_by
         if not 0 <= f < 1:
             raise ValueError(f"dca reuse_fraction={f} must be in [0, 1)")
         inner = params.get("inner", "full")
-        rest = {k: v for k, v in params.items() if k not in ("reuse_fraction", "inner")}
-        return (1 - f) * bytes_per_token_per_layer(shape, inner, rest, dtype_bytes, seq_len)
+        window = int(params.get("window", 0))
+        rest = {k: v for k, v in params.items() if k not in ("reuse_fraction", "inner", "window")}
+        kept = (1 - f) * bytes_per_token_per_layer(shape, inner, rest, dtype_bytes, seq_len)
+        held = dca_window_tokens(seq_len, window)  # a reuse layer's residual window, in the inner backend's form
+        if not held:
+            return kept
+        return kept + f * bytes_per_token_per_layer(shape, inner, rest, dtype_bytes, held) * held / seq_len
     raise ValueError(f"unknown backend {backend!r}; allowed: full, gqa, mla, int8, dca, gqa+int8, mla+int8, "
                      "dca+int8, dca+mla")
 

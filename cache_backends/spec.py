@@ -18,6 +18,7 @@ OPTIONS: dict[str, tuple[type, float | tuple[str, ...] | None]] = {
     "probe_interval": (int, 1),  # dca: decode steps between similarity probes
     "align": (str, ("linear", "none")),  # dca: fitted map between layers, or none
     "reuse_fraction": (float, 0),  # dca (estimate): fraction of layers reused
+    "window": (int, 0),  # dca: a reuse layer's residual window of its own K/V, tokens
 }
 
 
@@ -63,7 +64,7 @@ BACKEND_OPTIONS: dict[str, set[str]] = {
     "gqa": {"groups", "method"},
     "mla": {"rank", "rope_dim"},
     "int8": {"group_size", "residual"},
-    "dca": {"threshold", "probe_interval", "align", "reuse_fraction"},
+    "dca": {"threshold", "probe_interval", "align", "window", "reuse_fraction"},
 }
 
 

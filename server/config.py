@@ -24,7 +24,8 @@ BACKEND_OPTIONS = {
     "gqa": {"groups": "kv_gqa_groups", "method": "kv_gqa_method"},
     "mla": {"rank": "kv_mla_rank"},
     "int8": {"group_size": "kv_int8_group_size", "residual": "kv_int8_residual"},
-    "dca": {"threshold": "kv_dca_threshold", "probe_interval": "kv_dca_probe_interval", "align": "kv_dca_align"},
+    "dca": {"threshold": "kv_dca_threshold", "probe_interval": "kv_dca_probe_interval", "align": "kv_dca_align",
+            "window": "kv_dca_window"},
 }
 
 
@@ -77,9 +78,13 @@ class Settings(BaseSettings):
     kv_mla_rank: int | None = Field(None, ge=1, description="mla: latent width per token per layer.")
     kv_int8_group_size: int = Field(32, ge=1, description="int8: tokens per key quantization group.")
     kv_int8_residual: int = Field(32, ge=0, description="int8: newest tokens kept in full precision.")
-    kv_dca_threshold: float = Field(0.95, description="dca: similarity at or above which a layer is reused.")
+    kv_dca_threshold: float = Field(0.95, description="dca: calibrated similarity at or above which a layer is a "
+                                                        "reuse candidate (each then checks its own calibrated "
+                                                        "threshold per prompt and probe); above 1: none.")
     kv_dca_probe_interval: int = Field(16, ge=1, description="dca: decode steps between similarity probes.")
     kv_dca_align: Literal["linear", "none"] = Field("linear", description="dca: how a layer's K/V are predicted.")
+    kv_dca_window: int = Field(32, ge=0, description="dca: a reuse layer keeps its own K/V for its newest "
+                                                     "window..2*window-1 tokens (residual window); 0: none.")
 
     @field_validator("kv_backend")
     @classmethod

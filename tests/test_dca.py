@@ -48,7 +48,7 @@ def test_threshold_above_one_is_identical_to_full(typed, precision):
 
 def test_reuse_layers_store_nothing_and_skip_projections(setup):
     model, tok, geometry, calib = setup
-    backend = make(setup, threshold=-1.0, probe_interval=1000)  # every other layer reuses
+    backend = make(setup, threshold=-1.0, probe_interval=1000, window=0)  # every other layer reuses, no window
     runner = ModelRunner(model, geometry.num_layers)
     store = backend.new_store()
     runner.prefill(calib[:200], store)
@@ -71,12 +71,12 @@ def test_reuse_layers_store_nothing_and_skip_projections(setup):
 
 def test_probe_below_threshold_falls_back_and_stores_from_there(setup):
     model, tok, geometry, calib = setup
-    backend = make(setup, threshold=-1.0, probe_interval=2)
+    backend = make(setup, threshold=-1.0, probe_interval=2, window=0)
     runner = ModelRunner(model, geometry.num_layers)
     store = backend.new_store()
     runner.prefill(calib[:100], store)
     for layer in store.layers:
-        layer.threshold = 2.0  # every probe now fails
+        layer.threshold_for = lambda tokens: 2.0  # every probe now fails
     runner.decode([calib[100]], [store])  # step 1: no probe yet
     assert store.fallbacks == 0
     runner.decode([calib[101]], [store])  # step 2: probe -> fall back at position 101
@@ -85,6 +85,81 @@ def test_probe_below_threshold_falls_back_and_stores_from_there(setup):
     logits = runner.decode([calib[102]], [store])
     assert torch.isfinite(logits).all() and store.num_tokens() == 103
     assert store.layers[1].own.get_seq_length() == 2
+
+
+def test_residual_window_holds_the_newest_tokens_and_slides(setup):
+    """A reuse layer keeps its own K/V for the newest ``window + length % window`` tokens (36 of 100 after the
+    prompt), drops the oldest 32 at once when it reaches 64, and the store's bytes are those tokens' bytes; after
+    a fall-back the window stops sliding."""
+    from cache_backends.dca import window_start
+
+    model, _, geometry, calib = setup
+    backend = make(setup, threshold=-1.0, probe_interval=1000, window=32)
+    runner = ModelRunner(model, geometry.num_layers)
+    store = backend.new_store()
+    runner.prefill(calib[:100], store)
+    per_token = 2 * geometry.num_key_value_heads * geometry.head_dim * 4
+    reuse = [layer for layer in store.layers if layer.reusing()]
+    assert [layer.index for layer in reuse] == [1, 3, 5, 7]
+    assert all(layer.own_start == 64 and layer.own.get_seq_length() == 36 for layer in reuse)
+    assert store.nbytes() == per_token * (4 * 100 + 4 * 36)
+    for t in range(100, 130):
+        runner.decode([calib[t]], [store])
+        n = t + 1
+        assert all(layer.own_start == window_start(n, 32) for layer in reuse), n
+        assert store.nbytes() == per_token * (4 * n + 4 * (n - window_start(n, 32)))
+    assert window_start(128, 32) == 96 and reuse[0].own.get_seq_length() == 34  # slid at 128, 130 tokens now
+    assert store.nbytes() == backend.live_bytes_per_token_per_layer(store) * 130 * geometry.num_layers
+    reuse[0].threshold_for = lambda tokens: 2.0
+    reuse[0].probe_interval = 1
+    for t in range(130, 170):  # past the next slide (160): it has fallen back, the window grows
+        runner.decode([calib[t]], [store])
+    assert reuse[0].fallback_at == 130 and reuse[0].own_start == 96 and reuse[0].own.get_seq_length() == 74
+    assert reuse[1].own_start == 128
+
+
+def test_probe_compares_the_mean_of_the_latest_probes_with_the_threshold_of_that_span(setup):
+    """Decode probes average the similarity of the latest (up to 4) probed tokens and compare it with the layer's
+    calibrated threshold for that many tokens: a single probed token passes a span-1 threshold, the average of
+    four fails a span-4 one."""
+    model, _, geometry, calib = setup
+    backend = make(setup, threshold=-1.0, probe_interval=1, window=0)
+    runner = ModelRunner(model, geometry.num_layers)
+    store = backend.new_store()
+    runner.prefill(calib[:100], store)
+    layer = store.layers[3]
+    assert layer.reusing()
+    layer.threshold = 1.0
+    layer.thresholds = {**layer.thresholds, 1: -1.0, 4: 2.0}
+    for t in range(100, 103):
+        runner.decode([calib[t]], [store])
+    assert layer.reusing() and len(layer.probes) == 3  # spans 1-3 take the span-1 threshold
+    runner.decode([calib[103]], [store])
+    assert layer.fallback_at == 103 and len(layer.probes) == 4
+
+
+def test_thresholds_are_calibrated_per_layer_and_span_on_what_the_inner_backend_stores(setup):
+    """The reuse candidates and each one's thresholds come from the calibration windows as served: shorter spans
+    get lower thresholds; dca+int8's candidates and thresholds match dca's (the ridge maps do not amplify the
+    int8 error: with plain least squares its similarities fell from ~0.96 to ~0.69 and it reused nothing);
+    a threshold above 1 has no candidates."""
+    from cache_backends import create
+
+    model, _, geometry, calib = setup
+    plain = make(setup, threshold=0.95)
+    quantized = create("dca+int8", geometry, threshold=0.95)
+    quantized.prepare(model, calib)
+    assert plain.reuse_candidates and plain.reuse_candidates == quantized.reuse_candidates
+    for layer in plain.reuse_candidates:
+        spans = plain.layer_thresholds[layer]
+        assert spans[1] < spans[16] < spans[1024] <= 1
+        assert all(abs(spans[n] - quantized.layer_thresholds[layer][n]) < 0.01 for n in spans)
+        assert abs(plain.served_similarity[layer] - quantized.served_similarity[layer]) < 0.01
+    assert all(plain.served_similarity[layer] >= 0.95 for layer in plain.reuse_candidates)
+    assert make(setup, threshold=1.01).reuse_candidates == []
+    details = plain.details()
+    assert details["reuse_candidates"] == plain.reuse_candidates
+    assert set(details["runtime_thresholds_by_layer"]) == {str(layer) for layer in plain.reuse_candidates}
 
 
 def test_calibration_similarity_reported(setup):
@@ -96,19 +171,21 @@ def test_calibration_similarity_reported(setup):
 
 
 @pytest.mark.parametrize("inner", [None, "int8", "mla"])
-def test_reuse_layer_attends_the_source_cache_through_folded_maps_exactly(typed, precision, inner):
+@pytest.mark.parametrize("window", [0, 32])
+def test_reuse_layer_attends_the_source_cache_through_folded_maps_exactly(typed, precision, inner, window):
     """A reuse layer's decode attention (query folded through the RoPE-commuting key map, value map after
     attention, read from the source's stored form) equals attention over the K/V the map predicts from the
     source's rebuilt K/V, within the dtype's attention tolerance (the folded scores sum over the source
     heads in another order than the predicted keys; scores reach ~30, so reassociation moves the output by
     a few eps x 30 x max |value|); for dca, dca+int8 and dca+mla. In bf16 it found the fp32 value bias
-    promoting a reuse layer's output to fp32 (o_proj then refused it)."""
+    promoting a reuse layer's output to fp32 (o_proj then refused it). With a residual window the layer's own
+    K/V of the newest positions join the same softmax (``window=32``)."""
     from cache_backends import create
     from cache_backends.attention import attend_kv
 
     model, _, geometry, calib = typed
     name = "dca" if inner is None else f"dca+{inner}"
-    backend = create(name, geometry, threshold=-1.0)  # every layer whose source is kept reuses it
+    backend = create(name, geometry, threshold=-1.0, window=window)  # every layer whose source is kept reuses it
     backend.prepare(model, calib)
     store = backend.new_store()
     runner = ModelRunner(model, geometry.num_layers)
@@ -120,6 +197,11 @@ def test_reuse_layer_attends_the_source_cache_through_folded_maps_exactly(typed,
     for layer in reuse:
         query = precision.randn(1, geometry.num_attention_heads, 1, geometry.head_dim, generator=gen)
         keys, values = layer.map.predict(*layer.source.own.materialize(), 0)
+        if window:  # its own K/V serve the newest 32 + 301 % 32 = 45 positions
+            own_keys, own_values = layer.own.materialize()
+            assert layer.own_start == 256 and own_keys.shape[-2] == 45
+            keys = torch.cat([keys[..., :256, :], own_keys], -2)
+            values = torch.cat([values[..., :256, :], own_values], -2)
         want = attend_kv(query, keys, values, geometry.head_dim ** -0.5)
         got = layer.attend(query, geometry.head_dim ** -0.5)
         assert got.dtype == want.dtype == precision.dtype, (name, got.dtype, want.dtype)

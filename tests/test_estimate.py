@@ -63,7 +63,10 @@ def test_compositions_in_the_estimator():
     (mi,) = estimate_rows(shape, [("mla+int8", {"rank": 512, "rope_dim": 64})], [32768], [1], 2)
     assert 576 < mi["bytes_per_token_per_layer"] < 0.6 * 1152
     (d,) = estimate_rows(shape, [("dca+mla", {"reuse_fraction": 0.5, "rank": 512, "rope_dim": 64})], [4096], [1], 2)
-    assert d["bytes_per_token_per_layer"] == 576
+    assert d["bytes_per_token_per_layer"] == 576 + 0.5 * 1152 * 32 / 4096  # + the reuse layers' 32-token window
+    (d0,) = estimate_rows(shape, [("dca+mla", {"reuse_fraction": 0.5, "window": 0, "rank": 512, "rope_dim": 64})],
+                          [4096], [1], 2)
+    assert d0["bytes_per_token_per_layer"] == 576
 
 
 def test_cli_without_specs_lists_every_backend_at_the_models_defaults():
@@ -73,5 +76,5 @@ def test_cli_without_specs_lists_every_backend_at_the_models_defaults():
     # int8 is left out: DeepSeek's K (192) and V (128) widths differ, which its sums do not cover.
     assert list(rows) == ["full", "gqa", "mla", "dca", "mla+int8"]
     assert rows["mla"]["params"] == {"rank": 512, "rope_dim": 64} and rows["mla"]["bytes_per_token_per_layer"] == 1152
-    assert rows["gqa"]["params"] == {"groups": 32} and rows["dca"]["params"] == {"reuse_fraction": 0.5}
+    assert rows["gqa"]["params"] == {"groups": 32} and rows["dca"]["params"] == {"reuse_fraction": 0.5, "window": 32}
     assert rows["full"]["total_bytes"] == 128 * (192 + 128) * 2 * 4096 * 61
