@@ -136,7 +136,19 @@ class LayerMap:
         if self.key_mix is not None:
             self.key_mix, self.key_bias = self.key_mix.to(device), self.key_bias.to(device)
             self.value_map, self.value_bias = self.value_map.to(device), self.value_bias.to(device)
+            self._by_query_head = self._bias_table = None
         return self
+
+    def _per_query_head(self, hq: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The maps laid out per query head (constants, built once per head count): the conjugate key mix
+        (Hq, H, d/2), the value map (H, Hq, d, d) and the value bias (Hq, d)."""
+        cached = getattr(self, "_by_query_head", None)
+        if cached is None or cached[0] != hq:
+            h = self.key_bias.shape[0]
+            head = torch.arange(hq, device=self.key_bias.device) // (hq // h)  # each query head's K/V head
+            cached = (hq, self.key_mix[head].conj(), self.value_map[:, head].contiguous(), self.value_bias[head])
+            self._by_query_head = cached
+        return cached[1:]
 
     def _rotated_bias(self, start: int, n: int, dtype) -> torch.Tensor:
         """The key bias after RoPE at positions start .. start + n - 1: (H, n, d)."""
@@ -176,15 +188,17 @@ class LayerMap:
         """
         _, hq, _, d = query.shape
         h = self.key_bias.shape[0]
-        head = torch.arange(hq, device=query.device) // (hq // h)  # each query head's K/V head
+        mix_conj, value_map, value_bias = self._per_query_head(hq)
         q = query[0, :, 0]  # (Hq, d)
-        folded = _real(self.key_mix[head].conj() * _complex(q.float())[:, None, :]).to(q.dtype)  # (Hq, H, d)
+        grouped = q.reshape(h, hq // h, d)  # each K/V head's query heads together
+        folded = _real(mix_conj * _complex(q.float())[:, None, :]).to(q.dtype)  # (Hq, H, d)
         scores = key_stream.dot(folded.transpose(0, 1)[None]).sum(1)[0]  # (Hq, stored)
         stored = scores.shape[-1]
-        bias = self._rotated_bias(0, length, q.dtype)[head]  # (Hq, length, d)
-        scores = scores[:, :length] + torch.einsum("hd,htd->ht", q, bias)
+        bias = self._rotated_bias(0, length, q.dtype)  # (H, length, d)
+        scores = scores[:, :length] + torch.einsum("grd,gtd->grt", grouped, bias).reshape(hq, length)
         if own_keys is not None:
-            scores = torch.cat([scores, torch.einsum("hd,htd->ht", q, own_keys[0, head])], dim=-1)
+            own = torch.einsum("grd,gtd->grt", grouped, own_keys[0]).reshape(hq, -1)
+            scores = torch.cat([scores, own], dim=-1)
         probs = torch.softmax(scores * scaling, dim=-1)  # (Hq, length [+ w])
         from_source = probs[:, :length]
         if stored > length:  # the source's newer tokens carry no weight here
@@ -192,10 +206,11 @@ class LayerMap:
         mixed = value_stream.weighted_sum(from_source[None, None].expand(1, h, hq, stored))[0]  # (H, Hq, d)
         # The value map is applied in fp32 (a (H, Hq, d, d) product, nothing per token): its weights are
         # large enough (column L1 norms up to ~70 after the ridge) that bf16 rounding would show.
-        out = torch.einsum("ghd,ghde->he", mixed.float(), self.value_map[:, head])
-        out = out + self.value_bias[head] * probs[:, :length].sum(-1, keepdim=True).float()
+        out = torch.einsum("ghd,ghde->he", mixed.float(), value_map)
+        out = out + value_bias * probs[:, :length].sum(-1, keepdim=True).float()
         if own_values is not None:
-            out = out + torch.einsum("ht,htd->hd", probs[:, length:], own_values[0, head]).float()
+            window = probs[:, length:].reshape(h, hq // h, -1)
+            out = out + (window @ own_values[0]).reshape(hq, d).float()
         return out.to(query.dtype)[None, :, None, :]
 
 
