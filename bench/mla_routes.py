@@ -3,7 +3,8 @@
 - post-hoc: ``KV_BACKEND=mla`` on ``models/kjv-llama-mha`` (a calibrated joint K/V latent; RoPE keeps the key
   side from being absorbed, so decode rebuilds keys from the latent);
 - converted: ``models/kjv-llama-mla`` (MHA2MLA, arXiv 2502.14837: partial RoPE + joint latent + fine-tune,
-  ``scripts/convert_mha2mla.py``) served by ``mla`` with fully absorbed attention.
+  ``scripts/convert_mha2mla.py``) served by ``mla`` with fully absorbed attention, and by ``mla+int8`` (the
+  latent and the rope key quantized per channel, attended on the codes).
 
 Per route: KV bytes per token (the backend's sum, all layers), held-out perplexity through the cache path
 (``--windows`` windows of 1024 tokens, the last 512 scored through decode), single-stream TPOT (one decode
@@ -32,7 +33,8 @@ from cache_backends import create
 REPO = Path(__file__).resolve().parents[1]
 MHA, MLA = REPO / "models" / "kjv-llama-mha", REPO / "models" / "kjv-llama-mla"
 ROUTES = [("MHA, full", MHA, "full"), ("MHA, mla post-hoc rank 128", MHA, "mla:rank=128"),
-          ("MHA, mla post-hoc rank 64", MHA, "mla:rank=64"), ("converted MLA model, mla (absorbed)", MLA, "mla")]
+          ("MHA, mla post-hoc rank 64", MHA, "mla:rank=64"), ("converted MLA model, mla (absorbed)", MLA, "mla"),
+          ("converted MLA model, mla+int8 (absorbed, int8 latent)", MLA, "mla+int8")]
 
 
 def table(rows: list[dict], budget: int) -> str:
@@ -57,13 +59,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=448)
     ap.add_argument("--steps", type=int, default=8, help="decode steps timed per TPOT point")
+    ap.add_argument("--routes", nargs="+", type=int, default=None,
+                    help=f"route numbers to run, 1-{len(ROUTES)} (1, MHA full, the baseline, always runs)")
     ap.add_argument("--out", default=str(REPO / "docs" / "bench"))
     args = ap.parse_args(argv)
+    chosen = sorted({1, *(args.routes or range(1, len(ROUTES) + 1))})
+    if not set(chosen) <= set(range(1, len(ROUTES) + 1)):
+        ap.error(f"--routes: numbers 1-{len(ROUTES)}")
     from server.model_loading import load_model
 
     torch.manual_seed(0)
     rows, budget, models = [], None, {}
-    for route, path, spec in ROUTES:
+    for route, path, spec in (ROUTES[i - 1] for i in chosen):
         if path not in models:
             models[path] = load_model(str(path), torch.device("cpu"), torch.float32)
         model, tokenizer = models[path]

@@ -157,7 +157,17 @@ class NativeLatentLayer(FullLayer):
     """A native-MLA model's own cache entries, appended in place: what the model hands as "keys" is the
     latent c_KV (1, 1, T, kv_lora_rank) and as "values" the shared rope key (1, 1, T, qk_rope_head_dim).
     Decode attends to them with absorbed attention (:class:`AbsorbedRead`), never through
-    :meth:`FullLayer.attend`."""
+    :meth:`FullLayer.attend`.
+
+    Args:
+        quantize: ``None`` (exact), or int8 options (``mla+int8``): both streams quantized per channel over
+            groups of ``group_size`` tokens, the newest ``residual`` tokens in full precision (KIVI's keys).
+    """
+
+    def __init__(self, quantize: dict | None = None):
+        super().__init__()
+        if quantize:
+            self.key_store, self.value_store = make_storage("channel", quantize), make_storage("channel", quantize)
 
 
 class AbsorbedRead:
@@ -179,8 +189,15 @@ class AbsorbedRead:
         a = self.attention
         nope, h = a.qk_nope_head_dim, query.shape[1]
         w = a.kv_b_proj.weight.view(h, nope + a.v_head_dim, -1)  # (H, nope + v, r)
-        latent, rope_key = self.layer.key_store.read()[0, 0], self.layer.value_store.read()[0, 0]  # (T, r), (T, rope)
         q_latent = query[0, :, :, :nope] @ w[:, :nope]  # (H, q_len, r): W_UK folded into the query
+        if query.shape[-2] == 1:  # decode: read the stored streams as they are (int8 codes: scales folded in)
+            latent_store, rope_store = self.layer.key_store, self.layer.value_store
+            scores = (latent_store.dot(q_latent.transpose(0, 1)[None]) +
+                      rope_store.dot(query[0, :, :, nope:].transpose(0, 1)[None]))[0, 0]  # (H, T)
+            probs = torch.softmax(scores * scaling, dim=-1)
+            mixed = latent_store.weighted_sum(probs[None, None])[0, 0]  # (H, r)
+            return (mixed[:, None, :] @ w[:, nope:].transpose(1, 2))[None]  # (1, H, 1, v)
+        latent, rope_key = self.layer.key_store.read()[0, 0], self.layer.value_store.read()[0, 0]  # (T, r), (T, rope)
         scores = q_latent @ latent.T + query[0, :, :, nope:] @ rope_key.T  # (H, q_len, T)
         mask = causal_mask(query.shape[-2], latent.shape[0], query.device)
         if mask is not None:
@@ -251,10 +268,9 @@ class MLABackend(KVBackend):
             if rank not in (None, geometry.kv_lora_rank):
                 raise ValueError(f"KV_MLA_RANK={rank}: this model is natively MLA and caches its own latent of "
                                  f"kv_lora_rank={geometry.kv_lora_rank}; leave KV_MLA_RANK unset or equal to it")
-            if quantize:
-                raise ValueError("mla+int8 is supported on post-hoc latents (MHA/GQA models), not native MLA")
-            super().__init__(geometry, rank=geometry.kv_lora_rank, rope_dim=geometry.rope_dim, native=True)
-            self.rank, self.quantize, self.bases, self.rope = geometry.kv_lora_rank, None, None, None
+            super().__init__(geometry, rank=geometry.kv_lora_rank, rope_dim=geometry.rope_dim, native=True,
+                             **(quantize or {}))
+            self.rank, self.quantize, self.bases, self.rope = geometry.kv_lora_rank, quantize, None, None
             return
         width = 2 * geometry.num_key_value_heads * geometry.head_dim
         rank = max(1, width // 8) if rank is None else rank
@@ -303,7 +319,7 @@ class MLABackend(KVBackend):
 
     def new_layer(self, index: int, position_offset: int = 0) -> KVLayer:
         if self.native:
-            return NativeLatentLayer()  # holds exactly what the model hands over: its latent and its rope key
+            return NativeLatentLayer(self.quantize)  # what the model hands over: its latent and its rope key
         if self.bases is None:
             raise RuntimeError("mla backend used before prepare(model)")
         g = self.geometry
@@ -314,14 +330,18 @@ class MLABackend(KVBackend):
         return KVStore([self.new_layer(i) for i in range(self.geometry.num_layers)], in_place=True)
 
     def sums_spec(self) -> tuple[str, dict]:
-        if self.native:  # the model's own latent and its shared rope key
-            return "mla", {"rank": self.rank, "rope_dim": self.geometry.rope_dim}
+        if self.native:  # the model's own latent and its shared rope key (mla+int8: both quantized per channel)
+            spec = {"rank": self.rank, "rope_dim": self.geometry.rope_dim}
+            return ("mla+int8", {**spec, **self.quantize}) if self.quantize else ("mla", spec)
         if self.quantize:  # mla+int8: one "head" of width r, quantized per channel; no per-token scales
             return "mla+int8", {"rank": self.rank, "rope_dim": 0, **self.quantize}
         return "mla", {"rank": self.rank, "rope_dim": 0}
 
     def reserved_bytes(self, max_tokens: int) -> int:
         g = self.geometry
+        if self.native and self.quantize:
+            return sum(storage_reserved_bytes(self.quantize, "channel", max_tokens, 1, width, g.dtype_bytes)
+                       for width in (self.rank, g.rope_dim)) * g.num_layers
         if self.native:
             return super().reserved_bytes(max_tokens)
         return storage_reserved_bytes(self.quantize, "channel", max_tokens, 1, self.rank, g.dtype_bytes) * g.num_layers

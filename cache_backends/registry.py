@@ -57,9 +57,9 @@ def create(name: str, geometry: ModelGeometry, **options) -> KVBackend:
         ValueError: for an unsupported name or combination (listing the supported ones), an unknown
             option, or an option value a backend refuses.
     """
-    if geometry.kv_lora_rank and name not in ("full", "mla"):
+    if geometry.kv_lora_rank and name not in ("full", "mla", "mla+int8"):
         raise ValueError(f"{name} needs per-head K/V, but this model is natively MLA (kv_lora_rank="
-                         f"{geometry.kv_lora_rank}) and hands its cache a latent: use full or mla")
+                         f"{geometry.kv_lora_rank}) and hands its cache a latent: use full, mla or mla+int8")
     if "+" not in name:
         if name not in _BACKENDS:
             raise ValueError(f"unknown KV backend {name!r}; allowed: {', '.join(available())}")

@@ -72,7 +72,7 @@ def why(backend: str, context: int, concurrency: int, share: float, long_context
         return ("short context with high concurrency favours head sharing" if concurrency >= 8 and not long_context
                 else "head sharing: fixed savings, quality cost grows with fewer groups")
     if base == "dca":
-        return "layer reuse: saves the reused layers' K/V and their projections; speed depends on the rebuild"
+        return "layer reuse: the reused layers keep only a residual window; near full quality, modest savings"
     return ""
 
 

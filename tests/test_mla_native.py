@@ -74,3 +74,45 @@ def test_absorbed_attention_batched_matches_the_models_own_attention(tiny_deepse
         with torch.no_grad():
             reference = model(torch.tensor([ids], device=precision.device)).logits[0, -1]
         precision.assert_close(batched[row], reference, what=f"row {row}")
+
+
+def test_native_mla_int8_attends_the_int8_codes_and_holds_what_the_sums_say(tiny_deepseek, precision):
+    """``mla+int8`` on a native-MLA model: the latent and the rope key quantized per channel over token groups
+    (newest tokens in full precision); decode attends to the codes (scales folded into the query and the
+    weights) and equals absorbed attention over the dequantized streams; the store holds the estimator's
+    ``mla+int8`` sum to the byte; the logits stay close to the model's own."""
+    model = tiny_deepseek
+    geometry = ModelGeometry.from_config(model.config, model.dtype)
+    backend = create("mla+int8", geometry, group_size=8, residual=8)
+    backend.prepare(model)
+    ids = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    runner = ModelRunner(model, geometry.num_layers)
+    store = backend.new_store()
+    logits = [runner.prefill(ids[:30], store)[-1]]
+    for t in ids[30:-1]:
+        logits.append(runner.decode([t], [store])[0])
+    assert store.nbytes() == backend.bytes_per_token_per_layer(39) * 39 * 3
+    assert store.layers[0].key_store.codes.length == 24  # 39 tokens: 3 groups of 8 quantized, 15 in the window
+    with torch.no_grad():
+        reference = model(torch.tensor([ids[:-1]], device=precision.device)).logits[0, 29:]
+    cos = torch.nn.functional.cosine_similarity(torch.stack(logits).float(), reference.float(), dim=-1)
+    assert cos.min() > 0.99, cos
+    gen = torch.Generator().manual_seed(4)
+    for layer, block in zip(store.layers, model.model.layers):
+        _check_int8_read(layer, block.self_attn, precision, gen)
+
+
+@torch.inference_mode()
+def _check_int8_read(layer, a, precision, gen):
+    """One layer: absorbed attention on its int8 codes vs on their dequantized copy."""
+    from cache_backends.mla import AbsorbedRead
+
+    nope = a.qk_nope_head_dim
+    query = precision.randn(1, 4, 1, nope + a.qk_rope_head_dim, generator=gen)
+    got = AbsorbedRead(layer, a).attend(query, a.scaling)
+    w = a.kv_b_proj.weight.view(4, nope + a.v_head_dim, -1)
+    latent, rope_key = layer.key_store.read()[0, 0], layer.value_store.read()[0, 0]  # dequantized copies
+    scores = (query[0, :, :, :nope] @ w[:, :nope]) @ latent.T + query[0, :, :, nope:] @ rope_key.T
+    want = ((torch.softmax(scores * a.scaling, -1) @ latent) @ w[:, nope:].transpose(1, 2))[None]
+    precision.assert_close(got, want, what="absorbed attention on int8 codes vs on their dequantized copy",
+                           factor=32)
