@@ -25,21 +25,28 @@ def tiny_deepseek(precision):
     return DeepseekV3ForCausalLM(DeepseekV3Config(**CONFIG)).eval().to(precision.device, precision.dtype)
 
 
+def cache_path_and_reference(model, backend, seed: int):
+    """40 random tokens: 30 prefilled, 9 decoded through ``backend``; returns the store, the 10 logits rows of the
+    cache path and the model's own forward's rows for the same positions."""
+    ids = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(seed)).tolist()
+    runner = ModelRunner(model, backend.geometry.num_layers)
+    store = backend.new_store()
+    logits = [runner.prefill(ids[:30], store)[-1]]
+    for t in ids[30:-1]:
+        logits.append(runner.decode([t], [store])[0])
+    with torch.no_grad():
+        reference = model(torch.tensor([ids[:-1]], device=model.device)).logits[0, 29:]
+    return store, torch.stack(logits), reference
+
+
 def test_native_mla_caches_the_models_latent_and_rope_key(tiny_deepseek, precision):
     model = tiny_deepseek
     geometry = ModelGeometry.from_config(model.config, model.dtype)
     backend = create("mla", geometry)
     backend.prepare(model)
     assert backend.params() == {"rank": 16, "rope_dim": 8, "native": True}
-    ids = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(2)).tolist()
-    runner = ModelRunner(model, geometry.num_layers)
-    store = backend.new_store()
-    logits = [runner.prefill(ids[:30], store)[-1]]
-    for t in ids[30:-1]:
-        logits.append(runner.decode([t], [store])[0])
-    with torch.no_grad():
-        reference = model(torch.tensor([ids[:-1]], device=precision.device)).logits[0, 29:]
-    precision.assert_close(torch.stack(logits), reference, what="cache path vs the model's own forward")
+    store, logits, reference = cache_path_and_reference(model, backend, seed=2)
+    precision.assert_close(logits, reference, what="cache path vs the model's own forward")
     layer = store.layers[0]
     latent, rope_key = layer.materialize()
     assert latent.shape == (1, 1, 39, 16) and rope_key.shape == (1, 1, 39, 8)  # latent, rope key
@@ -85,17 +92,10 @@ def test_native_mla_int8_attends_the_int8_codes_and_holds_what_the_sums_say(tiny
     geometry = ModelGeometry.from_config(model.config, model.dtype)
     backend = create("mla+int8", geometry, group_size=8, residual=8)
     backend.prepare(model)
-    ids = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(3)).tolist()
-    runner = ModelRunner(model, geometry.num_layers)
-    store = backend.new_store()
-    logits = [runner.prefill(ids[:30], store)[-1]]
-    for t in ids[30:-1]:
-        logits.append(runner.decode([t], [store])[0])
+    store, logits, reference = cache_path_and_reference(model, backend, seed=3)
     assert store.nbytes() == backend.bytes_per_token_per_layer(39) * 39 * 3
     assert store.layers[0].key_store.codes.length == 24  # 39 tokens: 3 groups of 8 quantized, 15 in the window
-    with torch.no_grad():
-        reference = model(torch.tensor([ids[:-1]], device=precision.device)).logits[0, 29:]
-    cos = torch.nn.functional.cosine_similarity(torch.stack(logits).float(), reference.float(), dim=-1)
+    cos = torch.nn.functional.cosine_similarity(logits.float(), reference.float(), dim=-1)
     assert cos.min() > 0.99, cos
     gen = torch.Generator().manual_seed(4)
     for layer, block in zip(store.layers, model.model.layers):
