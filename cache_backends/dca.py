@@ -140,13 +140,27 @@ class LayerMap:
         return self
 
     def _per_query_head(self, hq: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The maps laid out per query head (constants, built once per head count): the conjugate key mix
-        (Hq, H, d/2), the value map (H, Hq, d, d) and the value bias (Hq, d)."""
+        """The maps laid out per query head as real matrices (constants, built once per head count), so that
+        a decode step applies each with one batched product:
+
+        * key fold (Hq, d, H·d): query head q's row ``q @ fold[q]`` is, per source head g, the query that scores
+          g's stored keys as the mapped keys: per pair i, ``conj(A[h, g, i]) * q_i`` as a real 2x2 block
+          ((a, -b), (b, a)) on (q_i, q_{i + d/2}), with h the query head's K/V head;
+        * value map (Hq, H·d, d): the attention-weighted source values of every source head, concatenated,
+          times it give the query head's output;
+        * value bias (Hq, d)."""
         cached = getattr(self, "_by_query_head", None)
         if cached is None or cached[0] != hq:
-            h = self.key_bias.shape[0]
+            h, d = self.key_bias.shape
             head = torch.arange(hq, device=self.key_bias.device) // (hq // h)  # each query head's K/V head
-            cached = (hq, self.key_mix[head].conj(), self.value_map[:, head].contiguous(), self.value_bias[head])
+            mix = self.key_mix[head]  # (Hq, H, d/2) complex
+            a, b, i = mix.real, mix.imag, torch.arange(d // 2, device=mix.device)
+            fold = torch.zeros(hq, h, d, d, device=mix.device)  # (query head, source head, in, out)
+            fold[..., i, i], fold[..., i + d // 2, i] = a, b
+            fold[..., i, i + d // 2], fold[..., i + d // 2, i + d // 2] = -b, a
+            value_map = self.value_map[:, head].permute(1, 0, 2, 3).reshape(hq, h * d, d)
+            cached = (hq, fold.permute(0, 2, 1, 3).reshape(hq, d, h * d), value_map.contiguous(),
+                      self.value_bias[head])
             self._by_query_head = cached
         return cached[1:]
 
@@ -188,10 +202,10 @@ class LayerMap:
         """
         _, hq, _, d = query.shape
         h = self.key_bias.shape[0]
-        mix_conj, value_map, value_bias = self._per_query_head(hq)
+        key_fold, value_map, value_bias = self._per_query_head(hq)
         q = query[0, :, 0]  # (Hq, d)
         grouped = q.reshape(h, hq // h, d)  # each K/V head's query heads together
-        folded = _real(mix_conj * _complex(q.float())[:, None, :]).to(q.dtype)  # (Hq, H, d)
+        folded = (q.float()[:, None, :] @ key_fold).view(hq, h, d).to(q.dtype)  # (Hq, H, d), in fp32 (see below)
         scores = key_stream.dot(folded.transpose(0, 1)[None]).sum(1)[0]  # (Hq, stored)
         stored = scores.shape[-1]
         bias = self._rotated_bias(0, length, q.dtype)  # (H, length, d)
@@ -206,7 +220,7 @@ class LayerMap:
         mixed = value_stream.weighted_sum(from_source[None, None].expand(1, h, hq, stored))[0]  # (H, Hq, d)
         # The value map is applied in fp32 (a (H, Hq, d, d) product, nothing per token): its weights are
         # large enough (column L1 norms up to ~70 after the ridge) that bf16 rounding would show.
-        out = torch.einsum("ghd,ghde->he", mixed.float(), value_map)
+        out = (mixed.float().transpose(0, 1).reshape(hq, 1, h * d) @ value_map)[:, 0]  # (Hq, d)
         out = out + value_bias * probs[:, :length].sum(-1, keepdim=True).float()
         if own_values is not None:
             window = probs[:, length:].reshape(h, hq // h, -1)
