@@ -313,8 +313,9 @@ def select_reuse_layers(mean_similarity: dict[int, float], threshold: float) -> 
 
 
 class DCALayer(KVLayer):
-    """One layer of a dca store: ``kept`` (its own inner layer), or ``reuse`` (nothing, or an inner layer of
-    its own K/V from the fall-back position on)."""
+    """One layer of a dca store: ``kept`` (its own inner layer), or ``reuse`` (an inner layer holding its own K/V
+    of its residual window only, or of every position from the window's start after a fall-back; nothing with
+    ``window=0`` until a fall-back)."""
 
     def __init__(self, store: "DCAStore", index: int, layer_map: LayerMap | None, backend: "DCABackend"):
         super().__init__()
