@@ -6,6 +6,8 @@ bad value is refused with one line naming the spec and the option, never replace
 
 from __future__ import annotations
 
+import math
+
 # option -> (type, smallest allowed value, or the allowed words of a str option)
 OPTIONS: dict[str, tuple[type, float | tuple[str, ...] | None]] = {
     "groups": (int, 1),  # gqa: shared K/V heads per layer
@@ -34,6 +36,10 @@ def _value(key: str, text: str, spec: str):
         if kind is None:  # an option no backend knows: keep it for the backend to name in its refusal
             return text
         raise ValueError(f"{spec}: {key} must be {'an integer' if kind is int else 'a number'}, got {text!r}") from None
+    if not math.isfinite(value):  # nan, inf, 1e400
+        if kind is None:
+            return text
+        raise ValueError(f"{spec}: {key} must be a finite number, got {text!r}")
     if kind is None and value == int(value) and "." not in text:
         value = int(value)
     if low is not None and value < low:

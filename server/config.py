@@ -78,7 +78,7 @@ class Settings(BaseSettings):
     kv_mla_rank: int | None = Field(None, ge=1, description="mla: latent width per token per layer.")
     kv_int8_group_size: int = Field(32, ge=1, description="int8: tokens per key quantization group.")
     kv_int8_residual: int = Field(32, ge=0, description="int8: newest tokens kept in full precision.")
-    kv_dca_threshold: float = Field(0.95, description="dca: calibrated similarity at or above which a layer is a "
+    kv_dca_threshold: float = Field(0.95, allow_inf_nan=False, description="dca: calibrated similarity at or above which a layer is a "
                                                         "reuse candidate (each then checks its own calibrated "
                                                         "threshold per prompt and probe); above 1: none.")
     kv_dca_probe_interval: int = Field(16, ge=1, description="dca: decode steps between similarity probes.")

@@ -19,6 +19,9 @@ from tests.conftest import REPO
     ("gqa:method=foo", "method must be one of pca, mean"),
     ("dca:align=foo", "align must be one of linear, none"),
     ("gqa:groups", "expected key=value"),
+    ("dca:threshold=nan", "threshold must be a finite number, got 'nan'"),
+    ("dca:reuse_fraction=1e400", "reuse_fraction must be a finite number"),
+    ("dca:window=-1", "window must be >= 0, got -1"),
 ])
 def test_spec_values_are_typed_and_bounded(spec, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):

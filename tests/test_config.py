@@ -12,7 +12,10 @@ from tests.conftest import REPO
 
 @pytest.mark.parametrize("env,var", [({"KV_BACKEND": "nope"}, "KV_BACKEND"), ({"DEVICE": "tpu"}, "DEVICE"),
                                      ({"PORT": "http"}, "PORT"), ({"MAX_BATCH_SIZE": "0"}, "MAX_BATCH_SIZE"),
-                                     ({"DTYPE": "float8"}, "DTYPE")])
+                                     ({"DTYPE": "float8"}, "DTYPE"), ({"KV_DCA_WINDOW": "-1"}, "KV_DCA_WINDOW"),
+                                     # nan/inf were accepted, then every GET /info failed to encode them (500)
+                                     ({"KV_DCA_THRESHOLD": "nan"}, "KV_DCA_THRESHOLD"),
+                                     ({"KV_DCA_THRESHOLD": "inf"}, "KV_DCA_THRESHOLD")])
 def test_bad_value_names_the_variable(monkeypatch, env, var):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
