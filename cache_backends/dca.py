@@ -46,17 +46,12 @@ import torch
 
 from cache_backends.attention import LayerRead, attend_kv
 from cache_backends.base import KVBackend, KVLayer, KVStore, ModelGeometry
-from cache_backends.estimate import dca_store_bytes_per_token_per_layer
+from cache_backends.estimate import dca_store_bytes_per_token_per_layer, dca_window_tokens
 from cache_backends.rope import RopeTable
 
 ALIGNS = ("linear", "none")
 FIT_VERSION = 2  # of the calibration cache entry (bump when the fit changes); 2: ridge maps
 RIDGE = 1e-5  # ridge of the map fits, relative to the mean diagonal of the Gram matrix (see LayerMap.fit)
-
-
-def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Mean cosine over every vector along the last dimension."""
-    return torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1).mean().item()
 
 
 def _complex(x: torch.Tensor) -> torch.Tensor:
@@ -258,26 +253,23 @@ def source_streams(layer: KVLayer):
     return TensorStream(keys), TensorStream(values)
 
 
-def similarity(own_k, own_v, pred_k, pred_v) -> float:
-    """(cos(K) + cos(V)) / 2, each the mean over tokens and heads."""
-    return 0.5 * (cosine(own_k, pred_k) + cosine(own_v, pred_v))
-
-
 def token_similarity(own_k, own_v, pred_k, pred_v) -> torch.Tensor:
-    """Per token, (cos(K) + cos(V)) / 2 averaged over heads: (1, H, n, d) inputs → (n,) float32 on the CPU.
-    Its mean over the tokens is :func:`similarity`."""
+    """Per token, (cos(K) + cos(V)) / 2 averaged over heads: (1, H, n, d) inputs → (n,) float32 on the CPU."""
     cos = torch.nn.functional.cosine_similarity
     both = cos(own_k.float(), pred_k.float(), dim=-1) + cos(own_v.float(), pred_v.float(), dim=-1)  # (1, H, n)
     return (0.5 * both.mean(1)[0]).cpu()
 
 
+def similarity(own_k, own_v, pred_k, pred_v) -> float:
+    """(cos(K) + cos(V)) / 2, each the mean over tokens and heads: the mean of :func:`token_similarity`."""
+    return token_similarity(own_k, own_v, pred_k, pred_v).mean().item()
+
+
 def window_start(length: int, window: int) -> int:
-    """The first position a reuse layer's residual window holds at ``length`` tokens: the newest
-    ``min(length, window + length % window)`` tokens (between ``window`` and ``2 * window - 1`` once the
-    sequence is that long; it drops its oldest ``window`` tokens at once). ``length`` for ``window`` 0."""
-    if window <= 0:
-        return length
-    return max(0, (length // window - 1) * window)
+    """The first position a reuse layer's residual window holds at ``length`` tokens: it holds the newest
+    :func:`cache_backends.estimate.dca_window_tokens` of them (between ``window`` and ``2 * window - 1`` once
+    the sequence is that long; it drops its oldest ``window`` tokens at once). ``length`` for ``window`` 0."""
+    return length - dca_window_tokens(length, window)
 
 
 SPANS = (1, 4, 16, 64, 256, 1024)  # token counts at which each layer's runtime threshold is calibrated
@@ -298,6 +290,15 @@ def span_thresholds(per_window: list[torch.Tensor], quantile: float = QUANTILE) 
     return out
 
 
+def runtime_threshold(spans: dict[int, float] | None, cap: float, tokens: int) -> float:
+    """The similarity a span of ``tokens`` tokens must reach to reuse: the lower of ``cap`` (``KV_DCA_THRESHOLD``)
+    and the calibrated threshold at the longest calibrated span not above ``tokens``; +inf for a layer that is
+    not a reuse candidate (``spans`` None)."""
+    if spans is None:
+        return float("inf")
+    return min(cap, spans[max((n for n in SPANS if n <= tokens), default=SPANS[0])])
+
+
 def select_reuse_layers(mean_similarity: dict[int, float], threshold: float) -> list[int]:
     """The reuse candidates: the largest set of layers with calibrated similarity >= ``threshold`` in which no
     two are adjacent (a reuse layer's source must keep its own K/V); among equally large sets, the one with the
@@ -307,7 +308,7 @@ def select_reuse_layers(mean_similarity: dict[int, float], threshold: float) -> 
     for layer in sorted(mean_similarity):
         s = mean_similarity[layer]
         skip = max(best[0], best[1], key=lambda c: (c[0], c[1]))
-        take = (best[0][0] + 1, best[0][1] + s, best[0][2] + [layer]) if s >= threshold and threshold <= 1 else (-1, 0.0, [])
+        take = (best[0][0] + 1, best[0][1] + s, best[0][2] + [layer]) if s >= threshold else (-1, 0.0, [])
         best = {0: skip, 1: take}
     return max(best[0], best[1], key=lambda c: (c[0], c[1]))[2]
 
@@ -365,10 +366,7 @@ class DCALayer(KVLayer):
         """The similarity a span of ``tokens`` tokens must reach to keep reusing: the lower of ``KV_DCA_THRESHOLD``
         and this layer's calibrated quantile at the longest calibrated span not above ``tokens``. A layer that
         is not a reuse candidate never passes (+inf)."""
-        if self.thresholds is None:
-            return float("inf")
-        span = max((n for n in SPANS if n <= tokens), default=SPANS[0])
-        return min(self.threshold, self.thresholds[span])
+        return runtime_threshold(self.thresholds, self.threshold, tokens)
 
     def probe_due(self) -> bool:
         return (self.decode_steps + 1) % self.probe_interval == 0
@@ -566,8 +564,9 @@ class DCABackend(KVBackend):
     def prepare(self, model, calibration_ids: list[int] | None = None, cache=None) -> None:
         """Fit the maps and measure per-layer similarity on the calibration slice (or load both from
         ``cache``: no parameter of dca changes them), prepare the inner backend, install the attention path,
-        and count the layers the prefill decision reuses on each calibration window (the calibrated reuse
-        share, measured at every start: it depends on the threshold and on what the inner backend stores)."""
+        and, from one measuring pass over the calibration windows (every start: it depends on the threshold and
+        on what the inner backend stores), the reuse candidates, their runtime thresholds and the layers the
+        prefill decision reuses on each window (the calibrated reuse share)."""
         from cache_backends import dca_attention
         from cache_backends.calibration import calibration_ids as calib_ids
         from cache_backends.calibration_cache import CalibrationCache
@@ -580,10 +579,15 @@ class DCABackend(KVBackend):
             "dca", model, ids, {}, fit=lambda: self._fit(model, ids, rope),
             load=lambda tensors, figures: (self._load(tensors, rope, device), figures), version=FIT_VERSION)
         dca_attention.install(model)
-        self.served_similarity, thresholds = self._calibrate_thresholds(model, ids)
+        per_window = self._measure_windows(model, ids)
+        self.served_similarity = {layer: round(torch.cat(w).mean().item(), 4) for layer, w in per_window.items()}
         self.reuse_candidates = select_reuse_layers(self.served_similarity, self.threshold)
-        self.layer_thresholds = {layer: thresholds[layer] for layer in self.reuse_candidates}
-        self.calibration_reuse = self._served_reuse(model, ids)
+        self.layer_thresholds = {layer: span_thresholds(per_window[layer]) for layer in self.reuse_candidates}
+        # what the prefill decision reuses on each window: every candidate's source is kept (no two are adjacent)
+        self.calibration_reuse = [
+            (len(sims), sum(per_window[layer][w].mean().item() >= runtime_threshold(
+                self.layer_thresholds[layer], self.threshold, len(sims)) for layer in self.reuse_candidates))
+            for w, sims in enumerate(per_window.get(1, []))]
 
     def _fit(self, model, ids: list[int], rope: RopeTable) -> tuple[dict[str, torch.Tensor], dict]:
         """Per layer l >= 1, as ``{l}.*``: the :class:`LayerMap` from layer l - 1 (its complex key mix as
@@ -631,33 +635,23 @@ class DCABackend(KVBackend):
         return list(self.reuse_candidates)
 
     @torch.no_grad()
-    def _prefilled_windows(self, model, ids: list[int], measuring: bool = False):
-        """Each calibration window prefilled into a store of this backend, as serving does: yields
-        ``(tokens, store)``; the store is released after the caller's turn."""
+    def _measure_windows(self, model, ids: list[int]) -> dict[int, list[torch.Tensor]]:
+        """Prefill each calibration window into a measuring store of this backend, as serving does (so the
+        source K/V are what the inner backend stores: ``dca+int8``, int8), and return per layer l >= 1 its
+        per-token similarity in each window: ``{l: [(tokens,), ...]}``. Run at every start: it depends on the
+        inner backend (the maps alone are cached)."""
         from cache_backends.calibration import CALIBRATION_WINDOW
 
         device = next(model.parameters()).device
+        per_window: dict[int, list[torch.Tensor]] = {}
         for start in range(0, len(ids), CALIBRATION_WINDOW):
-            chunk = ids[start : start + CALIBRATION_WINDOW]
-            store = DCAStore(self, measuring=measuring)
-            model(input_ids=torch.tensor([chunk], device=device), cache=store, use_cache=True, logits_to_keep=1)
-            yield len(chunk), store
+            store = DCAStore(self, measuring=True)
+            chunk = torch.tensor([ids[start : start + CALIBRATION_WINDOW]], device=device)
+            model(input_ids=chunk, cache=store, use_cache=True, logits_to_keep=1)
+            for layer, sims in sorted(store.token_similarity.items()):
+                per_window.setdefault(layer, []).append(sims)
             store.release()
-
-    def _calibrate_thresholds(self, model, ids: list[int]) -> tuple[dict[int, float], dict[int, dict[int, float]]]:
-        """Per layer l >= 1, measured on what the inner backend stores (``dca+int8``: int8 source K/V): the mean
-        similarity over the calibration windows, and the runtime thresholds of :func:`span_thresholds`.
-        Measured at every start: it depends on the inner backend (the maps alone are cached)."""
-        per_layer: dict[int, list[torch.Tensor]] = {}
-        for _, store in self._prefilled_windows(model, ids, measuring=True):
-            for layer, sims in store.token_similarity.items():
-                per_layer.setdefault(layer, []).append(sims)
-        means = {layer: round(torch.cat(w).mean().item(), 4) for layer, w in sorted(per_layer.items())}
-        return means, {layer: span_thresholds(w) for layer, w in per_layer.items()}
-
-    def _served_reuse(self, model, ids: list[int]) -> list[tuple[int, int]]:
-        """Count the layers the prefill decision reuses on each calibration window: ``[(tokens, reuse layers)]``."""
-        return [(tokens, store.reuse_layers()) for tokens, store in self._prefilled_windows(model, ids)]
+        return per_window
 
     def expected_reuse_fraction(self) -> float:
         """Fraction of layers reused on the calibration windows (token-weighted), by the prefill decision
