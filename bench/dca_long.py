@@ -23,33 +23,26 @@ from pathlib import Path
 
 import torch
 
+from bench.fidelity import agreement, greedy_tokens
 from bench.quality import CALIB_SLICE, EVAL_SLICE, slice_token_ids
 from cache_backends import ModelGeometry, create
 from cache_backends.spec import format_spec, parse_spec
-from server.engine.runner import ModelRunner
 
 REPO = Path(__file__).resolve().parents[1]
 SPECS = ["full", "dca:window=0", "dca", "dca:window=64", "dca+int8", "dca+mla:rank=128"]
 
 
-@torch.inference_mode()
 def generate(model, backend, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], dict]:
     """Greedy continuations of every prompt, one batch; and what the stores held at the end: ``bytes`` (sum),
-    ``reuse_layers`` per prompt (after prefill), ``fallbacks`` (sum)."""
-    runner = ModelRunner(model, backend.geometry.num_layers)
-    stores = [backend.new_store() for _ in prompts]
-    last = [int(runner.prefill(p, s)[-1].argmax()) for p, s in zip(prompts, stores)]
-    reuse = [[layer.index for layer in s.layers if getattr(layer, "mode", "") == "reuse"] for s in stores]
-    outs = [[t] for t in last]
-    for _ in range(new_tokens - 1):
-        last = runner.decode(last, stores).argmax(-1).tolist()
-        for o, t in zip(outs, last):
-            o.append(t)
-    held = {"bytes": sum(s.nbytes() for s in stores), "reuse_layers": reuse,
-            "fallbacks": sum(getattr(s, "fallbacks", 0) for s in stores)}
-    for s in stores:
-        s.release()
-    return outs, held
+    ``reuse_layers`` per prompt (decided at prefill), ``fallbacks`` (sum)."""
+    held = {}
+
+    def inspect(stores):
+        held.update(bytes=sum(s.nbytes() for s in stores), fallbacks=sum(getattr(s, "fallbacks", 0) for s in stores),
+                    reuse_layers=[[layer.index for layer in s.layers if getattr(layer, "mode", "") == "reuse"]
+                                  for s in stores])
+
+    return greedy_tokens(model, backend, prompts, new_tokens, inspect), held
 
 
 def prefix_agreement(ours: list[list[int]], reference: list[list[int]]) -> float:
@@ -57,10 +50,6 @@ def prefix_agreement(ours: list[list[int]], reference: list[list[int]]) -> float
     def prefix(a, b):
         return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(b))
     return sum(prefix(a, b) / len(b) for a, b in zip(ours, reference)) / len(reference)
-
-
-def position_agreement(ours: list[list[int]], reference: list[list[int]]) -> float:
-    return sum(x == y for a, b in zip(ours, reference) for x, y in zip(a, b)) / sum(len(b) for b in reference)
 
 
 def table(rows: list[dict], args) -> str:
@@ -108,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"spec": format_spec(name, backend.params()), **held,
                      "compression": reference["bytes"] / held["bytes"],
                      "prefix_agreement": prefix_agreement(tokens, reference["tokens"]),
-                     "position_agreement": position_agreement(tokens, reference["tokens"]),
+                     "position_agreement": agreement(tokens, reference["tokens"]),
                      **{k: details[k] for k in ("reuse_candidates", "runtime_thresholds_by_layer",
                                                 "served_similarity_by_layer") if k in details},
                      "seconds": time.perf_counter() - t0})

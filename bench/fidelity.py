@@ -49,8 +49,9 @@ def cache_path_perplexity(model, backend, token_ids: list[int], window: int = 10
 
 
 @torch.inference_mode()
-def greedy_tokens(model, backend, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    """Greedy continuations (token ids) of every prompt, decoded as one batch through ``backend``."""
+def greedy_tokens(model, backend, prompts: list[list[int]], new_tokens: int, inspect=None) -> list[list[int]]:
+    """Greedy continuations (token ids) of every prompt, decoded as one batch through ``backend``; ``inspect``,
+    if given, is called with the stores at the end of the generation, before they are released."""
     runner = _runner(model, backend)
     stores = [backend.new_store() for _ in prompts]
     last = [int(runner.prefill(p, s)[-1].argmax()) for p, s in zip(prompts, stores)]
@@ -59,6 +60,8 @@ def greedy_tokens(model, backend, prompts: list[list[int]], new_tokens: int) -> 
         last = runner.decode(last, stores).argmax(-1).tolist()
         for o, t in zip(outs, last):
             o.append(t)
+    if inspect is not None:
+        inspect(stores)
     for s in stores:
         s.release()
     return outs
