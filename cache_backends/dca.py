@@ -410,9 +410,9 @@ class DCALayer(KVLayer):
         self.decode_steps += 1
         if self.own is not None:
             self.own.update(key_states, value_states)
-            if self.fallback_at is None and window_start(self.length, self.window) > self.own_start:
-                own_keys, own_values = self.own.materialize()
-                self._restart_own(window_start(self.length, self.window), own_keys, own_values, self.own_start)
+            slide_to = window_start(self.length, self.window)
+            if self.fallback_at is None and slide_to > self.own_start:
+                self._restart_own(slide_to, *self.own.materialize(), self.own_start)
         if self.in_place:
             return LayerRead(self), None  # attends the source's cache with folded maps (attend)
         return self._rebuilt()
