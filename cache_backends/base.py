@@ -124,31 +124,6 @@ class FullStorage:
         self.buffer.release()
 
 
-def make_storage(axis: str, quantize: dict | None):
-    """An exact :class:`FullStorage`, or an ``Int8Storage`` when ``quantize`` gives group_size and residual.
-
-    Args:
-        axis: ``"channel"`` (key-like streams) or ``"token"`` (value-like streams), for int8.
-        quantize: ``None``, or ``{"group_size": int, "residual": int}``.
-    """
-    if quantize is None:
-        return FullStorage()
-    from cache_backends.int8 import Int8Storage
-
-    return Int8Storage(axis, quantize["group_size"], quantize["residual"])
-
-
-def storage_reserved_bytes(quantize: dict | None, axis: str, max_tokens: int, heads: int, width: int,
-                           dtype_bytes: int) -> int:
-    """The most bytes :func:`make_storage` ``(axis, quantize)`` reserved for ``max_tokens`` can allocate."""
-    if quantize is None:
-        return FullStorage.reserved_bytes(max_tokens, heads, width, dtype_bytes)
-    from cache_backends.int8 import Int8Storage
-
-    return Int8Storage.reserved_bytes(axis, quantize["group_size"], quantize["residual"], max_tokens, heads, width,
-                                      dtype_bytes)
-
-
 class KVLayer(CacheLayerMixin):
     """One layer of a KV store. Subclasses hold their tensors, count their bytes, and attend to them.
 
@@ -352,6 +327,33 @@ class KVBackend(ABC):
         ``kvserve estimate`` prints. ``/info`` reports it."""
         g = self.geometry
         return bytes_per_token_per_layer(g.shape(), *self.sums_spec(), g.dtype_bytes, seq_len)
+
+    # ---- the paged pool (cache_backends.paged): what a block holds and how the batch attends to it --------
+    def paged_streams(self) -> "list | None":
+        """The per-token streams (:class:`cache_backends.paged.StreamSpec`) one layer of this backend stores in
+        the paged pool, or ``None`` for a backend that keeps per-sequence stores (:meth:`new_store`) instead."""
+        return None
+
+    def paged_quantize(self) -> dict | None:
+        """``{"group_size", "residual"}`` when the streams are held as int8 with a residual window, else ``None``."""
+        return None
+
+    def encode_paged(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor, meta) -> list:
+        """What layer ``layer`` stores for a step's new tokens, one tensor per stream, (B, heads, n, width).
+
+        Args:
+            key_states: (B, num_key_value_heads, n, head_dim) after RoPE (on native MLA: the latent).
+            value_states: (B, num_key_value_heads, n, head_dim) (on native MLA: the rope key).
+            meta: the step's :class:`cache_backends.paged.StepMeta` (positions of the new tokens).
+        """
+        return [key_states, value_states]
+
+    def attend_paged(self, layer: int, query: torch.Tensor, reads: list, meta, scaling: float,
+                     module=None) -> torch.Tensor:
+        """Attention of a step's queries (B, num_attention_heads, n, head_dim) over the batch's gathered
+        streams (:class:`cache_backends.paged.StreamRead`, one per stream) under ``meta.mask``; returns
+        (B, num_attention_heads, n, v_head_dim). ``module``: the model's attention module (native MLA)."""
+        raise NotImplementedError(f"{self.name} is not paged")
 
     def live_bytes_per_token_per_layer(self, store: KVStore) -> float:
         """The sums for one live store: :meth:`bytes_per_token_per_layer` at its length, except where the

@@ -14,6 +14,7 @@ import torch
 
 from cache_backends.attention import attend_kv
 from cache_backends.base import FullStorage, KVBackend, StreamPairLayer
+from cache_backends.paged import StreamSpec, attend_pair
 
 
 class FullLayer(StreamPairLayer):
@@ -34,7 +35,6 @@ class FullLayer(StreamPairLayer):
         return attend_kv(query, self.key_store.read(), self.value_store.read(), scaling)
 
 
-
 class FullBackend(KVBackend):
     """Exact keys and values (no compression)."""
 
@@ -51,3 +51,16 @@ class FullBackend(KVBackend):
 
     def reserved_bytes(self, max_tokens: int) -> int:
         return int(self.bytes_per_token_per_layer() * max_tokens * self.geometry.num_layers)
+
+    def paged_streams(self) -> list[StreamSpec] | None:
+        """Keys and values, (num_key_value_heads, head_dim) each per token. On a native-MLA model ``full`` keeps
+        per-sequence stores: its attention expands the cached latent after the cache read."""
+        g = self.geometry
+        if g.kv_lora_rank:
+            return None
+        return [StreamSpec(g.num_key_value_heads, g.head_dim, "channel"),
+                StreamSpec(g.num_key_value_heads, g.head_dim, "token")]
+
+    def attend_paged(self, layer, query, reads, meta, scaling, module=None):
+        """Exact attention over the gathered K/V (``scaled_dot_product_attention`` under the step's mask)."""
+        return attend_pair(query, reads[0], reads[1], meta, scaling)

@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import torch
 
-from cache_backends.base import KVBackend, ModelGeometry, StreamPairLayer, make_storage, storage_reserved_bytes
-from cache_backends.int8 import attend_stored
+from cache_backends.base import KVBackend, ModelGeometry, StreamPairLayer
+from cache_backends.int8 import attend_stored, make_storage, storage_reserved_bytes
+from cache_backends.paged import StreamSpec, attend_pair
 
 METHODS = ("pca", "mean")
 FIT_VERSION = 1  # of the calibration cache entry (bump when the fit changes)
@@ -249,13 +250,37 @@ class GQABackend(KVBackend):
                                  take(tensors, f"{i}.{part}.decode", (g, d, md))) for part in ("key", "value"))
                 for i in range(self.geometry.num_layers)]
 
-    def new_layer(self, index: int, position_offset: int = 0) -> GQALayer:
-        key_codec, value_codec = self.codecs[index]
+    def _folded(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``index``'s key read-back folded per query head (Hq, d, d) and value read-back (Hq, d, d)."""
         if self.folded is None:
             heads = self.geometry.num_attention_heads
             self.folded = [(folded_maps(kc, heads), folded_maps(vc, heads)) for kc, vc in self.codecs]
-        query_map, output_map = self.folded[index]
+        return self.folded[index]
+
+    def new_layer(self, index: int, position_offset: int = 0) -> GQALayer:
+        key_codec, value_codec = self.codecs[index]
+        query_map, output_map = self._folded(index)
         return GQALayer(key_codec, value_codec, self.quantize, query_map, output_map)
+
+    def paged_streams(self) -> list[StreamSpec]:
+        """The G shared key heads (grouped per channel under int8) and value heads, (G, head_dim) each."""
+        d = self.geometry.head_dim
+        return [StreamSpec(self.groups, d, "channel"), StreamSpec(self.groups, d, "token")]
+
+    def paged_quantize(self) -> dict | None:
+        return self.quantize
+
+    def encode_paged(self, layer, key_states, value_states, meta):
+        key_codec, value_codec = self.codecs[layer]
+        return [key_codec.encode(key_states), value_codec.encode(value_states)]
+
+    def attend_paged(self, layer, query, reads, meta, scaling, module=None):
+        """Grouped queries over the G shared heads: the key read-back folded into each query head
+        (``q_h B^k_h^T``), the value read-back applied to each head's output; no head is rebuilt."""
+        query_map, output_map = self._folded(layer)
+        q = torch.einsum("bhrd,hed->bhre", query, query_map.to(query.dtype))
+        out = attend_pair(q, reads[0], reads[1], meta, scaling)  # (B, Hq, n, d) in the shared heads' space
+        return torch.einsum("bhrd,hde->bhre", out, output_map.to(out.dtype))
 
     def sums_spec(self) -> tuple[str, dict]:
         if self.quantize:  # gqa+int8: the int8 sums with G heads in place of num_key_value_heads

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from cache_backends.attention import grouped_query, ungroup
-from cache_backends.base import KVBackend, ModelGeometry, StreamPairLayer
+from cache_backends.base import FullStorage, KVBackend, ModelGeometry, StreamPairLayer
 from cache_backends.buffer import TokenBuffer
 
 QMIN, QMAX = -128, 127
@@ -56,6 +56,60 @@ def quantize(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, tor
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     return q.to(scale.dtype) * scale + zero
+
+
+def dequantize_codes(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, axis: str,
+                     group_size: int) -> torch.Tensor:
+    """Int8 codes (batch, heads, T, width) with their scales → values (batch, heads, T, width).
+
+    ``scale``/``zero``: (batch, heads, T / group_size, width) on the channel axis, (batch, heads, T, 1) on
+    the token axis.
+    """
+    if axis != "channel":
+        return dequantize(codes, scale, zero)
+    b, h, t, w = codes.shape
+    g = group_size
+    return dequantize(codes.reshape(b, h, t // g, g, w), scale.unsqueeze(3), zero.unsqueeze(3)).reshape(b, h, t, w)
+
+
+def codes_dot(query: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, axis: str,
+              group_size: int) -> torch.Tensor:
+    """Scores of int8 tokens against ``query`` (batch, heads, R, width) → (batch, heads, R, T), on the codes.
+
+    Channel axis: ``q · (c * s_g + z_g) = (q * s_g) · c + q · z_g`` per token group g;
+    token axis: ``q · (c_t * s_t + z_t) = s_t (q · c_t) + z_t Σ q``. Only the codes are widened to the
+    query's dtype (a transient the size of the codes); nothing is dequantized.
+
+    Args:
+        codes: (batch, heads, T, width) int8; ``scale``, ``zero`` as in :func:`dequantize_codes`.
+    """
+    codes = codes.to(query.dtype)
+    b, h, tq, w = codes.shape
+    if axis == "channel":
+        g, n = group_size, tq // group_size
+        folded = query.unsqueeze(2) * scale.unsqueeze(3)  # (b, h, n, R, w)
+        scores = folded @ codes.reshape(b, h, n, g, w).transpose(-1, -2)  # (b, h, n, R, g)
+        bias = (query @ zero.transpose(-1, -2)).unsqueeze(-1)  # (b, h, R, n, 1)
+        return (scores.permute(0, 1, 3, 2, 4) + bias).reshape(b, h, -1, tq)  # (b, h, R, n * g)
+    scores = (query @ codes.transpose(-1, -2)) * scale.transpose(-1, -2)  # (b, h, R, tq)
+    return scores + query.sum(-1, keepdim=True) * zero.transpose(-1, -2)
+
+
+def codes_weighted_sum(weights: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                       axis: str, group_size: int) -> torch.Tensor:
+    """``weights`` (batch, heads, R, T) times int8 tokens → (batch, heads, R, width), on the codes.
+
+    Token axis: ``Σ_t p_t (c_t s_t + z_t) = (p * s) · c + p · z``; channel axis: per group,
+    ``(p_g · c_g) * s_g + (Σ p_g) z_g``.
+    """
+    codes = codes.to(weights.dtype)
+    if axis == "token":
+        return (weights * scale.transpose(-1, -2)) @ codes + weights @ zero
+    b, h, r, tq = weights.shape
+    g, n, w = group_size, tq // group_size, codes.shape[-1]
+    pg = weights.reshape(b, h, r, n, g).transpose(2, 3)  # (b, h, n, R, g)
+    per_group = pg @ codes.reshape(b, h, n, g, w)  # (b, h, n, R, w)
+    return (per_group * scale.unsqueeze(3)).sum(2) + pg.sum(-1).transpose(2, 3) @ zero
 
 
 class Int8Storage:
@@ -136,68 +190,33 @@ class Int8Storage:
         if rest.shape[-2]:
             self.recent.append(rest)
 
-    def _codes(self, dtype: torch.dtype) -> torch.Tensor:
-        """The int8 codes widened to ``dtype`` (transient, the size of the quantized part)."""
-        return self.codes.view().to(dtype)
-
     def read(self) -> torch.Tensor:
         """Every token, dequantized, then the full-precision window: (batch, heads, seq_len, width)."""
         recent = self.recent.view() if self.recent.data is not None else None
         if self.codes.length == 0:
             return recent
-        b, h, tq, w = self.codes.view().shape
-        scale, zero = self.scale.view(), self.zero.view()
-        if self.axis == "channel":
-            g = self.group_size
-            old = dequantize(self.codes.view().reshape(b, h, tq // g, g, w), scale.unsqueeze(3),
-                             zero.unsqueeze(3)).reshape(b, h, tq, w)
-        else:
-            old = dequantize(self.codes.view(), scale, zero)
+        old = dequantize_codes(self.codes.view(), self.scale.view(), self.zero.view(), self.axis, self.group_size)
         return old if recent is None else torch.cat([old, recent], dim=-2)
 
     def dot(self, query: torch.Tensor) -> torch.Tensor:
-        """Scores of every token against ``query`` (batch, heads, R, width) → (batch, heads, R, seq_len).
-
-        Channel axis: ``q · (c * s_g + z_g) = (q * s_g) · c + q · z_g`` per token group g;
-        token axis: ``q · (c_t * s_t + z_t) = s_t (q · c_t) + z_t Σ q``.
-        """
+        """Scores of every token against ``query`` (batch, heads, R, width) → (batch, heads, R, seq_len)
+        (:func:`codes_dot` on the codes, then the window)."""
         parts = []
         if self.codes.length:
-            codes, scale, zero = self._codes(query.dtype), self.scale.view(), self.zero.view()
-            b, h, tq, w = codes.shape
-            if self.axis == "channel":
-                g, n = self.group_size, tq // self.group_size
-                folded = query.unsqueeze(2) * scale.unsqueeze(3)  # (b, h, n, R, w)
-                scores = folded @ codes.reshape(b, h, n, g, w).transpose(-1, -2)  # (b, h, n, R, g)
-                bias = (query @ zero.transpose(-1, -2)).unsqueeze(-1)  # (b, h, R, n, 1)
-                scores = scores.permute(0, 1, 3, 2, 4) + bias  # (b, h, R, n, g)
-                parts.append(scores.reshape(b, h, -1, tq))
-            else:
-                scores = (query @ codes.transpose(-1, -2)) * scale.transpose(-1, -2)  # (b, h, R, tq)
-                parts.append(scores + query.sum(-1, keepdim=True) * zero.transpose(-1, -2))
+            parts.append(codes_dot(query, self.codes.view(), self.scale.view(), self.zero.view(), self.axis,
+                                   self.group_size))
         if self.recent.length:
             parts.append(query @ self.recent.view().transpose(-1, -2))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
     def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
-        """``weights`` (batch, heads, R, seq_len) times every token → (batch, heads, R, width).
-
-        Token axis: ``Σ_t p_t (c_t s_t + z_t) = (p * s) · c + p · z``; channel axis: per group,
-        ``(p_g · c_g) * s_g + (Σ p_g) z_g``.
-        """
+        """``weights`` (batch, heads, R, seq_len) times every token → (batch, heads, R, width)
+        (:func:`codes_weighted_sum` on the codes, plus the window)."""
         tq = self.codes.length
         out = None
         if tq:
-            codes, scale, zero = self._codes(weights.dtype), self.scale.view(), self.zero.view()
-            p = weights[..., :tq]
-            if self.axis == "token":
-                out = (p * scale.transpose(-1, -2)) @ codes + p @ zero
-            else:
-                b, h, r, _ = p.shape
-                g, n, w = self.group_size, tq // self.group_size, codes.shape[-1]
-                pg = p.reshape(b, h, r, n, g).transpose(2, 3)  # (b, h, n, R, g)
-                per_group = pg @ codes.reshape(b, h, n, g, w)  # (b, h, n, R, w)
-                out = (per_group * scale.unsqueeze(3)).sum(2) + pg.sum(-1).transpose(2, 3) @ zero
+            out = codes_weighted_sum(weights[..., :tq], self.codes.view(), self.scale.view(), self.zero.view(),
+                                     self.axis, self.group_size)
         if self.recent.length:
             window = weights[..., tq:] @ self.recent.view()
             out = window if out is None else out + window
@@ -212,6 +231,27 @@ class Int8Storage:
     def release(self) -> None:
         for buf in (self.codes, self.scale, self.zero, self.recent):
             buf.release()
+
+
+def make_storage(axis: str, quantize: dict | None):
+    """An exact :class:`FullStorage`, or an :class:`Int8Storage` when ``quantize`` gives group_size and residual.
+
+    Args:
+        axis: ``"channel"`` (key-like streams) or ``"token"`` (value-like streams), for int8.
+        quantize: ``None``, or ``{"group_size": int, "residual": int}``.
+    """
+    if quantize is None:
+        return FullStorage()
+    return Int8Storage(axis, quantize["group_size"], quantize["residual"])
+
+
+def storage_reserved_bytes(quantize: dict | None, axis: str, max_tokens: int, heads: int, width: int,
+                           dtype_bytes: int) -> int:
+    """The most bytes :func:`make_storage` ``(axis, quantize)`` reserved for ``max_tokens`` can allocate."""
+    if quantize is None:
+        return FullStorage.reserved_bytes(max_tokens, heads, width, dtype_bytes)
+    return Int8Storage.reserved_bytes(axis, quantize["group_size"], quantize["residual"], max_tokens, heads, width,
+                                      dtype_bytes)
 
 
 def attend_stored(query: torch.Tensor, key_store, value_store, scaling: float) -> torch.Tensor:
@@ -289,3 +329,21 @@ class Int8Backend(KVBackend):
                                                    g.num_key_value_heads, g.head_dim, g.dtype_bytes)
                         for axis in ("channel", "token"))
         return per_layer * g.num_layers
+
+    def paged_streams(self) -> list:
+        """Keys (grouped per channel) and values (per token), (num_key_value_heads, head_dim) each per token."""
+        from cache_backends.paged import StreamSpec
+
+        g = self.geometry
+        return [StreamSpec(g.num_key_value_heads, g.head_dim, "channel"),
+                StreamSpec(g.num_key_value_heads, g.head_dim, "token")]
+
+    def paged_quantize(self) -> dict:
+        return {"group_size": self.group_size, "residual": self.residual}
+
+    def attend_paged(self, layer, query, reads, meta, scaling, module=None):
+        """Scores on the int8 key codes (scales folded into the query), output from the int8 value codes
+        (scales folded into the weights), the residual window exact: no dequantized copy of the context."""
+        from cache_backends.paged import attend_pair
+
+        return attend_pair(query, reads[0], reads[1], meta, scaling)

@@ -28,8 +28,10 @@ import torch
 from tqdm import tqdm
 
 from cache_backends.attention import BatchRead, causal_mask, grouped_query, ungroup
-from cache_backends.base import KVBackend, KVLayer, KVStore, ModelGeometry, make_storage, storage_reserved_bytes
+from cache_backends.base import KVBackend, KVLayer, KVStore, ModelGeometry
 from cache_backends.full import FullLayer
+from cache_backends.int8 import make_storage, storage_reserved_bytes
+from cache_backends.paged import StreamRead, StreamSpec, group_mask, grouped_rows, masked_softmax, ungroup_rows
 from cache_backends.rope import RopeTable
 
 FIT_VERSION = 1  # of the calibration cache entry (bump when the fit changes)
@@ -206,8 +208,34 @@ class AbsorbedRead:
         return ((probs @ latent) @ w[:, nope:].transpose(1, 2))[None]  # W_UV applied after attention
 
 
+def absorbed_attention(query: torch.Tensor, latent: StreamRead, rope_key: StreamRead, meta, scaling: float,
+                       attention) -> torch.Tensor:
+    """:class:`AbsorbedRead`'s sums for a step's batch, over the pool's gathered latent and rope key.
+
+    Args:
+        query: (B, H, n, nope + rope) after RoPE.
+        latent, rope_key: the gathered streams, (B, 1, T, kv_lora_rank) and (B, 1, T, qk_rope_head_dim).
+        attention: the model's attention module (``kv_b_proj``, ``qk_nope_head_dim``, ``v_head_dim``).
+
+    Returns:
+        (B, H, n, v_head_dim).
+    """
+    a = attention
+    nope, (b, h, n, _) = a.qk_nope_head_dim, query.shape
+    w = a.kv_b_proj.weight.view(h, nope + a.v_head_dim, -1)  # (H, nope + v, r)
+    q_latent = torch.einsum("bhnc,hcr->bhnr", query[..., :nope], w[:, :nope]).reshape(b, 1, h * n, -1)
+    q_rope = query[..., nope:].reshape(b, 1, h * n, -1)
+    scores = latent.dot(q_latent) + rope_key.dot(q_rope)  # (B, 1, H * n, T)
+    mask = meta.mask[:, None].expand(b, h, n, -1).reshape(b, 1, h * n, -1)
+    probs = masked_softmax(scores, mask, scaling)
+    mixed = latent.weighted_sum(probs).reshape(b, h, n, -1)  # (B, H, n, r)
+    return mixed @ w[:, nope:].transpose(1, 2)  # W_UV applied after attention
+
+
 def absorb_reads(reads, attention):
     """Wrap what a native-MLA cache returned (a read, or a batch of them) for absorbed attention."""
+    if hasattr(reads, "with_module"):  # a paged step's read: the batch attends in one call
+        return reads.with_module(attention)
     if isinstance(reads, BatchRead):
         return BatchRead([absorb_reads(r, attention) for r in reads.reads])
     return AbsorbedRead(reads.layer, attention)
@@ -328,6 +356,48 @@ class MLABackend(KVBackend):
     def new_store(self) -> KVStore:
         """One sequence's store; on a native-MLA model it is read in place by absorbed attention."""
         return KVStore([self.new_layer(i) for i in range(self.geometry.num_layers)], in_place=True)
+
+    # ---- paged: one latent stream (post-hoc), or the model's latent and rope key (native) ----------------
+    def paged_streams(self) -> list[StreamSpec]:
+        """Post-hoc: the latent, (1, rank) per token. Native: the model's latent (1, kv_lora_rank) and its shared
+        rope key (1, qk_rope_head_dim). Every stream is grouped per channel under int8."""
+        if self.native:
+            return [StreamSpec(1, self.rank, "channel"), StreamSpec(1, self.geometry.rope_dim, "channel")]
+        return [StreamSpec(1, self.rank, "channel")]
+
+    def paged_quantize(self) -> dict | None:
+        return self.quantize
+
+    def encode_paged(self, layer, key_states, value_states, meta):
+        """Native: what the model hands over, as it is. Post-hoc: the latent ``([K_pre ; V] - mu) P`` of each new
+        token, with RoPE undone at the token's own position; (B, 1, n, rank)."""
+        if self.native:
+            return [key_states, value_states]
+        b, h, n, d = key_states.shape
+        k_pre = self.rope.invert_at(key_states, meta.query_positions)  # (B, H, n, d)
+        x = torch.cat([k_pre.transpose(1, 2).reshape(b, n, h * d), value_states.transpose(1, 2).reshape(b, n, h * d)],
+                      dim=-1)  # (B, n, 2Hd)
+        p = self.bases[layer]
+        return [((x - p.mean.to(x.dtype)) @ p.basis.to(x.dtype)).unsqueeze(1)]
+
+    def attend_paged(self, layer, query, reads, meta, scaling, module=None):
+        """Native: absorbed attention over the latent and rope key (:func:`absorbed_attention`). Post-hoc: keys
+        rebuilt from the latent and rotated at each token's position (the RoPE price), values absorbed:
+        ``o_h = (p_h C) P_v,h^T + mu_v,h``."""
+        if self.native:
+            return absorbed_attention(query, reads[0], reads[1], meta, scaling, module)
+        g, p = self.geometry, self.bases[layer]
+        h, d, b, hq = g.num_key_value_heads, g.head_dim, query.shape[0], query.shape[1]
+        latent = reads[0].read()[:, 0]  # (B, T, r)
+        keys = latent @ p.basis[: h * d].to(latent.dtype).T + p.mean[: h * d].to(latent.dtype)
+        keys = self.rope.apply_at(keys.reshape(b, -1, h, d).transpose(1, 2), meta.positions)  # (B, H, T, d)
+        q = grouped_rows(query, h)  # (B, H, rep * n, d)
+        probs = masked_softmax(q @ keys.transpose(-1, -2), group_mask(meta.mask, hq // h), scaling)
+        rows = q.shape[2]
+        mixed = reads[0].weighted_sum(probs.reshape(b, 1, h * rows, -1)).reshape(b, h, rows, -1)  # (B, H, rows, r)
+        value_up = p.basis[h * d :].reshape(h, d, -1).transpose(1, 2)  # (H, r, d)
+        value_mean = p.mean[h * d :].reshape(h, 1, d)
+        return ungroup_rows(mixed @ value_up.to(mixed.dtype) + value_mean.to(mixed.dtype), hq)
 
     def sums_spec(self) -> tuple[str, dict]:
         if self.native:  # the model's own latent and its shared rope key (mla+int8: both quantized per channel)

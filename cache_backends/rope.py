@@ -61,3 +61,18 @@ class RopeTable:
         self._cover(start + n)
         cos, sin, norm = self.cos[start : start + n], self.sin[start : start + n], self.norm[start : start + n]
         return (x * cos - rotate_half(x) * sin) / norm
+
+    def _at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """cos, sin and norm at ``positions`` (B, T) → (B, 1, T, head_dim) each."""
+        self._cover(int(positions.max()) + 1 if positions.numel() else 0)
+        return (self.cos[positions][:, None], self.sin[positions][:, None], self.norm[positions][:, None])
+
+    def apply_at(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` (B, heads, T, head_dim) token by token at ``positions`` (B, T) (a batch of sequences)."""
+        cos, sin, _ = self._at(positions)
+        return x * cos + rotate_half(x) * sin
+
+    def invert_at(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Undo :meth:`apply_at` exactly."""
+        cos, sin, norm = self._at(positions)
+        return (x * cos - rotate_half(x) * sin) / norm

@@ -1,6 +1,12 @@
-"""The model runner: owns the model and every tensor; turns scheduled sequences into logits.
+"""The model runner: owns the model, the KV pool and every tensor; turns scheduled sequences into logits.
 
-Prefill runs one sequence at a time (batch 1, a whole prompt or one chunk of it) into that sequence's
+Paged backends (every backend but ``dca``, and ``full`` on a native-MLA model) keep their KV in the pool
+(:mod:`cache_backends.pool`): :meth:`ModelRunner.run_paged` runs one forward for a step — one prefill chunk
+of one sequence, or one decode token of every running sequence — through a :class:`StepCache`, which hands
+each layer's new K/V to its backend's groups of rows (one write, one gather and one stored-form attention
+per group and layer, :mod:`cache_backends.paged`) and its per-sequence stores to the other rows.
+
+Per-sequence stores (``dca``; transformers-style caches): prefill runs one sequence at a time (batch 1, a whole prompt or one chunk of it) into that sequence's
 own KV store. Decode runs all active sequences in one batched forward over a ragged batch:
 :class:`RaggedView` presents the per-sequence stores to the model as one ``transformers.Cache``; each
 layer writes every sequence's new K/V into its own store (in place) and hands the attention a
@@ -15,9 +21,13 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from dataclasses import dataclass
+
 from cache_backends.attention import BatchRead, as_read
 from cache_backends.attention import install as install_attention
-from cache_backends.base import KVStore
+from cache_backends.base import KVBackend, KVStore
+from cache_backends.paged import PoolViews, StepMeta, read_layer, write_layer
+from cache_backends.pool import KVPool
 
 
 class _BatchedLayerView(CacheLayerMixin):
@@ -111,6 +121,115 @@ class RaggedView(BatchedView):
     layer_view = _RaggedLayerView
 
 
+@dataclass
+class PagedGroup:
+    """The rows of a step's batch that one paged backend serves, and that step's metadata for them.
+
+    Attributes:
+        backend: the rows' backend.
+        views: its views of the pool.
+        meta: the step's :class:`cache_backends.paged.StepMeta` for these rows (in this order).
+        rows: the rows' indices in the batch (``None``: every row, in order).
+    """
+
+    backend: KVBackend
+    views: PoolViews
+    meta: StepMeta
+    rows: torch.Tensor | None
+
+
+class PagedRead:
+    """What a :class:`StepCache` layer hands the attention function: it attends each group of rows in its
+    backend's stored form, in one call per group (and per-sequence stores one row at a time)."""
+
+    def __init__(self, layer: int, parts: list, legacy: list, module=None):
+        self.layer, self.parts, self.legacy, self.module = layer, parts, legacy, module
+
+    def with_module(self, module) -> "PagedRead":
+        """The same read with the model's attention module attached (native MLA's absorbed attention)."""
+        return PagedRead(self.layer, self.parts, self.legacy, module)
+
+    def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """(B, num_attention_heads, n, head_dim) queries → (B, num_attention_heads, n, v_head_dim)."""
+        if len(self.parts) == 1 and not self.legacy and self.parts[0][0].rows is None:
+            group, reads = self.parts[0]
+            return group.backend.attend_paged(self.layer, query, reads, group.meta, scaling, self.module)
+        out = None
+        for group, reads in self.parts:
+            o = group.backend.attend_paged(self.layer, query.index_select(0, group.rows), reads, group.meta, scaling,
+                                           self.module)
+            if out is None:
+                out = o.new_empty(query.shape[0], *o.shape[1:])
+            out[group.rows] = o
+        for row, read in self.legacy:
+            o = read.attend(query[row : row + 1], scaling)
+            if out is None:
+                out = o.new_empty(query.shape[0], *o.shape[1:])
+            out[row] = o[0]
+        return out
+
+
+class _StepLayer(CacheLayerMixin):
+    """One layer of :class:`StepCache`."""
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, cache: "StepCache", layer_idx: int):
+        super().__init__()
+        self.cache, self.layer_idx = cache, layer_idx
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # pragma: no cover - never lazy
+        pass
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write the batch's new K/V (B, num_key_value_heads, n, head_dim) — each group's rows into the pool in its
+        stored form, each per-sequence row into its store — and return ``(PagedRead, None)``."""
+        i, parts, legacy = self.layer_idx, [], []
+        for group in self.cache.groups:
+            k, v = key_states, value_states
+            if group.rows is not None:
+                k, v = k.index_select(0, group.rows), v.index_select(0, group.rows)
+            write_layer(group.views, i, group.meta, group.backend.encode_paged(i, k, v, group.meta))
+            parts.append((group, read_layer(group.views, i, group.meta)))
+        for row, store in self.cache.legacy:
+            k, v = store.layers[i].update(None if key_states is None else key_states[row : row + 1],
+                                          None if value_states is None else value_states[row : row + 1], *args,
+                                          **kwargs)
+            legacy.append((row, as_read(k, v)))
+        return PagedRead(i, parts, legacy), None
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cache.past_len + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.cache.past_len
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class StepCache(Cache):
+    """One step's batch seen by the model as one ``transformers.Cache``: groups of rows whose KV lives in the pool,
+    and rows with per-sequence stores (written and read one row at a time).
+
+    Args:
+        groups: the paged groups.
+        legacy: ``(row, store)`` for each row with a per-sequence store.
+        past_len: the longest cached length in the batch before this step (what the model's mask helpers ask).
+        num_layers: decoder layers.
+    """
+
+    def __init__(self, groups: list[PagedGroup], legacy: list[tuple[int, KVStore]], past_len: int, num_layers: int):
+        self.groups, self.legacy, self.past_len = groups, legacy, past_len
+        super().__init__(layers=[_StepLayer(self, i) for i in range(num_layers)])
+
+    def skip_kv_projection(self, layer_idx: int) -> bool:
+        """Only when every row is a per-sequence store that may skip (``dca``)."""
+        return not self.groups and all(s.skip_kv_projection(layer_idx) for _, s in self.legacy)
+
+
 class ModelRunner:
     """Runs the model's forward passes.
 
@@ -119,12 +238,49 @@ class ModelRunner:
         num_layers: decoder layers of ``model``.
     """
 
-    def __init__(self, model, num_layers: int):
+    def __init__(self, model, num_layers: int, pool: KVPool | None = None):
         self.model = model
         install_attention(model)  # kvserve's stores are read by kvserve's attention function
         self.num_layers = num_layers
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        self.pool = pool
+
+    @torch.inference_mode()
+    def run_paged(self, input_ids: list[list[int]], groups: list[tuple[KVBackend, list[int], list]],
+                  legacy: list[tuple[int, KVStore]], new_pages: list[int], all_logits: bool = False) -> torch.Tensor:
+        """One forward over a step's batch: every row writes ``n`` new tokens and attends to its cache.
+
+        Args:
+            input_ids: (B, n) the new tokens of each row.
+            groups: ``(backend, rows, [(SeqBlocks, Plan), ...])`` per paged backend: the rows it serves and each
+                row's blocks (this step's pages already added) and plan.
+            legacy: ``(row, store)`` for rows with per-sequence stores (their position: the store's length).
+            new_pages: pages handed out for this step (zeroed first).
+            all_logits: logits of every new token (prompt log-probabilities) instead of the last.
+
+        Returns:
+            (B, vocab_size) logits of each row's last token, or (B, n, vocab_size) with ``all_logits``.
+        """
+        batch = len(input_ids)
+        ids = torch.tensor(input_ids, device=self.device)  # (B, n)
+        positions = torch.empty_like(ids)
+        paged, past = [], 0
+        for backend, rows, blocks in groups:
+            meta = StepMeta(self.pool.views[backend.name].layout, blocks, self.device)
+            index = None if rows == list(range(batch)) else torch.tensor(rows, device=self.device)
+            positions[rows if index is None else index] = meta.query_positions
+            paged.append(PagedGroup(backend, self.pool.views[backend.name], meta, index))
+            past = max(past, max(b.tokens for b, _ in blocks))
+        for row, store in legacy:
+            n = store.num_tokens()
+            positions[row] = torch.arange(n, n + ids.shape[1], device=self.device)
+            past = max(past, n)
+        self.pool.zero(new_pages)
+        cache = StepCache(paged, legacy, past, self.num_layers)
+        out = self.model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True,
+                         logits_to_keep=0 if all_logits else 1)
+        return out.logits if all_logits else out.logits[:, -1]
 
     @torch.inference_mode()
     def prefill(self, prompt_ids: list[int], store: KVStore, all_logits: bool = False) -> torch.Tensor:

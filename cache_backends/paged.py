@@ -1,0 +1,488 @@
+"""Paged KV storage shared by every paged backend: what a page holds, a sequence's block tables, one step's
+metadata, and the batched reads of the stored form.
+
+The pool (:class:`cache_backends.pool.KVPool`) is ``num_pages`` pages of ``page_bytes`` bytes. A backend
+describes the per-token *streams* it keeps per layer (:class:`StreamSpec`: K and V for ``full``, the shared
+heads for ``gqa``, a latent for ``mla``, the model's latent and rope key on native MLA) and whether they are
+quantized (``int8`` options). :class:`PageLayout` carves a page into every layer's slab of every stream, in
+one of two *tiers*:
+
+* ``exact`` — ``exact_tokens`` tokens of every stream in the model dtype;
+* ``q`` (quantized backends only) — ``q_tokens`` tokens as int8 codes with their scales and zero points
+  (keys per channel over groups of ``group_size`` tokens, values per token: KIVI, arXiv 2402.02750).
+
+A sequence's tokens are its quantized tokens (``q`` pages, oldest first) followed by its exact tokens
+(``exact`` pages, a FIFO): for a quantized backend the exact tokens are its full-precision residual window;
+once ``residual + group_size`` tokens are exact, the oldest ``group_size`` are quantized into the ``q``
+pages (the rule of :class:`cache_backends.int8.Int8Storage`, so the same tokens form the same groups
+however the prompt was chunked) and exact pages that hold no live token go back to the pool after the
+step. Pages are taken on demand (:meth:`PageLayout.plan`), so a sequence holds only the pages its tokens
+need (PagedAttention, Kwon et al., arXiv 2309.06180).
+
+One step (a prefill chunk of one sequence, or one decode token of many) is described once by a
+:class:`StepMeta` (block tables, lengths, write and quantization slots, the attention mask, every cached
+token's position), built from the tables before the forward; each layer then writes its new tokens with one
+indexed copy per stream, quantizes the drained groups in one batched call, gathers the batch's pages into a
+padded batch (:class:`StreamRead`) and attends in the stored form. No layer loops over sequences.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from cache_backends.int8 import codes_dot, codes_weighted_sum, dequantize_codes, quantize
+
+NULL_PAGE = 0  # zeros, never allocated: pads block tables
+ALIGN = 64  # bytes: every slab of a page starts at a multiple of this
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """One per-token stream a backend stores in every layer: ``(heads, width)`` per token.
+
+    Attributes:
+        heads: heads of the stream (num_key_value_heads for K/V, G for gqa, 1 for a latent).
+        width: channels per head (head_dim, the latent rank, the rope key width).
+        axis: how int8 groups its scales: ``"channel"`` (per channel over token groups: keys, latents) or
+            ``"token"`` (per token and head: values).
+    """
+
+    heads: int
+    width: int
+    axis: str = "channel"
+
+
+@dataclass
+class Slab:
+    """Where one tensor of one layer's stream sits in a page: ``offset`` bytes, ``(units, heads, width)``."""
+
+    offset: int
+    units: int
+    heads: int
+    width: int
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.units * self.heads * self.width * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass
+class SeqBlocks:
+    """One sequence's block tables and lengths (plain Python; the block manager owns the pages).
+
+    Attributes:
+        exact: pages of the exact tier, oldest first.
+        start: index, in ``exact[0]``, of the first live exact token (earlier slots were quantized).
+        exact_len: live exact tokens (tokens).
+        q: pages of the quantized tier, oldest first.
+        q_len: quantized tokens.
+    """
+
+    exact: list[int] = field(default_factory=list)
+    start: int = 0
+    exact_len: int = 0
+    q: list[int] = field(default_factory=list)
+    q_len: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return self.q_len + self.exact_len
+
+    def pages(self) -> list[int]:
+        return self.exact + self.q
+
+
+@dataclass
+class Plan:
+    """What writing ``n`` tokens does to a :class:`SeqBlocks` (see :meth:`PageLayout.plan`)."""
+
+    n: int
+    drained: int  # tokens quantized this step (a multiple of group_size)
+    new_exact_pages: int  # pages to add to the exact tier before the step
+    new_q_pages: int  # pages to add to the quantized tier before the step
+    free_front: int  # exact pages that hold no live token after the step (freed after it)
+
+    @property
+    def pages_needed(self) -> int:
+        return self.new_exact_pages + self.new_q_pages
+
+
+class PageLayout:
+    """How one backend's streams fill a page of ``page_bytes`` bytes.
+
+    Args:
+        streams: the per-token streams of one layer.
+        num_layers: decoder layers (every page holds its tokens for all of them).
+        dtype: the model dtype (exact tokens, scales and zero points).
+        page_bytes: bytes per page.
+        quantize: ``None`` or ``{"group_size": g, "residual": r}`` (int8 tier with a residual window).
+
+    Raises:
+        ValueError: if a page cannot hold one exact token, or one quantization group.
+    """
+
+    def __init__(self, streams: list[StreamSpec], num_layers: int, dtype: torch.dtype, page_bytes: int,
+                 quantize: dict | None = None):
+        self.streams, self.num_layers, self.dtype, self.page_bytes = streams, num_layers, dtype, page_bytes
+        self.quantize = quantize
+        self.exact_tokens = self._fit(lambda t: self.exact_bytes(streams, num_layers, dtype, t), 1)
+        self.exact_slabs = self._slabs_exact(self.exact_tokens)
+        self.q_tokens = 0
+        if quantize:
+            g = quantize["group_size"]
+            self.q_tokens = self._fit(lambda t: self.q_bytes(streams, num_layers, dtype, g, t), g)
+            self.q_slabs = self._slabs_q(self.q_tokens)
+
+    # ---- sizes ----------------------------------------------------------------------------------------
+    @staticmethod
+    def exact_bytes(streams, num_layers: int, dtype: torch.dtype, tokens: int) -> int:
+        """Bytes of a page of ``tokens`` exact tokens (slabs aligned)."""
+        e = torch.empty((), dtype=dtype).element_size()
+        return num_layers * sum(_align(tokens * s.heads * s.width * e) for s in streams)
+
+    @staticmethod
+    def q_bytes(streams, num_layers: int, dtype: torch.dtype, group_size: int, tokens: int) -> int:
+        """Bytes of a page of ``tokens`` int8 tokens (a multiple of ``group_size``) with scales and zeros."""
+        e = torch.empty((), dtype=dtype).element_size()
+        total = 0
+        for s in streams:
+            scales = (tokens // group_size) * s.heads * s.width if s.axis == "channel" else tokens * s.heads
+            total += _align(tokens * s.heads * s.width) + 2 * _align(scales * e)
+        return num_layers * total
+
+    @classmethod
+    def natural_page_bytes(cls, streams, num_layers: int, dtype: torch.dtype, block_size: int,
+                           quantize: dict | None) -> int:
+        """Bytes of one block of ``block_size`` tokens in this backend's stored form (rounded up to whole
+        quantization groups): the page size a pool serving only this backend uses."""
+        if quantize:
+            g = quantize["group_size"]
+            return cls.q_bytes(streams, num_layers, dtype, g, g * -(-block_size // g))
+        return cls.exact_bytes(streams, num_layers, dtype, block_size)
+
+    def _fit(self, size, step: int) -> int:
+        """The most tokens (a multiple of ``step``) whose page fits ``page_bytes``."""
+        if size(step) > self.page_bytes:
+            raise ValueError(f"a KV page of {self.page_bytes} bytes cannot hold {step} token(s) of this backend")
+        lo, hi = 1, max(1, self.page_bytes // step)  # in units of step; size() is monotone
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if size(mid * step) <= self.page_bytes else (lo, mid - 1)
+        return lo * step
+
+    def _slabs_exact(self, tokens: int) -> list[list[Slab]]:
+        off, out = 0, []
+        for _ in range(self.num_layers):
+            row = []
+            for s in self.streams:
+                slab = Slab(off, tokens, s.heads, s.width, self.dtype)
+                row.append(slab)
+                off += _align(slab.nbytes)
+            out.append(row)
+        return out
+
+    def _slabs_q(self, tokens: int) -> list[list[tuple[Slab, Slab, Slab]]]:
+        g = self.quantize["group_size"]
+        off, out = 0, []
+        for _ in range(self.num_layers):
+            row = []
+            for s in self.streams:
+                codes = Slab(off, tokens, s.heads, s.width, torch.int8)
+                off += _align(codes.nbytes)
+                units, width = (tokens // g, s.width) if s.axis == "channel" else (tokens, 1)
+                scale = Slab(off, units, s.heads, width, self.dtype)
+                off += _align(scale.nbytes)
+                zero = Slab(off, units, s.heads, width, self.dtype)
+                off += _align(zero.nbytes)
+                row.append((codes, scale, zero))
+            out.append(row)
+        return out
+
+    def stored_bytes(self, blocks: SeqBlocks) -> int:
+        """Bytes of the tokens ``blocks`` holds in their stored form (what the closed formulas count; the
+        pages it holds are :meth:`SeqBlocks.pages` x ``page_bytes``)."""
+        e = torch.empty((), dtype=self.dtype).element_size()
+        per_exact = sum(s.heads * s.width for s in self.streams) * e
+        total = blocks.exact_len * per_exact
+        if self.quantize and blocks.q_len:
+            g, q = self.quantize["group_size"], blocks.q_len
+            for s in self.streams:
+                scales = (q // g) * s.heads * s.width if s.axis == "channel" else q * s.heads
+                total += q * s.heads * s.width + 2 * scales * e
+        return total * self.num_layers
+
+    # ---- planning (no tensors) ------------------------------------------------------------------------
+    def plan(self, blocks: SeqBlocks, n: int) -> Plan:
+        """What writing ``n`` new tokens into ``blocks`` needs: pages to add, tokens quantized, pages freed."""
+        exact_len = blocks.exact_len + n
+        drained = 0
+        if self.quantize:
+            g, r = self.quantize["group_size"], self.quantize["residual"]
+            drained = max(0, (exact_len - r) // g) * g
+        new_q = blocks.q_len + drained
+        need_exact = math.ceil((blocks.start + exact_len) / self.exact_tokens) - len(blocks.exact)
+        need_q = math.ceil(new_q / self.q_tokens) - len(blocks.q) if drained else 0
+        return Plan(n, drained, max(0, need_exact), max(0, need_q), (blocks.start + drained) // self.exact_tokens)
+
+    def pages_for(self, tokens: int, chunk: int | None = None) -> int:
+        """Pages a fresh sequence holds after writing ``tokens`` tokens in chunks of ``chunk`` (default: at
+        once), counting the transient exact pages of the largest chunk (the admission and fit checks)."""
+        blocks, most = SeqBlocks(), 0
+        left = tokens
+        while left > 0:
+            n = left if not chunk else min(chunk, left)
+            p = self.plan(blocks, n)
+            most = max(most, len(blocks.pages()) + p.pages_needed)
+            self.commit(blocks, p, list(range(p.new_exact_pages)), list(range(p.new_q_pages)))
+            left -= n
+        return max(most, len(blocks.pages()))
+
+    def commit(self, blocks: SeqBlocks, plan: Plan, exact_pages: list[int], q_pages: list[int]) -> list[int]:
+        """Apply ``plan`` to ``blocks`` (the step ran); return the exact pages to free now."""
+        blocks.exact.extend(exact_pages)
+        blocks.q.extend(q_pages)
+        blocks.q_len += plan.drained
+        blocks.exact_len += plan.n - plan.drained
+        start = blocks.start + plan.drained
+        freed = blocks.exact[: plan.free_front]
+        del blocks.exact[: plan.free_front]
+        blocks.start = start - plan.free_front * self.exact_tokens
+        return freed
+
+
+class PoolViews:
+    """Typed views of one backend's slabs into the pool's byte arena (no copies).
+
+    Attributes:
+        exact: ``exact[layer][stream]`` (num_pages, exact_tokens, heads, width), model dtype.
+        q: ``q[layer][stream]`` = (codes, scale, zero) views, (num_pages, units, heads, width) each.
+    """
+
+    def __init__(self, arena: torch.Tensor, layout: PageLayout):
+        def view(slab: Slab) -> torch.Tensor:
+            typed = arena.view(slab.dtype)  # (num_pages, page_bytes / element_size)
+            e = arena.shape[1] // typed.shape[1]
+            n = slab.units * slab.heads * slab.width
+            return typed[:, slab.offset // e : slab.offset // e + n].view(-1, slab.units, slab.heads, slab.width)
+
+        self.layout = layout
+        self.exact = [[view(s) for s in row] for row in layout.exact_slabs]
+        self.q = [[tuple(view(s) for s in parts) for parts in row] for row in layout.q_slabs] if layout.quantize \
+            else None
+
+
+def _pad_table(tables: list[list[int]]) -> list[list[int]]:
+    width = max((len(t) for t in tables), default=0)
+    return [t + [NULL_PAGE] * (width - len(t)) for t in tables]
+
+
+class StepMeta:
+    """One step's metadata for the sequences of one backend, built once and read by every layer.
+
+    Args:
+        layout: the backend's page layout.
+        rows: each sequence's blocks (pages for this step already added) and its plan, in batch order.
+        device: where the index tensors go.
+
+    Attributes (tensors, B = sequences, n = new tokens per sequence):
+        write_pages, write_slots: (B * n,) exact page and slot of each new token, row-major.
+        drain_*: exact source and quantized destination slots of the tokens quantized this step.
+        exact_table (B, Pe) and q_table (B, Pq): page tables, padded with the null page.
+        positions: (B, Tq + Te) position of every gathered token (q pages first, then exact pages).
+        query_positions: (B, n) positions of the new tokens.
+        mask: (B, n, Tq + Te) bool, True where a new token attends to a cached token (causal, live only).
+    """
+
+    def __init__(self, layout: PageLayout, rows: list[tuple[SeqBlocks, Plan]], device):
+        te, tq = layout.exact_tokens, layout.q_tokens
+        n = rows[0][1].n
+        wp, ws, sp, ss, dp, ds, gp, gs = ([] for _ in range(8))
+        qpos, q_lens, starts, e_lens = [], [], [], []
+        g = layout.quantize["group_size"] if layout.quantize else 0
+        for blocks, plan in rows:
+            if plan.n != n:
+                raise ValueError("every sequence of a step writes the same number of tokens")
+            base = blocks.start + blocks.exact_len
+            for j in range(n):
+                wp.append(blocks.exact[(base + j) // te])
+                ws.append((base + j) % te)
+            for j in range(plan.drained):
+                sp.append(blocks.exact[(blocks.start + j) // te])
+                ss.append((blocks.start + j) % te)
+                t = blocks.q_len + j
+                dp.append(blocks.q[t // tq])
+                ds.append(t % tq)
+                if j % g == 0:
+                    gp.append(blocks.q[t // tq])
+                    gs.append((t % tq) // g)
+            qpos.append([blocks.tokens + j for j in range(n)])
+            q_lens.append(blocks.q_len + plan.drained)
+            starts.append(blocks.start + plan.drained)
+            e_lens.append(blocks.exact_len + n - plan.drained)
+        as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+        self.n, self.batch = n, len(rows)
+        self.write_pages, self.write_slots = as_long(wp), as_long(ws)
+        self.drained = len(sp)
+        self.drain_groups = len(gp)
+        if self.drained:
+            self.drain_src = (as_long(sp), as_long(ss))
+            self.drain_dst = (as_long(dp), as_long(ds))
+            self.drain_grp = (as_long(gp), as_long(gs))
+        self.exact_table = as_long(_pad_table([b.exact for b, _ in rows]))
+        q_tables = _pad_table([b.q for b, _ in rows]) if layout.quantize else [[] for _ in rows]
+        self.q_table = as_long(q_tables)
+        t_q, t_e = self.q_table.shape[1] * tq, self.exact_table.shape[1] * te
+        q_len, start, e_len = as_long(q_lens), as_long(starts), as_long(e_lens)
+        iq, ie = torch.arange(t_q, device=device), torch.arange(t_e, device=device)
+        pos_q = iq.expand(len(rows), t_q)
+        pos_e = q_len[:, None] + ie[None] - start[:, None]
+        self.positions = torch.cat([pos_q, pos_e], dim=1)  # (B, Tq + Te)
+        live = torch.cat([iq[None] < q_len[:, None], (ie[None] >= start[:, None]) & (pos_e < (q_len + e_len)[:, None])],
+                         dim=1)
+        self.query_positions = as_long(qpos)  # (B, n)
+        self.mask = live[:, None, :] & (self.positions[:, None, :] <= self.query_positions[:, :, None])
+        self.q_width = t_q
+
+
+class StreamRead:
+    """One layer's stream for a step's batch, gathered from the pool into a padded batch (stored form).
+
+    Attributes:
+        exact: (B, heads, Te, width) in the model dtype.
+        codes, scale, zero: the quantized tier (B, heads, Tq, width) int8 and its scales, or ``None``.
+    """
+
+    def __init__(self, exact: torch.Tensor, q: tuple | None, axis: str, group_size: int):
+        self.exact = exact
+        self.codes, self.scale, self.zero = q if q is not None else (None, None, None)
+        self.axis, self.group_size = axis, group_size
+
+    def dot(self, query: torch.Tensor) -> torch.Tensor:
+        """Scores of every gathered token against ``query`` (B, heads, R, width) → (B, heads, R, Tq + Te)."""
+        exact = query @ self.exact.transpose(-1, -2)
+        if self.codes is None or self.codes.shape[-2] == 0:
+            return exact
+        quant = codes_dot(query, self.codes, self.scale, self.zero, self.axis, self.group_size)
+        return torch.cat([quant, exact], dim=-1)
+
+    def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
+        """``weights`` (B, heads, R, Tq + Te) times every gathered token → (B, heads, R, width)."""
+        if self.codes is None or self.codes.shape[-2] == 0:
+            return weights @ self.exact
+        tq = self.codes.shape[-2]
+        return (codes_weighted_sum(weights[..., :tq], self.codes, self.scale, self.zero, self.axis, self.group_size)
+                + weights[..., tq:] @ self.exact)
+
+    def read(self) -> torch.Tensor:
+        """Every gathered token dequantized, (B, heads, Tq + Te, width) (transient)."""
+        if self.codes is None or self.codes.shape[-2] == 0:
+            return self.exact
+        old = dequantize_codes(self.codes, self.scale, self.zero, self.axis, self.group_size)
+        return torch.cat([old, self.exact], dim=-2)
+
+
+def _gather(view: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """(num_pages, units, heads, width) pages at ``table`` (B, P) → (B, heads, P * units, width)."""
+    b, p = table.shape
+    _, units, h, w = view.shape
+    return view[table].reshape(b, p * units, h, w).transpose(1, 2)
+
+
+def write_layer(views: PoolViews, layer: int, meta: StepMeta, new: list[torch.Tensor]) -> None:
+    """Write one layer's new tokens of every stream, then quantize the groups this step drains.
+
+    Args:
+        new: per stream, (B, heads, n, width) in batch order.
+    """
+    layout = views.layout
+    for s, x in enumerate(new):
+        pool = views.exact[layer][s]
+        pool[meta.write_pages, meta.write_slots] = x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[-1]).to(pool.dtype)
+    if not meta.drained:
+        return
+    g = layout.quantize["group_size"]
+    for s, spec in enumerate(layout.streams):
+        src = views.exact[layer][s][meta.drain_src]  # (N, heads, width), N = groups * g
+        codes_v, scale_v, zero_v = views.q[layer][s]
+        if spec.axis == "channel":
+            grouped = src.reshape(-1, g, spec.heads, spec.width)
+            q, scale, zero = quantize(grouped, dim=1)  # per group, head and channel
+            codes_v[meta.drain_dst] = q.reshape(src.shape)
+            scale_v[meta.drain_grp] = scale[:, 0]
+            zero_v[meta.drain_grp] = zero[:, 0]
+        else:
+            q, scale, zero = quantize(src, dim=-1)  # per token and head
+            codes_v[meta.drain_dst] = q
+            scale_v[meta.drain_dst] = scale
+            zero_v[meta.drain_dst] = zero
+
+
+def read_layer(views: PoolViews, layer: int, meta: StepMeta) -> list[StreamRead]:
+    """Every stream of ``layer`` for the step's batch, gathered in its stored form."""
+    layout = views.layout
+    g = layout.quantize["group_size"] if layout.quantize else 0
+    out = []
+    for s, spec in enumerate(layout.streams):
+        exact = _gather(views.exact[layer][s], meta.exact_table)
+        q = None
+        if layout.quantize and meta.q_width:
+            q = tuple(_gather(v, meta.q_table) for v in views.q[layer][s])
+        out.append(StreamRead(exact, q, spec.axis, g))
+    return out
+
+
+def masked_softmax(scores: torch.Tensor, mask: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Softmax of ``scores * scaling`` over the last axis where ``mask`` is True (0 elsewhere)."""
+    return torch.softmax((scores * scaling).masked_fill(~mask, float("-inf")), dim=-1)
+
+
+def grouped_rows(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """(B, Hq, R, d) queries → (B, kv_heads, rep * R, d): each K/V head's query heads together."""
+    b, hq, r, d = query.shape
+    return query.reshape(b, kv_heads, (hq // kv_heads) * r, d)
+
+
+def ungroup_rows(out: torch.Tensor, hq: int) -> torch.Tensor:
+    """Inverse of :func:`grouped_rows`: (B, kv_heads, rep * R, d) → (B, Hq, R, d)."""
+    b, h, rows, d = out.shape
+    return out.reshape(b, hq, rows * h // hq, d)
+
+
+def group_mask(mask: torch.Tensor, rep: int) -> torch.Tensor:
+    """(B, R, T) step mask → (B, 1, rep * R, T), rows ordered as :func:`grouped_rows` orders them."""
+    b, r, t = mask.shape
+    return mask[:, None].expand(b, rep, r, t).reshape(b, 1, rep * r, t)
+
+
+def attend_pair(query: torch.Tensor, keys: StreamRead, values: StreamRead, meta: StepMeta,
+                scaling: float) -> torch.Tensor:
+    """Attention of a step's queries over a key stream and a value stream in their stored form.
+
+    Exact streams go through ``scaled_dot_product_attention`` with the step's mask; int8 tiers are scored on
+    their codes (scales folded into the query and the weights; no dequantized copy of the context).
+
+    Args:
+        query: (B, Hq, R, d) after RoPE; Hq a multiple of the streams' heads H.
+
+    Returns:
+        (B, Hq, R, dv).
+    """
+    hq, h = query.shape[1], keys.exact.shape[1]
+    rep = hq // h
+    q = grouped_rows(query, h)  # (B, H, rep * R, d)
+    mask = group_mask(meta.mask, rep)
+    if keys.codes is None and values.codes is None:
+        out = torch.nn.functional.scaled_dot_product_attention(q, keys.exact, values.exact, attn_mask=mask,
+                                                               scale=scaling)
+    else:
+        probs = masked_softmax(keys.dot(q), mask, scaling)
+        out = values.weighted_sum(probs)
+    return ungroup_rows(out, hq)
