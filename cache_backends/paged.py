@@ -233,22 +233,27 @@ class PageLayout:
         return Plan(n, drained, max(0, need_exact), max(0, need_q), (blocks.start + drained) // self.exact_tokens)
 
     def pages_for(self, tokens: int, chunk: int | None = None) -> int:
-        """Pages a fresh sequence holds after writing ``tokens`` tokens in chunks of ``chunk`` (default: at
-        once), counting the transient exact pages of the largest chunk (the admission and fit checks)."""
-        blocks, most = SeqBlocks(), 0
-        left = tokens
+        """Pages a fresh sequence needs to write ``tokens`` tokens in chunks of ``chunk`` (default: at once): the
+        most it holds at any moment, the transient exact pages of a chunk included (admission and fit checks)."""
+        blocks, most, left = SeqBlocks(), 0, tokens
         while left > 0:
             n = left if not chunk else min(chunk, left)
             p = self.plan(blocks, n)
-            most = max(most, len(blocks.pages()) + p.pages_needed)
-            self.commit(blocks, p, list(range(p.new_exact_pages)), list(range(p.new_q_pages)))
+            self.extend(blocks, p, [NULL_PAGE] * p.new_exact_pages, [NULL_PAGE] * p.new_q_pages)
+            most = max(most, len(blocks.pages()))
+            self.commit(blocks, p)
             left -= n
-        return max(most, len(blocks.pages()))
+        return most
 
-    def commit(self, blocks: SeqBlocks, plan: Plan, exact_pages: list[int], q_pages: list[int]) -> list[int]:
-        """Apply ``plan`` to ``blocks`` (the step ran); return the exact pages to free now."""
+    @staticmethod
+    def extend(blocks: SeqBlocks, plan: Plan, exact_pages: list[int], q_pages: list[int]) -> None:
+        """Add the pages ``plan`` asked for to ``blocks`` (before the step runs)."""
         blocks.exact.extend(exact_pages)
         blocks.q.extend(q_pages)
+
+    def commit(self, blocks: SeqBlocks, plan: Plan) -> list[int]:
+        """Apply ``plan`` to ``blocks`` once the step ran; return the exact pages no live token uses any more
+        (the caller frees them)."""
         blocks.q_len += plan.drained
         blocks.exact_len += plan.n - plan.drained
         start = blocks.start + plan.drained

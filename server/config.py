@@ -57,8 +57,11 @@ class Settings(BaseSettings):
     max_input_tokens: int | None = Field(None, ge=1, description="Default: MAX_TOTAL_TOKENS - 1.")
     max_total_tokens: int | None = Field(None, ge=2, description="Default: the model's max_position_embeddings.")
     max_stop_sequences: int = Field(4, ge=0)
-    kv_cache_budget_bytes: int | None = Field(None, ge=1, description="Cap on the KV bytes held (admission "
-                                              "reserves each request's exact upper bound).")
+    kv_cache_budget_bytes: int | None = Field(None, ge=1, description="Bytes of the KV pool, preallocated at "
+                                              "start-up (default: MAX_BATCH_SIZE x MAX_TOTAL_TOKENS of full "
+                                              "precision, at most 25% of the memory free at start-up).")
+    kv_block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block (int8-family backends: rounded "
+                               "up to whole quantization groups).")
     max_num_batched_tokens: int = Field(256, ge=0, description="Tokens one engine step processes: each decoding "
                                         "sequence's one, prompt chunks the rest (chunked prefill); 0 prefills "
                                         "whole prompts.")

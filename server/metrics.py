@@ -74,6 +74,10 @@ class Metrics:
         self.kv_bytes_per_token = Gauge("kvserve_kv_cache_bytes_per_token",
                                         "KV-cache bytes / cached tokens over the live sequences (all layers); "
                                         "updated every step while any sequence is live.", LABELS, registry=r)
+        self.preemptions = Counter("kvserve_num_preemptions", "Sequences preempted because the KV pool had no free "
+                                   "block (their KV freed, recomputed when readmitted).", LABELS, registry=r)
+        self.kv_usage = Gauge("kvserve_kv_cache_usage_perc", "KV-cache usage: blocks in use / blocks in the pool, "
+                              "0-1 (vLLM's kv_cache_usage_perc).", ("model",), registry=r)
         self.dca_reuse_layers = Gauge("kvserve_dca_reuse_layers",
                                       "dca: layers currently reusing another layer's K/V, summed over live sequences.",
                                       LABELS, registry=r)
@@ -97,7 +101,7 @@ class Recorder:
         for b in backends:  # every series exists from the start, so dashboards and rates see zeros, not gaps
             for gauge in (metrics.running, metrics.waiting, metrics.kv_bytes, metrics.kv_used_bytes, metrics.kv_tokens):
                 gauge.labels(model, b).set(0)
-            for counter in (metrics.prompt_tokens, metrics.generation_tokens):
+            for counter in (metrics.prompt_tokens, metrics.generation_tokens, metrics.preemptions):
                 counter.labels(model, b)
             for reason in ("length", "eos_token", "stop_sequence", "cancelled", "error"):
                 metrics.requests.labels(model, b, reason)
@@ -105,8 +109,13 @@ class Recorder:
                 metrics.dca_reuse_layers.labels(model, b).set(0)
                 metrics.dca_fallbacks.labels(model, b)
 
+        metrics.kv_usage.labels(model).set(0)
+
     def _l(self, backend: str) -> dict[str, str]:
         return {"model": self.model, "backend": backend}
+
+    def preempted(self, seq) -> None:
+        self.m.preemptions.labels(**self._l(seq.backend_name)).inc()
 
     def prefill_done(self, seq) -> None:
         labels = self._l(seq.backend_name)
@@ -134,14 +143,17 @@ class Recorder:
             for a, b in zip(t.token_times, t.token_times[1:]):
                 itl.observe(b - a)
 
-    def step_state(self, running: list, waiting: dict[str, int] | None) -> None:
+    def step_state(self, running: list, waiting: dict[str, int] | None, usage: float | None = None) -> None:
         """Update the live gauges (after every engine step, and when a sequence finishes).
 
         Args:
             running: the running sequences.
             waiting: queued request counts by backend name, or ``None`` to leave the queue gauges as
                 they are.
+            usage: the pool's blocks in use / blocks, 0-1, or ``None`` to leave it.
         """
+        if usage is not None:
+            self.m.kv_usage.labels(self.model).set(usage)
         per_backend: dict[str, list[int]] = {b: [0, 0, 0, 0, 0] for b in self.backends}
         for seq in running:
             if seq.store is None:

@@ -13,8 +13,7 @@ from cache_backends.spec import format_spec
 from server import __version__
 from server.config import Settings
 from server.engine.engine import Engine
-from server.engine.runner import ModelRunner
-from server.engine.scheduler import Scheduler
+from server.engine.setup import build_engine
 from server.metrics import Metrics, Recorder
 from server.model_loading import load_model, resolve_device, resolve_dtype
 from server.service import GenerationService, Limits
@@ -84,10 +83,10 @@ class ServerState:
         eos = model.generation_config.eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [tokenizer.eos_token_id])
         recorder = Recorder(self.metrics, self.model_name, names)
-        engine = Engine(ModelRunner(model, geometry.num_layers), self.backends, tokenizer, eos_ids,
-                        Scheduler(s.max_batch_size, s.kv_cache_budget_bytes,
-                                  {n: b.reserved_bytes for n, b in self.backends.items()}, s.max_num_batched_tokens or None),
-                        s.max_concurrent_requests, recorder)
+        engine = build_engine(model, tokenizer, self.backends, eos_ids, max_batch_size=s.max_batch_size,
+                              budget_bytes=s.kv_cache_budget_bytes, max_total_tokens=max_total,
+                              block_size=s.kv_block_size, prefill_chunk_tokens=s.max_num_batched_tokens or None,
+                              max_concurrent_requests=s.max_concurrent_requests, recorder=recorder)
         engine.start()
         self.engine = engine
         self.info = {
@@ -102,7 +101,7 @@ class ServerState:
             "max_input_tokens": max_input, "max_total_tokens": max_total,
             "max_stop_sequences": s.max_stop_sequences, "max_batch_size": s.max_batch_size,
             "max_concurrent_requests": s.max_concurrent_requests,
-            "kv_cache_budget_bytes": s.kv_cache_budget_bytes, "version": __version__,
+            "kv_cache_budget_bytes": s.kv_cache_budget_bytes, **engine.kv.info(), "version": __version__,
         }
         self.service = GenerationService(engine, tokenizer, limits, s.kv_backend)
 

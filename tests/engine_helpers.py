@@ -7,21 +7,21 @@ import torch
 from cache_backends import ModelGeometry, create
 from cache_backends.calibration import calibration_ids
 from server.engine.engine import Engine
-from server.engine.runner import ModelRunner
 from server.engine.sampling import SamplingParams
-from server.engine.scheduler import Scheduler
 from server.engine.sequence import Sequence
+from server.engine.setup import build_engine
 
 
 def make_engine(model, tokenizer, backend: str = "full", max_batch_size: int = 8, budget=None,
-                prefill_chunk_tokens: int | None = 256, **options):
+                prefill_chunk_tokens: int | None = 256, block_size: int = 16, **options):
     geometry = ModelGeometry.from_config(model.config, next(model.parameters()).dtype)
     be = create(backend, geometry, **options)
     be.prepare(model, calibration_ids(model, tokenizer, max_tokens=4096))  # tests: a short calibration slice
     eos = model.generation_config.eos_token_id
-    return Engine(ModelRunner(model, geometry.num_layers), {backend: be}, tokenizer,
-                  set(eos if isinstance(eos, list) else [eos]),
-                  Scheduler(max_batch_size, budget, {backend: be.reserved_bytes}, prefill_chunk_tokens), 1000)
+    return build_engine(model, tokenizer, {backend: be}, set(eos if isinstance(eos, list) else [eos]),
+                        max_batch_size=max_batch_size, budget_bytes=budget,
+                        max_total_tokens=model.config.max_position_embeddings, block_size=block_size,
+                        prefill_chunk_tokens=prefill_chunk_tokens, max_concurrent_requests=1000)
 
 
 def make_seq(tokenizer, prompt: str, max_new_tokens: int, backend: str = "full", params: SamplingParams = None,

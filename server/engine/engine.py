@@ -70,6 +70,7 @@ class Engine:
         self.eos_token_ids = eos_token_ids
         self.special_ids = set(tokenizer.all_special_ids) | eos_token_ids
         self.scheduler = scheduler
+        self.kv = scheduler.kv
         self.max_concurrent_requests = max_concurrent_requests
         self.recorder = recorder
         self.waiting: deque[Sequence] = deque()
@@ -88,8 +89,10 @@ class Engine:
             ValueError: when the sequence could never fit the KV budget.
         """
         if not self.scheduler.fits_alone(seq):
-            raise ValueError(f"request needs {self.scheduler.reserved_bytes(seq):.0f} KV bytes, more than "
-                             f"KV_CACHE_BUDGET_BYTES={self.scheduler.kv_budget_bytes}")
+            need = self.kv.pages_for(seq, len(seq.prompt_ids) + seq.max_new_tokens)
+            raise ValueError(f"request needs {need} KV blocks ({need * self.kv.page_bytes} bytes) for "
+                             f"{len(seq.prompt_ids) + seq.max_new_tokens} tokens; the KV pool has "
+                             f"{self.kv.blocks.usable_pages} (KV_CACHE_BUDGET_BYTES)")
         with self._lock:
             if len(self.waiting) + len(self.running) >= self.max_concurrent_requests:
                 raise Overloaded(f"{self.max_concurrent_requests} requests are already queued or running")
@@ -133,7 +136,7 @@ class Engine:
     # ---- one step -------------------------------------------------------------------------------
     def step(self) -> None:
         """Drop cancelled sequences, admit new ones, prefill up to the step's token budget (whole prompts
-        or chunks of them), then decode every sequence whose prompt is in its cache, once, as a batch."""
+        or chunks of them), then decode every sequence whose context is cached, once, as a batch."""
         with self._lock:
             for seq in [s for s in self.waiting if s.cancelled]:
                 self.waiting.remove(seq)
@@ -143,12 +146,11 @@ class Engine:
             self._finish(seq, FinishReason.CANCELLED)
         for seq in admitted:
             self._start(seq)
-        decoding = sum(1 for s in self.running if s.prefilled == len(s.prompt_ids))
-        prefilled = self._prefill_step(decoding)
+        prefilled = self._prefill_step(sum(1 for s in self.running if s.decoding))
         # Measured after prefill too: an int8-family store can be at its largest right after prefill,
         # and shrink in the same step's decode when its residual window drains.
         self._measure([s for s in prefilled if s.store is not None])
-        batch = [s for s in self.running if s.finish_reason is None and s.prefilled == len(s.prompt_ids)]
+        batch = [s for s in self.running if s.finish_reason is None and s.decoding]
         if batch:
             self._decode(batch)
         self._measure(self.running)
@@ -157,21 +159,50 @@ class Engine:
     @staticmethod
     def _measure(seqs: list[Sequence]) -> None:
         """Record each store's bytes now (once per sequence per step) and keep the largest seen: the bytes
-        of the cached tokens (``kv_bytes``) and the bytes allocated, free capacity included (``kv_allocated``)."""
+        of the cached tokens (``kv_bytes``) and the bytes of the pages it holds (``kv_allocated``)."""
         for seq in seqs:
             seq.kv_bytes = seq.store.nbytes()
             seq.kv_allocated = seq.store.allocated_bytes()
             seq.peak_kv_bytes = max(seq.peak_kv_bytes, seq.kv_bytes)
 
     def _start(self, seq: Sequence) -> None:
-        """Give an admitted sequence its KV store (capped at its reservation), generator and detokenizer."""
-        seq.store = self.backends[seq.backend_name].new_store()
-        seq.store.reserve(self.scheduler.token_budget(seq))
-        seq.detok = IncrementalDetokenizer(self.tokenizer, seq.stop, self.special_ids)
+        """Give an admitted sequence its pages (per-sequence stores: a store capped at its reservation), and on
+        its first admission its detokenizer."""
+        self.kv.start(seq)
+        if not self.kv.paged(seq):
+            seq.store = self.backends[seq.backend_name].new_store()
+            seq.store.reserve(len(seq.prompt_ids) + seq.max_new_tokens)
+        if seq.detok is None:
+            seq.detok = IncrementalDetokenizer(self.tokenizer, seq.stop, self.special_ids)
         self.running.append(seq)
 
+    def _preempt(self, seq: Sequence) -> None:
+        """Free every page of ``seq`` and put it back at the head of the queue; it recomputes its context
+        (prompt and generated tokens) when readmitted, and its client sees one uninterrupted stream."""
+        self.running.remove(seq)
+        self._drop_kv(seq)
+        seq.prefilled = 0
+        seq.preemptions += 1
+        with self._lock:
+            self.waiting.appendleft(seq)
+        if self.recorder:
+            self.recorder.preempted(seq)
+        log.info("preempted %s (%d tokens) to free KV pages", seq.request_id, seq.total_tokens)
+
+    def _reserve(self, seq: Sequence, n: int):
+        """Pages for ``n`` more tokens of ``seq``, preempting the most recently admitted sequences while none are
+        free; ``None`` when ``seq`` itself had to be preempted."""
+        while True:
+            res = self.kv.reserve(seq, n)
+            if res is not None:
+                return res
+            victim = self.scheduler.victim(self.running)
+            self._preempt(victim)
+            if victim is seq:
+                return None
+
     def _prefill_step(self, decoding: int) -> list[Sequence]:
-        """Prefill waiting prompts in arrival order within this step's token budget; return those written to.
+        """Prefill running contexts in admission order within this step's token budget; return those written to.
 
         The budget is ``prefill_chunk_tokens`` less the ``decoding`` sequences' one token each (at least
         :data:`MIN_PREFILL_CHUNK`): a long prompt is written over several steps, each followed by a decode
@@ -182,29 +213,43 @@ class Engine:
         chunk = self.scheduler.prefill_chunk_tokens
         budget = None if not chunk else max(MIN_PREFILL_CHUNK, chunk - decoding)
         done: list[Sequence] = []
-        for seq in [s for s in self.running if s.prefilled < len(s.prompt_ids)]:
+        for seq in [s for s in self.running if s.prefilled < len(s.context_ids)]:
             if budget is not None and budget <= 0:
                 break
-            done.append(seq)
-            left = len(seq.prompt_ids) - seq.prefilled
-            whole = budget is None or seq.want_prompt_logprobs or not seq.store.supports_chunked_prefill
+            if seq not in self.running:  # preempted by an earlier prefill of this step
+                continue
+            left = len(seq.context_ids) - seq.prefilled
+            logprobs = seq.want_prompt_logprobs and not seq.output_ids
+            chunkable = self.kv.paged(seq) or seq.store.supports_chunked_prefill
+            whole = budget is None or logprobs or not chunkable
             n = left if whole else min(left, budget)
+            res = self._reserve(seq, n)
+            if res is None:
+                continue
+            done.append(seq)
             if budget is not None:
                 budget -= n
-            self._prefill(seq, n)
+            self._prefill(seq, n, res, logprobs)
         return done
 
-    def _prefill(self, seq: Sequence, n: int) -> None:
-        """Write the next ``n`` prompt tokens of ``seq`` into its store; after the last, sample its first token."""
+    def _prefill(self, seq: Sequence, n: int, res, logprobs: bool) -> None:
+        """Write the next ``n`` context tokens of ``seq``; after the last, sample its first token (a sequence
+        readmitted after a preemption goes on decoding its newest token instead)."""
         if seq.times.prefill_start is None:
             seq.times.prefill_start = time.perf_counter()
         try:
-            chunk = seq.prompt_ids[seq.prefilled : seq.prefilled + n]
-            logits = self.runner.prefill(chunk, seq.store, all_logits=seq.want_prompt_logprobs)
+            chunk = seq.context_ids[seq.prefilled : seq.prefilled + n]
+            if self.kv.paged(seq):
+                logits = self.runner.run_paged([chunk], [(self.backends[seq.backend_name], [0], [(seq.blocks, res.plan)])],
+                                               [], res.pages, all_logits=logprobs)
+                logits = logits[0] if logprobs else logits  # (n, vocab_size) or (1, vocab_size)
+                self.kv.commit(seq, res)
+            else:
+                logits = self.runner.prefill(chunk, seq.store, all_logits=logprobs)
             seq.prefilled += n
-            if seq.prefilled < len(seq.prompt_ids):
+            if seq.prefilled < len(seq.context_ids) or seq.output_ids:
                 return
-            if seq.want_prompt_logprobs:
+            if logprobs:
                 seq.prompt_logprobs, seq.prompt_top_logprobs = prompt_logprobs(logits, seq.prompt_ids,
                                                                                seq.params.top_n)
             logits = logits[-1:]
@@ -217,14 +262,56 @@ class Engine:
         self._accept_batch([seq], logits)
 
     def _decode(self, batch: list[Sequence]) -> None:
+        """One decode step for ``batch``: a page for each sequence whose block fills (preempting the newest
+        sequences while none is free), one forward for every paged and in-place row, then sampling."""
+        reserved = {}
+        for seq in list(batch):
+            if seq not in self.running:
+                continue
+            res = self._reserve(seq, 1)
+            if res is not None:
+                reserved[id(seq)] = res
+        batch = [s for s in batch if s in self.running]
+        if not batch:
+            return
         try:
-            logits = self.runner.decode([s.output_ids[-1] for s in batch], [s.store for s in batch])
+            logits = self._run_decode(batch, reserved)
         except Exception as exc:  # noqa: BLE001
             log.exception("decode step failed")
             for seq in batch:
                 self._finish(seq, FinishReason.ERROR, error=f"decode failed: {exc}")
             return
+        for seq in batch:
+            self.kv.commit(seq, reserved[id(seq)])
+            seq.prefilled += 1
         self._accept_batch(batch, logits)
+
+    def _run_decode(self, batch: list[Sequence], reserved: dict) -> torch.Tensor:
+        """(batch, vocab_size) logits: paged rows and in-place per-sequence stores in one forward; stores that
+        return rebuilt K/V (``full`` on a native-MLA model) in a second, padded one."""
+        groups: dict[str, tuple[list[int], list]] = {}
+        legacy, padded, pages = [], [], []
+        for row, seq in enumerate(batch):
+            if self.kv.paged(seq):
+                rows, blocks = groups.setdefault(seq.backend_name, ([], []))
+                rows.append(row)
+                blocks.append((seq.blocks, reserved[id(seq)].plan))
+                pages += reserved[id(seq)].pages
+            elif seq.store.in_place:
+                legacy.append((row, seq.store))
+            else:
+                padded.append(row)
+        last = [[s.output_ids[-1]] for s in batch]
+        logits = None
+        if groups or legacy:
+            logits = self.runner.run_paged(
+                last, [(self.backends[name], rows, blocks) for name, (rows, blocks) in groups.items()], legacy, pages)
+        if padded:
+            out = self.runner.decode([batch[r].output_ids[-1] for r in padded], [batch[r].store for r in padded])
+            if logits is None:
+                return out
+            logits[padded] = out
+        return logits
 
     def _accept_batch(self, batch: list[Sequence], logits: torch.Tensor) -> None:
         """Sample one token for every sequence of ``batch`` from ``logits`` (batch, vocab_size) in one
@@ -294,9 +381,7 @@ class Engine:
         if seq.store is not None:
             seq.peak_kv_bytes = max(seq.peak_kv_bytes, seq.store.nbytes())
             seq.kv_stats = seq.store.stats()
-            seq.store.release()
-            seq.store = None
-            seq.kv_bytes = seq.kv_allocated = 0
+        self._drop_kv(seq)
         if self.recorder:
             self.recorder.request_done(seq)
         if was_running:
@@ -313,6 +398,14 @@ class Engine:
         last.generated_text = seq.detok.generated_text() if seq.detok else ""
         seq.emit(last)
 
+    def _drop_kv(self, seq: Sequence) -> None:
+        """Free ``seq``'s pages and store now."""
+        if seq.store is not None:
+            seq.store.release()
+            seq.store = None
+        self.kv.release(seq)
+        seq.kv_bytes = seq.kv_allocated = 0
+
     def _report(self, queue: bool = True) -> None:
         """Refresh the live gauges from the running batch and, with ``queue``, the queue lengths
         (which takes ``self._lock``: the caller must not hold it then)."""
@@ -324,12 +417,12 @@ class Engine:
             with self._lock:
                 for seq in self.waiting:
                     waiting[seq.backend_name] = waiting.get(seq.backend_name, 0) + 1
-        self.recorder.step_state(self.running, waiting)
+        self.recorder.step_state(self.running, waiting, self.kv.usage())
 
     # ---- introspection --------------------------------------------------------------------------
     def kv_bytes(self) -> int:
-        """Bytes allocated by every live sequence's KV store (capacity included: the memory held)."""
-        return sum(s.store.allocated_bytes() for s in list(self.running) if s.store is not None)
+        """Bytes of the pool's pages in use (the KV memory held, per-sequence stores' reservations included)."""
+        return self.kv.used_bytes()
 
     def kv_used_bytes(self) -> int:
         """Bytes of the cached tokens of every live sequence (<= :meth:`kv_bytes`)."""

@@ -276,7 +276,8 @@ class ModelRunner:
             n = store.num_tokens()
             positions[row] = torch.arange(n, n + ids.shape[1], device=self.device)
             past = max(past, n)
-        self.pool.zero(new_pages)
+        if self.pool is not None:
+            self.pool.zero(new_pages)
         cache = StepCache(paged, legacy, past, self.num_layers)
         out = self.model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True,
                          logits_to_keep=0 if all_logits else 1)

@@ -93,10 +93,24 @@ class Sequence:
     kv_allocated: int = 0  # bytes its KV store had allocated (capacity included) at that measurement
     peak_kv_bytes: int = 0  # the largest of those measurements (int8-family stores shrink when they drain)
     kv_stats: dict = field(default_factory=dict)
-    prefilled: int = 0  # prompt tokens already written to the store (chunked prefill)
+    prefilled: int = 0  # tokens of context_ids written to the KV cache (chunked prefill; decode adds one a step)
+    blocks: Any = None  # cache_backends.paged.SeqBlocks: its block tables, while it holds pool pages
+    kv_pages: list[int] = field(default_factory=list)  # pages charged to a per-sequence store
+    preemptions: int = 0  # times the engine preempted it (its KV freed, recomputed at readmission)
     want_prompt_logprobs: bool = False
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+
+    @property
+    def context_ids(self) -> list[int]:
+        """Tokens whose KV must be cached before the next decode step: the prompt and every generated token but
+        the newest (the next step's input). A preempted sequence recomputes exactly these when readmitted."""
+        return self.prompt_ids + self.output_ids[:-1] if self.output_ids else self.prompt_ids
+
+    @property
+    def decoding(self) -> bool:
+        """Its context is cached and it has a token to decode next."""
+        return bool(self.output_ids) and self.prefilled == len(self.context_ids)
 
     @property
     def total_tokens(self) -> int:

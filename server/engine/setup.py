@@ -1,0 +1,65 @@
+"""Building an engine: the pool's page size and pages from the KV budget, the runner, the scheduler."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from cache_backends.base import KVBackend
+from cache_backends.pool import KVPool
+from server.engine.engine import Engine
+from server.engine.kv_cache import KVCacheManager, page_layouts
+from server.engine.runner import ModelRunner
+from server.engine.scheduler import Scheduler
+
+DEFAULT_BLOCK_SIZE = 16  # tokens per block (vLLM's default)
+MEMORY_FRACTION = 0.25  # of the memory free at start-up, the most an unset KV budget takes
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Bytes free on ``device`` now (CUDA: ``mem_get_info``; CPU: the kernel's MemAvailable)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):  # pragma: no cover - non-POSIX
+        return 8 << 30
+
+
+def default_budget(backends: dict[str, KVBackend], max_batch_size: int, max_total_tokens: int,
+                   device: torch.device) -> int:
+    """The KV budget when ``KV_CACHE_BUDGET_BYTES`` is unset (bytes): enough for ``max_batch_size`` sequences of
+    ``max_total_tokens`` tokens of the costliest served backend at full precision, at most
+    :data:`MEMORY_FRACTION` of the memory free now."""
+    g = next(iter(backends.values())).geometry
+    per_token = g.num_layers * 2 * g.num_key_value_heads * g.head_dim * g.dtype_bytes
+    if g.kv_lora_rank:
+        per_token = g.num_layers * (g.kv_lora_rank + g.rope_dim) * g.dtype_bytes
+    need = max_batch_size * max_total_tokens * per_token
+    return int(min(need, MEMORY_FRACTION * free_memory_bytes(device)))
+
+
+def build_engine(model, tokenizer, backends: dict[str, KVBackend], eos_token_ids: set[int], *, max_batch_size: int,
+                 budget_bytes: int | None, max_total_tokens: int, block_size: int = DEFAULT_BLOCK_SIZE,
+                 prefill_chunk_tokens: int | None = 256, max_concurrent_requests: int = 128,
+                 recorder=None) -> Engine:
+    """An engine over one KV pool of ``budget_bytes`` (default :func:`default_budget`) for ``backends``.
+
+    Raises:
+        ValueError: if the budget holds fewer than two pages.
+    """
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    if budget_bytes is None:
+        budget_bytes = default_budget(backends, max_batch_size, max_total_tokens, device)
+    page_bytes, layouts = page_layouts(backends, dtype, block_size)
+    num_pages = budget_bytes // page_bytes
+    if num_pages < 2:
+        raise ValueError(f"KV_CACHE_BUDGET_BYTES={budget_bytes} holds fewer than 2 KV blocks of {page_bytes} bytes")
+    num_layers = next(iter(backends.values())).geometry.num_layers
+    pool = KVPool(num_pages, page_bytes, layouts, device) if layouts else None
+    kv = KVCacheManager(backends, layouts, page_bytes, num_pages, prefill_chunk_tokens)
+    runner = ModelRunner(model, num_layers, pool)
+    return Engine(runner, backends, tokenizer, eos_token_ids, Scheduler(max_batch_size, kv, prefill_chunk_tokens),
+                  max_concurrent_requests, recorder)
