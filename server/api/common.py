@@ -11,9 +11,10 @@ from server.errors import ModelNotFound, NotReady
 from server.service import GenerationService
 
 SHUTDOWN_MESSAGE = "the server shut down before the request finished (SHUTDOWN_GRACE_SECONDS)"
-PLACEHOLDER_MODELS = ("tgi",)
-"""``model`` values accepted besides the served names: huggingface_hub's InferenceClient sends ``"tgi"`` to a TGI
-URL (TGI ignores ``model``), and kvserve serves TGI's API as well."""
+PLACEHOLDER_MODELS = ("tgi", "dummy")
+"""``model`` values accepted besides the served names: huggingface_hub's InferenceClient, given an endpoint URL
+rather than a model, sends a placeholder (``"dummy"`` in huggingface_hub 1.x, ``"tgi"`` before) since TGI ignores
+``model``, and kvserve serves TGI's clients as well."""
 
 
 def event_stream(events: AsyncIterator[dict]) -> EventSourceResponse:

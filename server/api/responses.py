@@ -206,12 +206,13 @@ async def responses(body: ResponsesRequest, request: Request):
     rid, msg_id, created = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}", int(time.time())
     state = request.app.state.kvserve
 
-    def response(status: str, text: str | None, usage: bool = True) -> Response:
+    def response(status: str, text: str | None, usage: bool = True, by_length: bool = True) -> Response:
         output = [] if text is None else [OutputMessage(id=msg_id, status=status, content=[OutputText(text=text)])]
         prompt, generated = len(seq.prompt_ids), len(seq.output_ids)
         return Response(
             id=rid, created_at=created, status=status, model=state.model_name, output=output,
-            incomplete_details=IncompleteDetails(reason="max_output_tokens") if status == "incomplete" else None,
+            incomplete_details=IncompleteDetails(reason="max_output_tokens") if status == "incomplete" and by_length
+            else None,
             instructions=body.instructions, max_output_tokens=body.max_output_tokens,
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p, user=body.user, metadata=body.metadata or {},
@@ -261,8 +262,8 @@ async def responses(body: ResponsesRequest, request: Request):
                 text += ev.text
                 yield event("response.output_text.delta", **where, delta=ev.text, logprobs=[])
             if ev.finish_reason is not None:
-                status = "incomplete" if service.is_shutdown_end(ev) else status_of(ev.finish_reason)
-                final = response(status, text)
+                shutdown = service.is_shutdown_end(ev)  # the shutdown's grace period ended it: incomplete
+                final = response("incomplete" if shutdown else status_of(ev.finish_reason), text, by_length=not shutdown)
                 yield event("response.output_text.done", **where, text=text, logprobs=[])
                 yield event("response.content_part.done", **where, part=OutputText(text=text).model_dump())
                 yield event("response.output_item.done", output_index=0, item=final.output[0].model_dump())
