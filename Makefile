@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvserve-installed
+# torch's idle OpenMP threads sleep instead of spinning: on a shared CPU spinning threads made decoding 5-50x
+# slower beside one busy process (README, Configuration: TORCH_NUM_THREADS)
+export OMP_WAIT_POLICY ?= PASSIVE
 
 .PHONY: install serve test test-gpu bench bench-quick bench-serving bench-budget bench-mla-routes bench-dca load-test clean
 

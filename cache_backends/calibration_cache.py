@@ -24,7 +24,8 @@ Writes are atomic (a temporary file in the same directory, then ``os.replace``):
 entry or none, and processes fitting the same entry at once each leave a valid one. An entry that
 cannot be read or does not match what the backend expects (truncated, corrupt, edited) is fitted again
 with a warning, and a directory that cannot be written costs only the reuse (a warning); neither stops
-a start.
+a start. A temporary file a killed write left behind (unchanged for :data:`STALE_TMP_SECONDS`) is removed
+when the next cache is opened.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 # config entries that do not change the numbers a model computes, or that loading itself sets
 _CONFIG_VOLATILE = ("dtype", "torch_dtype", "transformers_version")
+STALE_TMP_SECONDS = 60.0
+"""A ``.tmp`` file not modified for this long is a killed write's (a live write modifies its file as it goes)."""
 
 
 def model_folder(model) -> Path | None:
@@ -129,8 +132,9 @@ def take(tensors: dict[str, torch.Tensor], name: str, shape: tuple[int, ...]) ->
 @dataclass
 class CalibrationEvent:
     """What one :meth:`CalibrationCache.fetch` did: ``source`` is ``"cache"`` or ``"fitted"``; ``seconds`` the
-    time to load or to fit (including the calibration forward pass, if this fit ran it); ``path`` the entry
-    (``None`` when nothing was written); ``figures`` the fit's quality figures."""
+    time to load or to fit (including the calibration forward pass, if this fit ran it), plus ``start_seconds``,
+    what the backend measures at every start after that (:meth:`CalibrationCache.add_seconds`: dca's measuring
+    pass); ``path`` the entry (``None`` when nothing was written); ``figures`` the fit's quality figures."""
 
     kind: str
     params: dict
@@ -138,6 +142,7 @@ class CalibrationEvent:
     seconds: float
     path: str | None
     figures: dict = field(default_factory=dict)
+    start_seconds: float = 0.0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -159,6 +164,21 @@ class CalibrationCache:
         self.refit = refit
         self.events: list[CalibrationEvent] = []
         self._fingerprints: dict[int, dict | None] = {}  # id(model) -> fingerprint, computed once
+        self._remove_stale_tmp()
+
+    def _remove_stale_tmp(self) -> None:
+        """Remove the temporary files of writes that were killed (:func:`_atomic`'s ``.<entry>.*.tmp``, not
+        modified for :data:`STALE_TMP_SECONDS`); a file that cannot be removed is left with a warning."""
+        if self.directory is None or not self.directory.is_dir():
+            return
+        now = time.time()
+        for tmp in self.directory.glob(".*.tmp"):
+            try:
+                if now - tmp.stat().st_mtime >= STALE_TMP_SECONDS:
+                    tmp.unlink()
+                    log.info("removed %s, left by an interrupted calibration cache write", tmp)
+            except OSError as exc:
+                log.warning("cannot remove the stale calibration cache file %s (%s)", tmp, exc)
 
     def key(self, kind: str, model, calibration_ids: list[int], params: dict, version: int = 1) -> str | None:
         """The entry key (64 hex digits), or ``None`` when the model has no weight files to identify it."""
@@ -217,6 +237,16 @@ class CalibrationCache:
         result = load(tensors, figures)
         self._record(kind, params, "fitted", start, written, figures)
         return result
+
+    def add_seconds(self, kind: str, seconds: float) -> None:
+        """Count ``seconds`` of work a backend does after :meth:`fetch` at every start (dca's measuring pass) in
+        the latest ``kind`` event's ``seconds`` (what ``/info``'s ``kv_calibration`` shows), and in its
+        ``start_seconds``."""
+        for event in reversed(self.events):
+            if event.kind == kind:
+                event.seconds = round(event.seconds + seconds, 3)
+                event.start_seconds = round(event.start_seconds + seconds, 3)
+                return
 
     def _record(self, kind, params, source, start, path, figures) -> None:
         event = CalibrationEvent(kind, dict(params), source, time.perf_counter() - start,

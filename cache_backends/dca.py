@@ -42,6 +42,9 @@ nothing (identity check).
 
 from __future__ import annotations
 
+import logging
+import time
+
 import torch
 
 from cache_backends.attention import LayerRead, attend_kv
@@ -49,8 +52,11 @@ from cache_backends.base import KVBackend, KVLayer, KVStore, ModelGeometry
 from cache_backends.estimate import dca_store_bytes_per_token_per_layer, dca_window_tokens
 from cache_backends.rope import RopeTable
 
+log = logging.getLogger("kvserve.dca")
+
 ALIGNS = ("linear", "none")
-FIT_VERSION = 2  # of the calibration cache entry (bump when the fit changes); 2: ridge maps
+FIT_VERSION = 3  # of the calibration cache entry (bump when the fit changes); 2: ridge maps; 3: similarity
+# figures over every calibration token (2 carried token 0's)
 RIDGE = 1e-5  # ridge of the map fits, relative to the mean diagonal of the Gram matrix (see LayerMap.fit)
 
 
@@ -254,15 +260,25 @@ def source_streams(layer: KVLayer):
 
 
 def token_similarity(own_k, own_v, pred_k, pred_v) -> torch.Tensor:
-    """Per token, (cos(K) + cos(V)) / 2 averaged over heads: (1, H, n, d) inputs → (n,) float32 on the CPU."""
+    """Per token, (cos(K) + cos(V)) / 2 averaged over heads: (1, H, n, d) inputs → (n,) float32 on the CPU.
+
+    Raises:
+        ValueError: for inputs of another layout (e.g. calibration's (tokens, H, d): use :func:`similarity`).
+    """
+    if own_k.dim() != 4 or own_k.shape[0] != 1:
+        raise ValueError(f"token_similarity takes (1, H, n, d) inputs; got {tuple(own_k.shape)}")
     cos = torch.nn.functional.cosine_similarity
     both = cos(own_k.float(), pred_k.float(), dim=-1) + cos(own_v.float(), pred_v.float(), dim=-1)  # (1, H, n)
     return (0.5 * both.mean(1)[0]).cpu()
 
 
 def similarity(own_k, own_v, pred_k, pred_v) -> float:
-    """(cos(K) + cos(V)) / 2, each the mean over tokens and heads: the mean of :func:`token_similarity`."""
-    return token_similarity(own_k, own_v, pred_k, pred_v).mean().item()
+    """(cos(K) + cos(V)) / 2, each the mean over tokens and heads, for inputs of any layout whose last dimension
+    is the head dimension: (1, H, n, d) as served (the mean of :func:`token_similarity`) or (tokens, H, d) as
+    calibration collects them."""
+    cos = torch.nn.functional.cosine_similarity
+    both = cos(own_k.float(), pred_k.float(), dim=-1) + cos(own_v.float(), pred_v.float(), dim=-1)  # (..., H)
+    return (0.5 * both).mean().item()
 
 
 def window_start(length: int, window: int) -> int:
@@ -579,7 +595,10 @@ class DCABackend(KVBackend):
             "dca", model, ids, {}, fit=lambda: self._fit(model, ids, rope),
             load=lambda tensors, figures: (self._load(tensors, rope, device), figures), version=FIT_VERSION)
         dca_attention.install(model)
+        measuring = time.perf_counter()
         per_window = self._measure_windows(model, ids)
+        if cache is not None:  # /info's calibration time counts the measuring pass (it runs at every start)
+            cache.add_seconds("dca", time.perf_counter() - measuring)
         self.served_similarity = {layer: round(torch.cat(w).mean().item(), 4) for layer, w in per_window.items()}
         self.reuse_candidates = select_reuse_layers(self.served_similarity, self.threshold)
         self.layer_thresholds = {layer: span_thresholds(per_window[layer]) for layer in self.reuse_candidates}
@@ -644,13 +663,20 @@ class DCABackend(KVBackend):
 
         device = next(model.parameters()).device
         per_window: dict[int, list[torch.Tensor]] = {}
-        for start in range(0, len(ids), CALIBRATION_WINDOW):
+        starts = range(0, len(ids), CALIBRATION_WINDOW)
+        began, logged = time.perf_counter(), 0.0
+        log.info("dca: measuring the served similarity on %d calibration windows", len(starts))
+        for done, start in enumerate(starts, start=1):
             store = DCAStore(self, measuring=True)
             chunk = torch.tensor([ids[start : start + CALIBRATION_WINDOW]], device=device)
             model(input_ids=chunk, cache=store, use_cache=True, logits_to_keep=1)
             for layer, sims in sorted(store.token_similarity.items()):
                 per_window.setdefault(layer, []).append(sims)
             store.release()
+            elapsed = time.perf_counter() - began
+            if elapsed - logged >= 5.0 or done == len(starts):  # a line every 5 s at most, and the last
+                logged = elapsed
+                log.info("dca: measured %d/%d calibration windows in %.1f s", done, len(starts), elapsed)
         return per_window
 
     def expected_reuse_fraction(self) -> float:

@@ -14,10 +14,10 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from server import __version__
-from server.api import openai, system, tgi
+from server.api import openai, responses, system, tgi, tokenize
 from server.config import Settings
 from server.errors import install_error_handlers
-from server.middleware import BearerAuth, PayloadLimit
+from server.middleware import BearerAuth, HeaderLimit, InFlight, PayloadLimit
 from server.state import ServerState
 
 log = logging.getLogger("kvserve")
@@ -58,10 +58,14 @@ def create_app(settings: Settings, load_in_background: bool = True, exit_on_load
                   description="LLM inference server with pluggable KV-cache backends.")
     app.state.kvserve = state
     install_error_handlers(app)
+    app.add_middleware(InFlight, limit=settings.max_concurrent_requests, state=state)
     app.add_middleware(PayloadLimit, limit=settings.payload_limit)
+    app.add_middleware(HeaderLimit, max_headers=settings.max_headers)
     if settings.api_key:
         app.add_middleware(BearerAuth, api_key=settings.api_key)
     app.include_router(system.router)
     app.include_router(tgi.router)
     app.include_router(openai.router)
+    app.include_router(responses.router)
+    app.include_router(tokenize.router)
     return app

@@ -53,10 +53,24 @@ class Settings(BaseSettings):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     max_batch_size: int = Field(16, ge=1, description="Most sequences decoding at once.")
-    max_concurrent_requests: int = Field(128, ge=1, description="Queued + running requests; more get 429.")
+    max_concurrent_requests: int = Field(128, ge=1, description="Generation requests in flight (queued, running or "
+                                         "sending their answer; a request counts once whatever its `n`); more "
+                                         "get 429.")
     max_input_tokens: int | None = Field(None, ge=1, description="Default: MAX_TOTAL_TOKENS - 1.")
     max_total_tokens: int | None = Field(None, ge=2, description="Default: the model's max_position_embeddings.")
-    max_stop_sequences: int = Field(4, ge=0)
+    max_stop_sequences: int = Field(16, ge=0, description="Most stop sequences per request (each is checked "
+                                    "against the text's tail after every token).")
+    served_model_name: str = Field("", description="Comma list of the names the OpenAI routes accept in `model` "
+                                   "(vLLM's --served-model-name); the first is the one answers carry. Default: the "
+                                   "model folder's name.")
+    shutdown_grace_seconds: float = Field(30.0, ge=0, allow_inf_nan=False, description="On SIGTERM: seconds the "
+                                          "requests in flight have to finish before the rest are ended.")
+    max_header_bytes: int = Field(16384, ge=1024, description="Largest request head (request line + headers, "
+                                  "bytes); larger closes the connection with 400.")
+    max_headers: int = Field(100, ge=8, description="Most request header fields; more get 431.")
+    torch_num_threads: int = Field(0, ge=0, description="torch intra-op threads of the server (0: torch's default, "
+                                   "one per core); idle threads wait passively (OMP_WAIT_POLICY=PASSIVE, set by "
+                                   "`kvserve` unless given).")
     kv_cache_budget_bytes: int | None = Field(None, ge=1, description="Bytes of the KV pool, preallocated at "
                                               "start-up (default: MAX_BATCH_SIZE x MAX_TOTAL_TOKENS of full "
                                               "precision, at most 25% of the memory free at start-up).")
@@ -116,6 +130,19 @@ class Settings(BaseSettings):
             raise ValueError(f"MAX_TOTAL_TOKENS ({self.max_total_tokens}) must be greater than "
                              f"MAX_INPUT_TOKENS ({self.max_input_tokens})")
         return self
+
+    @field_validator("served_model_name")
+    @classmethod
+    def _model_names(cls, v: str) -> str:
+        if v.strip() and not [x for x in v.split(",") if x.strip()]:
+            raise ValueError("must name at least one model")
+        return v
+
+    def model_names(self, default: str) -> list[str]:
+        """The names the OpenAI routes accept in ``model``: ``SERVED_MODEL_NAME``'s (the first is the one answers
+        carry), or ``[default]`` (the model folder's name) when it is unset."""
+        names = [x.strip() for x in self.served_model_name.split(",") if x.strip()]
+        return list(dict.fromkeys(names)) or [default]
 
     def served_backends(self) -> list[str]:
         """``KV_BACKEND`` first, then the other ``KV_BACKENDS`` (no duplicates)."""

@@ -8,16 +8,18 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.engine.engine import Overloaded
+from server.middleware import openai_path
 from server.service import InvalidRequest
 
 
 OPENAI_TYPES = {"validation": "invalid_request_error", "overloaded": "overloaded_error",
                 "unhealthy": "service_unavailable_error", "authentication": "authentication_error",
-                "http": "invalid_request_error", "internal": "server_error"}
+                "http": "invalid_request_error", "internal": "server_error",
+                "model_not_found": "invalid_request_error"}
 
 
 def is_openai(request: Request | None) -> bool:
-    return request is not None and request.url.path.startswith("/v1/")
+    return request is not None and openai_path(request.url.path)
 
 
 def error_response(status: int, message: str, error_type: str, request: Request | None = None,
@@ -59,7 +61,11 @@ def _describe(exc: RequestValidationError) -> str:
 
 
 class NotReady(Exception):
-    """The model is still loading (503)."""
+    """The model is still loading, or the server is shutting down (503)."""
+
+
+class ModelNotFound(Exception):
+    """``model`` names no served model (404 ``model_not_found``, OpenAI's error object)."""
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -82,6 +88,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(NotReady)
     async def _not_ready(request: Request, exc: NotReady):
         return error_response(503, str(exc) or "model is loading", "unhealthy", request)
+
+    @app.exception_handler(ModelNotFound)
+    async def _model_not_found(request: Request, exc: ModelNotFound):
+        return error_response(404, str(exc), "model_not_found", request, "model")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):

@@ -1,7 +1,8 @@
-"""ASGI middleware at the HTTP edge: body-size limit and optional bearer-token authentication.
+"""ASGI middleware at the HTTP edge: body-size limit, header count, optional bearer-token authentication, and
+the count of generation requests in flight (``MAX_CONCURRENT_REQUESTS``, and refusal while draining).
 
-Both answer with the same JSON error bodies as the routes (TGI's form, OpenAI's on ``/v1``) and never
-let the request reach a route.
+Each answers with the same JSON error bodies as the routes (TGI's form, OpenAI's on ``/v1``) and never
+lets a refused request reach a route.
 """
 
 from __future__ import annotations
@@ -12,10 +13,19 @@ import json
 OPEN_PATHS = ("/health", "/metrics")
 
 
+OPENAI_ROOT_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
+"""vLLM's routes outside ``/v1``: they answer OpenAI's error object, as vLLM's do."""
+
+
+def openai_path(path: str) -> bool:
+    """Whether ``path`` answers errors in OpenAI's shape (``/v1/...`` and :data:`OPENAI_ROOT_PATHS`)."""
+    return path.startswith("/v1/") or path in OPENAI_ROOT_PATHS
+
+
 async def _send_error(send, path: str, status: int, message: str, error_type: str) -> None:
     from server.errors import OPENAI_TYPES
 
-    if path.startswith("/v1/"):
+    if openai_path(path):
         body = {"error": {"message": message, "type": OPENAI_TYPES.get(error_type, error_type), "param": None,
                           "code": error_type}}
     else:
@@ -24,12 +34,67 @@ async def _send_error(send, path: str, status: int, message: str, error_type: st
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
     if status == 401:
         headers.append((b"www-authenticate", b"Bearer"))
+    if status == 429:
+        headers.append((b"retry-after", b"1"))  # seconds (RFC 9110 section 10.2.3)
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": payload})
 
 
+def _invalid_status(scope) -> int:
+    return 400 if openai_path(scope["path"]) else 422
+
+
+class HeaderLimit:
+    """Refuse a request with more than ``max_headers`` header fields: 431 (RFC 6585). Their total size is bounded
+    before any of this runs, by the HTTP parser (``h11_max_incomplete_event_size``, see ``kvserve serve``)."""
+
+    def __init__(self, app, max_headers: int):
+        self.app = app
+        self.max_headers = max_headers
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and len(scope.get("headers") or []) > self.max_headers:
+            return await _send_error(send, scope["path"], 431, f"more than MAX_HEADERS={self.max_headers} request "
+                                     "header fields", "validation")
+        return await self.app(scope, receive, send)
+
+
+GENERATION_PATHS = ("/", "/generate", "/generate_stream", "/v1/completions", "/v1/chat/completions", "/v1/responses")
+
+
+class InFlight:
+    """Counts the generation requests in flight (a POST to a generation route, from its arrival until its response
+    has been sent, streamed or not) in ``state.in_flight``; refuses one more than ``limit`` with 429
+    ``overloaded`` (``Retry-After: 1``), and every new one with 503 ``unhealthy`` once ``state.draining`` is set
+    (a shutdown).
+
+    Args:
+        state: the server state (:class:`server.state.ServerState`: ``in_flight``, ``draining``).
+    """
+
+    def __init__(self, app, limit: int, state):
+        self.app = app
+        self.limit = limit
+        self.state = state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("method") != "POST" or scope["path"] not in GENERATION_PATHS:
+            return await self.app(scope, receive, send)
+        if self.state.draining:
+            return await _send_error(send, scope["path"], 503, "server is shutting down", "unhealthy")
+        if self.state.in_flight >= self.limit:
+            return await _send_error(send, scope["path"], 429, f"Model is overloaded: {self.limit} requests are "
+                                     "already queued or running (MAX_CONCURRENT_REQUESTS)", "overloaded")
+        self.state.in_flight += 1
+        try:
+            return await self.app(scope, receive, send)
+        finally:
+            self.state.in_flight -= 1
+
+
 class PayloadLimit:
-    """Refuse request bodies larger than ``limit`` bytes with 422 ``validation`` (declared or streamed)."""
+    """Refuse request bodies larger than ``limit`` bytes (declared or streamed) with ``validation``: 422 on the TGI
+    routes, 400 on ``/v1`` (OpenAI's status for invalid input, as every other invalid OpenAI request gets)."""
 
     def __init__(self, app, limit: int):
         self.app = app
@@ -42,7 +107,7 @@ class PayloadLimit:
         declared = headers.get(b"content-length")
         too_big = f"request body larger than PAYLOAD_LIMIT={self.limit} bytes"
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return await _send_error(send, scope["path"], 422, too_big, "validation")
+            return await _send_error(send, scope["path"], _invalid_status(scope), too_big, "validation")
         # A body without a declared length is read here, counted, then replayed to the app.
         if declared is None and scope.get("method") in ("POST", "PUT", "PATCH"):
             chunks, size, more = [], 0, True
@@ -54,7 +119,7 @@ class PayloadLimit:
                 size += len(chunks[-1])
                 more = message.get("more_body", False)
                 if size > self.limit:
-                    return await _send_error(send, scope["path"], 422, too_big, "validation")
+                    return await _send_error(send, scope["path"], _invalid_status(scope), too_big, "validation")
             body = b"".join(chunks)
             sent = False
 

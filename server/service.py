@@ -4,15 +4,81 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import threading
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from server.engine.engine import Engine
 from server.engine.sampling import SamplingParams
-from server.engine.sequence import Sequence, TokenEvent
+from server.engine.sequence import FinishReason, Sequence, TokenEvent
 
 DEFAULT_MAX_NEW_TOKENS = 100
+MAX_SEQUENCES_PER_REQUEST = 64
+"""Most generations one HTTP request may start (OpenAI's prompts x ``best_of`` or ``n``; TGI's ``best_of``)."""
+TOKENIZER_THREADS = 2
+"""Worker threads that tokenize prompts, off the event loop (as vLLM's async tokenizer pool)."""
+SHUTDOWN_FINISH_REASON = "abort"
+"""The finish reason of a generation ended by a shutdown's grace period (vLLM's name for an aborted request)."""
+
+
+def utf8_error(text: str, field: str) -> "InvalidRequest | None":
+    """The error for text that cannot be encoded as UTF-8 (a lone surrogate such as ``"\\ud800"``, which JSON's
+    ``\\u`` escapes can carry and tokenizers refuse), or ``None``."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return InvalidRequest(f"`{field}` is not valid Unicode text: {exc.reason} at character {exc.start} "
+                              f"({text[exc.start:exc.end].encode('utf-8', 'backslashreplace').decode()})", field)
+    return None
+
+
+def _parts(component: dict | None) -> list[dict]:
+    """A tokenizer.json component (normalizer, pre-tokenizer) as its list of steps (a ``Sequence``'s, or itself)."""
+    if not component:
+        return []
+    key = {"normalizer": "normalizers", "pre_tokenizer": "pretokenizers"}
+    for name in key.values():
+        if component.get("type") == "Sequence" and name in component:
+            return [p for part in component[name] for p in _parts(part)]
+    return [component]
+
+
+def _deletes_no_text(state: dict) -> bool:
+    """Whether a tokenizer (its ``tokenizer.json`` as a dict) writes every byte of its input into some token:
+    a BPE model that cannot answer ``unk`` for a run of text (byte-level, or with byte fall-back), a normalizer
+    that only prepends or replaces with text at least as long, and pre-tokenizers that split without removing."""
+    model = state.get("model") or {}
+    pre = _parts(state.get("pre_tokenizer"))
+    if model.get("type") != "BPE" or not (model.get("byte_fallback") or any(p.get("type") == "ByteLevel" for p in pre)):
+        return False
+    for step in _parts(state.get("normalizer")):
+        pattern = (step.get("pattern") or {}).get("String")
+        grows = step.get("type") == "Replace" and pattern is not None and len(step.get("content", "").encode()) >= len(
+            pattern.encode())
+        if step.get("type") != "Prepend" and not grows:
+            return False
+    return all(p.get("type") in ("ByteLevel", "Metaspace", "Digits", "UnicodeScripts")
+               or (p.get("type") in ("Split", "Punctuation") and p.get("behavior") != "Removed") for p in pre)
+
+
+def max_bytes_per_token(tokenizer) -> int | None:
+    """The most UTF-8 bytes of input text one token can stand for, or ``None`` when it cannot be bounded.
+
+    Every token's string in the vocabulary is at least as long, in UTF-8 bytes, as the text it stands for
+    (byte-level BPE writes one byte as one character of 1-2 bytes; SentencePiece's ``▁`` is 3 bytes for one
+    space; a byte fall-back ``<0x41>`` 6 for one), so a text of ``b`` bytes needs at least ``b / max`` tokens.
+    That holds for tokenizers that delete no text (:func:`_deletes_no_text`); for others (or a tokenizer
+    without a fast backend) the answer is ``None`` and no such bound is used.
+    """
+    import json
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not _deletes_no_text(json.loads(backend.to_str())):
+        return None
+    vocab = backend.get_vocab(with_added_tokens=True)
+    return max((len(token.encode("utf-8")) for token in vocab), default=0) or None
 
 
 class InvalidRequest(ValueError):
@@ -72,6 +138,46 @@ class GenerationService:
         self.tokenizer = tokenizer
         self.limits = limits
         self.default_backend = default_backend
+        self.max_token_bytes = max_bytes_per_token(tokenizer)
+        self.tokenize_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="kvserve-tokenize")
+        self.shut_down = False
+        """Set by :meth:`abort_all`: a cancelled generation was ended by the shutdown, not by its client."""
+        self._live: dict[str, Sequence] = {}  # request_id -> the sequences queued or running
+        self._live_lock = threading.Lock()
+
+    async def off_loop(self, fn: Callable, *args):
+        """``fn(*args)`` in the tokenizer threads, so that a long prompt does not stall the event loop (every
+        stream, ``/health``)."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn, *args)
+
+    def check_length(self, text: str, field: str, limit: int | None = None) -> None:
+        """Refuse ``text`` before tokenizing it when its UTF-8 byte length alone proves it longer than ``limit``
+        tokens (default ``MAX_INPUT_TOKENS``; :func:`max_bytes_per_token`), or when it is not valid Unicode.
+
+        Raises:
+            InvalidRequest: naming ``field``.
+        """
+        if (err := utf8_error(text, field)) is not None:
+            raise err
+        limit = self.limits.max_input_tokens if limit is None else limit
+        size, most = len(text.encode("utf-8")), self.max_token_bytes
+        if most and size > limit * most:
+            raise InvalidRequest(f"`{field}` must have less than {limit + 1} tokens. Given: at least "
+                                 f"{-(-size // most)} ({size} bytes, at most {most} bytes a token)", field)
+
+    def is_shutdown_end(self, event: TokenEvent) -> bool:
+        """Whether ``event`` ended its generation because the server shut down (:meth:`abort_all`)."""
+        return event.finish_reason == FinishReason.CANCELLED and self.shut_down
+
+    def abort_all(self) -> int:
+        """End every generation still queued or running (a shutdown's grace period is over): each gets its
+        closing event, which :meth:`is_shutdown_end` recognizes. Returns how many were ended."""
+        self.shut_down = True
+        with self._live_lock:
+            live = list(self._live.values())
+        for seq in live:
+            self._cancel(seq)
+        return len(live)
 
     @staticmethod
     def sampling(do_sample: bool, temperature: float | None, top_p: float | None, top_k: int | None,
@@ -87,12 +193,13 @@ class GenerationService:
         )
 
     def build_sequence(self, req: GenerationRequest, emit: Callable[[TokenEvent], None]) -> Sequence:
-        """Tokenize and check limits.
+        """Tokenize and check limits (blocking: :meth:`run` calls it in the tokenizer threads).
 
         Raises:
-            InvalidRequest: empty prompt, token ids outside the vocabulary, too many stop sequences,
-                prompt (after ``truncate``) over MAX_INPUT_TOKENS, or prompt + max_new_tokens over
-                MAX_TOTAL_TOKENS; its ``param`` names the field in the route's words.
+            InvalidRequest: empty prompt, text that is not valid Unicode (a lone surrogate), token ids outside
+                the vocabulary, too many stop sequences, prompt (after ``truncate``) over MAX_INPUT_TOKENS
+                (refused from its byte length before tokenizing when that proves it), or prompt +
+                max_new_tokens over MAX_TOTAL_TOKENS; its ``param`` names the field in the route's words.
         """
         lim = self.limits
         f = {"inputs": "inputs", "max_new_tokens": "max_new_tokens", "stop": "stop", "kv_backend": "kv_backend",
@@ -108,7 +215,14 @@ class GenerationService:
                                  f"Given: {len(req.stop)}", f["stop"])
         if any(not s for s in req.stop):
             raise InvalidRequest(f"`{f['stop']}` sequences must not be empty strings", f["stop"])
+        for s in req.stop:
+            if (err := utf8_error(s, f["stop"])) is not None:
+                raise err
         if isinstance(req.prompt, str):
+            if req.truncate is None:
+                self.check_length(req.prompt, inputs)
+            elif (err := utf8_error(req.prompt, inputs)) is not None:
+                raise err
             ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         else:
             vocab = len(self.tokenizer)
@@ -159,11 +273,23 @@ class GenerationService:
             except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
                 seq.cancel()
 
-        seq = self.build_sequence(req, emit)
+        def emit_and_track(event: TokenEvent) -> None:
+            if event.finish_reason is not None:
+                with self._live_lock:
+                    self._live.pop(seq.request_id, None)
+            emit(event)
+
+        seq = await self.off_loop(self.build_sequence, req, emit_and_track)
+        with self._live_lock:
+            self._live[seq.request_id] = seq
         try:
             self.engine.submit(seq)
-        except ValueError as exc:
-            raise InvalidRequest(str(exc)) from None
+        except BaseException as exc:
+            with self._live_lock:
+                self._live.pop(seq.request_id, None)
+            if isinstance(exc, ValueError):
+                raise InvalidRequest(str(exc)) from None
+            raise
         watcher = asyncio.create_task(self._cancel_on_disconnect(seq, receive)) if receive is not None else None
 
         async def events() -> AsyncIterator[TokenEvent]:

@@ -16,7 +16,7 @@ from server.engine.engine import Engine
 from server.engine.setup import build_engine
 from server.metrics import Metrics, Recorder
 from server.model_loading import load_model, resolve_device, resolve_dtype
-from server.service import GenerationService, Limits
+from server.service import MAX_SEQUENCES_PER_REQUEST, GenerationService, Limits
 
 log = logging.getLogger("kvserve")
 
@@ -46,6 +46,13 @@ def kv_sizes(backends: dict[str, KVBackend], num_layers: int, max_total_tokens: 
     }
 
 
+def torch_threads() -> int:
+    """torch's intra-op thread count now."""
+    import torch
+
+    return torch.get_num_threads()
+
+
 @dataclass
 class ServerState:
     """Everything the routes need; ``service`` is ``None`` until the model is loaded."""
@@ -59,10 +66,20 @@ class ServerState:
     info: dict = field(default_factory=dict)
     load_error: str | None = None
     started: float = field(default_factory=time.time)
+    model_names: list[str] = field(default_factory=list)
+    """What the OpenAI routes accept in ``model`` (``SERVED_MODEL_NAME``); the first is ``model_name``."""
+    draining: bool = False
+    """Set on SIGTERM (``kvserve serve``): ``/health`` answers 503 and new generation requests are refused."""
+    in_flight: int = 0
+    """Generation requests in flight (:class:`server.middleware.InFlight`)."""
 
     def load(self) -> None:
         """Load the model and start the engine (runs in a background thread at start-up)."""
         s = self.settings
+        if s.torch_num_threads:
+            import torch
+
+            torch.set_num_threads(s.torch_num_threads)
         device = resolve_device(s.device)
         dtype = resolve_dtype(s.dtype, device)
         model, tokenizer = load_model(s.model_id, device, dtype)
@@ -77,7 +94,8 @@ class ServerState:
         cache = CalibrationCache(s.kv_calibration_cache_dir)
         for backend in self.backends.values():
             backend.prepare(model, calibration, cache)
-        self.model_name = Path(s.model_id).name if Path(s.model_id).exists() else s.model_id
+        self.model_names = s.model_names(Path(s.model_id).name if Path(s.model_id).exists() else s.model_id)
+        self.model_name = self.model_names[0]
         max_input, max_total = s.token_limits(model.config.max_position_embeddings)
         limits = Limits(max_input, max_total, s.max_stop_sequences)
         eos = model.generation_config.eos_token_id
@@ -86,7 +104,10 @@ class ServerState:
         engine = build_engine(model, tokenizer, self.backends, eos_ids, max_batch_size=s.max_batch_size,
                               budget_bytes=s.kv_cache_budget_bytes, max_total_tokens=max_total,
                               block_size=s.kv_block_size, prefill_chunk_tokens=s.max_num_batched_tokens or None,
-                              max_concurrent_requests=s.max_concurrent_requests, recorder=recorder)
+                              # requests are counted at the HTTP edge (server.middleware.InFlight); the engine's
+                              # own count is of sequences, and this many can never be exceeded by those requests
+                              max_concurrent_requests=s.max_concurrent_requests * MAX_SEQUENCES_PER_REQUEST,
+                              recorder=recorder)
         engine.start()
         self.engine = engine
         self.info = {
@@ -100,7 +121,8 @@ class ServerState:
             "num_key_value_heads": geometry.num_key_value_heads, "head_dim": geometry.head_dim,
             "max_input_tokens": max_input, "max_total_tokens": max_total,
             "max_stop_sequences": s.max_stop_sequences, "max_batch_size": s.max_batch_size,
-            "max_concurrent_requests": s.max_concurrent_requests,
+            "max_concurrent_requests": s.max_concurrent_requests, "served_model_names": self.model_names,
+            "shutdown_grace_seconds": s.shutdown_grace_seconds, "torch_num_threads": torch_threads(),
             "kv_cache_budget_bytes": s.kv_cache_budget_bytes, **engine.kv.info(), "version": __version__,
         }
         self.service = GenerationService(engine, tokenizer, limits, s.kv_backend)

@@ -11,9 +11,11 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
-import pytest
-import torch
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: idle threads sleep, not spin (#26)
+
+import httpx  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from tests.precision import Precision, selected
 

@@ -335,8 +335,11 @@ def oa_kv_backend(srv, tok):
 
 
 def oa_model_user(srv, tok):
-    """`model` names the served model (one is served); `user` is informational (as in OpenAI): same output."""
-    assert text(cmpl(srv, model="anything", user="u1")) == text(cmpl(srv))
+    """`model` names the served model (or huggingface_hub's placeholder `tgi`), else 404 `model_not_found`; `user`
+    is informational (as in OpenAI): same output."""
+    assert text(cmpl(srv, model=MODEL_DIR.name, user="u1")) == text(cmpl(srv, model="tgi")) == text(cmpl(srv))
+    r = httpx.post(srv.url + "/v1/completions", json={"prompt": PROMPT, "model": "gpt-4"}, timeout=60)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
 OPENAI_CASES = {

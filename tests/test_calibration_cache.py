@@ -278,3 +278,25 @@ def test_calibrate_refuses_a_bad_backend_with_one_line(tmp_path):
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "nope" in r.stderr, r.stderr
     r = calibrate({"KV_CALIBRATION_CACHE_DIR": ""}, "--backend", "mla")
     assert r.returncode == 2 and "KV_CALIBRATION_CACHE_DIR" in r.stderr
+
+
+def test_a_killed_writes_tmp_file_is_removed_at_the_next_start(tmp_path):
+    """A start killed while writing leaves `.<entry>.*.tmp` (0 bytes); the next cache opened removes it once it is
+    stale, and leaves a write in progress (a fresh file) alone (#26)."""
+    stale, fresh = tmp_path / ".dca-0123.safetensors.abc.tmp", tmp_path / ".dca-0123.safetensors.def.tmp"
+    stale.write_bytes(b"")
+    fresh.write_bytes(b"")
+    old = stale.stat().st_mtime - 3600
+    os.utime(stale, (old, old))
+    CalibrationCache(tmp_path)
+    assert not stale.exists() and fresh.exists()
+
+
+def test_dca_measuring_pass_counts_in_the_calibration_time_and_logs_progress(ref_model, geometry, calib, tmp_path,
+                                                                            caplog):
+    cache = CalibrationCache(tmp_path)
+    with caplog.at_level(logging.INFO, logger="kvserve.dca"):
+        prepared("dca", geometry, ref_model[0], calib, cache)
+    event = [e for e in cache.events if e.kind == "dca"][-1]
+    assert event.start_seconds > 0 and event.seconds >= event.start_seconds
+    assert any("calibration windows" in r.getMessage() and "/" in r.getMessage() for r in caplog.records)

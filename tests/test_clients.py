@@ -27,8 +27,8 @@ def test_openai_completions(oai):
 
 
 def test_openai_completions_stream_with_usage(oai):
-    full = oai.completions.create(model="m", prompt="In the beginning", max_tokens=10, temperature=0).choices[0].text
-    chunks = list(oai.completions.create(model="m", prompt="In the beginning", max_tokens=10, temperature=0,
+    full = oai.completions.create(model="kjv-llama-mha", prompt="In the beginning", max_tokens=10, temperature=0).choices[0].text
+    chunks = list(oai.completions.create(model="kjv-llama-mha", prompt="In the beginning", max_tokens=10, temperature=0,
                                          stream=True, stream_options={"include_usage": True}))
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == full
@@ -38,9 +38,9 @@ def test_openai_completions_stream_with_usage(oai):
 
 def test_openai_chat_and_chat_stream(oai):
     messages = [{"role": "system", "content": "Speak as the KJV."}, {"role": "user", "content": "Who made light?"}]
-    out = oai.chat.completions.create(model="m", messages=messages, max_tokens=12, temperature=0)
+    out = oai.chat.completions.create(model="kjv-llama-mha", messages=messages, max_tokens=12, temperature=0)
     assert out.choices[0].message.role == "assistant" and out.usage.completion_tokens <= 12
-    stream = oai.chat.completions.create(model="m", messages=messages, max_tokens=12, temperature=0, stream=True)
+    stream = oai.chat.completions.create(model="kjv-llama-mha", messages=messages, max_tokens=12, temperature=0, stream=True)
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert text == out.choices[0].message.content
 
@@ -50,7 +50,7 @@ def test_openai_models_and_errors(oai):
     import openai
 
     with pytest.raises(openai.BadRequestError) as err:
-        oai.completions.create(model="m", prompt="x", suffix="y")
+        oai.completions.create(model="kjv-llama-mha", prompt="x", suffix="y")
     assert err.value.status_code == 400 and err.value.body["param"] == "suffix"
 
 

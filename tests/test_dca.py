@@ -170,6 +170,31 @@ def test_calibration_similarity_reported(setup):
     assert sum(details["similarity_linear"]) > sum(details["similarity_none"])
 
 
+def test_similarity_averages_every_token_in_either_layout():
+    """Calibration passes (tokens, H, d); serving (1, H, n, d). Both average every token and head (#26: the
+    calibration figures were token 0's, e.g. 0.026 for layer 1 against 0.856 served)."""
+    from cache_backends.dca import similarity, token_similarity
+
+    gen = torch.Generator().manual_seed(0)
+    own_k, own_v = torch.randn(12, 4, 16, generator=gen), torch.randn(12, 4, 16, generator=gen)
+    pred_k, pred_v = own_k + torch.randn(12, 4, 16, generator=gen), own_v.clone()
+    pred_k[0] = own_k[0]  # token 0 alone would say 1.0
+    served = [x.transpose(0, 1).unsqueeze(0) for x in (own_k, own_v, pred_k, pred_v)]  # (1, H, n, d)
+    assert similarity(own_k, own_v, pred_k, pred_v) == pytest.approx(similarity(*served), abs=1e-6)
+    assert similarity(*served) == pytest.approx(token_similarity(*served).mean().item(), abs=1e-6)
+    assert similarity(own_k, own_v, pred_k, pred_v) < 0.95
+    with pytest.raises(ValueError, match="1, H, n, d"):
+        token_similarity(own_k, own_v, pred_k, pred_v)
+
+
+def test_calibration_figures_match_what_is_served(setup):
+    """With a RoPE-commuting map, the calibration's similarity per layer is the served one (same windows)."""
+    backend = make(setup)
+    linear = backend.details()["calibration_similarity_by_layer"]["similarity_linear"]
+    served = [backend.served_similarity[layer] for layer in range(1, 8)]
+    assert linear == pytest.approx(served, abs=0.02)
+
+
 @pytest.mark.parametrize("inner", [None, "int8", "mla"])
 @pytest.mark.parametrize("window", [0, 32])
 def test_reuse_layer_attends_the_source_cache_through_folded_maps_exactly(typed, precision, inner, window):

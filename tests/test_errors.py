@@ -36,7 +36,7 @@ TGI_422 = [
     ("top_p zero", {"inputs": "a", "parameters": {"top_p": 0}}),
     ("top_p above one", {"inputs": "a", "parameters": {"top_p": 1.01}}),
     ("top_k negative", {"inputs": "a", "parameters": {"top_k": -1}}),
-    ("too many stop sequences", {"inputs": "a", "parameters": {"stop": ["a", "b", "c", "d", "e"]}}),
+    ("too many stop sequences", {"inputs": "a", "parameters": {"stop": [str(i) for i in range(17)]}}),
     ("prompt over MAX_INPUT_TOKENS", {"inputs": "And God said " * 40}),
     ("prompt + new tokens over MAX_TOTAL_TOKENS", {"inputs": "And God said", "parameters": {"max_new_tokens": 95}}),
     ("unknown kv_backend", {"inputs": "a", "parameters": {"kv_backend": "nope"}}),
@@ -64,7 +64,7 @@ def test_bad_bodies_are_422(strict_server, name, content):
 OPENAI_400 = [  # (body, the field `param` names)
     ({"prompt": ""}, "prompt"), ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "a", "temperature": -1}, "temperature"), ({"prompt": "a", "top_p": 2}, "top_p"),
-    ({"prompt": 3}, "prompt"), ({"prompt": "a", "stop": ["1", "2", "3", "4", "5"]}, "stop"),
+    ({"prompt": 3}, "prompt"), ({"prompt": "a", "stop": [str(i) for i in range(17)]}, "stop"),
     ({"prompt": "And God said " * 40}, "prompt"), ({"prompt": "And God said", "max_tokens": 95}, "max_tokens"),
     ({"prompt": "And God said", "max_completion_tokens": 95}, "max_completion_tokens"),
     ({"prompt": "a", "kv_backend": "nope"}, "kv_backend"), ({"prompt": "a", "n": 17}, "n"),

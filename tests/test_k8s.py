@@ -47,3 +47,10 @@ def test_hpa_scales_on_requests_waiting():
     assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == "kvserve_requests_waiting"
     adapter = yaml.safe_load((REPO / "deploy" / "k8s" / "prometheus-adapter.yaml").read_text())
     assert "kvserve_requests_waiting" in adapter["data"]["config.yaml"]
+
+
+def test_termination_grace_covers_the_drain():
+    """SIGTERM drains for SHUTDOWN_GRACE_SECONDS, then ends what is left: Kubernetes must not kill the pod first (#26)."""
+    pod = yaml.safe_load((REPO / "deploy" / "k8s" / "deployment.yaml").read_text())["spec"]["template"]["spec"]
+    env = {e["name"]: e["value"] for e in pod["containers"][0]["env"]}
+    assert float(env["SHUTDOWN_GRACE_SECONDS"]) + 5 <= pod["terminationGracePeriodSeconds"]

@@ -2,8 +2,8 @@
 
 Two small local tasks (10 items each, written here): a multiple-choice task (loglikelihood requests:
 ``echo`` + ``logprobs`` over the prompt) and a ``generate_until`` task. Run once with tokenized requests
-(token-id prompts) at batch size 4 (a list of 4 prompts per request) and once with string prompts at
-batch size 1. The loglikelihoods lm-eval receives equal the model's own log-probabilities within 1e-4,
+(token-id prompts) at batch size 4 (a list of 4 prompts per request), once with string prompts at
+batch size 1, and once with no tokenizer argument (lm-eval then uses the server's tokenizer routes). The loglikelihoods lm-eval receives equal the model's own log-probabilities within 1e-4,
 and its generations equal the server's greedy completions.
 """
 
@@ -84,15 +84,19 @@ def model_loglikelihood(model, tok, context: str, continuation: str) -> float:
     return sum(logprobs[i - 1, whole[i]].item() for i in range(len(ctx), len(whole)))
 
 
-@pytest.mark.parametrize("tokenized,batch_size", [(True, 4), (False, 1)])
+@pytest.mark.parametrize("tokenized,batch_size", [(True, 4), (False, 1), (None, 1)],
+                         ids=["tokenized-local-tokenizer", "strings-local-tokenizer", "no-tokenizer-argument"])
 def test_lm_eval_local_completions(server, ref_model, task_dir, tokenized, batch_size):
+    """``tokenized=None``: no tokenizer argument at all, as a vLLM user runs it: lm-eval finds the server's
+    ``/tokenizer_info`` and ``/tokenize`` and tokenizes through them (#26: it looked the served name up on the hub)."""
     import httpx
     import lm_eval
     from lm_eval.tasks import TaskManager
 
     model, tok = ref_model
-    args = (f"base_url={server.url}/v1/completions,model=kjv-llama-mha,tokenizer_backend=huggingface,"
-            f"tokenizer={MODEL_DIR},tokenized_requests={tokenized},max_retries=1,num_concurrent=1")
+    args = f"base_url={server.url}/v1/completions,model=kjv-llama-mha,max_retries=1,num_concurrent=1"
+    if tokenized is not None:
+        args += f",tokenizer_backend=huggingface,tokenizer={MODEL_DIR},tokenized_requests={tokenized}"
     result = lm_eval.simple_evaluate(model="local-completions", model_args=args, tasks=["kjv_mc", "kjv_gen"],
                                      task_manager=TaskManager(include_path=str(task_dir)), batch_size=batch_size,
                                      log_samples=True)

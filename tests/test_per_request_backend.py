@@ -68,13 +68,13 @@ def test_openai_extra_body_selects_the_backend(multi):
     from openai import OpenAI
 
     client = OpenAI(base_url=multi.url + "/v1", api_key="x", max_retries=0)
-    out = client.completions.create(model="m", prompt="In the beginning", max_tokens=5, temperature=0,
+    out = client.completions.create(model="kjv-llama-mha", prompt="In the beginning", max_tokens=5, temperature=0,
                                     extra_body={"kv_backend": "mla+int8"})
     assert out.usage.completion_tokens == 5
     import openai
 
     with pytest.raises(openai.BadRequestError, match="allowed: full, int8, mla\\+int8"):
-        client.completions.create(model="m", prompt="x", max_tokens=2, extra_body={"kv_backend": "gqa"})
+        client.completions.create(model="kjv-llama-mha", prompt="x", max_tokens=2, extra_body={"kv_backend": "gqa"})
 
 
 def test_unlisted_backend_is_422_naming_the_allowed(multi):

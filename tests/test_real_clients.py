@@ -33,13 +33,13 @@ def oai(server):
 
 
 def reference_chat(oai, max_tokens: int) -> str:
-    out = oai.chat.completions.create(model="m", messages=MESSAGES, max_tokens=max_tokens, temperature=0,
+    out = oai.chat.completions.create(model="kjv-llama-mha", messages=MESSAGES, max_tokens=max_tokens, temperature=0,
                                       extra_body={"ignore_eos": True})
     return out.choices[0].message.content
 
 
 def reference_completion(oai, prompt: str, max_tokens: int) -> str:
-    return oai.completions.create(model="m", prompt=prompt, max_tokens=max_tokens, temperature=0,
+    return oai.completions.create(model="kjv-llama-mha", prompt=prompt, max_tokens=max_tokens, temperature=0,
                                   extra_body={"ignore_eos": True}).choices[0].text
 
 
@@ -166,7 +166,7 @@ def test_openai_async_client_many_prompts(server):
 
     async def main():
         client = AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        out = await client.completions.create(model="m", prompt=["And God said", "In the beginning"], max_tokens=4,
+        out = await client.completions.create(model="kjv-llama-mha", prompt=["And God said", "In the beginning"], max_tokens=4,
                                               temperature=0, n=2, logprobs=1)
         return out
 

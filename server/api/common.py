@@ -1,11 +1,39 @@
-"""Helpers shared by the route modules."""
+"""Helpers shared by the route modules: the service, `model` checks, event streams."""
 
 from __future__ import annotations
 
-from fastapi import Request
+from collections.abc import AsyncIterator
 
-from server.errors import NotReady
+from fastapi import Request
+from sse_starlette.sse import EventSourceResponse
+
+from server.errors import ModelNotFound, NotReady
 from server.service import GenerationService
+
+SHUTDOWN_MESSAGE = "the server shut down before the request finished (SHUTDOWN_GRACE_SECONDS)"
+PLACEHOLDER_MODELS = ("tgi", "dummy")
+"""``model`` values accepted besides the served names: huggingface_hub's InferenceClient, given an endpoint URL
+rather than a model, sends a placeholder (``"dummy"`` in huggingface_hub 1.x, ``"tgi"`` before) since TGI ignores
+``model``, and kvserve serves TGI's clients as well."""
+
+
+def event_stream(events: AsyncIterator[dict]) -> EventSourceResponse:
+    """Server-Sent Events framed with ``\\n`` line ends (``data: ...\\n\\n``), as vLLM, SGLang and OpenAI send
+    them: clients that split events on ``\\n\\n`` (inference-perf) see every event (sse-starlette's default is
+    ``\\r\\n``). A comment line (``: ping``) every 15 s keeps idle connections open."""
+    return EventSourceResponse(events, ping=15, sep="\n")
+
+
+def check_model(request: Request, model: str | None) -> None:
+    """Accept ``model`` when it is unset, a served name (``SERVED_MODEL_NAME``) or a placeholder of
+    :data:`PLACEHOLDER_MODELS`.
+
+    Raises:
+        ModelNotFound: otherwise (404 ``model_not_found``, as vLLM and OpenAI answer).
+    """
+    names = request.app.state.kvserve.model_names
+    if model and model not in names and model not in PLACEHOLDER_MODELS:
+        raise ModelNotFound(f"The model {model!r} does not exist; served: {', '.join(names)}")
 
 
 def get_service(request: Request) -> GenerationService:

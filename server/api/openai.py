@@ -16,9 +16,8 @@ import time
 import uuid
 
 from fastapi import APIRouter, Request
-from sse_starlette.sse import EventSourceResponse
 
-from server.api.common import get_service
+from server.api.common import SHUTDOWN_MESSAGE, check_model, event_stream, get_service
 from server.api.fanout import collect_all, merged, submit_all
 from server.api.openai_convert import (TokenText, chat_logprobs, chat_requests, completion_logprobs,
                                        completion_requests, finish, prompt_entries, token_entries)
@@ -27,10 +26,11 @@ from server.api.openai_schemas import (ChatChoice, ChatChunk, ChatChunkChoice, C
                                        CompletionResponse, ModelCard, ModelList, OpenAIError, Usage)
 from server.api.types import sse_schema
 from server.engine.sequence import FinishReason, TokenEvent
-from server.service import InvalidRequest
+from server.errors import NotReady
+from server.service import SHUTDOWN_FINISH_REASON, InvalidRequest
 
 router = APIRouter(prefix="/v1", tags=["OpenAI"])
-ERRORS = {code: {"model": OpenAIError} for code in (400, 401, 422, 429, 503)}
+ERRORS = {code: {"model": OpenAIError} for code in (400, 401, 404, 422, 429, 503)}
 DONE = {"type": "string", "enum": ["[DONE]"]}
 
 
@@ -45,9 +45,12 @@ def _usage(seqs, counted_prompts, echo_only: bool = False) -> Usage:
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
-def _check(events: list[TokenEvent]) -> TokenEvent:
-    """The last event of a finished generation; raise for a failed or cancelled one."""
+def _check(events: list[TokenEvent], service) -> TokenEvent:
+    """The last event of a finished generation; raise for a failed or cancelled one (503 when the shutdown ended
+    it: another replica can answer)."""
     last = events[-1] if events else None
+    if last is not None and service.is_shutdown_end(last):
+        raise NotReady(SHUTDOWN_MESSAGE)
     if last is None or last.finish_reason == FinishReason.CANCELLED:
         raise InvalidRequest("client closed request")
     if last.finish_reason == FinishReason.ERROR:
@@ -81,6 +84,7 @@ async def models(request: Request) -> ModelList:
 async def completions(body: CompletionRequest, request: Request):
     """Text completion; ``stream: true`` answers SSE chunks ending with ``data: [DONE]``."""
     service = get_service(request)
+    check_model(request, body.model)
     prompts, reqs, echo_only = completion_requests(body, service)
     per_prompt = len(reqs) // len(prompts)
     started = await submit_all(service, reqs, request.receive)
@@ -100,7 +104,7 @@ async def completions(body: CompletionRequest, request: Request):
 
     if not body.stream:
         results = await collect_all(started)
-        lasts = [_check(events) for events in results]
+        lasts = [_check(events, service) for events in results]
         choices = []
         for i in range(len(prompts)):
             ks = list(range(i * per_prompt, (i + 1) * per_prompt))
@@ -129,6 +133,9 @@ async def completions(body: CompletionRequest, request: Request):
         pending = [[] for _ in seqs]  # token entries not sent yet (their text is held back)
         echoed = [not body.echo] * len(seqs)
         async for k, ev in merged(started):
+            if service.is_shutdown_end(ev):
+                yield chunk(k, "", SHUTDOWN_FINISH_REASON, [], offsets[k])
+                continue
             if ev.finish_reason == FinishReason.CANCELLED:
                 return
             if ev.finish_reason == FinishReason.ERROR:
@@ -153,13 +160,14 @@ async def completions(body: CompletionRequest, request: Request):
                                               usage=_usage(seqs, firsts, echo_only)).model_dump_json()}
         yield {"data": "[DONE]"}
 
-    return EventSourceResponse(stream(), ping=15)
+    return event_stream(stream())
 
 
 @router.post("/chat/completions", response_model=ChatResponse, responses=_sse(ChatChunk))
 async def chat_completions(body: ChatRequest, request: Request):
     """Chat completion; ``stream: true`` answers ``chat.completion.chunk`` events ending with ``[DONE]``."""
     service = get_service(request)
+    check_model(request, body.model)
     reqs = chat_requests(body, service)
     started = await submit_all(service, reqs, request.receive)
     seqs = [seq for seq, _ in started]
@@ -169,7 +177,7 @@ async def chat_completions(body: ChatRequest, request: Request):
         results = await collect_all(started)
         choices = []
         for k, events in enumerate(results):
-            last = _check(events)
+            last = _check(events, service)
             logprobs = chat_logprobs(token_entries(events), text) if body.logprobs else None
             choices.append(ChatChoice(index=k, message=ChatResponseMessage(content=last.generated_text or ""),
                                       finish_reason=finish(last.finish_reason), logprobs=logprobs))
@@ -187,6 +195,9 @@ async def chat_completions(body: ChatRequest, request: Request):
         for k in range(len(seqs)):
             yield chunk(k, ChatDelta(role="assistant", content=""))
         async for k, ev in merged(started):
+            if service.is_shutdown_end(ev):
+                yield chunk(k, ChatDelta(), SHUTDOWN_FINISH_REASON)
+                continue
             if ev.finish_reason == FinishReason.CANCELLED:
                 return
             if ev.finish_reason == FinishReason.ERROR:
@@ -203,4 +214,4 @@ async def chat_completions(body: ChatRequest, request: Request):
                                      usage=_usage(seqs, seqs[:1])).model_dump_json()}
         yield {"data": "[DONE]"}
 
-    return EventSourceResponse(stream(), ping=15)
+    return event_stream(stream())

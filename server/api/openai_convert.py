@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import secrets
 
-from server.api.openai_schemas import (ChatLogprobs, ChatRequest, CompletionLogprobs, CompletionRequest,
+from server.api.openai_schemas import (ChatLogprobs, ChatMessage, ChatRequest, CompletionLogprobs, CompletionRequest,
                                        TokenLogprob, TopLogprob, _Sampling)
 from server.api.validation import refuse_unimplemented
 from server.engine.sampling import SamplingParams
 from server.engine.sequence import FinishReason, Sequence, TokenEvent
-from server.service import GenerationRequest, GenerationService, InvalidRequest
+from server.service import MAX_SEQUENCES_PER_REQUEST, GenerationRequest, GenerationService, InvalidRequest
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
-MAX_SEQUENCES = 64
+MAX_SEQUENCES = MAX_SEQUENCES_PER_REQUEST
+MAX_LOGIT_BIAS = 300
+"""Most ``logit_bias`` entries per request (each costs work at every sampling step)."""
 """Most generations one request may start (prompts x ``best_of`` or ``n``)."""
 ROLE_NAMES = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant", "tool": "Tool"}
 FIELDS = {"inputs": "prompt", "max_new_tokens": "max_tokens", "stop": "stop", "kv_backend": "kv_backend"}
@@ -26,18 +28,32 @@ def finish(reason: FinishReason | None) -> str | None:
 
 
 def _logit_bias(body: _Sampling, vocab: int) -> tuple[tuple[int, float], ...]:
-    out = []
-    for key, bias in (body.logit_bias or {}).items():
+    """``logit_bias`` as ``((token id, bias), ...)``, one entry per token.
+
+    Raises:
+        InvalidRequest: more than :data:`MAX_LOGIT_BIAS` entries, a key that is not a token id of the
+            vocabulary, two keys naming the same token (``"433"`` and ``"+433"``: their biases would add up), or
+            a bias outside [-100, 100].
+    """
+    entries = body.logit_bias or {}
+    if len(entries) > MAX_LOGIT_BIAS:
+        raise InvalidRequest(f"`logit_bias` has {len(entries)} entries; at most {MAX_LOGIT_BIAS}", "logit_bias")
+    out: dict[int, float] = {}
+    keys: dict[int, str] = {}
+    for key, bias in entries.items():
         try:
             token = int(key)
         except ValueError:
             raise InvalidRequest(f"`logit_bias` keys must be token ids; got {key!r}", "logit_bias") from None
         if not 0 <= token < vocab:
             raise InvalidRequest(f"`logit_bias` token id {token} is outside the vocabulary [0, {vocab})", "logit_bias")
+        if token in out:
+            raise InvalidRequest(f"`logit_bias` keys {keys[token]!r} and {key!r} name the same token {token}",
+                                 "logit_bias")
         if not -100.0 <= bias <= 100.0:
             raise InvalidRequest(f"`logit_bias` values must be in [-100, 100]; got {bias}", "logit_bias")
-        out.append((token, float(bias)))
-    return tuple(out)
+        out[token], keys[token] = float(bias), key
+    return tuple(out.items())
 
 
 def sampling_params(body: _Sampling, vocab: int, top_n: int) -> list[SamplingParams]:
@@ -116,17 +132,36 @@ def completion_requests(body: CompletionRequest, service: GenerationService
     return prompts, reqs, echo_only
 
 
-def chat_prompt(tokenizer, body: ChatRequest) -> tuple[str, bool]:
-    """The prompt for a chat and whether the tokenizer should add its special tokens when encoding it.
+def check_parts(messages: list[ChatMessage], field: str = "messages") -> None:
+    """Refuse content parts other than text, naming the part.
+
+    Raises:
+        InvalidRequest: ``messages[i].content[j].type`` not ``text``.
+    """
+    for i, m in enumerate(messages):
+        for j, part in enumerate(m.content if isinstance(m.content, list) else []):
+            if part.type != "text":
+                raise InvalidRequest(f"`{field}[{i}].content[{j}].type` {part.type!r} is not supported; only "
+                                     "'text'", f"{field}[{i}].content[{j}].type")
+
+
+def chat_prompt(tokenizer, body: ChatRequest | list[ChatMessage], add_generation_prompt: bool = True
+                ) -> tuple[str, bool]:
+    """The prompt for a chat (a request or its messages) and whether the tokenizer should add its special tokens
+    when encoding it.
 
     With the tokenizer's chat template: the rendered text, ``False`` (the template writes BOS and any other
     special tokens itself; vLLM encodes it the same way). Without one: the plain template
     ``System: ...\nUser: ...\nAssistant:``, ``True`` (it writes none, so it is encoded as a completion is).
+    The bundled models carry that plain template as their chat template (their tokenizer adds no BOS, and the
+    template writes none), so both ways, and a client applying the template itself, give the same token ids.
     """
-    turns = [{"role": m.role, "content": m.text()} for m in body.messages]
+    messages = body.messages if isinstance(body, ChatRequest) else body
+    turns = [{"role": m.role, "content": m.text()} for m in messages]
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True), False
-    return "".join(f"{ROLE_NAMES[t['role']]}: {t['content']}\n" for t in turns) + "Assistant:", True
+        return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=add_generation_prompt), False
+    text = "".join(f"{ROLE_NAMES[t['role']]}: {t['content']}\n" for t in turns)
+    return text + ("Assistant:" if add_generation_prompt else ""), True
 
 
 def chat_requests(body: ChatRequest, service: GenerationService) -> list[GenerationRequest]:
@@ -135,11 +170,7 @@ def chat_requests(body: ChatRequest, service: GenerationService) -> list[Generat
     Raises:
         InvalidRequest: naming the field.
     """
-    for i, m in enumerate(body.messages):
-        for j, part in enumerate(m.content if isinstance(m.content, list) else []):
-            if part.type != "text":
-                raise InvalidRequest(f"`messages[{i}].content[{j}].type` {part.type!r} is not supported; only "
-                                     "'text'", f"messages[{i}].content[{j}].type")
+    check_parts(body.messages)
     max_tokens = body.new_tokens()
     _check_common(body, max_tokens)
     field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"

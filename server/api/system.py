@@ -12,10 +12,12 @@ router = APIRouter(tags=["system"])
 
 @router.get("/health")
 async def health(request: Request):
-    """200 once the model is loaded and the engine runs; 503 before."""
+    """200 once the model is loaded and the engine runs; 503 before, and while draining for a shutdown."""
     state = request.app.state.kvserve
     if state.service is None:
         return error_response(503, state.load_error or "model is loading", "unhealthy")
+    if state.draining:
+        return error_response(503, "server is shutting down", "unhealthy")
     return {"status": "ok"}
 
 

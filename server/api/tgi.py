@@ -14,7 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from sse_starlette.sse import EventSourceResponse
 
-from server.api.common import get_service
+from server.api.common import SHUTDOWN_MESSAGE, event_stream, get_service
 from server.api.fanout import collect_all, submit_all
 from server.api.tgi_schemas import (ErrorBody, TGIBestOfSequence, TGIDetails, TGIParameters, TGIPrefillToken,
                                     TGIRequest, TGIResponse, TGIStreamDetails, TGIStreamEvent, TGIToken)
@@ -22,8 +22,8 @@ from server.api.types import sse_schema
 from server.api.validation import refuse_unimplemented
 from server.engine.sampling import SamplingParams
 from server.engine.sequence import FinishReason, Sequence, TokenEvent
-from server.errors import error_response
-from server.service import GenerationRequest, GenerationService, InvalidRequest
+from server.errors import NotReady, error_response
+from server.service import SHUTDOWN_FINISH_REASON, GenerationRequest, GenerationService, InvalidRequest
 
 router = APIRouter(tags=["TGI"])
 
@@ -102,6 +102,8 @@ async def _generate(body: TGIRequest, request: Request):
     started = await submit_all(service, to_generation_requests(body, service), request.receive)
     results = await collect_all(started)
     for events in results:
+        if events and service.is_shutdown_end(events[-1]):
+            raise NotReady(SHUTDOWN_MESSAGE)
         if not events or events[-1].finish_reason == FinishReason.CANCELLED:
             return error_response(499, "client closed request", "cancelled")
         if (failure := _failure(events[-1])) is not None:
@@ -169,7 +171,8 @@ async def generate_stream(body: TGIRequest, request: Request):
 
     async def sse():
         async for ev in events:
-            if ev.finish_reason == FinishReason.CANCELLED:
+            shutdown = service.is_shutdown_end(ev)
+            if ev.finish_reason == FinishReason.CANCELLED and not shutdown:
                 return
             if (failure := _failure(ev)) is not None:
                 yield {"data": json.dumps(failure)}
@@ -177,9 +180,9 @@ async def generate_stream(body: TGIRequest, request: Request):
             out = TGIStreamEvent(index=ev.index, token=_token(ev), top_tokens=top(ev) if top else None)
             if ev.finish_reason is not None:
                 out.generated_text = prefix + (ev.generated_text or "")
-                out.details = TGIStreamDetails(finish_reason=ev.finish_reason.value,
+                out.details = TGIStreamDetails(finish_reason=SHUTDOWN_FINISH_REASON if shutdown else ev.finish_reason.value,
                                                generated_tokens=len(seq.output_ids), seed=_reported_seed(seq),
                                                input_length=len(seq.prompt_ids))
             yield {"data": out.model_dump_json(exclude={"top_tokens"} if top is None else None)}
 
-    return EventSourceResponse(sse(), ping=15)
+    return event_stream(sse())
