@@ -1,0 +1,198 @@
+"""The paged KV pool: stored-form batched attention equals each backend's per-sequence store, blocks are taken on
+demand and given back, preemption is invisible to the client, and a decode step's op count does not grow with
+the batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from cache_backends import ModelGeometry, create
+from cache_backends.calibration import calibration_ids
+from cache_backends.paged import PageLayout, SeqBlocks
+from cache_backends.pool import KVPool
+from server.engine.block_manager import BlockManager
+from server.engine.runner import ModelRunner
+from server.engine.sampling import SamplingParams
+from tests.precision import LOGIT_FACTOR
+from tests.engine_helpers import make_engine, make_seq, reference_greedy, run_all
+
+SPECS = [("full", {}), ("int8", {}), ("gqa", {"groups": 2}), ("gqa+int8", {"groups": 2}), ("mla", {"rank": 64}),
+         ("mla+int8", {"rank": 64})]
+TEXTS = ["And God said, Let there be light: and there was light. And God saw the light, that it was good",
+         "In the beginning God created the heaven and the earth. And the earth was without form, and void",
+         "The LORD is my shepherd; I shall not want."]
+
+
+class PagedDriver:
+    """Drives :meth:`ModelRunner.run_paged` for one backend over a private pool (no engine)."""
+
+    def __init__(self, model, backend, pages: int = 300, block_size: int = 16):
+        g, dtype = backend.geometry, next(model.parameters()).dtype
+        streams, quantize = backend.paged_streams(), backend.paged_quantize()
+        page = PageLayout.natural_page_bytes(streams, g.num_layers, dtype, block_size, quantize)
+        self.layout = PageLayout(streams, g.num_layers, dtype, page, quantize)
+        self.pool = KVPool(pages, page, {backend.name: self.layout}, next(model.parameters()).device)
+        self.manager = BlockManager(pages)
+        self.runner = ModelRunner(model, g.num_layers, self.pool)
+        self.backend = backend
+
+    def step(self, rows: list[SeqBlocks], ids: list[list[int]]) -> torch.Tensor:
+        plans, new = [], []
+        for blocks, row_ids in zip(rows, ids):
+            plan = self.layout.plan(blocks, len(row_ids))
+            pages = self.manager.allocate(plan.pages_needed)
+            self.layout.extend(blocks, plan, pages[: plan.new_exact_pages], pages[plan.new_exact_pages:])
+            plans.append(plan)
+            new += pages
+        logits = self.runner.run_paged(ids, [(self.backend, list(range(len(rows))), list(zip(rows, plans)))], [], new)
+        for blocks, plan in zip(rows, plans):
+            self.manager.free(self.layout.commit(blocks, plan))
+        return logits
+
+
+def _backend(model, tok, name, options):
+    geometry = ModelGeometry.from_config(model.config, next(model.parameters()).dtype)
+    backend = create(name, geometry, **options)
+    backend.prepare(model, calibration_ids(model, tok, max_tokens=4096))
+    return backend
+
+
+@pytest.mark.value
+@pytest.mark.parametrize("name,options", SPECS, ids=[s[0] for s in SPECS])
+def test_paged_batch_matches_the_backends_per_sequence_store(value_model, precision, name, options):
+    """Prefill in chunks, then 56 batched decode steps (int8 tiers drain groups on the way): every row's logits
+    equal those of the backend's per-sequence store (its identity tests: tests/test_backends.py)."""
+    model, tok = value_model
+    backend = _backend(model, tok, name, options)
+    driver = PagedDriver(model, backend)
+    prompts = [tok.encode(t) for t in TEXTS]
+    rows, refs = [SeqBlocks() for _ in prompts], [backend.new_store() for _ in prompts]
+    for blocks, store, ids in zip(rows, refs, prompts):
+        driver.step([blocks], [ids[:7]])
+        paged = driver.step([blocks], [ids[7:]])
+        ref = driver.runner.prefill(ids, store)
+        precision.assert_close(paged[0], ref[-1], what=f"{name} prefill")
+    last = [ids[-1] for ids in prompts]
+    # Each path quantizes the K/V its own forward produced; those differ by a few eps, and a value that sits on a
+    # rounding boundary then gets codes one step apart in the two stores. That moves later logits by more than
+    # one forward's rounding, so int8 tiers are compared at 4x the logit factor (measured: up to 1.1x).
+    factor = LOGIT_FACTOR * (4 if backend.paged_quantize() else 1)
+    for step in range(56):
+        paged = driver.step(rows, [[t] for t in last])
+        ref = driver.runner.decode(last, refs)
+        precision.assert_close(paged, ref, factor, what=f"{name} decode step {step}")
+        last = ref.argmax(-1).tolist()
+    assert [b.tokens for b in rows] == [len(p) + 56 for p in prompts]
+    if backend.paged_quantize():
+        assert all(b.q_len > 0 for b in rows)  # the int8 tier was exercised
+        assert all(b.exact_len < 64 for b in rows)  # the exact tier is the residual window only
+
+
+def test_blocks_are_taken_on_demand_and_given_back(ref_model):
+    model, tok = ref_model
+    engine = make_engine(model, tok, budget=64 * 262144)  # 64 blocks of 16 full-precision tokens
+    seq = make_seq(tok, "And God said", 300)  # 4 prompt tokens; reserving 304 tokens would take 19 blocks
+    engine.submit(seq)
+    engine.step()
+    assert engine.kv.held(seq) == 1 and engine.kv_bytes() == engine.kv.page_bytes
+    for _ in range(13):
+        engine.step()
+    assert seq.store.num_tokens() == 17 and engine.kv.held(seq) == 2  # a second block when the first filled
+    seq.cancel()
+    engine.step()
+    assert engine.kv_bytes() == 0 and engine.kv.blocks.num_free == engine.kv.blocks.usable_pages
+
+
+def test_int8_window_pages_are_returned_as_groups_quantize(ref_model):
+    """An int8 sequence holds its quantized pages plus only the exact pages of its residual window."""
+    model, tok = ref_model
+    engine = make_engine(model, tok, "int8")
+    layout = engine.kv.layouts["int8"]
+    seq = make_seq(tok, " ".join(["And God said"] * 80), 4, backend="int8")
+    engine.submit(seq)
+    while seq.prefilled < len(seq.prompt_ids):
+        engine.step()
+    blocks = seq.blocks
+    assert blocks.exact_len < 32 + 32 and blocks.q_len % 32 == 0
+    assert len(blocks.exact) <= -(-(blocks.start + blocks.exact_len) // layout.exact_tokens)
+    assert seq.store.nbytes() == layout.stored_bytes(blocks)
+    assert engine.kv_bytes() == len(blocks.pages()) * engine.kv.page_bytes
+
+
+def test_a_request_that_can_never_fit_the_pool_is_refused(ref_model):
+    model, tok = ref_model
+    engine = make_engine(model, tok, budget=8 * 262144)
+    with pytest.raises(ValueError, match="KV blocks"):
+        engine.submit(make_seq(tok, "And God said", 200))
+
+
+@pytest.mark.value
+def test_preemption_is_invisible_to_the_client(value_model, precision):
+    """Four streams under a pool too small for them all: sequences are preempted and recomputed, yet each stream
+    gets every index once, in order, and the greedy tokens of generate()."""
+    model, tok = value_model
+    engine = make_engine(model, tok, budget=12 * 262144 // (4 // next(model.parameters()).element_size()),
+                         max_batch_size=4)
+    prompts = ["And God said", "The LORD is my shepherd", "In the beginning", "Blessed are the"]
+    events = [[] for _ in prompts]
+    seqs = [make_seq(tok, p, 60, events=ev) for p, ev in zip(prompts, events)]
+    run_all(engine, seqs)
+    assert sum(s.preemptions for s in seqs) > 0
+    for prompt, seq, ev in zip(prompts, seqs, events):
+        assert [e.index for e in ev] == list(range(60)) and ev[-1].finish_reason is not None
+        precision.assert_greedy_agrees(model, tok.encode(prompt), seq.output_ids,
+                                       reference_greedy(model, tok, prompt, 60))
+    assert engine.kv.blocks.num_free == engine.kv.blocks.usable_pages
+
+
+def test_mixed_backends_share_the_pool_and_one_forward(ref_model):
+    """full and int8 sequences decode in one forward; each row gets what it gets alone."""
+    from server.engine.setup import build_engine
+
+    model, tok = ref_model
+    g = ModelGeometry.from_config(model.config, torch.float32)
+    backends = {"full": create("full", g), "int8": create("int8", g)}
+    params = SamplingParams()
+
+    def run(names):
+        engine = build_engine(model, tok, {n: backends[n] for n in dict.fromkeys(names)}, {0},
+                              max_batch_size=4, budget_bytes=None, max_total_tokens=1024)
+        seqs = [make_seq(tok, p, 30, backend=n, params=params) for p, n in zip(TEXTS, names)]
+        run_all(engine, seqs)
+        return [s.output_ids for s in seqs]
+
+    mixed = run(["full", "int8", "full"])
+    assert mixed[0] == run(["full"])[0] and mixed[1] == run(["full", "int8"])[1]
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the aten ops that compute (views, which only relabel a tensor's shape, are not counted: the model's
+    own reshapes differ at batch 1)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += not func.is_view
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name,options", [("full", {}), ("int8", {}), ("mla+int8", {"rank": 64})],
+                         ids=["full", "int8", "mla+int8"])
+def test_a_decode_steps_op_count_does_not_grow_with_the_batch(ref_model, name, options):
+    model, tok = ref_model
+    backend = _backend(model, tok, name, options)
+    counts = {}
+    for batch in (1, 4, 8):
+        driver = PagedDriver(model, backend, pages=400)
+        ids = tok.encode(TEXTS[0])[:20]
+        rows = [SeqBlocks() for _ in range(batch)]
+        driver.step(rows, [ids] * batch)
+        driver.step(rows, [[ids[0]]] * batch)
+        with _OpCounter() as counter:
+            driver.step(rows, [[ids[1]]] * batch)
+        counts[batch] = counter.count
+    assert counts[1] == counts[4] == counts[8], counts
