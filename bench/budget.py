@@ -52,29 +52,56 @@ def make_backend(spec: str, model, tokenizer):
     return backend
 
 
+class OpCounter:
+    """Counts the aten ops a block of code runs (views, which only relabel a shape, are not counted): how many
+    torch calls one decode step makes, whatever they cost."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                counter.count += not func.is_view
+                return func(*args, **(kwargs or {}))
+
+        self.count, self.mode = 0, Mode()
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
+def new_engine(model, tokenizer, backend, streams: int, budget: int | None, chunk: int | None = 256):
+    """The server's engine (pool, scheduler, runner) for ``backend`` alone, in-process."""
+    from server.engine.setup import build_engine
+
+    return build_engine(model, tokenizer, {backend.name: backend}, set(), max_batch_size=streams,
+                        budget_bytes=budget, max_total_tokens=model.config.max_position_embeddings,
+                        prefill_chunk_tokens=chunk, max_concurrent_requests=max(streams, 1))
+
+
 def budget_run(model, tokenizer, backend, prompts: list[list[int]], new_tokens: int, budget: int,
                chunk: int) -> dict:
     """Serve ``prompts`` concurrently under ``budget`` KV bytes; return the measured figures."""
-    from server.engine.engine import Engine
-    from server.engine.runner import ModelRunner
     from server.engine.sampling import SamplingParams
-    from server.engine.scheduler import Scheduler
     from server.engine.sequence import Sequence
 
-    g = backend.geometry
-    runner = ModelRunner(model, g.num_layers)
+    engine = new_engine(model, tokenizer, backend, len(prompts), budget, chunk)
     decode_time = [0.0]
-    decode = runner.decode
+    run_decode = engine._run_decode
 
-    def timed_decode(ids, stores):
+    def timed_decode(batch, reserved):
         t = time.perf_counter()
-        out = decode(ids, stores)
+        out = run_decode(batch, reserved)
         decode_time[0] += time.perf_counter() - t
         return out
 
-    runner.decode = timed_decode
-    engine = Engine(runner, {backend.name: backend}, tokenizer, set(),
-                    Scheduler(len(prompts), budget, {backend.name: backend.reserved_bytes}, chunk), len(prompts))
+    engine._run_decode = timed_decode
     seqs = [Sequence(request_id=str(i), prompt_ids=p, max_new_tokens=new_tokens, params=SamplingParams(), stop=[],
                      emit=lambda e: None, backend_name=backend.name) for i, p in enumerate(prompts)]
     t0 = time.perf_counter()
@@ -96,31 +123,41 @@ def budget_run(model, tokenizer, backend, prompts: list[list[int]], new_tokens: 
             "tpot_p50_s": percentile(tpot, 0.5), "tpot_p95_s": percentile(tpot, 0.95),
             "wall_s": wall, "generated_tokens": generated, "most_running": most_running,
             "peak_kv_allocated_bytes": peak, "peak_kv_used_bytes": peak_used, "budget_bytes": budget,
-            "within_budget": peak <= budget, "reserved_bytes_per_stream": backend.reserved_bytes(
-                len(prompts[0]) + new_tokens),
+            "pool_bytes": engine.kv.num_pages * engine.kv.page_bytes, "page_bytes": engine.kv.page_bytes,
+            "within_budget": peak <= budget, "preemptions": sum(s.preemptions for s in seqs),
+            "decode_share_of_wall": decode_time[0] / wall,
             "finished": sum(s.finish_reason is not None and s.finish_reason.value == "length" for s in seqs)}
 
 
 @torch.inference_mode()
-def step_time(model, backend, ids: list[int], context: int, batch: int, steps: int) -> float:
-    """Median seconds of one batched decode step with ``batch`` sequences of ``context`` cached tokens."""
-    from server.engine.runner import ModelRunner
+def step_time(model, tokenizer, backend, ids: list[int], context: int, batch: int, steps: int, ops: bool = False):
+    """Median seconds of one engine decode step (forward, sampling, bookkeeping) with ``batch`` sequences of
+    ``context`` cached tokens; with ``ops``, also the aten op count of one such step: ``(seconds, ops)``."""
+    from server.engine.sampling import SamplingParams
+    from server.engine.sequence import Sequence
 
-    runner = ModelRunner(model, backend.geometry.num_layers)
-    stores = []
-    for b in range(batch):
-        store = backend.new_store()
-        runner.prefill(ids[b * 97 : b * 97 + context], store)
-        stores.append(store)
-    last = [ids[b * 97 + context] for b in range(batch)]
+    engine = new_engine(model, tokenizer, backend, batch, None, chunk=None)
+    seqs = [Sequence(request_id=str(b), prompt_ids=ids[b * 97 : b * 97 + context], max_new_tokens=steps + 4,
+                     params=SamplingParams(), stop=[], emit=lambda e: None, backend_name=backend.name)
+            for b in range(batch)]
+    for s in seqs:
+        engine.submit(s)
+    engine.step()  # prefill every prompt whole, and the first decode step (one-off allocations)
     times = []
-    for _ in range(steps + 1):
+    for _ in range(steps):
         t = time.perf_counter()
-        runner.decode(last, stores)
+        engine.step()
         times.append(time.perf_counter() - t)
-    for s in stores:
-        s.release()
-    return statistics.median(times[1:])  # the first step includes one-off allocations
+    count = None
+    if ops:
+        with OpCounter() as counter:
+            engine.step()
+        count = counter.count
+    for s in seqs:
+        s.cancel()
+    engine.step()
+    median = statistics.median(times)
+    return (median, count) if ops else median
 
 
 def perplexity_change(model, backend, full_ppl: float | None, ids: list[int]) -> tuple[float, float | None]:
@@ -174,15 +211,29 @@ def table(results: list[dict], args) -> str:
              f"KV budget {results[0]['budget_bytes']} bytes ({args.budget_seqs} x {args.context} tokens of full). "
              f"Command: `python -m bench.budget`.", "",
              "| backend | output tok/s | vs full | decode tok/s | TTFT p50 / p95 (s) | TPOT p50 / p95 (ms) | "
-             "streams at once | peak KV allocated / budget | held-out ppl (Δ vs full) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "streams at once | preemptions | peak KV held / budget | held-out ppl (Δ vs full) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     base = results[0]["output_tokens_per_s"]
     for r in results:
         ppl = "" if r.get("ppl") is None else f"{r['ppl']:.2f} ({r['ppl_change_pct']:+.2f}%)"
         lines.append(f"| {r['spec']} | {r['output_tokens_per_s']:.0f} | {r['output_tokens_per_s'] / base:.2f}x | "
                      f"{r['decode_tokens_per_s']:.0f} | {r['ttft_p50_s']:.2f} / {r['ttft_p95_s']:.2f} | "
                      f"{1e3 * r['tpot_p50_s']:.1f} / {1e3 * r['tpot_p95_s']:.1f} | {r['most_running']} | "
-                     f"{r['peak_kv_allocated_bytes'] / r['budget_bytes']:.2f} | {ppl} |")
+                     f"{r['preemptions']} | {r['peak_kv_allocated_bytes'] / r['budget_bytes']:.2f} | {ppl} |")
+    return "\n".join(lines) + "\n"
+
+
+def scaling_table(scaling: dict) -> str:
+    """One engine decode step (median ms) and its aten op count at 512 cached tokens, by batch size."""
+    if not scaling:
+        return ""
+    batches = list(next(iter(scaling.values()))["batch"])
+    lines = ["", "One decode step at 512 cached tokens per sequence (engine step: forward, sampling, bookkeeping; "
+             "median ms) and its aten op count (views not counted), by batch size:", "",
+             "| backend | " + " | ".join(f"batch {b}: ms / ops" for b in batches) + " |",
+             "|---|" + "---|" * len(batches)]
+    for spec, s in scaling.items():
+        lines.append(f"| {spec} | " + " | ".join(f"{1e3 * s['batch'][b]:.1f} / {s['ops'][b]}" for b in batches) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -235,17 +286,18 @@ def main(argv: list[str] | None = None) -> int:
             full_ppl = full_ppl or r["ppl"]
             r["ppl_change_pct"] = r["ppl_change_pct"] or 0.0
         if not args.no_scaling:
+            batch = {b: step_time(model, tokenizer, backend, ids, 512, b, args.steps, ops=True) for b in (1, 4, 16)}
             scaling[r["spec"]] = {
-                "context": {c: step_time(model, backend, ids, c, 1, args.steps) for c in (128, 256, 512, 1024 - 16)},
-                "batch": {b: step_time(model, backend, ids, 512, b, args.steps) for b in (1, 2, 4, 8, 16)}}
+                "context": {c: step_time(model, tokenizer, backend, ids, c, 1, args.steps) for c in (128, 512, 1024 - 16)},
+                "batch": {b: t for b, (t, _) in batch.items()}, "ops": {b: n for b, (_, n) in batch.items()}}
         results.append(r)
         print(f"{r['spec']}: {r['output_tokens_per_s']:.0f} tok/s, peak KV {r['peak_kv_allocated_bytes']} / {budget}",
               file=sys.stderr)
     (out / "budget.json").write_text(json.dumps({"args": vars(args), "results": results, "scaling": scaling},
                                                 indent=1))
-    (out / "budget.md").write_text(table(results, args))
+    (out / "budget.md").write_text(table(results, args) + scaling_table(scaling))
     plots(results, scaling, out)
-    print(table(results, args))
+    print(table(results, args) + scaling_table(scaling))
     return 0 if all(r["within_budget"] for r in results) else 1
 
 

@@ -83,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         r = {"route": route, "model": path.name, "spec": spec,
              "bytes_per_token": backend.bytes_per_token_per_layer(1024) * backend.geometry.num_layers,
              "ppl": cache_path_perplexity(model, backend, ids, max_windows=args.windows),
-             "tpot_512_s": step_time(model, backend, ids, 512, 1, args.steps),
-             "tpot_1008_s": step_time(model, backend, ids, 1008, 1, args.steps)}
+             "tpot_512_s": step_time(model, tokenizer, backend, ids, 512, 1, args.steps),
+             "tpot_1008_s": step_time(model, tokenizer, backend, ids, 1008, 1, args.steps)}
         r.update(budget_run(model, tokenizer, backend, prompts, args.new_tokens, budget, 256))
         rows.append(r)
         print(json.dumps({k: v for k, v in r.items() if not isinstance(v, list)}), file=sys.stderr, flush=True)

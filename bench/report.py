@@ -46,14 +46,11 @@ QUICK = {"windows": 2, "prefix": 768, "prompts": 4, "new_tokens": 32, "stream_to
 
 def engine_throughput(model, tokenizer, backend, streams: int, new_tokens: int) -> float:
     """Aggregate decode tokens/s of the engine (in-process) with ``streams`` concurrent greedy sequences."""
-    from server.engine.engine import Engine
+    from bench.budget import new_engine
     from server.engine.sampling import SamplingParams
-    from server.engine.scheduler import Scheduler
     from server.engine.sequence import Sequence
 
-    g = backend.geometry
-    engine = Engine(ModelRunner(model, g.num_layers), {backend.name: backend}, tokenizer, set(),
-                    Scheduler(streams, None, {backend.name: backend.reserved_bytes}), streams)
+    engine = new_engine(model, tokenizer, backend, streams, None)
     seqs = [Sequence(request_id=str(i), prompt_ids=tokenizer.encode(f"And the word of the LORD came {i}"),
                      max_new_tokens=new_tokens, params=SamplingParams(), stop=[], emit=lambda e: None,
                      backend_name=backend.name) for i in range(streams)]

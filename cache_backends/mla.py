@@ -214,7 +214,7 @@ def absorbed_attention(query: torch.Tensor, latent: StreamRead, rope_key: Stream
 
     Args:
         query: (B, H, n, nope + rope) after RoPE.
-        latent, rope_key: the gathered streams, (B, 1, T, kv_lora_rank) and (B, 1, T, qk_rope_head_dim).
+        latent, rope_key: the gathered streams, (1, B, T, kv_lora_rank) and (1, B, T, qk_rope_head_dim).
         attention: the model's attention module (``kv_b_proj``, ``qk_nope_head_dim``, ``v_head_dim``).
 
     Returns:
@@ -223,12 +223,12 @@ def absorbed_attention(query: torch.Tensor, latent: StreamRead, rope_key: Stream
     a = attention
     nope, (b, h, n, _) = a.qk_nope_head_dim, query.shape
     w = a.kv_b_proj.weight.view(h, nope + a.v_head_dim, -1)  # (H, nope + v, r)
-    q_latent = torch.einsum("bhnc,hcr->bhnr", query[..., :nope], w[:, :nope]).reshape(b, 1, h * n, -1)
-    q_rope = query[..., nope:].reshape(b, 1, h * n, -1)
-    scores = latent.dot(q_latent) + rope_key.dot(q_rope)  # (B, 1, H * n, T)
-    mask = meta.mask[:, None].expand(b, h, n, -1).reshape(b, 1, h * n, -1)
+    q_latent = torch.einsum("bhnc,hcr->bhnr", query[..., :nope], w[:, :nope]).reshape(1, b, h * n, -1)
+    q_rope = query[..., nope:].reshape(1, b, h * n, -1)
+    scores = latent.dot(q_latent) + rope_key.dot(q_rope)  # (1, B, H * n, T)
+    mask = meta.mask[None, :, None].expand(1, b, h, n, -1).reshape(1, b, h * n, -1)
     probs = masked_softmax(scores, mask, scaling)
-    mixed = latent.weighted_sum(probs).reshape(b, h, n, -1)  # (B, H, n, r)
+    mixed = latent.weighted_sum(probs)[0].reshape(b, h, n, -1)  # (B, H, n, r)
     return mixed @ w[:, nope:].transpose(1, 2)  # W_UV applied after attention
 
 
@@ -388,13 +388,13 @@ class MLABackend(KVBackend):
             return absorbed_attention(query, reads[0], reads[1], meta, scaling, module)
         g, p = self.geometry, self.bases[layer]
         h, d, b, hq = g.num_key_value_heads, g.head_dim, query.shape[0], query.shape[1]
-        latent = reads[0].read()[:, 0]  # (B, T, r)
+        latent = reads[0].read()[0]  # (B, T, r)
         keys = latent @ p.basis[: h * d].to(latent.dtype).T + p.mean[: h * d].to(latent.dtype)
         keys = self.rope.apply_at(keys.reshape(b, -1, h, d).transpose(1, 2), meta.positions)  # (B, H, T, d)
         q = grouped_rows(query, h)  # (B, H, rep * n, d)
         probs = masked_softmax(q @ keys.transpose(-1, -2), group_mask(meta.mask, hq // h), scaling)
         rows = q.shape[2]
-        mixed = reads[0].weighted_sum(probs.reshape(b, 1, h * rows, -1)).reshape(b, h, rows, -1)  # (B, H, rows, r)
+        mixed = reads[0].weighted_sum(probs.reshape(1, b, h * rows, -1))[0].reshape(b, h, rows, -1)  # (B, H, rows, r)
         value_up = p.basis[h * d :].reshape(h, d, -1).transpose(1, 2)  # (H, r, d)
         value_mean = p.mean[h * d :].reshape(h, 1, d)
         return ungroup_rows(mixed @ value_up.to(mixed.dtype) + value_mean.to(mixed.dtype), hq)

@@ -61,7 +61,8 @@ class StreamSpec:
 
 @dataclass
 class Slab:
-    """Where one tensor of one layer's stream sits in a page: ``offset`` bytes, ``(units, heads, width)``."""
+    """Where one tensor of one layer's stream sits in a page: ``offset`` bytes, laid out ``(heads, units, width)``
+    (head-major, so that gathering a batch's pages gives ``(heads, batch, tokens, width)`` with no copy)."""
 
     offset: int
     units: int
@@ -267,8 +268,8 @@ class PoolViews:
     """Typed views of one backend's slabs into the pool's byte arena (no copies).
 
     Attributes:
-        exact: ``exact[layer][stream]`` (num_pages, exact_tokens, heads, width), model dtype.
-        q: ``q[layer][stream]`` = (codes, scale, zero) views, (num_pages, units, heads, width) each.
+        exact: ``exact[layer][stream]`` (heads, num_pages, exact_tokens, width), model dtype.
+        q: ``q[layer][stream]`` = (codes, scale, zero) views, (heads, num_pages, units, width) each.
     """
 
     def __init__(self, arena: torch.Tensor, layout: PageLayout):
@@ -276,7 +277,10 @@ class PoolViews:
             typed = arena.view(slab.dtype)  # (num_pages, page_bytes / element_size)
             e = arena.shape[1] // typed.shape[1]
             n = slab.units * slab.heads * slab.width
-            return typed[:, slab.offset // e : slab.offset // e + n].view(-1, slab.units, slab.heads, slab.width)
+            pages = typed[:, slab.offset // e : slab.offset // e + n].view(-1, slab.heads, slab.units * slab.width)
+            view = pages.view(-1, slab.heads, slab.units, slab.width).transpose(0, 1)  # (heads, num_pages, units, w)
+            view.runs = pages.transpose(0, 1)  # (heads, num_pages, units * width): one contiguous run per page
+            return view
 
         self.layout = layout
         self.exact = [[view(s) for s in row] for row in layout.exact_slabs]
@@ -358,11 +362,12 @@ class StepMeta:
 
 
 class StreamRead:
-    """One layer's stream for a step's batch, gathered from the pool into a padded batch (stored form).
+    """One layer's stream for a step's batch, gathered from the pool into a padded batch (stored form), heads
+    first: every method takes and returns ``(heads, B, ...)`` tensors.
 
     Attributes:
-        exact: (B, heads, Te, width) in the model dtype.
-        codes, scale, zero: the quantized tier (B, heads, Tq, width) int8 and its scales, or ``None``.
+        exact: (heads, B, Te, width) in the model dtype.
+        codes, scale, zero: the quantized tier (heads, B, Tq, width) int8 and its scales, or ``None``.
     """
 
     def __init__(self, exact: torch.Tensor, q: tuple | None, axis: str, group_size: int):
@@ -371,7 +376,7 @@ class StreamRead:
         self.axis, self.group_size = axis, group_size
 
     def dot(self, query: torch.Tensor) -> torch.Tensor:
-        """Scores of every gathered token against ``query`` (B, heads, R, width) → (B, heads, R, Tq + Te)."""
+        """Scores of every gathered token against ``query`` (heads, B, R, width) → (heads, B, R, Tq + Te)."""
         exact = query @ self.exact.transpose(-1, -2)
         if self.codes is None or self.codes.shape[-2] == 0:
             return exact
@@ -379,7 +384,7 @@ class StreamRead:
         return torch.cat([quant, exact], dim=-1)
 
     def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
-        """``weights`` (B, heads, R, Tq + Te) times every gathered token → (B, heads, R, width)."""
+        """``weights`` (heads, B, R, Tq + Te) times every gathered token → (heads, B, R, width)."""
         if self.codes is None or self.codes.shape[-2] == 0:
             return weights @ self.exact
         tq = self.codes.shape[-2]
@@ -387,7 +392,7 @@ class StreamRead:
                 + weights[..., tq:] @ self.exact)
 
     def read(self) -> torch.Tensor:
-        """Every gathered token dequantized, (B, heads, Tq + Te, width) (transient)."""
+        """Every gathered token dequantized, (heads, B, Tq + Te, width) (transient)."""
         if self.codes is None or self.codes.shape[-2] == 0:
             return self.exact
         old = dequantize_codes(self.codes, self.scale, self.zero, self.axis, self.group_size)
@@ -395,10 +400,18 @@ class StreamRead:
 
 
 def _gather(view: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """(num_pages, units, heads, width) pages at ``table`` (B, P) → (B, heads, P * units, width)."""
+    """(heads, num_pages, units, width) pages at ``table`` (B, P) → (heads, B, P * units, width), contiguous.
+
+    One ``index_select`` of whole runs per head (a head's ``units x width`` block is contiguous in a page): the
+    context is copied once, straight into the heads-first layout the matmuls read (4x faster on the CPU than
+    indexing the head-first view at once, 3x faster than a page gather followed by a transpose)."""
     b, p = table.shape
-    _, units, h, w = view.shape
-    return view[table].reshape(b, p * units, h, w).transpose(1, 2)
+    h, _, units, w = view.shape
+    index = table.reshape(-1)
+    out = view.new_empty(h, b * p, units * w)
+    for head in range(h):  # a fixed count per stream: it does not grow with the batch
+        torch.index_select(view.runs[head], 0, index, out=out[head])
+    return out.view(h, b, p * units, w)
 
 
 def write_layer(views: PoolViews, layer: int, meta: StepMeta, new: list[torch.Tensor]) -> None:
@@ -410,24 +423,25 @@ def write_layer(views: PoolViews, layer: int, meta: StepMeta, new: list[torch.Te
     layout = views.layout
     for s, x in enumerate(new):
         pool = views.exact[layer][s]
-        pool[meta.write_pages, meta.write_slots] = x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[-1]).to(pool.dtype)
+        h, w = x.shape[1], x.shape[-1]
+        pool[:, meta.write_pages, meta.write_slots] = x.transpose(0, 1).reshape(h, -1, w).to(pool.dtype)  # (h, B*n, w)
     if not meta.drained:
         return
     g = layout.quantize["group_size"]
     for s, spec in enumerate(layout.streams):
-        src = views.exact[layer][s][meta.drain_src]  # (N, heads, width), N = groups * g
+        src = views.exact[layer][s][:, meta.drain_src[0], meta.drain_src[1]]  # (heads, N, width), N = groups * g
         codes_v, scale_v, zero_v = views.q[layer][s]
+        dst, grp = (slice(None), *meta.drain_dst), (slice(None), *meta.drain_grp)
         if spec.axis == "channel":
-            grouped = src.reshape(-1, g, spec.heads, spec.width)
-            q, scale, zero = quantize(grouped, dim=1)  # per group, head and channel
-            codes_v[meta.drain_dst] = q.reshape(src.shape)
-            scale_v[meta.drain_grp] = scale[:, 0]
-            zero_v[meta.drain_grp] = zero[:, 0]
+            q, scale, zero = quantize(src.reshape(spec.heads, -1, g, spec.width), dim=2)  # per head, group, channel
+            codes_v[dst] = q.reshape(src.shape)
+            scale_v[grp] = scale[:, :, 0]
+            zero_v[grp] = zero[:, :, 0]
         else:
-            q, scale, zero = quantize(src, dim=-1)  # per token and head
-            codes_v[meta.drain_dst] = q
-            scale_v[meta.drain_dst] = scale
-            zero_v[meta.drain_dst] = zero
+            q, scale, zero = quantize(src, dim=-1)  # per head and token
+            codes_v[dst] = q
+            scale_v[dst] = scale
+            zero_v[dst] = zero
 
 
 def read_layer(views: PoolViews, layer: int, meta: StepMeta) -> list[StreamRead]:
@@ -480,14 +494,14 @@ def attend_pair(query: torch.Tensor, keys: StreamRead, values: StreamRead, meta:
     Returns:
         (B, Hq, R, dv).
     """
-    hq, h = query.shape[1], keys.exact.shape[1]
+    hq, h = query.shape[1], keys.exact.shape[0]
     rep = hq // h
-    q = grouped_rows(query, h)  # (B, H, rep * R, d)
-    mask = group_mask(meta.mask, rep)
+    q = grouped_rows(query, h).transpose(0, 1)  # (H, B, rep * R, d): the gathered streams' order
+    mask = group_mask(meta.mask, rep).transpose(0, 1)  # (1, B, rep * R, T)
     if keys.codes is None and values.codes is None:
         out = torch.nn.functional.scaled_dot_product_attention(q, keys.exact, values.exact, attn_mask=mask,
                                                                scale=scaling)
     else:
         probs = masked_softmax(keys.dot(q), mask, scaling)
         out = values.weighted_sum(probs)
-    return ungroup_rows(out, hq)
+    return ungroup_rows(out.transpose(0, 1), hq)
