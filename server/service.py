@@ -118,6 +118,9 @@ class GenerationRequest:
     fields: dict[str, str] | None = None
     """The route's names for ``inputs``, ``max_new_tokens``, ``stop`` and ``kv_backend`` in error messages."""
     add_special_tokens: bool = True
+    group: str | None = None
+    """The HTTP request this generation belongs to (one of its ``n`` / ``best_of`` / prompt-list generations):
+    the scheduler caps one request's share of the batch while others wait."""
     """Let the tokenizer add its special tokens (BOS) to a string prompt. False for a prompt rendered from a
     chat template, which writes them itself (vLLM's rule for chat): encoding it with them again would start
     a Llama-style prompt with two BOS tokens."""
@@ -248,7 +251,7 @@ class GenerationService:
                                  f"{lim.max_total_tokens}, prompt {len(ids)} tokens)", inputs)
         return Sequence(request_id=uuid.uuid4().hex, prompt_ids=ids, max_new_tokens=max_new, params=req.params,
                         stop=list(req.stop), emit=emit, backend_name=req.backend,
-                        want_prompt_logprobs=req.want_prompt_logprobs)
+                        want_prompt_logprobs=req.want_prompt_logprobs, group=req.group)
 
     async def run(self, req: GenerationRequest, receive: Callable[[], Awaitable[dict]] | None = None
                   ) -> tuple[Sequence, AsyncIterator[TokenEvent]]:

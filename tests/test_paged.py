@@ -196,3 +196,29 @@ def test_a_decode_steps_op_count_does_not_grow_with_the_batch(ref_model, name, o
             driver.step(rows, [[ids[1]]] * batch)
         counts[batch] = counter.count
     assert counts[1] == counts[4] == counts[8], counts
+
+
+def test_a_wide_request_cannot_make_a_later_one_wait_for_its_whole_length(ref_model):
+    """Four generations of one request fill the batch; a later one-request sequence gets a slot within a few steps
+    (the wide request's newest generation is preempted), and every wide generation still streams every index
+    once, in order, and ends with the tokens it gets alone."""
+    model, tok = ref_model
+    engine = make_engine(model, tok, max_batch_size=4)
+    events = [[] for _ in range(4)]
+    wide = [make_seq(tok, "And God said", 80, events=ev) for ev in events]
+    for seq in wide:
+        seq.group = "wide"
+        engine.submit(seq)
+    for _ in range(3):
+        engine.step()
+    small = make_seq(tok, "The LORD is my shepherd", 3)
+    engine.submit(small)
+    steps = 0
+    while small.finish_reason is None:
+        engine.step()
+        steps += 1
+    assert steps <= 6 and sum(s.preemptions for s in wide) >= 1
+    run_all(engine, [])
+    alone = reference_greedy(model, tok, "And God said", 80)
+    for seq, ev in zip(wide, events):
+        assert [e.index for e in ev] == list(range(80)) and seq.output_ids == alone

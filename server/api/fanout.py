@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from server.engine.sequence import Sequence, TokenEvent
@@ -23,8 +24,10 @@ async def submit_all(service: GenerationService, requests: list[GenerationReques
         ``(sequence, events)`` per request, in order (see :meth:`GenerationService.run`).
     """
     started: Started = []
+    group = uuid.uuid4().hex
     try:
         for req in requests:
+            req.group = group
             started.append(await service.run(req))
     except BaseException:
         for seq, _ in started:

@@ -141,6 +141,10 @@ class Engine:
             for seq in [s for s in self.waiting if s.cancelled]:
                 self.waiting.remove(seq)
                 self._finish(seq, FinishReason.CANCELLED)
+            unfair = self.scheduler.unfair(self.waiting, self.running)
+        if unfair is not None:
+            self._preempt(unfair, at_head=False)
+        with self._lock:
             admitted = self.scheduler.admit(self.waiting, self.running)
         for seq in [s for s in self.running if s.cancelled]:
             self._finish(seq, FinishReason.CANCELLED)
@@ -176,15 +180,19 @@ class Engine:
             seq.detok = IncrementalDetokenizer(self.tokenizer, seq.stop, self.special_ids)
         self.running.append(seq)
 
-    def _preempt(self, seq: Sequence) -> None:
-        """Free every page of ``seq`` and put it back at the head of the queue; it recomputes its context
-        (prompt and generated tokens) when readmitted, and its client sees one uninterrupted stream."""
+    def _preempt(self, seq: Sequence, at_head: bool = True) -> None:
+        """Free every page of ``seq`` and put it back in the queue (at its head, or for the fair share at its
+        tail); it recomputes its context (prompt and generated tokens) when readmitted, and its client sees one
+        uninterrupted stream."""
         self.running.remove(seq)
         self._drop_kv(seq)
         seq.prefilled = 0
         seq.preemptions += 1
         with self._lock:
-            self.waiting.appendleft(seq)
+            if at_head:
+                self.waiting.appendleft(seq)
+            else:
+                self.waiting.append(seq)
         if self.recorder:
             self.recorder.preempted(seq)
         log.info("preempted %s (%d tokens) to free KV pages", seq.request_id, seq.total_tokens)

@@ -6,12 +6,17 @@ pages, less a small watermark (1% of the pool) and less what the sequences still
 Nothing is reserved for tokens not yet generated: decode takes a page when a block fills, and when none is
 free the engine preempts the most recently admitted sequence (vLLM's recompute preemption): its pages are
 freed and it goes back to the front of the queue. Admission is first come, first served; a sequence that
-does not fit waits, and those behind it wait too (nothing overtakes it, so nothing starves).
+does not fit the free pages waits, and those behind it wait too (nothing overtakes it, so nothing starves).
+
+Fair share: one HTTP request's generations (``n``, ``best_of``, a prompt list) may hold at most half the
+batch's slots while another request waits, and a request that waits with none running takes a slot from the
+request holding the most (its newest generation is preempted, and recomputed later), so one wide request
+cannot make every later one wait for its whole length.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 
 from server.engine.kv_cache import KVCacheManager
 from server.engine.sequence import Sequence
@@ -36,19 +41,44 @@ class Scheduler:
         """Whether ``seq`` could ever finish (all its tokens fit the pool on their own)."""
         return self.kv.fits_alone(seq)
 
+    def share(self, waiting: deque[Sequence], running: list[Sequence]) -> int:
+        """Most batch slots one request may hold now: half the batch while two or more requests compete."""
+        groups = {s.request_group for s in waiting} | {s.request_group for s in running}
+        return self.max_batch_size if len(groups) < 2 else max(1, self.max_batch_size // 2)
+
     def admit(self, waiting: deque[Sequence], running: list[Sequence]) -> list[Sequence]:
-        """Pop and return the waiting sequences that may start now (in arrival order)."""
+        """Remove and return the waiting sequences that may start now (in arrival order; a sequence whose request
+        holds its fair share already is passed over, and keeps its place)."""
         admitted: list[Sequence] = []
         free = self.kv.blocks.num_free - sum(self.kv.pending(s) for s in running)
         if running:
             free -= self.kv.watermark
-        while waiting and len(running) + len(admitted) < self.max_batch_size:
-            need = self.kv.admission_cost(waiting[0])
+        share, held = self.share(waiting, running), Counter(s.request_group for s in running)
+        for seq in list(waiting):
+            if len(running) + len(admitted) >= self.max_batch_size:
+                break
+            if held[seq.request_group] >= share:
+                continue
+            need = self.kv.admission_cost(seq)
             if need > free:
                 break
             free -= need
-            admitted.append(waiting.popleft())
+            held[seq.request_group] += 1
+            waiting.remove(seq)
+            admitted.append(seq)
         return admitted
+
+    def unfair(self, waiting: deque[Sequence], running: list[Sequence]) -> Sequence | None:
+        """A sequence to preempt so that a waiting request gets a slot: when the batch is full, a waiting request
+        has nothing running, and another request holds more than its share, that request's newest sequence."""
+        if len(running) < self.max_batch_size or not waiting:
+            return None
+        held = Counter(s.request_group for s in running)
+        if not any(held[s.request_group] == 0 for s in waiting):
+            return None
+        share = self.share(waiting, running)
+        over = [s for s in running if held[s.request_group] > share]
+        return over[-1] if over else None
 
     @staticmethod
     def victim(running: list[Sequence]) -> Sequence:

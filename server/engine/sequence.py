@@ -97,6 +97,12 @@ class Sequence:
     blocks: Any = None  # cache_backends.paged.SeqBlocks: its block tables, while it holds pool pages
     kv_pages: list[int] = field(default_factory=list)  # pages charged to a per-sequence store
     preemptions: int = 0  # times the engine preempted it (its KV freed, recomputed at readmission)
+    group: str | None = None  # the HTTP request it belongs to (n > 1, best_of, prompt lists); None: its own
+
+    @property
+    def request_group(self) -> str:
+        """The key the scheduler's fair share counts by: its HTTP request."""
+        return self.group or self.request_id
     want_prompt_logprobs: bool = False
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
