@@ -207,6 +207,12 @@ class PageLayout:
             out.append(row)
         return out
 
+    def used_bytes(self) -> int:
+        """Bytes of a page this backend fills (its tokens' slabs; the rest of the page is unused)."""
+        if self.quantize:
+            return self.q_bytes(self.streams, self.num_layers, self.dtype, self.quantize["group_size"], self.q_tokens)
+        return self.exact_bytes(self.streams, self.num_layers, self.dtype, self.exact_tokens)
+
     def stored_bytes(self, blocks: SeqBlocks) -> int:
         """Bytes of the tokens ``blocks`` holds in their stored form (what the closed formulas count; the
         pages it holds are :meth:`SeqBlocks.pages` x ``page_bytes``)."""

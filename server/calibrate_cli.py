@@ -63,7 +63,7 @@ def report(name: str, backend, events, seconds: float) -> list[str]:
 
 
 def main(args: argparse.Namespace) -> int:
-    from server.cli import check_backend
+    from server.backend_check import check_backend
     from server.config import ConfigError, load_settings
 
     overrides = {}
