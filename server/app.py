@@ -14,7 +14,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from server import __version__
-from server.api import openai, system, tgi
+from server.api import openai, system, tgi, ui
 from server.config import Settings
 from server.errors import install_error_handlers
 from server.middleware import BearerAuth, PayloadLimit
@@ -60,8 +60,9 @@ def create_app(settings: Settings, load_in_background: bool = True, exit_on_load
     install_error_handlers(app)
     app.add_middleware(PayloadLimit, limit=settings.payload_limit)
     if settings.api_key:
-        app.add_middleware(BearerAuth, api_key=settings.api_key)
+        app.add_middleware(BearerAuth, api_key=settings.api_key, static_paths=ui.PUBLIC_PATHS)
     app.include_router(system.router)
+    app.include_router(ui.router)
     app.include_router(tgi.router)
     app.include_router(openai.router)
     return app
