@@ -41,3 +41,21 @@ def test_readme_links_lead_somewhere():
         elif anchor:
             assert anchor in anchors, target
     assert len(readme.splitlines()) <= 300
+
+
+def test_advise_example_is_what_advise_prints(capsys, monkeypatch):
+    """docs/backends.md's `kvserve advise` example: each line shown (the elided ones aside) is printed so."""
+    import re
+    import shlex
+
+    from server.cli import main
+
+    page = (REPO / "docs" / "backends.md").read_text()
+    block = re.search(r"```\n\$ (kvserve advise [^\n]+)\n(.*?)\n```", page, re.S)
+    assert block, "docs/backends.md shows a kvserve advise run"
+    monkeypatch.chdir(REPO)  # the example names docs/bench/results.json from the repository's root
+    assert main(shlex.split(block[1])[1:]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    for line in block[2].splitlines():
+        if line.strip() != "...":
+            assert line in printed, line
