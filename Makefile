@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.kvserve-installed
 # slower beside one busy process (README, Configuration: TORCH_NUM_THREADS)
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: install serve test test-gpu bench bench-quick bench-serving bench-budget bench-mla-routes bench-dca load-test clean
+.PHONY: install serve test browser docs docs-serve test-gpu bench bench-quick bench-serving bench-budget bench-mla-routes bench-dca load-test clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -22,8 +22,27 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/kvserve serve
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(BIN)/python -m pytest -q
+
+# The browser tests (tests/test_ui_browser.py) drive Debian's headless Chromium through its driver. Installed here
+# when missing and possible (as root with apt-get, or with sudo); elsewhere those tests skip, saying why.
+browser:
+	@command -v chromedriver >/dev/null 2>&1 || { \
+	  if command -v apt-get >/dev/null 2>&1 && { [ "$$(id -u)" = 0 ] || sudo -n true 2>/dev/null; }; then \
+	    SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	    echo "installing chromium and chromium-driver (apt-get) for the browser tests"; \
+	    $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium chromium-driver >/dev/null \
+	      || echo "could not install chromium: the browser tests will skip"; \
+	  else echo "no chromium/chromedriver and no apt-get as root: the browser tests will skip"; fi; }
+
+# The documentation site (mkdocs-material): `make docs` builds it into site/ (the tests build it with --strict);
+# `make docs-serve` serves it on http://127.0.0.1:8001 with live reload.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+docs-serve: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve -a 127.0.0.1:8001
 
 # The value tests (pytest marker `value`: backends, engine parity with generate(), native MLA, the architecture
 # matrix, dca) on CUDA, in bf16 and fp16 (DTYPE=bfloat16 or DTYPE=float16 for one). Without a CUDA device

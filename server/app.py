@@ -14,7 +14,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from server import __version__
-from server.api import openai, responses, system, tgi, tokenize
+from server.api import openai, responses, system, tgi, tokenize, ui
 from server.config import Settings
 from server.errors import install_error_handlers
 from server.middleware import BearerAuth, HeaderLimit, InFlight, PayloadLimit
@@ -62,8 +62,9 @@ def create_app(settings: Settings, load_in_background: bool = True, exit_on_load
     app.add_middleware(PayloadLimit, limit=settings.payload_limit)
     app.add_middleware(HeaderLimit, max_headers=settings.max_headers)
     if settings.api_key:
-        app.add_middleware(BearerAuth, api_key=settings.api_key)
+        app.add_middleware(BearerAuth, api_key=settings.api_key, static_paths=ui.PUBLIC_PATHS)
     app.include_router(system.router)
+    app.include_router(ui.router)
     app.include_router(tgi.router)
     app.include_router(openai.router)
     app.include_router(responses.router)

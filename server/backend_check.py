@@ -13,8 +13,9 @@ def check_backend(settings) -> None:
     import torch
     from transformers import AutoConfig
 
-    from cache_backends import ModelGeometry, create
+    from cache_backends import ModelGeometry
     from server.config import ConfigError
+    from server.state import create_backends
 
     try:
         config = AutoConfig.from_pretrained(settings.model_id)
@@ -22,8 +23,7 @@ def check_backend(settings) -> None:
         raise ConfigError(f"invalid MODEL_ID={settings.model_id!r}: {exc}".splitlines()[0]) from None
     dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(settings.dtype, torch.float32)
     geometry = ModelGeometry.from_config(config, dtype)
-    for name in settings.served_backends():
-        try:
-            create(name, geometry, **settings.backend_options(name))
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
+    try:
+        create_backends(settings, geometry)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None

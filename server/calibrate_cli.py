@@ -80,7 +80,9 @@ def main(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"kvserve: {exc}", file=sys.stderr)
         return 2
-    return _calibrate(settings, settings.served_backends(), args.refit)
+    # full and int8, served by default besides KV_BACKEND, fit nothing: only what the settings name is reported
+    names = [n for n in settings.served_backends() if n not in settings.optional_backends()]
+    return _calibrate(settings, names, args.refit)
 
 
 def _calibrate(settings, names: list[str], refit: bool) -> int:

@@ -29,6 +29,11 @@ BACKEND_OPTIONS = {
 }
 
 
+# Served besides KV_BACKEND when KV_BACKENDS is unset, so that a request (and the built-in page) can compare
+# against the exact cache out of the box: neither needs calibration, so they cost nothing at start-up.
+DEFAULT_EXTRA_BACKENDS = ("full", "int8")
+
+
 def default_calibration_cache_dir() -> str:
     """``$XDG_CACHE_HOME/kvserve/calibration``, else ``~/.cache/kvserve/calibration`` (where huggingface_hub
     puts its own cache, by the same rule)."""
@@ -47,7 +52,9 @@ class Settings(BaseSettings):
 
     model_id: str = Field(DEFAULT_MODEL, description="Local model folder or hub id.")
     kv_backend: str = Field("full", description="KV-cache backend (the default for requests).")
-    kv_backends: str = Field("", description="Comma list of backends a request may ask for; default KV_BACKEND.")
+    kv_backends: str | None = Field(None, description="Comma list of backends a request may ask for besides "
+                                    "KV_BACKEND; unset: full and int8 (neither needs calibration), where the "
+                                    "model takes them; empty: KV_BACKEND alone.")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -112,8 +119,8 @@ class Settings(BaseSettings):
 
     @field_validator("kv_backends")
     @classmethod
-    def _known_backends(cls, v: str) -> str:
-        for name in filter(None, (x.strip() for x in v.split(","))):
+    def _known_backends(cls, v: str | None) -> str | None:
+        for name in filter(None, (x.strip() for x in (v or "").split(","))):
             if name not in available():
                 raise ValueError(f"unknown backend {name!r}; allowed: {', '.join(available())}")
         return v
@@ -145,9 +152,18 @@ class Settings(BaseSettings):
         return list(dict.fromkeys(names)) or [default]
 
     def served_backends(self) -> list[str]:
-        """``KV_BACKEND`` first, then the other ``KV_BACKENDS`` (no duplicates)."""
-        names = [self.kv_backend] + [x.strip() for x in self.kv_backends.split(",") if x.strip()]
+        """``KV_BACKEND`` first, then the other ``KV_BACKENDS`` (no duplicates); with ``KV_BACKENDS`` unset,
+        :data:`DEFAULT_EXTRA_BACKENDS` (which a caller drops where the model cannot take them: see
+        :meth:`optional_backends`)."""
+        extra = DEFAULT_EXTRA_BACKENDS if self.kv_backends is None else self.kv_backends.split(",")
+        names = [self.kv_backend] + [x.strip() for x in extra if x.strip()]
         return list(dict.fromkeys(names))
+
+    def optional_backends(self) -> set[str]:
+        """Served backends that come from the default of ``KV_BACKENDS`` rather than from a setting: one the
+        model cannot take (``int8`` on a native-MLA model) is left out with a log line instead of stopping
+        start-up."""
+        return set() if self.kv_backends is not None else set(DEFAULT_EXTRA_BACKENDS) - {self.kv_backend}
 
     def backend_options(self, name: str) -> dict:
         """Options of backend ``name`` (or of each part of a composition such as ``mla+int8``) from the

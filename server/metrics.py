@@ -73,7 +73,7 @@ class Metrics:
                                LABELS, registry=r)
         self.kv_bytes_per_token = Gauge("kvserve_kv_cache_bytes_per_token",
                                         "KV-cache bytes / cached tokens over the live sequences (all layers); "
-                                        "updated every step while any sequence is live.", LABELS, registry=r)
+                                        "updated every step, 0 when nothing is cached.", LABELS, registry=r)
         self.preemptions = Counter("kvserve_num_preemptions", "Sequences preempted because the KV pool had no free "
                                    "block (their KV freed, recomputed when readmitted).", LABELS, registry=r)
         self.kv_usage = Gauge("kvserve_kv_cache_usage_perc", "KV-cache usage: blocks in use / blocks in the pool, "
@@ -98,6 +98,10 @@ class Recorder:
         self.m = metrics
         self.model = model
         self.backends = backends
+        # Tokens generated so far by the running sequences, by backend (set with the live gauges; not a metric:
+        # the built-in page adds it to kvserve_generation_tokens_total, counted when a request ends, for a
+        # tokens/s that moves while requests run).
+        self.live_generated: dict[str, int] = dict.fromkeys(backends, 0)
         for b in backends:  # every series exists from the start, so dashboards and rates see zeros, not gaps
             for gauge in (metrics.running, metrics.waiting, metrics.kv_bytes, metrics.kv_used_bytes, metrics.kv_tokens):
                 gauge.labels(model, b).set(0)
@@ -155,7 +159,9 @@ class Recorder:
         if usage is not None:
             self.m.kv_usage.labels(self.model).set(usage)
         per_backend: dict[str, list[int]] = {b: [0, 0, 0, 0, 0] for b in self.backends}
+        generated = dict.fromkeys(self.backends, 0)
         for seq in running:
+            generated[seq.backend_name] = generated.get(seq.backend_name, 0) + len(seq.output_ids)
             if seq.store is None:
                 continue
             row = per_backend.setdefault(seq.backend_name, [0, 0, 0, 0, 0])
@@ -170,10 +176,11 @@ class Recorder:
             self.m.kv_bytes.labels(**labels).set(allocated)
             self.m.kv_used_bytes.labels(**labels).set(nbytes)
             self.m.kv_tokens.labels(**labels).set(tokens)
-            if tokens:
-                self.m.kv_bytes_per_token.labels(**labels).set(nbytes / tokens)
+            # 0 when nothing is cached, rather than the last sequence's figure
+            self.m.kv_bytes_per_token.labels(**labels).set(nbytes / tokens if tokens else 0)
             if is_dca(backend):
                 self.m.dca_reuse_layers.labels(**labels).set(reuse)
+        self.live_generated = generated
         if waiting is not None:
             for backend in per_backend:
                 self.m.waiting.labels(**self._l(backend)).set(waiting.get(backend, 0))

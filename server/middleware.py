@@ -138,15 +138,18 @@ class BearerAuth:
     """When an API key is set, every route but /health and /metrics needs ``Authorization: Bearer <key>``.
 
     The scheme name is case-insensitive (RFC 9110 section 11.1: ``bearer``, ``BEARER`` are the same
-    scheme); the key must match exactly.
+    scheme); the key must match exactly. ``static_paths`` (the built-in page's files, which hold no server
+    data) are open to GET and HEAD only: ``POST /`` still needs the key.
     """
 
-    def __init__(self, app, api_key: str):
+    def __init__(self, app, api_key: str, static_paths: tuple[str, ...] = ()):
         self.app = app
         self.expected = api_key.encode()
+        self.static_paths = frozenset(static_paths)
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or (
+                scope["path"] in self.static_paths and scope.get("method") in ("GET", "HEAD")):
             return await self.app(scope, receive, send)
         scheme, _, key = dict(scope.get("headers") or []).get(b"authorization", b"").strip().partition(b" ")
         if scheme.lower() != b"bearer" or not hmac.compare_digest(key.strip(), self.expected):

@@ -38,10 +38,11 @@ def kv_sizes(backends: dict[str, KVBackend], num_layers: int, max_total_tokens: 
     """
     lengths = sorted({n for n in (SHORT_SEQ_LEN, REFERENCE_SEQ_LEN) if n < max_total_tokens} | {max_total_tokens})
     return {
-        "kv_bytes_per_token": {n: b.bytes_per_token_per_layer(REFERENCE_SEQ_LEN) * num_layers
+        # floats for every backend (the sums of some backends are whole numbers, others' are not): one JSON type
+        "kv_bytes_per_token": {n: float(b.bytes_per_token_per_layer(REFERENCE_SEQ_LEN) * num_layers)
                                for n, b in backends.items()},
-        "kv_bytes_per_token_by_seq_len": {n: {str(t): b.bytes_per_token_per_layer(t) * num_layers for t in lengths}
-                                          for n, b in backends.items()},
+        "kv_bytes_per_token_by_seq_len": {n: {str(t): float(b.bytes_per_token_per_layer(t) * num_layers)
+                                              for t in lengths} for n, b in backends.items()},
         "kv_estimate_spec": {n: format_spec(*b.sums_spec()) for n, b in backends.items()},
     }
 
@@ -51,6 +52,24 @@ def torch_threads() -> int:
     import torch
 
     return torch.get_num_threads()
+
+
+def create_backends(settings: Settings, geometry: ModelGeometry) -> dict[str, KVBackend]:
+    """The served backends (:meth:`Settings.served_backends`), built for ``geometry``; one that came from the
+    default of ``KV_BACKENDS`` and that this model cannot take is left out with a log line.
+
+    Raises:
+        ValueError: a backend that was asked for cannot serve this model (the backend's one-line message).
+    """
+    backends = {}
+    for name in settings.served_backends():
+        try:
+            backends[name] = create(name, geometry, **settings.backend_options(name))
+        except ValueError as exc:
+            if name not in settings.optional_backends():
+                raise
+            log.info("not serving %s besides KV_BACKEND (KV_BACKENDS unset): %s", name, exc)
+    return backends
 
 
 @dataclass
@@ -84,8 +103,8 @@ class ServerState:
         dtype = resolve_dtype(s.dtype, device)
         model, tokenizer = load_model(s.model_id, device, dtype)
         geometry = ModelGeometry.from_config(model.config, dtype)
-        names = s.served_backends()
-        self.backends = {name: create(name, geometry, **s.backend_options(name)) for name in names}
+        self.backends = create_backends(s, geometry)
+        names = list(self.backends)
         calibration = None
         if any(part in ("gqa", "mla", "dca") for name in names for part in name.split("+")):
             from cache_backends.calibration import calibration_ids

@@ -7,7 +7,7 @@ with every token in its full-precision window, ``gqa`` with G = num_key_value_he
 ``dca`` with threshold above 1) gives ``full``'s logits; each in every precision under test, within its
 tolerance (:mod:`tests.precision`: in fp32 about 1e-4; greedy tokens up to a near-tie). "refused": building
 or preparing the backend raises one line naming the unsupported feature (``kvserve serve`` prints it and
-exits 1). The README's matrix is :func:`render` of :data:`EXPECTED`; a test keeps them equal.
+exits 1). The matrix in docs/own-model.md is :func:`render` of :data:`EXPECTED`; a test keeps them equal.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def lossless_options(name: str, geometry: ModelGeometry) -> dict:
 
 
 def render(expected: dict = EXPECTED) -> str:
-    """The README's matrix (markdown)."""
+    """The matrix of docs/own-model.md (markdown)."""
     lines = ["| architecture | " + " | ".join(f"`{b}`" for b in BACKENDS) + " |", "|---|" + "---|" * len(BACKENDS)]
     lines += [f"| {arch} | " + " | ".join(row[b] for b in BACKENDS) + " |" for arch, row in expected.items()]
     return "\n".join(lines)
@@ -130,6 +130,6 @@ def test_architecture_row(models, precision, arch):
             precision.assert_close(logits, full, what=f"{arch}: {name} vs full")
 
 
-def test_readme_carries_the_matrix():
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    assert render() in readme, "README's architecture matrix differs from tests/test_arch_matrix.py::render()"
+def test_docs_carry_the_matrix():
+    page = (Path(__file__).resolve().parents[1] / "docs" / "own-model.md").read_text()
+    assert render() in page, "docs/own-model.md's architecture matrix differs from tests/test_arch_matrix.py::render()"

@@ -42,3 +42,34 @@ def test_defaults_derive_token_limits_from_the_model():
     s = load_settings()
     assert s.kv_backend == "full" and s.port == 8000
     assert s.token_limits(1024) == (1023, 1024)
+
+
+def test_default_serves_full_and_int8_per_request(monkeypatch):
+    """Out of the box a request (and the built-in page) can compare `full` and `int8`: neither needs
+    calibration, so they are served besides KV_BACKEND while KV_BACKENDS is unset."""
+    monkeypatch.delenv("KV_BACKENDS", raising=False)
+    assert load_settings().served_backends() == ["full", "int8"]
+    monkeypatch.setenv("KV_BACKEND", "mla")
+    s = load_settings()
+    assert s.served_backends() == ["mla", "full", "int8"] and s.optional_backends() == {"full", "int8"}
+    monkeypatch.setenv("KV_BACKENDS", "")  # empty: KV_BACKEND alone
+    assert load_settings().served_backends() == ["mla"] and load_settings().optional_backends() == set()
+    monkeypatch.setenv("KV_BACKENDS", "int8,dca")
+    assert load_settings().served_backends() == ["mla", "int8", "dca"]
+
+
+def test_default_extras_the_model_cannot_take_are_left_out(monkeypatch):
+    """On a native-MLA model int8 is refused: from the default it is dropped, asked for it stops start-up."""
+    from cache_backends import ModelGeometry
+    from server.state import create_backends
+
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(REPO / "models" / "kjv-llama-mla")
+    geometry = ModelGeometry.from_config(config, __import__("torch").float32)
+    monkeypatch.setenv("KV_BACKEND", "mla")
+    monkeypatch.delenv("KV_BACKENDS", raising=False)
+    assert list(create_backends(load_settings(), geometry)) == ["mla", "full"]
+    monkeypatch.setenv("KV_BACKENDS", "int8")
+    with pytest.raises(ValueError):
+        create_backends(load_settings(), geometry)

@@ -124,7 +124,8 @@ def test_healthcheck_healthy_and_health_ok(served):
 def test_info_names_the_backend_and_its_bytes_per_token(served):
     c, backend, spec, _ = served
     info = httpx.get(c.url + "/info", timeout=10).json()
-    assert info["kv_backend"] == backend and info["kv_backends"] == [backend]
+    # KV_BACKENDS unset: full and int8 are served besides KV_BACKEND
+    assert info["kv_backend"] == backend and info["kv_backends"] == list(dict.fromkeys([backend, "full", "int8"]))
     assert info["model_device_type"] == "cpu"
     assert info["kv_bytes_per_token"][backend] == pytest.approx(expected_bytes_per_token(spec), rel=1e-9)
 
@@ -164,9 +165,11 @@ def test_every_series_carries_the_backend_label(served):
     samples = [s for family in text_string_to_metric_families(httpx.get(c.url + "/metrics", timeout=10).text)
                for s in family.samples if s.name.startswith("kvserve_")]
     assert samples
-    wrong = sorted({f"{s.name}{s.labels}" for s in samples if s.labels.get("backend") != backend})
+    served_backends = {backend, "full", "int8"}  # KV_BACKENDS unset: full and int8 besides KV_BACKEND
+    wrong = sorted({f"{s.name}{s.labels}" for s in samples if s.labels.get("backend") not in served_backends})
     assert not wrong, wrong
-    generated = sum(s.value for s in samples if s.name == "kvserve_generation_tokens_total")
+    generated = sum(s.value for s in samples if s.name == "kvserve_generation_tokens_total"
+                    and s.labels["backend"] == backend)
     assert generated >= 4
 
 

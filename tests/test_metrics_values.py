@@ -86,7 +86,7 @@ def test_request_kv_histogram_records_the_peak_of_a_draining_int8_store(ref_mode
 
 def _fake_seq(backend: str, reuse: int):
     store = SimpleNamespace(num_tokens=lambda: 10, stats=lambda: {"dca_reuse_layers": reuse, "dca_fallbacks": 0})
-    return SimpleNamespace(backend_name=backend, store=store, kv_bytes=1000, kv_allocated=1024)
+    return SimpleNamespace(backend_name=backend, store=store, kv_bytes=1000, kv_allocated=1024, output_ids=[1, 2])
 
 
 def test_dca_metrics_exist_for_every_dca_composition():
@@ -103,6 +103,7 @@ def test_dca_metrics_exist_for_every_dca_composition():
     assert _value(r, "kvserve_dca_reuse_layers", "dca+int8") == 3
     assert _value(r, "kvserve_dca_reuse_layers", "dca+mla") == 3
     assert _value(r, "kvserve_dca_reuse_layers", "dca") == 0
+    assert recorder.live_generated == {"full": 0, "int8": 0, "dca": 0, "dca+int8": 2, "dca+mla": 4}
 
 
 def test_a_dca_composition_reports_its_reuse_layers_from_a_real_store(ref_model, monkeypatch):
@@ -126,3 +127,32 @@ def test_a_dca_composition_reports_its_reuse_layers_from_a_real_store(ref_model,
     # the first two tokens come out in the step that prefilled it, before that step's report
     assert seen == [0.0, 0.0, 4.0, 4.0]
     assert _value(registry, "kvserve_dca_reuse_layers", "dca+int8") == 0
+
+
+def test_bytes_per_token_gauge_resets_when_nothing_is_cached(ref_model):
+    """kvserve_kv_cache_bytes_per_token describes the live sequences: 0 once none is left, not the last one's."""
+    engine, registry, tok = _engine_with_recorder(ref_model, "full")
+    seq = make_seq(tok, "And God said", 4)
+    engine.submit(seq)
+    engine.step()
+    assert _value(registry, "kvserve_kv_cache_bytes_per_token", "full") == 16384  # fp32, 8 layers
+    run_all(engine, [])
+    assert seq.finish_reason == FinishReason.LENGTH
+    assert _value(registry, "kvserve_kv_cache_bytes_per_token", "full") == 0
+    assert engine.recorder.live_generated == {"full": 0}
+
+
+def test_info_bytes_per_token_are_floats_for_every_backend():
+    """/info's kv_bytes_per_token: one JSON type (float) whether a backend's sum is whole (full) or not (int8)."""
+    import torch
+    import transformers
+
+    from cache_backends import ModelGeometry, create
+    from server.state import kv_sizes
+    from tests.conftest import MODEL_DIR
+
+    geometry = ModelGeometry.from_config(transformers.AutoConfig.from_pretrained(MODEL_DIR), torch.float32)
+    sizes = kv_sizes({n: create(n, geometry) for n in ("full", "int8", "mla")}, geometry.num_layers, 1024)
+    assert all(type(v) is float for v in sizes["kv_bytes_per_token"].values())
+    assert all(type(v) is float for row in sizes["kv_bytes_per_token_by_seq_len"].values() for v in row.values())
+    assert sizes["kv_bytes_per_token"]["full"] == 16384.0

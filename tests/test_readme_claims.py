@@ -1,6 +1,6 @@
-"""README statements checked against the code: the Quickstart's example outputs are what the server
-answers, the int8 size ratios are what the project's formula gives, and the Metrics table lists
-exactly the metrics the server exports."""
+"""README and docs statements checked against the code: the README Quickstart's example outputs are what the
+server answers, the int8 size ratios (docs/backends.md, docs/benchmarks.md) are what the project's formula
+gives, and the Metrics table (docs/metrics.md) lists exactly the metrics the server exports."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from server.metrics import Metrics, Recorder
 from tests.conftest import MODEL_DIR, REPO, server_with
 
 README = (REPO / "README.md").read_text()
+DOCS = REPO / "docs"
 server = server_with({})
 
 
@@ -65,19 +66,21 @@ def _ratio(dtype_bytes: int) -> float:
     return int8 / full_bytes_per_token_per_layer(heads, head_dim, dtype_bytes)
 
 
-def test_readme_int8_ratios_are_the_formulas():
-    text = " ".join(README.split())
+def test_docs_int8_ratios_are_the_formulas():
+    text = " ".join((DOCS / "backends.md").read_text().split())
     m = re.search(r"int8 at group size 32 on the bundled model holds (\d\.\d\d)x of `full` in fp32 "
                   r"\(the CPU default\) and (\d\.\d\d)x in fp16/bf16 at 1024 tokens", text)
-    assert m, "the README states int8's size against full at 1024 tokens"
+    assert m, "docs/backends.md states int8's size against full at 1024 tokens"
     assert float(m[1]) == round(_ratio(4), 2) and float(m[2]) == round(_ratio(2), 2)
+    text = " ".join((DOCS / "benchmarks.md").read_text().split())
     m = re.search(r"\((\d\.\d\d)x of `full`; in fp16/bf16 the same layout is (?:about )?(\d\.\d\d)x", text)
     assert m and float(m[1]) == round(_ratio(4), 2) and float(m[2]) == round(_ratio(2), 2)
 
 
 def test_metrics_table_lists_exactly_the_exported_metrics():
     documented = set()
-    for cell in re.findall(r"^\| ((?:`kvserve_\w+`(?:, )?)+) \|", section("Metrics"), re.M):
+    metrics_page = (DOCS / "metrics.md").read_text()
+    for cell in re.findall(r"^\| ((?:`kvserve_\w+`(?:, )?)+) \|", metrics_page, re.M):
         documented |= set(re.findall(r"`(kvserve_\w+)`", cell))
     metrics = Metrics()
     Recorder(metrics, "m", ["dca"])

@@ -1,0 +1,169 @@
+"""The built-in page (``GET /`` and ``GET /ui``) and the three small JSON routes it reads.
+
+* ``POST /ui/api/generate``: one prompt through one backend (the request's own backend choice, as
+  ``kv_backend`` on the TGI and OpenAI routes), answering the text, each token with its log-probability, and
+  the request's own measures: its KV store's peak bytes (as ``kvserve_request_kv_cache_bytes`` records
+  them), bytes per cached token, TTFT and TPOT (the definitions of :mod:`server.metrics`). The page calls it
+  once per backend it compares.
+* ``GET /ui/api/live``: the live counters by backend, read from the server's own metric objects (the
+  recorder's, not a parse of ``/metrics``), plus the generated tokens of the running sequences.
+* ``GET /ui/api/sums``: ``kvserve estimate``'s table for the served model at one context and batch.
+
+The page itself and its assets are static files shipped in the package (``server/api/ui_assets``): they
+carry no server data, so with ``API_KEY`` set they load without the key, and the page asks for it once and
+sends it as the bearer token on the JSON routes, which need it like every other route.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import FileResponse, HTMLResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from cache_backends.estimate import DTYPE_BYTES, bytes_per_token_per_layer, estimate_rows
+from cache_backends.spec import parse_spec
+from server.api.common import get_service
+from server.api.types import Int
+from server.engine.sequence import FinishReason
+from server.errors import error_response
+from server.estimate_cli import DEFAULT_SPECS, load_shape, resolve_specs
+from server.service import GenerationRequest
+
+ASSETS = Path(__file__).parent / "ui_assets"
+# The page's files, served by name only (no path from the request reaches the file system).
+ASSET_TYPES = {"app.js": "text/javascript", "style.css": "text/css"}
+PUBLIC_PATHS = ("/", "/ui") + tuple(f"/ui/assets/{name}" for name in ASSET_TYPES)
+"""Reachable without ``API_KEY`` on GET and HEAD: static files that hold no server data."""
+
+router = APIRouter(tags=["built-in page"])
+ERRORS = {code: {"description": "TGI-style error body {error, error_type}"} for code in (401, 422, 429, 503)}
+
+
+@router.get("/", response_class=HTMLResponse, include_in_schema=False)
+@router.get("/ui", response_class=HTMLResponse, include_in_schema=False)
+async def page() -> HTMLResponse:
+    """The page (``POST /`` stays TGI's compatibility route)."""
+    return HTMLResponse((ASSETS / "index.html").read_text(), headers={"Cache-Control": "no-cache"})
+
+
+@router.get("/ui/assets/{name}", include_in_schema=False)
+async def asset(name: str):
+    if name not in ASSET_TYPES:
+        return error_response(404, f"no asset {name!r}", "http")
+    return FileResponse(ASSETS / name, media_type=ASSET_TYPES[name], headers={"Cache-Control": "no-cache"})
+
+
+class UIGenerateRequest(BaseModel):
+    """One comparison run: greedy when ``seed`` is null, else seeded sampling at ``temperature``."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+    prompt: str = Field(min_length=1)
+    kv_backend: str = Field(min_length=1, description="One of the served backends (KV_BACKENDS).")
+    max_new_tokens: Int = Field(32, ge=1, description="Tokens to generate.")
+    seed: Int | None = Field(None, ge=0, le=2**63 - 1, description="null: greedy; else seeded sampling.")
+    temperature: float = Field(1.0, gt=0.0, le=2.0, description="Sampling temperature (with a seed).")
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+
+
+class UIToken(BaseModel):
+    id: int
+    text: str
+    logprob: float
+
+
+class UIGenerateResponse(BaseModel):
+    kv_backend: str
+    text: str
+    tokens: list[UIToken]
+    finish_reason: str
+    prompt_tokens: int
+    kv_peak_bytes: int = Field(description="The request's KV store at its largest (bytes).")
+    kv_bytes_per_token: float = Field(description="kv_peak_bytes / tokens cached at that size (all layers).")
+    ttft_s: float | None = Field(description="Arrival to first token (seconds).")
+    tpot_s: float | None = Field(description="(last token - first token) / (generated - 1), seconds.")
+
+
+@router.post("/ui/api/generate", response_model=UIGenerateResponse, responses=ERRORS)
+async def ui_generate(body: UIGenerateRequest, request: Request):
+    """Run ``prompt`` through one backend and report the request's KV bytes and latencies."""
+    service = get_service(request)
+    params = service.sampling(do_sample=body.seed is not None, temperature=body.temperature, top_p=None,
+                              top_k=None, repetition_penalty=body.repetition_penalty, seed=body.seed)
+    req = GenerationRequest(prompt=body.prompt, max_new_tokens=body.max_new_tokens, params=params, stop=[],
+                            backend=body.kv_backend, fields={"inputs": "prompt"})
+    seq, events = await service.run(req, request.receive)
+    collected = [ev async for ev in events]
+    last = collected[-1]
+    if last.finish_reason == FinishReason.CANCELLED:
+        return error_response(499, "client closed request", "cancelled")
+    if last.finish_reason == FinishReason.ERROR:
+        return error_response(500, last.error or "generation failed", "generation")
+    tokens = [UIToken(id=ev.token_id, text=ev.text, logprob=ev.logprob) for ev in collected if ev.token_id >= 0]
+    t, n = seq.times, len(seq.output_ids)
+    # the largest store holds the prompt and every generated token but the last (never fed back)
+    cached = len(seq.prompt_ids) + max(n - 1, 0)
+    return UIGenerateResponse(
+        kv_backend=seq.backend_name, text=last.generated_text or "", tokens=tokens,
+        finish_reason=last.finish_reason.value, prompt_tokens=len(seq.prompt_ids), kv_peak_bytes=seq.peak_kv_bytes,
+        kv_bytes_per_token=seq.peak_kv_bytes / max(cached, 1),
+        ttft_s=t.first_token - t.arrival if t.first_token is not None else None,
+        tpot_s=(t.last_token - t.first_token) / (n - 1) if n > 1 else None)
+
+
+LIVE_GAUGES = {"kvserve_requests_running": "running", "kvserve_requests_waiting": "waiting",
+               "kvserve_kv_cache_bytes": "kv_bytes", "kvserve_kv_cache_used_bytes": "kv_used_bytes",
+               "kvserve_kv_cache_tokens": "kv_tokens", "kvserve_generation_tokens_total": "generated_tokens",
+               "kvserve_requests_total": "requests"}
+
+
+@router.get("/ui/api/live", responses=ERRORS)
+async def ui_live(request: Request) -> dict:
+    """The live counters by backend, from the server's own metric objects: requests running and waiting,
+    KV bytes allocated and used, tokens cached, tokens generated (ended requests' plus the running ones'),
+    requests ended; with the KV budget and a monotonic clock for rates."""
+    state = request.app.state.kvserve
+    service = get_service(request)
+    backends = {name: dict.fromkeys(LIVE_GAUGES.values(), 0) for name in service.engine.backends}
+    for family in state.metrics.registry.collect():
+        for sample in family.samples:
+            key = LIVE_GAUGES.get(sample.name)
+            row = backends.get(sample.labels.get("backend"))
+            if key is not None and row is not None:
+                row[key] += int(sample.value)
+    recorder = service.engine.recorder
+    for name, row in backends.items():
+        row["generated_tokens"] += (recorder.live_generated.get(name, 0) if recorder else 0)
+    return {"time": time.monotonic(), "kv_cache_budget_bytes": state.settings.kv_cache_budget_bytes,
+            "max_batch_size": state.settings.max_batch_size, "backends": backends}
+
+
+@router.get("/ui/api/sums", responses=ERRORS)
+async def ui_sums(request: Request, seq_len: int = Query(1024, ge=1, le=10_000_000, description="Context (tokens)."),
+                  batch: int = Query(1, ge=1, le=100_000, description="Sequences.")) -> dict:
+    """``kvserve estimate`` for the served model and dtype at ``seq_len`` tokens and ``batch`` sequences: every
+    backend at the estimator's defaults for the model, and each served backend's own spec."""
+    state = request.app.state.kvserve
+    get_service(request)
+    info = state.info
+    shape = load_shape(info["model_path"])
+    dtype_bytes = DTYPE_BYTES[info["model_dtype"]]
+    served = {name: parse_spec(spec) for name, spec in info["kv_estimate_spec"].items()}
+    specs = resolve_specs(shape, None, dtype_bytes) + list(served.values())
+    full = bytes_per_token_per_layer(shape, "full", {}, dtype_bytes, seq_len)
+    rows, seen = [], set()
+    for row in estimate_rows(shape, specs, [seq_len], [batch], dtype_bytes):
+        key = (row["backend"], json.dumps(row["params"], sort_keys=True))
+        if key in seen:  # a served spec the defaults already gave (e.g. int8 at its default group size)
+            continue
+        seen.add(key)
+        per = row["bytes_per_token_per_layer"]
+        rows.append({**row, "bytes_per_token": per * shape.num_layers, "vs_full": full / per if per else None,
+                     "served_as": [name for name, (backend, params) in served.items() if backend == row["backend"]
+                                   and all(row["params"].get(k) == v for k, v in params.items())]})
+    return {"model": info["model_id"], "dtype": info["model_dtype"], "num_layers": shape.num_layers,
+            "seq_len": seq_len, "batch": batch, "default_specs": DEFAULT_SPECS, "rows": rows}

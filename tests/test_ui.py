@@ -1,0 +1,122 @@
+"""The built-in page's routes over HTTP (the browser tests are in tests/test_ui_browser.py): the page and its
+assets are served from the package, ``POST /`` stays TGI's, the JSON routes answer the request's own KV bytes
+and latencies, the live counters and ``kvserve estimate``'s sums, and with ``API_KEY`` set nothing but the
+static page is reachable without the key."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from cache_backends.estimate import DTYPE_BYTES, Shape, estimate_rows, int8_bytes_per_token_per_layer
+from server.api.ui import ASSETS, ASSET_TYPES, PUBLIC_PATHS
+from server.estimate_cli import resolve_specs
+from tests.conftest import MODEL_DIR, server_with
+
+server = server_with({"KV_BACKEND": "full", "KV_BACKENDS": "full,int8"})
+keyed = server_with({"KV_BACKEND": "full", "API_KEY": "s3cret"})
+
+CFG = json.loads((MODEL_DIR / "config.json").read_text())
+LAYERS, HEADS = CFG["num_hidden_layers"], CFG.get("num_key_value_heads") or CFG["num_attention_heads"]
+HEAD_DIM = CFG.get("head_dim") or CFG["hidden_size"] // CFG["num_attention_heads"]
+
+
+def test_page_and_assets_are_served_from_the_package(server):
+    for path in ("/", "/ui"):
+        r = httpx.get(server.url + path)
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+        assert "/ui/assets/app.js" in r.text and "http" not in r.text.replace("http-equiv", "")  # nothing external
+    for name, media in ASSET_TYPES.items():
+        r = httpx.get(f"{server.url}/ui/assets/{name}")
+        assert r.status_code == 200 and r.headers["content-type"].startswith(media)
+        assert r.content == (ASSETS / name).read_bytes()
+    assert httpx.get(server.url + "/ui/assets/..%2Fui.py").status_code == 404
+    assert httpx.get(server.url + "/ui/assets/nope.js").status_code == 404
+
+
+def test_post_root_stays_tgi(server):
+    r = httpx.post(server.url + "/", json={"inputs": "And God said", "parameters": {"max_new_tokens": 3}}, timeout=60)
+    assert r.status_code == 200 and isinstance(r.json(), list) and "generated_text" in r.json()[0]
+
+
+def _generate(server, **body):
+    return httpx.post(server.url + "/ui/api/generate", json={"prompt": "And God said", **body}, timeout=120)
+
+
+@pytest.mark.parametrize("backend", ["full", "int8"])
+def test_generate_reports_the_requests_own_kv_bytes_and_latencies(server, backend):
+    r = _generate(server, kv_backend=backend, max_new_tokens=80, repetition_penalty=1.3)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    n = len(out["tokens"])
+    assert out["kv_backend"] == backend and n == 80 and out["finish_reason"] == "length"
+    assert out["text"] == "".join(t["text"] for t in out["tokens"])
+    # the text is what /generate answers for the same request (greedy)
+    tgi = {"inputs": "And God said", "parameters": {"max_new_tokens": 80, "repetition_penalty": 1.3,
+                                                    "kv_backend": backend}}
+    assert httpx.post(server.url + "/generate", json=tgi, timeout=120).json()["generated_text"] == out["text"]
+    cached = out["prompt_tokens"] + n - 1  # the last token is never fed back
+    if backend == "full":
+        assert out["kv_peak_bytes"] == 2 * HEADS * HEAD_DIM * 4 * LAYERS * cached
+    else:  # int8's peak: its largest size over the generation (its window drains at 64 tokens)
+        sizes = [int8_bytes_per_token_per_layer(HEADS, HEAD_DIM, 4, 32, 32, t) * t * LAYERS
+                 for t in range(out["prompt_tokens"], cached + 1)]
+        assert out["kv_peak_bytes"] == pytest.approx(max(sizes))
+    assert out["kv_bytes_per_token"] > 0
+    assert 0 < out["ttft_s"] < 60 and 0 < out["tpot_s"] < 5
+
+
+def test_generate_seeded_sampling_repeats(server):
+    a, b = (_generate(server, kv_backend="full", max_new_tokens=12, seed=7, temperature=1.0).json() for _ in "ab")
+    assert a["tokens"] == b["tokens"]
+
+
+@pytest.mark.parametrize("body,words", [({"kv_backend": "mla"}, "not served here"),
+                                        ({"kv_backend": "full", "max_new_tokens": 100000}, "must be <="),
+                                        ({"kv_backend": "full", "prompt": ""}, "prompt"),
+                                        ({"kv_backend": "full", "bogus": 1}, "bogus")])
+def test_generate_errors_are_readable(server, body, words):
+    r = _generate(server, **body)
+    assert r.status_code == 422 and words in r.json()["error"]
+
+
+def test_live_counts_by_backend(server):
+    live = httpx.get(server.url + "/ui/api/live").json()
+    assert set(live["backends"]) == {"full", "int8"} and live["kv_cache_budget_bytes"] is None
+    row = live["backends"]["full"]
+    assert set(row) == {"running", "waiting", "kv_bytes", "kv_used_bytes", "kv_tokens", "generated_tokens",
+                        "requests"}
+    before = row["generated_tokens"]
+    _generate(server, kv_backend="full", max_new_tokens=5)
+    after = httpx.get(server.url + "/ui/api/live").json()
+    assert after["backends"]["full"]["generated_tokens"] == before + 5 and after["time"] > live["time"]
+    assert after["backends"]["full"]["running"] == 0 and after["backends"]["full"]["kv_bytes"] == 0
+
+
+def test_sums_are_kvserve_estimates_for_the_served_model(server):
+    sums = httpx.get(server.url + "/ui/api/sums", params={"seq_len": 4096, "batch": 8}).json()
+    shape = Shape.from_config(CFG)
+    want = estimate_rows(shape, resolve_specs(shape, None, DTYPE_BYTES["float32"]), [4096], [8], 4)
+    got = {(r["backend"], json.dumps(r["params"], sort_keys=True)): r for r in sums["rows"]}
+    for row in want:
+        assert got[(row["backend"], json.dumps(row["params"], sort_keys=True))]["total_bytes"] == row["total_bytes"]
+    full = next(r for r in sums["rows"] if r["backend"] == "full")
+    assert full["bytes_per_token"] == 2 * HEADS * HEAD_DIM * 4 * LAYERS and full["served_as"] == ["full"]
+    assert next(r for r in sums["rows"] if r["backend"] == "int8")["served_as"] == ["int8"]
+    assert httpx.get(server.url + "/ui/api/sums", params={"seq_len": 0}).status_code == 422
+
+
+def test_api_key_guards_everything_but_the_static_page(keyed):
+    assert set(PUBLIC_PATHS) >= {"/", "/ui"}
+    for path in PUBLIC_PATHS:
+        assert httpx.get(keyed.url + path).status_code == 200, path
+    for method, path in [("GET", "/ui/api/live"), ("GET", "/ui/api/sums"), ("POST", "/ui/api/generate"),
+                         ("GET", "/info"), ("POST", "/"), ("POST", "/generate")]:
+        r = httpx.request(method, keyed.url + path, json={"inputs": "x", "prompt": "x", "kv_backend": "full"})
+        assert r.status_code == 401, (method, path)
+    auth = {"Authorization": "Bearer s3cret"}
+    assert httpx.get(keyed.url + "/ui/api/live", headers=auth).status_code == 200
+    assert httpx.post(keyed.url + "/ui/api/generate", headers=auth, timeout=60,
+                      json={"prompt": "And", "kv_backend": "full", "max_new_tokens": 2}).status_code == 200
