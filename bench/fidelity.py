@@ -90,21 +90,60 @@ def measured_bytes_per_token(model, backend, token_ids: list[int], context: int 
     return nbytes / context, formula * backend.geometry.num_layers
 
 
+class PagedSequence:
+    """One sequence served the way the server serves it: its backend's blocks in a private paged pool, written
+    and attended through :meth:`ModelRunner.run_paged` (for speed measurements of the served path).
+
+    Args:
+        model: the loaded model.
+        backend: a paged backend (``backend.paged_streams()`` is not ``None``).
+        tokens: the most tokens the sequence will hold.
+    """
+
+    def __init__(self, model, backend, tokens: int):
+        from cache_backends.paged import SeqBlocks
+        from cache_backends.pool import KVPool
+        from server.engine.block_manager import BlockManager
+        from server.engine.kv_cache import page_layouts
+
+        page, layouts = page_layouts({backend.name: backend}, next(model.parameters()).dtype, 16)
+        self.layout = layouts[backend.name]
+        pages = self.layout.pages_for(tokens) + 2
+        self.runner = ModelRunner(model, backend.geometry.num_layers,
+                                  KVPool(pages, page, layouts, next(model.parameters()).device))
+        self.manager, self.blocks, self.backend = BlockManager(pages), SeqBlocks(), backend
+
+    @torch.inference_mode()
+    def step(self, ids: list[int]) -> torch.Tensor:
+        """Write ``ids`` and return the logits of the last, (vocab_size,)."""
+        plan = self.layout.plan(self.blocks, len(ids))
+        new = self.manager.allocate(plan.pages_needed)
+        self.layout.extend(self.blocks, plan, new[: plan.new_exact_pages], new[plan.new_exact_pages :])
+        logits = self.runner.run_paged([ids], [(self.backend, [0], [(self.blocks, plan)])], [], new)
+        self.manager.free(self.layout.commit(self.blocks, plan))
+        return logits[0]
+
+
 @torch.inference_mode()
 def tpot(model, backend, token_ids: list[int], context: int, steps: int = 32) -> float:
-    """Median single-sequence decode step time (seconds) over ``steps`` steps ending at ``context`` tokens.
+    """Median single-sequence decode step time (seconds) over ``steps`` steps ending at ``context`` tokens, through
+    the path the server serves the backend by (the paged pool; ``dca``'s per-sequence store).
 
     The median, not the mean, so that one step delayed by the machine does not move the number.
     """
-    runner = _runner(model, backend)
-    store = backend.new_store()
-    runner.prefill(token_ids[: context - steps], store)
+    if backend.paged_streams() is None:
+        runner, store = _runner(model, backend), backend.new_store()
+        runner.prefill(token_ids[: context - steps], store)
+        step = lambda t: runner.decode([t], [store])[0]  # noqa: E731
+    else:
+        seq = PagedSequence(model, backend, context)
+        seq.step(token_ids[: context - steps])
+        step = lambda t: seq.step([t])  # noqa: E731
     last = token_ids[context - steps]
-    runner.decode([last], [store])  # warm-up step
+    step(last)  # warm-up step
     times = []
     for _ in range(steps - 1):
         t0 = time.perf_counter()
-        last = int(runner.decode([last], [store])[0].argmax())
+        last = int(step(last).argmax())
         times.append(time.perf_counter() - t0)
-    store.release()
     return statistics.median(times)

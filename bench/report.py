@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from bench.fidelity import agreement, cache_path_perplexity, greedy_tokens, measured_bytes_per_token, tpot
+from bench.fidelity import (PagedSequence, agreement, cache_path_perplexity, greedy_tokens, measured_bytes_per_token,
+                            tpot)
 from bench.quality import CALIB_SLICE, EVAL_SLICE, slice_token_ids
 from cache_backends import ModelGeometry, create
 from cache_backends.spec import format_spec, parse_spec
@@ -64,14 +65,19 @@ def engine_throughput(model, tokenizer, backend, streams: int, new_tokens: int) 
 
 @torch.inference_mode()
 def ttft(model, backend, ids: list[int]) -> float:
-    """Time (seconds) to prefill ``ids`` into an empty store and pick the first token, in-process."""
-    runner = ModelRunner(model, backend.geometry.num_layers)
-    store = backend.new_store()
+    """Time (seconds) to prefill ``ids`` into an empty cache and pick the first token, in-process, through the
+    path the server serves the backend by (the paged pool; ``dca``'s per-sequence store)."""
+    if backend.paged_streams() is None:
+        runner, store = ModelRunner(model, backend.geometry.num_layers), backend.new_store()
+        t0 = time.perf_counter()
+        int(runner.prefill(ids, store)[-1].argmax())
+        elapsed = time.perf_counter() - t0
+        store.release()
+        return elapsed
+    seq = PagedSequence(model, backend, len(ids))
     t0 = time.perf_counter()
-    int(runner.prefill(ids, store)[-1].argmax())
-    elapsed = time.perf_counter() - t0
-    store.release()
-    return elapsed
+    int(seq.step(ids).argmax())
+    return time.perf_counter() - t0
 
 
 class Phases:

@@ -63,9 +63,9 @@ class Metrics:
         self.waiting = Gauge("kvserve_requests_waiting", "Requests queued, waiting for admission.",
                              LABELS, registry=r)
         self.kv_bytes = Gauge("kvserve_kv_cache_bytes",
-                              "KV-cache bytes allocated by all live sequences (their stores' buffers, free "
-                              "capacity included: the memory held, capped by KV_CACHE_BUDGET_BYTES).",
-                              LABELS, registry=r)
+                              "KV-cache bytes held by all live sequences: the KV pool's pages they hold (a "
+                              "per-sequence store: the pages charged for its reservation); never above "
+                              "KV_CACHE_BUDGET_BYTES.", LABELS, registry=r)
         self.kv_used_bytes = Gauge("kvserve_kv_cache_used_bytes",
                                    "KV-cache bytes of the cached tokens of all live sequences (what the "
                                    "bytes-per-token formulas count; <= kvserve_kv_cache_bytes).", LABELS, registry=r)

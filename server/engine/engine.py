@@ -160,13 +160,13 @@ class Engine:
         self._measure(self.running)
         self._report()
 
-    @staticmethod
-    def _measure(seqs: list[Sequence]) -> None:
+    def _measure(self, seqs: list[Sequence]) -> None:
         """Record each store's bytes now (once per sequence per step) and keep the largest seen: the bytes
-        of the cached tokens (``kv_bytes``) and the bytes of the pages it holds (``kv_allocated``)."""
+        of the cached tokens (``kv_bytes``) and the bytes of the pages it holds (``kv_allocated``; a per-sequence
+        store: the pages charged for its reservation)."""
         for seq in seqs:
             seq.kv_bytes = seq.store.nbytes()
-            seq.kv_allocated = seq.store.allocated_bytes()
+            seq.kv_allocated = self.kv.held(seq) * self.kv.page_bytes
             seq.peak_kv_bytes = max(seq.peak_kv_bytes, seq.kv_bytes)
 
     def _start(self, seq: Sequence) -> None:
