@@ -51,9 +51,9 @@ def build_engine(model, tokenizer, backends: dict[str, KVBackend], eos_token_ids
     """
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
-    if budget_bytes is None:
-        budget_bytes = default_budget(backends, max_batch_size, max_total_tokens, device)
     page_bytes, layouts = page_layouts(backends, dtype, block_size)
+    if budget_bytes is None:  # and one page more: the null page that pads block tables
+        budget_bytes = default_budget(backends, max_batch_size, max_total_tokens, device) + page_bytes
     num_pages = budget_bytes // page_bytes
     if num_pages < 2:
         raise ValueError(f"KV_CACHE_BUDGET_BYTES={budget_bytes} holds fewer than 2 KV blocks of {page_bytes} bytes")
