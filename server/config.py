@@ -79,8 +79,9 @@ class Settings(BaseSettings):
                                    "one per core); idle threads wait passively (OMP_WAIT_POLICY=PASSIVE, set by "
                                    "`kvserve` unless given).")
     kv_cache_budget_bytes: int | None = Field(None, ge=1, description="Bytes of the KV pool, preallocated at "
-                                              "start-up (default: MAX_BATCH_SIZE x MAX_TOTAL_TOKENS of full "
-                                              "precision, at most 25% of the memory free at start-up).")
+                                              "start-up (default: the pages MAX_BATCH_SIZE sequences of "
+                                              "MAX_TOTAL_TOKENS tokens of the costliest served backend hold, at "
+                                              "most 25% of the memory free at start-up).")
     kv_block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block (int8-family backends: rounded "
                                "up to whole quantization groups).")
     max_num_batched_tokens: int = Field(256, ge=0, description="Tokens one engine step processes: each decoding "

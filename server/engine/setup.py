@@ -27,16 +27,19 @@ def free_memory_bytes(device: torch.device) -> int:
         return 8 << 30
 
 
-def default_budget(backends: dict[str, KVBackend], max_batch_size: int, max_total_tokens: int,
-                   device: torch.device) -> int:
-    """The KV budget when ``KV_CACHE_BUDGET_BYTES`` is unset (bytes): enough for ``max_batch_size`` sequences of
-    ``max_total_tokens`` tokens of the costliest served backend at full precision, at most
-    :data:`MEMORY_FRACTION` of the memory free now."""
-    g = next(iter(backends.values())).geometry
-    per_token = g.num_layers * 2 * g.num_key_value_heads * g.head_dim * g.dtype_bytes
-    if g.kv_lora_rank:
-        per_token = g.num_layers * (g.kv_lora_rank + g.rope_dim) * g.dtype_bytes
-    need = max_batch_size * max_total_tokens * per_token
+def default_budget(backends: dict[str, KVBackend], layouts: dict, page_bytes: int, max_batch_size: int,
+                   max_total_tokens: int, prefill_chunk_tokens: int | None, device: torch.device) -> int:
+    """The KV budget when ``KV_CACHE_BUDGET_BYTES`` is unset (bytes): the pages ``max_batch_size`` sequences of
+    ``max_total_tokens`` tokens of the costliest served backend can hold at once (an int8-family prompt's
+    exact pages while it is prefilled included), plus the null page; at most :data:`MEMORY_FRACTION` of the
+    memory free now."""
+    pages = 0
+    for name, backend in backends.items():
+        if name in layouts:
+            pages = max(pages, layouts[name].pages_for(max_total_tokens, prefill_chunk_tokens))
+        else:
+            pages = max(pages, -(-backend.reserved_bytes(max_total_tokens) // page_bytes))
+    need = (max_batch_size * pages + 1) * page_bytes
     return int(min(need, MEMORY_FRACTION * free_memory_bytes(device)))
 
 
@@ -44,7 +47,7 @@ def build_engine(model, tokenizer, backends: dict[str, KVBackend], eos_token_ids
                  budget_bytes: int | None, max_total_tokens: int, block_size: int = DEFAULT_BLOCK_SIZE,
                  prefill_chunk_tokens: int | None = 256, max_concurrent_requests: int = 128,
                  recorder=None) -> Engine:
-    """An engine over one KV pool of ``budget_bytes`` (default :func:`default_budget`) for ``backends``.
+    """An engine over one KV pool of ``budget_bytes`` (default: :func:`default_budget`) for ``backends``.
 
     Raises:
         ValueError: if the budget holds fewer than two pages.
@@ -52,8 +55,9 @@ def build_engine(model, tokenizer, backends: dict[str, KVBackend], eos_token_ids
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     page_bytes, layouts = page_layouts(backends, dtype, block_size)
-    if budget_bytes is None:  # and one page more: the null page that pads block tables
-        budget_bytes = default_budget(backends, max_batch_size, max_total_tokens, device) + page_bytes
+    if budget_bytes is None:
+        budget_bytes = default_budget(backends, layouts, page_bytes, max_batch_size, max_total_tokens,
+                                      prefill_chunk_tokens, device)
     num_pages = budget_bytes // page_bytes
     if num_pages < 2:
         raise ValueError(f"KV_CACHE_BUDGET_BYTES={budget_bytes} holds fewer than 2 KV blocks of {page_bytes} bytes")
