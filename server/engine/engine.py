@@ -204,6 +204,10 @@ class Engine:
             res = self.kv.reserve(seq, n)
             if res is not None:
                 return res
+            if self.running == [seq]:  # alone and still too big (a whole-prompt prefill's exact pages)
+                self._finish(seq, FinishReason.ERROR, error=f"{n} tokens at once need more KV blocks than the pool "
+                                                            f"has ({self.kv.blocks.usable_pages}; KV_CACHE_BUDGET_BYTES)")
+                return None
             victim = self.scheduler.victim(self.running)
             self._preempt(victim)
             if victim is seq:
