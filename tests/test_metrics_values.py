@@ -56,8 +56,8 @@ def test_gauges_drop_a_request_before_its_last_event(ref_model):
     # when the cancelled one ended, `done` was still running (6 tokens): only its KV was left
     assert seen_at_last_event[(FinishReason.CANCELLED, "kvserve_requests_running")] == 1
     assert 0 < seen_at_last_event[(FinishReason.CANCELLED, "kvserve_kv_cache_used_bytes")] < 16384 * 12
-    # allocated: `done`'s buffers at their capacity (its reservation of prompt + 6 tokens, under 64)
-    assert seen_at_last_event[(FinishReason.CANCELLED, "kvserve_kv_cache_bytes")] == 16384 * (len(done.prompt_ids) + 6)
+    # held: `done`'s one block of the pool (its prompt + 6 tokens fit one 16-token block)
+    assert seen_at_last_event[(FinishReason.CANCELLED, "kvserve_kv_cache_bytes")] == engine.kv.page_bytes
     for name in ("kvserve_kv_cache_bytes", "kvserve_kv_cache_used_bytes", "kvserve_kv_cache_tokens",
                  "kvserve_requests_running"):
         assert seen_at_last_event[(FinishReason.LENGTH, name)] == 0, name
