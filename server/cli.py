@@ -21,7 +21,6 @@ def serve(_: argparse.Namespace) -> int:
     import uvicorn
 
     from server.app import create_app
-
     from server.shutdown import DrainingServer
 
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -30,7 +29,11 @@ def serve(_: argparse.Namespace) -> int:
     # headers pass MAX_HEADER_BYTES with 400, before they are buffered any further.
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level, http="h11",
                             h11_max_incomplete_event_size=settings.max_header_bytes, timeout_graceful_shutdown=5)
-    DrainingServer(config, app.state.kvserve, settings.shutdown_grace_seconds).run()
+    try:
+        DrainingServer(config, app.state.kvserve, settings.shutdown_grace_seconds).run()
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it stopped on; a failed load sends one itself
+        if not app.state.kvserve.load_error:
+            raise
     error = app.state.kvserve.load_error
     if error:  # the server stopped because it could never serve: say why, in one line, and fail
         print(f"kvserve: cannot serve: {error}", file=sys.stderr)
