@@ -158,7 +158,8 @@ def test_inference_perf_streaming_reports_ttft_itl_and_tokens(server, tmp_path):
     for entry in per_request:
         assert entry["error"] is None, entry
         computed = entry["computed_metrics"]
-        assert computed["output_tokens"] == OUTPUT_TOKENS, computed
+        # per request, inference-perf may count the streamed text itself (BPE can merge a piece): as output_len
+        assert OUTPUT_TOKENS - 3 <= computed["output_tokens"] <= OUTPUT_TOKENS, computed
         assert 0 < computed["time_to_first_token"] < computed["request_latency"], computed
         assert len(computed["inter_token_latencies"]) >= OUTPUT_TOKENS // 2, computed
         assert len(entry["info"]["response_metrics"]["response_chunks"]) >= OUTPUT_TOKENS // 2, entry["info"]
