@@ -63,8 +63,6 @@ class PagedStore:
         layout: its backend's page layout.
     """
 
-    in_place = True
-
     def __init__(self, blocks: SeqBlocks, layout: PageLayout):
         self.blocks, self.layout = blocks, layout
 
