@@ -98,6 +98,8 @@ class Sequence:
     kv_pages: list[int] = field(default_factory=list)  # pages charged to a per-sequence store
     preemptions: int = 0  # times the engine preempted it (its KV freed, recomputed at readmission)
     group: str | None = None  # the HTTP request it belongs to (n > 1, best_of, prompt lists); None: its own
+    cache_salt: str | None = None  # mixed into its prefix-cache block hashes: only requests with the same salt share
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache at its (last) admission (OpenAI cached_tokens)
 
     @property
     def request_group(self) -> str:
