@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.kvserve-installed
 # slower beside one busy process (README, Configuration: TORCH_NUM_THREADS)
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: install serve test browser docs docs-serve test-gpu bench bench-quick bench-serving bench-budget bench-mla-routes bench-dca load-test clean
+.PHONY: install serve test browser docs docs-serve test-gpu bench bench-quick bench-serving bench-budget bench-prefix bench-mla-routes bench-dca load-test clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -79,6 +79,9 @@ bench-mla-routes: $(STAMP)
 
 bench-dca: $(STAMP)
 	$(BIN)/python -m bench.dca_long
+
+bench-prefix: $(STAMP)
+	$(BIN)/python -m bench.prefix
 
 bench-budget: $(STAMP)
 	$(BIN)/python -m bench.budget

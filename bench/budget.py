@@ -76,13 +76,15 @@ class OpCounter:
         self.mode.__exit__(*exc)
 
 
-def new_engine(model, tokenizer, backend, streams: int, budget: int | None, chunk: int | None = 256):
+def new_engine(model, tokenizer, backend, streams: int, budget: int | None, chunk: int | None = 256,
+               prefix_caching: bool = True):
     """The server's engine (pool, scheduler, runner) for ``backend`` alone, in-process."""
     from server.engine.setup import build_engine
 
     return build_engine(model, tokenizer, {backend.name: backend}, set(), max_batch_size=streams,
                         budget_bytes=budget, max_total_tokens=model.config.max_position_embeddings,
-                        prefill_chunk_tokens=chunk, max_concurrent_requests=max(streams, 1))
+                        prefill_chunk_tokens=chunk, max_concurrent_requests=max(streams, 1),
+                        prefix_caching=prefix_caching)
 
 
 def budget_run(model, tokenizer, backend, prompts: list[list[int]], new_tokens: int, budget: int,

@@ -89,22 +89,26 @@ def test_int8_prefill_gives_the_same_logits_however_it_is_chunked(ref_model):
     assert _logprobs(ew) == pytest.approx(_logprobs(ec), abs=LOGIT_FACTOR * FP32_EPS * 20)
 
 
-def test_an_int8_hit_reuses_whole_quantized_pages(ref_model):
-    """int8 shares its quantized pages (whole groups), never its residual window: a hit's logits differ from a
-    miss only where the tokens just before the hit are read as their codes instead of exact."""
+@pytest.mark.parametrize("name,options", [("int8", {}), ("gqa", {"groups": 2}), ("mla", {"rank": 64}),
+                                          ("mla+int8", {"rank": 64})], ids=["int8", "gqa", "mla", "mla+int8"])
+def test_every_paged_backend_hits_with_the_logits_of_a_miss(ref_model, name, options):
+    """Exact-tier backends (gqa, mla) hit with a miss's logits to fp32 rounding. int8-family backends share
+    their quantized pages (whole groups), never their residual window: a hit's logits differ from a miss only
+    where the tokens just before the hit are read as their codes instead of exact."""
     model, tok = ref_model
     prompt = PREFIX + " And God said"
-    engine = make_engine(model, tok, "int8")
-    _serve(engine, tok, PREFIX + " And the earth was", 4, backend="int8")
-    seq, events = _serve(engine, tok, prompt, 16, backend="int8")
-    layout = engine.kv.layouts["int8"]
-    assert seq.cached_tokens >= layout.cache_block_tokens and seq.cached_tokens % layout.cache_block_tokens == 0
-    miss, miss_events = _serve(make_engine(model, tok, "int8", prefix_caching=False), tok, prompt, 16,
-                               backend="int8")
+    engine = make_engine(model, tok, name, **options)
+    _serve(engine, tok, PREFIX + " And the earth was", 4, backend=name)
+    seq, events = _serve(engine, tok, prompt, 16, backend=name)
+    layout = engine.kv.layouts[name]
+    assert seq.cached_tokens >= 3 * layout.cache_block_tokens and seq.cached_tokens % layout.cache_block_tokens == 0
+    miss, miss_events = _serve(make_engine(model, tok, name, prefix_caching=False, **options), tok, prompt, 16,
+                               backend=name)
     assert seq.output_ids == miss.output_ids
-    # measured: 7e-5 (fp32), against 4e-4 between a whole and a chunked prefill before prefill read its past as
-    # decode does (test above)
-    assert _logprobs(events) == pytest.approx(_logprobs(miss_events), abs=1e-3)
+    # int8 measured: 7e-5 (fp32), against 4e-4 between a whole and a chunked prefill before prefill read its past
+    # as decode does (test above)
+    tol = 1e-3 if layout.quantize else LOGIT_FACTOR * FP32_EPS * 20
+    assert _logprobs(events) == pytest.approx(_logprobs(miss_events), abs=tol)
 
 
 def test_cached_blocks_are_evicted_when_the_pool_needs_them(ref_model):

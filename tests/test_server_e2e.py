@@ -178,3 +178,24 @@ def test_invalid_requests_get_json_422(server):
     r = httpx.post(server.url + "/generate", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 422 and r.json()["error_type"] == "validation"
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_prefix_cache_hits_show_in_info_and_metrics(server):
+    """A prompt sent twice: the second prefills only past its cached blocks, answers the same, and the prefix
+    cache's counters (tokens), its config gauge and /info say so."""
+    info = httpx.get(server.url + "/info").json()
+    block = info["block_size_tokens"]["full"]
+    assert info["prefix_caching"] is True and block > 0
+    config = [k for k in server.metrics() if k.startswith("kvserve_cache_config_info{") and 'backend="full"' in k]
+    assert config == ['kvserve_cache_config_info{backend="full",block_size="%d",model="%s",num_blocks="%d",'
+                      'prefix_caching="true"}' % (block, MODEL_DIR.name, info["num_blocks"])]
+    prompt = " ".join(["And the LORD spake unto Moses, saying,"] * 12)
+    before = server.metrics()
+    body = {"inputs": prompt, "parameters": {"max_new_tokens": 4, "details": True}}
+    first, second = (httpx.post(server.url + "/generate", json=body, timeout=60).json() for _ in range(2))
+    assert first["generated_text"] == second["generated_text"]
+    after = server.metrics()
+    delta = lambda name: after.get(name + LABELS, 0) - before.get(name + LABELS, 0)  # noqa: E731
+    n = delta("kvserve_prompt_tokens_total") / 2
+    assert delta("kvserve_prefix_cache_queries_total") == 2 * n
+    assert delta("kvserve_prefix_cache_hits_total") == (n - 1) // block * block > 0
