@@ -44,6 +44,26 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
+def bad_spec(prog: str, specs: list[str]) -> bool:
+    """Print ``prog: <why>`` for the first spec that does not parse; whether one did not."""
+    for spec in specs:
+        try:
+            parse_spec(spec)
+        except ValueError as exc:
+            print(f"{prog}: {exc}", file=sys.stderr)
+            return True
+    return False
+
+
+def load_reference(path: str):
+    """``(model, tokenizer, held-out token ids)`` of the model at ``path``, fp32 on the CPU, seeded."""
+    from server.model_loading import load_model
+
+    torch.manual_seed(0)
+    model, tokenizer = load_model(path, torch.device("cpu"), torch.float32)
+    return model, tokenizer, slice_token_ids(Path(path) / EVAL_SLICE, tokenizer)
+
+
 def make_backend(spec: str, model, tokenizer):
     name, options = parse_spec(spec)
     geometry = ModelGeometry.from_config(model.config, next(model.parameters()).dtype)
@@ -259,19 +279,11 @@ def main(argv: list[str] | None = None) -> int:
         args.streams, args.new_tokens, args.no_scaling = 8, 64, True
         args.specs = args.specs or QUICK_SPECS
     specs = args.specs or SPECS
-    for spec in specs:
-        try:
-            parse_spec(spec)
-        except ValueError as exc:
-            print(f"bench.budget: {exc}", file=sys.stderr)
-            return 2
+    if bad_spec("bench.budget", specs):
+        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(0)
-    from server.model_loading import load_model
-
-    model, tokenizer = load_model(args.model, torch.device("cpu"), torch.float32)
-    ids = slice_token_ids(Path(args.model) / EVAL_SLICE, tokenizer)
+    model, tokenizer, ids = load_reference(args.model)
     step = max(1, (len(ids) - args.prompt_tokens) // args.streams)
     prompts = [ids[i * step : i * step + args.prompt_tokens] for i in range(args.streams)]
     results, scaling, full_ppl = [], {}, None

@@ -31,8 +31,7 @@ from pathlib import Path
 
 import torch
 
-from bench.budget import make_backend, new_engine, percentile
-from bench.quality import EVAL_SLICE, slice_token_ids
+from bench.budget import bad_spec, load_reference, make_backend, new_engine, percentile
 from cache_backends import create
 from cache_backends.spec import format_spec, parse_spec
 
@@ -173,19 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.streams, args.new_tokens, args.conversations, args.turns, args.requests = 4, 8, 2, 3, 16
         args.eviction_specs = args.eviction_specs[:2]
-    for spec in args.specs + args.eviction_specs:
-        try:
-            parse_spec(spec)
-        except ValueError as exc:
-            print(f"bench.prefix: {exc}", file=sys.stderr)
-            return 2
+    if bad_spec("bench.prefix", args.specs + args.eviction_specs):
+        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(0)
-    from server.model_loading import load_model
-
-    model, tok = load_model(args.model, torch.device("cpu"), torch.float32)
-    ids = slice_token_ids(Path(args.model) / EVAL_SLICE, tok)
+    model, tok, ids = load_reference(args.model)
     res = {"args": vars(args), "shared": {}, "multi_turn": {}, "eviction": {}}
     with torch.inference_mode():
         for spec in args.specs:

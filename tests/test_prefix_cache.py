@@ -155,3 +155,10 @@ def test_a_preempted_sequence_takes_its_own_cached_blocks_back(ref_model):
     assert sum(s.preemptions for s in seqs) > 0 and any(h > 0 for h in hits)
     for p, s in zip(prompts, seqs):
         assert s.output_ids == reference_greedy(model, tok, p, 60)
+
+
+def test_bench_prefix_refuses_a_bad_spec_before_loading_anything(capsys):
+    from bench.prefix import main
+
+    assert main(["--eviction-specs", "int8:group_size=0"]) == 2
+    assert capsys.readouterr().err.startswith("bench.prefix: ")
