@@ -161,6 +161,7 @@ def default_params(shape: Shape, backend: str) -> dict:
                 "rope_dim": shape.rope_dim if shape.kv_lora_rank else 0},
         "int8": {"group_size": 32, "residual": 32},
         "dca": {"reuse_fraction": 0.5, "window": 32},
+        "elastic": {"group_size": 32, "window": 32},
     }
     out = {}
     for part in backend.split("+"):
@@ -196,6 +197,8 @@ def bytes_per_token_per_layer(shape: Shape, backend: str, params: dict, dtype_by
                                                      params["group_size"], params["residual"], seq_len)
     if backend == "full":
         return h * (dk + dv) * dtype_bytes
+    if backend == "elastic":  # its most: every token exact (the least: elastic_min_bytes_per_token_per_layer)
+        return h * (dk + dv) * dtype_bytes
     if backend == "gqa":
         groups = params["groups"]
         if h % groups:
@@ -220,8 +223,16 @@ def bytes_per_token_per_layer(shape: Shape, backend: str, params: dict, dtype_by
         if not held:
             return kept
         return kept + f * bytes_per_token_per_layer(shape, inner, rest, dtype_bytes, held) * held / seq_len
-    raise ValueError(f"unknown backend {backend!r}; allowed: full, gqa, mla, int8, dca, gqa+int8, mla+int8, "
-                     "dca+int8, dca+mla")
+    raise ValueError(f"unknown backend {backend!r}; allowed: full, gqa, mla, int8, dca, elastic, gqa+int8, "
+                     "mla+int8, dca+int8, dca+mla")
+
+
+def elastic_min_bytes_per_token_per_layer(shape: Shape, params: dict, dtype_bytes: int, seq_len: int) -> float:
+    """``elastic`` with every compressible group quantized (the pool at its shortest): ``int8`` with its group
+    size and its window as the residual window. Its most is ``full``'s (nothing quantized)."""
+    params = {**default_params(shape, "elastic"), **params}
+    return bytes_per_token_per_layer(shape, "int8", {"group_size": params["group_size"], "residual": params["window"]},
+                                     dtype_bytes, seq_len)
 
 
 def estimate_rows(shape: Shape, specs: list[tuple[str, dict]], seq_lens: list[int], batches: list[int],
@@ -235,7 +246,12 @@ def estimate_rows(shape: Shape, specs: list[tuple[str, dict]], seq_lens: list[in
         used = {**default_params(shape, backend), **params}
         for t in seq_lens:
             per = bytes_per_token_per_layer(shape, backend, params, dtype_bytes, t)
+            low = elastic_min_bytes_per_token_per_layer(shape, params, dtype_bytes, t) if backend == "elastic" else None
             for b in batches:
-                rows.append({"backend": backend, "params": used, "seq_len": t, "batch": b,
-                             "bytes_per_token_per_layer": per, "total_bytes": round(per * t * shape.num_layers * b)})
+                row = {"backend": backend, "params": used, "seq_len": t, "batch": b,
+                       "bytes_per_token_per_layer": per, "total_bytes": round(per * t * shape.num_layers * b)}
+                if low is not None:  # a range: from every token quantized that may be, to every token exact
+                    row["min_bytes_per_token_per_layer"] = low
+                    row["min_total_bytes"] = round(low * t * shape.num_layers * b)
+                rows.append(row)
     return rows

@@ -124,7 +124,9 @@ class PageLayout:
         num_layers: decoder layers (every page holds its tokens for all of them).
         dtype: the model dtype (exact tokens, scales and zero points).
         page_bytes: bytes per page.
-        quantize: ``None`` or ``{"group_size": g, "residual": r}`` (int8 tier with a residual window).
+        quantize: ``None``, ``{"group_size": g, "residual": r}`` (int8 tier with a residual window), or
+            ``{"group_size": g, "residual": None, "window": w}``: an int8 tier filled only on demand
+            (:meth:`plan_compress`, ``elastic``), never by writes, the newest ``w`` tokens always exact.
 
     Raises:
         ValueError: if a page cannot hold one exact token, or one quantization group.
@@ -163,8 +165,9 @@ class PageLayout:
     def natural_page_bytes(cls, streams, num_layers: int, dtype: torch.dtype, block_size: int,
                            quantize: dict | None) -> int:
         """Bytes of one block of ``block_size`` tokens in this backend's stored form (rounded up to whole
-        quantization groups): the page size a pool serving only this backend uses."""
-        if quantize:
+        quantization groups; an on-demand tier: the exact block every token starts in): the page size a pool
+        serving only this backend uses."""
+        if quantize and quantize["residual"] is not None:
             g = quantize["group_size"]
             return cls.q_bytes(streams, num_layers, dtype, g, g * -(-block_size // g))
         return cls.exact_bytes(streams, num_layers, dtype, block_size)
@@ -207,8 +210,18 @@ class PageLayout:
             out.append(row)
         return out
 
+    @property
+    def on_demand(self) -> bool:
+        """Whether the quantized tier is filled on demand only (``elastic``), not by a residual window."""
+        return bool(self.quantize) and self.quantize["residual"] is None
+
     def used_bytes(self) -> int:
-        """Bytes of a page this backend fills (its tokens' slabs; the rest of the page is unused)."""
+        """Bytes of a page this backend fills (its tokens' slabs; the rest of the page is unused); with an
+        on-demand tier, the emptier of its two tiers."""
+        if self.on_demand:
+            return min(self.exact_bytes(self.streams, self.num_layers, self.dtype, self.exact_tokens),
+                       self.q_bytes(self.streams, self.num_layers, self.dtype, self.quantize["group_size"],
+                                    self.q_tokens))
         if self.quantize:
             return self.q_bytes(self.streams, self.num_layers, self.dtype, self.quantize["group_size"], self.q_tokens)
         return self.exact_bytes(self.streams, self.num_layers, self.dtype, self.exact_tokens)
@@ -231,13 +244,27 @@ class PageLayout:
         """What writing ``n`` new tokens into ``blocks`` needs: pages to add, tokens quantized, pages freed."""
         exact_len = blocks.exact_len + n
         drained = 0
-        if self.quantize:
+        if self.quantize and not self.on_demand:
             g, r = self.quantize["group_size"], self.quantize["residual"]
             drained = max(0, (exact_len - r) // g) * g
         new_q = blocks.q_len + drained
         need_exact = math.ceil((blocks.start + exact_len) / self.exact_tokens) - len(blocks.exact)
         need_q = math.ceil(new_q / self.q_tokens) - len(blocks.q) if drained else 0
         return Plan(n, drained, max(0, need_exact), max(0, need_q), (blocks.start + drained) // self.exact_tokens)
+
+    def compressible(self, blocks: SeqBlocks) -> int:
+        """Tokens of an on-demand tier's exact pages that may be quantized now: whole groups, oldest first,
+        outside the window of the newest tokens (0 for other layouts)."""
+        if not self.on_demand:
+            return 0
+        g = self.quantize["group_size"]
+        return max(0, (blocks.exact_len - self.quantize["window"]) // g * g)
+
+    def plan_compress(self, blocks: SeqBlocks, tokens: int) -> Plan:
+        """Quantizing the oldest ``tokens`` exact tokens of ``blocks`` (a multiple of the group size, at most
+        :meth:`compressible`) without writing any: the quantized pages it needs, the exact pages it frees."""
+        need_q = math.ceil((blocks.q_len + tokens) / self.q_tokens) - len(blocks.q)
+        return Plan(0, tokens, 0, max(0, need_q), (blocks.start + tokens) // self.exact_tokens)
 
     @property
     def cache_block_tokens(self) -> int:
@@ -322,6 +349,42 @@ def _pad_table(tables: list[list[int]]) -> list[list[int]]:
     return [t + [NULL_PAGE] * (width - len(t)) for t in tables]
 
 
+class Drain:
+    """Where the tokens one step (or one compression, :meth:`PageLayout.plan_compress`) quantizes come from and go.
+
+    Args:
+        layout: the backend's page layout.
+        rows: each sequence's blocks (pages for the step already added) and its plan.
+        device: where the index tensors go.
+
+    Attributes:
+        tokens: tokens quantized, over all rows (0: nothing to do).
+        src, dst: ``(pages, slots)`` (N,) each: the exact slot each quantized token is read from, and its slot in
+            the quantized tier.
+        grp: ``(pages, group slots)`` (N / group_size,) of each new group's scales.
+    """
+
+    def __init__(self, layout: PageLayout, rows: list[tuple[SeqBlocks, Plan]], device):
+        te, tq = layout.exact_tokens, layout.q_tokens
+        g = layout.quantize["group_size"] if layout.quantize else 0
+        sp, ss, dp, ds, gp, gs = ([] for _ in range(6))
+        for blocks, plan in rows:
+            for j in range(plan.drained):
+                sp.append(blocks.exact[(blocks.start + j) // te])
+                ss.append((blocks.start + j) % te)
+                t = blocks.q_len + j
+                dp.append(blocks.q[t // tq])
+                ds.append(t % tq)
+                if j % g == 0:
+                    gp.append(blocks.q[t // tq])
+                    gs.append((t % tq) // g)
+        self.tokens = len(sp)
+        if self.tokens:
+            as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+            self.src, self.dst, self.grp = (as_long(sp), as_long(ss)), (as_long(dp), as_long(ds)), (as_long(gp),
+                                                                                                     as_long(gs))
+
+
 class StepMeta:
     """One step's metadata for the sequences of one backend, built once and read by every layer.
 
@@ -332,7 +395,7 @@ class StepMeta:
 
     Attributes (tensors, B = sequences, n = new tokens per sequence):
         write_pages, write_slots: (B * n,) exact page and slot of each new token, row-major.
-        drain_*: exact source and quantized destination slots of the tokens quantized this step.
+        drain: the tokens quantized this step (:class:`Drain`).
         exact_table (B, Pe) and q_table (B, Pq): page tables, padded with the null page.
         positions: (B, Tq + Te) position of every gathered token (q pages first, then exact pages).
         query_positions: (B, n) positions of the new tokens.
@@ -348,7 +411,7 @@ class StepMeta:
     def __init__(self, layout: PageLayout, rows: list[tuple[SeqBlocks, Plan]], device):
         te, tq = layout.exact_tokens, layout.q_tokens
         n = rows[0][1].n
-        wp, ws, sp, ss, dp, ds, gp, gs = ([] for _ in range(8))
+        wp, ws = [], []
         qpos, q_lens, starts, e_lens = [], [], [], []
         g = layout.quantize["group_size"] if layout.quantize else 0
         for blocks, plan in rows:
@@ -358,15 +421,6 @@ class StepMeta:
             for j in range(n):
                 wp.append(blocks.exact[(base + j) // te])
                 ws.append((base + j) % te)
-            for j in range(plan.drained):
-                sp.append(blocks.exact[(blocks.start + j) // te])
-                ss.append((blocks.start + j) % te)
-                t = blocks.q_len + j
-                dp.append(blocks.q[t // tq])
-                ds.append(t % tq)
-                if j % g == 0:
-                    gp.append(blocks.q[t // tq])
-                    gs.append((t % tq) // g)
             qpos.append([blocks.tokens + j for j in range(n)])
             q_lens.append(blocks.q_len + plan.drained)
             starts.append(blocks.start + plan.drained)
@@ -374,12 +428,7 @@ class StepMeta:
         as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
         self.n, self.batch = n, len(rows)
         self.write_pages, self.write_slots = as_long(wp), as_long(ws)
-        self.drained = len(sp)
-        self.drain_groups = len(gp)
-        if self.drained:
-            self.drain_src = (as_long(sp), as_long(ss))
-            self.drain_dst = (as_long(dp), as_long(ds))
-            self.drain_grp = (as_long(gp), as_long(gs))
+        self.drain = Drain(layout, rows, device)
         self.exact_table = as_long(_pad_table([b.exact for b, _ in rows]))
         q_tables = _pad_table([b.q for b, _ in rows]) if layout.quantize else [[] for _ in rows]
         self.q_table = as_long(q_tables)
@@ -393,9 +442,12 @@ class StepMeta:
         causal = self.positions[:, None, :] <= self.query_positions[:, :, None]  # (B, n, T)
         if layout.quantize:
             old_start = as_long([b.start for b, _ in rows])
-            # tokens held only as codes are read as codes (after a prefix-cache hit: the hit's whole pages)
-            split = torch.maximum(quantized_before(self.query_positions, g, layout.quantize["residual"]),
-                                  as_long([b.q_len for b, _ in rows])[:, None])[:, :, None]  # (B, n, 1)
+            # tokens held only as codes are read as codes (after a prefix-cache hit: the hit's whole pages; an
+            # on-demand tier: every quantized token)
+            split = as_long([b.q_len for b, _ in rows])[:, None].expand_as(self.query_positions)
+            if not layout.on_demand:
+                split = torch.maximum(quantized_before(self.query_positions, g, layout.quantize["residual"]), split)
+            split = split[:, :, None]  # (B, n, 1)
             quantized = iq[None, None] < split
             exact = (ie[None] >= old_start[:, None])[:, None] & (pos_e[:, None] >= split)
             self.mask = torch.cat([quantized, exact], dim=2) & causal
@@ -464,18 +516,24 @@ def write_layer(views: PoolViews, layer: int, meta: StepMeta, new: list[torch.Te
     Args:
         new: per stream, (B, heads, n, width) in batch order.
     """
-    layout = views.layout
     for s, x in enumerate(new):
         pool = views.exact[layer][s]
         h, w = x.shape[1], x.shape[-1]
         pool[:, meta.write_pages, meta.write_slots] = x.transpose(0, 1).reshape(h, -1, w).to(pool.dtype)  # (h, B*n, w)
-    if not meta.drained:
+    drain_layer(views, layer, meta.drain)
+
+
+def drain_layer(views: PoolViews, layer: int, drain: Drain) -> None:
+    """Quantize the exact tokens ``drain`` names into their quantized slots, in one batched call per stream (their
+    exact slots are left as they are: the caller frees the pages no live token uses any more)."""
+    if not drain.tokens:
         return
+    layout = views.layout
     g = layout.quantize["group_size"]
     for s, spec in enumerate(layout.streams):
-        src = views.exact[layer][s][:, meta.drain_src[0], meta.drain_src[1]]  # (heads, N, width), N = groups * g
+        src = views.exact[layer][s][:, drain.src[0], drain.src[1]]  # (heads, N, width), N = groups * g
         codes_v, scale_v, zero_v = views.q[layer][s]
-        dst, grp = (slice(None), *meta.drain_dst), (slice(None), *meta.drain_grp)
+        dst, grp = (slice(None), *drain.dst), (slice(None), *drain.grp)
         if spec.axis == "channel":
             q, scale, zero = quantize(src.reshape(spec.heads, -1, g, spec.width), dim=2)  # per head, group, channel
             codes_v[dst] = q.reshape(src.shape)

@@ -14,13 +14,14 @@ import inspect
 
 from cache_backends.base import KVBackend, ModelGeometry
 from cache_backends.dca import DCABackend
+from cache_backends.elastic import ElasticBackend
 from cache_backends.full import FullBackend
 from cache_backends.gqa import GQABackend
 from cache_backends.int8 import Int8Backend
 from cache_backends.mla import MLABackend
 
 _BACKENDS: dict[str, type[KVBackend]] = {cls.name: cls for cls in (FullBackend, GQABackend, MLABackend, Int8Backend,
-                                                                    DCABackend)}
+                                                                    DCABackend, ElasticBackend)}
 COMPOSITIONS = ("gqa+int8", "mla+int8", "dca+int8", "dca+mla")
 INT8_OPTIONS = ("group_size", "residual")
 

@@ -71,6 +71,7 @@ BACKEND_OPTIONS: dict[str, set[str]] = {
     "mla": {"rank", "rope_dim"},
     "int8": {"group_size", "residual"},
     "dca": {"threshold", "probe_interval", "align", "window", "reuse_fraction"},
+    "elastic": {"group_size", "window"},
 }
 
 

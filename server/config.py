@@ -24,6 +24,7 @@ BACKEND_OPTIONS = {
     "gqa": {"groups": "kv_gqa_groups", "method": "kv_gqa_method"},
     "mla": {"rank": "kv_mla_rank"},
     "int8": {"group_size": "kv_int8_group_size", "residual": "kv_int8_residual"},
+    "elastic": {"group_size": "kv_int8_group_size", "window": "kv_elastic_window"},
     "dca": {"threshold": "kv_dca_threshold", "probe_interval": "kv_dca_probe_interval", "align": "kv_dca_align",
             "window": "kv_dca_window"},
 }
@@ -106,6 +107,8 @@ class Settings(BaseSettings):
     kv_mla_rank: int | None = Field(None, ge=1, description="mla: latent width per token per layer.")
     kv_int8_group_size: int = Field(32, ge=1, description="int8: tokens per key quantization group.")
     kv_int8_residual: int = Field(32, ge=0, description="int8: newest tokens kept in full precision.")
+    kv_elastic_window: int = Field(32, ge=0, description="elastic: newest tokens of a sequence that stay exact "
+                                   "when the pool runs short (its group size is KV_INT8_GROUP_SIZE).")
     kv_dca_threshold: float = Field(0.95, allow_inf_nan=False, description="dca: calibrated similarity at or above which a layer is a "
                                                         "reuse candidate (each then checks its own calibrated "
                                                         "threshold per prompt and probe); above 1: none.")

@@ -100,7 +100,9 @@ def main(args: argparse.Namespace) -> int:
         table.add_column(col, justify="right" if col not in ("backend", "params") else "left")
     for r in rows:
         params = ",".join(f"{k}={v}" for k, v in r["params"].items()) or "-"
-        table.add_row(r["backend"], params, str(r["seq_len"]), str(r["batch"]),
-                      f"{r['bytes_per_token_per_layer']:.0f}", human(r["total_bytes"]))
+        per, total = f"{r['bytes_per_token_per_layer']:.0f}", human(r["total_bytes"])
+        if "min_bytes_per_token_per_layer" in r:  # elastic: from every compressible group quantized to all exact
+            per, total = f"{r['min_bytes_per_token_per_layer']:.0f}-{per}", f"{human(r['min_total_bytes'])}-{total}"
+        table.add_row(r["backend"], params, str(r["seq_len"]), str(r["batch"]), per, total)
     Console(width=120).print(table)
     return 0

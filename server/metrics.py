@@ -88,6 +88,13 @@ class Metrics:
         self.cache_config = Gauge("kvserve_cache_config_info", "The KV pool's configuration (value 1): tokens per "
                                   "block of each backend, blocks in the pool, prefix caching on or off.",
                                   ("model", "backend", "block_size", "num_blocks", "prefix_caching"), registry=r)
+        self.tier_tokens = Gauge("kvserve_kv_cache_tier_tokens", "Tokens cached by all live sequences per stored "
+                                 "form: tier exact (model dtype) or int8 (codes).", LABELS + ("tier",), registry=r)
+        self.compressed_blocks = Counter("kvserve_elastic_compressed_blocks", "elastic: exact KV blocks re-encoded "
+                                         "to int8 because the pool ran short.", LABELS, registry=r)
+        self.preemptions_avoided = Counter("kvserve_elastic_preemptions_avoided", "elastic: times the pool ran out "
+                                           "of blocks and compressing made room instead of a preemption.", LABELS,
+                                           registry=r)
         self.dca_reuse_layers = Gauge("kvserve_dca_reuse_layers",
                                       "dca: layers currently reusing another layer's K/V, summed over live sequences.",
                                       LABELS, registry=r)
@@ -120,6 +127,11 @@ class Recorder:
                 counter.labels(model, b)
             for reason in ("length", "eos_token", "stop_sequence", "cancelled", "error"):
                 metrics.requests.labels(model, b, reason)
+            for tier in ("exact", "int8"):
+                metrics.tier_tokens.labels(model, b, tier).set(0)
+            if b == "elastic":
+                metrics.compressed_blocks.labels(model, b)
+                metrics.preemptions_avoided.labels(model, b)
             if is_dca(b):
                 metrics.dca_reuse_layers.labels(model, b).set(0)
                 metrics.dca_fallbacks.labels(model, b)
@@ -143,6 +155,14 @@ class Recorder:
         labels = self._l(seq.backend_name)
         self.m.prefix_queries.labels(**labels).inc(queried)
         self.m.prefix_hits.labels(**labels).inc(hit)
+
+    def compressed(self, seq, blocks: int, avoided: bool) -> None:
+        """An ``elastic`` sequence's oldest ``blocks`` exact blocks were re-encoded; ``avoided``: the pool was out
+        of blocks, and a sequence would have been preempted otherwise."""
+        labels = self._l(seq.backend_name)
+        self.m.compressed_blocks.labels(**labels).inc(blocks)
+        if avoided:
+            self.m.preemptions_avoided.labels(**labels).inc()
 
     def preempted(self, seq) -> None:
         self.m.preemptions.labels(**self._l(seq.backend_name)).inc()
@@ -190,7 +210,10 @@ class Recorder:
             self.m.prefix_blocks.labels(self.model).set(cached_blocks)
         per_backend: dict[str, list[int]] = {b: [0, 0, 0, 0, 0] for b in self.backends}
         generated = dict.fromkeys(self.backends, 0)
+        tiers = {(b, t): 0 for b in self.backends for t in ("exact", "int8")}
         for seq in running:
+            for tier, n in seq.kv_tiers.items():
+                tiers[seq.backend_name, tier] = tiers.get((seq.backend_name, tier), 0) + n
             generated[seq.backend_name] = generated.get(seq.backend_name, 0) + len(seq.output_ids)
             if seq.store is None:
                 continue
@@ -210,6 +233,8 @@ class Recorder:
             self.m.kv_bytes_per_token.labels(**labels).set(nbytes / tokens if tokens else 0)
             if is_dca(backend):
                 self.m.dca_reuse_layers.labels(**labels).set(reuse)
+        for (backend, tier), n in tiers.items():
+            self.m.tier_tokens.labels(self.model, backend, tier).set(n)
         self.live_generated = generated
         if waiting is not None:
             for backend in per_backend:

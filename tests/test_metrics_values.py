@@ -86,7 +86,8 @@ def test_request_kv_histogram_records_the_peak_of_a_draining_int8_store(ref_mode
 
 def _fake_seq(backend: str, reuse: int):
     store = SimpleNamespace(num_tokens=lambda: 10, stats=lambda: {"dca_reuse_layers": reuse, "dca_fallbacks": 0})
-    return SimpleNamespace(backend_name=backend, store=store, kv_bytes=1000, kv_allocated=1024, output_ids=[1, 2])
+    return SimpleNamespace(backend_name=backend, store=store, kv_bytes=1000, kv_allocated=1024, output_ids=[1, 2],
+                           kv_tiers={"exact": 10})
 
 
 def test_dca_metrics_exist_for_every_dca_composition():

@@ -150,6 +150,7 @@ class Engine:
             self._finish(seq, FinishReason.CANCELLED)
         for seq in admitted:
             self._start(seq)
+        self._keep_room()
         prefilled = self._prefill_step(sum(1 for s in self.running if s.decoding))
         # Measured after prefill too: an int8-family store can be at its largest right after prefill,
         # and shrink in the same step's decode when its residual window drains.
@@ -167,6 +168,7 @@ class Engine:
         for seq in seqs:
             seq.kv_bytes = seq.store.nbytes()
             seq.kv_allocated = self.kv.held_bytes(seq)
+            seq.kv_tiers = self.kv.tier_tokens(seq)
             seq.peak_kv_bytes = max(seq.peak_kv_bytes, seq.kv_bytes)
 
     def _start(self, seq: Sequence) -> None:
@@ -209,6 +211,8 @@ class Engine:
             res = self.kv.reserve(seq, n)
             if res is not None:
                 return res
+            if self._compress(self.kv.pages_needed(seq, n)):
+                continue
             if self.running == [seq]:  # alone and still too big (a whole-prompt prefill's exact pages)
                 self._finish(seq, FinishReason.ERROR, error=f"{n} tokens at once need more KV blocks than the pool "
                                                             f"has ({self.kv.blocks.usable_pages}; KV_CACHE_BUDGET_BYTES)")
@@ -217,6 +221,31 @@ class Engine:
             self._preempt(victim)
             if victim is seq:
                 return None
+
+    def _keep_room(self) -> None:
+        """With ``elastic`` sequences running, compress before the pool is empty: a step's decode may take a page
+        per sequence, and re-encoding needs a free page for the codes before it frees the exact ones."""
+        elastic = sum(1 for s in self.running if self.kv.paged(s) and self.kv.layouts[s.backend_name].on_demand)
+        if elastic and self.kv.blocks.num_free < elastic + 1:
+            self._compress(elastic + 1, avoided=False)
+
+    def _compress(self, need: int, avoided: bool = True) -> bool:
+        """Quantize running ``elastic`` sequences' oldest exact groups until ``need`` pages are free (or nothing
+        is left to compress); whether any page was freed. ``avoided``: the pool is out of pages now (else
+        preempted)."""
+        plans = self.kv.plan_compression(self.running, need)
+        if not plans:
+            return False
+        groups: dict[str, list] = {}
+        for seq, res in plans:
+            groups.setdefault(seq.backend_name, []).append((seq.blocks, res.plan))
+        self.runner.compress([(self.backends[name], rows) for name, rows in groups.items()],
+                             [p for _, res in plans for p in res.pages])
+        for seq, res in plans:
+            self.kv.commit(seq, res)
+            if self.recorder:
+                self.recorder.compressed(seq, res.plan.free_front, avoided)
+        return True
 
     def _prefill_step(self, decoding: int) -> list[Sequence]:
         """Prefill running contexts in admission order within this step's token budget; return those written to.
@@ -398,6 +427,9 @@ class Engine:
         if seq.store is not None:
             seq.peak_kv_bytes = max(seq.peak_kv_bytes, seq.store.nbytes())
             seq.kv_stats = seq.store.stats()
+            tiers = self.kv.tier_tokens(seq)
+            if "int8" in tiers and self.kv.layouts[seq.backend_name].on_demand:
+                seq.kv_stats["compressed_fraction"] = tiers["int8"] / max(1, sum(tiers.values()))
         self._drop_kv(seq)
         if self.recorder:
             self.recorder.request_done(seq)

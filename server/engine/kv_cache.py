@@ -165,9 +165,11 @@ class KVCacheManager:
 
     # ---- prefix cache ---------------------------------------------------------------------------------
     def cacheable(self, seq: Sequence) -> bool:
-        """Whether ``seq``'s blocks go through the prefix cache: a paged backend, caching on, and not a prompt
-        that wants every position's log-probability (those come from its own prefill of the whole prompt)."""
-        return self.prefix_caching and self.paged(seq) and not (seq.want_prompt_logprobs and not seq.output_ids)
+        """Whether ``seq``'s blocks go through the prefix cache: a paged backend whose stored form depends on the
+        tokens alone (not ``elastic``, quantized when the pool ran short), caching on, and not a prompt that
+        wants every position's log-probability (those come from its own prefill of the whole prompt)."""
+        return (self.prefix_caching and self.paged(seq) and not self.layouts[seq.backend_name].on_demand
+                and not (seq.want_prompt_logprobs and not seq.output_ids))
 
     def _hashes(self, seq: Sequence, tokens: list[int]) -> list[bytes]:
         layout = self.layouts[seq.backend_name]
@@ -253,6 +255,59 @@ class KVCacheManager:
             self.blocks.free(self.layouts[seq.backend_name].commit(seq.blocks, res.plan))
             if self.cacheable(seq):
                 self._register(seq)
+
+    # ---- compression under pressure (elastic) --------------------------------------------------------
+    def plan_compression(self, running: list[Sequence], need: int) -> list[tuple[Sequence, Reservation]]:
+        """Which on-demand-tier sequences quantize which oldest groups so that ``need`` more pages are free:
+        the sequence with the most compressible tokens first, as few groups as do. Each plan's quantized pages
+        are taken now (from free pages, or the room left in the sequence's last quantized page); the caller
+        runs the re-encoding and then :meth:`commit`\ s each, which frees the exact pages. ``[]`` when nothing
+        can be compressed; fewer pages than ``need`` when that is all there is.
+        """
+        out, gained = [], 0
+        candidates = [s for s in running if self.paged(s) and self.layouts[s.backend_name].on_demand]
+        for seq in sorted(candidates, key=lambda s: -self.layouts[s.backend_name].compressible(s.blocks)):
+            if self.blocks.num_free + gained >= need:
+                break
+            layout = self.layouts[seq.backend_name]
+            g, most = layout.quantize["group_size"], layout.compressible(seq.blocks)
+            tokens, plan = 0, None
+            while tokens < most:  # the fewest groups that free what is missing, within the free pages
+                trial = layout.plan_compress(seq.blocks, tokens + g)
+                if trial.new_q_pages > self.blocks.num_free:
+                    break
+                tokens, plan = tokens + g, trial
+                if plan.free_front - plan.new_q_pages >= need - self.blocks.num_free - gained:
+                    break
+            if plan is None or plan.free_front - plan.new_q_pages <= 0:
+                continue
+            q = self.blocks.allocate(plan.new_q_pages)
+            layout.extend(seq.blocks, plan, [], q)
+            gained += plan.free_front
+            out.append((seq, Reservation(plan, q)))
+        return out
+
+    def pages_needed(self, seq: Sequence, n: int) -> int:
+        """Pages writing ``n`` more tokens of paged ``seq`` takes (0 for a per-sequence store)."""
+        return self.layouts[seq.backend_name].plan(seq.blocks, n).pages_needed if self.paged(seq) else 0
+
+    def compressible_pages(self, running: list[Sequence]) -> int:
+        """Pages compressing every compressible group of the running on-demand-tier sequences would free."""
+        total = 0
+        for seq in running:
+            layout = self.layouts.get(seq.backend_name)
+            if layout is not None and layout.on_demand and seq.blocks is not None:
+                plan = layout.plan_compress(seq.blocks, layout.compressible(seq.blocks))
+                total += max(0, plan.free_front - plan.new_q_pages)
+        return total
+
+    def tier_tokens(self, seq: Sequence) -> dict[str, int]:
+        """Tokens ``seq`` holds per tier (``exact``, and ``int8`` for quantized layouts)."""
+        if seq.blocks is None:
+            return {"exact": seq.store.num_tokens() if seq.store is not None else 0}
+        if self.layouts[seq.backend_name].quantize:
+            return {"exact": seq.blocks.exact_len, "int8": seq.blocks.q_len}
+        return {"exact": seq.blocks.exact_len}
 
     def release(self, seq: Sequence) -> None:
         """Return every page ``seq`` holds (finished, cancelled or preempted); its cached blocks stay in the

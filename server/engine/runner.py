@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from cache_backends.attention import BatchRead, as_read
 from cache_backends.attention import install as install_attention
 from cache_backends.base import KVBackend, KVStore
-from cache_backends.paged import PoolViews, StepMeta, read_layer, write_layer
+from cache_backends.paged import Drain, PoolViews, StepMeta, drain_layer, read_layer, write_layer
 from cache_backends.pool import KVPool
 
 
@@ -282,6 +282,18 @@ class ModelRunner:
         out = self.model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True,
                          logits_to_keep=0 if all_logits else 1)
         return out.logits if all_logits else out.logits[:, -1]
+
+    @torch.inference_mode()
+    def compress(self, groups: list[tuple[KVBackend, list]], new_pages: list[int]) -> None:
+        """Quantize the oldest exact groups the plans name (``elastic`` under pool pressure): per backend,
+        ``(backend, [(SeqBlocks, Plan), ...])`` with the plans' quantized pages already added (``new_pages``,
+        zeroed first); one batched re-encoding per layer and stream. The caller commits the plans."""
+        self.pool.zero(new_pages)
+        for backend, rows in groups:
+            views = self.pool.views[backend.name]
+            drain = Drain(views.layout, rows, self.device)
+            for layer in range(self.num_layers):
+                drain_layer(views, layer, drain)
 
     @torch.inference_mode()
     def prefill(self, prompt_ids: list[int], store: KVStore, all_logits: bool = False) -> torch.Tensor:

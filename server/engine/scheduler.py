@@ -8,6 +8,10 @@ free the engine preempts the most recently admitted sequence (vLLM's recompute p
 freed and it goes back to the front of the queue. Admission is first come, first served; a sequence that
 does not fit the free pages waits, and those behind it wait too (nothing overtakes it, so nothing starves).
 
+An ``elastic`` backend compresses instead of making sequences wait: admission also counts the pages that
+quantizing the running elastic sequences' compressible groups would free (the engine compresses when a block
+is then needed).
+
 Fair share: one HTTP request's generations (``n``, ``best_of``, a prompt list) may hold at most half the
 batch's slots while another request waits, and a request that waits with none running takes a slot from the
 request holding the most (its newest generation is preempted, and recomputed later), so one wide request
@@ -53,6 +57,7 @@ class Scheduler:
         free = self.kv.blocks.num_free - sum(self.kv.pending(s) for s in running)
         if running:
             free -= self.kv.watermark
+            free += self.kv.compressible_pages(running)
         share, held = self.share(waiting, running), Counter(s.request_group for s in running)
         for seq in list(waiting):
             if len(running) + len(admitted) >= self.max_batch_size:

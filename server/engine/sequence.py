@@ -104,6 +104,7 @@ class Sequence:
     hash_root: bytes | None = None  # its prefix-cache root key (backend, options, salt)
     block_hashes: list[bytes] = field(default_factory=list)  # chained keys of its full blocks so far
     registered_blocks: int = 0  # of its blocks, those registered in the prefix cache
+    kv_tiers: dict = field(default_factory=dict)  # tokens it holds per tier (exact, int8) at the last measurement
 
     @property
     def request_group(self) -> str:
