@@ -4,6 +4,7 @@ naming it; nothing is silently ignored. Plus the OpenAI and TGI wire details rea
 from __future__ import annotations
 
 import json
+import uuid
 
 import httpx
 import pytest
@@ -342,12 +343,20 @@ def oa_kv_backend(srv, tok):
 
 
 def oa_cache_salt(srv, tok):
-    """Same tokens with a salt; a bad salt is refused."""
+    """Same tokens with a salt; a bad salt is refused; and once the prefix cache serves a repeated long prompt
+    (`cached_tokens` > 0), a salt never seen before gets none of it."""
     assert text(cmpl(srv, cache_salt="tenant-a")) == text(cmpl(srv))
     assert text(chat(srv, cache_salt="tenant-a")) == text(chat(srv))
     refused(srv, "/v1/completions", {"prompt": PROMPT, "cache_salt": ""}, "cache_salt", 400)
     refused(srv, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "cache_salt": "x" * 257},
             "cache_salt", 400)
+    long = " ".join([PROMPT] * 24)
+    for _ in range(2):
+        again = cmpl(srv, prompt=long, max_tokens=1, cache_salt="tenant-b")["usage"]
+    assert 0 <= again["prompt_tokens_details"]["cached_tokens"] <= again["prompt_tokens"]
+    if again["prompt_tokens_details"]["cached_tokens"]:
+        fresh = cmpl(srv, prompt=long, max_tokens=1, cache_salt=f"tenant-{uuid.uuid4().hex}")["usage"]
+        assert fresh["prompt_tokens_details"]["cached_tokens"] == 0
 
 
 def oa_model_user(srv, tok):

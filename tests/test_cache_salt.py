@@ -1,15 +1,17 @@
 """``cache_salt`` (vLLM's per-request isolation of the prefix cache) on every generation route: accepted as a
 non-empty string of at most 256 characters and carried to the engine's ``Sequence.cache_salt``, refused otherwise
 (400 on the OpenAI routes, 422 on TGI's, naming the field), and refused when the server runs without its prefix
-cache."""
+cache. And ``usage.prompt_tokens_details.cached_tokens`` from ``Sequence.cached_tokens``."""
 
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 from fastapi.testclient import TestClient
 
+from server.api.openai import _usage
 from server.service import MAX_CACHE_SALT_CHARS, GenerationRequest, GenerationService, InvalidRequest, Limits
 from server.engine.sampling import SamplingParams
 from tests.conftest import MODEL_DIR
@@ -151,3 +153,30 @@ def test_server_without_prefix_cache_refuses_a_salt(route):
         body = make(SALT)
         (body["parameters"] if "parameters" in body else body).pop("cache_salt")
         assert _post(c, route, body)[0] == 200
+
+
+def test_usage_reports_cached_prompt_tokens():
+    """OpenAI's (and vLLM's) `prompt_tokens_details.cached_tokens`: the counted prompts' tokens served from the
+    prefix cache (one sequence per prompt: n choices of one prompt share its prefill)."""
+    seqs = [SimpleNamespace(prompt_ids=[1] * 40, output_ids=[2] * 3, cached_tokens=c) for c in (32, 32, 16, 16)]
+    usage = _usage(seqs, seqs[::2])
+    assert usage.prompt_tokens == 80 and usage.completion_tokens == 12
+    assert usage.prompt_tokens_details.cached_tokens == 48
+    assert usage.model_dump()["prompt_tokens_details"] == {"cached_tokens": 48}
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_usage_carries_cached_tokens_stream_or_not(client, route):
+    """On the wire: the non-streaming answer's usage and the stream's final usage chunk."""
+    make, _ = ROUTES[route]
+    out = client.post(route, json=make(SALT)).json()
+    details = out["usage"]["prompt_tokens_details"]
+    assert 0 <= details["cached_tokens"] <= out["usage"]["prompt_tokens"]
+    body = {**make(SALT), "stream": True, "stream_options": {"include_usage": True}}
+    status, text = _post(client, route, body)
+    chunks = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    assert status == 200 and chunks[-1]["choices"] == []
+    final = chunks[-1]["usage"]
+    assert 0 <= final["prompt_tokens_details"]["cached_tokens"] <= final["prompt_tokens"]
+    resp = client.post("/v1/responses", json=ROUTES["/v1/responses"][0](SALT)).json()
+    assert 0 <= resp["usage"]["input_tokens_details"]["cached_tokens"] <= resp["usage"]["input_tokens"]

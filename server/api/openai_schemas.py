@@ -103,10 +103,15 @@ class ChatRequest(_Sampling):
                                      "likely tokens at each position.")
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(0, description="Prompt tokens served from the prefix cache (not prefilled).")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(BaseModel):

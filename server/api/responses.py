@@ -217,7 +217,8 @@ async def responses(body: ResponsesRequest, request: Request):
             instructions=body.instructions, max_output_tokens=body.max_output_tokens,
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p, user=body.user, metadata=body.metadata or {},
-            usage=ResponseUsage(input_tokens=prompt, output_tokens=generated, total_tokens=prompt + generated)
+            usage=ResponseUsage(input_tokens=prompt, output_tokens=generated, total_tokens=prompt + generated,
+                                input_tokens_details=InputTokensDetails(cached_tokens=seq.cached_tokens))
             if usage else None)
 
     def status_of(reason: FinishReason) -> str:
