@@ -239,10 +239,27 @@ class PageLayout:
         need_q = math.ceil(new_q / self.q_tokens) - len(blocks.q) if drained else 0
         return Plan(n, drained, max(0, need_exact), max(0, need_q), (blocks.start + drained) // self.exact_tokens)
 
-    def pages_for(self, tokens: int, chunk: int | None = None) -> int:
-        """Pages a fresh sequence needs to write ``tokens`` tokens in chunks of ``chunk`` (default: at once): the
-        most it holds at any moment, the transient exact pages of a chunk included (admission and fit checks)."""
-        blocks, most, left = SeqBlocks(), 0, tokens
+    @property
+    def cache_block_tokens(self) -> int:
+        """Tokens of one page the prefix cache can share: an exact page's, or for a quantized layout a quantized
+        page's (its exact pages are the residual window, rewritten as it slides: never shared)."""
+        return self.q_tokens if self.quantize else self.exact_tokens
+
+    def cached_prefix(self, pages: list[int]) -> SeqBlocks:
+        """The tables of a sequence whose first ``len(pages)`` full blocks are the cached ``pages``."""
+        k = len(pages) * self.cache_block_tokens
+        if self.quantize:
+            return SeqBlocks(q=list(pages), q_len=k)
+        return SeqBlocks(exact=list(pages), exact_len=k)
+
+    def pages_for(self, tokens: int, chunk: int | None = None, start: SeqBlocks | None = None) -> int:
+        """Pages a sequence needs to write ``tokens`` tokens in chunks of ``chunk`` (default: at once) after the
+        tokens of ``start`` (default: none; e.g. a prefix-cache hit, :meth:`cached_prefix`): the most it holds at
+        any moment, ``start``'s pages and the transient exact pages of a chunk included (admission and fit
+        checks)."""
+        blocks = SeqBlocks() if start is None else SeqBlocks(list(start.exact), start.start, start.exact_len,
+                                                              list(start.q), start.q_len)
+        most, left = len(blocks.pages()), tokens
         while left > 0:
             n = left if not chunk else min(chunk, left)
             p = self.plan(blocks, n)
@@ -294,6 +311,12 @@ class PoolViews:
             else None
 
 
+def quantized_before(positions: torch.Tensor, group_size: int, residual: int) -> torch.Tensor:
+    """Tokens held as codes once the token at each of ``positions`` is cached: the whole groups of
+    ``group_size`` that leave at least ``residual`` newer tokens exact (KIVI's residual window), same shape."""
+    return ((positions + 1 - residual).clamp(min=0) // group_size) * group_size
+
+
 def _pad_table(tables: list[list[int]]) -> list[list[int]]:
     width = max((len(t) for t in tables), default=0)
     return [t + [NULL_PAGE] * (width - len(t)) for t in tables]
@@ -314,6 +337,12 @@ class StepMeta:
         positions: (B, Tq + Te) position of every gathered token (q pages first, then exact pages).
         query_positions: (B, n) positions of the new tokens.
         mask: (B, n, Tq + Te) bool, True where a new token attends to a cached token (causal, live only).
+
+    Quantized layouts: the new token at position ``p`` reads the tokens before ``quantized_before(p)`` as codes
+    and the later ones exact, as it would decoding alone (the drained tokens' exact slots are still in their
+    pages during the step). So every token's K/V, and hence every group's codes, are a function of the tokens
+    before it only, however the prompt was chunked. (After a prefix-cache hit the hit's tokens exist only as
+    codes, and are read so.)
     """
 
     def __init__(self, layout: PageLayout, rows: list[tuple[SeqBlocks, Plan]], device):
@@ -360,10 +389,19 @@ class StepMeta:
         pos_q = iq.expand(len(rows), t_q)
         pos_e = q_len[:, None] + ie[None] - start[:, None]
         self.positions = torch.cat([pos_q, pos_e], dim=1)  # (B, Tq + Te)
-        live = torch.cat([iq[None] < q_len[:, None], (ie[None] >= start[:, None]) & (pos_e < (q_len + e_len)[:, None])],
-                         dim=1)
         self.query_positions = as_long(qpos)  # (B, n)
-        self.mask = live[:, None, :] & (self.positions[:, None, :] <= self.query_positions[:, :, None])
+        causal = self.positions[:, None, :] <= self.query_positions[:, :, None]  # (B, n, T)
+        if layout.quantize:
+            old_start = as_long([b.start for b, _ in rows])
+            # tokens held only as codes are read as codes (after a prefix-cache hit: the hit's whole pages)
+            split = torch.maximum(quantized_before(self.query_positions, g, layout.quantize["residual"]),
+                                  as_long([b.q_len for b, _ in rows])[:, None])[:, :, None]  # (B, n, 1)
+            quantized = iq[None, None] < split
+            exact = (ie[None] >= old_start[:, None])[:, None] & (pos_e[:, None] >= split)
+            self.mask = torch.cat([quantized, exact], dim=2) & causal
+        else:
+            live = (ie[None] >= start[:, None]) & (pos_e < (q_len + e_len)[:, None])
+            self.mask = live[:, None, :] & causal
         self.q_width = t_q
 
 

@@ -84,6 +84,9 @@ class Settings(BaseSettings):
                                               "most 25% of the memory free at start-up).")
     kv_block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block (int8-family backends: rounded "
                                "up to whole quantization groups).")
+    kv_prefix_caching: bool = Field(True, description="Automatic prefix caching: full KV blocks stay cached after "
+                                    "their request and a prompt that starts with cached blocks prefills only the "
+                                    "rest (paged backends; not dca).")
     max_num_batched_tokens: int = Field(256, ge=0, description="Tokens one engine step processes: each decoding "
                                         "sequence's one, prompt chunks the rest (chunked prefill); 0 prefills "
                                         "whole prompts.")

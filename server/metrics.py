@@ -78,6 +78,16 @@ class Metrics:
                                    "block (their KV freed, recomputed when readmitted).", LABELS, registry=r)
         self.kv_usage = Gauge("kvserve_kv_cache_usage_perc", "KV-cache usage: blocks in use / blocks in the pool, "
                               "0-1 (vLLM's kv_cache_usage_perc).", ("model",), registry=r)
+        self.prefix_queries = Counter("kvserve_prefix_cache_queries", "Prefix cache: context tokens looked up at "
+                                      "admission (tokens; vLLM's prefix_cache_queries).", LABELS, registry=r)
+        self.prefix_hits = Counter("kvserve_prefix_cache_hits", "Prefix cache: context tokens found cached at "
+                                   "admission, not prefilled (tokens; vLLM's prefix_cache_hits).", LABELS, registry=r)
+        self.prefix_blocks = Gauge("kvserve_prefix_cache_blocks", "Prefix cache: pool blocks holding a cached block "
+                                   "that no sequence holds (evictable, counted free in kv_cache_usage_perc).",
+                                   ("model",), registry=r)
+        self.cache_config = Gauge("kvserve_cache_config_info", "The KV pool's configuration (value 1): tokens per "
+                                  "block of each backend, blocks in the pool, prefix caching on or off.",
+                                  ("model", "backend", "block_size", "num_blocks", "prefix_caching"), registry=r)
         self.dca_reuse_layers = Gauge("kvserve_dca_reuse_layers",
                                       "dca: layers currently reusing another layer's K/V, summed over live sequences.",
                                       LABELS, registry=r)
@@ -105,7 +115,8 @@ class Recorder:
         for b in backends:  # every series exists from the start, so dashboards and rates see zeros, not gaps
             for gauge in (metrics.running, metrics.waiting, metrics.kv_bytes, metrics.kv_used_bytes, metrics.kv_tokens):
                 gauge.labels(model, b).set(0)
-            for counter in (metrics.prompt_tokens, metrics.generation_tokens, metrics.preemptions):
+            for counter in (metrics.prompt_tokens, metrics.generation_tokens, metrics.preemptions,
+                            metrics.prefix_queries, metrics.prefix_hits):
                 counter.labels(model, b)
             for reason in ("length", "eos_token", "stop_sequence", "cancelled", "error"):
                 metrics.requests.labels(model, b, reason)
@@ -114,9 +125,24 @@ class Recorder:
                 metrics.dca_fallbacks.labels(model, b)
 
         metrics.kv_usage.labels(model).set(0)
+        metrics.prefix_blocks.labels(model).set(0)
 
     def _l(self, backend: str) -> dict[str, str]:
         return {"model": self.model, "backend": backend}
+
+    def cache_config(self, info: dict) -> None:
+        """Publish the pool's shape (:meth:`server.engine.kv_cache.KVCacheManager.info`) as
+        ``kvserve_cache_config_info``: one series per served backend (per-sequence stores: block_size 0)."""
+        sizes = info["block_size_tokens"]
+        for b in self.backends:
+            self.m.cache_config.labels(self.model, b, str(sizes.get(b, 0)), str(info["num_blocks"]),
+                                       str(info["prefix_caching"]).lower()).set(1)
+
+    def prefix_cache(self, seq, queried: int, hit: int) -> None:
+        """A paged sequence was admitted: ``queried`` context tokens looked up, ``hit`` of them cached."""
+        labels = self._l(seq.backend_name)
+        self.m.prefix_queries.labels(**labels).inc(queried)
+        self.m.prefix_hits.labels(**labels).inc(hit)
 
     def preempted(self, seq) -> None:
         self.m.preemptions.labels(**self._l(seq.backend_name)).inc()
@@ -147,7 +173,8 @@ class Recorder:
             for a, b in zip(t.token_times, t.token_times[1:]):
                 itl.observe(b - a)
 
-    def step_state(self, running: list, waiting: dict[str, int] | None, usage: float | None = None) -> None:
+    def step_state(self, running: list, waiting: dict[str, int] | None, usage: float | None = None,
+                   cached_blocks: int | None = None) -> None:
         """Update the live gauges (after every engine step, and when a sequence finishes).
 
         Args:
@@ -155,9 +182,12 @@ class Recorder:
             waiting: queued request counts by backend name, or ``None`` to leave the queue gauges as
                 they are.
             usage: the pool's blocks in use / blocks, 0-1, or ``None`` to leave it.
+            cached_blocks: the prefix cache's evictable blocks, or ``None`` to leave it.
         """
         if usage is not None:
             self.m.kv_usage.labels(self.model).set(usage)
+        if cached_blocks is not None:
+            self.m.prefix_blocks.labels(self.model).set(cached_blocks)
         per_backend: dict[str, list[int]] = {b: [0, 0, 0, 0, 0] for b in self.backends}
         generated = dict.fromkeys(self.backends, 0)
         for seq in running:

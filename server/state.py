@@ -126,7 +126,8 @@ class ServerState:
                               # requests are counted at the HTTP edge (server.middleware.InFlight); the engine's
                               # own count is of sequences, and this many can never be exceeded by those requests
                               max_concurrent_requests=s.max_concurrent_requests * MAX_SEQUENCES_PER_REQUEST,
-                              recorder=recorder)
+                              recorder=recorder, prefix_caching=s.kv_prefix_caching)
+        recorder.cache_config(engine.kv.info())
         engine.start()
         self.engine = engine
         self.info = {

@@ -13,7 +13,8 @@ from server.engine.setup import build_engine
 
 
 def make_engine(model, tokenizer, backend: str = "full", max_batch_size: int = 8, budget=None,
-                prefill_chunk_tokens: int | None = 256, block_size: int = 16, **options):
+                prefill_chunk_tokens: int | None = 256, block_size: int = 16, prefix_caching: bool = True,
+                **options):
     geometry = ModelGeometry.from_config(model.config, next(model.parameters()).dtype)
     be = create(backend, geometry, **options)
     be.prepare(model, calibration_ids(model, tokenizer, max_tokens=4096))  # tests: a short calibration slice
@@ -21,7 +22,8 @@ def make_engine(model, tokenizer, backend: str = "full", max_batch_size: int = 8
     return build_engine(model, tokenizer, {backend: be}, set(eos if isinstance(eos, list) else [eos]),
                         max_batch_size=max_batch_size, budget_bytes=budget,
                         max_total_tokens=model.config.max_position_embeddings, block_size=block_size,
-                        prefill_chunk_tokens=prefill_chunk_tokens, max_concurrent_requests=1000)
+                        prefill_chunk_tokens=prefill_chunk_tokens, max_concurrent_requests=1000,
+                        prefix_caching=prefix_caching)
 
 
 def make_seq(tokenizer, prompt: str, max_new_tokens: int, backend: str = "full", params: SamplingParams = None,

@@ -166,13 +166,18 @@ class Engine:
         store: the pages charged for its reservation)."""
         for seq in seqs:
             seq.kv_bytes = seq.store.nbytes()
-            seq.kv_allocated = self.kv.held(seq) * self.kv.page_bytes
+            seq.kv_allocated = self.kv.held_bytes(seq)
             seq.peak_kv_bytes = max(seq.peak_kv_bytes, seq.kv_bytes)
 
     def _start(self, seq: Sequence) -> None:
         """Give an admitted sequence its pages (per-sequence stores: a store capped at its reservation), and on
         its first admission its detokenizer."""
-        self.kv.start(seq)
+        queried = len(seq.context_ids) if self.kv.cacheable(seq) else 0
+        hit = self.kv.start(seq)
+        if seq.preemptions == 0:
+            seq.cached_tokens = min(hit, len(seq.prompt_ids))
+        if queried and self.recorder:
+            self.recorder.prefix_cache(seq, queried, hit)
         if not self.kv.paged(seq):
             seq.store = self.backends[seq.backend_name].new_store()
             seq.store.reserve(len(seq.prompt_ids) + seq.max_new_tokens)
@@ -429,7 +434,7 @@ class Engine:
             with self._lock:
                 for seq in self.waiting:
                     waiting[seq.backend_name] = waiting.get(seq.backend_name, 0) + 1
-        self.recorder.step_state(self.running, waiting, self.kv.usage())
+        self.recorder.step_state(self.running, waiting, self.kv.usage(), self.kv.blocks.num_evictable)
 
     # ---- introspection --------------------------------------------------------------------------
     def kv_bytes(self) -> int:

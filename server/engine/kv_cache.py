@@ -6,6 +6,14 @@ those a sequence no longer uses (an int8-family window drained into quantized pa
 sequence that finished or was preempted). Backends without a page layout (``dca``, and ``full`` on a
 native-MLA model, which keep per-sequence stores) are charged pages for their store's upper bound at
 admission, so every backend draws from the one budget.
+
+Prefix caching (``KV_PREFIX_CACHING``, on by default): every full block a paged sequence writes is registered
+under its chained hash (:mod:`server.engine.prefix_cache`); at admission a sequence takes the longest run of
+cached blocks its context starts with, and prefills only the rest. An int8-family backend shares its
+quantized pages (whole groups, whose codes depend on the tokens before them only,
+:class:`cache_backends.paged.StepMeta`); its exact pages are the residual window and are never shared.
+Per-sequence stores (``dca``, whose reuse is decided from the whole prompt, and ``full`` on native MLA) are not
+cached.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import torch
 from cache_backends.base import KVBackend
 from cache_backends.paged import PageLayout, Plan, SeqBlocks
 from server.engine.block_manager import BlockManager
+from server.engine.prefix_cache import extend_hashes, root_key
 from server.engine.sequence import Sequence
 
 WATERMARK = 0.01  # share of the pool admission keeps free for running sequences' next blocks (vLLM's default)
@@ -101,13 +110,15 @@ class KVCacheManager:
         page_bytes: bytes per page.
         num_pages: pages in the pool (the null page included).
         prefill_chunk_tokens: the engine's prefill chunk (tokens), for admission's transient pages.
+        prefix_caching: share full blocks between sequences whose contexts start alike (see the module).
     """
 
     def __init__(self, backends: dict[str, KVBackend], layouts: dict[str, PageLayout], page_bytes: int,
-                 num_pages: int, prefill_chunk_tokens: int | None = None):
+                 num_pages: int, prefill_chunk_tokens: int | None = None, prefix_caching: bool = True):
         self.backends, self.layouts, self.page_bytes = backends, layouts, page_bytes
         self.blocks = BlockManager(num_pages)
         self.chunk = prefill_chunk_tokens
+        self.prefix_caching = prefix_caching
         self.watermark = max(1, int(WATERMARK * self.blocks.usable_pages))
 
     @property
@@ -132,14 +143,60 @@ class KVCacheManager:
 
     def admission_cost(self, seq: Sequence) -> int:
         """Pages ``seq`` needs to be admitted: those of the tokens it prefills (its prompt, or on readmission
-        after a preemption its prompt and the tokens it had generated)."""
-        return self.pages_for(seq, len(seq.context_ids))
+        after a preemption its prompt and the tokens it had generated), less the cached blocks it starts with
+        (:meth:`lookup`, kept on ``seq.prefix_hit`` for :meth:`start`) unless no sequence holds them now."""
+        seq.prefix_hit = self.lookup(seq)
+        if not seq.prefix_hit:
+            return self.pages_for(seq, len(seq.context_ids))
+        layout = self.layouts[seq.backend_name]
+        hit = layout.cached_prefix(seq.prefix_hit)
+        most = layout.pages_for(len(seq.context_ids) - hit.tokens, self.chunk, hit)
+        return most - len(seq.prefix_hit) + self.blocks.evictable_among(seq.prefix_hit)
 
     def pending(self, seq: Sequence) -> int:
         """Pages a running sequence still needs to finish its prefill (0 once decoding)."""
         if seq.prefilled >= len(seq.context_ids):
             return 0
-        return max(0, self.admission_cost(seq) - self.held(seq))
+        layout = self.layouts.get(seq.backend_name)
+        if layout is None:
+            return max(0, self.pages_for(seq, len(seq.context_ids)) - self.held(seq))
+        return max(0, layout.pages_for(len(seq.context_ids) - seq.prefilled, self.chunk, seq.blocks)
+                   - self.held(seq))
+
+    # ---- prefix cache ---------------------------------------------------------------------------------
+    def cacheable(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s blocks go through the prefix cache: a paged backend, caching on, and not a prompt
+        that wants every position's log-probability (those come from its own prefill of the whole prompt)."""
+        return self.prefix_caching and self.paged(seq) and not (seq.want_prompt_logprobs and not seq.output_ids)
+
+    def _hashes(self, seq: Sequence, tokens: list[int]) -> list[bytes]:
+        layout = self.layouts[seq.backend_name]
+        if seq.hash_root is None:
+            seq.hash_root = root_key(seq.backend_name, self.backends[seq.backend_name].params(), seq.cache_salt)
+        return extend_hashes(seq.block_hashes, seq.hash_root, tokens, layout.cache_block_tokens)
+
+    def lookup(self, seq: Sequence) -> list[int]:
+        """The cached pages of the longest run of full blocks ``seq``'s context starts with, leaving at least its
+        last token to prefill (its logits give the next token); ``[]`` when it is not :meth:`cacheable`."""
+        if not self.cacheable(seq):
+            return []
+        context = seq.context_ids
+        bt = self.layouts[seq.backend_name].cache_block_tokens
+        hashes = self._hashes(seq, context)[: (len(context) - 1) // bt]
+        return self.blocks.lookup(hashes)
+
+    def _register(self, seq: Sequence) -> None:
+        """Register the full blocks ``seq`` has completed since the last call."""
+        blocks, layout = seq.blocks, self.layouts[seq.backend_name]
+        full = (blocks.q_len if layout.quantize else blocks.exact_len) // layout.cache_block_tokens
+        if full <= seq.registered_blocks:
+            return
+        pages = blocks.q if layout.quantize else blocks.exact
+        tokens = (seq.prompt_ids + seq.output_ids)[: full * layout.cache_block_tokens]
+        hashes = self._hashes(seq, tokens)
+        for i in range(seq.registered_blocks, full):
+            self.blocks.register(pages[i], hashes[i])
+        seq.registered_blocks = full
 
     def held(self, seq: Sequence) -> int:
         """Pages ``seq`` holds now."""
@@ -147,14 +204,34 @@ class KVCacheManager:
             return len(seq.blocks.pages())
         return len(seq.kv_pages)
 
+    def held_bytes(self, seq: Sequence) -> int:
+        """Bytes of the pages ``seq`` holds, a page shared through the prefix cache split between its holders (so
+        the sequences' figures add up to :meth:`used_bytes`)."""
+        if seq.blocks is None:
+            return len(seq.kv_pages) * self.page_bytes
+        ref = self.blocks.ref
+        return round(self.page_bytes * sum(1 / ref[p] for p in seq.blocks.pages()))
+
     # ---- life of a sequence ---------------------------------------------------------------------------
-    def start(self, seq: Sequence) -> None:
-        """Give an admitted sequence its (empty) block tables, or a per-sequence store its pages."""
-        if self.paged(seq):
-            seq.blocks = SeqBlocks()
-            seq.store = PagedStore(seq.blocks, self.layouts[seq.backend_name])
-        else:
+    def start(self, seq: Sequence) -> int:
+        """Give an admitted sequence its block tables — the cached blocks :meth:`admission_cost` found, if any,
+        its context then counting as prefilled up to them — or a per-sequence store its pages.
+
+        Returns:
+            the context tokens served from the prefix cache.
+        """
+        if not self.paged(seq):
             seq.kv_pages = self.blocks.allocate(self.pages_for(seq, 0))
+            return 0
+        layout = self.layouts[seq.backend_name]
+        hit = getattr(seq, "prefix_hit", None) or []
+        self.blocks.acquire(hit)
+        seq.blocks = layout.cached_prefix(hit)
+        seq.store = PagedStore(seq.blocks, layout)
+        seq.registered_blocks = len(hit)
+        seq.prefilled = seq.blocks.tokens
+        seq.prefix_hit = []
+        return seq.blocks.tokens
 
     def reserve(self, seq: Sequence, n: int) -> Reservation | None:
         """Pages for writing ``n`` more tokens of ``seq`` (added to its tables now), or ``None`` if too few are
@@ -174,11 +251,14 @@ class KVCacheManager:
         """The step ran: update ``seq``'s lengths and free the exact pages it drained."""
         if self.paged(seq):
             self.blocks.free(self.layouts[seq.backend_name].commit(seq.blocks, res.plan))
+            if self.cacheable(seq):
+                self._register(seq)
 
     def release(self, seq: Sequence) -> None:
-        """Return every page ``seq`` holds (finished, cancelled or preempted)."""
+        """Return every page ``seq`` holds (finished, cancelled or preempted); its cached blocks stay in the
+        prefix cache, the deepest first in line for eviction."""
         if seq.blocks is not None:
-            self.blocks.free(seq.blocks.pages())
+            self.blocks.free(seq.blocks.exact[::-1] + seq.blocks.q[::-1])
             seq.blocks = None
         if seq.kv_pages:
             self.blocks.free(seq.kv_pages)
@@ -194,8 +274,8 @@ class KVCacheManager:
         return self.blocks.num_used * self.page_bytes
 
     def info(self) -> dict:
-        """The pool's shape for ``/info`` and the metrics."""
-        return {"block_size_tokens": {n: l.exact_tokens if not l.quantize else l.q_tokens
-                                      for n, l in self.layouts.items()},
+        """The pool's shape for ``/info`` and the metrics (``block_size_tokens``: tokens of one block of each
+        paged backend, the unit the prefix cache shares)."""
+        return {"block_size_tokens": {n: l.cache_block_tokens for n, l in self.layouts.items()},
                 "page_bytes": self.page_bytes, "num_blocks": self.blocks.usable_pages,
-                "pool_bytes": self.num_pages * self.page_bytes}
+                "pool_bytes": self.num_pages * self.page_bytes, "prefix_caching": self.prefix_caching}

@@ -99,7 +99,11 @@ class Sequence:
     preemptions: int = 0  # times the engine preempted it (its KV freed, recomputed at readmission)
     group: str | None = None  # the HTTP request it belongs to (n > 1, best_of, prompt lists); None: its own
     cache_salt: str | None = None  # mixed into its prefix-cache block hashes: only requests with the same salt share
-    cached_tokens: int = 0  # prompt tokens served from the prefix cache at its (last) admission (OpenAI cached_tokens)
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache at its first admission (OpenAI cached_tokens)
+    prefix_hit: list[int] = field(default_factory=list)  # cached pages admission found, taken at start
+    hash_root: bytes | None = None  # its prefix-cache root key (backend, options, salt)
+    block_hashes: list[bytes] = field(default_factory=list)  # chained keys of its full blocks so far
+    registered_blocks: int = 0  # of its blocks, those registered in the prefix cache
 
     @property
     def request_group(self) -> str:
