@@ -169,11 +169,14 @@ def test_pool_names_the_pickers_service_and_port():
     assert {("inference.networking.k8s.io", "inferencepools"), ("", "pods")} <= rules
 
 
-@pytest.mark.parametrize("flag", ["total-queued-requests-metric", "total-running-requests-metric",
-                                  "kv-cache-usage-percentage-metric"])
+METRIC_FLAGS = ["total-queued-requests-metric", "total-running-requests-metric", "kv-cache-usage-percentage-metric",
+                "cache-info-metric"]
+
+
+@pytest.mark.parametrize("flag", METRIC_FLAGS)
 def test_picker_reads_gauges_kvserve_exports(flag):
-    """Each of the picker's three gauges names a kvserve gauge by a label the gauge has; a `backend` selector names
-    the Deployment's KV_BACKEND (the picker reads one series: that backend's)."""
+    """Each of the picker's metrics names a kvserve gauge by labels the gauge has; a `backend` selector names the
+    Deployment's KV_BACKEND (the picker reads one series: that backend's)."""
     name, labels = _metric_spec(_epp_args()[flag])
     exported = _exported()
     assert name in exported, f"{flag}: {name} is not a metric of server/metrics.py"
@@ -185,29 +188,53 @@ def test_picker_reads_gauges_kvserve_exports(flag):
         assert labels.get("backend") == env["KV_BACKEND"], (flag, labels)
 
 
-def test_picker_reads_the_block_size_kvserve_exports():
-    """--cache-info-metric names kvserve's info gauge, whose block_size label is what prefix-aware routing reads."""
-    name, labels = _metric_spec(_epp_args()["cache-info-metric"])
-    assert name == "kvserve_cache_config_info" and not labels
-    exported = _exported()
-    if name not in exported:
-        pytest.skip("kvserve_cache_config_info is not in server/metrics.py yet (it lands with the prefix cache, #23)")
-    kind, label_names = exported[name]
-    assert kind == "gauge" and "block_size" in label_names
+@pytest.fixture(scope="module")
+def deployment_scrape():
+    """/metrics of an in-process kvserve with the Deployment's KV_BACKEND, MAX_BATCH_SIZE and MAX_CONCURRENT_REQUESTS
+    on the bundled model, as the picker parses it: {name: [(labels, value)]} (counters with ``_total``)."""
+    from fastapi.testclient import TestClient
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from server.app import create_app
+    from server.config import load_settings
+    from tests.conftest import MODEL_DIR
+
+    (server,) = yaml.safe_load((K8S / "deployment.yaml").read_text())["spec"]["template"]["spec"]["containers"]
+    env = {e["name"].lower(): e["value"] for e in server["env"]
+           if e["name"] in ("KV_BACKEND", "KV_BACKENDS", "KV_BLOCK_SIZE", "MAX_BATCH_SIZE", "MAX_CONCURRENT_REQUESTS")}
+    app = create_app(load_settings(model_id=str(MODEL_DIR), **env), load_in_background=False)
+    with TestClient(app) as client:
+        text = client.get("/metrics").text
+    out: dict = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out.setdefault(s.name, []).append((s.labels, s.value))
+    return out
 
 
-def test_prefix_scorer_block_size_is_kvserves():
-    """The prefix scorer's fall-back block (characters, 4 per token) is KV_BLOCK_SIZE's, until it reads the metric."""
-    from server.config import Settings
+@pytest.mark.parametrize("flag", METRIC_FLAGS)
+def test_each_picker_spec_selects_one_series_of_a_live_scrape(deployment_scrape, flag):
+    """What the picker will read: exactly one series of a real kvserve's /metrics matches each spec (more would
+    leave the choice to the order of the exposition)."""
+    name, labels = _metric_spec(_epp_args()[flag])
+    matching = [(lab, v) for lab, v in deployment_scrape.get(name, []) if labels.items() <= lab.items()]
+    assert len(matching) == 1, (flag, deployment_scrape.get(name))
+    if flag == "cache-info-metric":
+        (lab, value), = matching
+        assert value == 1 and int(lab["block_size"]) > 0 and lab["prefix_caching"] == "true", lab
 
+
+def test_prefix_scorer_block_size_is_kvserves(deployment_scrape):
+    """The prefix scorer's fall-back block (characters, 4 per token) is the block size the picker will read from
+    the cache-info series, so that it hashes alike before and after its first scrape."""
     cm = _kind(_docs(POOL_DIR / "epp.yaml"), "ConfigMap")
-    (config_file,) = [a for a in [_epp_args()["config-file"]] if a.startswith("/config/")]
+    config_file = _epp_args()["config-file"]
+    assert config_file.startswith("/config/")
     cfg = yaml.safe_load(cm["data"][config_file.removeprefix("/config/")])
     plugins = {p.get("name", p["type"]): p for p in cfg["plugins"]}
     for profile in cfg["schedulingProfiles"]:
         assert {r["pluginRef"] for r in profile["plugins"]} <= plugins.keys()
-    (server,) = yaml.safe_load((K8S / "deployment.yaml").read_text())["spec"]["template"]["spec"]["containers"]
-    env = {e["name"]: e.get("value") for e in server["env"]}
-    block = int(env.get("KV_BLOCK_SIZE", Settings.model_fields["kv_block_size"].default))
+    name, labels = _metric_spec(_epp_args()["cache-info-metric"])
+    (lab, _), = [(lab, v) for lab, v in deployment_scrape[name] if labels.items() <= lab.items()]
     params = plugins["prefix-cache-scorer"]["parameters"]
-    assert params["autoTune"] is True and params["blockSize"] == 4 * block
+    assert params["autoTune"] is True and params["blockSize"] == 4 * int(lab["block_size"])
