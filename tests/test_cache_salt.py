@@ -180,3 +180,27 @@ def test_usage_carries_cached_tokens_stream_or_not(client, route):
     assert 0 <= final["prompt_tokens_details"]["cached_tokens"] <= final["prompt_tokens"]
     resp = client.post("/v1/responses", json=ROUTES["/v1/responses"][0](SALT)).json()
     assert 0 <= resp["usage"]["input_tokens_details"]["cached_tokens"] <= resp["usage"]["input_tokens"]
+
+
+def test_salt_isolates_the_prefix_cache(client):
+    """End to end with the prefix cache: a repeated prompt is served from the cache only for the same salt, and
+    `cached_tokens` says so, streamed or not; no salt and another salt share nothing with it."""
+    import uuid
+
+    long = " ".join(["And God said"] * 24)
+    a, b = f"a-{uuid.uuid4().hex}", f"b-{uuid.uuid4().hex}"
+
+    def cached(salt, route="/v1/completions"):
+        body = ({"prompt": long} if route == "/v1/completions" else {"messages": [{"role": "user", "content": long}]})
+        body = {**body, "max_tokens": 1, **({"cache_salt": salt} if salt else {})}
+        if route == "/v1/completions":
+            return client.post(route, json=body).json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        status, text = _post(client, route, {**body, "stream": True, "stream_options": {"include_usage": True}})
+        chunks = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+        return chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached(a) == 0 and cached(a) > 0
+    assert cached(b) == 0 and cached(None) == 0  # (no other test of this module sends this prompt)
+    assert cached(f"c-{uuid.uuid4().hex}", "/v1/chat/completions") == 0
+    assert cached(a, "/v1/chat/completions") == 0  # another prompt (the chat template's), the same salt
+    assert cached(a, "/v1/chat/completions") > 0
