@@ -28,7 +28,8 @@ ROUTES = {
     "/generate_stream": (lambda s: {"inputs": "And God said", "parameters": {"max_new_tokens": 2, "cache_salt": s}},
                          422),
 }
-BAD = {"empty": "", "number": 7, "list": ["a"], "too-long": "x" * (MAX_CACHE_SALT_CHARS + 1), "lone-surrogate": "\ud800"}
+BAD = {"empty": "", "number": 7, "list": ["a"], "too-long": "x" * (MAX_CACHE_SALT_CHARS + 1),
+       "lone-surrogate": "\ud800"}
 
 
 def _app(**settings):

@@ -18,7 +18,8 @@ K8S = REPO / "deploy" / "k8s"
 POOL_DIR = K8S / "inference-pool"
 MANIFESTS = sorted(K8S.glob("*.yaml")) + sorted(POOL_DIR.glob("*.yaml"))
 # CRDs kubernetes-validate does not know, each checked against its schema in tests/k8s_schemas/
-CRD_SCHEMAS = {("inference.networking.k8s.io/v1", "InferencePool"): REPO / "tests" / "k8s_schemas" / "inferencepool-v1.json"}
+CRD_SCHEMAS = {("inference.networking.k8s.io/v1", "InferencePool"):
+               REPO / "tests" / "k8s_schemas" / "inferencepool-v1.json"}
 
 
 def _docs(path):
