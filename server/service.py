@@ -21,6 +21,8 @@ TOKENIZER_THREADS = 2
 """Worker threads that tokenize prompts, off the event loop (as vLLM's async tokenizer pool)."""
 SHUTDOWN_FINISH_REASON = "abort"
 """The finish reason of a generation ended by a shutdown's grace period (vLLM's name for an aborted request)."""
+MAX_CACHE_SALT_CHARS = 256
+"""Longest ``cache_salt`` (characters): it is hashed into every block key of the request's prompt."""
 
 
 def utf8_error(text: str, field: str) -> "InvalidRequest | None":
@@ -124,6 +126,8 @@ class GenerationRequest:
     """Let the tokenizer add its special tokens (BOS) to a string prompt. False for a prompt rendered from a
     chat template, which writes them itself (vLLM's rule for chat): encoding it with them again would start
     a Llama-style prompt with two BOS tokens."""
+    cache_salt: str | None = None
+    """vLLM's ``cache_salt``: the prefix cache shares blocks only between requests with the same salt."""
 
 
 class GenerationService:
@@ -134,13 +138,16 @@ class GenerationService:
         tokenizer: the model's tokenizer.
         limits: token limits.
         default_backend: backend name used when a request names none.
+        prefix_caching: whether the engine runs its prefix cache (``KV_PREFIX_CACHING``); without it a request's
+            ``cache_salt`` would do nothing, and is refused.
     """
 
-    def __init__(self, engine: Engine, tokenizer, limits: Limits, default_backend: str):
+    def __init__(self, engine: Engine, tokenizer, limits: Limits, default_backend: str, prefix_caching: bool = True):
         self.engine = engine
         self.tokenizer = tokenizer
         self.limits = limits
         self.default_backend = default_backend
+        self.prefix_caching = prefix_caching
         self.max_token_bytes = max_bytes_per_token(tokenizer)
         self.tokenize_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="kvserve-tokenize")
         self.shut_down = False
@@ -167,6 +174,27 @@ class GenerationService:
         if most and size > limit * most:
             raise InvalidRequest(f"`{field}` must have less than {limit + 1} tokens. Given: at least "
                                  f"{-(-size // most)} ({size} bytes, at most {most} bytes a token)", field)
+
+    def check_cache_salt(self, salt: str | None, field: str = "cache_salt") -> None:
+        """Refuse a ``cache_salt`` that is not a non-empty string of at most :data:`MAX_CACHE_SALT_CHARS`
+        characters of valid Unicode, or any salt when the server runs without its prefix cache (it would isolate
+        nothing: an accepted field that does nothing).
+
+        Raises:
+            InvalidRequest: naming ``field``.
+        """
+        if salt is None:
+            return
+        if not isinstance(salt, str) or not salt:
+            raise InvalidRequest(f"`{field}` must be a non-empty string", field)
+        if len(salt) > MAX_CACHE_SALT_CHARS:
+            raise InvalidRequest(f"`{field}` must have at most {MAX_CACHE_SALT_CHARS} characters. Given: {len(salt)}",
+                                 field)
+        if (err := utf8_error(salt, field)) is not None:
+            raise err
+        if not self.prefix_caching:
+            raise InvalidRequest(f"`{field}` needs the prefix cache, and this server runs without it "
+                                 "(KV_PREFIX_CACHING=false)", field)
 
     def is_shutdown_end(self, event: TokenEvent) -> bool:
         """Whether ``event`` ended its generation because the server shut down (:meth:`abort_all`)."""
@@ -201,16 +229,19 @@ class GenerationService:
         Raises:
             InvalidRequest: empty prompt, text that is not valid Unicode (a lone surrogate), token ids outside
                 the vocabulary, too many stop sequences, prompt (after ``truncate``) over MAX_INPUT_TOKENS
-                (refused from its byte length before tokenizing when that proves it), or prompt +
-                max_new_tokens over MAX_TOTAL_TOKENS; its ``param`` names the field in the route's words.
+                (refused from its byte length before tokenizing when that proves it), prompt +
+                max_new_tokens over MAX_TOTAL_TOKENS, or a ``cache_salt`` that is empty, too long, not valid
+                Unicode, or sent to a server without its prefix cache; its ``param`` names the field in the
+                route's words.
         """
         lim = self.limits
         f = {"inputs": "inputs", "max_new_tokens": "max_new_tokens", "stop": "stop", "kv_backend": "kv_backend",
-             **(req.fields or {})}
+             "cache_salt": "cache_salt", **(req.fields or {})}
         inputs, max_field = f["inputs"], f["max_new_tokens"]
         if req.backend not in self.engine.backends:
             raise InvalidRequest(f"`{f['kv_backend']}` {req.backend!r} is not served here; allowed: "
                                  f"{', '.join(self.engine.backends)}", f["kv_backend"])
+        self.check_cache_salt(req.cache_salt, f["cache_salt"])
         if not req.prompt:
             raise InvalidRequest(f"`{inputs}` must not be empty", inputs)
         if len(req.stop) > lim.max_stop_sequences:
@@ -251,7 +282,7 @@ class GenerationService:
                                  f"{lim.max_total_tokens}, prompt {len(ids)} tokens)", inputs)
         return Sequence(request_id=uuid.uuid4().hex, prompt_ids=ids, max_new_tokens=max_new, params=req.params,
                         stop=list(req.stop), emit=emit, backend_name=req.backend,
-                        want_prompt_logprobs=req.want_prompt_logprobs, group=req.group)
+                        want_prompt_logprobs=req.want_prompt_logprobs, group=req.group, cache_salt=req.cache_salt)
 
     async def run(self, req: GenerationRequest, receive: Callable[[], Awaitable[dict]] | None = None
                   ) -> tuple[Sequence, AsyncIterator[TokenEvent]]:

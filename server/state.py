@@ -145,7 +145,7 @@ class ServerState:
             "shutdown_grace_seconds": s.shutdown_grace_seconds, "torch_num_threads": torch_threads(),
             "kv_cache_budget_bytes": s.kv_cache_budget_bytes, **engine.kv.info(), "version": __version__,
         }
-        self.service = GenerationService(engine, tokenizer, limits, s.kv_backend)
+        self.service = GenerationService(engine, tokenizer, limits, s.kv_backend, prefix_caching=s.kv_prefix_caching)
 
     def shutdown(self) -> None:
         if self.engine is not None:

@@ -4,6 +4,7 @@ naming it; nothing is silently ignored. Plus the OpenAI and TGI wire details rea
 from __future__ import annotations
 
 import json
+import uuid
 
 import httpx
 import pytest
@@ -175,6 +176,13 @@ def tgi_kv_backend(srv, tok):
     refused(srv, "/generate", {"inputs": PROMPT, "parameters": {"kv_backend": "nope"}}, "kv_backend", 422)
 
 
+def tgi_cache_salt(srv, tok):
+    """The salt changes which cached blocks a request may share, never its tokens; a bad one is refused."""
+    assert gen(srv, cache_salt="tenant-a")["generated_text"] == gen(srv)["generated_text"]
+    refused(srv, "/generate", {"inputs": PROMPT, "parameters": {"cache_salt": ""}}, "cache_salt", 422)
+    refused(srv, "/generate", {"inputs": PROMPT, "parameters": {"cache_salt": 1}}, "cache_salt", 422)
+
+
 def tgi_stream(srv, tok):
     events = sse(srv, "/generate", {"inputs": PROMPT, "parameters": {"max_new_tokens": 3}, "stream": True})
     assert len(events) == 3 and events[-1]["generated_text"] == gen(srv, max_new_tokens=3)["generated_text"]
@@ -190,7 +198,7 @@ TGI_CASES = {
     "do_sample": tgi_sampling_rule, "seed": tgi_seed, "stop": tgi_stop, "repetition_penalty": tgi_repetition_penalty,
     "frequency_penalty": tgi_frequency_penalty, "truncate": tgi_truncate, "top_n_tokens": tgi_top_n_tokens,
     "best_of": tgi_best_of, "details": tgi_details, "decoder_input_details": tgi_decoder_input_details,
-    "return_full_text": tgi_return_full_text, "kv_backend": tgi_kv_backend,
+    "return_full_text": tgi_return_full_text, "kv_backend": tgi_kv_backend, "cache_salt": tgi_cache_salt,
 }
 
 
@@ -334,6 +342,23 @@ def oa_kv_backend(srv, tok):
     refused(srv, "/v1/completions", {"prompt": PROMPT, "kv_backend": "nope"}, "kv_backend", 400)
 
 
+def oa_cache_salt(srv, tok):
+    """Same tokens with a salt; a bad salt is refused; and once the prefix cache serves a repeated long prompt
+    (`cached_tokens` > 0), a salt never seen before gets none of it."""
+    assert text(cmpl(srv, cache_salt="tenant-a")) == text(cmpl(srv))
+    assert text(chat(srv, cache_salt="tenant-a")) == text(chat(srv))
+    refused(srv, "/v1/completions", {"prompt": PROMPT, "cache_salt": ""}, "cache_salt", 400)
+    refused(srv, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "cache_salt": "x" * 257},
+            "cache_salt", 400)
+    long = " ".join([PROMPT] * 24)
+    for _ in range(2):
+        again = cmpl(srv, prompt=long, max_tokens=1, cache_salt="tenant-b")["usage"]
+    assert 0 <= again["prompt_tokens_details"]["cached_tokens"] <= again["prompt_tokens"]
+    if again["prompt_tokens_details"]["cached_tokens"]:
+        fresh = cmpl(srv, prompt=long, max_tokens=1, cache_salt=f"tenant-{uuid.uuid4().hex}")["usage"]
+        assert fresh["prompt_tokens_details"]["cached_tokens"] == 0
+
+
 def oa_model_user(srv, tok):
     """`model` names the served model (or huggingface_hub's placeholder `tgi`), else 404 `model_not_found`; `user`
     is informational (as in OpenAI): same output."""
@@ -350,7 +375,7 @@ OPENAI_CASES = {
     "ignore_eos": oa_eos_controls, "min_tokens": oa_eos_controls, "echo": oa_echo_logprobs,
     "logprobs": oa_echo_logprobs, "best_of": oa_best_of, "stream": oa_stream, "stream_options": oa_stream,
     "messages": oa_chat_messages, "top_logprobs": oa_chat_logprobs, "kv_backend": oa_kv_backend,
-    "model": oa_model_user, "user": oa_model_user,
+    "model": oa_model_user, "user": oa_model_user, "cache_salt": oa_cache_salt,
 }
 
 

@@ -23,7 +23,8 @@ from server.api.openai_convert import (TokenText, chat_logprobs, chat_requests, 
                                        completion_requests, finish, prompt_entries, token_entries)
 from server.api.openai_schemas import (ChatChoice, ChatChunk, ChatChunkChoice, ChatDelta, ChatRequest,
                                        ChatResponse, ChatResponseMessage, CompletionChoice, CompletionRequest,
-                                       CompletionResponse, ModelCard, ModelList, OpenAIError, Usage)
+                                       CompletionResponse, ModelCard, ModelList, OpenAIError, PromptTokensDetails,
+                                       Usage)
 from server.api.types import sse_schema
 from server.engine.sequence import FinishReason, TokenEvent
 from server.errors import NotReady
@@ -40,9 +41,14 @@ def _sse(*chunk_models) -> dict:
 
 
 def _usage(seqs, counted_prompts, echo_only: bool = False) -> Usage:
+    """``usage`` of a request: the prompts counted once each (``counted_prompts``: one sequence per prompt), with
+    their tokens served from the prefix cache (``prompt_tokens_details.cached_tokens``, as OpenAI and vLLM
+    report it), and every choice's generated tokens."""
     prompt = sum(len(s.prompt_ids) for s in counted_prompts)
     completion = 0 if echo_only else sum(len(s.output_ids) for s in seqs)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    cached = PromptTokensDetails(cached_tokens=sum(s.cached_tokens for s in counted_prompts))
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details=cached)
 
 
 def _check(events: list[TokenEvent], service) -> TokenEvent:

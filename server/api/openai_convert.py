@@ -127,7 +127,8 @@ def completion_requests(body: CompletionRequest, service: GenerationService
     fields = {**FIELDS, "max_new_tokens": field}
     reqs = [GenerationRequest(prompt=p, max_new_tokens=1 if echo_only else max_tokens, params=params[j],
                               stop=body.stop_list(), backend=backend,
-                              want_prompt_logprobs=body.echo and body.logprobs is not None, fields=fields)
+                              want_prompt_logprobs=body.echo and body.logprobs is not None, fields=fields,
+                              cache_salt=body.cache_salt)
             for p in prompts for j in range(best_of)]
     return prompts, reqs, echo_only
 
@@ -183,7 +184,7 @@ def chat_requests(body: ChatRequest, service: GenerationService) -> list[Generat
     backend = body.kv_backend or service.default_backend
     return [GenerationRequest(prompt=prompt, max_new_tokens=max_tokens, params=p, stop=body.stop_list(),
                               backend=backend, fields={**CHAT_FIELDS, "max_new_tokens": field},
-                              add_special_tokens=special) for p in params]
+                              add_special_tokens=special, cache_salt=body.cache_salt) for p in params]
 
 
 class TokenText:

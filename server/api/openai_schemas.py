@@ -7,11 +7,15 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from server.api.types import Int
+from server.service import MAX_CACHE_SALT_CHARS
 
 MAX_CHOICES = 16
 """Most choices per prompt (``n``, ``best_of``)."""
 MAX_LOGPROBS = 20
 """Most top log-probabilities per position."""
+CACHE_SALT = (f"vLLM extension: a non-empty string (at most {MAX_CACHE_SALT_CHARS} characters) mixed into the prefix "
+              "cache's block keys: only requests with the same salt share cached blocks. Refused when the server "
+              "runs without its prefix cache (KV_PREFIX_CACHING=false).")
 
 
 class StreamOptions(BaseModel):
@@ -47,6 +51,7 @@ class _Sampling(BaseModel):
     min_tokens: Int = Field(0, ge=0, description="vLLM extension: end-of-text is masked until this many tokens.")
     user: str | None = Field(None, description="End-user id (informational only, as in OpenAI).")
     kv_backend: str | None = Field(None, description="KV backend for this request (one of KV_BACKENDS).")
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS, description=CACHE_SALT)
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -98,10 +103,15 @@ class ChatRequest(_Sampling):
                                      "likely tokens at each position.")
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(0, description="Prompt tokens served from the prefix cache (not prefilled).")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(BaseModel):

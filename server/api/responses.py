@@ -28,12 +28,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from server.api.common import SHUTDOWN_MESSAGE, check_model, event_stream, get_service
 from server.api.fanout import collect_all, merged, submit_all
 from server.api.openai_convert import chat_requests
-from server.api.openai_schemas import ChatRequest, OpenAIError
+from server.api.openai_schemas import CACHE_SALT, ChatRequest, OpenAIError
 from server.api.types import Int, sse_schema
 from server.api.validation import refuse_unimplemented
 from server.engine.sequence import FinishReason
 from server.errors import NotReady
-from server.service import InvalidRequest
+from server.service import MAX_CACHE_SALT_CHARS, InvalidRequest
 
 router = APIRouter(prefix="/v1", tags=["OpenAI"])
 ERRORS = {code: {"model": OpenAIError} for code in (400, 401, 404, 422, 429, 503)}
@@ -89,6 +89,7 @@ class ResponsesRequest(BaseModel):
     truncation: Literal["disabled"] | None = None
     tool_choice: Literal["none", "auto"] | None = Field(None, description="No tools are served: `none` or `auto`.")
     kv_backend: str | None = Field(None, description="KV backend for this request (one of KV_BACKENDS).")
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS, description=CACHE_SALT)
 
 
 class OutputText(BaseModel):
@@ -197,7 +198,7 @@ async def responses(body: ResponsesRequest, request: Request):
     check_model(request, body.model)
     refuse_unimplemented(body)
     chat = ChatRequest(messages=_messages(body), max_tokens=body.max_output_tokens, temperature=body.temperature,
-                       top_p=body.top_p, user=body.user, kv_backend=body.kv_backend)
+                       top_p=body.top_p, user=body.user, kv_backend=body.kv_backend, cache_salt=body.cache_salt)
     reqs = chat_requests(chat, service)
     for req in reqs:
         req.fields = FIELDS
@@ -216,7 +217,8 @@ async def responses(body: ResponsesRequest, request: Request):
             instructions=body.instructions, max_output_tokens=body.max_output_tokens,
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p, user=body.user, metadata=body.metadata or {},
-            usage=ResponseUsage(input_tokens=prompt, output_tokens=generated, total_tokens=prompt + generated)
+            usage=ResponseUsage(input_tokens=prompt, output_tokens=generated, total_tokens=prompt + generated,
+                                input_tokens_details=InputTokensDetails(cached_tokens=seq.cached_tokens))
             if usage else None)
 
     def status_of(reason: FinishReason) -> str:

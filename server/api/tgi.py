@@ -69,7 +69,8 @@ def to_generation_requests(body: TGIRequest, service: GenerationService) -> list
             raise InvalidRequest("`seed` must not be set when `best_of` > 1", "seed")
     return [GenerationRequest(prompt=body.inputs, max_new_tokens=p.max_new_tokens, params=sampling_params(p, p.seed),
                               stop=p.stop, backend=p.kv_backend or service.default_backend,
-                              want_prompt_logprobs=p.decoder_input_details, truncate=p.truncate)
+                              want_prompt_logprobs=p.decoder_input_details, truncate=p.truncate,
+                              cache_salt=p.cache_salt)
             for _ in range(best_of)]
 
 

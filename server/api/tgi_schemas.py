@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from server.api.openai_schemas import CACHE_SALT
 from server.api.types import Int
+from server.service import MAX_CACHE_SALT_CHARS
 
 MAX_BEST_OF = 4
 MAX_TOP_N_TOKENS = 10
@@ -39,6 +41,7 @@ class TGIParameters(BaseModel):
     decoder_input_details: bool = False
     return_full_text: bool = False
     kv_backend: str | None = Field(None, description="KV backend for this request (one of KV_BACKENDS).")
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS, description=CACHE_SALT)
 
 
 class TGIRequest(BaseModel):
