@@ -86,8 +86,14 @@ class Metrics:
                                    "that no sequence holds (evictable, counted free in kv_cache_usage_perc).",
                                    ("model",), registry=r)
         self.cache_config = Gauge("kvserve_cache_config_info", "The KV pool's configuration (value 1): tokens per "
-                                  "block of each backend, blocks in the pool, prefix caching on or off.",
-                                  ("model", "backend", "block_size", "num_blocks", "prefix_caching"), registry=r)
+                                  "block of each backend, blocks in the pool (num_blocks, and num_gpu_blocks as "
+                                  "vLLM names it), prefix caching on or off.",
+                                  ("model", "backend", "block_size", "num_blocks", "num_gpu_blocks", "prefix_caching"),
+                                  registry=r)
+        self.pod_running = Gauge("kvserve_num_requests_running", "Sequences running, all backends together (vLLM's "
+                                 "num_requests_running: one series per server, for routers).", ("model",), registry=r)
+        self.pod_waiting = Gauge("kvserve_num_requests_waiting", "Sequences waiting, all backends together (vLLM's "
+                                 "num_requests_waiting: one series per server, for routers).", ("model",), registry=r)
         self.tier_tokens = Gauge("kvserve_kv_cache_tier_tokens", "Tokens cached by all live sequences per stored "
                                  "form: tier exact (model dtype) or int8 (codes).", LABELS + ("tier",), registry=r)
         self.compressed_blocks = Counter("kvserve_elastic_compressed_blocks", "elastic: exact KV blocks re-encoded "
@@ -138,6 +144,8 @@ class Recorder:
 
         metrics.kv_usage.labels(model).set(0)
         metrics.prefix_blocks.labels(model).set(0)
+        metrics.pod_running.labels(model).set(0)
+        metrics.pod_waiting.labels(model).set(0)
 
     def _l(self, backend: str) -> dict[str, str]:
         return {"model": self.model, "backend": backend}
@@ -148,7 +156,7 @@ class Recorder:
         sizes = info["block_size_tokens"]
         for b in self.backends:
             self.m.cache_config.labels(self.model, b, str(sizes.get(b, 0)), str(info["num_blocks"]),
-                                       str(info["prefix_caching"]).lower()).set(1)
+                                       str(info["num_blocks"]), str(info["prefix_caching"]).lower()).set(1)
 
     def prefix_cache(self, seq, queried: int, hit: int) -> None:
         """A paged sequence was admitted: ``queried`` context tokens looked up, ``hit`` of them cached."""
@@ -235,7 +243,9 @@ class Recorder:
                 self.m.dca_reuse_layers.labels(**labels).set(reuse)
         for (backend, tier), n in tiers.items():
             self.m.tier_tokens.labels(self.model, backend, tier).set(n)
+        self.m.pod_running.labels(self.model).set(sum(row[0] for row in per_backend.values()))
         self.live_generated = generated
         if waiting is not None:
             for backend in per_backend:
                 self.m.waiting.labels(**self._l(backend)).set(waiting.get(backend, 0))
+            self.m.pod_waiting.labels(self.model).set(sum(waiting.values()))

@@ -135,14 +135,17 @@ def test_the_service_refuses_a_bad_salt_itself(bad):
     assert exc.value.param == "cache_salt"
 
 
-def _has_prefix_caching_setting() -> bool:
-    from server.config import Settings
+def test_a_salt_for_a_backend_that_is_never_cached_is_refused():
+    """dca (per-sequence stores) and elastic (quantized when the pool ran short) never share blocks: a salt would do
+    nothing for them, so it is refused naming the field; full's is taken."""
+    service = _service(prefix_caching=True)
+    with pytest.raises(InvalidRequest, match="cache_salt.*'dca' is never cached") as exc:
+        service.build_sequence(GenerationRequest(prompt="And God said", max_new_tokens=4, params=SamplingParams(),
+                                                 stop=[], backend="dca", cache_salt=SALT), lambda ev: None)
+    assert exc.value.param == "cache_salt"
+    assert service.build_sequence(_request(SALT), lambda ev: None).cache_salt == SALT
 
-    return "kv_prefix_caching" in Settings.model_fields
 
-
-@pytest.mark.skipif(not _has_prefix_caching_setting(),
-                    reason="KV_PREFIX_CACHING is not in server/config.py yet (it lands with the prefix cache, #23)")
 @pytest.mark.parametrize("route", ROUTES)
 def test_server_without_prefix_cache_refuses_a_salt(route):
     make, code = ROUTES[route]

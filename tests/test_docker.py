@@ -167,8 +167,10 @@ def test_every_series_carries_the_backend_label(served):
     assert samples
     served_backends = {backend, "full", "int8"}  # KV_BACKENDS unset: full and int8 besides KV_BACKEND
     # the one KV pool is shared by every served backend: its usage fraction is the pool's (vLLM's
-    # kv_cache_usage_perc has no backend either), so its usage and its evictable cached blocks carry none
-    pool_wide = {"kvserve_kv_cache_usage_perc", "kvserve_prefix_cache_blocks"}
+    # kv_cache_usage_perc has no backend either), so its usage, its evictable cached blocks and the server-wide
+    # request counts routers read carry none
+    pool_wide = {"kvserve_kv_cache_usage_perc", "kvserve_prefix_cache_blocks", "kvserve_num_requests_running",
+                 "kvserve_num_requests_waiting"}
     wrong = sorted({f"{s.name}{s.labels}" for s in samples
                     if s.name not in pool_wide and s.labels.get("backend") not in served_backends})
     assert {s.name for s in samples} >= pool_wide

@@ -188,7 +188,8 @@ def test_prefix_cache_hits_show_in_info_and_metrics(server):
     assert info["prefix_caching"] is True and block > 0
     config = [k for k in server.metrics() if k.startswith("kvserve_cache_config_info{") and 'backend="full"' in k]
     assert config == ['kvserve_cache_config_info{backend="full",block_size="%d",model="%s",num_blocks="%d",'
-                      'prefix_caching="true"}' % (block, MODEL_DIR.name, info["num_blocks"])]
+                      'num_gpu_blocks="%d",prefix_caching="true"}' % (block, MODEL_DIR.name, info["num_blocks"],
+                                                                      info["num_blocks"])]
     prompt = " ".join(["And the LORD spake unto Moses, saying,"] * 12)
     before = server.metrics()
     body = {"inputs": prompt, "parameters": {"max_new_tokens": 4, "details": True}}

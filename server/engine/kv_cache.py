@@ -164,12 +164,17 @@ class KVCacheManager:
                    - self.held(seq))
 
     # ---- prefix cache ---------------------------------------------------------------------------------
+    def caches_backend(self, name: str) -> bool:
+        """Whether backend ``name``'s blocks can go through the prefix cache at all (caching on, a paged backend
+        whose stored form depends on the tokens alone)."""
+        layout = self.layouts.get(name)
+        return self.prefix_caching and layout is not None and not layout.on_demand
+
     def cacheable(self, seq: Sequence) -> bool:
         """Whether ``seq``'s blocks go through the prefix cache: a paged backend whose stored form depends on the
         tokens alone (not ``elastic``, quantized when the pool ran short), caching on, and not a prompt that
         wants every position's log-probability (those come from its own prefill of the whole prompt)."""
-        return (self.prefix_caching and self.paged(seq) and not self.layouts[seq.backend_name].on_demand
-                and not (seq.want_prompt_logprobs and not seq.output_ids))
+        return self.caches_backend(seq.backend_name) and not (seq.want_prompt_logprobs and not seq.output_ids)
 
     def _hashes(self, seq: Sequence, tokens: list[int]) -> list[bytes]:
         layout = self.layouts[seq.backend_name]
