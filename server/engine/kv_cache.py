@@ -266,7 +266,7 @@ class KVCacheManager:
         """Which on-demand-tier sequences quantize which oldest groups so that ``need`` more pages are free:
         the sequence with the most compressible tokens first, as few groups as do. Each plan's quantized pages
         are taken now (from free pages, or the room left in the sequence's last quantized page); the caller
-        runs the re-encoding and then :meth:`commit`\ s each, which frees the exact pages. ``[]`` when nothing
+        runs the re-encoding and then commits each (:meth:`commit`), which frees the exact pages. ``[]`` when nothing
         can be compressed; fewer pages than ``need`` when that is all there is.
         """
         out, gained = [], 0
