@@ -183,9 +183,15 @@ def step_time(model, tokenizer, backend, ids: list[int], context: int, batch: in
 
 
 def perplexity_change(model, backend, full_ppl: float | None, ids: list[int]) -> tuple[float, float | None]:
-    from bench.fidelity import cache_path_perplexity
+    """Held-out perplexity through the backend's cache path (2 windows) and its change vs ``full`` (%); for an
+    on-demand tier (``elastic``) its worst case, every compressible group quantized at every step."""
+    from bench.fidelity import cache_path_perplexity, paged_perplexity
 
-    ppl = cache_path_perplexity(model, backend, ids, max_windows=2)
+    quantize = backend.paged_quantize()
+    if quantize and quantize["residual"] is None:
+        ppl = paged_perplexity(model, backend, ids, max_windows=2, compress_all=True)
+    else:
+        ppl = cache_path_perplexity(model, backend, ids, max_windows=2)
     return ppl, None if full_ppl is None else 100 * (ppl / full_ppl - 1)
 
 

@@ -49,6 +49,61 @@ def cache_path_perplexity(model, backend, token_ids: list[int], window: int = 10
 
 
 @torch.inference_mode()
+def paged_perplexity(model, backend, token_ids: list[int], window: int = 1024, prefix: int = 512,
+                     max_windows: int | None = None, compress_all: bool = False, block_size: int = 16) -> float:
+    """:func:`cache_path_perplexity` through the paged pool (the path the server runs), every window one row of
+    each batched step. ``compress_all``: after the prefill and after every decode step, quantize every group an
+    on-demand tier may quantize (``elastic`` with the pool always at its shortest: its worst case)."""
+    from cache_backends.paged import PageLayout, SeqBlocks
+    from cache_backends.pool import KVPool
+
+    g, dtype = backend.geometry, next(model.parameters()).dtype
+    streams, quantize = backend.paged_streams(), backend.paged_quantize()
+    page = PageLayout.natural_page_bytes(streams, g.num_layers, dtype, 2 * block_size, quantize)
+    layout = PageLayout(streams, g.num_layers, dtype, -(-page // 64) * 64, quantize)
+    windows = [token_ids[s : s + window] for s in range(0, len(token_ids) - window + 1, window)]
+    windows = windows[:max_windows] if max_windows else windows
+    pages = len(windows) * (layout.pages_for(window, None) + 2) + 1
+    pool = KVPool(pages, layout.page_bytes, {backend.name: layout}, next(model.parameters()).device)
+    runner = ModelRunner(model, g.num_layers, pool)
+    free = list(range(1, pages))
+    rows = [SeqBlocks() for _ in windows]
+
+    def step(ids: list[list[int]]) -> torch.Tensor:
+        plans, new = [], []
+        for blocks, row in zip(rows, ids):
+            plan = layout.plan(blocks, len(row))
+            taken = [free.pop() for _ in range(plan.pages_needed)]
+            layout.extend(blocks, plan, taken[: plan.new_exact_pages], taken[plan.new_exact_pages:])
+            plans.append(plan)
+            new += taken
+        logits = runner.run_paged(ids, [(backend, list(range(len(rows))), list(zip(rows, plans)))], [], new)
+        for blocks, plan in zip(rows, plans):
+            free.extend(layout.commit(blocks, plan))
+        if compress_all and layout.on_demand:
+            plans = [(b, layout.plan_compress(b, layout.compressible(b))) for b in rows]
+            new = []
+            for blocks, plan in plans:
+                taken = [free.pop() for _ in range(plan.new_q_pages)]
+                layout.extend(blocks, plan, [], taken)
+                new += taken
+            runner.compress([(backend, plans)], new)
+            for blocks, plan in plans:
+                free.extend(layout.commit(blocks, plan))
+        return logits
+
+    logits = step([w[:prefix] for w in windows])  # (windows, vocab_size)
+    nll, count = 0.0, 0
+    for pos in range(prefix, window):
+        targets = torch.tensor([w[pos] for w in windows], device=logits.device)
+        nll += torch.nn.functional.cross_entropy(logits.float(), targets, reduction="sum").item()
+        count += len(windows)
+        if pos + 1 < window:
+            logits = step([[w[pos]] for w in windows])
+    return math.exp(nll / count)
+
+
+@torch.inference_mode()
 def greedy_tokens(model, backend, prompts: list[list[int]], new_tokens: int, inspect=None) -> list[list[int]]:
     """Greedy continuations (token ids) of every prompt, decoded as one batch through ``backend``; ``inspect``,
     if given, is called with the stores at the end of the generation, before they are released."""

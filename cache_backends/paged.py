@@ -523,15 +523,24 @@ def write_layer(views: PoolViews, layer: int, meta: StepMeta, new: list[torch.Te
     drain_layer(views, layer, meta.drain)
 
 
-def drain_layer(views: PoolViews, layer: int, drain: Drain) -> None:
+def drain_sources(views: PoolViews, layer: int, drain: Drain) -> list[torch.Tensor]:
+    """The exact tokens ``drain`` quantizes in ``layer``, one (heads, N, width) copy per stream (none if none)."""
+    if not drain.tokens:
+        return []
+    return [views.exact[layer][s][:, drain.src[0], drain.src[1]] for s in range(len(views.layout.streams))]
+
+
+def drain_layer(views: PoolViews, layer: int, drain: Drain, sources: list[torch.Tensor] | None = None) -> None:
     """Quantize the exact tokens ``drain`` names into their quantized slots, in one batched call per stream (their
-    exact slots are left as they are: the caller frees the pages no live token uses any more)."""
+    exact slots are left as they are: the caller frees the pages no live token uses any more). ``sources``: those
+    tokens already read (:func:`drain_sources`), when a destination page may be one they are read from."""
     if not drain.tokens:
         return
     layout = views.layout
     g = layout.quantize["group_size"]
+    sources = sources if sources is not None else drain_sources(views, layer, drain)
     for s, spec in enumerate(layout.streams):
-        src = views.exact[layer][s][:, drain.src[0], drain.src[1]]  # (heads, N, width), N = groups * g
+        src = sources[s]  # (heads, N, width), N = groups * g
         codes_v, scale_v, zero_v = views.q[layer][s]
         dst, grp = (slice(None), *drain.dst), (slice(None), *drain.grp)
         if spec.axis == "channel":

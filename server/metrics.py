@@ -96,8 +96,8 @@ class Metrics:
                                  "num_requests_waiting: one series per server, for routers).", ("model",), registry=r)
         self.tier_tokens = Gauge("kvserve_kv_cache_tier_tokens", "Tokens cached by all live sequences per stored "
                                  "form: tier exact (model dtype) or int8 (codes).", LABELS + ("tier",), registry=r)
-        self.compressed_blocks = Counter("kvserve_elastic_compressed_blocks", "elastic: exact KV blocks re-encoded "
-                                         "to int8 because the pool ran short.", LABELS, registry=r)
+        self.compressed_blocks = Counter("kvserve_elastic_compressed_blocks", "elastic: KV blocks freed by re-encoding "
+                                         "exact tokens to int8 because the pool ran short.", LABELS, registry=r)
         self.preemptions_avoided = Counter("kvserve_elastic_preemptions_avoided", "elastic: times the pool ran out "
                                            "of blocks and compressing made room instead of a preemption.", LABELS,
                                            registry=r)
@@ -164,13 +164,13 @@ class Recorder:
         self.m.prefix_queries.labels(**labels).inc(queried)
         self.m.prefix_hits.labels(**labels).inc(hit)
 
-    def compressed(self, seq, blocks: int, avoided: bool) -> None:
-        """An ``elastic`` sequence's oldest ``blocks`` exact blocks were re-encoded; ``avoided``: the pool was out
-        of blocks, and a sequence would have been preempted otherwise."""
-        labels = self._l(seq.backend_name)
-        self.m.compressed_blocks.labels(**labels).inc(blocks)
-        if avoided:
-            self.m.preemptions_avoided.labels(**labels).inc()
+    def compressed(self, seq, blocks: int) -> None:
+        """Compressing an ``elastic`` sequence's oldest exact tokens freed ``blocks`` blocks."""
+        self.m.compressed_blocks.labels(**self._l(seq.backend_name)).inc(blocks)
+
+    def preemption_avoided(self, seq) -> None:
+        """The pool was out of blocks and compressing made room (``seq``: one compressed) instead of a preemption."""
+        self.m.preemptions_avoided.labels(**self._l(seq.backend_name)).inc()
 
     def preempted(self, seq) -> None:
         self.m.preemptions.labels(**self._l(seq.backend_name)).inc()

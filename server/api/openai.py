@@ -40,6 +40,15 @@ def _sse(*chunk_models) -> dict:
                                                                                    all_json=False)}}}}
 
 
+def compressed_fraction(seqs) -> float | None:
+    """``elastic``: the share of the sequences' cached tokens held as int8 codes when they finished (each weighted by
+    its tokens), or ``None`` for other backends."""
+    shares = [(s.kv_stats["compressed_fraction"], s.total_tokens) for s in seqs if "compressed_fraction" in s.kv_stats]
+    if not shares:
+        return None
+    return sum(f * n for f, n in shares) / max(1, sum(n for _, n in shares))
+
+
 def _usage(seqs, counted_prompts, echo_only: bool = False) -> Usage:
     """``usage`` of a request: the prompts counted once each (``counted_prompts``: one sequence per prompt), with
     their tokens served from the prefix cache (``prompt_tokens_details.cached_tokens``, as OpenAI and vLLM
@@ -48,7 +57,7 @@ def _usage(seqs, counted_prompts, echo_only: bool = False) -> Usage:
     completion = 0 if echo_only else sum(len(s.output_ids) for s in seqs)
     cached = PromptTokensDetails(cached_tokens=sum(s.cached_tokens for s in counted_prompts))
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                 prompt_tokens_details=cached)
+                 prompt_tokens_details=cached, kv_compressed_fraction=compressed_fraction(seqs))
 
 
 def _check(events: list[TokenEvent], service) -> TokenEvent:

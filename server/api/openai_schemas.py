@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
-from server.api.types import Int
+from server.api.types import KV_COMPRESSED_FRACTION, Int, drop_unset_extensions
 from server.service import MAX_CACHE_SALT_CHARS
 
 MAX_CHOICES = 16
@@ -112,6 +112,12 @@ class Usage(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    kv_compressed_fraction: float | None = Field(None, description=KV_COMPRESSED_FRACTION + " Over the "
+                                                 "request's choices, weighted by their cached tokens.")
+
+    @model_serializer(mode="wrap")
+    def _drop_extensions(self, handler):
+        return drop_unset_extensions(handler(self), ("kv_compressed_fraction",))
 
 
 class CompletionLogprobs(BaseModel):

@@ -128,7 +128,8 @@ async def _generate(body: TGIRequest, request: Request):
         return TGIBestOfSequence(generated_text=prefix + (events[-1].generated_text or ""),
                                  finish_reason=events[-1].finish_reason.value, generated_tokens=len(seq.output_ids),
                                  seed=_reported_seed(seq), prefill=prefill, tokens=[_token(ev) for ev in tokens],
-                                 top_tokens=[top(ev) for ev in tokens] if p.top_n_tokens else None)
+                                 top_tokens=[top(ev) for ev in tokens] if p.top_n_tokens else None,
+                                 kv_compressed_fraction=seq.kv_stats.get("compressed_fraction"))
 
     best = sequence(order[0])
     out = {"generated_text": best.generated_text}
@@ -183,7 +184,8 @@ async def generate_stream(body: TGIRequest, request: Request):
                 out.generated_text = prefix + (ev.generated_text or "")
                 out.details = TGIStreamDetails(finish_reason=SHUTDOWN_FINISH_REASON if shutdown else ev.finish_reason.value,
                                                generated_tokens=len(seq.output_ids), seed=_reported_seed(seq),
-                                               input_length=len(seq.prompt_ids))
+                                               input_length=len(seq.prompt_ids),
+                                               kv_compressed_fraction=seq.kv_stats.get("compressed_fraction"))
             yield {"data": out.model_dump_json(exclude={"top_tokens"} if top is None else None)}
 
     return event_stream(sse())

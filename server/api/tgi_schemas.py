@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from server.api.openai_schemas import CACHE_SALT
-from server.api.types import Int
+from server.api.types import KV_COMPRESSED_FRACTION, Int, drop_unset_extensions
 from server.service import MAX_CACHE_SALT_CHARS
 
 MAX_BEST_OF = 4
@@ -75,6 +75,11 @@ class TGISequenceDetails(BaseModel):
     prefill: list[TGIPrefillToken] = Field(default_factory=list)
     tokens: list[TGIToken] = Field(default_factory=list)
     top_tokens: list[list[TGIToken]] | None = None
+    kv_compressed_fraction: float | None = Field(None, description=KV_COMPRESSED_FRACTION)
+
+    @model_serializer(mode="wrap")
+    def _drop_extensions(self, handler):
+        return drop_unset_extensions(handler(self), ("kv_compressed_fraction",))
 
 
 class TGIBestOfSequence(TGISequenceDetails):
@@ -95,6 +100,11 @@ class TGIStreamDetails(BaseModel):
     generated_tokens: int
     seed: int | None = None
     input_length: int
+    kv_compressed_fraction: float | None = Field(None, description=KV_COMPRESSED_FRACTION)
+
+    @model_serializer(mode="wrap")
+    def _drop_extensions(self, handler):
+        return drop_unset_extensions(handler(self), ("kv_compressed_fraction",))
 
 
 class TGIStreamEvent(BaseModel):

@@ -19,6 +19,15 @@ Int = Annotated[int, BeforeValidator(_integral_float_to_int)]
 """An integer field in strict schemas that also accepts integral JSON numbers such as ``3.0``."""
 
 
+KV_COMPRESSED_FRACTION = ("kvserve extension, `elastic` only: the share of the request's cached tokens held as int8 "
+                          "codes when it finished (0: all exact); omitted for other backends.")
+
+
+def drop_unset_extensions(data: dict, names: tuple[str, ...]) -> dict:
+    """``data`` without the extension fields ``names`` that are ``None`` (a client of the plain API sees none)."""
+    return {k: v for k, v in data.items() if not (k in names and v is None)}
+
+
 def inline_schema(*models) -> dict:
     """A self-contained JSON schema (no ``$ref``) for one model, or ``anyOf`` several — for documenting
     Server-Sent Event payloads, which FastAPI does not register as components.

@@ -150,7 +150,6 @@ class Engine:
             self._finish(seq, FinishReason.CANCELLED)
         for seq in admitted:
             self._start(seq)
-        self._keep_room()
         prefilled = self._prefill_step(sum(1 for s in self.running if s.decoding))
         # Measured after prefill too: an int8-family store can be at its largest right after prefill,
         # and shrink in the same step's decode when its residual window drains.
@@ -222,17 +221,9 @@ class Engine:
             if victim is seq:
                 return None
 
-    def _keep_room(self) -> None:
-        """With ``elastic`` sequences running, compress before the pool is empty: a step's decode may take a page
-        per sequence, and re-encoding needs a free page for the codes before it frees the exact ones."""
-        elastic = sum(1 for s in self.running if self.kv.paged(s) and self.kv.layouts[s.backend_name].on_demand)
-        if elastic and self.kv.blocks.num_free < elastic + 1:
-            self._compress(elastic + 1, avoided=False)
-
-    def _compress(self, need: int, avoided: bool = True) -> bool:
+    def _compress(self, need: int) -> bool:
         """Quantize running ``elastic`` sequences' oldest exact groups until ``need`` pages are free (or nothing
-        is left to compress); whether any page was freed. ``avoided``: the pool is out of pages now (else
-        preempted)."""
+        is left to compress), instead of preempting; whether any page was freed."""
         plans = self.kv.plan_compression(self.running, need)
         if not plans:
             return False
@@ -241,10 +232,12 @@ class Engine:
             groups.setdefault(seq.backend_name, []).append((seq.blocks, res.plan))
         self.runner.compress([(self.backends[name], rows) for name, rows in groups.items()],
                              [p for _, res in plans for p in res.pages])
+        if self.recorder:
+            self.recorder.preemption_avoided(plans[0][0])
         for seq, res in plans:
-            self.kv.commit(seq, res)
+            self.kv.commit_compression(seq, res)
             if self.recorder:
-                self.recorder.compressed(seq, res.plan.free_front, avoided)
+                self.recorder.compressed(seq, res.plan.free_front - res.plan.new_q_pages)
         return True
 
     def _prefill_step(self, decoding: int) -> list[Sequence]:

@@ -264,10 +264,11 @@ class KVCacheManager:
     # ---- compression under pressure (elastic) --------------------------------------------------------
     def plan_compression(self, running: list[Sequence], need: int) -> list[tuple[Sequence, Reservation]]:
         """Which on-demand-tier sequences quantize which oldest groups so that ``need`` more pages are free:
-        the sequence with the most compressible tokens first, as few groups as do. Each plan's quantized pages
-        are taken now (from free pages, or the room left in the sequence's last quantized page); the caller
-        runs the re-encoding and then commits each (:meth:`commit`), which frees the exact pages. ``[]`` when nothing
-        can be compressed; fewer pages than ``need`` when that is all there is.
+        the sequence with the most compressible tokens first, as few groups as do. A plan's quantized pages are
+        exact pages its own drained tokens leave (so compressing needs no free page), already moved to its
+        quantized tier; the caller runs the re-encoding (:meth:`ModelRunner.compress`) and then commits each plan
+        (:meth:`commit`), which frees the rest. ``[]`` when nothing can be compressed; fewer pages than ``need``
+        when that is all there is.
         """
         out, gained = [], 0
         candidates = [s for s in running if self.paged(s) and self.layouts[s.backend_name].on_demand]
@@ -276,21 +277,24 @@ class KVCacheManager:
                 break
             layout = self.layouts[seq.backend_name]
             g, most = layout.quantize["group_size"], layout.compressible(seq.blocks)
-            tokens, plan = 0, None
-            while tokens < most:  # the fewest groups that free what is missing, within the free pages
-                trial = layout.plan_compress(seq.blocks, tokens + g)
-                if trial.new_q_pages > self.blocks.num_free:
-                    break
-                tokens, plan = tokens + g, trial
+            plan = None
+            for tokens in range(g, most + 1, g):  # the fewest groups that free what is missing
+                plan = layout.plan_compress(seq.blocks, tokens)
                 if plan.free_front - plan.new_q_pages >= need - self.blocks.num_free - gained:
                     break
             if plan is None or plan.free_front - plan.new_q_pages <= 0:
                 continue
-            q = self.blocks.allocate(plan.new_q_pages)
-            layout.extend(seq.blocks, plan, [], q)
-            gained += plan.free_front
-            out.append((seq, Reservation(plan, q)))
+            reused = seq.blocks.exact[: plan.new_q_pages]  # whole pages of drained tokens: free once read
+            layout.extend(seq.blocks, plan, [], reused)
+            gained += plan.free_front - plan.new_q_pages
+            out.append((seq, Reservation(plan, reused)))
         return out
+
+    def commit_compression(self, seq: Sequence, res: Reservation) -> None:
+        """A compression ran: update ``seq``'s lengths and free the exact pages it left, but those it reused for
+        its codes."""
+        freed = self.layouts[seq.backend_name].commit(seq.blocks, res.plan)
+        self.blocks.free([p for p in freed if p not in res.pages])
 
     def pages_needed(self, seq: Sequence, n: int) -> int:
         """Pages writing ``n`` more tokens of paged ``seq`` takes (0 for a per-sequence store)."""

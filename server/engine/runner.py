@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from cache_backends.attention import BatchRead, as_read
 from cache_backends.attention import install as install_attention
 from cache_backends.base import KVBackend, KVStore
-from cache_backends.paged import Drain, PoolViews, StepMeta, drain_layer, read_layer, write_layer
+from cache_backends.paged import Drain, PoolViews, StepMeta, drain_layer, drain_sources, read_layer, write_layer
 from cache_backends.pool import KVPool
 
 
@@ -286,14 +286,18 @@ class ModelRunner:
     @torch.inference_mode()
     def compress(self, groups: list[tuple[KVBackend, list]], new_pages: list[int]) -> None:
         """Quantize the oldest exact groups the plans name (``elastic`` under pool pressure): per backend,
-        ``(backend, [(SeqBlocks, Plan), ...])`` with the plans' quantized pages already added (``new_pages``,
-        zeroed first); one batched re-encoding per layer and stream. The caller commits the plans."""
-        self.pool.zero(new_pages)
+        ``(backend, [(SeqBlocks, Plan), ...])`` with the plans' quantized pages already added (``new_pages``:
+        they may be exact pages these very tokens leave, so every source is read before they are zeroed and
+        written); one batched re-encoding per layer and stream. The caller commits the plans."""
+        work = []
         for backend, rows in groups:
             views = self.pool.views[backend.name]
             drain = Drain(views.layout, rows, self.device)
+            work.append((views, drain, [drain_sources(views, layer, drain) for layer in range(self.num_layers)]))
+        self.pool.zero(new_pages)
+        for views, drain, sources in work:
             for layer in range(self.num_layers):
-                drain_layer(views, layer, drain)
+                drain_layer(views, layer, drain, sources[layer])
 
     @torch.inference_mode()
     def prefill(self, prompt_ids: list[int], store: KVStore, all_logits: bool = False) -> torch.Tensor:

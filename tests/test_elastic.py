@@ -1,0 +1,155 @@
+"""``elastic``: exact while the pool has room (full's tokens), int8 for the oldest groups when it runs short (no
+preemption while something is compressible), its mixed pages attended in their stored form, and its figures."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cache_backends import ModelGeometry, create
+from cache_backends.paged import StepMeta, attend_pair, read_layer
+from server.metrics import Metrics, Recorder
+from tests.engine_helpers import make_engine, make_seq, reference_greedy, run_all
+from tests.precision import ATTENTION_FACTOR
+from tests.test_paged import PagedDriver
+
+PROMPTS = ["And God said", "The LORD is my shepherd"]
+PAGE = 524288  # an elastic page on the reference model in fp32: 32 exact tokens (two blocks of 16) or 96 int8
+
+
+def _value(registry, name, **labels):
+    return registry.get_sample_value(name, labels)
+
+
+def test_without_pressure_elastic_is_full(ref_model):
+    model, tok = ref_model
+    engine = make_engine(model, tok, "elastic")
+    seqs = [make_seq(tok, p, 40, backend="elastic") for p in PROMPTS]
+    run_all(engine, seqs)
+    for p, s in zip(PROMPTS, seqs):
+        assert s.output_ids == reference_greedy(model, tok, p, 40)
+        assert s.kv_stats["compressed_fraction"] == 0
+
+
+def test_under_pressure_it_compresses_instead_of_preempting(ref_model):
+    """Two streams of ~200 tokens in 11 usable pages (352 exact tokens): full must preempt; elastic quantizes its
+    oldest groups instead, stays within the pool, and says so in its metrics."""
+    model, tok = ref_model
+    full = make_engine(model, tok, budget=22 * 262144)
+    full_seqs = [make_seq(tok, p, 200) for p in PROMPTS]
+    run_all(full, full_seqs)
+    assert sum(s.preemptions for s in full_seqs) > 0
+
+    engine = make_engine(model, tok, "elastic", budget=12 * PAGE)
+    assert engine.kv.page_bytes == PAGE and engine.kv.blocks.usable_pages == 11
+    metrics = Metrics()
+    engine.recorder = Recorder(metrics, "m", ["elastic"])
+    events = [[] for _ in PROMPTS]
+    seqs = [make_seq(tok, p, 200, backend="elastic", events=ev) for p, ev in zip(PROMPTS, events)]
+    for s in seqs:
+        engine.submit(s)
+    tiers = []
+    while engine.running or engine.waiting:
+        engine.step()
+        assert engine.kv_bytes() <= 12 * PAGE
+        tiers.append(_value(metrics.registry, "kvserve_kv_cache_tier_tokens", model="m", backend="elastic",
+                            tier="int8"))
+    assert sum(s.preemptions for s in seqs) == 0
+    for s, ev in zip(seqs, events):
+        assert [e.index for e in ev] == list(range(200)) and s.finish_reason.value == "length"
+        # some of its context, never its window of the newest 32 tokens
+        assert 0 < s.kv_stats["compressed_fraction"] <= 1 - 32 / s.total_tokens
+    r = metrics.registry
+    assert _value(r, "kvserve_elastic_compressed_blocks_total", model="m", backend="elastic") > 0
+    assert _value(r, "kvserve_elastic_preemptions_avoided_total", model="m", backend="elastic") > 0
+    assert max(tiers) > 0 and tiers[-1] == 0  # codes held while running, none once done
+    # the quantized tokens change few greedy choices on this model: the streams still read as full's
+    agree = [sum(a == b for a, b in zip(s.output_ids, f.output_ids)) / 200 for s, f in zip(seqs, full_seqs)]
+    assert min(agree) > 0.5, agree
+
+
+def test_mixed_pages_are_attended_as_their_dequantized_copy(ref_model):
+    """After compression a row holds codes (oldest) and exact tokens: scoring on the codes equals exact attention
+    over the dequantized copy of the same tokens (the stored-form identity)."""
+    model, tok = ref_model
+    g = ModelGeometry.from_config(model.config, next(model.parameters()).dtype)
+    backend = create("elastic", g)
+    driver = PagedDriver(model, backend, block_size=32)
+    layout = driver.layout
+    rows = [driver_blocks(driver, tok.encode(" ".join([p] * 60))) for p in PROMPTS]
+    plans = [(b, layout.plan_compress(b, layout.compressible(b))) for b in rows]
+    new = []
+    for blocks, plan in plans:
+        taken = driver.manager.allocate(plan.new_q_pages)
+        layout.extend(blocks, plan, [], taken)
+        new += taken
+    driver.runner.compress([(backend, plans)], new)
+    for blocks, plan in plans:
+        driver.manager.free(layout.commit(blocks, plan))
+    assert all(b.q_len >= 64 and b.exact_len >= 32 for b in rows)
+    step = [(b, layout.plan(b, 1)) for b in rows]
+    for blocks, plan in step:
+        pages = driver.manager.allocate(plan.pages_needed)
+        layout.extend(blocks, plan, pages, [])
+    meta = StepMeta(layout, step, torch.device("cpu"))
+    reads = read_layer(driver.pool.views["elastic"], 0, meta)
+    assert reads[0].codes is not None
+    query = torch.randn(len(rows), g.num_attention_heads, 1, g.head_dim)
+    got = attend_pair(query, reads[0], reads[1], meta, g.head_dim ** -0.5)
+    keys, values = (r.read().transpose(0, 1) for r in reads)  # (B, H, T, d), dequantized
+    mask = meta.mask[:, None]  # (B, 1, 1, T)
+    rep = g.num_attention_heads // g.num_key_value_heads
+    ref = torch.nn.functional.scaled_dot_product_attention(query, keys.repeat_interleave(rep, 1),
+                                                           values.repeat_interleave(rep, 1), attn_mask=mask,
+                                                           scale=g.head_dim ** -0.5)
+    scale = max(1.0, float((query @ keys.transpose(-1, -2)).abs().max()) * g.head_dim ** -0.5) * float(values.abs().max())
+    assert torch.allclose(got, ref, atol=ATTENTION_FACTOR * torch.finfo(torch.float32).eps * scale * 4)
+
+
+def driver_blocks(driver, ids):
+    from cache_backends.paged import SeqBlocks
+
+    blocks = SeqBlocks()
+    driver.step([blocks], [ids])
+    return blocks
+
+
+def test_estimate_gives_elastic_a_range_and_spec_options_are_checked():
+    from cache_backends.estimate import PRESETS, estimate_rows
+
+    (row,) = estimate_rows(PRESETS["llama-3-8b"], [("elastic", {"window": 64})], [4096], [1], 2)
+    (full,) = estimate_rows(PRESETS["llama-3-8b"], [("full", {})], [4096], [1], 2)
+    (int8,) = estimate_rows(PRESETS["llama-3-8b"], [("int8", {"residual": 64})], [4096], [1], 2)
+    assert row["bytes_per_token_per_layer"] == full["bytes_per_token_per_layer"]
+    assert row["min_bytes_per_token_per_layer"] == int8["bytes_per_token_per_layer"]
+    g = ModelGeometry(num_layers=2, num_attention_heads=4, num_key_value_heads=4, head_dim=8, dtype_bytes=4)
+    with pytest.raises(ValueError, match="window"):
+        create("elastic", g, window=-1)
+    with pytest.raises(ValueError, match="takes no option rank"):
+        create("elastic", g, rank=4)
+
+
+def test_the_compressed_share_is_reported_for_elastic_only():
+    """TGI details (and the stream's last event) and OpenAI usage carry kv_compressed_fraction for an elastic
+    request (0 here: no pressure), and nothing new for other backends."""
+    from fastapi.testclient import TestClient
+
+    from server.app import create_app
+    from server.config import load_settings
+    from tests.conftest import MODEL_DIR
+
+    app = create_app(load_settings(model_id=str(MODEL_DIR), kv_backend="full", kv_backends="full,elastic"),
+                     load_in_background=False)
+    with TestClient(app) as c:
+        for backend, want in (("elastic", 0.0), ("full", None)):
+            params = {"max_new_tokens": 3, "details": True, "kv_backend": backend}
+            details = c.post("/generate", json={"inputs": "And God said", "parameters": params}).json()["details"]
+            assert details.get("kv_compressed_fraction") == want and ("kv_compressed_fraction" in details) == bool(
+                want is not None)
+            usage = c.post("/v1/completions", json={"prompt": "And God said", "max_tokens": 3,
+                                                    "kv_backend": backend}).json()["usage"]
+            assert usage.get("kv_compressed_fraction") == want and ("kv_compressed_fraction" in usage) == bool(
+                want is not None)
+            with c.stream("POST", "/generate_stream", json={"inputs": "And God said", "parameters": params}) as r:
+                last = [line for line in r.iter_lines() if line.startswith("data:")][-1]
+            assert ("kv_compressed_fraction" in last) == (want is not None)
