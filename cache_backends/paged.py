@@ -279,11 +279,12 @@ class PageLayout:
             return SeqBlocks(q=list(pages), q_len=k)
         return SeqBlocks(exact=list(pages), exact_len=k)
 
-    def pages_for(self, tokens: int, chunk: int | None = None, start: SeqBlocks | None = None) -> int:
+    def pages_for(self, tokens: int, chunk: int | None = None, start: SeqBlocks | None = None,
+                  compress: bool = False) -> int:
         """Pages a sequence needs to write ``tokens`` tokens in chunks of ``chunk`` (default: at once) after the
         tokens of ``start`` (default: none; e.g. a prefix-cache hit, :meth:`cached_prefix`): the most it holds at
         any moment, ``start``'s pages and the transient exact pages of a chunk included (admission and fit
-        checks)."""
+        checks). ``compress``: an on-demand tier quantizes what it may after each chunk (the pool short)."""
         blocks = SeqBlocks() if start is None else SeqBlocks(list(start.exact), start.start, start.exact_len,
                                                               list(start.q), start.q_len)
         most, left = len(blocks.pages()), tokens
@@ -294,6 +295,10 @@ class PageLayout:
             most = max(most, len(blocks.pages()))
             self.commit(blocks, p)
             left -= n
+            if compress and self.on_demand:
+                c = self.plan_compress(blocks, self.compressible(blocks))
+                self.extend(blocks, c, [], blocks.exact[: c.new_q_pages])
+                self.commit(blocks, c)
         return most
 
     @staticmethod

@@ -150,6 +150,9 @@ class Engine:
             self._finish(seq, FinishReason.CANCELLED)
         for seq in admitted:
             self._start(seq)
+        if self.waiting and len(self.running) < self.scheduler.max_batch_size:
+            # requests wait for pages: elastic sequences compress what they may, so that the next ones fit
+            self._compress(self.kv.num_pages, avoided=False)
         prefilled = self._prefill_step(sum(1 for s in self.running if s.decoding))
         # Measured after prefill too: an int8-family store can be at its largest right after prefill,
         # and shrink in the same step's decode when its residual window drains.
@@ -221,9 +224,9 @@ class Engine:
             if victim is seq:
                 return None
 
-    def _compress(self, need: int) -> bool:
+    def _compress(self, need: int, avoided: bool = True) -> bool:
         """Quantize running ``elastic`` sequences' oldest exact groups until ``need`` pages are free (or nothing
-        is left to compress), instead of preempting; whether any page was freed."""
+        is left to compress); whether any page was freed. ``avoided``: instead of preempting (else: to admit)."""
         plans = self.kv.plan_compression(self.running, need)
         if not plans:
             return False
@@ -232,7 +235,7 @@ class Engine:
             groups.setdefault(seq.backend_name, []).append((seq.blocks, res.plan))
         self.runner.compress([(self.backends[name], rows) for name, rows in groups.items()],
                              [p for _, res in plans for p in res.pages])
-        if self.recorder:
+        if self.recorder and avoided:
             self.recorder.preemption_avoided(plans[0][0])
         for seq, res in plans:
             self.kv.commit_compression(seq, res)

@@ -146,6 +146,9 @@ class KVCacheManager:
         after a preemption its prompt and the tokens it had generated), less the cached blocks it starts with
         (:meth:`lookup`, kept on ``seq.prefix_hit`` for :meth:`start`) unless no sequence holds them now."""
         seq.prefix_hit = self.lookup(seq)
+        layout = self.layouts.get(seq.backend_name)
+        if layout is not None and layout.on_demand:  # it may compress its own prompt after each chunk
+            return layout.pages_for(len(seq.context_ids), self.chunk, compress=True)
         if not seq.prefix_hit:
             return self.pages_for(seq, len(seq.context_ids))
         layout = self.layouts[seq.backend_name]
