@@ -73,6 +73,9 @@ def why(backend: str, context: int, concurrency: int, share: float, long_context
                 else "head sharing: fixed savings, quality cost grows with fewer groups")
     if base == "dca":
         return "layer reuse: the reused layers keep only a residual window; near full quality, modest savings"
+    if base == "elastic":
+        return ("exact while the budget holds every token, int8 for the oldest tokens only under pressure (sized "
+                "here fully compressed)")
     return ""
 
 
@@ -110,9 +113,11 @@ def rows_from_estimate(model: str, dtype: str, context: int, specs: list[str] | 
     shape = load_shape(model)
     parsed = resolve_specs(shape, specs, DTYPE_BYTES[dtype])
     sums = estimate_rows(shape, parsed, [context], [1], DTYPE_BYTES[dtype])
+    # elastic fits where its fully compressed size does (its least; it is exact while the budget allows more)
     return [{"spec": format_spec(name, params), "backend": name,
-             "bytes_per_token": row["bytes_per_token_per_layer"] * shape.num_layers, "ppl_change_pct": None,
-             "tpot": {}, "agreement": None} for (name, params), row in zip(parsed, sums)]
+             "bytes_per_token": row.get("min_bytes_per_token_per_layer", row["bytes_per_token_per_layer"])
+             * shape.num_layers, "ppl_change_pct": None, "tpot": {}, "agreement": None}
+            for (name, params), row in zip(parsed, sums)]
 
 
 def advise(rows: list[dict], context: int, concurrency: int, budget: int, tpot_target: float | None) -> list[dict]:

@@ -153,3 +153,12 @@ def test_the_compressed_share_is_reported_for_elastic_only():
             with c.stream("POST", "/generate_stream", json={"inputs": "And God said", "parameters": params}) as r:
                 last = [line for line in r.iter_lines() if line.startswith("data:")][-1]
             assert ("kv_compressed_fraction" in last) == (want is not None)
+
+
+def test_advise_sizes_elastic_fully_compressed_and_says_why():
+    from server.advise_cli import advise, rows_from_estimate
+
+    rows = rows_from_estimate("models/kjv-llama-mha", "fp32", 1024, ["elastic", "int8", "full"])
+    by = {r["backend"]: r for r in advise(rows, 1024, 4, 64 << 20, None)}
+    assert by["elastic"]["need_bytes"] == by["int8"]["need_bytes"] < by["full"]["need_bytes"]
+    assert "under pressure" in by["elastic"]["reason"]
