@@ -35,7 +35,7 @@ from cache_backends.spec import format_spec, parse_spec
 
 REPO = Path(__file__).resolve().parents[1]
 SPECS = ["full", "int8", "gqa:groups=2,method=pca", "gqa+int8:groups=2", "mla:rank=64", "mla+int8:rank=64", "dca",
-         "dca+int8"]
+         "dca+int8", "elastic"]
 QUICK_SPECS = ["full", "int8", "mla:rank=64"]
 
 
