@@ -6,6 +6,11 @@ budget (chunked prefill: a long prompt is spread over several steps), then runs 
 step for every sequence whose prompt is cached. Each new token goes to its request through the
 sequence's thread-safe ``emit`` callback. A failure inside one request's prefill fails that request
 only; a failure in a batched decode fails the sequences of that batch, and the loop goes on.
+
+An admitted sequence starts from the longest run of cached blocks its context begins with (the prefix cache,
+:mod:`server.engine.kv_cache`). When the pool has no page for a step, ``elastic`` sequences are compressed
+first (their oldest exact groups re-encoded to int8); only then is the most recently admitted sequence
+preempted.
 """
 
 from __future__ import annotations
@@ -174,8 +179,8 @@ class Engine:
             seq.peak_kv_bytes = max(seq.peak_kv_bytes, seq.kv_bytes)
 
     def _start(self, seq: Sequence) -> None:
-        """Give an admitted sequence its pages (per-sequence stores: a store capped at its reservation), and on
-        its first admission its detokenizer."""
+        """Give an admitted sequence its pages (the prefix cache's hit first; per-sequence stores: a store capped at
+        its reservation), and on its first admission its detokenizer; count its prefix-cache lookup."""
         queried = len(seq.context_ids) if self.kv.cacheable(seq) else 0
         hit = self.kv.start(seq)
         if seq.preemptions == 0:
