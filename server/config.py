@@ -23,7 +23,10 @@ DEFAULT_MODEL = str(REPO_ROOT / "models" / "kjv-llama-mha")
 BACKEND_OPTIONS = {
     "gqa": {"groups": "kv_gqa_groups", "method": "kv_gqa_method"},
     "mla": {"rank": "kv_mla_rank"},
-    "int8": {"group_size": "kv_int8_group_size", "residual": "kv_int8_residual"},
+    "int8": {"group_size": "kv_int8_group_size", "residual": "kv_int8_residual", "key_bits": "kv_int8_key_bits",
+             "value_bits": "kv_int8_value_bits", "rotate": "kv_int8_rotate"},
+    "int4": {"group_size": "kv_int4_group_size", "residual": "kv_int4_residual", "key_bits": "kv_int4_key_bits",
+             "value_bits": "kv_int4_value_bits", "rotate": "kv_int4_rotate"},
     "dca": {"threshold": "kv_dca_threshold", "probe_interval": "kv_dca_probe_interval", "align": "kv_dca_align",
             "window": "kv_dca_window"},
 }
@@ -103,6 +106,14 @@ class Settings(BaseSettings):
     kv_mla_rank: int | None = Field(None, ge=1, description="mla: latent width per token per layer.")
     kv_int8_group_size: int = Field(32, ge=1, description="int8: tokens per key quantization group.")
     kv_int8_residual: int = Field(32, ge=0, description="int8: newest tokens kept in full precision.")
+    kv_int8_key_bits: Literal[4, 8] = Field(8, description="int8: bits per key code.")
+    kv_int8_value_bits: Literal[4, 8] = Field(8, description="int8: bits per value code (4: vLLM's k8v4 mix).")
+    kv_int8_rotate: bool = Field(False, description="int8: Hadamard-rotate K/V before quantizing (QuaRot).")
+    kv_int4_group_size: int = Field(32, ge=1, description="int4: tokens per key quantization group.")
+    kv_int4_residual: int = Field(32, ge=0, description="int4: newest tokens kept in full precision.")
+    kv_int4_key_bits: Literal[4, 8] = Field(4, description="int4: bits per key code.")
+    kv_int4_value_bits: Literal[4, 8] = Field(4, description="int4: bits per value code.")
+    kv_int4_rotate: bool = Field(False, description="int4: Hadamard-rotate K/V before quantizing (QuaRot).")
     kv_dca_threshold: float = Field(0.95, allow_inf_nan=False, description="dca: calibrated similarity at or above which a layer is a "
                                                         "reuse candidate (each then checks its own calibrated "
                                                         "threshold per prompt and probe); above 1: none.")

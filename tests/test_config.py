@@ -15,7 +15,10 @@ from tests.conftest import REPO
                                      ({"DTYPE": "float8"}, "DTYPE"), ({"KV_DCA_WINDOW": "-1"}, "KV_DCA_WINDOW"),
                                      # nan/inf were accepted, then every GET /info failed to encode them (500)
                                      ({"KV_DCA_THRESHOLD": "nan"}, "KV_DCA_THRESHOLD"),
-                                     ({"KV_DCA_THRESHOLD": "inf"}, "KV_DCA_THRESHOLD")])
+                                     ({"KV_DCA_THRESHOLD": "inf"}, "KV_DCA_THRESHOLD"),
+                                     ({"KV_INT8_VALUE_BITS": "3"}, "KV_INT8_VALUE_BITS"),
+                                     ({"KV_INT4_ROTATE": "maybe"}, "KV_INT4_ROTATE"),
+                                     ({"KV_INT4_RESIDUAL": "-1"}, "KV_INT4_RESIDUAL")])
 def test_bad_value_names_the_variable(monkeypatch, env, var):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
