@@ -37,7 +37,8 @@ def int8_bytes_per_token_per_layer(num_key_value_heads: int, head_dim: int, dtyp
     ``seq_len`` (``int8``; ``int4`` and k8v4 by their bits).
 
     Codes: ``key_bits`` / ``value_bits`` bits per element (4-bit codes are packed two a byte). Keys: one
-    scale and one zero point (``dtype_bytes`` each) per channel per group of ``group_size`` tokens. Values:
+    scale and one zero point (``dtype_bytes`` each at 8 bits; at 4 bits at most 2: :func:`scale_bytes`) per
+    channel per group of ``group_size`` tokens. Values:
     one scale and one zero point per token per head. The newest tokens stay in full precision: at
     ``seq_len`` tokens, ``r`` of them, where r = residual + (seq_len - residual) mod group_size once
     seq_len >= residual + group_size (before that, all of them).
@@ -48,10 +49,17 @@ def int8_bytes_per_token_per_layer(num_key_value_heads: int, head_dim: int, dtyp
     hd = num_key_value_heads * head_dim
     fp_tokens = _fp_tokens(seq_len, group_size, residual)
     q_tokens = seq_len - fp_tokens
-    key_bytes = q_tokens * hd * key_bits // 8 + (q_tokens // group_size) * hd * 2 * dtype_bytes
-    value_bytes = q_tokens * hd * value_bits // 8 + q_tokens * num_key_value_heads * 2 * dtype_bytes
+    kb, vb = scale_bytes(key_bits, dtype_bytes), scale_bytes(value_bits, dtype_bytes)
+    key_bytes = q_tokens * hd * key_bits // 8 + (q_tokens // group_size) * hd * 2 * kb
+    value_bytes = q_tokens * hd * value_bits // 8 + q_tokens * num_key_value_heads * 2 * vb
     fp_bytes = fp_tokens * 2 * hd * dtype_bytes
     return (key_bytes + value_bytes + fp_bytes) / max(seq_len, 1)
+
+
+def scale_bytes(bits: int, dtype_bytes: int) -> int:
+    """Bytes of one scale or zero point of a ``bits``-bit stream in a model of ``dtype_bytes``: the model dtype's
+    at 8 bits, at most 2 at 4 bits (the rule of :func:`cache_backends.int8.scale_dtype`)."""
+    return dtype_bytes if bits == 8 else min(dtype_bytes, 2)
 
 
 def _fp_tokens(seq_len: int, group_size: int, residual: int) -> int:
@@ -69,7 +77,8 @@ def int8_latent_bytes_per_token_per_layer(rank: int, dtype_bytes: int, group_siz
     key), each even at 4 bits."""
     fp = _fp_tokens(seq_len, group_size, residual)
     q = seq_len - fp
-    return (q * rank * bits // 8 + (q // group_size) * rank * 2 * dtype_bytes + fp * rank * dtype_bytes) / max(seq_len, 1)
+    scales = (q // group_size) * rank * 2 * scale_bytes(bits, dtype_bytes)
+    return (q * rank * bits // 8 + scales + fp * rank * dtype_bytes) / max(seq_len, 1)
 
 
 def dca_window_tokens(seq_len: int, window: int) -> int:

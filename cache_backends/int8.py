@@ -11,8 +11,10 @@ Bits (``key_bits``, ``value_bits``: 8 or 4 each; ``int4`` is this backend with 4
 ``int8:value_bits=4`` the keys-8/values-4 mix vLLM calls ``k8v4``). 8-bit codes are int8 in [-128, 127];
 4-bit codes are unsigned nibbles in [0, 15], two per byte (:func:`pack4`: channel j in the low nibble of byte
 j, channel j + d/2 in the high nibble), so a 4-bit stream's codes are (…, d/2) uint8: real bytes, no wider copy.
-A quantization rule like the paper's but on a 16-level grid: zero point = the slice minimum, so
-``value = code * scale + zero`` with no offset in either width.
+Either way ``value = code * scale + zero`` (the zero point absorbs the offset). A 4-bit stream keeps its scales
+and zero points in a 2-byte float (:func:`scale_dtype`: the model dtype if it has 2 bytes, else float16, as
+KIVI and llama.cpp's ``q4_0`` do): in fp32 they would cost as much as the 4-bit codes themselves at group
+size 32 and head_dim 32 (0.25 bytes per value each). 8-bit streams keep the model dtype, as before.
 
 Rotation (``rotate``; QuaRot, Ashkboos et al., arXiv 2404.00456): before quantizing, each token's vector of
 d channels is multiplied by an orthonormal Hadamard matrix R (:func:`hadamard`; block-diagonal with blocks
@@ -50,6 +52,7 @@ import torch
 from cache_backends.attention import grouped_query, ungroup
 from cache_backends.base import FullStorage, KVBackend, ModelGeometry, StreamPairLayer
 from cache_backends.buffer import TokenBuffer
+from cache_backends.estimate import scale_bytes
 
 QMIN, QMAX = -128, 127
 BITS = (4, 8)  # code widths: int8 codes, or two 4-bit codes per byte
@@ -60,11 +63,20 @@ def code_range(bits: int) -> tuple[int, int]:
     return (QMIN, QMAX) if bits == 8 else (0, (1 << bits) - 1)
 
 
+def scale_dtype(bits: int, dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a ``bits``-bit stream's scales and zero points: the model ``dtype`` at 8 bits; at 4 bits a
+    2-byte float (``dtype`` if it is one, else float16)."""
+    if bits == 8 or torch.empty((), dtype=dtype).element_size() <= 2:
+        return dtype
+    return torch.float16
+
+
 def quantize(x: torch.Tensor, dim: int, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric ``bits``-bit quantization of ``x`` with one (scale, zero) per slice along ``dim``.
 
     The arithmetic runs in fp32 whatever ``x``'s dtype (bf16 has 8 bits of mantissa: scales computed
-    in it would cost the codes about one bit); ``scale`` and ``zero`` are returned in ``x``'s dtype.
+    in it would cost the codes about one bit); ``scale`` and ``zero`` are returned in
+    :func:`scale_dtype` ``(bits, x.dtype)`` (clamped to its finite range).
 
     Returns:
         ``(q, scale, zero)``: int8 codes shaped like ``x`` (one code per element, in :func:`code_range`;
@@ -78,7 +90,10 @@ def quantize(x: torch.Tensor, dim: int, bits: int = 8) -> tuple[torch.Tensor, to
     hi = xf.amax(dim=dim, keepdim=True)
     scale = ((hi - lo) / (qmax - qmin)).clamp_min(torch.finfo(torch.float32).tiny)
     q = torch.round((xf - lo) / scale) + qmin
-    return q.clamp_(qmin, qmax).to(torch.int8), scale.to(x.dtype), (lo - qmin * scale).to(x.dtype)
+    out = scale_dtype(bits, x.dtype)
+    big = torch.finfo(out).max
+    zero = (lo - qmin * scale).clamp_(-big, big)
+    return q.clamp_(qmin, qmax).to(torch.int8), scale.clamp_max(big).to(out), zero.to(out)
 
 
 def pack4(q: torch.Tensor) -> torch.Tensor:
@@ -133,13 +148,16 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torc
 
 
 def dequantize_codes(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, axis: str,
-                     group_size: int, bits: int = 8) -> torch.Tensor:
-    """Stored codes (batch, heads, T, width_c) with their scales → values (batch, heads, T, width).
+                     group_size: int, bits: int = 8, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Stored codes (batch, heads, T, width_c) with their scales → values (batch, heads, T, width) in ``dtype``
+    (default: the scales').
 
     ``scale``/``zero``: (batch, heads, T / group_size, width) on the channel axis, (batch, heads, T, 1) on
     the token axis. Rotated streams come back rotated (the caller un-rotates).
     """
-    codes = widen(codes, bits, scale.dtype)
+    dtype = dtype or scale.dtype
+    scale, zero = scale.to(dtype), zero.to(dtype)
+    codes = widen(codes, bits, dtype)
     if axis != "channel":
         return dequantize(codes, scale, zero)
     b, h, t, w = codes.shape
@@ -160,6 +178,7 @@ def codes_dot(query: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zer
             as in :func:`dequantize_codes`.
     """
     codes = widen(codes, bits, query.dtype)
+    scale, zero = scale.to(query.dtype), zero.to(query.dtype)  # 4-bit streams: fp16 scales in an fp32 model
     b, h, tq, w = codes.shape
     if axis == "channel":
         g, n = group_size, tq // group_size
@@ -179,6 +198,7 @@ def codes_weighted_sum(weights: torch.Tensor, codes: torch.Tensor, scale: torch.
     ``(p_g · c_g) * s_g + (Σ p_g) z_g``.
     """
     codes = widen(codes, bits, weights.dtype)
+    scale, zero = scale.to(weights.dtype), zero.to(weights.dtype)
     if axis == "token":
         return (weights * scale.transpose(-1, -2)) @ codes + weights @ zero
     b, h, r, tq = weights.shape
@@ -238,16 +258,18 @@ class Int8Storage:
                        dtype_bytes: int, bits: int = 8) -> int:
         """The most bytes a storage reserved for ``max_tokens`` can allocate (codes, scales, zeros, window)."""
         codes = max_tokens * heads * width * bits // 8
+        sb = scale_bytes(bits, dtype_bytes)
         if axis == "channel":
-            scales = 2 * max(1, max_tokens // group_size) * heads * width * dtype_bytes
+            scales = 2 * max(1, max_tokens // group_size) * heads * width * sb
         else:
-            scales = 2 * max_tokens * heads * dtype_bytes
+            scales = 2 * max_tokens * heads * sb
         window = max(1, residual + group_size - 1) * heads * width * dtype_bytes
         return codes + scales + window
 
     def append(self, x: torch.Tensor) -> None:
         """Add ``n`` tokens (batch, heads, n, width); quantize the oldest whole groups past the window."""
         g = self.group_size
+        self.dtype = x.dtype  # the model dtype (4-bit scales may be narrower)
         pending = self.recent.length + x.shape[-2]
         n_groups = max(0, (pending - self.residual) // g)
         if n_groups == 0:
@@ -276,7 +298,7 @@ class Int8Storage:
         if self.codes.length == 0:
             return recent
         old = dequantize_codes(self.codes.view(), self.scale.view(), self.zero.view(), self.axis, self.group_size,
-                               self.bits)
+                               self.bits, self.dtype)
         old = rotate(old) if self.rotate else old
         return old if recent is None else torch.cat([old, recent], dim=-2)
 

@@ -35,7 +35,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cache_backends.int8 import codes_dot, codes_weighted_sum, dequantize_codes, pack, quantize, rotate, stream_bits
+from cache_backends.estimate import scale_bytes
+from cache_backends.int8 import (codes_dot, codes_weighted_sum, dequantize_codes, pack, quantize, rotate, scale_dtype,
+                                 stream_bits)
 
 NULL_PAGE = 0  # zeros, never allocated: pads block tables
 ALIGN = 64  # bytes: every slab of a page starts at a multiple of this
@@ -158,8 +160,9 @@ class PageLayout:
         e = torch.empty((), dtype=dtype).element_size()
         group_size, total = quantize["group_size"], 0
         for s in streams:
+            bits = stream_bits(quantize, s.axis)
             scales = (tokens // group_size) * s.heads * s.width if s.axis == "channel" else tokens * s.heads
-            total += _align(tokens * s.heads * s.width * stream_bits(quantize, s.axis) // 8) + 2 * _align(scales * e)
+            total += _align(tokens * s.heads * s.width * bits // 8) + 2 * _align(scales * scale_bytes(bits, e))
         return num_layers * total
 
     @classmethod
@@ -203,9 +206,9 @@ class PageLayout:
                 codes = Slab(off, tokens, s.heads, s.width * bits // 8, torch.int8 if bits == 8 else torch.uint8)
                 off += _align(codes.nbytes)
                 units, width = (tokens // g, s.width) if s.axis == "channel" else (tokens, 1)
-                scale = Slab(off, units, s.heads, width, self.dtype)
+                scale = Slab(off, units, s.heads, width, scale_dtype(bits, self.dtype))
                 off += _align(scale.nbytes)
-                zero = Slab(off, units, s.heads, width, self.dtype)
+                zero = Slab(off, units, s.heads, width, scale_dtype(bits, self.dtype))
                 off += _align(zero.nbytes)
                 row.append((codes, scale, zero))
             out.append(row)
@@ -226,8 +229,9 @@ class PageLayout:
         if self.quantize and blocks.q_len:
             g, q = self.quantize["group_size"], blocks.q_len
             for s in self.streams:
+                bits = stream_bits(self.quantize, s.axis)
                 scales = (q // g) * s.heads * s.width if s.axis == "channel" else q * s.heads
-                total += q * s.heads * s.width * stream_bits(self.quantize, s.axis) // 8 + 2 * scales * e
+                total += q * s.heads * s.width * bits // 8 + 2 * scales * scale_bytes(bits, e)
         return total * self.num_layers
 
     # ---- planning (no tensors) ------------------------------------------------------------------------
@@ -411,7 +415,8 @@ class StreamRead:
         """Every gathered token dequantized (and un-rotated), (heads, B, Tq + Te, width) (transient)."""
         if self.codes is None or self.codes.shape[-2] == 0:
             return self.exact
-        old = dequantize_codes(self.codes, self.scale, self.zero, self.axis, self.group_size, self.bits)
+        old = dequantize_codes(self.codes, self.scale, self.zero, self.axis, self.group_size, self.bits,
+                               self.exact.dtype)
         return torch.cat([rotate(old) if self.rotate else old, self.exact], dim=-2)
 
 
