@@ -128,7 +128,9 @@ class PageLayout:
         num_layers: decoder layers (every page holds its tokens for all of them).
         dtype: the model dtype (exact tokens, scales and zero points).
         page_bytes: bytes per page.
-        quantize: ``None`` or ``{"group_size": g, "residual": r}`` (int8 tier with a residual window).
+        quantize: ``None`` or ``{"group_size": g, "residual": r}`` (a quantized tier with a residual window), with
+            optional ``key_bits`` / ``value_bits`` (8 or 4: :func:`cache_backends.int8.stream_bits`) and
+            ``rotate``.
 
     Raises:
         ValueError: if a page cannot hold one exact token, or one quantization group.
