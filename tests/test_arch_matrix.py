@@ -1,13 +1,14 @@
 """The architecture matrix: every (architecture, backend) pair either serves exactly or is refused at start-up.
 
 Small random-weight models are built here from configs (no hub). "serves": ``full``'s cache path (prefill,
-then decode through kvserve's attention, batched with a second sequence) gives the model's own logits
-and the same greedy tokens as ``generate()``, and each compressed backend at its lossless setting (``int8``
-and ``int4`` (rotated) with every token in their full-precision window, ``gqa`` with G = num_key_value_heads, ``mla`` at full rank,
-``dca`` with threshold above 1) gives ``full``'s logits; each in every precision under test, within its
-tolerance (:mod:`tests.precision`: in fp32 about 1e-4; greedy tokens up to a near-tie). "refused": building
-or preparing the backend raises one line naming the unsupported feature (``kvserve serve`` prints it and
-exits 1). The matrix in docs/own-model.md is :func:`render` of :data:`EXPECTED`; a test keeps them equal.
+then decode through kvserve's attention, batched with a second sequence) gives the model's own logits and the
+same greedy tokens as ``generate()``, and each compressed backend at its lossless setting (``int8`` and
+``int4`` (rotated) with every token in their full-precision window, ``gqa`` with G = num_key_value_heads,
+``mla`` at full rank, ``dca`` with threshold above 1) gives ``full``'s logits; each in every precision under
+test, within its tolerance (:mod:`tests.precision`: in fp32 about 1e-4; greedy tokens up to a near-tie).
+"refused": building or preparing the backend raises one line naming the unsupported feature (``kvserve serve``
+prints it and exits 1). The matrix in docs/own-model.md is :func:`render` of :data:`EXPECTED`; a test keeps
+them equal.
 """
 
 from __future__ import annotations
