@@ -335,7 +335,8 @@ class KVBackend(ABC):
         return None
 
     def paged_quantize(self) -> dict | None:
-        """``{"group_size", "residual"}`` when the streams are held as int8 with a residual window, else ``None``."""
+        """``{"group_size", "residual", "key_bits", "value_bits", "rotate"}`` when the streams are held quantized
+        (8- or 4-bit codes, :mod:`cache_backends.int8`) with a residual window, else ``None``."""
         return None
 
     def encode_paged(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor, meta) -> list:

@@ -32,13 +32,16 @@ def mla_bytes_per_token_per_layer(rank: int, rope_dim: int, dtype_bytes: int) ->
 
 
 def int8_bytes_per_token_per_layer(num_key_value_heads: int, head_dim: int, dtype_bytes: int, group_size: int,
-                                   residual: int, seq_len: int) -> float:
-    """int8 K and V with scales and zero points, plus a full-precision residual window, averaged at ``seq_len``.
+                                   residual: int, seq_len: int, key_bits: int = 8, value_bits: int = 8) -> float:
+    """Quantized K and V with scales and zero points, plus a full-precision residual window, averaged at
+    ``seq_len`` (``int8``; ``int4`` and k8v4 by their bits).
 
-    Keys: one scale and one zero point (``dtype_bytes`` each) per channel per group of ``group_size``
-    tokens. Values: one scale and one zero point per token per head. The newest tokens stay in full
-    precision: at ``seq_len`` tokens, ``r`` of them, where r = residual + (seq_len - residual) mod
-    group_size once seq_len >= residual + group_size (before that, all of them).
+    Codes: ``key_bits`` / ``value_bits`` bits per element (4-bit codes are packed two a byte). Keys: one
+    scale and one zero point (``dtype_bytes`` each at 8 bits; at 4 bits at most 2: :func:`scale_bytes`) per
+    channel per group of ``group_size`` tokens. Values:
+    one scale and one zero point per token per head. The newest tokens stay in full precision: at
+    ``seq_len`` tokens, ``r`` of them, where r = residual + (seq_len - residual) mod group_size once
+    seq_len >= residual + group_size (before that, all of them).
 
     Returns:
         Average bytes per token per layer at ``seq_len`` tokens.
@@ -46,10 +49,17 @@ def int8_bytes_per_token_per_layer(num_key_value_heads: int, head_dim: int, dtyp
     hd = num_key_value_heads * head_dim
     fp_tokens = _fp_tokens(seq_len, group_size, residual)
     q_tokens = seq_len - fp_tokens
-    key_bytes = q_tokens * hd + (q_tokens // group_size) * hd * 2 * dtype_bytes
-    value_bytes = q_tokens * hd + q_tokens * num_key_value_heads * 2 * dtype_bytes
+    kb, vb = scale_bytes(key_bits, dtype_bytes), scale_bytes(value_bits, dtype_bytes)
+    key_bytes = q_tokens * hd * key_bits // 8 + (q_tokens // group_size) * hd * 2 * kb
+    value_bytes = q_tokens * hd * value_bits // 8 + q_tokens * num_key_value_heads * 2 * vb
     fp_bytes = fp_tokens * 2 * hd * dtype_bytes
     return (key_bytes + value_bytes + fp_bytes) / max(seq_len, 1)
+
+
+def scale_bytes(bits: int, dtype_bytes: int) -> int:
+    """Bytes of one scale or zero point of a ``bits``-bit stream in a model of ``dtype_bytes``: the model dtype's
+    at 8 bits, at most 2 at 4 bits (the rule of :func:`cache_backends.int8.scale_dtype`)."""
+    return dtype_bytes if bits == 8 else min(dtype_bytes, 2)
 
 
 def _fp_tokens(seq_len: int, group_size: int, residual: int) -> int:
@@ -60,12 +70,15 @@ def _fp_tokens(seq_len: int, group_size: int, residual: int) -> int:
 
 
 def int8_latent_bytes_per_token_per_layer(rank: int, dtype_bytes: int, group_size: int, residual: int,
-                                          seq_len: int) -> float:
-    """``mla+int8``: an int8 latent of ``rank`` channels, one scale and minimum per channel per group of
-    ``group_size`` tokens, and the residual window in full precision; averaged at ``seq_len``."""
+                                          seq_len: int, bits: int = 8) -> float:
+    """``mla+int8`` (``mla+int4``: ``bits`` = 4): a quantized latent of ``rank`` channels, one scale and minimum
+    per channel per group of ``group_size`` tokens, and the residual window in full precision; averaged at
+    ``seq_len``. ``rank`` may be the sum of several per-channel streams' widths (native MLA's latent and rope
+    key), each even at 4 bits."""
     fp = _fp_tokens(seq_len, group_size, residual)
     q = seq_len - fp
-    return (q * rank + (q // group_size) * rank * 2 * dtype_bytes + fp * rank * dtype_bytes) / max(seq_len, 1)
+    scales = (q // group_size) * rank * 2 * scale_bytes(bits, dtype_bytes)
+    return (q * rank * bits // 8 + scales + fp * rank * dtype_bytes) / max(seq_len, 1)
 
 
 def dca_window_tokens(seq_len: int, window: int) -> int:
@@ -152,14 +165,15 @@ PRESETS: dict[str, Shape] = {
 def default_params(shape: Shape, backend: str) -> dict:
     """The options the sums use for ``backend`` (or each part of a composition) when a spec leaves them out:
     gqa num_key_value_heads / 4 groups; mla the model's kv_lora_rank and rope width, else
-    2 * num_key_value_heads * head_dim / 8 and no rope part; int8 group size 32 and residual 32 tokens;
-    dca half the layers reused."""
+    2 * num_key_value_heads * head_dim / 8 and no rope part; int8 group size 32 and residual 32 tokens
+    (int4 the same, with 4-bit keys and values); dca half the layers reused."""
     h, dk, dv = shape.num_key_value_heads, shape.k_head_dim, shape.v_head_dim
     per_part = {
         "gqa": {"groups": max(1, h // 4)},
         "mla": {"rank": shape.kv_lora_rank or (h * (dk + dv)) // 8,
                 "rope_dim": shape.rope_dim if shape.kv_lora_rank else 0},
         "int8": {"group_size": 32, "residual": 32},
+        "int4": {"group_size": 32, "residual": 32, "key_bits": 4, "value_bits": 4},
         "dca": {"reuse_fraction": 0.5, "window": 32},
         "elastic": {"group_size": 32, "window": 32},
     }
@@ -174,10 +188,11 @@ def bytes_per_token_per_layer(shape: Shape, backend: str, params: dict, dtype_by
 
     Args:
         shape: the model's attention shape.
-        backend: ``full``, ``gqa``, ``mla``, ``int8``, ``dca``, or a composition (``gqa+int8``,
-            ``mla+int8``, ``dca+int8``, ``dca+mla``).
-        params: the spec's options (``gqa``: groups; ``mla``: rank, rope_dim; ``int8``: group_size,
-            residual; ``dca``: reuse_fraction, window (a reuse layer's residual window, tokens) and optional inner
+        backend: ``full``, ``gqa``, ``mla``, ``int8``, ``int4``, ``dca``, or a composition (``gqa+int8``,
+            ``mla+int8``, ``dca+int8``, ``dca+mla``, ``gqa+int4``, ``mla+int4``, ``dca+int4``).
+        params: the spec's options (``gqa``: groups; ``mla``: rank, rope_dim; ``int8``/``int4``: group_size,
+            residual, key_bits, value_bits (8 for int8, 4 for int4 unless given), rotate (no bytes);
+            ``dca``: reuse_fraction, window (a reuse layer's residual window, tokens) and optional inner
             backend options).
         dtype_bytes: bytes per element (2 for fp16).
         seq_len: context length (matters for int8's residual window).
@@ -189,12 +204,14 @@ def bytes_per_token_per_layer(shape: Shape, backend: str, params: dict, dtype_by
     h, dk, dv = shape.num_key_value_heads, shape.k_head_dim, shape.v_head_dim
     if backend.startswith("dca+"):
         return bytes_per_token_per_layer(shape, "dca", {**params, "inner": backend[4:]}, dtype_bytes, seq_len)
-    if backend == "gqa+int8":
+    if backend in ("gqa+int8", "gqa+int4"):
         groups = params["groups"]
-        return bytes_per_token_per_layer(Shape(shape.num_layers, groups, dk, dv), "int8", params, dtype_bytes, seq_len)
-    if backend == "mla+int8":
+        return bytes_per_token_per_layer(Shape(shape.num_layers, groups, dk, dv), backend[4:], params, dtype_bytes,
+                                         seq_len)
+    if backend in ("mla+int8", "mla+int4"):  # every latent stream is per channel: key_bits
         return int8_latent_bytes_per_token_per_layer(params["rank"] + params["rope_dim"], dtype_bytes,
-                                                     params["group_size"], params["residual"], seq_len)
+                                                     params["group_size"], params["residual"], seq_len,
+                                                     params.get("key_bits", 8))
     if backend == "full":
         return h * (dk + dv) * dtype_bytes
     if backend == "elastic":  # its most: every token exact (the least: elastic_min_bytes_per_token_per_layer)
@@ -206,11 +223,12 @@ def bytes_per_token_per_layer(shape: Shape, backend: str, params: dict, dtype_by
         return groups * (dk + dv) * dtype_bytes
     if backend == "mla":
         return mla_bytes_per_token_per_layer(params["rank"], params["rope_dim"], dtype_bytes)
-    if backend == "int8":
+    if backend in ("int8", "int4"):
         g, r = params["group_size"], params["residual"]
         if dk != dv:
-            raise ValueError("int8 sums assume k_head_dim == v_head_dim")
-        return int8_bytes_per_token_per_layer(h, dk, dtype_bytes, g, r, seq_len)
+            raise ValueError(f"{backend} sums assume k_head_dim == v_head_dim")
+        return int8_bytes_per_token_per_layer(h, dk, dtype_bytes, g, r, seq_len, params.get("key_bits", 8),
+                                              params.get("value_bits", 8))
     if backend == "dca":
         f = params["reuse_fraction"]
         if not 0 <= f < 1:
@@ -223,8 +241,8 @@ def bytes_per_token_per_layer(shape: Shape, backend: str, params: dict, dtype_by
         if not held:
             return kept
         return kept + f * bytes_per_token_per_layer(shape, inner, rest, dtype_bytes, held) * held / seq_len
-    raise ValueError(f"unknown backend {backend!r}; allowed: full, gqa, mla, int8, dca, elastic, gqa+int8, "
-                     "mla+int8, dca+int8, dca+mla")
+    raise ValueError(f"unknown backend {backend!r}; allowed: full, gqa, mla, int8, int4, dca, elastic, gqa+int8, "
+                     "mla+int8, dca+int8, dca+mla, gqa+int4, mla+int4, dca+int4")
 
 
 def elastic_min_bytes_per_token_per_layer(shape: Shape, params: dict, dtype_bytes: int, seq_len: int) -> float:

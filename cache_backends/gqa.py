@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from cache_backends.base import KVBackend, ModelGeometry, StreamPairLayer
-from cache_backends.int8 import attend_stored, make_storage, storage_reserved_bytes
+from cache_backends.int8 import attend_stored, make_storage, quant_spec, storage_reserved_bytes
 from cache_backends.paged import StreamSpec, attend_pair
 
 METHODS = ("pca", "mean")
@@ -201,7 +201,7 @@ class GQABackend(KVBackend):
                              f"{geometry.num_key_value_heads}")
         if method not in METHODS:
             raise ValueError(f"KV_GQA_METHOD={method!r}; allowed: {', '.join(METHODS)}")
-        super().__init__(geometry, groups=groups, method=method, **(quantize or {}))
+        super().__init__(geometry, groups=groups, method=method, **(quant_spec(quantize)[1] if quantize else {}))
         self.groups, self.method, self.quantize = groups, method, quantize
         m = geometry.num_key_value_heads // groups
         codec = mean_codec(groups, m, geometry.head_dim)
@@ -283,8 +283,10 @@ class GQABackend(KVBackend):
         return torch.einsum("bhrd,hde->bhre", out, output_map.to(out.dtype))
 
     def sums_spec(self) -> tuple[str, dict]:
-        if self.quantize:  # gqa+int8: the int8 sums with G heads in place of num_key_value_heads
-            return "gqa+int8", {"groups": self.groups, **self.quantize}
+        if self.quantize:  # gqa+int8/int4: the quantized sums with G heads in place of num_key_value_heads
+            name, options = quant_spec(self.quantize)
+            options.pop("rotate", None)  # a per-model constant: no byte per token
+            return f"gqa+{name}", {"groups": self.groups, **options}
         return "gqa", {"groups": self.groups}
 
     def reserved_bytes(self, max_tokens: int) -> int:

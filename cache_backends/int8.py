@@ -1,57 +1,146 @@
-"""``int8``: quantized K/V with a full-precision residual window.
+"""``int8`` and ``int4``: quantized K/V with a full-precision residual window, optionally rotated.
 
-Method (KIVI, Liu et al., arXiv 2402.02750; asymmetric 8-bit here): keys have outlier *channels*, so
+Method (KIVI, Liu et al., arXiv 2402.02750; asymmetric 8- or 4-bit here): keys have outlier *channels*, so
 keys are quantized per channel over a group of ``group_size`` consecutive tokens; values are quantized
 per token (one scale and zero point per token and head, over its head_dim channels). The newest tokens
 stay in full precision: once ``residual + group_size`` tokens are unquantized, the oldest
 ``group_size`` of them are quantized as one group, so between ``residual`` and
 ``residual + group_size - 1`` tokens are full precision. Quantized tokens are never re-quantized.
 
-Storage per sequence and layer (H = num_key_value_heads, d = head_dim, Tq quantized tokens,
-Tr residual tokens, n = Tq / group_size):
+Bits (``key_bits``, ``value_bits``: 8 or 4 each; ``int4`` is this backend with 4 and 4, ``int8`` with 8 and 8,
+``int8:value_bits=4`` the keys-8/values-4 mix vLLM calls ``k8v4``). 8-bit codes are int8 in [-128, 127];
+4-bit codes are unsigned nibbles in [0, 15], two per byte (:func:`pack4`: channel j in the low nibble of byte
+j, channel j + d/2 in the high nibble), so a 4-bit stream's codes are (…, d/2) uint8: real bytes, no wider copy.
+Either way ``value = code * scale + zero`` (the zero point absorbs the offset). A 4-bit stream keeps its scales
+and zero points in a 2-byte float (:func:`scale_dtype`: the model dtype if it has 2 bytes, else float16, as
+KIVI and llama.cpp's ``q4_0`` do): in fp32 they would cost as much as the 4-bit codes themselves at group
+size 32 and head_dim 32 (0.25 bytes per value each). 8-bit streams keep the model dtype, as before.
 
-* keys (``Int8Layer.key_store``): ``codes`` (1, H, Tq, d) int8, ``scale`` and ``zero`` (1, H, n, d);
-* values (``Int8Layer.value_store``): ``codes`` (1, H, Tq, d) int8, ``scale`` and ``zero`` (1, H, Tq, 1);
+Rotation (``rotate``; QuaRot, Ashkboos et al., arXiv 2404.00456): before quantizing, each token's vector of
+d channels is multiplied by an orthonormal Hadamard matrix R (:func:`hadamard`; block-diagonal with blocks
+of the largest power of two dividing d), which spreads outlier channels over all channels so a 4-bit grid
+loses less. R is symmetric and orthogonal (R = R^T = R^-1), and it is folded where it can be instead of
+un-rotating the cache: scores ``q · k = (q R) · (k R)``, so the query is rotated once per step and scored
+against the rotated key codes; a weighted sum of rotated values is ``(Σ p v) R``, so it is un-rotated once per
+output row. Only quantized tokens are rotated; the full-precision window is kept as it came.
+
+Storage per sequence and layer (H = num_key_value_heads, d = head_dim, Tq quantized tokens,
+Tr residual tokens, n = Tq / group_size, d_c = d at 8 bits and d / 2 at 4 bits):
+
+* keys (``Int8Layer.key_store``): ``codes`` (1, H, Tq, d_c) int8/uint8, ``scale`` and ``zero`` (1, H, n, d);
+* values (``Int8Layer.value_store``): ``codes`` (1, H, Tq, d_c), ``scale`` and ``zero`` (1, H, Tq, 1);
 * each store's ``recent`` window (1, H, Tr, d) in the model dtype.
 
 :class:`Int8Storage` quantizes any per-token stream this way; the compositions ``gqa+int8`` and
 ``mla+int8`` use it for the shared heads and for the latent.
 
-Bytes per token per layer (asymptotically): ``2*H*d + 2*H*d*B/group_size + 2*H*B`` — about 0.31x of
+Bytes per token per layer (asymptotically, 8 bits): ``2*H*d + 2*H*d*B/group_size + 2*H*B`` — about 0.31x of
 ``full`` in fp32 and 0.56x in fp16/bf16 at group size 32 (0.33x and 0.58x at 1024 tokens with the
-residual window: :func:`cache_backends.estimate.int8_bytes_per_token_per_layer`). Decode attends to the codes
+residual window: :func:`cache_backends.estimate.int8_bytes_per_token_per_layer`); 4-bit codes halve the
+``2*H*d`` term. Decode attends to the codes
 directly (scales folded into the query and the attention weights, :meth:`Int8Storage.dot` and
 :meth:`Int8Storage.weighted_sum`); nothing full-precision but the residual window survives a step.
 """
 
 from __future__ import annotations
 
+import functools
+import math
+
 import torch
 
 from cache_backends.attention import grouped_query, ungroup
 from cache_backends.base import FullStorage, KVBackend, ModelGeometry, StreamPairLayer
 from cache_backends.buffer import TokenBuffer
+from cache_backends.estimate import scale_bytes
 
 QMIN, QMAX = -128, 127
+BITS = (4, 8)  # code widths: int8 codes, or two 4-bit codes per byte
 
 
-def quantize(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric int8 quantization of ``x`` with one (scale, zero) per slice along ``dim``.
+def code_range(bits: int) -> tuple[int, int]:
+    """Smallest and largest code: int8's signed [-128, 127]; 4-bit unsigned nibbles [0, 15]."""
+    return (QMIN, QMAX) if bits == 8 else (0, (1 << bits) - 1)
+
+
+def scale_dtype(bits: int, dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a ``bits``-bit stream's scales and zero points: the model ``dtype`` at 8 bits; at 4 bits a
+    2-byte float (``dtype`` if it is one, else float16)."""
+    if bits == 8 or torch.empty((), dtype=dtype).element_size() <= 2:
+        return dtype
+    return torch.float16
+
+
+def quantize(x: torch.Tensor, dim: int, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric ``bits``-bit quantization of ``x`` with one (scale, zero) per slice along ``dim``.
 
     The arithmetic runs in fp32 whatever ``x``'s dtype (bf16 has 8 bits of mantissa: scales computed
-    in it would cost the codes about one bit); ``scale`` and ``zero`` are returned in ``x``'s dtype.
+    in it would cost the codes about one bit); ``scale`` and ``zero`` are returned in
+    :func:`scale_dtype` ``(bits, x.dtype)`` (clamped to its finite range).
 
     Returns:
-        ``(q, scale, zero)``: int8 codes shaped like ``x``; ``scale`` and ``zero`` with ``dim`` reduced to
-        size 1. ``x ≈ q * scale + zero`` (``zero`` = the slice minimum + 128 * scale, so a code times
-        the scale plus the zero point is the value: no offset to subtract when attending).
+        ``(q, scale, zero)``: int8 codes shaped like ``x`` (one code per element, in :func:`code_range`;
+        :func:`pack` packs 4-bit ones); ``scale`` and ``zero`` with ``dim`` reduced to size 1.
+        ``x ≈ q * scale + zero`` (``zero`` = the slice minimum - qmin * scale, so a code times the scale plus
+        the zero point is the value: no offset to subtract when attending).
     """
+    qmin, qmax = code_range(bits)
     xf = x.float()
     lo = xf.amin(dim=dim, keepdim=True)
     hi = xf.amax(dim=dim, keepdim=True)
-    scale = ((hi - lo) / (QMAX - QMIN)).clamp_min(torch.finfo(torch.float32).tiny)
-    q = torch.round((xf - lo) / scale) + QMIN
-    return q.clamp_(QMIN, QMAX).to(torch.int8), scale.to(x.dtype), (lo - QMIN * scale).to(x.dtype)
+    scale = ((hi - lo) / (qmax - qmin)).clamp_min(torch.finfo(torch.float32).tiny)
+    q = torch.round((xf - lo) / scale) + qmin
+    out = scale_dtype(bits, x.dtype)
+    big = torch.finfo(out).max
+    zero = (lo - qmin * scale).clamp_(-big, big)
+    return q.clamp_(qmin, qmax).to(torch.int8), scale.clamp_max(big).to(out), zero.to(out)
+
+
+def pack4(q: torch.Tensor) -> torch.Tensor:
+    """4-bit codes (…, w) in [0, 15] → (…, w / 2) uint8: channel j in the low nibble of byte j, channel
+    j + w/2 in the high one (halves, not neighbours: unpacking is one concatenation, no interleave).
+
+    Raises:
+        ValueError: if ``w`` is odd.
+    """
+    w = q.shape[-1]
+    if w % 2:
+        raise ValueError(f"4-bit codes pack two channels per byte: width {w} must be even")
+    u = q.to(torch.uint8)
+    return u[..., : w // 2] | (u[..., w // 2 :] << 4)
+
+
+def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """The stored form of :func:`quantize`'s codes: int8 as they are, 4-bit two per byte (:func:`pack4`)."""
+    return q if bits == 8 else pack4(q)
+
+
+def widen(codes: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
+    """Stored codes → one code per channel in ``dtype`` (the transient the matrix products read):
+    (…, w) int8 at 8 bits, (…, w / 2) uint8 → (…, w) at 4 bits."""
+    if bits == 8:
+        return codes.to(dtype)
+    return torch.cat([codes & 15, codes >> 4], dim=-1).to(dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def hadamard(width: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The orthonormal rotation of ``width`` channels: block-diagonal Sylvester Hadamard blocks of the largest
+    power of two n dividing ``width``, scaled by 1/sqrt(n) — (width, width), symmetric, R @ R = I (QuaRot,
+    arXiv 2404.00456, rotates with Hadamard matrices for the same reason: orthogonal, and no calibration).
+    An odd width has n = 1: the identity."""
+    n = width & -width
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    blocks = torch.block_diag(*([h / math.sqrt(n)] * (width // n)))
+    return blocks.to(dtype=dtype, device=device)
+
+
+def rotate(x: torch.Tensor) -> torch.Tensor:
+    """``x @ R`` over the last axis (:func:`hadamard`), computed in fp32 and returned in ``x``'s dtype; R is its
+    own inverse, so this also un-rotates."""
+    return (x.float() @ hadamard(x.shape[-1], torch.float32, x.device)).to(x.dtype)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
@@ -59,12 +148,16 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torc
 
 
 def dequantize_codes(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, axis: str,
-                     group_size: int) -> torch.Tensor:
-    """Int8 codes (batch, heads, T, width) with their scales → values (batch, heads, T, width).
+                     group_size: int, bits: int = 8, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Stored codes (batch, heads, T, width_c) with their scales → values (batch, heads, T, width) in ``dtype``
+    (default: the scales').
 
     ``scale``/``zero``: (batch, heads, T / group_size, width) on the channel axis, (batch, heads, T, 1) on
-    the token axis.
+    the token axis. Rotated streams come back rotated (the caller un-rotates).
     """
+    dtype = dtype or scale.dtype
+    scale, zero = scale.to(dtype), zero.to(dtype)
+    codes = widen(codes, bits, dtype)
     if axis != "channel":
         return dequantize(codes, scale, zero)
     b, h, t, w = codes.shape
@@ -73,7 +166,7 @@ def dequantize_codes(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tenso
 
 
 def codes_dot(query: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, axis: str,
-              group_size: int) -> torch.Tensor:
+              group_size: int, bits: int = 8) -> torch.Tensor:
     """Scores of int8 tokens against ``query`` (batch, heads, R, width) → (batch, heads, R, T), on the codes.
 
     Channel axis: ``q · (c * s_g + z_g) = (q * s_g) · c + q · z_g`` per token group g;
@@ -81,9 +174,11 @@ def codes_dot(query: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zer
     query's dtype (a transient the size of the codes); nothing is dequantized.
 
     Args:
-        codes: (batch, heads, T, width) int8; ``scale``, ``zero`` as in :func:`dequantize_codes`.
+        codes: (batch, heads, T, width) int8, or (batch, heads, T, width / 2) uint8 at 4 bits; ``scale``, ``zero``
+            as in :func:`dequantize_codes`.
     """
-    codes = codes.to(query.dtype)
+    codes = widen(codes, bits, query.dtype)
+    scale, zero = scale.to(query.dtype), zero.to(query.dtype)  # 4-bit streams: fp16 scales in an fp32 model
     b, h, tq, w = codes.shape
     if axis == "channel":
         g, n = group_size, tq // group_size
@@ -96,13 +191,14 @@ def codes_dot(query: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zer
 
 
 def codes_weighted_sum(weights: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                       axis: str, group_size: int) -> torch.Tensor:
+                       axis: str, group_size: int, bits: int = 8) -> torch.Tensor:
     """``weights`` (batch, heads, R, T) times int8 tokens → (batch, heads, R, width), on the codes.
 
     Token axis: ``Σ_t p_t (c_t s_t + z_t) = (p * s) · c + p · z``; channel axis: per group,
     ``(p_g · c_g) * s_g + (Σ p_g) z_g``.
     """
-    codes = codes.to(weights.dtype)
+    codes = widen(codes, bits, weights.dtype)
+    scale, zero = scale.to(weights.dtype), zero.to(weights.dtype)
     if axis == "token":
         return (weights * scale.transpose(-1, -2)) @ codes + weights @ zero
     b, h, r, tq = weights.shape
@@ -113,13 +209,14 @@ def codes_weighted_sum(weights: torch.Tensor, codes: torch.Tensor, scale: torch.
 
 
 class Int8Storage:
-    """A stream of per-token vectors, (batch, heads, seq_len, width), held as int8 plus a residual window.
+    """A stream of per-token vectors, (batch, heads, seq_len, width), held as 8- or 4-bit codes plus a residual
+    window.
 
-    Every part lives in an in-place :class:`cache_backends.buffer.TokenBuffer`: codes (int8), scales and
-    zero points (model dtype), the full-precision window. Attention reads it without dequantizing the
-    whole cache: :meth:`dot` folds the scales and zero points into the query, :meth:`weighted_sum`
-    folds them into the attention weights; only the int8 codes are widened to the query's dtype (into
-    a transient the size of the codes) for the matrix product.
+    Every part lives in an in-place :class:`cache_backends.buffer.TokenBuffer`: codes (int8, or uint8 with two
+    4-bit codes a byte), scales and zero points (model dtype), the full-precision window. Attention reads it
+    without dequantizing the whole cache: :meth:`dot` folds the scales and zero points (and the rotation) into
+    the query, :meth:`weighted_sum` folds them into the attention weights (and un-rotates the output); only the
+    codes are widened to the query's dtype (into a transient the size of the codes) for the matrix product.
 
     Args:
         axis: ``"channel"`` — one scale and zero per channel over each group of ``group_size``
@@ -127,12 +224,15 @@ class Int8Storage:
             channels (KIVI's values).
         group_size: tokens quantized together (the residual drains in whole groups).
         residual: newest tokens always kept in full precision.
+        bits: 8 or 4 (4: the width must be even).
+        rotate: quantize ``x R`` (:func:`hadamard`) instead of ``x``.
     """
 
-    def __init__(self, axis: str, group_size: int, residual: int):
+    def __init__(self, axis: str, group_size: int, residual: int, bits: int = 8, rotate: bool = False):
         self.axis = axis
         self.group_size = group_size
         self.residual = residual
+        self.bits, self.rotate = bits, rotate
         self.codes = TokenBuffer()
         self.scale = TokenBuffer()
         self.zero = TokenBuffer()
@@ -155,19 +255,21 @@ class Int8Storage:
 
     @staticmethod
     def reserved_bytes(axis: str, group_size: int, residual: int, max_tokens: int, heads: int, width: int,
-                       dtype_bytes: int) -> int:
+                       dtype_bytes: int, bits: int = 8) -> int:
         """The most bytes a storage reserved for ``max_tokens`` can allocate (codes, scales, zeros, window)."""
-        codes = max_tokens * heads * width
+        codes = max_tokens * heads * width * bits // 8
+        sb = scale_bytes(bits, dtype_bytes)
         if axis == "channel":
-            scales = 2 * max(1, max_tokens // group_size) * heads * width * dtype_bytes
+            scales = 2 * max(1, max_tokens // group_size) * heads * width * sb
         else:
-            scales = 2 * max_tokens * heads * dtype_bytes
+            scales = 2 * max_tokens * heads * sb
         window = max(1, residual + group_size - 1) * heads * width * dtype_bytes
         return codes + scales + window
 
     def append(self, x: torch.Tensor) -> None:
         """Add ``n`` tokens (batch, heads, n, width); quantize the oldest whole groups past the window."""
         g = self.group_size
+        self.dtype = x.dtype  # the model dtype (4-bit scales may be narrower)
         pending = self.recent.length + x.shape[-2]
         n_groups = max(0, (pending - self.residual) // g)
         if n_groups == 0:
@@ -175,14 +277,14 @@ class Int8Storage:
             return
         src = torch.cat([self.recent.view(), x], dim=-2) if self.recent.length else x  # O(residual + n)
         n = n_groups * g
-        old = src[..., :n, :]
+        old = rotate(src[..., :n, :]) if self.rotate else src[..., :n, :]
         b, h, _, w = old.shape
         if self.axis == "channel":
-            q, scale, zero = quantize(old.reshape(b, h, n_groups, g, w), dim=3)  # (b, h, groups, 1, w)
+            q, scale, zero = quantize(old.reshape(b, h, n_groups, g, w), 3, self.bits)  # (b, h, groups, 1, w)
             q, scale, zero = q.reshape(b, h, n, w), scale.squeeze(3), zero.squeeze(3)
         else:
-            q, scale, zero = quantize(old, dim=-1)  # (b, h, n, 1)
-        self.codes.append(q)
+            q, scale, zero = quantize(old, -1, self.bits)  # (b, h, n, 1)
+        self.codes.append(pack(q, self.bits))  # (b, h, n, w) int8 or (b, h, n, w / 2) uint8
         self.scale.append(scale)
         self.zero.append(zero)
         rest = src[..., n:, :].clone()  # may alias the window's own buffer
@@ -191,32 +293,35 @@ class Int8Storage:
             self.recent.append(rest)
 
     def read(self) -> torch.Tensor:
-        """Every token, dequantized, then the full-precision window: (batch, heads, seq_len, width)."""
+        """Every token, dequantized (and un-rotated), then the full-precision window: (batch, heads, seq_len, width)."""
         recent = self.recent.view() if self.recent.data is not None else None
         if self.codes.length == 0:
             return recent
-        old = dequantize_codes(self.codes.view(), self.scale.view(), self.zero.view(), self.axis, self.group_size)
+        old = dequantize_codes(self.codes.view(), self.scale.view(), self.zero.view(), self.axis, self.group_size,
+                               self.bits, self.dtype)
+        old = rotate(old) if self.rotate else old
         return old if recent is None else torch.cat([old, recent], dim=-2)
 
     def dot(self, query: torch.Tensor) -> torch.Tensor:
         """Scores of every token against ``query`` (batch, heads, R, width) → (batch, heads, R, seq_len)
-        (:func:`codes_dot` on the codes, then the window)."""
+        (:func:`codes_dot` on the codes, the query rotated once if the codes are, then the window)."""
         parts = []
         if self.codes.length:
-            parts.append(codes_dot(query, self.codes.view(), self.scale.view(), self.zero.view(), self.axis,
-                                   self.group_size))
+            parts.append(codes_dot(rotate(query) if self.rotate else query, self.codes.view(), self.scale.view(),
+                                   self.zero.view(), self.axis, self.group_size, self.bits))
         if self.recent.length:
             parts.append(query @ self.recent.view().transpose(-1, -2))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
     def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
         """``weights`` (batch, heads, R, seq_len) times every token → (batch, heads, R, width)
-        (:func:`codes_weighted_sum` on the codes, plus the window)."""
+        (:func:`codes_weighted_sum` on the codes, un-rotated once if the codes are rotated, plus the window)."""
         tq = self.codes.length
         out = None
         if tq:
             out = codes_weighted_sum(weights[..., :tq], self.codes.view(), self.scale.view(), self.zero.view(),
-                                     self.axis, self.group_size)
+                                     self.axis, self.group_size, self.bits)
+            out = rotate(out) if self.rotate else out
         if self.recent.length:
             window = weights[..., tq:] @ self.recent.view()
             out = window if out is None else out + window
@@ -233,16 +338,38 @@ class Int8Storage:
             buf.release()
 
 
+def stream_bits(quantize: dict, axis: str) -> int:
+    """Code width of a stream: ``key_bits`` for per-channel streams (keys, latents, rope keys), ``value_bits``
+    for per-token ones (values); 8 where the options leave it out."""
+    return quantize.get("key_bits" if axis == "channel" else "value_bits", 8)
+
+
+def quant_spec(quantize: dict) -> tuple[str, dict]:
+    """The quantized part of a spec, as the sums and ``/info`` name it: ``int4`` when keys and values are both
+    4-bit, else ``int8``; its options are group_size and residual, the bits where they differ from that name's
+    (``int8:value_bits=4`` is k8v4), and ``rotate`` when on."""
+    kb, vb = quantize.get("key_bits", 8), quantize.get("value_bits", 8)
+    name = "int4" if kb == vb == 4 else "int8"
+    default = 4 if name == "int4" else 8
+    options = {"group_size": quantize["group_size"], "residual": quantize["residual"]}
+    options.update({k: b for k, b in (("key_bits", kb), ("value_bits", vb)) if b != default})
+    if quantize.get("rotate"):
+        options["rotate"] = True
+    return name, options
+
+
 def make_storage(axis: str, quantize: dict | None):
-    """An exact :class:`FullStorage`, or an :class:`Int8Storage` when ``quantize`` gives group_size and residual.
+    """An exact :class:`FullStorage`, or an :class:`Int8Storage` when ``quantize`` gives its options.
 
     Args:
-        axis: ``"channel"`` (key-like streams) or ``"token"`` (value-like streams), for int8.
-        quantize: ``None``, or ``{"group_size": int, "residual": int}``.
+        axis: ``"channel"`` (key-like streams) or ``"token"`` (value-like streams).
+        quantize: ``None``, or ``{"group_size": int, "residual": int}`` with optional ``key_bits``,
+            ``value_bits`` (8 or 4; :func:`stream_bits`) and ``rotate`` (bool).
     """
     if quantize is None:
         return FullStorage()
-    return Int8Storage(axis, quantize["group_size"], quantize["residual"])
+    return Int8Storage(axis, quantize["group_size"], quantize["residual"], stream_bits(quantize, axis),
+                       bool(quantize.get("rotate")))
 
 
 def storage_reserved_bytes(quantize: dict | None, axis: str, max_tokens: int, heads: int, width: int,
@@ -251,7 +378,7 @@ def storage_reserved_bytes(quantize: dict | None, axis: str, max_tokens: int, he
     if quantize is None:
         return FullStorage.reserved_bytes(max_tokens, heads, width, dtype_bytes)
     return Int8Storage.reserved_bytes(axis, quantize["group_size"], quantize["residual"], max_tokens, heads, width,
-                                      dtype_bytes)
+                                      dtype_bytes, stream_bits(quantize, axis))
 
 
 def attend_stored(query: torch.Tensor, key_store, value_store, scaling: float) -> torch.Tensor:
@@ -271,13 +398,17 @@ def attend_stored(query: torch.Tensor, key_store, value_store, scaling: float) -
 
 
 class Int8Layer(StreamPairLayer):
-    """One layer's KIVI cache: keys in a per-channel :class:`Int8Storage`, values in a per-token one."""
+    """One layer's KIVI cache: keys in a per-channel :class:`Int8Storage`, values in a per-token one.
 
-    def __init__(self, group_size: int, residual: int):
+    Args:
+        quantize: the options of :func:`make_storage`.
+    """
+
+    def __init__(self, quantize: dict):
         super().__init__()
-        self.group_size, self.residual = group_size, residual
-        self.key_store = Int8Storage("channel", group_size, residual)
-        self.value_store = Int8Storage("token", group_size, residual)
+        self.quantize = quantize
+        self.key_store = make_storage("channel", quantize)
+        self.value_store = make_storage("token", quantize)
 
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.key_store.append(key_states)
@@ -287,47 +418,75 @@ class Int8Layer(StreamPairLayer):
         return self.key_store.read(), self.value_store.read()
 
     def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """Decode: scores from the int8 keys with scales folded into the query, output from the int8
-        values with scales folded into the weights (no dequantized cache). Prefill: rebuilt K/V."""
+        """Decode: scores from the key codes with scales folded into the query, output from the value
+        codes with scales folded into the weights (no dequantized cache). Prefill: rebuilt K/V."""
         if query.shape[-2] > 1:
             return super().attend(query, scaling)
         return attend_stored(query, self.key_store, self.value_store, scaling)
 
 
+def check_quantize(prefix: str, group_size: int, residual: int, key_bits: int, value_bits: int,
+                   widths: tuple[int, ...] = ()) -> None:
+    """Refuse quantization options no storage can take, naming the setting (``prefix`` is ``KV_INT8`` or
+    ``KV_INT4``).
+
+    Raises:
+        ValueError: for ``group_size`` < 1, ``residual`` < 0, bits other than 4 or 8, or 4-bit codes of an
+            odd stream width in ``widths`` (two channels a byte).
+    """
+    if group_size < 1:
+        raise ValueError(f"{prefix}_GROUP_SIZE={group_size} must be >= 1")
+    if residual < 0:
+        raise ValueError(f"{prefix}_RESIDUAL={residual} must be >= 0")
+    for var, bits in (("KEY_BITS", key_bits), ("VALUE_BITS", value_bits)):
+        if bits not in BITS:
+            raise ValueError(f"{prefix}_{var}={bits} must be 4 or 8")
+    odd = [w for w in widths if w % 2]
+    if 4 in (key_bits, value_bits) and odd:
+        raise ValueError(f"4-bit codes pack two channels per byte: a stream width of {odd[0]} must be even")
+
 
 class Int8Backend(KVBackend):
-    """KIVI-style int8 KV cache.
+    """KIVI-style quantized KV cache (8-bit by default; ``int4`` and the k8v4 mix by its bits).
 
     Args:
         geometry: the model's attention shape.
         group_size: tokens per key quantization group (``KV_INT8_GROUP_SIZE``, default 32).
         residual: tokens always kept in full precision (``KV_INT8_RESIDUAL``, default 32).
+        key_bits, value_bits: code widths, 8 or 4 (``KV_INT8_KEY_BITS``, ``KV_INT8_VALUE_BITS``, default 8).
+        rotate: Hadamard-rotate keys and values before quantizing (``KV_INT8_ROTATE``, default false).
 
     Raises:
-        ValueError: if ``group_size`` < 1 or ``residual`` < 0.
+        ValueError: if ``group_size`` < 1, ``residual`` < 0, or a bit width is not 4 or 8.
     """
 
     name = "int8"
+    BITS_DEFAULT = 8
 
-    def __init__(self, geometry: ModelGeometry, group_size: int = 32, residual: int = 32):
-        if group_size < 1:
-            raise ValueError(f"KV_INT8_GROUP_SIZE={group_size} must be >= 1")
-        if residual < 0:
-            raise ValueError(f"KV_INT8_RESIDUAL={residual} must be >= 0")
-        super().__init__(geometry, group_size=group_size, residual=residual)
+    def __init__(self, geometry: ModelGeometry, group_size: int = 32, residual: int = 32, key_bits: int | None = None,
+                 value_bits: int | None = None, rotate: bool = False):
+        key_bits = self.BITS_DEFAULT if key_bits is None else key_bits
+        value_bits = self.BITS_DEFAULT if value_bits is None else value_bits
+        check_quantize(f"KV_{self.name.upper()}", group_size, residual, key_bits, value_bits, (geometry.head_dim,))
+        extra = {k: b for k, b in (("key_bits", key_bits), ("value_bits", value_bits)) if b != self.BITS_DEFAULT}
+        super().__init__(geometry, group_size=group_size, residual=residual, **extra,
+                         **({"rotate": True} if rotate else {}))
         self.group_size, self.residual = group_size, residual
+        self.quantize = {"group_size": group_size, "residual": residual, "key_bits": key_bits,
+                         "value_bits": value_bits, "rotate": bool(rotate)}
 
     def new_layer(self, index: int, position_offset: int = 0) -> Int8Layer:
-        return Int8Layer(self.group_size, self.residual)
+        return Int8Layer(self.quantize)
 
     def sums_spec(self) -> tuple[str, dict]:
-        return "int8", {"group_size": self.group_size, "residual": self.residual}
+        name, options = quant_spec(self.quantize)
+        options.pop("rotate", None)  # a per-model constant: no byte per token
+        return name, options
 
     def reserved_bytes(self, max_tokens: int) -> int:
         g = self.geometry
-        per_layer = sum(Int8Storage.reserved_bytes(axis, self.group_size, self.residual, max_tokens,
-                                                   g.num_key_value_heads, g.head_dim, g.dtype_bytes)
-                        for axis in ("channel", "token"))
+        per_layer = sum(storage_reserved_bytes(self.quantize, axis, max_tokens, g.num_key_value_heads, g.head_dim,
+                                               g.dtype_bytes) for axis in ("channel", "token"))
         return per_layer * g.num_layers
 
     def paged_streams(self) -> list:
@@ -339,11 +498,21 @@ class Int8Backend(KVBackend):
                 StreamSpec(g.num_key_value_heads, g.head_dim, "token")]
 
     def paged_quantize(self) -> dict:
-        return {"group_size": self.group_size, "residual": self.residual}
+        return dict(self.quantize)
 
     def attend_paged(self, layer, query, reads, meta, scaling, module=None):
-        """Scores on the int8 key codes (scales folded into the query), output from the int8 value codes
-        (scales folded into the weights), the residual window exact: no dequantized copy of the context."""
+        """Scores on the key codes (scales and rotation folded into the query), output from the value codes
+        (scales folded into the weights, rotation undone once per output), the residual window exact: no
+        dequantized copy of the context."""
         from cache_backends.paged import attend_pair
 
         return attend_pair(query, reads[0], reads[1], meta, scaling)
+
+
+class Int4Backend(Int8Backend):
+    """``int4``: the same storage with 4-bit keys and values (two codes a byte), optionally rotated
+    (``int4:rotate=true``; QuaRot, arXiv 2404.00456). Settings ``KV_INT4_GROUP_SIZE``, ``KV_INT4_RESIDUAL``,
+    ``KV_INT4_KEY_BITS``, ``KV_INT4_VALUE_BITS`` (default 4) and ``KV_INT4_ROTATE``."""
+
+    name = "int4"
+    BITS_DEFAULT = 4

@@ -30,7 +30,7 @@ from tqdm import tqdm
 from cache_backends.attention import BatchRead, causal_mask, grouped_query, ungroup
 from cache_backends.base import KVBackend, KVLayer, KVStore, ModelGeometry
 from cache_backends.full import FullLayer
-from cache_backends.int8 import make_storage, storage_reserved_bytes
+from cache_backends.int8 import make_storage, quant_spec, storage_reserved_bytes
 from cache_backends.paged import StreamRead, StreamSpec, group_mask, grouped_rows, masked_softmax, ungroup_rows
 from cache_backends.rope import RopeTable
 
@@ -297,14 +297,14 @@ class MLABackend(KVBackend):
                 raise ValueError(f"KV_MLA_RANK={rank}: this model is natively MLA and caches its own latent of "
                                  f"kv_lora_rank={geometry.kv_lora_rank}; leave KV_MLA_RANK unset or equal to it")
             super().__init__(geometry, rank=geometry.kv_lora_rank, rope_dim=geometry.rope_dim, native=True,
-                             **(quantize or {}))
+                             **(quant_spec(quantize)[1] if quantize else {}))
             self.rank, self.quantize, self.bases, self.rope = geometry.kv_lora_rank, quantize, None, None
             return
         width = 2 * geometry.num_key_value_heads * geometry.head_dim
         rank = max(1, width // 8) if rank is None else rank
         if not 1 <= rank <= width:
             raise ValueError(f"KV_MLA_RANK={rank} must be between 1 and 2*num_key_value_heads*head_dim={width}")
-        super().__init__(geometry, rank=rank, **(quantize or {}))
+        super().__init__(geometry, rank=rank, **(quant_spec(quantize)[1] if quantize else {}))
         self.rank, self.quantize = rank, quantize
         self.bases: list[LatentBasis] | None = None
         self.rope: RopeTable | None = None
@@ -400,12 +400,13 @@ class MLABackend(KVBackend):
         return ungroup_rows(mixed @ value_up.to(mixed.dtype) + value_mean.to(mixed.dtype), hq)
 
     def sums_spec(self) -> tuple[str, dict]:
-        if self.native:  # the model's own latent and its shared rope key (mla+int8: both quantized per channel)
-            spec = {"rank": self.rank, "rope_dim": self.geometry.rope_dim}
-            return ("mla+int8", {**spec, **self.quantize}) if self.quantize else ("mla", spec)
-        if self.quantize:  # mla+int8: one "head" of width r, quantized per channel; no per-token scales
-            return "mla+int8", {"rank": self.rank, "rope_dim": 0, **self.quantize}
-        return "mla", {"rank": self.rank, "rope_dim": 0}
+        spec = {"rank": self.rank, "rope_dim": self.geometry.rope_dim if self.native else 0}
+        if not self.quantize:
+            return "mla", spec
+        # mla+int8/int4: the latent (native: and the rope key) quantized per channel; no per-token scales
+        name, options = quant_spec(self.quantize)
+        options.pop("rotate", None)  # a per-model constant: no byte per token
+        return f"mla+{name}", {**spec, **options}
 
     def reserved_bytes(self, max_tokens: int) -> int:
         g = self.geometry

@@ -8,8 +8,10 @@ quantized (``int8`` options). :class:`PageLayout` carves a page into every layer
 one of two *tiers*:
 
 * ``exact`` — ``exact_tokens`` tokens of every stream in the model dtype;
-* ``q`` (quantized backends only) — ``q_tokens`` tokens as int8 codes with their scales and zero points
-  (keys per channel over groups of ``group_size`` tokens, values per token: KIVI, arXiv 2402.02750).
+* ``q`` (quantized backends only) — ``q_tokens`` tokens as codes with their scales and zero points
+  (keys per channel over groups of ``group_size`` tokens, values per token: KIVI, arXiv 2402.02750): int8
+  codes, or two 4-bit codes a byte (``key_bits``/``value_bits`` = 4), Hadamard-rotated when ``rotate``
+  (:mod:`cache_backends.int8`).
 
 A sequence's tokens are its quantized tokens (``q`` pages, oldest first) followed by its exact tokens
 (``exact`` pages, a FIFO): for a quantized backend the exact tokens are its full-precision residual window;
@@ -33,7 +35,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cache_backends.int8 import codes_dot, codes_weighted_sum, dequantize_codes, quantize
+from cache_backends.estimate import scale_bytes
+from cache_backends.int8 import (codes_dot, codes_weighted_sum, dequantize_codes, pack, quantize, rotate, scale_dtype,
+                                 stream_bits)
 
 NULL_PAGE = 0  # zeros, never allocated: pads block tables
 ALIGN = 64  # bytes: every slab of a page starts at a multiple of this
@@ -124,9 +128,10 @@ class PageLayout:
         num_layers: decoder layers (every page holds its tokens for all of them).
         dtype: the model dtype (exact tokens, scales and zero points).
         page_bytes: bytes per page.
-        quantize: ``None``, ``{"group_size": g, "residual": r}`` (int8 tier with a residual window), or
-            ``{"group_size": g, "residual": None, "window": w}``: an int8 tier filled only on demand
-            (:meth:`plan_compress`, ``elastic``), never by writes, the newest ``w`` tokens always exact.
+        quantize: ``None``, ``{"group_size": g, "residual": r}`` (a quantized tier with a residual window, with
+            optional ``key_bits`` / ``value_bits`` (8 or 4: :func:`cache_backends.int8.stream_bits`) and
+            ``rotate``), or ``{"group_size": g, "residual": None, "window": w}``: an int8 tier filled only on
+            demand (:meth:`plan_compress`, ``elastic``), never by writes, the newest ``w`` tokens always exact.
 
     Raises:
         ValueError: if a page cannot hold one exact token, or one quantization group.
@@ -141,7 +146,7 @@ class PageLayout:
         self.q_tokens = 0
         if quantize:
             g = quantize["group_size"]
-            self.q_tokens = self._fit(lambda t: self.q_bytes(streams, num_layers, dtype, g, t), g)
+            self.q_tokens = self._fit(lambda t: self.q_bytes(streams, num_layers, dtype, quantize, t), g)
             self.q_slabs = self._slabs_q(self.q_tokens)
 
     # ---- sizes ----------------------------------------------------------------------------------------
@@ -152,13 +157,15 @@ class PageLayout:
         return num_layers * sum(_align(tokens * s.heads * s.width * e) for s in streams)
 
     @staticmethod
-    def q_bytes(streams, num_layers: int, dtype: torch.dtype, group_size: int, tokens: int) -> int:
-        """Bytes of a page of ``tokens`` int8 tokens (a multiple of ``group_size``) with scales and zeros."""
+    def q_bytes(streams, num_layers: int, dtype: torch.dtype, quantize: dict, tokens: int) -> int:
+        """Bytes of a page of ``tokens`` quantized tokens (a multiple of ``group_size``) with scales and zeros
+        (each stream's codes at its bits: :func:`cache_backends.int8.stream_bits`)."""
         e = torch.empty((), dtype=dtype).element_size()
-        total = 0
+        group_size, total = quantize["group_size"], 0
         for s in streams:
+            bits = stream_bits(quantize, s.axis)
             scales = (tokens // group_size) * s.heads * s.width if s.axis == "channel" else tokens * s.heads
-            total += _align(tokens * s.heads * s.width) + 2 * _align(scales * e)
+            total += _align(tokens * s.heads * s.width * bits // 8) + 2 * _align(scales * scale_bytes(bits, e))
         return num_layers * total
 
     @classmethod
@@ -169,7 +176,7 @@ class PageLayout:
         serving only this backend uses."""
         if quantize and quantize["residual"] is not None:
             g = quantize["group_size"]
-            return cls.q_bytes(streams, num_layers, dtype, g, g * -(-block_size // g))
+            return cls.q_bytes(streams, num_layers, dtype, quantize, g * -(-block_size // g))
         return cls.exact_bytes(streams, num_layers, dtype, block_size)
 
     def _fit(self, size, step: int) -> int:
@@ -199,12 +206,13 @@ class PageLayout:
         for _ in range(self.num_layers):
             row = []
             for s in self.streams:
-                codes = Slab(off, tokens, s.heads, s.width, torch.int8)
+                bits = stream_bits(self.quantize, s.axis)  # 4 bits: (width / 2) bytes, two codes each
+                codes = Slab(off, tokens, s.heads, s.width * bits // 8, torch.int8 if bits == 8 else torch.uint8)
                 off += _align(codes.nbytes)
                 units, width = (tokens // g, s.width) if s.axis == "channel" else (tokens, 1)
-                scale = Slab(off, units, s.heads, width, self.dtype)
+                scale = Slab(off, units, s.heads, width, scale_dtype(bits, self.dtype))
                 off += _align(scale.nbytes)
-                zero = Slab(off, units, s.heads, width, self.dtype)
+                zero = Slab(off, units, s.heads, width, scale_dtype(bits, self.dtype))
                 off += _align(zero.nbytes)
                 row.append((codes, scale, zero))
             out.append(row)
@@ -220,10 +228,9 @@ class PageLayout:
         on-demand tier, the emptier of its two tiers."""
         if self.on_demand:
             return min(self.exact_bytes(self.streams, self.num_layers, self.dtype, self.exact_tokens),
-                       self.q_bytes(self.streams, self.num_layers, self.dtype, self.quantize["group_size"],
-                                    self.q_tokens))
+                       self.q_bytes(self.streams, self.num_layers, self.dtype, self.quantize, self.q_tokens))
         if self.quantize:
-            return self.q_bytes(self.streams, self.num_layers, self.dtype, self.quantize["group_size"], self.q_tokens)
+            return self.q_bytes(self.streams, self.num_layers, self.dtype, self.quantize, self.q_tokens)
         return self.exact_bytes(self.streams, self.num_layers, self.dtype, self.exact_tokens)
 
     def stored_bytes(self, blocks: SeqBlocks) -> int:
@@ -235,8 +242,9 @@ class PageLayout:
         if self.quantize and blocks.q_len:
             g, q = self.quantize["group_size"], blocks.q_len
             for s in self.streams:
+                bits = stream_bits(self.quantize, s.axis)
                 scales = (q // g) * s.heads * s.width if s.axis == "channel" else q * s.heads
-                total += q * s.heads * s.width + 2 * scales * e
+                total += q * s.heads * s.width * bits // 8 + 2 * scales * scale_bytes(bits, e)
         return total * self.num_layers
 
     # ---- planning (no tensors) ------------------------------------------------------------------------
@@ -468,20 +476,25 @@ class StreamRead:
 
     Attributes:
         exact: (heads, B, Te, width) in the model dtype.
-        codes, scale, zero: the quantized tier (heads, B, Tq, width) int8 and its scales, or ``None``.
+        codes, scale, zero: the quantized tier (heads, B, Tq, width) int8, or (heads, B, Tq, width / 2) uint8 at
+            4 bits, and its scales; or ``None``.
+        bits, rotate: the codes' width, and whether they hold Hadamard-rotated tokens (the query is rotated
+            once to score them, their weighted sum un-rotated once).
     """
 
-    def __init__(self, exact: torch.Tensor, q: tuple | None, axis: str, group_size: int):
+    def __init__(self, exact: torch.Tensor, q: tuple | None, axis: str, group_size: int, bits: int = 8,
+                 rotate: bool = False):
         self.exact = exact
         self.codes, self.scale, self.zero = q if q is not None else (None, None, None)
-        self.axis, self.group_size = axis, group_size
+        self.axis, self.group_size, self.bits, self.rotate = axis, group_size, bits, rotate
 
     def dot(self, query: torch.Tensor) -> torch.Tensor:
         """Scores of every gathered token against ``query`` (heads, B, R, width) → (heads, B, R, Tq + Te)."""
         exact = query @ self.exact.transpose(-1, -2)
         if self.codes is None or self.codes.shape[-2] == 0:
             return exact
-        quant = codes_dot(query, self.codes, self.scale, self.zero, self.axis, self.group_size)
+        quant = codes_dot(rotate(query) if self.rotate else query, self.codes, self.scale, self.zero, self.axis,
+                          self.group_size, self.bits)
         return torch.cat([quant, exact], dim=-1)
 
     def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
@@ -489,15 +502,17 @@ class StreamRead:
         if self.codes is None or self.codes.shape[-2] == 0:
             return weights @ self.exact
         tq = self.codes.shape[-2]
-        return (codes_weighted_sum(weights[..., :tq], self.codes, self.scale, self.zero, self.axis, self.group_size)
-                + weights[..., tq:] @ self.exact)
+        quant = codes_weighted_sum(weights[..., :tq], self.codes, self.scale, self.zero, self.axis, self.group_size,
+                                   self.bits)
+        return (rotate(quant) if self.rotate else quant) + weights[..., tq:] @ self.exact
 
     def read(self) -> torch.Tensor:
-        """Every gathered token dequantized, (heads, B, Tq + Te, width) (transient)."""
+        """Every gathered token dequantized (and un-rotated), (heads, B, Tq + Te, width) (transient)."""
         if self.codes is None or self.codes.shape[-2] == 0:
             return self.exact
-        old = dequantize_codes(self.codes, self.scale, self.zero, self.axis, self.group_size)
-        return torch.cat([old, self.exact], dim=-2)
+        old = dequantize_codes(self.codes, self.scale, self.zero, self.axis, self.group_size, self.bits,
+                               self.exact.dtype)
+        return torch.cat([rotate(old) if self.rotate else old, self.exact], dim=-2)
 
 
 def _gather(view: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -542,20 +557,22 @@ def drain_layer(views: PoolViews, layer: int, drain: Drain, sources: list[torch.
     if not drain.tokens:
         return
     layout = views.layout
-    g = layout.quantize["group_size"]
+    g, rotated = layout.quantize["group_size"], layout.quantize.get("rotate")
     sources = sources if sources is not None else drain_sources(views, layer, drain)
     for s, spec in enumerate(layout.streams):
         src = sources[s]  # (heads, N, width), N = groups * g
+        src = rotate(src) if rotated else src
+        bits = stream_bits(layout.quantize, spec.axis)
         codes_v, scale_v, zero_v = views.q[layer][s]
         dst, grp = (slice(None), *drain.dst), (slice(None), *drain.grp)
         if spec.axis == "channel":
-            q, scale, zero = quantize(src.reshape(spec.heads, -1, g, spec.width), dim=2)  # per head, group, channel
-            codes_v[dst] = q.reshape(src.shape)
+            q, scale, zero = quantize(src.reshape(spec.heads, -1, g, spec.width), 2, bits)  # per head, group, channel
+            codes_v[dst] = pack(q.reshape(src.shape), bits)  # (heads, N, width) int8 or (heads, N, width / 2) uint8
             scale_v[grp] = scale[:, :, 0]
             zero_v[grp] = zero[:, :, 0]
         else:
-            q, scale, zero = quantize(src, dim=-1)  # per head and token
-            codes_v[dst] = q
+            q, scale, zero = quantize(src, -1, bits)  # per head and token
+            codes_v[dst] = pack(q, bits)
             scale_v[dst] = scale
             zero_v[dst] = zero
 
@@ -570,7 +587,8 @@ def read_layer(views: PoolViews, layer: int, meta: StepMeta) -> list[StreamRead]
         q = None
         if layout.quantize and meta.q_width:
             q = tuple(_gather(v, meta.q_table) for v in views.q[layer][s])
-        out.append(StreamRead(exact, q, spec.axis, g))
+        bits = stream_bits(layout.quantize, spec.axis) if layout.quantize else 8
+        out.append(StreamRead(exact, q, spec.axis, g, bits, bool(layout.quantize and layout.quantize.get("rotate"))))
     return out
 
 
@@ -601,8 +619,8 @@ def attend_pair(query: torch.Tensor, keys: StreamRead, values: StreamRead, meta:
                 scaling: float) -> torch.Tensor:
     """Attention of a step's queries over a key stream and a value stream in their stored form.
 
-    Exact streams go through ``scaled_dot_product_attention`` with the step's mask; int8 tiers are scored on
-    their codes (scales folded into the query and the weights; no dequantized copy of the context).
+    Exact streams go through ``scaled_dot_product_attention`` with the step's mask; quantized tiers are scored on
+    their codes (scales and rotation folded into the query and the weights; no dequantized copy of the context).
 
     Args:
         query: (B, Hq, R, d) after RoPE; Hq a multiple of the streams' heads H.

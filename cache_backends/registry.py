@@ -5,7 +5,9 @@ Compositions (``outer+inner``):
 * ``gqa+int8`` — the shared K/V heads are quantized as in ``int8``;
 * ``mla+int8`` — the latent is quantized (per channel over token groups, with a residual window);
 * ``dca+int8``, ``dca+mla`` — kept layers store what the inner backend stores; reuse layers predict from
-  it, and every similarity (prefill decision, probes) is measured on the inner backend's rebuilt K/V.
+  it, and every similarity (prefill decision, probes) is measured on the inner backend's rebuilt K/V;
+* ``gqa+int4``, ``mla+int4``, ``dca+int4`` — the same with ``int4`` (every composition that takes ``int8``
+  takes ``int4``; either takes the quantization options ``key_bits``, ``value_bits`` and ``rotate``).
 """
 
 from __future__ import annotations
@@ -17,13 +19,14 @@ from cache_backends.dca import DCABackend
 from cache_backends.elastic import ElasticBackend
 from cache_backends.full import FullBackend
 from cache_backends.gqa import GQABackend
-from cache_backends.int8 import Int8Backend
+from cache_backends.int8 import Int4Backend, Int8Backend
 from cache_backends.mla import MLABackend
 
 _BACKENDS: dict[str, type[KVBackend]] = {cls.name: cls for cls in (FullBackend, GQABackend, MLABackend, Int8Backend,
-                                                                    DCABackend, ElasticBackend)}
-COMPOSITIONS = ("gqa+int8", "mla+int8", "dca+int8", "dca+mla")
-INT8_OPTIONS = ("group_size", "residual")
+                                                                    Int4Backend, DCABackend, ElasticBackend)}
+COMPOSITIONS = ("gqa+int8", "mla+int8", "dca+int8", "dca+mla", "gqa+int4", "mla+int4", "dca+int4")
+INT8_OPTIONS = ("group_size", "residual", "key_bits", "value_bits", "rotate")
+QUANTIZED = ("int8", "int4")
 
 
 def available() -> list[str]:
@@ -58,9 +61,9 @@ def create(name: str, geometry: ModelGeometry, **options) -> KVBackend:
         ValueError: for an unsupported name or combination (listing the supported ones), an unknown
             option, or an option value a backend refuses.
     """
-    if geometry.kv_lora_rank and name not in ("full", "mla", "mla+int8"):
+    if geometry.kv_lora_rank and name not in ("full", "mla", "mla+int8", "mla+int4"):
         raise ValueError(f"{name} needs per-head K/V, but this model is natively MLA (kv_lora_rank="
-                         f"{geometry.kv_lora_rank}) and hands its cache a latent: use full, mla or mla+int8")
+                         f"{geometry.kv_lora_rank}) and hands its cache a latent: use full, mla, mla+int8 or mla+int4")
     if "+" not in name:
         if name not in _BACKENDS:
             raise ValueError(f"unknown KV backend {name!r}; allowed: {', '.join(available())}")
@@ -73,20 +76,22 @@ def create(name: str, geometry: ModelGeometry, **options) -> KVBackend:
         raise ValueError(f"unsupported combination {name!r}; supported: {', '.join(COMPOSITIONS)}")
     outer, inner = name.split("+")
     used = set()
-    if inner == "int8":
-        quantize = {k: options[k] for k in INT8_OPTIONS if k in options}
-        used |= set(quantize)
-        quantize = {"group_size": quantize.get("group_size", 32), "residual": quantize.get("residual", 32)}
-        Int8Backend(geometry, **quantize)  # validates the values
+    if inner in QUANTIZED:
+        picked = {k: options[k] for k in INT8_OPTIONS if k in options}
+        used |= set(picked)
+        quantizer = _BACKENDS[inner](geometry, **picked)  # validates the values, fills in the defaults
+        quantize = quantizer.paged_quantize()
         if outer in ("gqa", "mla"):
             own = _accepts(_BACKENDS[outer], options)
             own.pop("quantize", None)
             used |= set(own)
             backend = _BACKENDS[outer](geometry, quantize=quantize, **own)
-        else:  # dca+int8
+            if outer == "mla" and 4 in (quantize["key_bits"], quantize["value_bits"]) and backend.rank % 2:
+                raise ValueError(f"{name}: 4-bit codes pack two channels per byte: rank={backend.rank} must be even")
+        else:  # dca+int8, dca+int4
             own = _accepts(DCABackend, options)
             used |= set(own)
-            backend = DCABackend(geometry, inner=Int8Backend(geometry, **quantize), **own)
+            backend = DCABackend(geometry, inner=quantizer, **own)
     else:  # dca+mla
         mla_opts = _accepts(MLABackend, options)
         dca_opts = _accepts(DCABackend, options)

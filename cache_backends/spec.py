@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import math
 
-# option -> (type, smallest allowed value, or the allowed words of a str option)
+# option -> (type, smallest allowed value, or the allowed words of a str option / values of an int one)
 OPTIONS: dict[str, tuple[type, float | tuple[str, ...] | None]] = {
     "groups": (int, 1),  # gqa: shared K/V heads per layer
     "method": (str, ("pca", "mean")),  # gqa: calibrated shared head or plain mean pooling
     "rank": (int, 1),  # mla: latent width per token per layer
     "rope_dim": (int, 0),  # mla (estimate): width of a native-MLA model's shared rope key
-    "group_size": (int, 1),  # int8: tokens (keys) / channels (values) per quantization group
-    "residual": (int, 0),  # int8: full-precision recent window, tokens
+    "group_size": (int, 1),  # int8/int4: tokens (keys) / channels (values) per quantization group
+    "residual": (int, 0),  # int8/int4: full-precision recent window, tokens
+    "key_bits": (int, (4, 8)),  # int8/int4: bits per key code (k8v4: int8:value_bits=4)
+    "value_bits": (int, (4, 8)),  # int8/int4: bits per value code
+    "rotate": (bool, None),  # int8/int4: Hadamard-rotate K/V before quantizing (QuaRot)
     "threshold": (float, None),  # dca: similarity at or above which a layer reuses its source
     "probe_interval": (int, 1),  # dca: decode steps between similarity probes
     "align": (str, ("linear", "none")),  # dca: fitted map between layers, or none
@@ -26,6 +29,14 @@ OPTIONS: dict[str, tuple[type, float | tuple[str, ...] | None]] = {
 
 def _value(key: str, text: str, spec: str):
     kind, low = OPTIONS.get(key, (None, None))
+    if kind is bool:
+        if text.lower() not in ("true", "false"):
+            raise ValueError(f"{spec}: {key} must be true or false, got {text!r}")
+        return text.lower() == "true"
+    if isinstance(low, tuple) and kind is int:  # a closed set of integers (bit widths)
+        if text not in {str(v) for v in low}:
+            raise ValueError(f"{spec}: {key} must be one of {', '.join(map(str, low))}, got {text!r}")
+        return int(text)
     if kind is str:
         if text not in low:
             raise ValueError(f"{spec}: {key} must be one of {', '.join(low)}, got {text!r}")
@@ -69,7 +80,8 @@ BACKEND_OPTIONS: dict[str, set[str]] = {
     "full": set(),
     "gqa": {"groups", "method"},
     "mla": {"rank", "rope_dim"},
-    "int8": {"group_size", "residual"},
+    "int8": {"group_size", "residual", "key_bits", "value_bits", "rotate"},
+    "int4": {"group_size", "residual", "key_bits", "value_bits", "rotate"},
     "dca": {"threshold", "probe_interval", "align", "window", "reuse_fraction"},
     "elastic": {"group_size", "window"},
 }

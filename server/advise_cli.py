@@ -60,7 +60,7 @@ def why(backend: str, context: int, concurrency: int, share: float, long_context
     base = backend.split("+")[0]
     if backend == "full":
         return "exact; the baseline when memory allows"
-    if "int8" in backend and base in ("mla", "gqa", "dca"):
+    if ("int8" in backend or "int4" in backend) and base in ("mla", "gqa", "dca"):
         return "two savings stacked: the smallest cache when memory is the binding constraint"
     if base == "mla":
         return ("memory-bound long context favours a latent cache" if long_context
@@ -68,6 +68,8 @@ def why(backend: str, context: int, concurrency: int, share: float, long_context
     if base == "int8":
         return ("quantized K/V: near-lossless, a safe default under memory pressure" if not long_context
                 else "memory-bound long context favours a quantized cache: near-lossless")
+    if base == "int4":
+        return "4-bit K/V: about twice int8's savings at a small, measurable quality cost"
     if base == "gqa":
         return ("short context with high concurrency favours head sharing" if concurrency >= 8 and not long_context
                 else "head sharing: fixed savings, quality cost grows with fewer groups")

@@ -23,7 +23,10 @@ DEFAULT_MODEL = str(REPO_ROOT / "models" / "kjv-llama-mha")
 BACKEND_OPTIONS = {
     "gqa": {"groups": "kv_gqa_groups", "method": "kv_gqa_method"},
     "mla": {"rank": "kv_mla_rank"},
-    "int8": {"group_size": "kv_int8_group_size", "residual": "kv_int8_residual"},
+    "int8": {"group_size": "kv_int8_group_size", "residual": "kv_int8_residual", "key_bits": "kv_int8_key_bits",
+             "value_bits": "kv_int8_value_bits", "rotate": "kv_int8_rotate"},
+    "int4": {"group_size": "kv_int4_group_size", "residual": "kv_int4_residual", "key_bits": "kv_int4_key_bits",
+             "value_bits": "kv_int4_value_bits", "rotate": "kv_int4_rotate"},
     "elastic": {"group_size": "kv_int8_group_size", "window": "kv_elastic_window"},
     "dca": {"threshold": "kv_dca_threshold", "probe_interval": "kv_dca_probe_interval", "align": "kv_dca_align",
             "window": "kv_dca_window"},
@@ -107,6 +110,14 @@ class Settings(BaseSettings):
     kv_mla_rank: int | None = Field(None, ge=1, description="mla: latent width per token per layer.")
     kv_int8_group_size: int = Field(32, ge=1, description="int8: tokens per key quantization group.")
     kv_int8_residual: int = Field(32, ge=0, description="int8: newest tokens kept in full precision.")
+    kv_int8_key_bits: int = Field(8, description="int8: bits per key code, 8 or 4.")
+    kv_int8_value_bits: int = Field(8, description="int8: bits per value code, 8 or 4 (4: vLLM's k8v4 mix).")
+    kv_int8_rotate: bool = Field(False, description="int8: Hadamard-rotate K/V before quantizing (QuaRot).")
+    kv_int4_group_size: int = Field(32, ge=1, description="int4: tokens per key quantization group.")
+    kv_int4_residual: int = Field(32, ge=0, description="int4: newest tokens kept in full precision.")
+    kv_int4_key_bits: int = Field(4, description="int4: bits per key code, 4 or 8.")
+    kv_int4_value_bits: int = Field(4, description="int4: bits per value code, 4 or 8.")
+    kv_int4_rotate: bool = Field(False, description="int4: Hadamard-rotate K/V before quantizing (QuaRot).")
     kv_elastic_window: int = Field(32, ge=0, description="elastic: newest tokens of a sequence that stay exact "
                                    "when the pool runs short (its group size is KV_INT8_GROUP_SIZE).")
     kv_dca_threshold: float = Field(0.95, allow_inf_nan=False, description="dca: calibrated similarity at or above which a layer is a "
@@ -130,6 +141,14 @@ class Settings(BaseSettings):
         for name in filter(None, (x.strip() for x in (v or "").split(","))):
             if name not in available():
                 raise ValueError(f"unknown backend {name!r}; allowed: {', '.join(available())}")
+        return v
+
+    @field_validator("kv_int8_key_bits", "kv_int8_value_bits", "kv_int4_key_bits", "kv_int4_value_bits")
+    @classmethod
+    def _code_bits(cls, v: int) -> int:
+        # an int field, not Literal[4, 8]: a Literal of ints refuses the string "4" an environment variable gives
+        if v not in (4, 8):
+            raise ValueError("must be 4 or 8")
         return v
 
     @field_validator("kv_cache_budget_bytes", "max_input_tokens", "max_total_tokens", "kv_gqa_groups", "kv_mla_rank",

@@ -76,7 +76,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=_ints, default="1,8,16", help="comma list of batch sizes")
     p.add_argument("--dtype", default="fp16", choices=sorted(DTYPE_BYTES))
     p.add_argument("backends", nargs="*",
-                   help="backend specs, e.g. full gqa:groups=8 mla:rank=512,rope_dim=64 int8 dca:reuse_fraction=0.5 "
+                   help="backend specs, e.g. full gqa:groups=8 mla:rank=512,rope_dim=64 int8 int4 int8:value_bits=4 "
+                        "dca:reuse_fraction=0.5 "
                         f"(default: {' '.join(DEFAULT_SPECS)}, each at the estimator's defaults for the model)")
     p.add_argument("--json", action="store_true", help="print rows as JSON")
 

@@ -32,3 +32,12 @@ def test_estimator_only_mode_uses_the_sums():
     assert [r["fits"] for r in ranked] == [True, False]
     assert "latent" in ranked[0]["reason"]
     json.dumps([{k: v for k, v in r.items() if k != "rank_key"} for r in ranked])
+
+
+def test_int4_backends_have_a_reason():
+    """int4 and its compositions get advise's reason like int8's (they printed an empty one)."""
+    from server.advise_cli import why
+
+    assert "4-bit" in why("int4", 1024, 1, 0.5, False)
+    assert why("gqa+int4", 1024, 1, 0.5, False) == why("gqa+int8", 1024, 1, 0.5, False) != ""
+    assert why("dca+int4", 1024, 1, 0.5, False).startswith("two savings")

@@ -1,13 +1,14 @@
 """The architecture matrix: every (architecture, backend) pair either serves exactly or is refused at start-up.
 
 Small random-weight models are built here from configs (no hub). "serves": ``full``'s cache path (prefill,
-then decode through kvserve's attention, batched with a second sequence) gives the model's own logits
-and the same greedy tokens as ``generate()``, and each compressed backend at its lossless setting (``int8``
-with every token in its full-precision window, ``gqa`` with G = num_key_value_heads, ``mla`` at full rank,
-``dca`` with threshold above 1) gives ``full``'s logits; each in every precision under test, within its
-tolerance (:mod:`tests.precision`: in fp32 about 1e-4; greedy tokens up to a near-tie). "refused": building
-or preparing the backend raises one line naming the unsupported feature (``kvserve serve`` prints it and
-exits 1). The matrix in docs/own-model.md is :func:`render` of :data:`EXPECTED`; a test keeps them equal.
+then decode through kvserve's attention, batched with a second sequence) gives the model's own logits and the
+same greedy tokens as ``generate()``, and each compressed backend at its lossless setting (``int8`` and
+``int4`` (rotated) with every token in their full-precision window, ``gqa`` with G = num_key_value_heads,
+``mla`` at full rank, ``dca`` with threshold above 1) gives ``full``'s logits; each in every precision under
+test, within its tolerance (:mod:`tests.precision`: in fp32 about 1e-4; greedy tokens up to a near-tie).
+"refused": building or preparing the backend raises one line naming the unsupported feature (``kvserve serve``
+prints it and exits 1). The matrix in docs/own-model.md is :func:`render` of :data:`EXPECTED`; a test keeps
+them equal.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ ARCHS = {
         num_experts_per_tok=4, n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None,
         qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16),
 }
-BACKENDS = ["full", "int8", "gqa", "mla", "dca"]
+BACKENDS = ["full", "int8", "int4", "gqa", "mla", "dca"]
 SERVES = "serves"
 SOFTCAP = "refused: soft-capping, sliding window"
 EXPECTED = {
@@ -50,7 +51,8 @@ EXPECTED = {
     "Qwen3 (q/k norms)": dict.fromkeys(BACKENDS, SERVES),
     "Gemma 2 (soft-capping, sliding window)": dict.fromkeys(BACKENDS, SOFTCAP),
     "Phi-3 (fused qkv)": {**dict.fromkeys(BACKENDS, SERVES), "dca": "refused: fused qkv_proj"},
-    "DeepSeek-V3 (native MLA)": {"full": SERVES, "int8": "refused: native MLA latent", "gqa": "refused: native MLA latent",
+    "DeepSeek-V3 (native MLA)": {"full": SERVES, "int8": "refused: native MLA latent",
+                                 "int4": "refused: native MLA latent", "gqa": "refused: native MLA latent",
                                  "mla": "serves (absorbed)", "dca": "refused: native MLA latent"},
 }
 # What each refusal's one line must name.
@@ -59,7 +61,8 @@ REFUSAL_WORDS = {"refused: sliding window": ["sliding-window"], SOFTCAP: ["soft-
 
 
 def lossless_options(name: str, geometry: ModelGeometry) -> dict:
-    return {"full": {}, "int8": {"residual": 64}, "gqa": {"groups": geometry.num_key_value_heads},
+    return {"full": {}, "int8": {"residual": 64}, "int4": {"residual": 64, "rotate": True},
+            "gqa": {"groups": geometry.num_key_value_heads},
             "mla": {"rank": 2 * geometry.num_key_value_heads * geometry.head_dim} if not geometry.kv_lora_rank else {},
             "dca": {"threshold": 1.01}}[name]
 

@@ -15,7 +15,11 @@ from tests.conftest import REPO
                                      ({"DTYPE": "float8"}, "DTYPE"), ({"KV_DCA_WINDOW": "-1"}, "KV_DCA_WINDOW"),
                                      # nan/inf were accepted, then every GET /info failed to encode them (500)
                                      ({"KV_DCA_THRESHOLD": "nan"}, "KV_DCA_THRESHOLD"),
-                                     ({"KV_DCA_THRESHOLD": "inf"}, "KV_DCA_THRESHOLD")])
+                                     ({"KV_DCA_THRESHOLD": "inf"}, "KV_DCA_THRESHOLD"),
+                                     ({"KV_INT8_VALUE_BITS": "3"}, "KV_INT8_VALUE_BITS"),
+                                     ({"KV_INT4_KEY_BITS": "four"}, "KV_INT4_KEY_BITS"),
+                                     ({"KV_INT4_ROTATE": "maybe"}, "KV_INT4_ROTATE"),
+                                     ({"KV_INT4_RESIDUAL": "-1"}, "KV_INT4_RESIDUAL")])
 def test_bad_value_names_the_variable(monkeypatch, env, var):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
@@ -36,6 +40,14 @@ def test_serve_exits_nonzero_with_one_line():
     assert p.returncode == 2
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and "KV_BACKEND" in lines[0] and "full" in lines[0]
+
+
+def test_bit_widths_from_the_environment_are_numbers(monkeypatch):
+    """KV_*_BITS arrive as strings: "4" is 4 (a Literal[4, 8] field refused it: the k8v4 server did not start)."""
+    monkeypatch.setenv("KV_INT8_VALUE_BITS", "4")
+    monkeypatch.setenv("KV_INT4_KEY_BITS", "8")
+    s = load_settings()
+    assert s.backend_options("int8")["value_bits"] == 4 and s.backend_options("int4")["key_bits"] == 8
 
 
 def test_defaults_derive_token_limits_from_the_model():

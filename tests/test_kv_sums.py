@@ -25,7 +25,8 @@ from tests.conftest import MODEL_DIR
 
 SPECS = [("full", {}), ("gqa", {"groups": 2, "method": "mean"}), ("gqa", {"groups": 2, "method": "pca"}),
          ("mla", {"rank": 64}), ("int8", {}), ("dca", {}), ("gqa+int8", {"groups": 2}), ("mla+int8", {"rank": 64}),
-         ("dca+int8", {}), ("dca+mla", {"rank": 128})]
+         ("dca+int8", {}), ("dca+mla", {"rank": 128}), ("int4", {}), ("int4", {"rotate": True}),
+         ("int8", {"value_bits": 4}), ("gqa+int4", {"groups": 2}), ("mla+int4", {"rank": 64}), ("dca+int4", {})]
 IDS = [name + "".join(f":{k}={v}" for k, v in options.items()) for name, options in SPECS]
 CHUNK = 256  # the engine's default prefill chunk (MAX_NUM_BATCHED_TOKENS)
 
@@ -86,7 +87,7 @@ def test_short_sequences_cost_what_the_sums_say_at_their_length(ref_model, calib
     store = filled(ref_model[0], backend, calib[:seq_len])
     assert reported(backend, seq_len) == pytest.approx(store.nbytes() / seq_len, rel=1e-9)
     store.release()
-    if "int8" in key or key.startswith("dca"):  # int8's full-precision window and dca's residual window are a
+    if "int" in key or key.startswith("dca"):  # int8/int4's full-precision window and dca's residual window are a
         assert reported(backend, seq_len) > reported(backend, 1024)  # larger share of a short sequence
     else:
         assert reported(backend, seq_len) == reported(backend, 1024)

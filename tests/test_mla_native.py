@@ -83,20 +83,23 @@ def test_absorbed_attention_batched_matches_the_models_own_attention(tiny_deepse
         precision.assert_close(batched[row], reference, what=f"row {row}")
 
 
-def test_native_mla_int8_attends_the_int8_codes_and_holds_what_the_sums_say(tiny_deepseek, precision):
-    """``mla+int8`` on a native-MLA model: the latent and the rope key quantized per channel over token groups
-    (newest tokens in full precision); decode attends to the codes (scales folded into the query and the
-    weights) and equals absorbed attention over the dequantized streams; the store holds the estimator's
-    ``mla+int8`` sum to the byte; the logits stay close to the model's own."""
+@pytest.mark.parametrize("name,options,min_cos", [("mla+int8", {}, 0.99), ("mla+int4", {"rotate": True}, 0.95)],
+                         ids=["mla+int8", "mla+int4:rotate=true"])
+def test_native_mla_int8_attends_the_int8_codes_and_holds_what_the_sums_say(tiny_deepseek, precision, name, options,
+                                                                            min_cos):
+    """``mla+int8`` (and ``mla+int4``, rotated) on a native-MLA model: the latent and the rope key quantized per
+    channel over token groups (newest tokens in full precision); decode attends to the codes (scales and the
+    rotation folded into the query and the weights) and equals absorbed attention over the dequantized streams;
+    the store holds the estimator's sum to the byte; the logits stay close to the model's own."""
     model = tiny_deepseek
     geometry = ModelGeometry.from_config(model.config, model.dtype)
-    backend = create("mla+int8", geometry, group_size=8, residual=8)
+    backend = create(name, geometry, group_size=8, residual=8, **options)
     backend.prepare(model)
     store, logits, reference = cache_path_and_reference(model, backend, seed=3)
     assert store.nbytes() == backend.bytes_per_token_per_layer(39) * 39 * 3
     assert store.layers[0].key_store.codes.length == 24  # 39 tokens: 3 groups of 8 quantized, 15 in the window
     cos = torch.nn.functional.cosine_similarity(logits.float(), reference.float(), dim=-1)
-    assert cos.min() > 0.99, cos
+    assert cos.min() > min_cos, cos
     gen = torch.Generator().manual_seed(4)
     for layer, block in zip(store.layers, model.model.layers):
         _check_int8_read(layer, block.self_attn, precision, gen)

@@ -19,7 +19,9 @@ from tests.precision import LOGIT_FACTOR
 from tests.engine_helpers import make_engine, make_seq, reference_greedy, run_all
 
 SPECS = [("full", {}), ("int8", {}), ("gqa", {"groups": 2}), ("gqa+int8", {"groups": 2}), ("mla", {"rank": 64}),
-         ("mla+int8", {"rank": 64})]
+         ("mla+int8", {"rank": 64}), ("int4", {}), ("int4", {"rotate": True}), ("int8", {"value_bits": 4}),
+         ("gqa+int4", {"groups": 2, "rotate": True}), ("mla+int4", {"rank": 64, "rotate": True})]
+SPEC_IDS = [name + "".join(f":{k}={v}" for k, v in options.items()) for name, options in SPECS]
 TEXTS = ["And God said, Let there be light: and there was light. And God saw the light, that it was good",
          "In the beginning God created the heaven and the earth. And the earth was without form, and void",
          "The LORD is my shepherd; I shall not want."]
@@ -60,7 +62,7 @@ def _backend(model, tok, name, options):
 
 
 @pytest.mark.value
-@pytest.mark.parametrize("name,options", SPECS, ids=[s[0] for s in SPECS])
+@pytest.mark.parametrize("name,options", SPECS, ids=SPEC_IDS)
 def test_paged_batch_matches_the_backends_per_sequence_store(value_model, precision, name, options):
     """Prefill in chunks, then 56 batched decode steps (int8 tiers drain groups on the way): every row's logits
     equal those of the backend's per-sequence store (its identity tests: tests/test_backends.py)."""
@@ -77,8 +79,11 @@ def test_paged_batch_matches_the_backends_per_sequence_store(value_model, precis
     last = [ids[-1] for ids in prompts]
     # Each path quantizes the K/V its own forward produced; those differ by a few eps, and a value that sits on a
     # rounding boundary then gets codes one step apart in the two stores. That moves later logits by more than
-    # one forward's rounding, so int8 tiers are compared at 4x the logit factor (measured: up to 1.1x).
-    factor = LOGIT_FACTOR * (4 if backend.paged_quantize() else 1)
+    # one forward's rounding, so int8 tiers are compared at 4x the logit factor (measured: up to 1.1x). A 4-bit
+    # code step is 17x an int8 one (range / 15 against range / 255), and a 4-bit stream's fp16 scale can round
+    # to a neighbouring fp16 value in the two paths: 4-bit tiers get 16x more (measured: 7.3x the int8 allowance).
+    quant = backend.paged_quantize()
+    factor = LOGIT_FACTOR * (4 if quant else 1) * (16 if quant and 4 in (quant["key_bits"], quant["value_bits"]) else 1)
     for step in range(56):
         paged = driver.step(rows, [[t] for t in last])
         ref = driver.runner.decode(last, refs)
@@ -234,3 +239,33 @@ def test_a_whole_prompt_prefill_that_can_never_fit_ends_with_an_error_not_a_loop
     seq.want_prompt_logprobs = True
     run_all(engine, [seq], max_steps=50)
     assert seq.finish_reason.value == "error" and engine.kv.blocks.num_free == engine.kv.blocks.usable_pages
+
+
+@pytest.mark.parametrize("name,options", [("int4", {}), ("int4", {"rotate": True}), ("int8", {"value_bits": 4}),
+                                          ("mla+int4", {"rank": 64})],
+                         ids=["int4", "int4:rotate=true", "k8v4", "mla+int4:rank=64"])
+def test_4bit_pages_hold_packed_codes_and_cost_the_sums(ref_model, name, options):
+    """A 4-bit tier's codes are uint8 slabs of width / 2 bytes per token and head (two codes a byte), and a sequence
+    the engine prefills and decodes holds, at every length checked, the bytes the closed-form sums give at that
+    length (``kvserve estimate`` and ``/info``), to the byte."""
+    model, tok = ref_model
+    engine = make_engine(model, tok, name, **options)
+    layout = engine.kv.layouts[name]
+    quant = layout.quantize
+    for row, spec in zip(layout.q_slabs[0], layout.streams):
+        bits = quant["key_bits"] if spec.axis == "channel" else quant["value_bits"]
+        assert row[0].dtype == (torch.uint8 if bits == 4 else torch.int8) and row[0].width == spec.width * bits // 8
+    seq = make_seq(tok, " ".join(["And God said, Let there be light"] * 40), 70, backend=name)
+    engine.submit(seq)
+    geometry = ModelGeometry.from_config(model.config, torch.float32)
+    sums = create(name, geometry, **options)
+    seen = set()
+    while seq.finish_reason is None:
+        engine.step()
+        t = seq.blocks.tokens if seq.blocks is not None else 0
+        if t and t not in seen and (t % 7 == 0 or seq.prefilled == len(seq.prompt_ids) and not seen):
+            seen.add(t)
+            want = sums.bytes_per_token_per_layer(t) * t * geometry.num_layers
+            assert layout.stored_bytes(seq.blocks) == pytest.approx(want, rel=1e-12), t
+            q_len = seq.blocks.q_len
+    assert len(seen) >= 5 and len(seq.output_ids) == 70 and q_len > 0  # the 4-bit tier was exercised

@@ -80,3 +80,22 @@ def test_openai_extra_body_selects_the_backend(multi):
 def test_unlisted_backend_is_422_naming_the_allowed(multi):
     r = httpx.post(multi.url + "/generate", json={"inputs": "a", "parameters": {"kv_backend": "dca"}})
     assert r.status_code == 422 and "allowed: full, int8, mla+int8" in r.json()["error"]
+
+
+four_bit = server_with({"KV_BACKEND": "int4", "KV_BACKENDS": "full,int8", "KV_INT4_ROTATE": "true",
+                        "KV_INT8_VALUE_BITS": "4"})
+
+
+def test_int4_and_k8v4_are_served_from_their_settings(four_bit):
+    """KV_BACKEND=int4 with KV_INT4_ROTATE, and int8 made k8v4 by KV_INT8_VALUE_BITS: /info names the options and
+    the sums kvserve estimate prints for them, and requests on each decode through the pool."""
+    info = httpx.get(four_bit.url + "/info").json()
+    assert info["kv_backend_params"]["int4"] == {"group_size": 32, "residual": 32, "rotate": True}
+    assert info["kv_backend_params"]["int8"] == {"group_size": 32, "residual": 32, "value_bits": 4}
+    assert info["kv_estimate_spec"]["int4"] == "int4:group_size=32,residual=32"  # rotation costs no byte
+    assert info["kv_estimate_spec"]["int8"] == "int8:group_size=32,residual=32,value_bits=4"
+    assert info["kv_bytes_per_token"]["int4"] == 2992 and info["kv_bytes_per_token"]["int8"] == 4232
+    for backend in ("int4", "int8", "full"):
+        r = httpx.post(four_bit.url + "/generate", json={"inputs": " ".join(["And God said"] * 30), "parameters": {
+            "max_new_tokens": 40, "kv_backend": backend}}, timeout=120)
+        assert r.status_code == 200 and r.json()["generated_text"], (backend, r.text)
