@@ -31,35 +31,39 @@ class ElasticBackend(KVBackend):
         geometry: the model's attention shape.
         group_size: tokens per key quantization group (``KV_INT8_GROUP_SIZE``, default 32).
         window: newest tokens of each sequence that always stay exact (``KV_ELASTIC_WINDOW``, default 32).
+        bits: code width of the compressed tier, 8 (``int8``) or 4 (``int4``: two codes a byte, scales in a
+            2-byte float) (``KV_ELASTIC_BITS``, default 8).
 
     Raises:
-        ValueError: if ``group_size`` < 1 or ``window`` < 0.
+        ValueError: if ``group_size`` < 1, ``window`` < 0 or ``bits`` is not 4 or 8.
     """
 
     name = "elastic"
-    tiers = ("exact", "int8")
 
-    def __init__(self, geometry: ModelGeometry, group_size: int = 32, window: int = 32):
+    def __init__(self, geometry: ModelGeometry, group_size: int = 32, window: int = 32, bits: int = 8):
         if group_size < 1:
             raise ValueError(f"elastic group_size={group_size} must be >= 1")
         if window < 0:
             raise ValueError(f"elastic window={window} must be >= 0")
-        super().__init__(geometry, group_size=group_size, window=window)
-        self.group_size, self.window = group_size, window
+        if bits not in (4, 8):
+            raise ValueError(f"elastic bits={bits} must be 4 or 8")
+        super().__init__(geometry, group_size=group_size, window=window, bits=bits)
+        self.group_size, self.window, self.bits = group_size, window, bits
+        self.tiers = ("exact", f"int{bits}")
 
     def new_layer(self, index: int, position_offset: int = 0) -> FullLayer:
         """A per-sequence store holds exact K/V (the on-demand tier lives in the paged pool only)."""
         return FullLayer()
 
     def sums_spec(self) -> tuple[str, dict]:
-        return "elastic", {"group_size": self.group_size, "window": self.window}
+        return "elastic", {"group_size": self.group_size, "window": self.window, "bits": self.bits}
 
     def reserved_bytes(self, max_tokens: int) -> int:
         g = self.geometry
         return 2 * g.num_key_value_heads * g.head_dim * g.dtype_bytes * max_tokens * g.num_layers
 
     def details(self) -> dict:
-        return {"tiers": list(self.tiers), "window": self.window, "group_size": self.group_size,
+        return {"tiers": list(self.tiers), "window": self.window, "group_size": self.group_size, "bits": self.bits,
                 "compress": "under pool pressure, oldest exact groups of the sequence with the most compressible "
                             "tokens first; preemption only when none is left"}
 
@@ -70,7 +74,8 @@ class ElasticBackend(KVBackend):
                 StreamSpec(g.num_key_value_heads, g.head_dim, "token")]
 
     def paged_quantize(self) -> dict:
-        return {"group_size": self.group_size, "residual": None, "window": self.window}
+        return {"group_size": self.group_size, "residual": None, "window": self.window, "key_bits": self.bits,
+                "value_bits": self.bits}
 
     def attend_paged(self, layer, query, reads, meta, scaling, module=None):
         """Exact pages through ``scaled_dot_product_attention`` while nothing is quantized; else the codes scored

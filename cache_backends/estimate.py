@@ -175,7 +175,7 @@ def default_params(shape: Shape, backend: str) -> dict:
         "int8": {"group_size": 32, "residual": 32},
         "int4": {"group_size": 32, "residual": 32, "key_bits": 4, "value_bits": 4},
         "dca": {"reuse_fraction": 0.5, "window": 32},
-        "elastic": {"group_size": 32, "window": 32},
+        "elastic": {"group_size": 32, "window": 32, "bits": 8},
     }
     out = {}
     for part in backend.split("+"):
@@ -246,10 +246,11 @@ def bytes_per_token_per_layer(shape: Shape, backend: str, params: dict, dtype_by
 
 
 def elastic_min_bytes_per_token_per_layer(shape: Shape, params: dict, dtype_bytes: int, seq_len: int) -> float:
-    """``elastic`` with every compressible group quantized (the pool at its shortest): ``int8`` with its group
-    size and its window as the residual window. Its most is ``full``'s (nothing quantized)."""
+    """``elastic`` with every compressible group quantized (the pool at its shortest): ``int8`` (``bits=4``:
+    ``int4``) with its group size and its window as the residual window. Its most is ``full``'s."""
     params = {**default_params(shape, "elastic"), **params}
-    return bytes_per_token_per_layer(shape, "int8", {"group_size": params["group_size"], "residual": params["window"]},
+    tier = "int8" if params["bits"] == 8 else "int4"
+    return bytes_per_token_per_layer(shape, tier, {"group_size": params["group_size"], "residual": params["window"]},
                                      dtype_bytes, seq_len)
 
 

@@ -219,6 +219,14 @@ class PageLayout:
         return out
 
     @property
+    def q_tier(self) -> str:
+        """The quantized tier's name: ``int8``, ``int4``, or ``k8v4`` for 8-bit keys and 4-bit values."""
+        from cache_backends.int8 import stream_bits
+
+        kb, vb = stream_bits(self.quantize, "channel"), stream_bits(self.quantize, "token")
+        return f"int{kb}" if kb == vb else f"k{kb}v{vb}"
+
+    @property
     def on_demand(self) -> bool:
         """Whether the quantized tier is filled on demand only (``elastic``), not by a residual window."""
         return bool(self.quantize) and self.quantize["residual"] is None

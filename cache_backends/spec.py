@@ -16,6 +16,7 @@ OPTIONS: dict[str, tuple[type, float | tuple[str, ...] | None]] = {
     "rope_dim": (int, 0),  # mla (estimate): width of a native-MLA model's shared rope key
     "group_size": (int, 1),  # int8/int4: tokens (keys) / channels (values) per quantization group
     "residual": (int, 0),  # int8/int4: full-precision recent window, tokens
+    "bits": (int, (4, 8)),  # elastic: code width of its compressed tier
     "key_bits": (int, (4, 8)),  # int8/int4: bits per key code (k8v4: int8:value_bits=4)
     "value_bits": (int, (4, 8)),  # int8/int4: bits per value code
     "rotate": (bool, None),  # int8/int4: Hadamard-rotate K/V before quantizing (QuaRot)
@@ -83,7 +84,7 @@ BACKEND_OPTIONS: dict[str, set[str]] = {
     "int8": {"group_size", "residual", "key_bits", "value_bits", "rotate"},
     "int4": {"group_size", "residual", "key_bits", "value_bits", "rotate"},
     "dca": {"threshold", "probe_interval", "align", "window", "reuse_fraction"},
-    "elastic": {"group_size", "window"},
+    "elastic": {"group_size", "window", "bits"},
 }
 
 

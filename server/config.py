@@ -27,7 +27,7 @@ BACKEND_OPTIONS = {
              "value_bits": "kv_int8_value_bits", "rotate": "kv_int8_rotate"},
     "int4": {"group_size": "kv_int4_group_size", "residual": "kv_int4_residual", "key_bits": "kv_int4_key_bits",
              "value_bits": "kv_int4_value_bits", "rotate": "kv_int4_rotate"},
-    "elastic": {"group_size": "kv_int8_group_size", "window": "kv_elastic_window"},
+    "elastic": {"group_size": "kv_int8_group_size", "window": "kv_elastic_window", "bits": "kv_elastic_bits"},
     "dca": {"threshold": "kv_dca_threshold", "probe_interval": "kv_dca_probe_interval", "align": "kv_dca_align",
             "window": "kv_dca_window"},
 }
@@ -120,6 +120,7 @@ class Settings(BaseSettings):
     kv_int4_rotate: bool = Field(False, description="int4: Hadamard-rotate K/V before quantizing (QuaRot).")
     kv_elastic_window: int = Field(32, ge=0, description="elastic: newest tokens of a sequence that stay exact "
                                    "when the pool runs short (its group size is KV_INT8_GROUP_SIZE).")
+    kv_elastic_bits: int = Field(8, description="elastic: code width of the compressed tier, 8 or 4.")
     kv_dca_threshold: float = Field(0.95, allow_inf_nan=False, description="dca: calibrated similarity at or above which a layer is a "
                                                         "reuse candidate (each then checks its own calibrated "
                                                         "threshold per prompt and probe); above 1: none.")
@@ -143,7 +144,7 @@ class Settings(BaseSettings):
                 raise ValueError(f"unknown backend {name!r}; allowed: {', '.join(available())}")
         return v
 
-    @field_validator("kv_int8_key_bits", "kv_int8_value_bits", "kv_int4_key_bits", "kv_int4_value_bits")
+    @field_validator("kv_int8_key_bits", "kv_int8_value_bits", "kv_int4_key_bits", "kv_int4_value_bits", "kv_elastic_bits")
     @classmethod
     def _code_bits(cls, v: int) -> int:
         # an int field, not Literal[4, 8]: a Literal of ints refuses the string "4" an environment variable gives

@@ -95,7 +95,8 @@ class Metrics:
         self.pod_waiting = Gauge("kvserve_num_requests_waiting", "Sequences waiting, all backends together (vLLM's "
                                  "num_requests_waiting: one series per server, for routers).", ("model",), registry=r)
         self.tier_tokens = Gauge("kvserve_kv_cache_tier_tokens", "Tokens cached by all live sequences per stored "
-                                 "form: tier exact (model dtype) or int8 (codes).", LABELS + ("tier",), registry=r)
+                                 "form: tier exact (model dtype), or the codes of a quantized tier (int8, int4, "
+                                 "k8v4).", LABELS + ("tier",), registry=r)
         self.compressed_blocks = Counter("kvserve_elastic_compressed_blocks", "elastic: KV blocks freed by re-encoding "
                                          "exact tokens to int8 because the pool ran short.", LABELS, registry=r)
         self.preemptions_avoided = Counter("kvserve_elastic_preemptions_avoided", "elastic: times the pool ran out "
@@ -125,6 +126,7 @@ class Recorder:
         # the built-in page adds it to kvserve_generation_tokens_total, counted when a request ends, for a
         # tokens/s that moves while requests run).
         self.live_generated: dict[str, int] = dict.fromkeys(backends, 0)
+        self._tiers_seen: set[tuple[str, str]] = {(b, "exact") for b in backends}
         for b in backends:  # every series exists from the start, so dashboards and rates see zeros, not gaps
             for gauge in (metrics.running, metrics.waiting, metrics.kv_bytes, metrics.kv_used_bytes, metrics.kv_tokens):
                 gauge.labels(model, b).set(0)
@@ -133,8 +135,7 @@ class Recorder:
                 counter.labels(model, b)
             for reason in ("length", "eos_token", "stop_sequence", "cancelled", "error"):
                 metrics.requests.labels(model, b, reason)
-            for tier in ("exact", "int8"):
-                metrics.tier_tokens.labels(model, b, tier).set(0)
+            metrics.tier_tokens.labels(model, b, "exact").set(0)
             if b == "elastic":
                 metrics.compressed_blocks.labels(model, b)
                 metrics.preemptions_avoided.labels(model, b)
@@ -218,7 +219,7 @@ class Recorder:
             self.m.prefix_blocks.labels(self.model).set(cached_blocks)
         per_backend: dict[str, list[int]] = {b: [0, 0, 0, 0, 0] for b in self.backends}
         generated = dict.fromkeys(self.backends, 0)
-        tiers = {(b, t): 0 for b in self.backends for t in ("exact", "int8")}
+        tiers = dict.fromkeys(self._tiers_seen, 0)  # a tier no live sequence holds now reads 0
         for seq in running:
             for tier, n in seq.kv_tiers.items():
                 tiers[seq.backend_name, tier] = tiers.get((seq.backend_name, tier), 0) + n
@@ -243,6 +244,7 @@ class Recorder:
                 self.m.dca_reuse_layers.labels(**labels).set(reuse)
         for (backend, tier), n in tiers.items():
             self.m.tier_tokens.labels(self.model, backend, tier).set(n)
+        self._tiers_seen |= tiers.keys()
         self.m.pod_running.labels(self.model).set(sum(row[0] for row in per_backend.values()))
         self.live_generated = generated
         if waiting is not None:

@@ -162,3 +162,26 @@ def test_advise_sizes_elastic_fully_compressed_and_says_why():
     by = {r["backend"]: r for r in advise(rows, 1024, 4, 64 << 20, None)}
     assert by["elastic"]["need_bytes"] == by["int8"]["need_bytes"] < by["full"]["need_bytes"]
     assert "under pressure" in by["elastic"]["reason"]
+
+
+def test_a_4bit_compressed_tier_is_int4_under_pressure_and_in_the_sums(ref_model):
+    from cache_backends.estimate import PRESETS, estimate_rows
+
+    model, tok = ref_model
+    engine = make_engine(model, tok, "elastic", budget=12 * PAGE, bits=4)
+    assert engine.kv.layouts["elastic"].q_tier == "int4"
+    metrics = Metrics()
+    engine.recorder = Recorder(metrics, "m", ["elastic"])
+    seqs = [make_seq(tok, p, 200, backend="elastic") for p in PROMPTS]
+    for s in seqs:
+        engine.submit(s)
+    most = 0
+    while engine.running or engine.waiting:
+        engine.step()
+        most = max(most, _value(metrics.registry, "kvserve_kv_cache_tier_tokens", model="m", backend="elastic",
+                                tier="int4") or 0)
+    assert most > 0 and all(s.kv_stats["compressed_fraction"] > 0 for s in seqs)
+    assert sum(s.preemptions for s in seqs) == 0
+    (row,) = estimate_rows(PRESETS["llama-3-8b"], [("elastic", {"bits": 4})], [4096], [1], 2)
+    (int4,) = estimate_rows(PRESETS["llama-3-8b"], [("int4", {})], [4096], [1], 2)
+    assert row["min_bytes_per_token_per_layer"] == int4["bytes_per_token_per_layer"]

@@ -428,9 +428,10 @@ class Engine:
         if seq.store is not None:
             seq.peak_kv_bytes = max(seq.peak_kv_bytes, seq.store.nbytes())
             seq.kv_stats = seq.store.stats()
-            tiers = self.kv.tier_tokens(seq)
-            if "int8" in tiers and self.kv.layouts[seq.backend_name].on_demand:
-                seq.kv_stats["compressed_fraction"] = tiers["int8"] / max(1, sum(tiers.values()))
+            layout = self.kv.layouts.get(seq.backend_name)
+            if layout is not None and layout.on_demand:
+                tiers = self.kv.tier_tokens(seq)
+                seq.kv_stats["compressed_fraction"] = tiers[layout.q_tier] / max(1, sum(tiers.values()))
         self._drop_kv(seq)
         if self.recorder:
             self.recorder.request_done(seq)

@@ -314,11 +314,11 @@ class KVCacheManager:
         return total
 
     def tier_tokens(self, seq: Sequence) -> dict[str, int]:
-        """Tokens ``seq`` holds per tier (``exact``, and ``int8`` for quantized layouts)."""
+        """Tokens ``seq`` holds per tier (``exact``, and for quantized layouts ``int8``, ``int4`` or ``k8v4``)."""
         if seq.blocks is None:
             return {"exact": seq.store.num_tokens() if seq.store is not None else 0}
         if self.layouts[seq.backend_name].quantize:
-            return {"exact": seq.blocks.exact_len, "int8": seq.blocks.q_len}
+            return {"exact": seq.blocks.exact_len, self.layouts[seq.backend_name].q_tier: seq.blocks.q_len}
         return {"exact": seq.blocks.exact_len}
 
     def release(self, seq: Sequence) -> None:
