@@ -41,7 +41,10 @@ def create_app(settings: Settings, load_in_background: bool = True, exit_on_load
             state.load()
         except Exception as exc:  # noqa: BLE001 - reported through /health, and logged
             state.load_error = f"model failed to load: {' '.join(str(exc).split()) or type(exc).__name__}"
-            log.exception("model failed to load")
+            if isinstance(exc, ValueError):  # a setting this model cannot take (e.g. a KV budget under 2 blocks)
+                log.error("%s", state.load_error)
+            else:
+                log.exception("model failed to load")
             if exit_on_load_error:
                 os.kill(os.getpid(), signal.SIGINT)  # uvicorn's graceful shutdown; the CLI exits 1
 

@@ -153,11 +153,13 @@ class Recorder:
 
     def cache_config(self, info: dict) -> None:
         """Publish the pool's shape (:meth:`server.engine.kv_cache.KVCacheManager.info`) as
-        ``kvserve_cache_config_info``: one series per served backend (per-sequence stores: block_size 0)."""
+        ``kvserve_cache_config_info``: one series per served backend (per-sequence stores: block_size 0), its
+        ``prefix_caching`` label true where that backend's blocks go through the prefix cache."""
         sizes = info["block_size_tokens"]
         for b in self.backends:
+            cached = info["prefix_caching"] and b in info.get("prefix_cached_backends", sizes)
             self.m.cache_config.labels(self.model, b, str(sizes.get(b, 0)), str(info["num_blocks"]),
-                                       str(info["num_blocks"]), str(info["prefix_caching"]).lower()).set(1)
+                                       str(info["num_blocks"]), str(cached).lower()).set(1)
 
     def prefix_cache(self, seq, queried: int, hit: int) -> None:
         """A paged sequence was admitted: ``queried`` context tokens looked up, ``hit`` of them cached."""

@@ -175,11 +175,12 @@ class GenerationService:
             raise InvalidRequest(f"`{field}` must have less than {limit + 1} tokens. Given: at least "
                                  f"{-(-size // most)} ({size} bytes, at most {most} bytes a token)", field)
 
-    def check_cache_salt(self, salt: str | None, field: str = "cache_salt", backend: str | None = None) -> None:
+    def check_cache_salt(self, salt: str | None, field: str = "cache_salt") -> None:
         """Refuse a ``cache_salt`` that is not a non-empty string of at most :data:`MAX_CACHE_SALT_CHARS`
-        characters of valid Unicode, or any salt when the server runs without its prefix cache, or for a
-        ``backend`` whose blocks are never cached (``dca``, ``elastic``): it would isolate nothing, an accepted
-        field that does nothing.
+        characters of valid Unicode, or any salt when the server runs without its prefix cache (it would isolate
+        nothing: an accepted field that does nothing). A salt for a backend whose blocks are never cached (``dca``,
+        ``elastic``) is taken: such a request shares nothing, so the salt's promise holds, and a client that salts
+        every request per tenant keeps working whatever backend it picks.
 
         Raises:
             InvalidRequest: naming ``field``.
@@ -196,9 +197,6 @@ class GenerationService:
         if not self.prefix_caching:
             raise InvalidRequest(f"`{field}` needs the prefix cache, and this server runs without it "
                                  "(KV_PREFIX_CACHING=false)", field)
-        if backend is not None and not self.engine.kv.caches_backend(backend):
-            raise InvalidRequest(f"`{field}` needs the prefix cache, and KV backend {backend!r} is never cached "
-                                 "(docs: Prefix caching)", field)
 
     def is_shutdown_end(self, event: TokenEvent) -> bool:
         """Whether ``event`` ended its generation because the server shut down (:meth:`abort_all`)."""
@@ -245,7 +243,7 @@ class GenerationService:
         if req.backend not in self.engine.backends:
             raise InvalidRequest(f"`{f['kv_backend']}` {req.backend!r} is not served here; allowed: "
                                  f"{', '.join(self.engine.backends)}", f["kv_backend"])
-        self.check_cache_salt(req.cache_salt, f["cache_salt"], req.backend)
+        self.check_cache_salt(req.cache_salt, f["cache_salt"])
         if not req.prompt:
             raise InvalidRequest(f"`{inputs}` must not be empty", inputs)
         if len(req.stop) > lim.max_stop_sequences:

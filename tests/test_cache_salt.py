@@ -135,15 +135,14 @@ def test_the_service_refuses_a_bad_salt_itself(bad):
     assert exc.value.param == "cache_salt"
 
 
-def test_a_salt_for_a_backend_that_is_never_cached_is_refused():
-    """dca (per-sequence stores) and elastic (quantized when the pool ran short) never share blocks: a salt would do
-    nothing for them, so it is refused naming the field; full's is taken."""
+def test_a_salt_for_a_backend_that_is_never_cached_is_taken():
+    """dca (per-sequence stores) and elastic (quantized when the pool ran short) never share blocks, so a salted
+    request shares nothing, as the salt promises: it is taken (a client salting every request per tenant must not
+    break on a dca or elastic server)."""
     service = _service(prefix_caching=True)
-    with pytest.raises(InvalidRequest, match="cache_salt.*'dca' is never cached") as exc:
-        service.build_sequence(GenerationRequest(prompt="And God said", max_new_tokens=4, params=SamplingParams(),
-                                                 stop=[], backend="dca", cache_salt=SALT), lambda ev: None)
-    assert exc.value.param == "cache_salt"
-    assert service.build_sequence(_request(SALT), lambda ev: None).cache_salt == SALT
+    seq = service.build_sequence(GenerationRequest(prompt="And God said", max_new_tokens=4, params=SamplingParams(),
+                                                   stop=[], backend="dca", cache_salt=SALT), lambda ev: None)
+    assert seq.cache_salt == SALT and seq.backend_name == "dca"
 
 
 @pytest.mark.parametrize("route", ROUTES)
@@ -162,7 +161,7 @@ def test_server_without_prefix_cache_refuses_a_salt(route):
 def test_usage_reports_cached_prompt_tokens():
     """OpenAI's (and vLLM's) `prompt_tokens_details.cached_tokens`: the counted prompts' tokens served from the
     prefix cache (one sequence per prompt: n choices of one prompt share its prefill)."""
-    seqs = [SimpleNamespace(prompt_ids=[1] * 40, output_ids=[2] * 3, cached_tokens=c) for c in (32, 32, 16, 16)]
+    seqs = [SimpleNamespace(prompt_ids=[1] * 40, output_ids=[2] * 3, cached_tokens=c, kv_stats={}) for c in (32, 32, 16, 16)]
     usage = _usage(seqs, seqs[::2])
     assert usage.prompt_tokens == 80 and usage.completion_tokens == 12
     assert usage.prompt_tokens_details.cached_tokens == 48

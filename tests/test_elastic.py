@@ -185,3 +185,38 @@ def test_a_4bit_compressed_tier_is_int4_under_pressure_and_in_the_sums(ref_model
     (row,) = estimate_rows(PRESETS["llama-3-8b"], [("elastic", {"bits": 4})], [4096], [1], 2)
     (int4,) = estimate_rows(PRESETS["llama-3-8b"], [("int4", {})], [4096], [1], 2)
     assert row["min_bytes_per_token_per_layer"] == int4["bytes_per_token_per_layer"]
+
+
+def test_a_request_int8_could_hold_alone_is_not_refused(ref_model):
+    """15 usable pages hold 480 exact tokens: a 503-token request is refused by full, but elastic holds it
+    compressed (as int8 would), so it is admitted and served."""
+    model, tok = ref_model
+    with pytest.raises(ValueError, match="KV blocks"):
+        make_engine(model, tok, budget=32 * 262144).submit(make_seq(tok, "And God said", 500))
+    engine = make_engine(model, tok, "elastic", budget=16 * PAGE)
+    seq = make_seq(tok, "And God said", 500, backend="elastic")
+    run_all(engine, [seq])
+    assert len(seq.output_ids) == 500 and seq.preemptions == 0 and seq.kv_stats["compressed_fraction"] > 0
+
+
+def test_whole_prompt_prefills_beside_running_streams_are_not_readmitted_in_a_loop(ref_model):
+    """Prompts that want their log-probabilities are prefilled whole (their exact pages at once): admission charges
+    that, instead of the chunked, compressed size, so they wait for room instead of being admitted and preempted
+    again at every step (the attack that found it: 45-54 preemptions in half a second, the same prompt each time)."""
+    model, tok = ref_model
+    engine = make_engine(model, tok, "elastic", budget=16 * PAGE)
+    text = " ".join(["And the LORD spake unto Moses, saying,"] * 60)
+    ids = tok.encode(text)
+    running = [make_seq(tok, "x", 300, backend="elastic") for _ in range(3)]
+    for i, s in enumerate(running):
+        s.prompt_ids = ids[i : i + 100]
+        engine.submit(s)
+    for _ in range(15):
+        engine.step()
+    scored = [make_seq(tok, "x", 60, backend="elastic") for _ in range(3)]
+    for s, n in zip(scored, (300, 300, 331)):
+        s.prompt_ids, s.want_prompt_logprobs = ids[:n], True
+    run_all(engine, scored)
+    assert sum(s.preemptions for s in running + scored) <= 3, [s.preemptions for s in running + scored]  # 9 before
+    assert [len(s.prompt_logprobs) for s in scored] == [300, 300, 331]
+    assert all(len(s.output_ids) == 300 for s in running)

@@ -229,16 +229,21 @@ def test_a_wide_request_cannot_make_a_later_one_wait_for_its_whole_length(ref_mo
         assert [e.index for e in ev] == list(range(80)) and seq.output_ids == alone
 
 
-def test_a_whole_prompt_prefill_that_can_never_fit_ends_with_an_error_not_a_loop(ref_model):
+def test_a_whole_prompt_prefill_that_can_never_fit_is_refused_at_once(ref_model):
     """int8 prefills a prompt that wants every position's log-probability whole, its exact pages first: when
-    that alone exceeds the pool, the request ends with an error (it used to be preempted and readmitted forever)."""
+    that alone exceeds the pool, the request is refused when submitted (it used to be preempted and readmitted
+    forever, then ended with an error after its first try), while the same prompt prefilled in chunks is served."""
     model, tok = ref_model
     engine = make_engine(model, tok, "int8", budget=50 * 163840)
     seq = make_seq(tok, " ".join(["And God said"] * 200), 4, backend="int8")
     seq.prompt_ids = seq.prompt_ids[:600]
     seq.want_prompt_logprobs = True
-    run_all(engine, [seq], max_steps=50)
-    assert seq.finish_reason.value == "error" and engine.kv.blocks.num_free == engine.kv.blocks.usable_pages
+    with pytest.raises(ValueError, match="KV blocks"):
+        engine.submit(seq)
+    chunked = make_seq(tok, " ".join(["And God said"] * 200), 4, backend="int8")
+    chunked.prompt_ids = chunked.prompt_ids[:600]
+    run_all(engine, [chunked], max_steps=50)
+    assert chunked.finish_reason.value == "length" and engine.kv.blocks.num_free == engine.kv.blocks.usable_pages
 
 
 @pytest.mark.parametrize("name,options", [("int4", {}), ("int4", {"rotate": True}), ("int8", {"value_bits": 4}),

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 
 import pytest
 from transformers import AutoTokenizer
@@ -18,7 +17,6 @@ class FakeEngine:
     """Records submissions and wake-ups; never runs anything."""
 
     backends = {"full": None, "dca": None}
-    kv = SimpleNamespace(caches_backend=lambda name: name == "full")  # dca keeps per-sequence stores: never cached
 
     def __init__(self):
         self.submitted, self.wakes = [], 0

@@ -46,3 +46,13 @@ def test_model_folder_without_calibration_slice_calibrates_on_the_packaged_text(
     jsonl.write_text("\n".join(json.dumps({"text": t}) for t in ["And God said", "Let there be light"]))
     assert calibration_ids(model, tok, path=jsonl) == tok.encode("And God said") + [tok.eos_token_id] + \
         tok.encode("Let there be light") + [tok.eos_token_id]
+
+
+def test_a_kv_budget_under_two_blocks_exits_1_with_no_traceback():
+    """A setting the model cannot take (found only once the page size is known) is one line, not a traceback."""
+    env = {**os.environ, "MODEL_ID": str(MODEL_DIR), "PORT": str(free_port()), "KV_CACHE_BUDGET_BYTES": "600000"}
+    proc = subprocess.run([sys.executable, "-m", "server.cli", "serve"], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "KV_CACHE_BUDGET_BYTES=600000 holds fewer than 2 KV blocks" in proc.stderr.strip().splitlines()[-1]

@@ -129,31 +129,41 @@ class KVCacheManager:
         return seq.backend_name in self.layouts
 
     # ---- costs ----------------------------------------------------------------------------------------
+    def prefill_chunk(self, seq: Sequence) -> int | None:
+        """The chunk ``seq``'s context is prefilled in: the engine's, or ``None`` (whole) for a prompt that wants
+        every position's log-probability (the rule of :meth:`Engine._prefill_step`)."""
+        return None if seq.want_prompt_logprobs and not seq.output_ids else self.chunk
+
     def pages_for(self, seq: Sequence, tokens: int) -> int:
-        """Pages ``seq`` holds with ``tokens`` tokens cached (prefilled in the engine's chunks); for a
-        per-sequence store, its upper bound for the whole request."""
+        """Pages ``seq`` holds with ``tokens`` tokens cached, prefilled as the engine will prefill them (an
+        on-demand tier compressing what it may after each chunk: the least it can hold); for a per-sequence
+        store, its upper bound for the whole request."""
         if self.paged(seq):
-            return self.layouts[seq.backend_name].pages_for(tokens, self.chunk)
+            layout = self.layouts[seq.backend_name]
+            return layout.pages_for(tokens, self.prefill_chunk(seq), compress=layout.on_demand)
         reserved = self.backends[seq.backend_name].reserved_bytes(len(seq.prompt_ids) + seq.max_new_tokens)
         return math.ceil(reserved / self.page_bytes)
 
     def fits_alone(self, seq: Sequence) -> bool:
-        """Whether ``seq`` could hold all its tokens (prompt + max_new_tokens) with the pool to itself."""
-        return self.pages_for(seq, len(seq.prompt_ids) + seq.max_new_tokens) <= self.blocks.usable_pages
+        """Whether ``seq`` could hold all its tokens (prompt + max_new_tokens) with the pool to itself: its prompt
+        as it is prefilled, and every token once generated (an on-demand tier compressed as it grows)."""
+        total = len(seq.prompt_ids) + seq.max_new_tokens
+        if not self.paged(seq):
+            return self.pages_for(seq, total) <= self.blocks.usable_pages
+        layout = self.layouts[seq.backend_name]
+        grown = layout.pages_for(total, self.chunk, compress=layout.on_demand)
+        return max(grown, self.pages_for(seq, len(seq.prompt_ids))) <= self.blocks.usable_pages
 
     def admission_cost(self, seq: Sequence) -> int:
         """Pages ``seq`` needs to be admitted: those of the tokens it prefills (its prompt, or on readmission
         after a preemption its prompt and the tokens it had generated), less the cached blocks it starts with
         (:meth:`lookup`, kept on ``seq.prefix_hit`` for :meth:`start`) unless no sequence holds them now."""
         seq.prefix_hit = self.lookup(seq)
-        layout = self.layouts.get(seq.backend_name)
-        if layout is not None and layout.on_demand:  # it may compress its own prompt after each chunk
-            return layout.pages_for(len(seq.context_ids), self.chunk, compress=True)
         if not seq.prefix_hit:
             return self.pages_for(seq, len(seq.context_ids))
         layout = self.layouts[seq.backend_name]
         hit = layout.cached_prefix(seq.prefix_hit)
-        most = layout.pages_for(len(seq.context_ids) - hit.tokens, self.chunk, hit)
+        most = layout.pages_for(len(seq.context_ids) - hit.tokens, self.prefill_chunk(seq), hit)
         return most - len(seq.prefix_hit) + self.blocks.evictable_among(seq.prefix_hit)
 
     def pending(self, seq: Sequence) -> int:
@@ -163,8 +173,8 @@ class KVCacheManager:
         layout = self.layouts.get(seq.backend_name)
         if layout is None:
             return max(0, self.pages_for(seq, len(seq.context_ids)) - self.held(seq))
-        return max(0, layout.pages_for(len(seq.context_ids) - seq.prefilled, self.chunk, seq.blocks)
-                   - self.held(seq))
+        return max(0, layout.pages_for(len(seq.context_ids) - seq.prefilled, self.prefill_chunk(seq), seq.blocks,
+                                       compress=layout.on_demand) - self.held(seq))
 
     # ---- prefix cache ---------------------------------------------------------------------------------
     def caches_backend(self, name: str) -> bool:
@@ -345,4 +355,5 @@ class KVCacheManager:
         paged backend, the unit the prefix cache shares)."""
         return {"block_size_tokens": {n: l.cache_block_tokens for n, l in self.layouts.items()},
                 "page_bytes": self.page_bytes, "num_blocks": self.blocks.usable_pages,
-                "pool_bytes": self.num_pages * self.page_bytes, "prefix_caching": self.prefix_caching}
+                "pool_bytes": self.num_pages * self.page_bytes, "prefix_caching": self.prefix_caching,
+                "prefix_cached_backends": [n for n in self.backends if self.caches_backend(n)]}
