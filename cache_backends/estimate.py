@@ -268,7 +268,7 @@ def estimate_rows(shape: Shape, specs: list[tuple[str, dict]], seq_lens: list[in
             low = elastic_min_bytes_per_token_per_layer(shape, params, dtype_bytes, t) if backend == "elastic" else None
             for b in batches:
                 row = {"backend": backend, "params": used, "seq_len": t, "batch": b,
-                       "bytes_per_token_per_layer": per, "total_bytes": round(per * t * shape.num_layers * b)}
+                       "bytes_per_token_per_layer": float(per), "total_bytes": round(per * t * shape.num_layers * b)}
                 if low is not None:  # a range: from every token quantized that may be, to every token exact
                     row["min_bytes_per_token_per_layer"] = low
                     row["min_total_bytes"] = round(low * t * shape.num_layers * b)

@@ -94,10 +94,10 @@ class Engine:
             ValueError: when the sequence could never fit the KV budget.
         """
         if not self.scheduler.fits_alone(seq):
-            need = self.kv.pages_for(seq, len(seq.prompt_ids) + seq.max_new_tokens)
+            need = self.kv.pages_to_finish(seq)
             raise ValueError(f"request needs {need} KV blocks ({need * self.kv.page_bytes} bytes) for "
                              f"{len(seq.prompt_ids) + seq.max_new_tokens} tokens; the KV pool has "
-                             f"{self.kv.blocks.usable_pages} (KV_CACHE_BUDGET_BYTES)")
+                             f"{self.kv.blocks.usable_pages} (KV_CACHE_BUDGET_BYTES, less the null page)")
         with self._lock:
             if len(self.waiting) + len(self.running) >= self.max_concurrent_requests:
                 raise Overloaded(f"{self.max_concurrent_requests} requests are already queued or running")

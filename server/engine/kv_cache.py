@@ -144,15 +144,19 @@ class KVCacheManager:
         reserved = self.backends[seq.backend_name].reserved_bytes(len(seq.prompt_ids) + seq.max_new_tokens)
         return math.ceil(reserved / self.page_bytes)
 
-    def fits_alone(self, seq: Sequence) -> bool:
-        """Whether ``seq`` could hold all its tokens (prompt + max_new_tokens) with the pool to itself: its prompt
-        as it is prefilled, and every token once generated (an on-demand tier compressed as it grows)."""
+    def pages_to_finish(self, seq: Sequence) -> int:
+        """The most pages ``seq`` holds on its own from admission to its last token: its prompt as it is prefilled,
+        and every token once generated (an on-demand tier compressed as it grows)."""
         total = len(seq.prompt_ids) + seq.max_new_tokens
         if not self.paged(seq):
-            return self.pages_for(seq, total) <= self.blocks.usable_pages
+            return self.pages_for(seq, total)
         layout = self.layouts[seq.backend_name]
         grown = layout.pages_for(total, self.chunk, compress=layout.on_demand)
-        return max(grown, self.pages_for(seq, len(seq.prompt_ids))) <= self.blocks.usable_pages
+        return max(grown, self.pages_for(seq, len(seq.prompt_ids)))
+
+    def fits_alone(self, seq: Sequence) -> bool:
+        """Whether ``seq`` could finish with the pool to itself (:meth:`pages_to_finish`)."""
+        return self.pages_to_finish(seq) <= self.blocks.usable_pages
 
     def admission_cost(self, seq: Sequence) -> int:
         """Pages ``seq`` needs to be admitted: those of the tokens it prefills (its prompt, or on readmission
