@@ -301,7 +301,7 @@ def oa_best_of(srv, tok):
     best = sum(out["choices"][0]["logprobs"]["token_logprobs"])
     for j in range(3):
         other = cmpl(srv, temperature=1.0, seed=4 + j, logprobs=0)["choices"][0]["logprobs"]["token_logprobs"]
-        assert best >= sum(other) - 1e-6
+        assert best >= sum(other) - 1e-4  # the same sample scored in a batch of 3 and alone: fp32 rounding
     refused(srv, "/v1/completions", {"prompt": PROMPT, "best_of": 2, "stream": True}, "best_of", 400)
 
 

@@ -23,6 +23,7 @@ import cache_backends.calibration as calibration
 from cache_backends import ModelGeometry, create
 from cache_backends.calibration_cache import CalibrationCache
 from tests.conftest import MODEL_DIR, REPO, RunningServer
+from tests.precision import LOGIT_FACTOR
 from tests.test_backends import TEXT, cache_path_logits
 
 
@@ -84,7 +85,10 @@ def test_second_prepare_loads_the_fit_and_serves_identical_logits(ref_model, geo
     ids = tok.encode(TEXT)
     logits_first, store_first = cache_path_logits(model, first, ids, 8)
     logits_second, store_second = cache_path_logits(model, second, ids, 8)
-    assert torch.equal(logits_first, logits_second)
+    # the same fit, computed twice: equal to fp32 rounding (bitwise alone; a loaded machine's threads may split a
+    # reduction differently, seen once in a full run as 1e-4 on a logit of 5.4)
+    scale = float(logits_first.abs().max())
+    assert torch.allclose(logits_first, logits_second, rtol=0, atol=LOGIT_FACTOR * torch.finfo(torch.float32).eps * scale)
     assert store_first.nbytes() == store_second.nbytes()
     if name.startswith("dca"):
         assert store_second.reuse_layers() > 0  # the loaded maps did serve

@@ -146,10 +146,11 @@ def test_inference_perf_streaming_reports_ttft_itl_and_tokens(server, tmp_path):
         assert latency[metric] is not None and latency[metric]["mean"] > 0, (metric, latency)
     assert latency["time_to_first_token"]["max"] < latency["request_latency"]["max"], latency
     # Output tokens: the server's usage (every request, none counted by the client instead) is exactly what
-    # was asked; output_len is the client's re-tokenization of the streamed text (BPE may merge a piece or two).
+    # was asked; output_len is the client's re-tokenization of the streamed text (BPE may merge or split a piece
+    # or two: 15 and 18 seen).
     assert successes["output_tokens"]["min"] == successes["output_tokens"]["max"] == OUTPUT_TOKENS, successes
     assert successes["client_fallback_requests"]["output"] == 0, successes["client_fallback_requests"]
-    assert OUTPUT_TOKENS - 3 <= successes["output_len"]["min"] <= successes["output_len"]["max"] <= OUTPUT_TOKENS
+    assert OUTPUT_TOKENS - 3 <= successes["output_len"]["min"] <= successes["output_len"]["max"] <= OUTPUT_TOKENS + 3
     assert successes["throughput"]["output_tokens_per_sec"] > 0, successes["throughput"]
 
     # Every request streamed: several chunks each, a first token before the end, all 16 tokens counted.
