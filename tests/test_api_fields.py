@@ -455,3 +455,18 @@ def test_echo_logprobs_equal_the_models(server, tok, ref_model):
         ref = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].float(), -1)
     want = ref.gather(1, torch.tensor(ids[1:]).unsqueeze(1)).squeeze(1).tolist()
     assert lp[0] is None and lp[1:] == pytest.approx(want, abs=1e-4)
+
+
+@pytest.mark.parametrize("message", [{"role": "user"}, {"role": "assistant", "content": None},
+                                     {"role": "system", "content": None}], ids=["missing", "null-assistant", "null"])
+def test_a_chat_turn_without_content_is_400_naming_it(server, message):
+    """A turn without its text is refused, not read as an empty turn (OpenAI lets an assistant turn omit it only
+    beside tool_calls, which this server refuses)."""
+    messages = [message, {"role": "user", "content": "x"}]
+    for path in ("/v1/chat/completions", "/tokenize"):
+        body = {"messages": messages, "max_tokens": 1} if path.startswith("/v1") else {"messages": messages}
+        r = httpx.post(server.url + path, json=body, timeout=60)
+        assert r.status_code in (400, 422), (path, r.text)
+        assert "messages.0.content" in r.text, r.text
+    r = httpx.post(server.url + "/v1/responses", json={"input": messages, "max_output_tokens": 1}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input[0].content", r.text

@@ -130,8 +130,8 @@ def test_estimate_gives_elastic_a_range_and_spec_options_are_checked():
 
 
 def test_the_compressed_share_is_reported_for_elastic_only():
-    """TGI details (and the stream's last event) and OpenAI usage carry kv_compressed_fraction for an elastic
-    request (0 here: no pressure), and nothing new for other backends."""
+    """TGI details (and the stream's last event) and OpenAI usage (completions and responses) carry
+    kv_compressed_fraction for an elastic request (0 here: no pressure), and nothing new for other backends."""
     from fastapi.testclient import TestClient
 
     from server.app import create_app
@@ -148,6 +148,10 @@ def test_the_compressed_share_is_reported_for_elastic_only():
                 want is not None)
             usage = c.post("/v1/completions", json={"prompt": "And God said", "max_tokens": 3,
                                                     "kv_backend": backend}).json()["usage"]
+            assert usage.get("kv_compressed_fraction") == want and ("kv_compressed_fraction" in usage) == bool(
+                want is not None)
+            usage = c.post("/v1/responses", json={"input": "And God said", "max_output_tokens": 3,
+                                                  "kv_backend": backend}).json()["usage"]
             assert usage.get("kv_compressed_fraction") == want and ("kv_compressed_fraction" in usage) == bool(
                 want is not None)
             with c.stream("POST", "/generate_stream", json={"inputs": "And God said", "parameters": params}) as r:

@@ -1,6 +1,11 @@
 """Engine values: `full` matches transformers' generate() alone and in a batch (in each precision under
 test, :mod:`tests.precision`); KV is freed at once."""
 
+import platform
+
+import pytest
+
+from server.engine import allocator
 from server.engine.sampling import SamplingParams
 from server.engine.sequence import FinishReason
 from tests.engine_helpers import make_engine, make_seq, reference_greedy, run_all
@@ -179,3 +184,12 @@ def test_chunked_prefill_interleaves_with_decode_and_matches_whole_prefill(ref_m
     assert len(chunks) >= 3 and max(chunks) <= 64
     run_all(engine, [])
     assert late.output_ids == ref.output_ids
+
+
+def test_the_engine_fixes_glibcs_thresholds_where_it_runs_on_glibc():
+    """On glibc, the allocator's mmap and trim thresholds are fixed (a step's freed transients are kept for the
+    next step instead of going back to the OS and being faulted in, zeroed, again: server/engine/allocator.py)."""
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("not glibc: the setting does not apply")
+    assert allocator.keep_step_memory() is True

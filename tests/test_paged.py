@@ -4,6 +4,8 @@ the batch."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -179,9 +181,11 @@ class _OpCounter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.count = 0
+        self.by_op = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.count += not func.is_view
+        self.by_op[func.overloadpacket.__name__] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -201,6 +205,21 @@ def test_a_decode_steps_op_count_does_not_grow_with_the_batch(ref_model, name, o
             driver.step(rows, [[ids[1]]] * batch)
         counts[batch] = counter.count
     assert counts[1] == counts[4] == counts[8], counts
+
+
+def test_a_step_gathers_each_stream_of_a_layer_in_one_op(ref_model):
+    """The pages of every head and sequence of one stream are gathered by one ``index_select`` per layer (not one
+    per head: 8x the ops on the reference model), and the gathered context is the one attention would read."""
+    model, tok = ref_model
+    backend = _backend(model, tok, "full", {})
+    driver = PagedDriver(model, backend, pages=400)
+    ids = tok.encode(TEXTS[0])[:40]
+    rows = [SeqBlocks() for _ in range(4)]
+    driver.step(rows, [ids] * 4)
+    with _OpCounter() as counter:
+        driver.step(rows, [[ids[0]]] * 4)
+    layout = driver.pool.views[backend.name].layout
+    assert counter.by_op["index_select"] == model.config.num_hidden_layers * len(layout.streams), counter.by_op
 
 
 def test_a_wide_request_cannot_make_a_later_one_wait_for_its_whole_length(ref_model):

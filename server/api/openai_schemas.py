@@ -86,11 +86,10 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[TextPart] | None = None
+    # Required for every role: OpenAI lets an assistant turn omit it only beside tool_calls, which are refused here.
+    content: str | list[TextPart] = Field(description="The turn's text (or its text parts).")
 
     def text(self) -> str:
-        if self.content is None:
-            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text or "" for part in self.content)

@@ -23,13 +23,13 @@ import uuid
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from server.api.common import SHUTDOWN_MESSAGE, check_model, event_stream, get_service
 from server.api.fanout import collect_all, merged, submit_all
 from server.api.openai_convert import chat_requests
 from server.api.openai_schemas import CACHE_SALT, ChatRequest, OpenAIError
-from server.api.types import Int, sse_schema
+from server.api.types import KV_COMPRESSED_FRACTION, Int, drop_unset_extensions, sse_schema
 from server.api.validation import refuse_unimplemented
 from server.engine.sequence import FinishReason
 from server.errors import NotReady
@@ -121,6 +121,11 @@ class ResponseUsage(BaseModel):
     output_tokens: int
     output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
     total_tokens: int
+    kv_compressed_fraction: float | None = Field(None, description=KV_COMPRESSED_FRACTION)
+
+    @model_serializer(mode="wrap")
+    def _drop_extensions(self, handler):
+        return drop_unset_extensions(handler(self), ("kv_compressed_fraction",))
 
 
 class IncompleteDetails(BaseModel):
@@ -179,7 +184,9 @@ def _messages(body: ResponsesRequest) -> list[dict]:
             raise InvalidRequest(f"`input[{i}].type` {item.type!r} is not supported; only 'message'", f"input[{i}].type")
         if item.role not in ROLES:
             raise InvalidRequest(f"`input[{i}].role` must be one of {', '.join(ROLES)}", f"input[{i}].role")
-        content = item.content if item.content is not None else ""
+        if item.content is None:
+            raise InvalidRequest(f"`input[{i}].content` is required", f"input[{i}].content")
+        content = item.content
         if isinstance(content, list):
             for j, part in enumerate(content):
                 if part.type not in ("input_text", "output_text"):
@@ -218,7 +225,8 @@ async def responses(body: ResponsesRequest, request: Request):
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p, user=body.user, metadata=body.metadata or {},
             usage=ResponseUsage(input_tokens=prompt, output_tokens=generated, total_tokens=prompt + generated,
-                                input_tokens_details=InputTokensDetails(cached_tokens=seq.cached_tokens))
+                                input_tokens_details=InputTokensDetails(cached_tokens=seq.cached_tokens),
+                                kv_compressed_fraction=seq.kv_stats.get("compressed_fraction"))
             if usage else None)
 
     def status_of(reason: FinishReason) -> str:

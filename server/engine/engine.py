@@ -15,8 +15,6 @@ preempted.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 import threading
 import time
@@ -25,6 +23,7 @@ from collections import deque
 import torch
 
 from cache_backends.base import KVBackend
+from server.engine import allocator
 from server.engine.detokenize import IncrementalDetokenizer
 from server.engine.runner import ModelRunner
 from server.engine.sampling import RowRequest, Sampled, new_generator, prompt_logprobs, sample_batch
@@ -32,20 +31,6 @@ from server.engine.scheduler import Scheduler
 from server.engine.sequence import FinishReason, Sequence, TokenEvent
 
 log = logging.getLogger("kvserve.engine")
-
-
-def _malloc_trim():
-    """glibc's ``malloc_trim(0)``, or ``None`` elsewhere: hands freed heap pages back to the OS."""
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        return libc.malloc_trim if libc is not None and hasattr(libc, "malloc_trim") else None
-    except OSError:
-        return None
-
-
-_TRIM = _malloc_trim()
-
 
 MIN_PREFILL_CHUNK = 64  # prompt tokens a step prefills at least, however many sequences decode
 
@@ -69,6 +54,7 @@ class Engine:
 
     def __init__(self, runner: ModelRunner, backends: dict[str, KVBackend], tokenizer, eos_token_ids: set[int],
                  scheduler: Scheduler, max_concurrent_requests: int, recorder=None):
+        allocator.keep_step_memory()
         self.runner = runner
         self.backends = backends
         self.tokenizer = tokenizer
@@ -124,10 +110,8 @@ class Engine:
         busy = False
         while not self._stop.is_set():
             if not self.running and not self.waiting:
-                if busy and _TRIM is not None:
-                    # Freed KV tensors stay in glibc's arenas otherwise, and the process keeps the
-                    # memory of its busiest moment; trimming once per idle spell returns it to the OS.
-                    _TRIM(0)
+                if busy:
+                    allocator.trim()
                 busy = False
                 self._wake.wait(0.1)
                 self._wake.clear()
