@@ -186,10 +186,10 @@ def test_chunked_prefill_interleaves_with_decode_and_matches_whole_prefill(ref_m
     assert late.output_ids == ref.output_ids
 
 
-def test_the_engine_fixes_glibcs_thresholds_where_it_runs_on_glibc():
-    """On glibc, the allocator's mmap and trim thresholds are fixed (a step's freed transients are kept for the
-    next step instead of going back to the OS and being faulted in, zeroed, again: server/engine/allocator.py)."""
-
+def test_the_in_process_benchmarks_fix_glibcs_thresholds_on_glibc():
+    """On glibc, the allocator's mmap and trim thresholds can be fixed (``mallopt`` takes them), as the in-process
+    benchmarks' engine does: a step's freed transients are kept for the next step instead of going back to the
+    OS and being faulted in, zeroed, again (server/engine/allocator.py)."""
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("not glibc: the setting does not apply")
     assert allocator.keep_step_memory() is True

@@ -1,14 +1,19 @@
-"""glibc's allocator, set for an engine whose every step allocates and frees the same large transients.
+"""glibc's allocator, for an engine stepped on a process's main thread (the in-process benchmarks).
 
 A decode step allocates tensors of a few MB (the gathered pages of a layer, attention scores, MLP activations)
-and frees them within the step. Left to itself glibc sizes its mmap and trim thresholds dynamically, and in
-some processes it settles on handing such blocks back to the OS at every free (``munmap``, or shrinking the
-heap top), so the next step takes them again as fresh pages and the kernel zeroes every one: one decode step
-of 16 sequences x 512 cached tokens on the reference model took 111-119 ms in 8 of 12 fresh processes against
-38-48 ms in the others, the same code (``bench.budget.step_time``). Fixing both thresholds (what
-``GLIBC_TUNABLES=glibc.malloc.mmap_threshold=...:glibc.malloc.trim_threshold=...`` does, set here at run time
-with ``mallopt``) keeps a step's freed blocks for the next one; the memory of a busy spell goes back to the OS
-when the engine goes idle (:func:`trim`). Elsewhere than glibc both are no-ops.
+and frees them within the step. Left to itself, glibc sizes its mmap and trim thresholds dynamically, and on
+the main thread's arena it can settle on handing such blocks back to the OS at every free (``munmap``, or
+shrinking the heap top), so the next step takes them again as fresh pages and the kernel zeroes every one: one
+decode step of 16 sequences x 512 cached tokens on the reference model took 111-117 ms in 8 of 12 measurements
+(4 fresh processes, 3 each) against 42-47 ms in the others, the same code (``bench.budget.step_time``; 42-54 ms
+in 12 of 12 with the thresholds fixed). :func:`keep_step_memory` fixes both (what
+``GLIBC_TUNABLES=glibc.malloc.mmap_threshold=...:glibc.malloc.trim_threshold=...`` does, here at run time with
+``mallopt``); the benchmarks that step an engine in-process call it (``bench.budget.new_engine``).
+
+The server does not: its engine runs in its own thread (another arena), where the slow state was not seen
+(16 short streams served at the same rate with and without the fixed thresholds), and a fixed trim threshold
+lets a busy server keep up to :data:`TRIM_THRESHOLD_BYTES` of freed heap until its next idle spell (:func:`trim`).
+Elsewhere than glibc both functions are no-ops.
 """
 
 from __future__ import annotations

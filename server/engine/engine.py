@@ -54,7 +54,6 @@ class Engine:
 
     def __init__(self, runner: ModelRunner, backends: dict[str, KVBackend], tokenizer, eos_token_ids: set[int],
                  scheduler: Scheduler, max_concurrent_requests: int, recorder=None):
-        allocator.keep_step_memory()
         self.runner = runner
         self.backends = backends
         self.tokenizer = tokenizer
