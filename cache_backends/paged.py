@@ -350,7 +350,7 @@ class PoolViews:
             n = slab.units * slab.heads * slab.width
             pages = typed[:, slab.offset // e : slab.offset // e + n].view(-1, slab.heads, slab.units * slab.width)
             view = pages.view(-1, slab.heads, slab.units, slab.width).transpose(0, 1)  # (heads, num_pages, units, w)
-            view.runs = _RunRows(typed, slab.offset // e, slab.units * slab.width)
+            view.runs = _RunRows(typed, slab.offset // e, slab.units * slab.width, slab.heads)
             return view
 
         self.layout = layout
@@ -538,21 +538,23 @@ class _RunRows:
         typed: (num_pages, page_elems) the arena in the slab's dtype.
         offset: the slab's first element in a page.
         run: elements of one head's block in a page (units x width).
+        heads: the slab's heads.
     """
 
-    def __init__(self, typed: torch.Tensor, offset: int, run: int):
+    def __init__(self, typed: torch.Tensor, offset: int, run: int, heads: int):
         page_elems = typed.shape[1]
+        self.heads = heads
         stride = math.gcd(page_elems, run)
         flat = typed.view(-1)
         self.rows = flat.as_strided(((flat.numel() - offset - run) // stride + 1, run), (stride, 1), offset)
         self.head_rows, self.page_rows = run // stride, page_elems // stride
 
-    def index(self, table: torch.Tensor, heads: int, cache: dict) -> torch.Tensor:
+    def index(self, table: torch.Tensor, cache: dict) -> torch.Tensor:
         """Rows of ``table`` (B, P)'s pages, heads first: (heads * B * P,); computed once per table and shape of
         slab (``cache``: the step's)."""
-        key = (id(table), heads, self.head_rows, self.page_rows)
+        key = (id(table), self.heads, self.head_rows, self.page_rows)
         if key not in cache:
-            head = torch.arange(heads, device=table.device)[:, None] * self.head_rows
+            head = torch.arange(self.heads, device=table.device)[:, None] * self.head_rows
             cache[key] = (head + table.reshape(1, -1) * self.page_rows).reshape(-1)
         return cache[key]
 
@@ -568,7 +570,7 @@ def _gather(view: torch.Tensor, table: torch.Tensor, cache: dict) -> torch.Tenso
     b, p = table.shape
     h, _, units, w = view.shape
     rows = view.runs
-    return torch.index_select(rows.rows, 0, rows.index(table, h, cache)).view(h, b, p * units, w)
+    return torch.index_select(rows.rows, 0, rows.index(table, cache)).view(h, b, p * units, w)
 
 
 def write_layer(views: PoolViews, layer: int, meta: StepMeta, new: list[torch.Tensor]) -> None:

@@ -61,11 +61,6 @@ class BlockManager:
         return self.usable_pages - self.num_free
 
     @property
-    def num_cached(self) -> int:
-        """Pages that hold a registered block (held by a sequence or evictable)."""
-        return len(self._hash_of)
-
-    @property
     def num_evictable(self) -> int:
         """Cached pages no sequence holds (reused on a hit, else evicted when pages run out)."""
         return len(self._evictable)
@@ -139,10 +134,3 @@ class BlockManager:
             if self.ref[p] == 0:
                 del self._evictable[p]
             self.ref[p] += 1
-
-    def clear_cache(self) -> None:
-        """Forget every cached block (evictable pages become free; held ones stay held, unregistered)."""
-        self._free.extend(self._evictable)
-        self._evictable.clear()
-        self._page_of.clear()
-        self._hash_of.clear()
