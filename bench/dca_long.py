@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from bench.fidelity import agreement, greedy_tokens
-from bench.quality import CALIB_SLICE, EVAL_SLICE, slice_token_ids
+from bench.quality import CALIB_SLICE, EVAL_SLICE, model_slice_ids
 from cache_backends import ModelGeometry, create
 from cache_backends.spec import format_spec, parse_spec
 
@@ -82,8 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     model, tokenizer = load_model(args.model, torch.device("cpu"), torch.float32)
     geometry = ModelGeometry.from_config(model.config, torch.float32)
-    eval_ids = slice_token_ids(Path(args.model) / EVAL_SLICE, tokenizer)
-    calib_ids = slice_token_ids(Path(args.model) / CALIB_SLICE, tokenizer)
+    eval_ids = model_slice_ids(Path(args.model), EVAL_SLICE, tokenizer)
+    calib_ids = model_slice_ids(Path(args.model), CALIB_SLICE, tokenizer)
     prompts = [eval_ids[i * 1000 : i * 1000 + args.prompt_tokens] for i in range(args.prompts)]
     rows, reference = [], None
     for spec in ["full"] + [s for s in args.backends if s != "full"]:

@@ -27,7 +27,7 @@ import torch
 
 from bench.budget import budget_run, make_backend, step_time
 from bench.fidelity import cache_path_perplexity
-from bench.quality import EVAL_SLICE, slice_token_ids
+from bench.quality import EVAL_SLICE, model_slice_ids
 from cache_backends import create
 
 REPO = Path(__file__).resolve().parents[1]
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         if path not in models:
             models[path] = load_model(str(path), torch.device("cpu"), torch.float32)
         model, tokenizer = models[path]
-        ids = slice_token_ids(path / EVAL_SLICE, tokenizer)
+        ids = model_slice_ids(path, EVAL_SLICE, tokenizer)
         backend = make_backend(spec, model, tokenizer)
         if budget is None:
             budget = 2 * create("full", backend.geometry).reserved_bytes(1024)

@@ -13,10 +13,14 @@ from pathlib import Path
 
 import torch
 
+from cache_backends.calibration import CALIB_SLICE, EVAL_SLICE, slice_file
 from cache_backends.calibration import slice_token_ids  # noqa: F401  (re-exported: bench and tests use it)
 
-EVAL_SLICE = "eval_slice.txt"
-CALIB_SLICE = "calib_slice.txt"
+
+def model_slice_ids(model_dir: str | Path, name: str, tokenizer) -> list[int]:
+    """Token ids of the model folder's ``name`` slice (``EVAL_SLICE`` or ``CALIB_SLICE``), or of the packaged
+    text of that role when the folder has none (:func:`cache_backends.calibration.slice_file`)."""
+    return slice_token_ids(slice_file(model_dir, name), tokenizer)
 
 
 @torch.no_grad()

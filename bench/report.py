@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from bench.fidelity import (PagedSequence, agreement, cache_path_perplexity, greedy_tokens, measured_bytes_per_token,
                             tpot)
-from bench.quality import CALIB_SLICE, EVAL_SLICE, slice_token_ids
+from bench.quality import CALIB_SLICE, EVAL_SLICE, model_slice_ids
 from cache_backends import ModelGeometry, create
 from cache_backends.spec import format_spec, parse_spec
 from server.engine.runner import ModelRunner
@@ -43,6 +43,25 @@ WINDOW = 1024  # tokens per perplexity window (the reference model's context)
 MAX_PROMPTS = 20  # greedy prompts start every 1000 tokens of the ~20.7k-token eval slice
 DEFAULT = {"windows": 6, "prefix": 768, "prompts": 16, "new_tokens": 64, "stream_tokens": 64, "rounds": 3}
 QUICK = {"windows": 2, "prefix": 768, "prompts": 4, "new_tokens": 32, "stream_tokens": 32, "rounds": 3}
+
+
+BUDGETED = "@budget"  # a --backends entry "mla@budget": the setting the quality budget (--budget) chooses
+CHAT_PROMPT_TOKENS = 64  # tokens of held-out text in each chat-templated greedy prompt
+
+
+def greedy_prompts(tokenizer, eval_ids: list[int], n: int) -> list[list[int]]:
+    """The greedy-agreement prompts: ``n`` passages of the eval slice, one every 1000 tokens. A model with a
+    chat template gets each as a chat turn (a 64-token passage to continue, through the template with the
+    assistant's turn opened), as an instruct model is served; others get 32 raw tokens."""
+    if not getattr(tokenizer, "chat_template", None):
+        return [eval_ids[i * 1000 : i * 1000 + 32] for i in range(n)]
+    prompts = []
+    for i in range(n):
+        passage = tokenizer.decode(eval_ids[i * 1000 : i * 1000 + CHAT_PROMPT_TOKENS])
+        turn = [{"role": "user", "content": f"Continue this passage:\n\n{passage}"}]
+        ids = tokenizer.apply_chat_template(turn, add_generation_prompt=True, tokenize=True, return_dict=False)
+        prompts.append(list(ids["input_ids"] if isinstance(ids, dict) else ids))
+    return prompts
 
 
 def engine_throughput(model, tokenizer, backend, streams: int, new_tokens: int) -> float:
@@ -117,21 +136,31 @@ def run(args) -> dict:
     torch.manual_seed(0)
     model, tokenizer = load_model(args.model, torch.device("cpu"), torch.float32)
     geometry = ModelGeometry.from_config(model.config, torch.float32)
-    eval_ids = slice_token_ids(Path(args.model) / EVAL_SLICE, tokenizer)
-    calib_ids = slice_token_ids(Path(args.model) / CALIB_SLICE, tokenizer)
-    prompts = [eval_ids[i * 1000 : i * 1000 + 32] for i in range(args.prompts)]
+    eval_ids = model_slice_ids(Path(args.model), EVAL_SLICE, tokenizer)
+    calib_ids = model_slice_ids(Path(args.model), CALIB_SLICE, tokenizer)
+    prompts = greedy_prompts(tokenizer, eval_ids, args.prompts)
+    scorer = None
     contexts = [512, 1024] if args.quick else [256, 512, 1024]
     rows, backends, reference = [], [], None
     specs = settings(args.backends or (QUICK_SPECS if args.quick else DEFAULT_SPECS))
     bar = tqdm(specs, desc="kvserve bench: quality")
     for spec in bar:
         bar.set_postfix_str(spec)
-        name, options = parse_spec(spec)
-        backend = create(name, geometry, **options)
         timed = Phases()
-        timed("prepare", backend.prepare, model, calib_ids)
+        if spec.endswith(BUDGETED):  # the setting the quality budget chooses (as the server does at start-up)
+            from server.quality_budget import Scorer, choose
+
+            name = spec.removesuffix(BUDGETED)
+            scorer = scorer or Scorer(model, geometry, calib_ids)
+            backend, choice = timed("prepare", choose, name, geometry, {}, set(), model, calib_ids, None, scorer,
+                                    args.budget)
+            budget = choice.as_dict()
+        else:
+            name, options = parse_spec(spec)
+            backend, budget = create(name, geometry, **options), None
+            timed("prepare", backend.prepare, model, calib_ids)
         row = {"backend": name, "params": backend.params(), "spec": format_spec(name, backend.params()),
-               "details": backend.details()}
+               "details": backend.details(), "budget": budget}
         row["bytes_per_token"], row["formula_bytes_per_token"] = timed(
             "bytes", measured_bytes_per_token, model, backend, calib_ids, 1024)
         row["info_bytes_per_token"] = backend.bytes_per_token_per_layer() * geometry.num_layers  # what /info says
@@ -180,7 +209,8 @@ def markdown(result: dict) -> str:
     for r in result["rows"]:
         params = ", ".join(f"{k}={v}" for k, v in r["params"].items()) or "-"
         tp = " | ".join(f"{1000 * r['tpot_s'][c]:.1f}" for c in ctx)
-        lines.append(f"| {r['backend']} | {params} | {r['bytes_per_token']:.0f} | {r['compression']:.2f}x | "
+        label = r["backend"] + (f" (budget +{r['budget']['budget_pct']:g}%)" if r.get("budget") else "")
+        lines.append(f"| {label} | {params} | {r['bytes_per_token']:.0f} | {r['compression']:.2f}x | "
                      f"{r['perplexity']:.3f} | {r['perplexity_change_pct']:+.2f}% | {r['greedy_agreement']:.3f} | "
                      f"{r['ttft_s']:.3f} | {tp} | {r['tokens_per_s'][1]:.1f} | {r['tokens_per_s'][8]:.1f} |")
     return "\n".join(lines)
@@ -303,6 +333,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true",
                    help=f"{len(QUICK_SPECS)} settings, {QUICK['windows']} windows, {QUICK['prompts']} prompts x "
                         f"{QUICK['new_tokens']} tokens (under 3 minutes)")
+    p.add_argument("--budget", type=float, default=1.0,
+                   help=f"the quality budget (percent perplexity increase on the calibration text) of the "
+                        f"'NAME{BUDGETED}' entries of --backends, e.g. mla{BUDGETED} (default 1.0)")
     p.add_argument("--out", default="reports/bench")
     p.add_argument("--windows", type=int, default=None,
                    help=f"1024-token windows of the eval slice scored through the cache path (20 = all; default "
@@ -341,7 +374,9 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"--model {args.model}: no config.json in that folder")
     geometry = ModelGeometry.from_config(AutoConfig.from_pretrained(args.model), torch.float32)
     for spec in args.backends or []:
-        name, options = parse_spec(spec)  # its errors name the spec
+        name, options = parse_spec(spec.removesuffix(BUDGETED))  # its errors name the spec
+        if spec.endswith(BUDGETED) and options:
+            raise ValueError(f"--backends {spec}: a budgeted entry takes no options (the budget chooses them)")
         try:
             create(name, geometry, **options)
         except (ValueError, TypeError, KeyError) as exc:

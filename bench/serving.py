@@ -166,10 +166,10 @@ def long_prompts(model_dir: str, n: int, tokens: int) -> list[str]:
     """``n`` different ~``tokens``-token texts from the model's held-out slice."""
     from transformers import AutoTokenizer
 
-    from bench.quality import EVAL_SLICE, slice_token_ids
+    from bench.quality import EVAL_SLICE, model_slice_ids
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    ids = slice_token_ids(Path(model_dir) / EVAL_SLICE, tok)
+    ids = model_slice_ids(Path(model_dir), EVAL_SLICE, tok)
     return [tok.decode(ids[i * tokens:(i + 1) * tokens]) for i in range(n)]
 
 

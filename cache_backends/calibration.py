@@ -23,6 +23,24 @@ CALIBRATION_WINDOW = 1024  # tokens per forward pass over the calibration text (
 
 
 DEFAULT_TEXT = Path(__file__).parent / "data" / "calibration.txt"
+DEFAULT_EVAL_TEXT = Path(__file__).parent / "data" / "evaluation.txt"
+"""Held-out chapters of the same public-domain text, none of them in :data:`DEFAULT_TEXT`: what the benchmarks
+score a model folder on when it has no ``eval_slice.txt``."""
+EVAL_SLICE = "eval_slice.txt"
+
+
+def slice_file(model_dir: str | Path, name: str) -> Path:
+    """The model folder's slice ``name`` (``calib_slice.txt`` or ``eval_slice.txt``) when it has one, else the
+    packaged text of that role (:data:`DEFAULT_TEXT`, :data:`DEFAULT_EVAL_TEXT`), so a plain model folder (a
+    converted pretrained model) needs no extra files.
+
+    Raises:
+        ValueError: for another name.
+    """
+    if name not in (CALIB_SLICE, EVAL_SLICE):
+        raise ValueError(f"no packaged text for {name!r}")
+    beside = Path(model_dir) / name
+    return beside if beside.is_file() else (DEFAULT_TEXT if name == CALIB_SLICE else DEFAULT_EVAL_TEXT)
 
 
 def calibration_file(model, path: str | Path | None = None) -> Path:

@@ -600,12 +600,27 @@ class DCABackend(KVBackend):
         if cache is not None:  # /info's calibration time counts the measuring pass (it runs at every start)
             cache.add_seconds("dca", time.perf_counter() - measuring)
         self.served_similarity = {layer: round(torch.cat(w).mean().item(), 4) for layer, w in per_window.items()}
-        self.reuse_candidates = select_reuse_layers(self.served_similarity, self.threshold)
+        self._per_window = per_window
+        self.set_threshold(self.threshold)
+
+    def set_threshold(self, threshold: float) -> None:
+        """Choose the reuse candidates, their runtime thresholds and the calibrated reuse share at ``threshold``
+        from the similarities :meth:`prepare` measured (no model pass): what a backend built with this threshold
+        and prepared on the same calibration would serve. Used by the quality budget's search.
+
+        Raises:
+            RuntimeError: before :meth:`prepare`.
+        """
+        per_window = getattr(self, "_per_window", None)
+        if per_window is None:
+            raise RuntimeError("dca: set_threshold before prepare(model)")
+        self.threshold = self.options["threshold"] = threshold
+        self.reuse_candidates = select_reuse_layers(self.served_similarity, threshold)
         self.layer_thresholds = {layer: span_thresholds(per_window[layer]) for layer in self.reuse_candidates}
         # what the prefill decision reuses on each window: every candidate's source is kept (no two are adjacent)
         self.calibration_reuse = [
             (len(sims), sum(per_window[layer][w].mean().item() >= runtime_threshold(
-                self.layer_thresholds[layer], self.threshold, len(sims)) for layer in self.reuse_candidates))
+                self.layer_thresholds[layer], threshold, len(sims)) for layer in self.reuse_candidates))
             for w, sims in enumerate(per_window.get(1, []))]
 
     def _fit(self, model, ids: list[int], rope: RopeTable) -> tuple[dict[str, torch.Tensor], dict]:

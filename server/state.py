@@ -72,6 +72,32 @@ def create_backends(settings: Settings, geometry: ModelGeometry) -> dict[str, KV
     return backends
 
 
+def prepare_backends(settings: Settings, names: list[str], model, tokenizer, geometry: ModelGeometry,
+                     cache: CalibrationCache) -> tuple[dict[str, KVBackend], dict[str, dict]]:
+    """Build and prepare the served backends, each at the setting the quality budget chooses
+    (:mod:`server.quality_budget`; ``KV_QUALITY_BUDGET``), and price each.
+
+    Returns:
+        ``(backends by name, each one's choice and price as /info's kv_quality shows it)``.
+    """
+    from server.quality_budget import Scorer, choose
+
+    budget = settings.kv_quality_budget
+    calibration = None
+    calibrating = any(part in ("gqa", "mla", "dca") for name in names for part in name.split("+"))
+    if calibrating or (budget is not None and any(n != "full" for n in names)):
+        from cache_backends.calibration import calibration_ids
+
+        calibration = calibration_ids(model, tokenizer, path=settings.kv_calibration_file)
+    scorer = Scorer(model, geometry, calibration, cache) if budget is not None and calibration else None
+    backends, quality = {}, {}
+    for name in names:
+        backends[name], choice = choose(name, geometry, settings.backend_options(name),
+                                        settings.explicit_options(name), model, calibration, cache, scorer, budget)
+        quality[name] = choice.as_dict()
+    return backends, quality
+
+
 @dataclass
 class ServerState:
     """Everything the routes need; ``service`` is ``None`` until the model is loaded."""
@@ -81,6 +107,8 @@ class ServerState:
     service: GenerationService | None = None
     engine: Engine | None = None
     backends: dict[str, KVBackend] = field(default_factory=dict)
+    quality: dict[str, dict] = field(default_factory=dict)
+    """Each served backend's quality-budget choice and price (``/info``'s ``kv_quality``)."""
     model_name: str = ""
     info: dict = field(default_factory=dict)
     load_error: str | None = None
@@ -103,16 +131,9 @@ class ServerState:
         dtype = resolve_dtype(s.dtype, device)
         model, tokenizer = load_model(s.model_id, device, dtype)
         geometry = ModelGeometry.from_config(model.config, dtype)
-        self.backends = create_backends(s, geometry)
-        names = list(self.backends)
-        calibration = None
-        if any(part in ("gqa", "mla", "dca") for name in names for part in name.split("+")):
-            from cache_backends.calibration import calibration_ids
-
-            calibration = calibration_ids(model, tokenizer, path=s.kv_calibration_file)
+        names = list(create_backends(s, geometry))  # checked against the model; built below, as priced
         cache = CalibrationCache(s.kv_calibration_cache_dir)
-        for backend in self.backends.values():
-            backend.prepare(model, calibration, cache)
+        self.backends, self.quality = prepare_backends(s, names, model, tokenizer, geometry, cache)
         self.model_names = s.model_names(Path(s.model_id).name if Path(s.model_id).exists() else s.model_id)
         self.model_name = self.model_names[0]
         max_input, max_total = s.token_limits(model.config.max_position_embeddings)
@@ -135,6 +156,7 @@ class ServerState:
             "model_device_type": device.type, "kv_backend": s.kv_backend, "kv_backends": names,
             "kv_backend_params": {n: b.params() for n, b in self.backends.items()},
             "kv_backend_details": {n: b.details() for n, b in self.backends.items() if b.details()},
+            "kv_quality_budget_pct": s.kv_quality_budget, "kv_quality": self.quality,
             "kv_calibration": [{k: v for k, v in e.as_dict().items() if k != "figures"} for e in cache.events],
             **kv_sizes(self.backends, geometry.num_layers, max_total), "num_layers": geometry.num_layers,
             "num_attention_heads": geometry.num_attention_heads,

@@ -29,6 +29,8 @@ if "OMP_NUM_THREADS" not in os.environ:  # an explicit thread count wins (1 on a
 
 
 def pytest_configure(config):
+    config.addinivalue_line("markers", "real_model: a test on the real pretrained model (SmolLM2-135M-Instruct, "
+                                       "`kvserve fetch-model`); `pytest -m real_model` runs the group")
     config.addinivalue_line("markers", "value: a value test, run once per selected precision (DEVICE, DTYPE); "
                                        "`make test-gpu` runs these on CUDA")
     try:

@@ -1,0 +1,342 @@
+"""The quality budget (``KV_QUALITY_BUDGET``): each served backend's measured price, and the calibrating backends'
+most compressive setting within it.
+
+**The price** of a backend is measured on the calibration text, through the backend's own cache path, against
+``full``: :data:`PRICE_WINDOWS` windows of :data:`PRICE_WINDOW` tokens from the end of the text; the first
+:data:`PRICE_PREFIX` tokens of each are prefilled into the backend's store, and the later ones are fed in chunks
+of :data:`SCORE_CHUNK` tokens whose queries attend to what the store holds, its compressed form (teacher
+forcing; a store that decides once per prompt, dca's, is scored one decode step per token). At every scored position the price counts the KL divergence KL(p_full || p_backend) of the
+next-token distributions, in nats; its mean over the scored tokens, ``kl``, is the price, expressed as the
+perplexity increase it implies, ``100 * (exp(kl) - 1)`` percent (the expected increase of the cross-entropy
+under ``full``'s own distribution is the KL divergence). The realized perplexity change of the scored tokens is
+reported beside it; the KL form is the one the budget is checked on because it is paired per position and never
+negative, so it separates a 1% price from noise on a few hundred tokens where the realized change does not.
+
+**The search.** With a budget set (default 1%: int8 costs about 0.01% and 4-bit about 0.5-1% on real models,
+while every post-hoc setting that changed greedy text measurably cost more), a backend whose compressive
+parameter the settings leave unset gets the most compressive value within the budget:
+
+* ``mla`` (post-hoc; and ``mla+int8``/``mla+int4``): the smallest rank of a ladder of 16 (``2 H d k / 16``),
+  by bisection (the price falls with the rank);
+* ``gqa`` (and ``gqa+int8``/``gqa+int4``): the fewest shared K/V heads among the divisors of
+  ``num_key_value_heads``, by bisection;
+* ``dca`` (and its compositions): the lowest similarity threshold (the most reuse layers), among the layers'
+  calibrated similarities, by bisection;
+* ``int4``: with or without the Hadamard rotation, whichever costs less.
+
+One rank (or group count) serves every layer: the paged pool lays out one latent width per block.
+
+A setting that saves less than :data:`MIN_SAVING` of ``full``'s bytes within the budget is reported as saving
+nothing (logged as a warning, in ``/info``'s ``kv_quality`` and on the page); a setting given explicitly is kept
+and priced, and served with a warning naming its price when that exceeds the budget. Prices are kept in the
+calibration cache (kind ``price``), so a second start measures nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from cache_backends import KVBackend, ModelGeometry, create
+from cache_backends.spec import format_spec
+from server.engine.runner import ModelRunner
+
+log = logging.getLogger("kvserve.budget")
+
+PRICE_WINDOWS = 3  # windows of the calibration text scored per price
+PRICE_WINDOW = 512  # tokens per window
+PRICE_PREFIX = 256  # of which prefilled (not scored): the rest are scored in chunks
+SCORE_CHUNK = 16  # tokens per scoring chunk (each chunk's queries read the stored, compressed form)
+MIN_SAVING = 0.05  # a setting that saves less than this share of full's bytes "saves nothing"
+PRICE_VERSION = 2  # of the cached price entries
+RANK_LADDER = 16  # mla's candidate ranks: 2 H d k / 16, k = 1 .. 16
+
+
+def ppl_increase(kl: float) -> float:
+    """The perplexity increase (percent) a mean KL divergence of ``kl`` nats per token implies."""
+    return 100.0 * math.expm1(kl)
+
+
+@dataclass
+class Price:
+    """What a backend setting costs on the calibration text (see the module docstring)."""
+
+    kl: float  # mean KL(p_full || p_backend), nats per scored token
+    ppl_increase_pct: float  # 100 * (exp(kl) - 1)
+    ppl_change_pct: float  # realized perplexity change of the scored tokens vs full
+    tokens: int  # scored tokens
+
+
+@dataclass
+class Choice:
+    """One backend's outcome: the setting served, its price, and what was tried (``/info``'s ``kv_quality``)."""
+
+    backend: str
+    spec: str
+    budget_pct: float | None
+    price: Price | None
+    bytes_per_token: float
+    full_bytes_per_token: float
+    searched: str | None = None  # the option the search chose ("rank", "groups", "threshold", "rotate")
+    explicit: bool = False  # the searched option was set explicitly (kept as given)
+    tried: list[dict] = field(default_factory=list)
+    message: str = ""
+
+    @property
+    def compression(self) -> float:
+        return self.full_bytes_per_token / self.bytes_per_token if self.bytes_per_token else float("inf")
+
+    @property
+    def within_budget(self) -> bool:
+        return self.price is None or self.budget_pct is None or self.price.ppl_increase_pct <= self.budget_pct
+
+    @property
+    def saves_nothing(self) -> bool:
+        return self.bytes_per_token > (1 - MIN_SAVING) * self.full_bytes_per_token
+
+    def as_dict(self) -> dict:
+        out = {k: v for k, v in asdict(self).items() if k != "price"}
+        out["price"] = asdict(self.price) if self.price else None
+        out.update(compression=round(self.compression, 3), within_budget=self.within_budget,
+                   saves_nothing=self.saves_nothing)
+        return out
+
+
+class Scorer:
+    """Scores backends on fixed windows of the calibration text against ``full`` (computed once).
+
+    Args:
+        model: the loaded model.
+        geometry: its attention shape.
+        calibration_ids: the calibration token ids; windows are taken from their end.
+        cache: a :class:`cache_backends.calibration_cache.CalibrationCache` that keeps prices, or ``None``.
+    """
+
+    def __init__(self, model, geometry: ModelGeometry, calibration_ids: list[int], cache=None):
+        self.model, self.geometry, self.cache = model, geometry, cache
+        window = min(PRICE_WINDOW, model.config.max_position_embeddings)
+        self.prefix = min(PRICE_PREFIX, window * 3 // 4)
+        n = min(PRICE_WINDOWS, len(calibration_ids) // window)
+        if n < 1:
+            raise ValueError(f"the calibration text has {len(calibration_ids)} tokens; the quality budget needs "
+                             f"at least {window}")
+        start = len(calibration_ids) - n * window
+        self.windows = [calibration_ids[start + i * window : start + (i + 1) * window] for i in range(n)]
+        self.ids = [t for w in self.windows for t in w]
+        self._reference: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @torch.inference_mode()
+    def _logprobs(self, backend: KVBackend) -> torch.Tensor:
+        """(windows, scored tokens, vocab_size) float32 log-probabilities through ``backend``'s cache path."""
+        runner = ModelRunner(self.model, self.geometry.num_layers)
+        stores = [backend.new_store() for _ in self.windows]
+        try:
+            logits = torch.stack([runner.prefill(w[: self.prefix], s)[-1] for w, s in zip(self.windows, stores)])
+            if stores[0].supports_chunked_prefill:  # chunks of SCORE_CHUNK tokens, each reading the stored form
+                rows = []
+                for w, s in zip(self.windows, stores):
+                    rest = w[self.prefix : -1]
+                    rows.append(torch.cat([runner.prefill(rest[i : i + SCORE_CHUNK], s, all_logits=True)
+                                           for i in range(0, len(rest), SCORE_CHUNK)]))
+                out = torch.cat([logits.unsqueeze(1), torch.stack(rows)], dim=1)
+            else:  # a store that decides once per prompt (dca): one decode step per token, the windows batched
+                steps = [logits]
+                for pos in range(self.prefix, len(self.windows[0]) - 1):
+                    steps.append(runner.decode([w[pos] for w in self.windows], stores))
+                out = torch.stack(steps, dim=1)
+        finally:
+            for s in stores:
+                s.release()
+        return torch.log_softmax(out.float(), -1)
+
+    def _targets(self) -> torch.Tensor:
+        return torch.tensor([w[self.prefix :] for w in self.windows])  # (windows, scored)
+
+    def reference(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``full``'s (log-probabilities, negative log-likelihood per scored token), computed once."""
+        if self._reference is None:
+            full = create("full", self.geometry)
+            logp = self._logprobs(full)
+            nll = -logp.gather(-1, self._targets().unsqueeze(-1).to(logp.device)).squeeze(-1)
+            self._reference = (logp, nll)
+        return self._reference
+
+    def price(self, backend: KVBackend) -> Price:
+        """The price of a prepared ``backend`` (from the cache when it holds this setting's)."""
+        if self.cache is None or not self.cache.directory:
+            return self._measure(backend)
+        spec = format_spec(backend.name, backend.params())
+        figures = self.cache.fetch(
+            "price", self.model, self.ids, {"spec": spec, "prefix": self.prefix, "windows": len(self.windows)},
+            fit=lambda: self._fit(backend), load=lambda _, figures: figures, version=PRICE_VERSION)
+        return Price(**figures["price"])
+
+    def _fit(self, backend: KVBackend) -> tuple[dict[str, torch.Tensor], dict]:
+        price = self._measure(backend)
+        return {"kl": torch.tensor([price.kl])}, {"price": asdict(price)}
+
+    def _measure(self, backend: KVBackend) -> Price:
+        ref_logp, ref_nll = self.reference()
+        logp = self._logprobs(backend)
+        kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1).clamp_min(0).mean().item()
+        nll = -logp.gather(-1, self._targets().unsqueeze(-1).to(logp.device)).squeeze(-1)
+        change = 100.0 * math.expm1((nll.mean() - ref_nll.mean()).item())
+        return Price(kl=kl, ppl_increase_pct=ppl_increase(kl), ppl_change_pct=change, tokens=nll.numel())
+
+
+def bytes_per_token(backend: KVBackend, seq_len: int = 1024) -> float:
+    """All layers' bytes per token at ``seq_len`` tokens (the sums ``/info`` reports)."""
+    return backend.bytes_per_token_per_layer(seq_len) * backend.geometry.num_layers
+
+
+def search_axis(name: str, geometry: ModelGeometry) -> str | None:
+    """The option the budget chooses for backend ``name`` (a composition: its outer part's), or ``None``."""
+    outer = name.split("+")[0]
+    if outer == "mla":
+        return None if geometry.kv_lora_rank else "rank"
+    return {"gqa": "groups", "dca": "threshold", "int4": "rotate"}.get(outer)
+
+
+def candidates(name: str, axis: str, geometry: ModelGeometry, options: dict) -> list:
+    """The values of ``axis`` to try, most compressive first."""
+    if axis == "rank":
+        width = 2 * geometry.num_key_value_heads * geometry.head_dim
+        even = any(p == "int4" for p in name.split("+")) or 4 in (options.get("key_bits"), options.get("value_bits"))
+        ranks = sorted({max(1, width * k // RANK_LADDER) for k in range(1, RANK_LADDER + 1)})
+        return [r + (r % 2 if even else 0) for r in ranks if not even or r + r % 2 <= width]
+    if axis == "groups":
+        h = geometry.num_key_value_heads
+        return [g for g in range(1, h + 1) if h % g == 0]
+    if axis == "rotate":
+        return [False, True]
+    raise ValueError(f"no candidates for {axis}")
+
+
+def choose(name: str, geometry: ModelGeometry, options: dict, explicit: set[str], model, calibration_ids,
+           cache, scorer: Scorer | None, budget_pct: float | None) -> tuple[KVBackend, Choice]:
+    """Build and prepare backend ``name``: the setting the budget chooses, or the one ``options`` gives.
+
+    Args:
+        options: the backend's options from the settings (defaults included).
+        explicit: the options the user set explicitly (kept, never searched).
+        scorer: prices settings; ``None`` (no budget): nothing is priced.
+        budget_pct: the bound on the price, percent perplexity increase; ``None``: no search.
+
+    Returns:
+        The prepared backend and its :class:`Choice`.
+
+    Raises:
+        ValueError: a backend or option the model cannot take (as :func:`cache_backends.create`).
+    """
+    full_bytes = bytes_per_token(create("full", geometry))
+    axis = search_axis(name, geometry)
+    search = budget_pct is not None and scorer is not None and axis is not None and axis not in explicit
+
+    def build(**override) -> KVBackend:
+        backend = create(name, geometry, **{**options, **override})
+        backend.prepare(model, calibration_ids, cache)
+        return backend
+
+    def record(backend: KVBackend, price: Price | None, tried: list) -> None:
+        tried.append({"spec": format_spec(backend.name, backend.params()), "bytes_per_token": bytes_per_token(backend),
+                      **({"ppl_increase_pct": round(price.ppl_increase_pct, 4), "kl": price.kl} if price else {})})
+
+    tried: list[dict] = []
+    began = time.perf_counter()
+    if not search:
+        backend = build()
+        price = scorer.price(backend) if scorer is not None and name != "full" else None
+    elif axis == "threshold":
+        backend, price = _search_dca(build, scorer, budget_pct, tried, record)
+    elif axis == "rotate":
+        priced = []
+        for value in candidates(name, axis, geometry, options):
+            b = build(rotate=value)
+            p = scorer.price(b)
+            record(b, p, tried)
+            priced.append((p.ppl_increase_pct > budget_pct, p.kl, value, b, p))
+        _, _, _, backend, price = min(priced, key=lambda x: x[:2])
+    else:
+        values = candidates(name, axis, geometry, options)
+        backend, price = _bisect(values, lambda v: build(**{axis: v}), scorer, budget_pct, tried, record)
+    choice = Choice(backend=name, spec=format_spec(backend.name, backend.params()), budget_pct=budget_pct,
+                    price=price, bytes_per_token=bytes_per_token(backend), full_bytes_per_token=full_bytes,
+                    searched=axis if search else None, explicit=axis in explicit if axis else False, tried=tried)
+    choice.message = _message(choice, axis)
+    level = logging.WARNING if (not choice.within_budget or (choice.saves_nothing and name != "full")) else logging.INFO
+    log.log(level, "%s (%.1f s)", choice.message, time.perf_counter() - began)
+    return backend, choice
+
+
+def _bisect(values: list, build, scorer: Scorer, budget: float, tried: list, record):
+    """The first of ``values`` (most compressive first, price falling along them) whose price is within
+    ``budget``, by bisection; the last value when none is."""
+    lo, hi = 0, len(values) - 1
+    found: tuple[KVBackend, Price] | None = None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        backend = build(values[mid])
+        price = scorer.price(backend)
+        record(backend, price, tried)
+        if price.ppl_increase_pct <= budget:
+            found, hi = (backend, price), mid - 1
+        else:
+            lo = mid + 1
+    if found is None:  # nothing within the budget: the least compressive value, priced
+        backend = build(values[-1])
+        found = (backend, scorer.price(backend))
+        if not tried or tried[-1]["spec"] != format_spec(backend.name, backend.params()):
+            record(backend, found[1], tried)
+    return found
+
+
+def _search_dca(build, scorer: Scorer, budget: float, tried: list, record):
+    """dca: the lowest threshold among the layers' calibrated similarities whose reuse stays within the budget."""
+    backend = build(threshold=1.01)  # prepared once: the similarities; no layer reused at this threshold
+    levels = sorted(set(backend.served_similarity.values()), reverse=True)  # each admits one more layer or more
+    best: tuple[float, Price] | None = None
+    lo, hi = 0, len(levels) - 1
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        backend.set_threshold(levels[mid])
+        price = scorer.price(backend)
+        record(backend, price, tried)
+        if price.ppl_increase_pct <= budget:
+            best, lo = (levels[mid], price), mid + 1
+        else:
+            hi = mid - 1
+    if best is None:  # no reuse layer within the budget: none reused (the inner backend's own price)
+        backend.set_threshold(1.01)
+        price = scorer.price(backend)
+        record(backend, price, tried)
+        return backend, price
+    backend.set_threshold(best[0])
+    return backend, best[1]
+
+
+def _message(choice: Choice, axis: str | None) -> str:
+    head = f"{choice.backend}: {choice.spec}"
+    if choice.price is None:
+        return f"{head}: {choice.compression:.2f}x smaller than full (not priced: no quality budget)"
+    cost = (f"{choice.compression:.2f}x smaller than full for +{choice.price.ppl_increase_pct:.2f}% perplexity "
+            f"(KL {choice.price.kl:.4f} nats/token on {choice.price.tokens} calibration tokens)")
+    if choice.budget_pct is None:
+        return f"{head}: {cost}"
+    if choice.searched and choice.saves_nothing:
+        return (f"{head}: saves nothing within the quality budget of +{choice.budget_pct:g}% "
+                f"(every more compressive {axis} costs more: {_tried(choice)}); {cost}")
+    if not choice.within_budget:
+        why = "explicit setting" if choice.explicit or not choice.searched else "no setting within it"
+        return f"{head}: over the quality budget of +{choice.budget_pct:g}% ({why}): {cost}"
+    if choice.saves_nothing and choice.backend != "full":
+        return f"{head}: saves nothing (under {100 * MIN_SAVING:.0f}% of full's bytes): {cost}"
+    chosen = f"chosen by the quality budget of +{choice.budget_pct:g}%" if choice.searched else "within the budget"
+    return f"{head}: {chosen}: {cost}"
+
+
+def _tried(choice: Choice) -> str:
+    return ", ".join(f"{t['spec']} +{t['ppl_increase_pct']:.1f}%" for t in choice.tried if "ppl_increase_pct" in t)
