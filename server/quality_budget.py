@@ -114,13 +114,19 @@ class Scorer:
         geometry: its attention shape.
         calibration_ids: the calibration token ids; windows are taken from their end.
         cache: a :class:`cache_backends.calibration_cache.CalibrationCache` that keeps prices, or ``None``.
+        windows, window, prefix: how many windows of how many tokens, and the tokens of each prefilled before
+            scoring (defaults: :data:`PRICE_WINDOWS`, :data:`PRICE_WINDOW`, :data:`PRICE_PREFIX`).
+
+    Raises:
+        ValueError: the calibration text is shorter than one window.
     """
 
-    def __init__(self, model, geometry: ModelGeometry, calibration_ids: list[int], cache=None):
+    def __init__(self, model, geometry: ModelGeometry, calibration_ids: list[int], cache=None,
+                 windows: int = PRICE_WINDOWS, window: int = PRICE_WINDOW, prefix: int = PRICE_PREFIX):
         self.model, self.geometry, self.cache = model, geometry, cache
-        window = min(PRICE_WINDOW, model.config.max_position_embeddings)
-        self.prefix = min(PRICE_PREFIX, window * 3 // 4)
-        n = min(PRICE_WINDOWS, len(calibration_ids) // window)
+        window = min(window, model.config.max_position_embeddings)
+        self.prefix = min(prefix, window * 3 // 4)
+        n = min(windows, len(calibration_ids) // window)
         if n < 1:
             raise ValueError(f"the calibration text has {len(calibration_ids)} tokens; the quality budget needs "
                              f"at least {window}")
@@ -171,7 +177,7 @@ class Scorer:
             return self._measure(backend)
         spec = format_spec(backend.name, backend.params())
         figures = self.cache.fetch(
-            "price", self.model, self.ids, {"spec": spec, "prefix": self.prefix, "windows": len(self.windows)},
+            "price", self.model, self.ids, {"spec": spec, "prefix": self.prefix},
             fit=lambda: self._fit(backend), load=lambda _, figures: figures, version=PRICE_VERSION)
         return Price(**figures["price"])
 

@@ -136,14 +136,20 @@ def test_int8_agrees_with_full_on_95_percent_of_greedy_tokens(real, calib):
     assert agreement(greedy_tokens(model, int8, prompts, 48), greedy_tokens(model, full, prompts, 48)) >= 0.95
 
 
+def small_scorer(model, geometry, ids) -> Scorer:
+    """Prices on 2 windows of 384 tokens, 256 of each scored (the server scores 3 x 256): a quicker, noisier
+    estimate that keeps the group within a few minutes."""
+    return Scorer(model, geometry, ids, windows=2, window=384, prefix=128)
+
+
 def _held_out_price(model, backend, held_out) -> float:
-    return Scorer(model, backend.geometry, held_out).price(backend).ppl_increase_pct
+    return small_scorer(model, backend.geometry, held_out).price(backend).ppl_increase_pct
 
 
 def test_the_budgeted_mla_keeps_held_out_perplexity_within_the_budget(real, calib, held_out):
     model, _ = real
     geometry = ModelGeometry.from_config(model.config, torch.float32)
-    scorer = Scorer(model, geometry, calib)
+    scorer = small_scorer(model, geometry, calib)
     backend, choice = choose("mla", geometry, {}, set(), model, calib, None, scorer, BUDGET)
     assert choice.searched == "rank" and choice.within_budget
     assert len(choice.tried) >= 3  # a search, not one setting
@@ -154,7 +160,7 @@ def test_the_budgeted_mla_keeps_held_out_perplexity_within_the_budget(real, cali
 def test_an_explicit_setting_over_the_budget_is_served_with_its_price(real, calib):
     model, _ = real
     geometry = ModelGeometry.from_config(model.config, torch.float32)
-    scorer = Scorer(model, geometry, calib)
+    scorer = small_scorer(model, geometry, calib)
     backend, choice = choose("gqa", geometry, {"groups": 1}, {"groups"}, model, calib, None, scorer, BUDGET)
     assert backend.params()["groups"] == 1 and choice.explicit and not choice.within_budget
     assert choice.price.ppl_increase_pct > 10 * BUDGET
@@ -167,7 +173,7 @@ def test_gqa_on_the_mha_twin_finds_the_models_own_head_sharing(twin):
     model, tok = twin
     calib = calibration_ids(model, tok, max_tokens=CALIB_TOKENS)
     geometry = ModelGeometry.from_config(model.config, torch.float32)
-    backend, choice = choose("gqa", geometry, {}, set(), model, calib, None, Scorer(model, geometry, calib), BUDGET)
+    backend, choice = choose("gqa", geometry, {}, set(), model, calib, None, small_scorer(model, geometry, calib), BUDGET)
     assert backend.params()["groups"] == 3  # the 3 K/V heads the twin repeats: exact
     assert choice.price.ppl_increase_pct < 0.01 and choice.compression == pytest.approx(3.0)
 
@@ -175,6 +181,6 @@ def test_gqa_on_the_mha_twin_finds_the_models_own_head_sharing(twin):
 def test_a_backend_that_saves_nothing_says_so(real, calib):
     model, _ = real
     geometry = ModelGeometry.from_config(model.config, torch.float32)
-    backend, choice = choose("dca", geometry, {}, set(), model, calib, None, Scorer(model, geometry, calib), BUDGET)
+    backend, choice = choose("dca", geometry, {}, set(), model, calib, None, small_scorer(model, geometry, calib), BUDGET)
     assert choice.saves_nothing and "saves nothing" in choice.message
     assert choice.as_dict()["saves_nothing"] is True
