@@ -2,24 +2,41 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
+# Two installs, each with its stamp: the server's runtime dependencies (`make serve`, `make install`), and those
+# plus the test extras (`make test` and the targets that need them); `make test` after `make serve` adds the extras.
+RUNTIME_STAMP := $(VENV)/.kvserve-runtime
 STAMP  := $(VENV)/.kvserve-installed
+# Where torch comes from when set (e.g. https://download.pytorch.org/whl/cpu: the CPU-only build; PyPI's Linux
+# torch is the CUDA build): torch alone is installed from it first, pinned by constraints.txt, as in the Dockerfile.
+TORCH_INDEX_URL ?=
 # torch's idle OpenMP threads sleep instead of spinning: on a shared CPU spinning threads made decoding 5-50x
 # slower beside one busy process (README, Configuration: TORCH_NUM_THREADS)
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: install serve test browser real-model docs docs-serve test-gpu bench bench-quick bench-serving bench-budget bench-prefix bench-mla-routes bench-dca load-test clean
+.PHONY: install install-test serve test browser real-model docs docs-serve test-gpu bench bench-quick bench-serving bench-budget bench-prefix bench-mla-routes bench-dca load-test clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-# Reinstall when the project's dependency files change.
+# Reinstall when the project's dependency files change. pip shows its progress (the first install downloads
+# torch and transformers: a few minutes).
+$(RUNTIME_STAMP): $(BIN)/python pyproject.toml constraints.txt
+	@echo "installing kvserve and its runtime dependencies into $(VENV)"
+	$(if $(TORCH_INDEX_URL),$(BIN)/python -m pip install -c constraints.txt --index-url "$(TORCH_INDEX_URL)" torch)
+	$(BIN)/python -m pip install -c constraints.txt -e .
+	touch $(RUNTIME_STAMP)
+
 $(STAMP): $(BIN)/python pyproject.toml constraints.txt
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[test]"
-	touch $(STAMP)
+	@echo "installing kvserve with its test dependencies into $(VENV)"
+	$(if $(TORCH_INDEX_URL),$(BIN)/python -m pip install -c constraints.txt --index-url "$(TORCH_INDEX_URL)" torch)
+	$(BIN)/python -m pip install -c constraints.txt -e ".[test]"
+	touch $(STAMP) $(RUNTIME_STAMP)
 
-install: $(STAMP)
+install: $(RUNTIME_STAMP)
 
-serve: $(STAMP)
+install-test: $(STAMP)
+
+serve: $(RUNTIME_STAMP)
 	$(BIN)/kvserve serve
 
 test: $(STAMP) browser real-model

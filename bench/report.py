@@ -5,7 +5,8 @@ held at 1024 tokens, compression vs ``full``, held-out perplexity through the ca
 change vs ``full``, greedy agreement with ``full``, TTFT (prefill of a 512-token prompt plus the first
 sampled token, in-process), TPOT at several context lengths, and aggregate decode tokens/s of the
 engine at 1 and 8 concurrent sequences. Quality is measured setting by setting; speed is measured in
-``--rounds`` rounds over all settings and reported as the median over rounds. It writes ``report.md``,
+``--rounds`` rounds over all settings and reported as the median over rounds, with the spread (min-max) over
+rounds beside it in the table (each round's value in ``speed_samples``). It writes ``report.md``,
 ``results.json`` (with each setting's wall time per phase) and three PNG plots (perplexity change vs
 compression, TPOT vs context, KV bytes vs context) to ``--out``.
 """
@@ -196,24 +197,40 @@ def run(args) -> dict:
         row["ttft_s"] = statistics.median(sample["ttft"])
         row["tpot_s"] = {c: statistics.median(v) for c, v in sample["tpot"].items()}
         row["tokens_per_s"] = {n: statistics.median(v) for n, v in sample["tps"].items()}
+        row["speed_samples"] = {"ttft_s": sample["ttft"], "tpot_s": sample["tpot"], "tokens_per_s": sample["tps"]}
     return {"model": args.model, "windows": args.windows, "prefix": args.prefix, "prompts": args.prompts,
             "new_tokens": args.new_tokens, "rounds": args.rounds, "contexts": contexts, "torch": torch.__version__,
             "threads": torch.get_num_threads(), "rows": rows}
 
 
+def spread(value: float, samples: list[float] | None, scale: float = 1.0, digits: int = 1) -> str:
+    """``value`` (a median) times ``scale`` with the min-max of ``samples`` (its rounds) beside it:
+    ``"9.8 (9.5-10.4)"``; the value alone with fewer than 2 samples (one round, or a result without them)."""
+    text = f"{scale * value:.{digits}f}"
+    if samples and len(samples) > 1:
+        text += f" ({scale * min(samples):.{digits}f}-{scale * max(samples):.{digits}f})"
+    return text
+
+
 def markdown(result: dict) -> str:
+    """The results table (markdown): speed columns are medians over rounds, their min-max in brackets."""
     ctx = result["contexts"]
     head = ("| backend | settings | bytes/token | compression | held-out ppl | Δ ppl | greedy agreement | TTFT s | "
             + " | ".join(f"TPOT ms @{c}" for c in ctx) + " | tok/s 1 stream | tok/s 8 streams |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in result["rows"]:
         params = ", ".join(f"{k}={v}" for k, v in r["params"].items()) or "-"
-        tp = " | ".join(f"{1000 * r['tpot_s'][c]:.1f}" for c in ctx)
+        per_round = r.get("speed_samples", {})
+        tp = " | ".join(spread(r["tpot_s"][c], per_round.get("tpot_s", {}).get(c), 1000) for c in ctx)
+        tps = " | ".join(spread(r["tokens_per_s"][n], per_round.get("tokens_per_s", {}).get(n)) for n in (1, 8))
         label = r["backend"] + (f" (budget +{r['budget']['budget_pct']:g}%)" if r.get("budget") else "")
         lines.append(f"| {label} | {params} | {r['bytes_per_token']:.0f} | {r['compression']:.2f}x | "
                      f"{r['perplexity']:.3f} | {r['perplexity_change_pct']:+.2f}% | {r['greedy_agreement']:.3f} | "
-                     f"{r['ttft_s']:.3f} | {tp} | {r['tokens_per_s'][1]:.1f} | {r['tokens_per_s'][8]:.1f} |")
-    return "\n".join(lines)
+                     f"{spread(r['ttft_s'], per_round.get('ttft_s'), digits=3)} | {tp} | {tps} |")
+    rounds = result.get("rounds", 1)
+    note = (f"TTFT, TPOT and tokens/s: median over {rounds} rounds, min-max over the rounds in brackets."
+            if rounds > 1 else "TTFT, TPOT and tokens/s: one round.")
+    return "\n".join(lines) + "\n\n" + note
 
 
 def similarity_table(result: dict) -> str:

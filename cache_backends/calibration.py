@@ -141,7 +141,7 @@ def _collect(model, geometry, token_ids, window, desc):
     device = next(model.parameters()).device
     keys = [[] for _ in range(geometry.num_layers)]
     values = [[] for _ in range(geometry.num_layers)]
-    for start in tqdm(range(0, len(token_ids), window), desc=desc, leave=False):
+    for start in tqdm(range(0, len(token_ids), window), desc=desc, leave=False, disable=None):
         chunk = token_ids[start : start + window]
         store = full.new_store()
         model(input_ids=torch.tensor([chunk], device=device), cache=store, use_cache=True, logits_to_keep=1)

@@ -332,7 +332,7 @@ class MLABackend(KVBackend):
 
         kv = collect_kv(model, self.geometry, ids, desc="mla calibration")
         tensors, explained = {}, []
-        for i, (k, v) in enumerate(tqdm(kv, desc="mla bases", leave=False)):
+        for i, (k, v) in enumerate(tqdm(kv, desc="mla bases", leave=False, disable=None)):
             b = LatentBasis.fit(k, v, self.rank)
             tensors[f"{i}.basis"], tensors[f"{i}.mean"] = b.basis, b.mean
             explained.append(round(b.explained, 6))

@@ -5,9 +5,11 @@ for the KV cache, optional ``--tpot-target`` seconds) and a ``kvserve bench`` re
 bench JSON it uses the estimator alone (memory only, quality unknown) for a model config or preset.
 
 A setting fits when bytes/token (measured by the bench at 1024 tokens, or the closed formula) ×
-context × concurrency is within the budget. Fitting settings are ranked by held-out perplexity change,
-then by TPOT at the nearest measured context; settings over the latency target come after the others.
-Each line says why.
+context × concurrency is within the budget. A measured setting is within the quality bound when its
+held-out perplexity rises by at most ``--max-ppl-increase`` percent (default 1) and its greedy agreement
+with ``full`` is at least ``--min-agreement`` (default 0.9). Fitting settings are ranked: those over the
+latency target after the others, and within each, those outside the quality bound after those within it;
+then by held-out perplexity change, then by TPOT at the nearest measured context. Each line says why, with the perplexity change and the agreement.
 """
 
 from __future__ import annotations
@@ -53,6 +55,26 @@ def _positive(kind):
         return value
 
     return parse
+
+
+def _at_least_zero(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, got {text!r}")
+    return value
 
 
 def why(backend: str, context: int, concurrency: int, share: float, long_context: bool) -> str:
@@ -122,8 +144,20 @@ def rows_from_estimate(model: str, dtype: str, context: int, specs: list[str] | 
             for (name, params), row in zip(parsed, sums)]
 
 
-def advise(rows: list[dict], context: int, concurrency: int, budget: int, tpot_target: float | None) -> list[dict]:
-    """Annotate and rank ``rows``; returns every row with ``fits``, ``need_bytes``, ``rank_key`` and ``reason``."""
+MAX_PPL_INCREASE = 1.0  # percent: the quality bound's perplexity part (the int8 gate of the tests)
+MIN_AGREEMENT = 0.9  # the quality bound's greedy-agreement part (fraction of greedy tokens equal to full's)
+
+
+def advise(rows: list[dict], context: int, concurrency: int, budget: int, tpot_target: float | None,
+           max_ppl_increase: float = MAX_PPL_INCREASE, min_agreement: float = MIN_AGREEMENT) -> list[dict]:
+    """Annotate and rank ``rows``; returns every row with ``fits``, ``need_bytes``, ``quality_ok``, ``rank_key``
+    and ``reason``.
+
+    ``quality_ok`` is False for a measured row whose perplexity change (percent) is above ``max_ppl_increase``
+    or whose greedy agreement (0-1) is below ``min_agreement``; unmeasured quality (None) is not held against
+    a row. Fitting rows come first, ranked by (over ``tpot_target`` seconds, outside the quality bound,
+    perplexity change, TPOT); the others follow by the bytes they need.
+    """
     long_context = context >= 4096
     out = []
     for r in rows:
@@ -134,14 +168,23 @@ def advise(rows: list[dict], context: int, concurrency: int, budget: int, tpot_t
             tpot = r["tpot"][nearest]
         slow = tpot_target is not None and tpot is not None and tpot > tpot_target
         quality = r["ppl_change_pct"] if r["ppl_change_pct"] is not None else 0.0
+        agreement = r.get("agreement")
+        ppl_over = r["ppl_change_pct"] is not None and r["ppl_change_pct"] > max_ppl_increase
+        agreement_under = agreement is not None and agreement < min_agreement
         reason = why(r["backend"], context, concurrency, need / budget, long_context)
         facts = [f"{human(need)} for {concurrency} x {context} tokens ({100 * need / budget:.0f}% of budget)"]
         if r["ppl_change_pct"] is not None:
-            facts.append(f"perplexity {r['ppl_change_pct']:+.2f}%")
+            facts.append(f"perplexity {r['ppl_change_pct']:+.2f}%"
+                         + (f" (over the bound, +{max_ppl_increase:g}%)" if ppl_over else ""))
+        if agreement is not None:
+            facts.append(f"greedy agreement {agreement:.3f}"
+                         + (f" (under the bound, {min_agreement:g})" if agreement_under else ""))
         if tpot is not None:
             facts.append(f"TPOT {1000 * tpot:.1f} ms" + (" (over target)" if slow else ""))
+        outside = ppl_over or agreement_under
         out.append({**r, "need_bytes": need, "fits": need <= budget, "slow": slow, "tpot_at_context": tpot,
-                    "rank_key": (slow, quality if r["ppl_change_pct"] is not None else -r["bytes_per_token"],
+                    "quality_ok": not outside,
+                    "rank_key": (slow, outside, quality if r["ppl_change_pct"] is not None else -r["bytes_per_token"],
                                  tpot or 0.0),
                     "reason": f"{reason}; " + ", ".join(facts)})
     fitting = sorted((r for r in out if r["fits"]), key=lambda r: r["rank_key"])
@@ -153,6 +196,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=_positive(int), default=1, help="sequences held at once")
     p.add_argument("--memory-budget", type=parse_bytes, required=True, help="KV-cache budget, e.g. 24GiB or 512MiB")
     p.add_argument("--tpot-target", type=_positive(float), default=None, help="latency target: TPOT in seconds")
+    p.add_argument("--max-ppl-increase", type=_at_least_zero, default=MAX_PPL_INCREASE, metavar="PCT",
+                   help="quality bound: most held-out perplexity increase, percent; settings above it are ranked "
+                        f"after those within and marked (default {MAX_PPL_INCREASE:g})")
+    p.add_argument("--min-agreement", type=_fraction, default=MIN_AGREEMENT, metavar="FRACTION",
+                   help="quality bound: least greedy agreement with full, 0-1; settings below it are ranked after "
+                        f"those within and marked (default {MIN_AGREEMENT:g})")
     p.add_argument("--bench", help="results.json written by `kvserve bench` (measured quality and speed)")
     p.add_argument("--model", default=None, help="without --bench: preset, config.json or model folder "
                                                  "(default llama-2-7b)")
@@ -176,7 +225,8 @@ def main(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"kvserve advise: {exc}", file=sys.stderr)
         return 2
-    ranked = advise(rows, args.context, args.concurrency, args.memory_budget, args.tpot_target)
+    ranked = advise(rows, args.context, args.concurrency, args.memory_budget, args.tpot_target,
+                    args.max_ppl_increase, args.min_agreement)
     if args.json:
         print(json.dumps([{k: v for k, v in r.items() if k != "rank_key"} for r in ranked], indent=2))
         return 0
@@ -184,13 +234,20 @@ def main(args: argparse.Namespace) -> int:
               else f"estimated for {model} ({dtype}), quality unmeasured")
     print(f"Workload: {args.concurrency} x {args.context} tokens, KV budget {human(args.memory_budget)}"
           + (f", TPOT target {1000 * args.tpot_target:.0f} ms" if args.tpot_target else "") + f" — {source}")
+    if args.bench:
+        print(f"Quality bound: perplexity at most +{args.max_ppl_increase:g}%, greedy agreement at least "
+              f"{args.min_agreement:g} (settings outside it come after those within, marked \"outside the quality bound\")")
     n = 0
     for r in ranked:
         if r["fits"]:
             n += 1
-            print(f"{n:>2}. {r['spec']}: {r['reason']}")
+            mark = "" if r["quality_ok"] else " (outside the quality bound)"
+            print(f"{n:>2}. {r['spec']}{mark}: {r['reason']}")
     if n == 0:
         print("Nothing fits the budget.")
+    elif args.bench and not any(r["quality_ok"] for r in ranked if r["fits"]):
+        print("Nothing that fits is within the quality bound: a larger budget, fewer or shorter sequences, or "
+              "looser --max-ppl-increase / --min-agreement.")
     for r in ranked:
         if not r["fits"]:
             print(f"  - {r['spec']} does not fit: {r['reason']}")

@@ -1,5 +1,5 @@
-"""``kvserve`` command line: ``kvserve serve`` starts the HTTP server with settings from the environment;
-``kvserve calibrate`` fills the calibration cache it reads."""
+"""``kvserve`` command line: ``kvserve serve`` starts the HTTP server with settings from its flags and the
+environment (:mod:`server.serve_flags`: a flag wins); ``kvserve calibrate`` fills the calibration cache it reads."""
 
 from __future__ import annotations
 
@@ -8,12 +8,14 @@ import logging
 import sys
 
 
-def serve(_: argparse.Namespace) -> int:
+def serve(args: argparse.Namespace) -> int:
     from server.backend_check import check_backend
     from server.config import ConfigError, load_settings
+    from server.serve_flags import flag, overrides
 
+    given = overrides(args)
     try:
-        settings = load_settings()
+        settings = load_settings(flags={name: flag(name) for name in given}, **given)
         check_backend(settings)
     except ConfigError as exc:
         print(f"kvserve: {exc}", file=sys.stderr)
@@ -59,11 +61,16 @@ def passive_threads() -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
-def main(argv: list[str] | None = None) -> int:
-    passive_threads()
+def build_parser() -> argparse.ArgumentParser:
+    """The ``kvserve`` parser: one subcommand each, its function in ``func``."""
     parser = argparse.ArgumentParser(prog="kvserve", description="LLM inference server with pluggable KV caches.")
     sub = parser.add_subparsers(dest="command", required=True)
-    p_serve = sub.add_parser("serve", help="serve the model over HTTP (configured by environment variables)")
+    p_serve = sub.add_parser("serve", help="serve the model over HTTP (settings: flags or environment variables)",
+                             description="Serve the model over HTTP. Every setting is a flag or an environment "
+                             "variable (--port 8080 or PORT=8080); a flag wins.", allow_abbrev=False)
+    from server.serve_flags import add_arguments as serve_arguments
+
+    serve_arguments(p_serve)
     p_serve.set_defaults(func=serve)
     p_cal = sub.add_parser("calibrate", help="fit the gqa/mla/dca calibration ahead of serving into the "
                            "calibration cache (same settings as serve)")
@@ -96,7 +103,12 @@ def main(argv: list[str] | None = None) -> int:
 
     add_arguments(p_bench)
     p_bench.set_defaults(func=bench)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    passive_threads()
+    args = build_parser().parse_args(argv)
     return args.func(args)
 
 

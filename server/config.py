@@ -59,10 +59,12 @@ class Settings(BaseSettings):
     kv_backends: str | None = Field(None, description="Comma list of backends a request may ask for besides "
                                     "KV_BACKEND; unset: full and int8 (neither needs calibration), where the "
                                     "model takes them; empty: KV_BACKEND alone.")
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=1, le=65535)
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    host: str = Field("127.0.0.1", description="Address to listen on (0.0.0.0: every interface).")
+    port: int = Field(8000, ge=1, le=65535, description="TCP port to listen on.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the model runs (auto: cuda when "
+                                                   "available, else cpu).")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field("auto", description="Weights' and KV's "
+                                                                     "dtype (auto: float32 on cpu, bfloat16 on cuda).")
     max_batch_size: int = Field(16, ge=1, description="Most sequences decoding at once.")
     max_concurrent_requests: int = Field(128, ge=1, description="Generation requests in flight (queued, running or "
                                          "sending their answer; a request counts once whatever its `n`); more "
@@ -94,7 +96,7 @@ class Settings(BaseSettings):
     max_num_batched_tokens: int = Field(256, ge=0, description="Tokens one engine step processes: each decoding "
                                         "sequence's one, prompt chunks the rest (chunked prefill); 0 prefills "
                                         "whole prompts.")
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log and access-log level.")
     payload_limit: int = Field(2_000_000, ge=1, description="Largest request body (bytes); larger gets 422.")
     api_key: str | None = Field(None, description="When set, routes but /health and /metrics need a Bearer token.")
     # backend parameters (see each backend's module docstring)
@@ -222,17 +224,21 @@ class Settings(BaseSettings):
         return self.max_input_tokens or total - 1, total
 
 
-def load_settings(**overrides) -> Settings:
-    """Read and validate the settings.
+def load_settings(flags: dict[str, str] | None = None, **overrides) -> Settings:
+    """Read and validate the settings: ``overrides`` (field name -> value) win over the environment.
+
+    ``flags`` (field name -> command-line flag, e.g. ``{"port": "--port"}``) names an override's source in the
+    message when that override is the invalid one; otherwise the message names the variable.
 
     Raises:
-        ConfigError: naming the first invalid variable and its allowed values.
+        ConfigError: naming the first invalid variable (or flag) and its allowed values.
     """
     try:
         return Settings(**overrides)
     except ValidationError as exc:
         err = exc.errors()[0]
-        var = str(err["loc"][0]).upper() if err["loc"] else "configuration"
+        field = str(err["loc"][0]) if err["loc"] else ""
+        var = (flags or {}).get(field) or field.upper() or "configuration"
         msg = err["msg"].removeprefix("Value error, ")
         if err["loc"]:
             raise ConfigError(f"invalid {var}={err.get('input')!r}: {msg}") from None

@@ -41,3 +41,32 @@ def test_int4_backends_have_a_reason():
     assert "4-bit" in why("int4", 1024, 1, 0.5, False)
     assert why("gqa+int4", 1024, 1, 0.5, False) == why("gqa+int8", 1024, 1, 0.5, False) != ""
     assert why("dca+int4", 1024, 1, 0.5, False).startswith("two savings")
+
+
+def measured(spec, bpt, ppl, agreement, tpot=0.010):
+    return {**row(spec, bpt, ppl, tpot), "agreement": agreement}
+
+
+def test_settings_outside_the_quality_bound_rank_after_those_within():
+    """mla+int8 ranked first at a greedy agreement of 0.675 (perplexity +0.01%), its agreement never weighed:
+    a setting under --min-agreement or over --max-ppl-increase comes after every fitting one within both."""
+    rows = [measured("mla+int8:rank=64", 100, 0.01, 0.675), measured("int8", 400, 0.2, 1.0),
+            measured("dca+int8", 300, -0.1, 0.988), measured("int4", 200, 1.5, 0.97),
+            measured("full", 1000, 0.0, 1.0)]
+    ranked = advise(rows, context=1000, concurrency=1, budget=500_000, tpot_target=None)
+    assert [r["spec"] for r in ranked if r["fits"]] == ["dca+int8", "int8", "mla+int8:rank=64", "int4"]
+    quality = {r["spec"]: r["quality_ok"] for r in ranked}
+    assert quality == {"dca+int8": True, "int8": True, "mla+int8:rank=64": False, "int4": False, "full": True}
+    reasons = {r["spec"]: r["reason"] for r in ranked}
+    assert "greedy agreement 0.675 (under the bound, 0.9)" in reasons["mla+int8:rank=64"]
+    assert "perplexity +1.50% (over the bound, +1%)" in reasons["int4"]
+    assert "greedy agreement 1.000," in reasons["int8"] and "bound" not in reasons["int8"]
+    # looser bounds: ranked by perplexity change again
+    loose = advise(rows, context=1000, concurrency=1, budget=500_000, tpot_target=None, max_ppl_increase=2.0,
+                   min_agreement=0.5)
+    assert [r["spec"] for r in loose if r["fits"]] == ["dca+int8", "mla+int8:rank=64", "int8", "int4"]
+
+
+def test_unmeasured_quality_is_not_held_against_a_setting():
+    rows = rows_from_estimate("llama-2-7b", "fp16", 4096, ["full", "int8"])
+    assert all(r["quality_ok"] for r in advise(rows, context=4096, concurrency=1, budget=2**31, tpot_target=None))

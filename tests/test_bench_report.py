@@ -77,3 +77,23 @@ def test_bad_arguments_fail_fast_with_one_line(args, message, tmp_path):
     assert p.returncode == 2, p.stderr
     assert message in p.stderr and "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()  # refused before anything was written
+
+
+def test_report_table_shows_the_spread_over_rounds():
+    """One noisy round made `full` look slowest with no sign of it: each speed column carries its min-max over
+    the rounds beside the median (a row without samples, e.g. an older results.json, shows the median alone)."""
+    from bench.report import markdown
+
+    row = {"backend": "full", "params": {}, "bytes_per_token": 16384, "compression": 1.0, "perplexity": 63.84,
+           "perplexity_change_pct": 0.0, "greedy_agreement": 1.0, "ttft_s": 0.088, "tpot_s": {512: 0.0081, 1024: 0.0098},
+           "tokens_per_s": {1: 101.2, 8: 455.0},
+           "speed_samples": {"ttft_s": [0.088, 0.080, 0.120], "tpot_s": {512: [0.0081, 0.0079, 0.0090],
+                                                                         1024: [0.0098, 0.0095, 0.0104]},
+                             "tokens_per_s": {1: [101.2, 99.0, 110.5], 8: [455.0, 400.1, 460.0]}}}
+    old = {k: v for k, v in row.items() if k != "speed_samples"} | {"backend": "int8"}
+    table = markdown({"contexts": [512, 1024], "rounds": 3, "rows": [row, old]})
+    full, int8 = (line.split(" | ") for line in table.splitlines()[2:4])
+    assert full[7:] == ["0.088 (0.080-0.120)", "8.1 (7.9-9.0)", "9.8 (9.5-10.4)", "101.2 (99.0-110.5)",
+                        "455.0 (400.1-460.0) |"]
+    assert int8[7:] == ["0.088", "8.1", "9.8", "101.2", "455.0 |"]
+    assert "median over 3 rounds, min-max over the rounds in brackets" in table

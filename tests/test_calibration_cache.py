@@ -304,3 +304,14 @@ def test_dca_measuring_pass_counts_in_the_calibration_time_and_logs_progress(ref
     event = [e for e in cache.events if e.kind == "dca"][-1]
     assert event.start_seconds > 0 and event.seconds >= event.start_seconds
     assert any("calibration windows" in r.getMessage() and "/" in r.getMessage() for r in caplog.records)
+
+
+def test_calibration_draws_no_progress_bar_off_a_terminal(ref_model, capsys):
+    """The server's log (a pipe or a file, never a terminal under Docker, systemd or Kubernetes) got the
+    calibration's progress bars between its access-log lines: they are drawn on a terminal only."""
+    model, tokenizer = ref_model
+    geometry = ModelGeometry.from_config(model.config, torch.float32)
+    ids = tokenizer.encode(TEXT)[:96]
+    calibration._LAST = None  # a fresh forward pass, not the one a test before made
+    create("mla", geometry, rank=8)._fit(model, ids)  # calibration windows, then one basis per layer
+    assert capsys.readouterr().err == ""

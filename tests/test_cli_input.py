@@ -59,6 +59,8 @@ def kvserve(*args: str) -> subprocess.CompletedProcess:
     (["advise", "--context", "0", "--memory-budget", "1GiB"], "--context: expected a number > 0"),
     (["advise", "--context", "1024", "--concurrency", "-3", "--memory-budget", "1GiB"], "expected a number > 0"),
     (["advise", "--context", "1024", "--memory-budget", "1GiB", "--bench", "LIST_JSON"], "not a results.json"),
+    (["advise", "--context", "1024", "--memory-budget", "1GiB", "--min-agreement", "1.5"], "expected a number from 0 to 1"),
+    (["advise", "--context", "1024", "--memory-budget", "1GiB", "--max-ppl-increase", "-1"], "expected a number >= 0"),
     (["advise", "--context", "1024", "--memory-budget", "1GiB", "--bench", "docs/bench/results.json", "--model",
       "llama-3-8b"], "--model applies only without --bench"),
 ])

@@ -85,3 +85,65 @@ def test_default_extras_the_model_cannot_take_are_left_out(monkeypatch):
     monkeypatch.setenv("KV_BACKENDS", "int8")
     with pytest.raises(ValueError):
         create_backends(load_settings(), geometry)
+
+
+def serve_settings(*flags: str):
+    """The settings `kvserve serve FLAGS...` starts with (parsed by the real parser, not started)."""
+    from server.cli import build_parser
+    from server.serve_flags import flag, overrides
+
+    given = overrides(build_parser().parse_args(["serve", *flags]))
+    return load_settings(flags={name: flag(name) for name in given}, **given)
+
+
+def test_serve_flags_set_the_settings(monkeypatch):
+    """vLLM and TGI users pass settings as flags: `kvserve serve --port 18309` was "unrecognized arguments"."""
+    monkeypatch.delenv("PORT", raising=False)
+    s = serve_settings("--port", "18309", "--host", "0.0.0.0", "--kv-backend", "int8", "--model", "/m",
+                       "--kv-prefix-caching", "false", "--kv-int8-value-bits", "4", "--kv-dca-threshold", "0.9")
+    assert (s.port, s.host, s.kv_backend, s.model_id) == (18309, "0.0.0.0", "int8", "/m")
+    assert s.kv_prefix_caching is False and s.kv_int8_value_bits == 4 and s.kv_dca_threshold == 0.9
+    assert serve_settings("--model-id", "/n").model_id == "/n"
+    assert serve_settings("--kv-int4-rotate").kv_int4_rotate is True  # a bare boolean flag: true
+    assert serve_settings().port == 8000  # no flag: the default
+
+
+def test_serve_flag_wins_over_the_environment(monkeypatch):
+    monkeypatch.setenv("PORT", "9000")
+    monkeypatch.setenv("KV_BACKEND", "int8")
+    s = serve_settings("--port", "18309")
+    assert s.port == 18309 and s.kv_backend == "int8"  # the variable still sets what no flag gives
+    monkeypatch.setenv("PORT", "http")  # a bad variable a flag replaces is not read
+    assert serve_settings("--port", "18309").port == 18309
+
+
+def test_every_setting_has_a_flag():
+    from server.cli import build_parser
+    from server.config import Settings
+
+    from server.serve_flags import overrides
+
+    parser = build_parser()
+    for name in Settings.model_fields:  # generated from the fields: one added later gets its flag too
+        assert overrides(parser.parse_args(["serve", "--" + name.replace("_", "-"), "1"])) == {name: "1"}
+
+
+@pytest.mark.parametrize("flags, name", [(["--port", "http"], "--port"), (["--kv-backend", "nope"], "--kv-backend"),
+                                         (["--max-batch-size", "0"], "--max-batch-size"),
+                                         (["--kv-prefix-caching", "maybe"], "--kv-prefix-caching")])
+def test_bad_flag_value_names_the_flag(flags, name):
+    with pytest.raises(ConfigError, match=f"invalid {name}="):
+        serve_settings(*flags)
+
+
+def test_serve_bad_flag_exits_2_with_one_line_and_help_lists_the_flags():
+    p = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--port", "http"], cwd=REPO, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--port='http'" in lines[0] and "integer" in lines[0]
+    p = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--help"], cwd=REPO, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0
+    assert "--port N" in p.stdout and "TCP port to listen on" in p.stdout and "--kv-dca-window" in p.stdout
+    assert "25% of the memory" in p.stdout  # argparse's %-formatting of help text is escaped
