@@ -33,7 +33,7 @@ def venv(tmp_path):
 
 def test_serve_installs_the_runtime_dependencies_only_with_progress(venv):
     pip = pip_lines(dry_run("serve", venv))
-    assert len(pip) == 1 and pip[0].endswith("-e .")  # the whole test stack (2.6 GB) was installed here
+    assert len(pip) == 1 and pip[0].endswith('-e ".[real]"')  # the whole test stack (2.6 GB) was installed here
     assert "--quiet" not in pip[0] and "-q" not in pip[0].split()
     assert pip_lines(dry_run("install", venv)) == pip
 
