@@ -11,11 +11,12 @@ import httpx
 import pytest
 
 from cache_backends.estimate import DTYPE_BYTES, Shape, estimate_rows, int8_bytes_per_token_per_layer
-from server.api.ui import ASSETS, ASSET_TYPES, PUBLIC_PATHS
+from server.api.ui import ASSETS, ASSET_TYPES, PUBLIC_PATHS, context_warnings
+from server.api.ui_compression import uncompressed_reason
 from server.estimate_cli import resolve_specs
 from tests.conftest import MODEL_DIR, server_with
 
-server = server_with({"KV_BACKEND": "full", "KV_BACKENDS": "full,int8"})
+server = server_with({"KV_BACKEND": "full", "KV_BACKENDS": "full,int8,elastic"})
 keyed = server_with({"KV_BACKEND": "full", "API_KEY": "s3cret"})
 
 CFG = json.loads((MODEL_DIR / "config.json").read_text())
@@ -64,8 +65,49 @@ def test_generate_reports_the_requests_own_kv_bytes_and_latencies(server, backen
         sizes = [int8_bytes_per_token_per_layer(HEADS, HEAD_DIM, 4, 32, 32, t) * t * LAYERS
                  for t in range(out["prompt_tokens"], cached + 1)]
         assert out["kv_peak_bytes"] == pytest.approx(max(sizes))
+    # full's bytes for the same tokens; 82 cached tokens are past int8's 64 exact ones: no reason to give
+    assert out["kv_full_peak_bytes"] == 2 * HEADS * HEAD_DIM * 4 * LAYERS * cached
+    assert out["kv_uncompressed_reason"] is None
+    assert (out["kv_peak_bytes"] < out["kv_full_peak_bytes"]) == (backend == "int8")
     assert out["kv_bytes_per_token"] > 0
     assert 0 < out["ttft_s"] < 60 and 0 < out["tpot_s"] < 5
+
+
+@pytest.mark.parametrize("backend,words", [
+    ("int8", "all 7 tokens within the 32 newest tokens kept exact and the group of 32 forming before them: int8 "
+             "quantizes from 64 tokens on"),
+    ("elastic", "the KV pool had room: elastic keeps all 7 tokens exact")])
+def test_generate_says_why_a_short_request_is_not_compressed(server, backend, words):
+    out = _generate(server, kv_backend=backend, max_new_tokens=5).json()
+    assert out["kv_peak_bytes"] == out["kv_full_peak_bytes"] == 16384 * 7  # 3 prompt tokens + 4 fed back
+    assert out["kv_uncompressed_reason"].startswith(words)
+
+
+def test_uncompressed_reasons_in_words():
+    assert uncompressed_reason(("dca", {"reuse_fraction": 0.5, "window": 32}), 40) == (
+        "all 40 tokens within the newest 32-63 tokens each reuse layer keeps itself: dca saves from 64 tokens on")
+    assert "fell back" in uncompressed_reason(("dca", {"reuse_fraction": 0.5, "window": 32}), 200)
+    assert "no layer to reuse" in uncompressed_reason(("dca+int8", {"reuse_fraction": 0.0, "window": 32}), 200)
+    assert "int4 quantizes from 80 tokens on" in uncompressed_reason(
+        ("gqa+int4", {"groups": 2, "group_size": 16, "residual": 64}), 70)
+
+
+GENESIS = ("In the beginning God created the heaven and the earth. And the earth was without form, and void; and "
+           "darkness was upon the face of the deep.")
+
+
+def test_generate_runs_prefill_their_whole_prompt(server):
+    """Repeated runs time the same work: no run takes the blocks of the one before from the prefix cache."""
+    key = 'kvserve_prefix_cache_hits_total{backend="full",model="kjv-llama-mha"}'
+    before = server.metrics().get(key, 0)
+    a, b = (_generate(server, prompt=GENESIS, kv_backend="full", max_new_tokens=2).json() for _ in "ab")
+    assert a["prompt_tokens"] > 32 and a["tokens"] == b["tokens"]
+    assert server.metrics().get(key, 0) == before
+    # /generate still caches and hits as before
+    tgi = {"inputs": GENESIS, "parameters": {"max_new_tokens": 2}}
+    for _ in "ab":
+        httpx.post(server.url + "/generate", json=tgi, timeout=60)
+    assert server.metrics()[key] > before
 
 
 def test_generate_seeded_sampling_repeats(server):
@@ -84,7 +126,7 @@ def test_generate_errors_are_readable(server, body, words):
 
 def test_live_counts_by_backend(server):
     live = httpx.get(server.url + "/ui/api/live").json()
-    assert set(live["backends"]) == {"full", "int8"} and live["kv_cache_budget_bytes"] is None
+    assert set(live["backends"]) == {"full", "int8", "elastic"} and live["kv_cache_budget_bytes"] is None
     row = live["backends"]["full"]
     assert set(row) == {"running", "waiting", "kv_bytes", "kv_used_bytes", "kv_tokens", "generated_tokens",
                         "requests"}
@@ -104,8 +146,28 @@ def test_sums_are_kvserve_estimates_for_the_served_model(server):
         assert got[(row["backend"], json.dumps(row["params"], sort_keys=True))]["total_bytes"] == row["total_bytes"]
     full = next(r for r in sums["rows"] if r["backend"] == "full")
     assert full["bytes_per_token"] == 2 * HEADS * HEAD_DIM * 4 * LAYERS and full["served_as"] == ["full"]
-    assert next(r for r in sums["rows"] if r["backend"] == "int8")["served_as"] == ["int8"]
+    int8 = [r for r in sums["rows"] if r["backend"] == "int8"]
+    assert [(r["aka"], r["served_as"]) for r in int8] == [(None, ["int8"]), ("k8v4", [])]
+    assert int8[1]["params"]["value_bits"] == 4
+    # every backend the server knows, not only the estimator's defaults; elastic as a range
+    assert {r["backend"] for r in sums["rows"]} >= {"full", "gqa", "mla", "int8", "int4", "dca", "elastic",
+                                                    "gqa+int4", "dca+int8"}
+    elastic = next(r for r in sums["rows"] if r["backend"] == "elastic")
+    assert elastic["served_as"] == ["elastic"] and elastic["min_total_bytes"] < elastic["total_bytes"]
+    assert sums["rows"][0]["backend"] == "full"
+    assert sums["max_position_embeddings"] == CFG["max_position_embeddings"] == 1024
+    assert "4,096 tokens is more than this model's 1,024 positions" in sums["warnings"][0]
     assert httpx.get(server.url + "/ui/api/sums", params={"seq_len": 0}).status_code == 422
+
+
+def test_sums_warn_past_the_models_positions(server):
+    sums = httpx.get(server.url + "/ui/api/sums", params={"seq_len": 32768}).json()
+    assert sums["warnings"] == ["32,768 tokens is more than this model's 1,024 positions (max_position_embeddings): "
+                                "it cannot hold that context; the sums show what the cache would cost if it could."]
+    assert httpx.get(server.url + "/ui/api/sums", params={"seq_len": 1024}).json()["warnings"] == []
+    assert context_warnings(900, 1024, 512) == [
+        "900 tokens is more than this server serves in one sequence (MAX_TOTAL_TOKENS = 512)."]
+    assert context_warnings(512, 1024, 512) == []
 
 
 def test_api_key_guards_everything_but_the_static_page(keyed):

@@ -4,10 +4,16 @@
 * Compare: two backends on one prompt, the texts a person sees equal to what ``/generate`` answers, the first
   diverging token marked where the outputs differ (``full`` against ``gqa`` with mean pooling, which needs no
   calibration and diverges) and nothing marked where they are the same (``full`` against ``int8`` on a short
-  generation: under 64 cached tokens int8 holds every token in full precision), the KV bytes the request held;
-  the shareable URL reproduces a comparison; a server error shows as a message.
+  generation: under 64 cached tokens int8 holds every token in full precision, and its card says so), the KV
+  bytes the request held; the shareable URL reproduces a comparison; a server error shows as a message. With
+  the default prompt every backend's summary row: ratios to full, agreement, the first difference, the reason
+  elastic has not compressed; one plot scale; the prompt shown once; timings labelled warm, median of N.
 * Live: the counters move while a request runs, and settle when it ends.
-* Phone width and keyboard alone; with ``API_KEY`` the page asks for the key once.
+* Sums: every backend the server knows, a warning past the model's positions.
+* While the model loads the page waits for ``/health`` and goes on by itself (a stub server that answers 503
+  first).
+* Nothing is cut off at 1280 px or at phone width (390 px); keyboard alone; with ``API_KEY`` the page asks for
+  the key once.
 
 ``KVSERVE_UI_SCREENSHOTS=<folder>`` saves a screenshot of each view there (the README's come from
 ``KVSERVE_UI_SCREENSHOTS=docs/img``).
@@ -20,12 +26,13 @@ import shutil
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from urllib.parse import urlencode
 
 import httpx
 import pytest
 
-from tests.conftest import server_with
+from tests.conftest import free_port, server_with
 
 webdriver = pytest.importorskip("selenium.webdriver")
 from selenium.webdriver.common.by import By  # noqa: E402
@@ -36,9 +43,48 @@ PROMPT = "And God said"
 SHOTS = os.environ.get("KVSERVE_UI_SCREENSHOTS")
 
 # gqa by mean pooling: no calibration, and its greedy text leaves full's within a few tokens
-server = server_with({"KV_BACKEND": "full", "KV_BACKENDS": "full,int8,gqa", "KV_GQA_METHOD": "mean",
+server = server_with({"KV_BACKEND": "full", "KV_BACKENDS": "full,int8,int4,elastic,gqa", "KV_GQA_METHOD": "mean",
                       "KV_CACHE_BUDGET_BYTES": str(64 * 2**20)})
 keyed = server_with({"KV_BACKEND": "full", "API_KEY": "s3cret"})
+
+
+@pytest.fixture
+def loading_server():
+    """The page's own routes on a stub that answers /health and /info 503 ("model is loading") until ``ready``
+    is set, as kvserve does while it loads and calibrates; counts the /health polls."""
+    import uvicorn
+    from fastapi import FastAPI
+
+    from server.api.ui import router
+    from server.errors import error_response
+
+    app, ready = FastAPI(), threading.Event()
+    app.include_router(router)
+    stub = SimpleNamespace(ready=ready, health_polls=0)
+
+    @app.get("/health")
+    async def health():
+        stub.health_polls += 1
+        return {"status": "ok"} if ready.is_set() else error_response(503, "model is loading", "unhealthy")
+
+    @app.get("/info")
+    async def info():
+        if not ready.is_set():
+            return error_response(503, "model is loading", "unhealthy")
+        return {"model_id": "stub-model", "model_dtype": "float32", "model_device_type": "cpu", "kv_backend": "full",
+                "kv_backends": ["full", "int8"]}
+
+    port = free_port()
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not uv.started and time.time() < deadline:
+        time.sleep(0.05)
+    stub.url = f"http://127.0.0.1:{port}"
+    yield stub
+    uv.should_exit = True
+    thread.join(10)
 
 
 def _browser_paths() -> tuple[str, str]:
@@ -79,8 +125,8 @@ def shot(driver, name: str, height: int | None = None) -> None:
         driver.save_screenshot(str(Path(SHOTS) / name))
 
 
-def tgi_text(server, backend: str, max_new_tokens: int, details: bool = False):
-    body = {"inputs": PROMPT, "parameters": {"max_new_tokens": max_new_tokens, "repetition_penalty": 1.3,
+def tgi_text(server, backend: str, max_new_tokens: int, details: bool = False, prompt: str = PROMPT):
+    body = {"inputs": prompt, "parameters": {"max_new_tokens": max_new_tokens, "repetition_penalty": 1.3,
                                              "kv_backend": backend, "details": details}}
     return httpx.post(server.url + "/generate", json=body, timeout=120).json()
 
@@ -89,18 +135,39 @@ def cards(driver) -> dict:
     return {c.get_attribute("data-backend"): c for c in driver.find_elements(By.CSS_SELECTOR, "#results .result")}
 
 
-def run_from_form(driver, server, backends: list[str], max_new_tokens: int) -> dict:
+def cut_off(driver, selector: str) -> list[str]:
+    """The visible elements matching ``selector`` whose right edge is past the page's width (so off screen), and
+    the page itself when it scrolls sideways."""
+    return driver.execute_script("""
+        const width = document.documentElement.clientWidth, out = [];
+        if (document.documentElement.scrollWidth > width) out.push("page: " + document.documentElement.scrollWidth);
+        for (const e of document.querySelectorAll(arguments[0])) {
+          const r = e.getBoundingClientRect();
+          if (r.width && r.right > width + 0.5) out.push(e.className + " " + e.textContent + ": " + r.right);
+        }
+        for (const w of document.querySelectorAll(".table-wrap"))  // a table that scrolls hides columns
+          if (w.offsetParent && w.scrollWidth > w.clientWidth) out.push(w.firstElementChild.id + " scrolls");
+        return out;""", selector)
+
+
+def fill(driver, element_id: str, value) -> None:
+    box = driver.find_element(By.ID, element_id)
+    box.clear()
+    box.send_keys(str(value))
+
+
+def run_from_form(driver, server, backends: list[str], max_new_tokens: int, prompt: str | None = PROMPT,
+                  runs: int = 1) -> dict:
+    """Run a comparison from the form (``prompt`` None: the page's default prompt)."""
     driver.get(server.url + "/")
     wait(driver, lambda d: d.find_elements(By.CSS_SELECTOR, '#backends input[value="full"]'))
-    prompt = driver.find_element(By.ID, "prompt")
-    prompt.clear()
-    prompt.send_keys(PROMPT)
+    if prompt is not None:
+        fill(driver, "prompt", prompt)
+    fill(driver, "runs", runs)
     for box in driver.find_elements(By.CSS_SELECTOR, '#backends input[type="checkbox"]'):
         if box.is_selected() != (box.get_attribute("value") in backends):
             box.click()
-    tokens = driver.find_element(By.ID, "max-new-tokens")
-    tokens.clear()
-    tokens.send_keys(str(max_new_tokens))
+    fill(driver, "max-new-tokens", max_new_tokens)
     driver.find_element(By.ID, "run").click()
     wait(driver, lambda d: len(cards(d)) == len(backends) and d.find_element(By.ID, "run").is_enabled())
     return cards(driver)
@@ -110,18 +177,24 @@ def test_compare_full_and_int8_shows_both_texts_no_divergence_and_kv_bytes(brows
     found = run_from_form(browser, server, ["full", "int8"], 24)
     for backend in ("full", "int8"):
         shown = found[backend].find_element(By.CSS_SELECTOR, ".text").get_attribute("textContent")
-        assert shown == PROMPT + tgi_text(server, backend, 24)["generated_text"]
+        assert shown == tgi_text(server, backend, 24)["generated_text"]  # the prompt is shown once, above
+    assert browser.find_element(By.ID, "shown-prompt-text").text == PROMPT
     # 3 prompt tokens + 24 new < 64 cached tokens: int8 keeps them all in full precision, the same text
     assert found["int8"].find_elements(By.CSS_SELECTOR, "mark.diverge") == []
     assert found["int8"].get_attribute("data-diverge") == "-1"
     assert "identical to full" in found["int8"].find_element(By.CSS_SELECTOR, ".verdict").text
+    assert found["int8"].find_element(By.CSS_SELECTOR, ".uncompressed").text == (
+        "Not compressed yet: all 26 tokens within the 32 newest tokens kept exact and the group of 32 forming "
+        "before them: int8 quantizes from 64 tokens on.")
+    assert found["full"].find_elements(By.CSS_SELECTOR, ".uncompressed") == []
     prompt_tokens = 3
     full_peak = 16384 * (prompt_tokens + 24 - 1)  # fp32, 8 layers, MHA: 16384 bytes per token
     for backend in ("full", "int8"):  # int8 holds what full holds below 64 tokens
         peak = found[backend].find_element(By.CSS_SELECTOR, ".kv-peak")
         assert int(peak.get_attribute("data-bytes")) == full_peak and peak.text == "416.00 KiB"
         assert found[backend].find_element(By.CSS_SELECTOR, ".kv-per-token").text == "16,384"
-        assert found[backend].find_element(By.CSS_SELECTOR, ".ttft").text.endswith(" ms")
+        assert found[backend].find_element(By.CSS_SELECTOR, ".ttft .key").text.endswith(" ms")
+        assert found[backend].find_element(By.CSS_SELECTOR, ".ttft .detail").text == "warm, 1 run"
     assert found["int8"].find_elements(By.CSS_SELECTOR, "figure svg rect")  # the logprob-difference plot
     assert "backends=full%2Cint8" in browser.current_url or "backends=full,int8" in browser.current_url
 
@@ -131,7 +204,7 @@ def test_shared_url_marks_the_first_diverging_token(browser, server):
     gqa = tgi_text(server, "gqa", 40, details=True)["details"]["tokens"]
     first = next(i for i, (a, b) in enumerate(zip(full, gqa)) if a["id"] != b["id"])
     query = urlencode({"prompt": PROMPT, "backends": "full,int8,gqa", "max_new_tokens": 40,
-                       "repetition_penalty": 1.3})
+                       "repetition_penalty": 1.3, "runs": 1})
     browser.get(f"{server.url}/?{query}")  # the shareable URL runs the comparison by itself
     wait(browser, lambda d: len(cards(d)) == 3 and d.find_element(By.ID, "run").is_enabled())
     mark = cards(browser)["gqa"].find_element(By.CSS_SELECTOR, "mark.diverge")
@@ -140,7 +213,71 @@ def test_shared_url_marks_the_first_diverging_token(browser, server):
     assert f"at token {first}" in cards(browser)["gqa"].find_element(By.CSS_SELECTOR, ".verdict").text
     assert cards(browser)["full"].find_elements(By.CSS_SELECTOR, "mark.diverge") == []
     assert browser.find_element(By.ID, "prompt").get_attribute("value") == PROMPT
-    shot(browser, "ui-compare.png", 1150)
+
+
+SUMMARY_CELLS = "#summary-table tbody th, #summary-table td"
+
+
+def test_summary_of_every_backend_on_the_default_prompt(browser, server):
+    backends = ["full", "int8", "int4", "elastic", "gqa"]
+    found = run_from_form(browser, server, backends, 40, prompt=None, runs=3)
+    default = browser.find_element(By.ID, "prompt").get_attribute("value")
+    rows = {r.get_attribute("data-backend"): r
+            for r in browser.find_elements(By.CSS_SELECTOR, "#summary-table tbody tr")}
+    assert list(rows) == backends  # one row per backend, the reference first
+
+    def cell(backend, cls, attr="data-ratio"):
+        return float(rows[backend].find_element(By.CSS_SELECTOR, "." + cls).get_attribute(attr))
+
+    peak = {b: int(found[b].find_element(By.CSS_SELECTOR, ".kv-peak").get_attribute("data-bytes")) for b in backends}
+    for b in backends:  # KV as a ratio to full's, shown as such
+        assert cell(b, "bytes-ratio") == pytest.approx(peak[b] / peak["full"])
+        assert cell(b, "peak-ratio") == pytest.approx(peak[b] / peak["full"])
+        assert rows[b].find_element(By.CSS_SELECTOR, ".peak-ratio .key").text == f"{peak[b] / peak['full']:.2f}×"
+        assert cell(b, "ttft-ratio") > 0 and cell(b, "tpot-ratio") > 0
+    assert rows["full"].find_element(By.CSS_SELECTOR, ".ttft-ratio .key").text == "1.00×"
+    # the default prompt is long enough for every quantizing backend to quantize at its defaults
+    prompt_tokens = int(browser.find_element(By.ID, "shown-prompt-tokens").text.split()[0])
+    assert prompt_tokens > 100 and 0 < cell("int4", "peak-ratio") < cell("int8", "peak-ratio") < 1
+    assert "compressed" == rows["int8"].find_element(By.CSS_SELECTOR, ".note").text
+    # elastic has room in the pool: full's bytes, and why, on its row and its card
+    assert cell("elastic", "peak-ratio") == 1
+    assert rows["elastic"].find_element(By.CSS_SELECTOR, ".note").text.startswith(
+        f"not compressed yet: the KV pool had room: elastic keeps all {prompt_tokens + 39} tokens exact")
+    assert found["elastic"].find_element(By.CSS_SELECTOR, ".uncompressed").is_displayed()
+    # greedy agreement and the first difference, as the cards show them
+    full_ids = [t["id"] for t in tgi_text(server, "full", 40, details=True, prompt=default)["details"]["tokens"]]
+    gqa_ids = [t["id"] for t in tgi_text(server, "gqa", 40, details=True, prompt=default)["details"]["tokens"]]
+    share = sum(a == b for a, b in zip(full_ids, gqa_ids)) / 40
+    assert share < 1 and cell("gqa", "agreement", "data-share") == pytest.approx(share)
+    first = next(i for i, (a, b) in enumerate(zip(full_ids, gqa_ids)) if a != b)
+    assert rows["gqa"].find_element(By.CSS_SELECTOR, ".first-diff").get_attribute("data-index") == str(first)
+    assert found["gqa"].get_attribute("data-diverge") == str(first)
+    assert rows["full"].find_element(By.CSS_SELECTOR, ".agreement .key").text == "reference"
+    # one log-probability scale for every plot; the prompt once, not on each card
+    scales = {svg.get_attribute("data-scale") for svg in browser.find_elements(By.CSS_SELECTOR, "#results svg.plot")}
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#results svg.plot")) == 4 and len(scales) == 1
+    assert browser.find_element(By.ID, "shown-prompt-text").text == default
+    assert all(default not in c.find_element(By.CSS_SELECTOR, ".text").text for c in found.values())
+    # timings labelled as what they are
+    assert "warm, median of 3 (min–max)" in browser.find_element(By.ID, "summary-timing").text
+    assert found["int8"].find_element(By.CSS_SELECTOR, ".ttft .detail").text.startswith("warm, median of 3: ")
+    assert cut_off(browser, SUMMARY_CELLS + ", #results .result") == []  # at 1280 px
+    shot(browser, "ui-compare.png", browser.execute_script("return document.documentElement.scrollHeight") + 200)
+
+
+def test_the_page_waits_for_the_model_and_goes_on_by_itself(browser, loading_server):
+    browser.get(loading_server.url + "/")
+    notice = wait(browser, lambda d: d.find_element(By.ID, "waiting").is_displayed()
+                  and d.find_element(By.ID, "waiting"), 30)
+    assert "/info: 503 model is loading" in notice.text and "checking /health" in notice.text
+    assert not browser.find_element(By.ID, "run").is_enabled()
+    time.sleep(3)  # a /health poll or two while it loads
+    assert loading_server.health_polls >= 1 and not browser.find_element(By.ID, "error").is_displayed()
+    loading_server.ready.set()
+    wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, '#backends input[value="int8"]'), 30)
+    assert not browser.find_element(By.ID, "waiting").is_displayed()
+    assert browser.find_element(By.ID, "run").is_enabled() and "stub-model" in browser.find_element(By.ID, "model").text
 
 
 def test_a_server_error_shows_as_a_message(browser, server):
@@ -187,14 +324,28 @@ def test_live_counters_move_under_a_request(browser, server):
     assert browser.find_element(By.CSS_SELECTOR, row + ".kv-used").get_attribute("data-bytes") == "0"
 
 
+SUMS_CELLS = "#sums-table tbody th, #sums-table td"
+
+
 def test_sums_view_lists_every_backend(browser, server):
-    browser.get(server.url + "/?view=sums&seq_len=4096&batch=8")
+    browser.get(server.url + "/?view=sums&seq_len=1024&batch=32")
     wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#sums-table tbody tr"))
     shown = {r.get_attribute("data-backend") for r in browser.find_elements(By.CSS_SELECTOR, "#sums-table tbody tr")}
-    assert shown >= {"full", "gqa", "mla", "int8", "dca", "mla+int8", "gqa+int8"}
+    assert shown >= {"full", "gqa", "mla", "int8", "int4", "dca", "elastic", "mla+int8", "gqa+int8", "gqa+int4"}
     full = browser.find_element(By.CSS_SELECTOR, '#sums-table tr[data-backend="full"] .total')
-    assert full.text == "512.00 MiB"  # 16384 bytes/token x 4096 tokens x 8 sequences
-    shot(browser, "ui-sums.png", 700)
+    assert full.text == "512.00 MiB"  # 16384 bytes/token x 1024 tokens x 32 sequences
+    k8v4 = browser.find_element(By.CSS_SELECTOR, '#sums-table tr[data-aka="k8v4"] th')
+    assert k8v4.text == "int8 (k8v4)"
+    elastic = browser.find_element(By.CSS_SELECTOR, '#sums-table tr[data-backend="elastic"] .total').text
+    assert elastic.endswith("–512.00 MiB")  # from every compressible token quantized to every token exact
+    assert not browser.find_element(By.ID, "sums-warning").is_displayed()
+    assert cut_off(browser, SUMS_CELLS) == []  # the last column at 1280 px
+    shot(browser, "ui-sums.png", 1100)
+    fill(browser, "seq-len", 32768)
+    browser.find_element(By.CSS_SELECTOR, "#sums-form button").click()
+    warning = wait(browser, lambda d: d.find_element(By.ID, "sums-warning").is_displayed()
+                   and d.find_element(By.ID, "sums-warning"), 30)
+    assert "32,768 tokens is more than this model's 1,024 positions (max_position_embeddings)" in warning.text
 
 
 def test_phone_width_and_keyboard_alone(browser, server):
@@ -212,13 +363,26 @@ def test_phone_width_and_keyboard_alone(browser, server):
             ActionChains(browser).send_keys(Keys.TAB).perform()
             active = browser.switch_to.active_element
             seen.append(active.get_attribute("id") or active.get_attribute("value"))
-        assert {"tab-compare", "prompt", "full", "int8", "max-new-tokens", "run"} <= set(seen), seen
+        assert {"tab-compare", "preset", "prompt", "full", "int8", "max-new-tokens", "runs", "run"} <= set(seen), seen
         prompt = browser.find_element(By.ID, "prompt")
         prompt.click()
         prompt.send_keys(Keys.CONTROL, Keys.ENTER)
-        wait(browser, lambda d: len(cards(d)) == 2 and d.find_element(By.ID, "run").is_enabled())
+        wait(browser, lambda d: len(cards(d)) == 2 and d.find_element(By.ID, "run").is_enabled(), 300)
         assert browser.execute_script("return document.documentElement.scrollWidth <= window.innerWidth")
+        assert len(browser.find_elements(By.CSS_SELECTOR, "#summary-table tbody tr")) == 2
+        assert cut_off(browser, SUMMARY_CELLS + ", #summary-table .key, #results .result, #results dd") == []
         shot(browser, "ui-compare-phone.png", 1400)
+        # Live's and Sums' key numbers on screen too (each row a block, each value beside its column's name)
+        browser.find_element(By.ID, "tab-live").click()
+        wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, '#live-table tr[data-backend="full"] .kv-used'), 30)
+        assert cut_off(browser, "#live-table tbody th, #live-table td") == []
+        browser.find_element(By.ID, "tab-sums").click()
+        wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#sums-table tbody tr .vs-full"), 30)
+        assert cut_off(browser, SUMS_CELLS) == []
+        label = browser.execute_script(
+            "return getComputedStyle(document.querySelector('#sums-table td.total'), '::before').content")
+        assert label == '"total"'
+        browser.find_element(By.ID, "tab-compare").click()
         # the tabs follow the WAI-ARIA pattern: arrow keys move between views
         browser.find_element(By.ID, "tab-compare").send_keys(Keys.ARROW_RIGHT)
         wait(browser, lambda d: d.find_element(By.ID, "view-live").is_displayed(), 10)

@@ -3,11 +3,13 @@
 * ``POST /ui/api/generate``: one prompt through one backend (the request's own backend choice, as
   ``kv_backend`` on the TGI and OpenAI routes), answering the text, each token with its log-probability, and
   the request's own measures: its KV store's peak bytes (as ``kvserve_request_kv_cache_bytes`` records
-  them), bytes per cached token, TTFT and TPOT (the definitions of :mod:`server.metrics`). The page calls it
-  once per backend it compares.
+  them), ``full``'s bytes for the same tokens and, where the backend held as many, the reason in words
+  (:mod:`server.api.ui_compression`), bytes per cached token, TTFT and TPOT (the definitions of
+  :mod:`server.metrics`). The page calls it once per backend to warm it, then once per backend per timing run.
 * ``GET /ui/api/live``: the live counters by backend, read from the server's own metric objects (the
   recorder's, not a parse of ``/metrics``), plus the generated tokens of the running sequences.
-* ``GET /ui/api/sums``: ``kvserve estimate``'s table for the served model at one context and batch.
+* ``GET /ui/api/sums``: ``kvserve estimate``'s table for the served model at one context and batch, every
+  backend the server knows, with a warning past the model's ``max_position_embeddings``.
 
 The page itself and its assets are static files shipped in the package (``server/api/ui_assets``): they
 carry no server data, so with ``API_KEY`` set they load without the key, and the page asks for it once and
@@ -18,19 +20,22 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from pathlib import Path
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse, HTMLResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from cache_backends.estimate import DTYPE_BYTES, bytes_per_token_per_layer, estimate_rows
+from cache_backends.estimate import DTYPE_BYTES, Shape, bytes_per_token_per_layer, default_params, estimate_rows
+from cache_backends.registry import available
 from cache_backends.spec import parse_spec
 from server.api.common import get_service
 from server.api.types import Int
+from server.api.ui_compression import uncompressed_reason
 from server.engine.sequence import FinishReason
 from server.errors import error_response
-from server.estimate_cli import DEFAULT_SPECS, load_shape, resolve_specs
+from server.estimate_cli import applies
 from server.service import GenerationRequest
 
 ASSETS = Path(__file__).parent / "ui_assets"
@@ -84,18 +89,26 @@ class UIGenerateResponse(BaseModel):
     prompt_tokens: int
     kv_peak_bytes: int = Field(description="The request's KV store at its largest (bytes).")
     kv_bytes_per_token: float = Field(description="kv_peak_bytes / tokens cached at that size (all layers).")
+    kv_full_peak_bytes: int = Field(description="What ``full`` holds for the same tokens (bytes).")
+    kv_uncompressed_reason: str | None = Field(
+        description="Why kv_peak_bytes is not below kv_full_peak_bytes, in words; null when it is, and for full.")
     ttft_s: float | None = Field(description="Arrival to first token (seconds).")
     tpot_s: float | None = Field(description="(last token - first token) / (generated - 1), seconds.")
 
 
 @router.post("/ui/api/generate", response_model=UIGenerateResponse, responses=ERRORS)
 async def ui_generate(body: UIGenerateRequest, request: Request):
-    """Run ``prompt`` through one backend and report the request's KV bytes and latencies."""
+    """Run ``prompt`` through one backend and report the request's KV bytes and latencies, against what ``full``
+    holds for the same tokens (and, where the backend held as much, why). Each run prefills its whole prompt:
+    it shares no block with another request through the prefix cache."""
     service = get_service(request)
     params = service.sampling(do_sample=body.seed is not None, temperature=body.temperature, top_p=None,
                               top_k=None, repetition_penalty=body.repetition_penalty, seed=body.seed)
+    # a salt of its own: every run computes its whole prompt (no prefix-cache hit from the run before), so
+    # repeated runs time the same work
+    salt = uuid.uuid4().hex if service.prefix_caching else None
     req = GenerationRequest(prompt=body.prompt, max_new_tokens=body.max_new_tokens, params=params, stop=[],
-                            backend=body.kv_backend, fields={"inputs": "prompt"})
+                            backend=body.kv_backend, fields={"inputs": "prompt"}, cache_salt=salt)
     seq, events = await service.run(req, request.receive)
     collected = [ev async for ev in events]
     last = collected[-1]
@@ -107,12 +120,29 @@ async def ui_generate(body: UIGenerateRequest, request: Request):
     t, n = seq.times, len(seq.output_ids)
     # the largest store holds the prompt and every generated token but the last (never fed back)
     cached = len(seq.prompt_ids) + max(n - 1, 0)
+    state = request.app.state.kvserve
+    full_peak = round(full_bytes_per_token(state) * cached)
+    reason = None
+    if seq.backend_name != "full" and seq.peak_kv_bytes >= full_peak:
+        reason = uncompressed_reason(state.backends[seq.backend_name].sums_spec(), cached)
     return UIGenerateResponse(
         kv_backend=seq.backend_name, text=last.generated_text or "", tokens=tokens,
         finish_reason=last.finish_reason.value, prompt_tokens=len(seq.prompt_ids), kv_peak_bytes=seq.peak_kv_bytes,
-        kv_bytes_per_token=seq.peak_kv_bytes / max(cached, 1),
+        kv_bytes_per_token=seq.peak_kv_bytes / max(cached, 1), kv_full_peak_bytes=full_peak,
+        kv_uncompressed_reason=reason,
         ttft_s=t.first_token - t.arrival if t.first_token is not None else None,
         tpot_s=(t.last_token - t.first_token) / (n - 1) if n > 1 else None)
+
+
+def model_shape(state) -> Shape:
+    """The served model's attention shape, from its loaded config."""
+    return Shape.from_config(state.engine.runner.model.config.to_dict())
+
+
+def full_bytes_per_token(state) -> float:
+    """``full``'s KV bytes per token over all layers for the served model in its dtype."""
+    shape = model_shape(state)
+    return bytes_per_token_per_layer(shape, "full", {}, DTYPE_BYTES[state.info["model_dtype"]], 1) * shape.num_layers
 
 
 LIVE_GAUGES = {"kvserve_requests_running": "running", "kvserve_requests_waiting": "waiting",
@@ -142,18 +172,47 @@ async def ui_live(request: Request) -> dict:
             "max_batch_size": state.settings.max_batch_size, "backends": backends}
 
 
+SUMS_EXTRA_SPECS = ("int8:value_bits=4",)
+"""Sums rows besides one per known backend at its defaults: vLLM's k8v4 mix (8-bit keys, 4-bit values)."""
+SUMS_ORDER = ("full", "gqa", "mla", "int8", "int4", "int8:value_bits=4", "dca", "elastic")
+"""The rows first in the table (the reference, then each single backend); the compositions follow."""
+
+
+def sums_specs(shape: Shape, dtype_bytes: int) -> list[str]:
+    """Every backend and composition this server knows (:func:`cache_backends.registry.available`) and
+    :data:`SUMS_EXTRA_SPECS`, less what the model cannot take (e.g. int8 where K and V widths differ)."""
+    known = sorted((*available(), *SUMS_EXTRA_SPECS),
+                   key=lambda s: SUMS_ORDER.index(s) if s in SUMS_ORDER else len(SUMS_ORDER))
+    return [s for s in known if applies(shape, parse_spec(s), dtype_bytes)]
+
+
+def context_warnings(seq_len: int, max_positions: int | None, max_total_tokens: int | None) -> list[str]:
+    """What a context of ``seq_len`` tokens runs into on this server, in words (empty when nothing)."""
+    if max_positions and seq_len > max_positions:
+        return [f"{seq_len:,} tokens is more than this model's {max_positions:,} positions "
+                "(max_position_embeddings): it cannot hold that context; the sums show what the cache would cost "
+                "if it could."]
+    if max_total_tokens and seq_len > max_total_tokens:
+        return [f"{seq_len:,} tokens is more than this server serves in one sequence (MAX_TOTAL_TOKENS = "
+                f"{max_total_tokens:,})."]
+    return []
+
+
 @router.get("/ui/api/sums", responses=ERRORS)
 async def ui_sums(request: Request, seq_len: int = Query(1024, ge=1, le=10_000_000, description="Context (tokens)."),
                   batch: int = Query(1, ge=1, le=100_000, description="Sequences.")) -> dict:
     """``kvserve estimate`` for the served model and dtype at ``seq_len`` tokens and ``batch`` sequences: every
-    backend at the estimator's defaults for the model, and each served backend's own spec."""
+    backend this server knows at the estimator's defaults for the model (and the k8v4 mix), and each served
+    backend's own spec; ``aka`` names a row's common name (k8v4), ``warnings`` a context the model or the
+    server cannot hold."""
     state = request.app.state.kvserve
     get_service(request)
     info = state.info
-    shape = load_shape(info["model_path"])
+    shape = model_shape(state)
     dtype_bytes = DTYPE_BYTES[info["model_dtype"]]
     served = {name: parse_spec(spec) for name, spec in info["kv_estimate_spec"].items()}
-    specs = resolve_specs(shape, None, dtype_bytes) + list(served.values())
+    names = sums_specs(shape, dtype_bytes)
+    specs = [parse_spec(s) for s in names] + list(served.values())
     full = bytes_per_token_per_layer(shape, "full", {}, dtype_bytes, seq_len)
     rows, seen = [], set()
     for row in estimate_rows(shape, specs, [seq_len], [batch], dtype_bytes):
@@ -162,8 +221,14 @@ async def ui_sums(request: Request, seq_len: int = Query(1024, ge=1, le=10_000_0
             continue
         seen.add(key)
         per = row["bytes_per_token_per_layer"]
+        params = row["params"]
+        k8v4 = row["backend"] == "int8" and params.get("key_bits", 8) == 8 and params.get("value_bits", 8) == 4
         rows.append({**row, "bytes_per_token": per * shape.num_layers, "vs_full": full / per if per else None,
-                     "served_as": [name for name, (backend, params) in served.items() if backend == row["backend"]
-                                   and all(row["params"].get(k) == v for k, v in params.items())]})
+                     "aka": "k8v4" if k8v4 else None,
+                     "served_as": [name for name, (backend, opts) in served.items() if backend == row["backend"]
+                                   and {**default_params(shape, backend), **opts} == params]})
+    max_positions = getattr(state.engine.runner.model.config, "max_position_embeddings", None)
     return {"model": info["model_id"], "dtype": info["model_dtype"], "num_layers": shape.num_layers,
-            "seq_len": seq_len, "batch": batch, "default_specs": DEFAULT_SPECS, "rows": rows}
+            "seq_len": seq_len, "batch": batch, "specs": names, "max_position_embeddings": max_positions,
+            "max_total_tokens": info.get("max_total_tokens"),
+            "warnings": context_warnings(seq_len, max_positions, info.get("max_total_tokens")), "rows": rows}

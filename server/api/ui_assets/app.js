@@ -10,7 +10,9 @@ let lastLive = null;        // the previous /ui/api/live answer (for tokens/s)
 
 // ---- talking to the server ------------------------------------------------------------------------------
 
-class ServerError extends Error {}
+class ServerError extends Error {
+  constructor(message, status = null) { super(message); this.status = status; }  // status: null when unreachable
+}
 
 function showError(message) {
   const box = $("#error");
@@ -40,7 +42,7 @@ async function api(path, options = {}) {
   if (!response.ok) {
     // TGI-style {error, error_type} (OpenAI's nested form just in case), else the status line
     const msg = body && (typeof body.error === "string" ? body.error : body.error && body.error.message);
-    throw new ServerError(`${path}: ${response.status} ${msg || response.statusText || "error"}`);
+    throw new ServerError(`${path}: ${response.status} ${msg || response.statusText || "error"}`, response.status);
   }
   return body;
 }
@@ -81,6 +83,23 @@ function bytes(n) {
 }
 const ms = (s) => (s === null || s === undefined ? "–" : `${(s * 1000).toFixed(1)} ms`);
 const int = (n) => Math.round(n).toLocaleString("en-US");
+const ratio = (r) => (r === null || r === undefined || !isFinite(r) ? "–" : `${r.toFixed(2)}×`);
+const sleep = (t) => new Promise((resolve) => setTimeout(resolve, t));
+
+function median(values) {
+  const v = values.filter((x) => x !== null && x !== undefined).sort((a, b) => a - b);
+  if (!v.length) return null;
+  const mid = Math.floor(v.length / 2);
+  return v.length % 2 ? v[mid] : (v[mid - 1] + v[mid]) / 2;
+}
+
+// Each cell of a table's body gets its column's heading as data-label (shown beside it on a narrow screen).
+function labelCells(table) {
+  const heads = [...table.querySelectorAll("thead th")].map((th) => th.dataset.label || th.textContent.trim());
+  for (const row of table.querySelectorAll("tbody tr")) {
+    [...row.children].forEach((cell, i) => { if (heads[i]) cell.dataset.label = heads[i]; });
+  }
+}
 
 function el(tag, attrs = {}, ...children) {
   const node = document.createElement(tag);
@@ -125,6 +144,8 @@ function initTabs() {
 
 // ---- Compare --------------------------------------------------------------------------------------------
 
+const WARM_TOKENS = 2;      // each backend's untimed warm-up: the same prompt, this many new tokens
+
 function chosenBackends() {
   return [...document.querySelectorAll('#backends input[type="checkbox"]:checked')].map((b) => b.value);
 }
@@ -138,6 +159,7 @@ function compareSettings() {
     repetition_penalty: Number($("#repetition-penalty").value),
     seed: seeded ? Number($("#seed").value) : null,
     temperature: Number($("#temperature").value),
+    runs: Math.max(1, Math.min(10, Math.round(Number($("#runs").value) || 1))),
   };
 }
 
@@ -147,6 +169,7 @@ function shareUrl(s) {
   url.searchParams.set("backends", s.backends.join(","));
   url.searchParams.set("max_new_tokens", s.max_new_tokens);
   url.searchParams.set("repetition_penalty", s.repetition_penalty);
+  url.searchParams.set("runs", s.runs);
   if (s.seed !== null) { url.searchParams.set("seed", s.seed); url.searchParams.set("temperature", s.temperature); }
   return url;
 }
@@ -157,6 +180,7 @@ function applyQuery() {
   if (q.has("prompt")) $("#prompt").value = q.get("prompt");
   if (q.has("max_new_tokens")) $("#max-new-tokens").value = q.get("max_new_tokens");
   if (q.has("repetition_penalty")) $("#repetition-penalty").value = q.get("repetition_penalty");
+  if (q.has("runs")) $("#runs").value = q.get("runs");
   if (q.has("seed")) {
     $('input[name="mode"][value="seeded"]').checked = true;
     $("#seed").value = q.get("seed");
@@ -171,7 +195,7 @@ function applyQuery() {
 
 function renderBackends() {
   const set = $("#backends");
-  $("#backends-loading").remove();
+  set.querySelectorAll("label, .muted").forEach((n) => n.remove());
   const usual = info.kv_backends.filter((n) => n === "full" || n === "int8");
   const picked = usual.length ? usual : info.kv_backends.slice(0, 2);
   info.kv_backends.forEach((name) => {
@@ -188,22 +212,38 @@ function firstDifference(a, b) {
   return a.length === b.length ? -1 : n;
 }
 
-// A small SVG plot of logprob(backend) - logprob(reference) per token position.
-function diffPlot(result, ref, diverge) {
-  const NS = "http://www.w3.org/2000/svg";
-  const W = 320, H = 90, PAD = 4;
+// Tokens equal to the reference's at the same position, and the share of the longer output they are.
+function agreement(a, b) {
+  const n = Math.min(a.length, b.length);
+  let equal = 0;
+  for (let i = 0; i < n; i++) if (a[i].id === b[i].id) equal++;
+  const of = Math.max(a.length, b.length);
+  return { equal, of, share: of ? equal / of : 1 };
+}
+
+function logprobDiffs(result, ref) {
   const n = Math.min(result.tokens.length, ref.tokens.length);
   const d = [];
   for (let i = 0; i < n; i++) d.push(result.tokens[i].logprob - ref.tokens[i].logprob);
-  const max = Math.max(0.05, ...d.map(Math.abs));  // nats; float noise stays flat, not full scale
+  return d;
+}
+
+// A small SVG plot of logprob(backend) - logprob(reference) per token position, at ±scale nats full scale
+// (one scale for every card: the largest difference of any of them).
+function diffPlot(result, ref, diverge, scale) {
+  const NS = "http://www.w3.org/2000/svg";
+  const W = 320, H = 90, PAD = 4;
+  const d = logprobDiffs(result, ref), n = d.length;
   const svg = document.createElementNS(NS, "svg");
   svg.setAttribute("viewBox", `0 0 ${W} ${H}`);
   svg.setAttribute("class", "plot");
   svg.setAttribute("role", "img");
+  svg.dataset.scale = String(scale);
   const label = diverge < 0 ? "identical" : `first difference at token ${diverge}`;
+  const largest = Math.max(0, ...d.map(Math.abs));
   svg.setAttribute("aria-label", `log-probability difference from ${ref.kv_backend} per token, ` +
-    `largest ${max.toFixed(3)} nats; ${label}`);
-  const y = (v) => H / 2 - (v / max) * (H / 2 - PAD);
+    `largest ${largest.toFixed(3)} nats of ±${scale.toFixed(3)} full scale; ${label}`);
+  const y = (v) => H / 2 - (v / scale) * (H / 2 - PAD);
   const x = (i) => PAD + (n <= 1 ? 0 : (i * (W - 2 * PAD)) / (n - 1));
   const add = (tag, attrs) => { const e = document.createElementNS(NS, tag); for (const k in attrs) e.setAttribute(k, attrs[k]); svg.append(e); return e; };
   add("line", { x1: 0, x2: W, y1: H / 2, y2: H / 2, class: "axis" });
@@ -214,16 +254,48 @@ function diffPlot(result, ref, diverge) {
     add("rect", { x: x(i) - bw / 2, y: top, width: bw, height: h, class: diverge >= 0 && i > diverge ? "bar faint" : "bar" })
       .append(Object.assign(document.createElementNS(NS, "title"), { textContent: `token ${i}: ${v.toFixed(4)}` }));
   });
-  const caption = el("figcaption", { class: "muted", text: `Δ log-prob vs ${ref.kv_backend}: ±${max.toFixed(3)} nats full scale` });
+  const caption = el("figcaption", { class: "muted plot-scale",
+    text: `Δ log-prob vs ${ref.kv_backend}: ±${scale.toFixed(3)} nats full scale (the same on every card)` });
   return el("figure", {}, svg, caption);
 }
 
-function renderResult(result, ref) {
-  const diverge = ref && ref !== result ? firstDifference(result.tokens, ref.tokens) : -1;
+// What one backend's run means against the reference's: ratios, agreement, the first difference.
+function versus(result, ref, timing, refTiming) {
+  const same = !ref || ref === result;
+  const diverge = same ? -1 : firstDifference(result.tokens, ref.tokens);
+  const div = (a, b) => (a === null || a === undefined || !b ? null : a / b);
+  return {
+    diverge, reference: same,
+    agree: same ? null : agreement(result.tokens, ref.tokens),
+    // against full's bytes for the same tokens (the server's sums): the ratio of the peaks is that of bytes/token
+    peak: result.kv_peak_bytes / result.kv_full_peak_bytes,
+    ttft: div(median(timing.ttft), ref && median(refTiming.ttft)),
+    tpot: div(median(timing.tpot), ref && median(refTiming.tpot)),
+  };
+}
+
+function timingText(values) {
+  const m = median(values), v = values.filter((x) => x !== null && x !== undefined);
+  if (m === null) return "–";
+  return v.length > 1 ? `${ms(m)} (${spread(v)})` : ms(m);
+}
+
+function spread(v) { return `${(Math.min(...v) * 1000).toFixed(1)}–${(Math.max(...v) * 1000).toFixed(1)} ms`; }
+
+// A card's timing: the median, then what it is (warm, median of N) and the spread, on a line of its own.
+function setTiming(dd, values) {
+  const v = values.filter((x) => x !== null && x !== undefined);
+  dd.replaceChildren(el("span", { class: "key", text: ms(median(v)) }),
+    el("span", { class: "detail muted", text: v.length > 1 ? `warm, median of ${v.length}: ${spread(v)}` : `warm, 1 run` }));
+}
+
+function timingLabel(n) { return `warm, median of ${n}` + (n > 1 ? " (min–max)" : ""); }
+
+function renderCard(result, ref, timing) {
+  const vs = versus(result, ref, timing, timing);
   const text = el("p", { class: "text" });
-  text.append(el("span", { class: "prompt", text: $("#prompt").value }));
   result.tokens.forEach((t, i) => {
-    if (i === diverge) {
+    if (i === vs.diverge) {
       text.append(el("mark", { class: "diverge", title: `first token that differs from ${ref.kv_backend}`,
                                "data-index": String(i), text: t.text || "⟨" + t.id + "⟩" }));
     } else {
@@ -231,47 +303,126 @@ function renderResult(result, ref) {
     }
   });
   let verdict;
-  if (!ref || ref === result) verdict = "reference";
-  else if (diverge < 0) verdict = `identical to ${ref.kv_backend}`;
-  else verdict = `differs from ${ref.kv_backend} at token ${diverge}`;
+  if (vs.reference) verdict = "reference";
+  else if (vs.diverge < 0) verdict = `identical to ${ref.kv_backend}`;
+  else verdict = `differs from ${ref.kv_backend} at token ${vs.diverge}`;
   const stats = el("dl", { class: "stats" },
     el("dt", { text: "KV peak" }), el("dd", { class: "kv-peak", "data-bytes": String(result.kv_peak_bytes), text: bytes(result.kv_peak_bytes) }),
     el("dt", { text: "KV bytes/token" }), el("dd", { class: "kv-per-token", text: int(result.kv_bytes_per_token) }),
-    el("dt", { text: "TTFT" }), el("dd", { class: "ttft", text: ms(result.ttft_s) }),
-    el("dt", { text: "TPOT" }), el("dd", { class: "tpot", text: ms(result.tpot_s) }),
+    el("dt", { text: "TTFT" }), el("dd", { class: "ttft" }),
+    el("dt", { text: "TPOT" }), el("dd", { class: "tpot" }),
     el("dt", { text: "tokens" }), el("dd", { text: `${result.prompt_tokens} prompt + ${result.tokens.length} new (${result.finish_reason})` }));
   const card = el("article", { class: "result", "data-backend": result.kv_backend,
-                               "data-diverge": !ref || ref === result ? "reference" : String(diverge) },
-    el("h2", { text: result.kv_backend }), el("p", { class: "verdict", text: verdict }), text, stats);
-  if (ref && ref !== result) card.append(diffPlot(result, ref, diverge));
+                               "data-diverge": vs.reference ? "reference" : String(vs.diverge) },
+    el("h2", { text: result.kv_backend }), el("p", { class: "verdict", text: verdict }));
+  if (result.kv_uncompressed_reason) {
+    card.append(el("p", { class: "uncompressed", text: `Not compressed yet: ${result.kv_uncompressed_reason}.` }));
+  }
+  card.append(text, stats);
   return card;
+}
+
+// Redraw every card's timings (as the runs come in) and plot (on the one scale of all of them).
+function refreshCards(order, results, timings) {
+  const ref = results[order[0]];
+  const others = order.filter((b) => results[b] && results[b] !== ref);
+  const scale = Math.max(0.05, ...others.flatMap((b) => logprobDiffs(results[b], ref).map(Math.abs)));  // nats
+  for (const b of order) {
+    const card = $(`#results .result[data-backend="${CSS.escape(b)}"]`);
+    if (!card) continue;
+    setTiming($(".ttft", card), timings[b].ttft);
+    setTiming($(".tpot", card), timings[b].tpot);
+    if (results[b] === ref) continue;
+    const old = $("figure", card);
+    const plot = diffPlot(results[b], ref, firstDifference(results[b].tokens, ref.tokens), scale);
+    if (old) old.replaceWith(plot); else card.append(plot);
+  }
+}
+
+// One row per backend: its measures as ratios to the reference's (full when chosen), agreement, first difference.
+function renderSummary(order, results, timings, greedy) {
+  const ref = results[order[0]];
+  const runsDone = Math.min(...order.filter((b) => results[b]).map((b) => timings[b].ttft.length));
+  const table = $("#summary-table");
+  const refName = ref.kv_backend;
+  $("#summary-ref").textContent = refName;
+  table.querySelector(".th-ttft").textContent = `TTFT vs ${refName}`;
+  table.querySelector(".th-tpot").textContent = `TPOT vs ${refName}`;
+  table.querySelector(".th-agree").textContent = greedy ? `greedy agreement with ${refName}` : `agreement with ${refName} (seeded)`;
+  $("#summary-timing").textContent = `TTFT and TPOT: ${timingLabel(runsDone)} per backend, each after one untimed ` +
+    `warm-up run; runs interleaved across backends, every run prefilling its whole prompt (no prefix-cache hit).`;
+  const body = table.querySelector("tbody");
+  body.replaceChildren();
+  for (const b of order) {
+    const r = results[b];
+    if (!r) continue;
+    const vs = versus(r, ref, timings[b], timings[order[0]]);
+    const cell = (cls, main, detail, data = {}) =>
+      el("td", Object.assign({ class: cls }, data), el("span", { class: "key", text: main }), detail ? el("span", { class: "detail muted", text: detail }) : "");
+    const agree = vs.reference ? "reference" : `${(vs.agree.share * 100).toFixed(1)}%`;
+    const first = vs.reference ? "reference" : vs.diverge < 0 ? "never" : `token ${vs.diverge}`;
+    body.append(el("tr", { "data-backend": b },
+      el("th", { scope: "row", text: b }),
+      cell("bytes-ratio", ratio(vs.peak), `${int(r.kv_bytes_per_token)} B/token`, { "data-ratio": String(vs.peak) }),
+      cell("peak-ratio", ratio(vs.peak), bytes(r.kv_peak_bytes), { "data-ratio": String(vs.peak) }),
+      cell("ttft-ratio", ratio(vs.ttft), timingText(timings[b].ttft), { "data-ratio": String(vs.ttft) }),
+      cell("tpot-ratio", ratio(vs.tpot), timingText(timings[b].tpot), { "data-ratio": String(vs.tpot) }),
+      cell("agreement", agree, vs.reference ? "" : `${vs.agree.equal} of ${vs.agree.of} tokens`,
+           { "data-share": vs.reference ? "1" : String(vs.agree.share) }),
+      cell("first-diff", first, "", { "data-index": vs.reference ? "reference" : String(vs.diverge) }),
+      el("td", { class: "note", text: r.kv_uncompressed_reason ? `not compressed yet: ${r.kv_uncompressed_reason}`
+                                                            : vs.peak < 1 ? "compressed" : "" })));
+  }
+  labelCells(table);
+  $("#summary").hidden = false;
 }
 
 async function runCompare(ev) {
   if (ev) ev.preventDefault();
   const s = compareSettings();
   showError("");
+  if (!info) { showError("The server is still loading its model; the page goes on by itself once it is ready."); return; }
   if (!s.prompt.trim()) { showError("Type a prompt first."); $("#prompt").focus(); return; }
   if (!s.backends.length) { showError("Choose at least one backend."); return; }
   history.replaceState(null, "", shareUrl(s));
   $("#copy-link").hidden = false;
-  const results = $("#results");
-  results.replaceChildren();
+  const cardsBox = $("#results");
+  cardsBox.replaceChildren();
+  $("#summary").hidden = true;
+  $("#shown-prompt").hidden = true;
   $("#run").disabled = true;
-  // the reference runs first, so that each card can be drawn against it as it arrives
+  // the reference first, so that each card and row can be drawn against it as it arrives
   const order = s.backends.includes("full") ? ["full", ...s.backends.filter((b) => b !== "full")] : s.backends;
-  const done = [];
+  const body = (backend, tokens) => JSON.stringify({ prompt: s.prompt, kv_backend: backend, max_new_tokens: tokens,
+    repetition_penalty: s.repetition_penalty, seed: s.seed, temperature: s.temperature });
+  const post = (backend, tokens) => api("/ui/api/generate", { method: "POST", headers: { "Content-Type": "application/json" },
+                                                              body: body(backend, tokens) });
+  const results = {}, timings = Object.fromEntries(order.map((b) => [b, { ttft: [], tpot: [] }]));
   try {
-    for (const [i, backend] of order.entries()) {
-      $("#compare-status").textContent = `running ${backend} (${i + 1}/${order.length})…`;
-      const body = { prompt: s.prompt, kv_backend: backend, max_new_tokens: s.max_new_tokens,
-                     repetition_penalty: s.repetition_penalty, seed: s.seed, temperature: s.temperature };
-      const result = await api("/ui/api/generate", { method: "POST", headers: { "Content-Type": "application/json" },
-                                                    body: JSON.stringify(body) });
-      done.push(result);
-      results.append(renderResult(result, done[0]));
+    for (const [i, backend] of order.entries()) {  // untimed: first-call costs stay out of the timings
+      $("#compare-status").textContent = `warming up ${backend} (${i + 1}/${order.length}, untimed)…`;
+      await post(backend, Math.min(WARM_TOKENS, s.max_new_tokens));
     }
-    $("#compare-status").textContent = `done: ${order.join(", ")}`;
+    for (let run = 1; run <= s.runs; run++) {  // interleaved, so that a slow spell of the machine hits every backend
+      for (const backend of order) {
+        $("#compare-status").textContent = `run ${run}/${s.runs}: ${backend}…`;
+        const result = await post(backend, s.max_new_tokens);
+        timings[backend].ttft.push(result.ttft_s);
+        timings[backend].tpot.push(result.tpot_s);
+        if (run === 1) {
+          results[backend] = result;
+          if (backend === order[0]) {
+            $("#shown-prompt-text").textContent = s.prompt;
+            $("#shown-prompt-tokens").textContent = `${result.prompt_tokens} tokens`;
+            $("#shown-prompt").hidden = false;
+          }
+          cardsBox.append(renderCard(result, results[order[0]], timings[backend]));
+        }
+        refreshCards(order, results, timings);
+        renderSummary(order, results, timings, s.seed === null);
+      }
+    }
+    $("#compare-status").textContent = `done: ${order.join(", ")}; ${s.runs} timed run${s.runs > 1 ? "s" : ""} each`;
   } catch (err) {
     showError(err.message);
     $("#compare-status").textContent = "";
@@ -283,6 +434,7 @@ async function runCompare(ev) {
 // ---- Live -----------------------------------------------------------------------------------------------
 
 async function pollLive() {
+  if (!info) return;  // the server is still loading (see loadInfo)
   let now;
   try {
     now = await api("/ui/api/live");
@@ -312,6 +464,7 @@ async function pollLive() {
       el("td", { class: "kv-tokens", text: int(r.kv_tokens) }),
       el("td", { class: "requests", text: int(r.requests) })));
   }
+  labelCells($("#live-table"));
   lastLive = now;
   $("#live-updated").textContent = "updated " + new Date().toLocaleTimeString();
   showError("");
@@ -321,6 +474,7 @@ async function pollLive() {
 
 async function loadSums(ev) {
   if (ev) ev.preventDefault();
+  if (!info) return;  // the server is still loading (see loadInfo)
   const seqLen = Number($("#seq-len").value), batch = Number($("#batch").value);
   let sums;
   try {
@@ -331,18 +485,34 @@ async function loadSums(ev) {
   }
   showError("");
   $("#sums-caption").textContent = `kvserve estimate for ${sums.model} (${sums.dtype}, ${sums.num_layers} layers) ` +
-    `at ${int(sums.seq_len)} tokens × ${int(sums.batch)} sequences; each backend at the estimator's defaults for the model, and each served backend's own settings.`;
+    `at ${int(sums.seq_len)} tokens × ${int(sums.batch)} sequences: every backend this server knows at the ` +
+    `estimator's defaults for the model, and each served backend's own settings. elastic's range runs from ` +
+    `every compressible token quantized to every token exact.`;
+  const warning = $("#sums-warning");
+  warning.textContent = (sums.warnings || []).join(" ");
+  warning.hidden = !warning.textContent;
   const body = $("#sums-table tbody");
   body.replaceChildren();
   for (const r of sums.rows) {
-    const params = Object.entries(r.params).map(([k, v]) => `${k}=${v}`).join(",") || "-";
-    body.append(el("tr", { "data-backend": r.backend },
-      el("th", { scope: "row", text: r.backend }), el("td", { text: params }),
-      el("td", { text: int(r.bytes_per_token_per_layer) }), el("td", { text: int(r.bytes_per_token) }),
-      el("td", { class: "total", text: bytes(r.total_bytes) }),
-      el("td", { text: r.vs_full ? `${r.vs_full.toFixed(2)}x` : "–" }),
-      el("td", { text: r.served_as.join(", ") || "" })));
+    const params = Object.entries(r.params).map(([k, v]) => `${k}=${v}`).join(", ") || "-";
+    const ranged = r.min_total_bytes !== undefined;  // elastic: from all quantized to all exact
+    const perLayer = ranged ? `${int(r.min_bytes_per_token_per_layer)}–${int(r.bytes_per_token_per_layer)}`
+                            : int(r.bytes_per_token_per_layer);
+    const perToken = ranged ? `${int(r.min_bytes_per_token_per_layer * sums.num_layers)}–${int(r.bytes_per_token)}`
+                            : int(r.bytes_per_token);
+    const total = ranged ? `${bytes(r.min_total_bytes)}–${bytes(r.total_bytes)}` : bytes(r.total_bytes);
+    const fullPer = r.vs_full ? r.bytes_per_token_per_layer * r.vs_full : null;
+    const vs = ranged && fullPer ? `${ratio(1)}–${ratio(fullPer / r.min_bytes_per_token_per_layer)}`
+                                 : r.vs_full ? ratio(r.vs_full) : "–";
+    body.append(el("tr", { "data-backend": r.backend, "data-aka": r.aka || "" },
+      el("th", { scope: "row", text: r.aka ? `${r.backend} (${r.aka})` : r.backend }),
+      el("td", { class: "params", text: params }),
+      el("td", { text: perLayer }), el("td", { text: perToken }),
+      el("td", { class: "total", text: total }),
+      el("td", { class: "vs-full", text: vs }),
+      el("td", { class: "served", text: r.served_as.join(", ") || "–" })));
   }
+  labelCells($("#sums-table"));
 }
 
 // ---- start ----------------------------------------------------------------------------------------------
@@ -359,20 +529,53 @@ async function start() {
     catch (_) { $("#compare-status").textContent = location.href; }
   });
   $("#sums-form").addEventListener("submit", loadSums);
+  $("#preset").addEventListener("change", (ev) => {
+    if (ev.target.value) $("#prompt").value = ev.target.value;
+    ev.target.value = "";
+  });
   const q = new URLSearchParams(location.search);
   if (q.has("seq_len")) $("#seq-len").value = q.get("seq_len");
   if (q.has("batch")) $("#batch").value = q.get("batch");
-  try {
-    info = await api("/info");
-  } catch (err) {
-    showError(err.message + " — is the model still loading? Reload in a moment.");
-    return;
-  }
+  if (q.has("view")) selectView(q.get("view"));
+  if (!(await loadInfo())) return;
   $("#model").textContent = `${info.model_id} · ${info.model_dtype} on ${info.model_device_type} · default backend ${info.kv_backend}`;
   renderBackends();
+  $("#run").disabled = false;
   const run = applyQuery();
-  selectView(q.get("view") || "compare");
+  selectView(q.get("view") || "compare");  // again: Live and Sums wait for /info
   if (run && (q.get("view") || "compare") === "compare") runCompare();
+}
+
+// /info once the model is loaded and calibrated: while the server answers 503 (loading, calibrating) or cannot
+// be reached, poll /health and try again, saying so on the page. False on any other error (shown).
+async function loadInfo() {
+  const notice = $("#waiting");
+  for (;;) {
+    try {
+      info = await api("/info");
+      notice.hidden = true;
+      return true;
+    } catch (err) {
+      if (err.status !== null && err.status !== 503) { showError(err.message); return false; }
+      notice.textContent = `${err.message}. Waiting for the server: checking /health every 2 s; the page goes on by itself.`;
+      notice.hidden = false;
+      if (!(await waitForHealth(notice))) return false;
+    }
+  }
+}
+
+async function waitForHealth(notice) {
+  for (;;) {
+    await sleep(2000);
+    try {
+      await api("/health");
+      return true;
+    } catch (err) {
+      if (err.status !== null && err.status !== 503) { showError(err.message); return false; }
+      notice.textContent = `${err.message}. Waiting for the server: checking /health every 2 s; the page goes on by itself ` +
+        `(last checked ${new Date().toLocaleTimeString()}).`;
+    }
+  }
 }
 
 document.addEventListener("DOMContentLoaded", start);
