@@ -326,6 +326,8 @@ def _search_dca(build, scorer: Scorer, budget: float, tried: list, record):
 
 def _message(choice: Choice, axis: str | None) -> str:
     head = f"{choice.backend}: {choice.spec}"
+    if choice.backend == "full":
+        return "full: exact K/V, the reference every price is measured against"
     if choice.price is None:
         return f"{head}: {choice.compression:.2f}x smaller than full (not priced: no quality budget)"
     cost = (f"{choice.compression:.2f}x smaller than full for +{choice.price.ppl_increase_pct:.2f}% perplexity "

@@ -157,7 +157,8 @@ class ServerState:
             "kv_backend_params": {n: b.params() for n, b in self.backends.items()},
             "kv_backend_details": {n: b.details() for n, b in self.backends.items() if b.details()},
             "kv_quality_budget_pct": s.kv_quality_budget, "kv_quality": self.quality,
-            "kv_calibration": [{k: v for k, v in e.as_dict().items() if k != "figures"} for e in cache.events],
+            "kv_calibration": [{k: v for k, v in e.as_dict().items() if k != "figures"} for e in cache.events
+                               if e.kind != "price"],  # prices: kv_quality
             **kv_sizes(self.backends, geometry.num_layers, max_total), "num_layers": geometry.num_layers,
             "num_attention_heads": geometry.num_attention_heads,
             "num_key_value_heads": geometry.num_key_value_heads, "head_dim": geometry.head_dim,

@@ -251,7 +251,8 @@ def test_calibrate_fills_the_cache_and_the_server_starts_from_it(tmp_path):
     text = (MODEL_DIR / "calib_slice.txt").read_text(encoding="utf-8")
     (tmp_path / "calib.txt").write_text(text[:6000], encoding="utf-8")  # a short slice keeps the test fast
     env = {"MODEL_ID": str(MODEL_DIR), "KV_CALIBRATION_CACHE_DIR": str(tmp_path / "cache"), "KV_MLA_RANK": "32",
-           "KV_CALIBRATION_FILE": str(tmp_path / "calib.txt"), "KV_BACKEND": "full", "KV_BACKENDS": ""}
+           "KV_CALIBRATION_FILE": str(tmp_path / "calib.txt"), "KV_BACKEND": "full", "KV_BACKENDS": "",
+           "KV_QUALITY_BUDGET": "off"}  # the fixed settings: the budget's prices are tests/test_quality_budget.py's
     r = calibrate(env, "--backend", "mla,dca", "--backend", "int8")
     assert r.returncode == 0, r.stderr[-3000:]
     entries = sorted(p.name.split("-")[0] for p in (tmp_path / "cache").glob("*.safetensors"))

@@ -16,7 +16,20 @@ from tests.conftest import MODEL_DIR, REPO, server_with
 
 README = (REPO / "README.md").read_text()
 DOCS = REPO / "docs"
-server = server_with({})
+plain = server_with({})  # the reference model
+
+
+@pytest.fixture(scope="module")
+def server():
+    """The Quickstart's server: `make serve`'s model, the real SmolLM2-135M-Instruct (fetched when missing)."""
+    from server.model_fetch import DEFAULT_DIR, fetch, is_current
+    from tests.conftest import RunningServer
+
+    if not is_current(DEFAULT_DIR):
+        fetch(DEFAULT_DIR)
+    srv = RunningServer({"MODEL_ID": str(DEFAULT_DIR)})
+    yield srv
+    srv.stop()
 
 
 def section(title: str) -> str:
@@ -36,6 +49,7 @@ def quickstart_examples() -> list[tuple[str, dict, str]]:
     return found
 
 
+@pytest.mark.real_model
 def test_quickstart_generate_output_is_what_the_server_answers(server):
     path, body, output = quickstart_examples()[0]
     assert path == "/generate" and body["parameters"].get("do_sample") is not True  # greedy: reproducible
@@ -44,6 +58,7 @@ def test_quickstart_generate_output_is_what_the_server_answers(server):
     assert r.text == output
 
 
+@pytest.mark.real_model
 def test_quickstart_stream_output_is_what_the_server_sends(server):
     path, body, output = quickstart_examples()[1]
     assert path == "/generate_stream"
@@ -94,14 +109,15 @@ STOP_PROMPT = "And God said, Let there be light: and there was light. And God"
 
 
 @pytest.fixture(scope="module")
-def free_text(server):
+def free_text(plain):
     tgi = {"inputs": STOP_PROMPT, "parameters": {"max_new_tokens": 30}}
-    return httpx.post(server.url + "/generate", json=tgi, timeout=120).json()["generated_text"]
+    return httpx.post(plain.url + "/generate", json=tgi, timeout=120).json()["generated_text"]
 
 
 @pytest.mark.parametrize("stop", [["e", "h"], ["h", "e"], ["And", "\nAnd"], ["\nAnd", "And"]])
-def test_earliest_stop_ends_the_text_on_every_route(server, free_text, stop):
+def test_earliest_stop_ends_the_text_on_every_route(plain, free_text, stop):
     """HTTP API: the result ends just before the earliest occurrence of any stop, whatever the order."""
+    server = plain
     free = free_text
     assert all(s in free for s in stop)
     tgi = {"inputs": STOP_PROMPT, "parameters": {"max_new_tokens": 30}}

@@ -201,8 +201,19 @@ function renderBackends() {
   info.kv_backends.forEach((name) => {
     const box = el("input", { type: "checkbox", value: name, name: "backend" });
     box.checked = picked.includes(name);
-    set.append(el("label", {}, box, " " + name));
+    const quality = (info.kv_quality || {})[name];
+    set.append(el("label", quality ? { title: quality.message } : {}, box, " " + name));
   });
+  // the quality budget's warnings (KV_QUALITY_BUDGET): a backend over it, or one that saves nothing within it
+  Object.entries(info.kv_quality || {}).forEach(([name, q]) => {
+    if (qualityWarning(name)) set.append(el("p", { class: "muted quality-warning", "data-backend": name, text: "⚠ " + q.message }));
+  });
+}
+
+// The quality budget's word on a served backend when the user should hear it: over the budget, or no saving.
+function qualityWarning(name) {
+  const q = (info.kv_quality || {})[name];
+  return q && name !== "full" && (q.saves_nothing || !q.within_budget) ? q.message : null;
 }
 
 // The index of the first token id that differs, or -1 when one output is the other (same ids, same length).
@@ -315,6 +326,7 @@ function renderCard(result, ref, timing) {
   const card = el("article", { class: "result", "data-backend": result.kv_backend,
                                "data-diverge": vs.reference ? "reference" : String(vs.diverge) },
     el("h2", { text: result.kv_backend }), el("p", { class: "verdict", text: verdict }));
+  if (qualityWarning(result.kv_backend)) card.append(el("p", { class: "quality-warning", text: "⚠ " + qualityWarning(result.kv_backend) }));
   if (result.kv_uncompressed_reason) {
     card.append(el("p", { class: "uncompressed", text: `Not compressed yet: ${result.kv_uncompressed_reason}.` }));
   }
