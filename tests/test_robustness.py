@@ -19,6 +19,9 @@ ROUTES = [("/generate", '{"inputs": "x%sy"}', "inputs", 422), ("/generate_stream
           ("/v1/completions", '{"prompt": "x", "stop": ["%s"], "max_tokens": 2}', "stop", 400),
           ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x%sy"}], "max_tokens": 2}', "messages",
            400), ("/v1/responses", '{"input": "x%sy", "max_output_tokens": 2}', "input", 400),
+          ("/v1/responses", '{"input": "x", "instructions": "x%sy", "max_output_tokens": 2}', "instructions", 400),
+          ("/v1/responses", '{"input": [{"role": "user", "content": "x%sy"}], "max_output_tokens": 2}',
+           "input[0].content", 400),
           ("/tokenize", '{"prompt": "x%sy"}', "prompt", 400)]
 
 

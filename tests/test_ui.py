@@ -36,6 +36,14 @@ def test_page_and_assets_are_served_from_the_package(server):
     assert httpx.get(server.url + "/ui/assets/nope.js").status_code == 404
 
 
+def test_head_answers_as_get(server):
+    """Uptime checks and link checkers send HEAD: 200 with GET's headers and no body (it was 405)."""
+    for path in ("/", "/ui", "/ui/assets/app.js"):
+        got, head = httpx.get(server.url + path), httpx.head(server.url + path)
+        assert head.status_code == 200 and head.content == b"", path
+        assert head.headers["content-type"] == got.headers["content-type"], path
+
+
 def test_post_root_stays_tgi(server):
     r = httpx.post(server.url + "/", json={"inputs": "And God said", "parameters": {"max_new_tokens": 3}}, timeout=60)
     assert r.status_code == 200 and isinstance(r.json(), list) and "generated_text" in r.json()[0]

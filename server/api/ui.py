@@ -43,14 +43,14 @@ router = APIRouter(tags=["built-in page"])
 ERRORS = {code: {"description": "TGI-style error body {error, error_type}"} for code in (401, 422, 429, 503)}
 
 
-@router.get("/", response_class=HTMLResponse, include_in_schema=False)
-@router.get("/ui", response_class=HTMLResponse, include_in_schema=False)
+@router.api_route("/", methods=["GET", "HEAD"], response_class=HTMLResponse, include_in_schema=False)
+@router.api_route("/ui", methods=["GET", "HEAD"], response_class=HTMLResponse, include_in_schema=False)
 async def page() -> HTMLResponse:
     """The page (``POST /`` stays TGI's compatibility route)."""
     return HTMLResponse((ASSETS / "index.html").read_text(), headers={"Cache-Control": "no-cache"})
 
 
-@router.get("/ui/assets/{name}", include_in_schema=False)
+@router.api_route("/ui/assets/{name}", methods=["GET", "HEAD"], include_in_schema=False)
 async def asset(name: str):
     if name not in ASSET_TYPES:
         return error_response(404, f"no asset {name!r}", "http")
