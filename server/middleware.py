@@ -60,7 +60,8 @@ class HeaderLimit:
         return await self.app(scope, receive, send)
 
 
-GENERATION_PATHS = ("/", "/generate", "/generate_stream", "/v1/completions", "/v1/chat/completions", "/v1/responses")
+GENERATION_PATHS = ("/", "/generate", "/generate_stream", "/v1/completions", "/v1/chat/completions", "/v1/responses",
+                    "/ui/api/generate")
 
 
 class InFlight:

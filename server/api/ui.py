@@ -26,10 +26,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from cache_backends.estimate import DTYPE_BYTES, bytes_per_token_per_layer, estimate_rows
 from cache_backends.spec import parse_spec
-from server.api.common import get_service
+from server.api.common import SHUTDOWN_MESSAGE, get_service
 from server.api.types import Int
 from server.engine.sequence import FinishReason
-from server.errors import error_response
+from server.errors import NotReady, error_response
 from server.estimate_cli import DEFAULT_SPECS, load_shape, resolve_specs
 from server.service import GenerationRequest
 
@@ -90,7 +90,9 @@ class UIGenerateResponse(BaseModel):
 
 @router.post("/ui/api/generate", response_model=UIGenerateResponse, responses=ERRORS)
 async def ui_generate(body: UIGenerateRequest, request: Request):
-    """Run ``prompt`` through one backend and report the request's KV bytes and latencies."""
+    """Run ``prompt`` through one backend and report the request's KV bytes and latencies. Counted and refused as
+    the other generation routes are: 429 past MAX_CONCURRENT_REQUESTS, 503 while draining for a shutdown, and 503
+    when the shutdown's grace period ends it."""
     service = get_service(request)
     params = service.sampling(do_sample=body.seed is not None, temperature=body.temperature, top_p=None,
                               top_k=None, repetition_penalty=body.repetition_penalty, seed=body.seed)
@@ -99,6 +101,8 @@ async def ui_generate(body: UIGenerateRequest, request: Request):
     seq, events = await service.run(req, request.receive)
     collected = [ev async for ev in events]
     last = collected[-1]
+    if service.is_shutdown_end(last):  # SHUTDOWN_GRACE_SECONDS ended it: another replica can answer
+        raise NotReady(SHUTDOWN_MESSAGE)
     if last.finish_reason == FinishReason.CANCELLED:
         return error_response(499, "client closed request", "cancelled")
     if last.finish_reason == FinishReason.ERROR:
