@@ -189,3 +189,30 @@ def test_large_json_arrays_are_refused_before_they_hold_the_event_loop(robust_se
                 err = r.json()["error"]
                 assert r.status_code == status and field in (err if isinstance(err, str) else err["message"]), r.text
                 assert isinstance(err, str) or err["param"] == field
+
+
+def test_truncate_tokenizes_only_the_tail_it_keeps(monkeypatch):
+    """TGI's ``truncate`` tokenized a 1.9 MB prompt whole (3.7-18.8 s of a tokenizer thread) before keeping its last
+    tokens; only a tail of the text is tokenized now, and the answer is that of a short prompt ending the same."""
+    from fastapi.testclient import TestClient
+
+    from server.app import create_app
+    from server.config import load_settings
+
+    app = create_app(load_settings(model_id=str(MODEL_DIR)), load_in_background=False)
+    with TestClient(app) as client:
+        tokenizer = app.state.kvserve.service.tokenizer
+        real, lengths = tokenizer.encode, []
+
+        def encode(text, *args, **kwargs):
+            lengths.append(len(text))
+            return real(text, *args, **kwargs)
+
+        monkeypatch.setattr(tokenizer, "encode", encode)
+        params = {"truncate": 12, "max_new_tokens": 4, "details": True, "decoder_input_details": True}
+        verse = "And God said unto Moses, "
+        big = client.post("/generate", json={"inputs": verse * 76_000, "parameters": params})
+        assert big.status_code == 200 and max(lengths) < 10_000, (big.text[:300], max(lengths))
+        small = client.post("/generate", json={"inputs": verse * 4, "parameters": params}).json()
+        assert big.json()["details"]["prefill"] == small["details"]["prefill"]
+        assert len(small["details"]["prefill"]) == 12 and big.json()["generated_text"] == small["generated_text"]
