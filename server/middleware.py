@@ -41,6 +41,21 @@ async def _send_error(send, path: str, status: int, message: str, error_type: st
     await send({"type": "http.response.body", "body": payload})
 
 
+def _replay(body: bytes, receive):
+    """An ASGI ``receive`` that gives the app ``body`` (read already, whole) first, then what ``receive`` gives (a
+    disconnect)."""
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
 def _invalid_status(scope) -> int:
     return 400 if openai_path(scope["path"]) else 422
 
@@ -122,17 +137,7 @@ class PayloadLimit:
                 more = message.get("more_body", False)
                 if size > self.limit:
                     return await _send_error(send, scope["path"], _invalid_status(scope), too_big, "validation")
-            body = b"".join(chunks)
-            sent = False
-
-            async def replay():
-                nonlocal sent
-                if not sent:
-                    sent = True
-                    return {"type": "http.request", "body": body, "more_body": False}
-                return await receive()
-
-            return await self.app(scope, replay, send)
+            return await self.app(scope, _replay(b"".join(chunks), receive), send)
         return await self.app(scope, receive, send)
 
 
@@ -184,16 +189,7 @@ class BodyBounds:
             if fault is not None:
                 message, field = fault
                 return await _send_error(send, scope["path"], _invalid_status(scope), message, "validation", field)
-        sent = False
-
-        async def replay():
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        return await self.app(scope, replay, send)
+        return await self.app(scope, _replay(body, receive), send)
 
 
 class BearerAuth:
