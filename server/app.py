@@ -15,9 +15,10 @@ from fastapi import FastAPI
 
 from server import __version__
 from server.api import openai, responses, system, tgi, tokenize, ui
+from server.api.request_model import json_schema_keywords
 from server.config import Settings
 from server.errors import install_error_handlers
-from server.middleware import BearerAuth, HeaderLimit, InFlight, PayloadLimit
+from server.middleware import BearerAuth, BodyBounds, HeaderLimit, InFlight, PayloadLimit
 from server.state import ServerState
 
 log = logging.getLogger("kvserve")
@@ -62,6 +63,7 @@ def create_app(settings: Settings, load_in_background: bool = True, exit_on_load
     app.state.kvserve = state
     install_error_handlers(app)
     app.add_middleware(InFlight, limit=settings.max_concurrent_requests, state=state)
+    app.add_middleware(BodyBounds, state=state)
     app.add_middleware(PayloadLimit, limit=settings.payload_limit)
     app.add_middleware(HeaderLimit, max_headers=settings.max_headers)
     if settings.api_key:
@@ -72,4 +74,10 @@ def create_app(settings: Settings, load_in_background: bool = True, exit_on_load
     app.include_router(openai.router)
     app.include_router(responses.router)
     app.include_router(tokenize.router)
+    plain_openapi = app.openapi
+
+    def openapi() -> dict:  # JSON Schema's bound names where pydantic left its own (``ge`` on ``Int | None``)
+        return json_schema_keywords(plain_openapi())
+
+    app.openapi = openapi
     return app

@@ -74,8 +74,8 @@ class Settings(BaseSettings):
     max_stop_sequences: int = Field(16, ge=0, description="Most stop sequences per request (each is checked "
                                     "against the text's tail after every token).")
     served_model_name: str = Field("", description="Comma list of the names the OpenAI routes accept in `model` "
-                                   "(vLLM's --served-model-name); the first is the one answers carry. Default: the "
-                                   "model folder's name.")
+                                   "(vLLM's --served-model-name); the first is the one answers carry. Default: "
+                                   "MODEL_ID as given (as vLLM names it), and a local model folder's name as well.")
     shutdown_grace_seconds: float = Field(30.0, ge=0, allow_inf_nan=False, description="On SIGTERM: seconds the "
                                           "requests in flight have to finish before the rest are ended.")
     max_header_bytes: int = Field(16384, ge=1024, description="Largest request head (request line + headers, "
@@ -185,11 +185,11 @@ class Settings(BaseSettings):
             raise ValueError("must name at least one model")
         return v
 
-    def model_names(self, default: str) -> list[str]:
+    def model_names(self, *defaults: str) -> list[str]:
         """The names the OpenAI routes accept in ``model``: ``SERVED_MODEL_NAME``'s (the first is the one answers
-        carry), or ``[default]`` (the model folder's name) when it is unset."""
+        carry), or ``defaults`` (``MODEL_ID`` as given, then the model folder's name) when it is unset."""
         names = [x.strip() for x in self.served_model_name.split(",") if x.strip()]
-        return list(dict.fromkeys(names)) or [default]
+        return list(dict.fromkeys(names or defaults))
 
     def served_backends(self) -> list[str]:
         """``KV_BACKEND`` first, then the other ``KV_BACKENDS`` (no duplicates); with ``KV_BACKENDS`` unset,

@@ -1,5 +1,6 @@
-"""ASGI middleware at the HTTP edge: body-size limit, header count, optional bearer-token authentication, and
-the count of generation requests in flight (``MAX_CONCURRENT_REQUESTS``, and refusal while draining).
+"""ASGI middleware at the HTTP edge: body-size limit, bounds on a JSON body's shape, header count, optional
+bearer-token authentication, and the count of generation requests in flight (``MAX_CONCURRENT_REQUESTS``, and
+refusal while draining).
 
 Each answers with the same JSON error bodies as the routes (TGI's form, OpenAI's on ``/v1``) and never
 lets a refused request reach a route.
@@ -22,11 +23,11 @@ def openai_path(path: str) -> bool:
     return path.startswith("/v1/") or path in OPENAI_ROOT_PATHS
 
 
-async def _send_error(send, path: str, status: int, message: str, error_type: str) -> None:
+async def _send_error(send, path: str, status: int, message: str, error_type: str, param: str | None = None) -> None:
     from server.errors import OPENAI_TYPES
 
     if openai_path(path):
-        body = {"error": {"message": message, "type": OPENAI_TYPES.get(error_type, error_type), "param": None,
+        body = {"error": {"message": message, "type": OPENAI_TYPES.get(error_type, error_type), "param": param,
                           "code": error_type}}
     else:
         body = {"error": message, "error_type": error_type}
@@ -38,6 +39,21 @@ async def _send_error(send, path: str, status: int, message: str, error_type: st
         headers.append((b"retry-after", b"1"))  # seconds (RFC 9110 section 10.2.3)
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": payload})
+
+
+def _replay(body: bytes, receive):
+    """An ASGI ``receive`` that gives the app ``body`` (read already, whole) first, then what ``receive`` gives (a
+    disconnect)."""
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
 
 
 def _invalid_status(scope) -> int:
@@ -59,7 +75,8 @@ class HeaderLimit:
         return await self.app(scope, receive, send)
 
 
-GENERATION_PATHS = ("/", "/generate", "/generate_stream", "/v1/completions", "/v1/chat/completions", "/v1/responses")
+GENERATION_PATHS = ("/", "/generate", "/generate_stream", "/v1/completions", "/v1/chat/completions", "/v1/responses",
+                    "/ui/api/generate")
 
 
 class InFlight:
@@ -120,18 +137,59 @@ class PayloadLimit:
                 more = message.get("more_body", False)
                 if size > self.limit:
                     return await _send_error(send, scope["path"], _invalid_status(scope), too_big, "validation")
-            body = b"".join(chunks)
-            sent = False
-
-            async def replay():
-                nonlocal sent
-                if not sent:
-                    sent = True
-                    return {"type": "http.request", "body": body, "more_body": False}
-                return await receive()
-
-            return await self.app(scope, replay, send)
+            return await self.app(scope, _replay(b"".join(chunks), receive), send)
         return await self.app(scope, receive, send)
+
+
+SMALL_BODY_BYTES = 65536
+"""Bodies up to this size are parsed at once (too few values in them to hold the event loop)."""
+UNLOADED_MAX_ITEMS = 4096
+"""The array bound while the model loads (its MAX_TOTAL_TOKENS is not known yet; the routes answer 503)."""
+OTHER_VALUES = 1024
+"""Values a request may hold besides its prompts' token ids (stop sequences, logit_bias, other fields)."""
+
+
+class BodyBounds:
+    """Refuse a JSON body that holds more values, or a longer array, than a request the server can serve, before
+    FastAPI parses and validates it on the event loop (:func:`server.body_bounds.body_fault`, run in a worker
+    thread): no array longer than ``MAX_TOTAL_TOKENS`` (token ids, messages, input items: each costs a token at
+    least), and no more values than ``MAX_SEQUENCES_PER_REQUEST`` prompts of that many token ids, plus
+    :data:`OTHER_VALUES`. 400 (``validation``, ``param`` naming the field) on the OpenAI routes, 422 on TGI's.
+
+    Args:
+        state: the server state (:class:`server.state.ServerState`: ``info["max_total_tokens"]`` once loaded).
+    """
+
+    def __init__(self, app, state):
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope, receive, send):
+        content_type = dict(scope.get("headers") or []).get(b"content-type", b"") if scope["type"] == "http" else b""
+        if scope["type"] != "http" or scope.get("method") not in ("POST", "PUT", "PATCH") or (
+                content_type and b"json" not in content_type.lower()):
+            return await self.app(scope, receive, send)
+        chunks, more = [], True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        body = b"".join(chunks)
+        if len(body) > SMALL_BODY_BYTES:
+            import anyio
+
+            from server.body_bounds import body_fault
+            from server.service import MAX_SEQUENCES_PER_REQUEST
+
+            max_items = self.state.info.get("max_total_tokens") or UNLOADED_MAX_ITEMS
+            fault = await anyio.to_thread.run_sync(body_fault, body, MAX_SEQUENCES_PER_REQUEST * max_items
+                                                   + OTHER_VALUES, max_items)
+            if fault is not None:
+                message, field = fault
+                return await _send_error(send, scope["path"], _invalid_status(scope), message, "validation", field)
+        return await self.app(scope, _replay(body, receive), send)
 
 
 class BearerAuth:

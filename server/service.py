@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from server.engine.engine import Engine
 from server.engine.sampling import SamplingParams
 from server.engine.sequence import FinishReason, Sequence, TokenEvent
+from server.prompt_tail import tail_ids
 
 DEFAULT_MAX_NEW_TOKENS = 100
 MAX_SEQUENCES_PER_REQUEST = 64
@@ -259,7 +260,10 @@ class GenerationService:
                 self.check_length(req.prompt, inputs)
             elif (err := utf8_error(req.prompt, inputs)) is not None:
                 raise err
-            ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            if req.truncate is None:
+                ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            else:  # the text's tail only, not what truncate drops
+                ids = tail_ids(self.tokenizer, req.prompt, req.truncate, req.add_special_tokens, self.max_token_bytes)
         else:
             vocab = len(self.tokenizer)
             if any(not 0 <= i < vocab for i in req.prompt):

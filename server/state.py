@@ -134,7 +134,9 @@ class ServerState:
         names = list(create_backends(s, geometry))  # checked against the model; built below, as priced
         cache = CalibrationCache(s.kv_calibration_cache_dir)
         self.backends, self.quality = prepare_backends(s, names, model, tokenizer, geometry, cache)
-        self.model_names = s.model_names(Path(s.model_id).name if Path(s.model_id).exists() else s.model_id)
+        # MODEL_ID as given (a path for a local model, as vLLM names it: tools load the tokenizer from the served
+        # name), and a local folder's name as an alias
+        self.model_names = s.model_names(s.model_id, *([Path(s.model_id).name] if Path(s.model_id).exists() else []))
         self.model_name = self.model_names[0]
         max_input, max_total = s.token_limits(model.config.max_position_embeddings)
         limits = Limits(max_input, max_total, s.max_stop_sequences)

@@ -470,3 +470,68 @@ def test_a_chat_turn_without_content_is_400_naming_it(server, message):
         assert "messages.0.content" in r.text, r.text
     r = httpx.post(server.url + "/v1/responses", json={"input": messages, "max_output_tokens": 1}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "input[0].content", r.text
+
+
+def _nulls(model, keep=()) -> dict:
+    """``null`` for every optional field of a request ``model`` but ``keep``."""
+    return {name: None for name, f in model.model_fields.items() if not f.is_required() and name not in keep}
+
+
+def test_null_is_unset_for_every_optional_field(server):
+    """As vLLM reads them (and text-generation's ``chat()`` sends them): ``null`` takes the field's default."""
+    from server.api.responses import ResponsesRequest
+
+    keep = ("max_tokens", "temperature")  # set by the baseline
+    nulls = {**_nulls(ChatRequest, keep), "stream_options": {"include_usage": None, "continuous_usage_stats": None}}
+    assert nulls["n"] is None and nulls["logprobs"] is None and nulls["stream"] is None
+    assert text(chat(server, **nulls)) == text(chat(server))
+    nulls = _nulls(CompletionRequest, keep)
+    assert nulls["echo"] is None and nulls["best_of"] is None
+    assert text(cmpl(server, **nulls)) == text(cmpl(server))
+    out = post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": None, "temperature": None, "seed": 1,
+                                           "ignore_eos": True})
+    assert out["usage"]["completion_tokens"] == 16  # OpenAI's default
+    body = {"input": "Who made light?", "max_output_tokens": 6, "temperature": 0}
+    want = post(server, "/v1/responses", body)["output"][0]["content"][0]["text"]
+    out = post(server, "/v1/responses", {**body, **_nulls(ResponsesRequest, ("max_output_tokens", "temperature"))})
+    assert out["output"][0]["content"][0]["text"] == want
+    params = {name: None for name in TGIParameters.model_fields if name not in ("max_new_tokens", "details")}
+    assert gen(server, **params)["generated_text"] == gen(server)["generated_text"]
+
+
+def test_chat_answers_carry_a_system_fingerprint(server):
+    """text-generation's ``chat()`` needs it (TGI sends it): the same string on every chunk and the answer."""
+    from server import __version__
+
+    want = f"kvserve-{__version__}-full"
+    assert chat(server)["system_fingerprint"] == want
+    chunks = sse(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
+                                                 "stream": True, "stream_options": {"include_usage": True}})
+    assert chunks and {c["system_fingerprint"] for c in chunks} == {want}
+
+
+def test_a_tiny_top_p_keeps_the_most_likely_token(server):
+    """top_p 1e-46 (0.0 in float32) is greedy, not an empty answer, on the OpenAI and the TGI routes."""
+    greedy = text(cmpl(server))
+    assert greedy and text(cmpl(server, temperature=1.0, top_p=1e-46, seed=3)) == greedy
+    assert gen(server, top_p=1e-46, seed=3)["generated_text"] == gen(server)["generated_text"]
+
+
+def test_the_openapi_schema_is_json_schema():
+    """Bounds are JSON Schema's (``minimum``, not pydantic's ``ge``); a body whose unknown keys are refused unless
+    unset says so (no ``additionalProperties: true``); an optional field takes ``null``."""
+    from server.api.request_model import UNSET_VALUE
+    from server.app import create_app
+    from server.config import Settings
+
+    doc = create_app(Settings()).openapi()
+    text_ = json.dumps(doc)
+    for name in ("ge", "gt", "le", "lt"):
+        assert f'"{name}":' not in text_, name
+    schemas = doc["components"]["schemas"]
+    assert {"type": "integer", "minimum": 0} in schemas["ChatRequest"]["properties"]["max_tokens"]["anyOf"]
+    for name in ("ChatRequest", "CompletionRequest", "ChatMessage", "ResponsesRequest", "TGIParameters",
+                 "TGIRequest", "TokenizeRequest"):
+        assert schemas[name]["additionalProperties"] == UNSET_VALUE, name
+    for field in ("n", "stream", "logprobs", "top_logprobs"):
+        assert {"type": "null"} in schemas["ChatRequest"]["properties"][field]["anyOf"], field

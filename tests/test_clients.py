@@ -6,6 +6,8 @@ import pytest
 from huggingface_hub import InferenceClient
 from openai import OpenAI
 
+from tests.conftest import MODEL_DIR
+
 
 @pytest.fixture(scope="module")
 def oai(server):
@@ -46,7 +48,7 @@ def test_openai_chat_and_chat_stream(oai):
 
 
 def test_openai_models_and_errors(oai):
-    assert [m.id for m in oai.models.list().data] == ["kjv-llama-mha"]
+    assert [m.id for m in oai.models.list().data] == [str(MODEL_DIR)]  # MODEL_ID as given, as vLLM
     import openai
 
     with pytest.raises(openai.BadRequestError) as err:

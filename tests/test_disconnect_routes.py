@@ -17,7 +17,7 @@ from tests.conftest import MODEL_DIR, server_with
 
 server = server_with({"MAX_BATCH_SIZE": "8"})
 PROMPT = "And the LORD spake unto Moses, saying"
-LABELS = '{backend="full",model="%s"}' % MODEL_DIR.name
+LABELS = '{backend="full",model="%s"}' % MODEL_DIR
 TGI = {"inputs": PROMPT, "parameters": {"max_new_tokens": 500}}
 COMPLETION = {"prompt": PROMPT, "max_tokens": 500, "temperature": 0}
 CHAT = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 500, "temperature": 0}
@@ -36,7 +36,7 @@ CASES = [
 
 def _finished(metrics: dict, reason: str) -> float:
     return metrics.get('kvserve_requests_total{backend="full",finish_reason="%s",model="%s"}'
-                       % (reason, MODEL_DIR.name), 0.0)
+                       % (reason, MODEL_DIR), 0.0)
 
 
 def give_up_after(url: str, body: dict, seconds: float = 0.3) -> None:

@@ -57,11 +57,11 @@ def test_two_concurrent_requests_on_different_backends(multi):
     assert out["full"].status_code == out["int8"].status_code == 200
     after = multi.metrics()
     for backend in ("full", "int8"):
-        key = 'kvserve_requests_total{backend="%s",finish_reason="length",model="%s"}' % (backend, MODEL_DIR.name)
+        key = 'kvserve_requests_total{backend="%s",finish_reason="length",model="%s"}' % (backend, MODEL_DIR)
         assert after[key] - before.get(key, 0) == 1
     # int8 at 43 tokens holds everything in its residual window + one group: less than full only past that
     peak = 'kvserve_request_kv_cache_bytes_sum{backend="%s",model="%s"}'
-    assert after[peak % ("int8", MODEL_DIR.name)] > 0 and after[peak % ("full", MODEL_DIR.name)] > 0
+    assert after[peak % ("int8", MODEL_DIR)] > 0 and after[peak % ("full", MODEL_DIR)] > 0
 
 
 def test_openai_extra_body_selects_the_backend(multi):

@@ -142,6 +142,20 @@ def test_prompt_logprobs_and_another_salt_do_not_hit(ref_model):
     assert same.cached_tokens > 0
 
 
+def test_a_prompt_scored_alone_leaves_its_blocks_cached(ref_model):
+    """``echo`` with ``max_tokens: 0`` (prompt log-probabilities, one token generated and dropped) cached nothing,
+    though the docs say such prompts' blocks serve later requests."""
+    model, tok = ref_model
+    engine = make_engine(model, tok)
+    prompt = PREFIX + " And God said"
+    scored, _ = _serve(engine, tok, prompt, 1, want_prompt_logprobs=True)
+    assert scored.cached_tokens == 0 and len(scored.prompt_logprobs) == len(scored.prompt_ids)
+    later, _ = _serve(engine, tok, prompt, 2)
+    bt = engine.kv.layouts["full"].cache_block_tokens
+    assert later.cached_tokens == ((len(later.prompt_ids) - 1) // bt) * bt > 100
+    assert later.output_ids == reference_greedy(model, tok, prompt, 2)
+
+
 def test_a_preempted_sequence_takes_its_own_cached_blocks_back(ref_model):
     """Under a pool too small for four streams, a readmitted sequence recomputes only what left the cache."""
     model, tok = ref_model

@@ -4,6 +4,7 @@ sequences, PAYLOAD_LIMIT's status on the OpenAI routes, and logit_bias aliases."
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -19,6 +20,9 @@ ROUTES = [("/generate", '{"inputs": "x%sy"}', "inputs", 422), ("/generate_stream
           ("/v1/completions", '{"prompt": "x", "stop": ["%s"], "max_tokens": 2}', "stop", 400),
           ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x%sy"}], "max_tokens": 2}', "messages",
            400), ("/v1/responses", '{"input": "x%sy", "max_output_tokens": 2}', "input", 400),
+          ("/v1/responses", '{"input": "x", "instructions": "x%sy", "max_output_tokens": 2}', "instructions", 400),
+          ("/v1/responses", '{"input": [{"role": "user", "content": "x%sy"}], "max_output_tokens": 2}',
+           "input[0].content", 400),
           ("/tokenize", '{"prompt": "x%sy"}', "prompt", 400)]
 
 
@@ -135,3 +139,80 @@ def test_payload_limit_is_400_on_openai_routes_and_422_on_tgi():
     r = client.post("/v1/completions", json=big)
     assert r.status_code == 400 and "PAYLOAD_LIMIT" in r.json()["error"]["message"]
     assert client.post("/generate", json={"inputs": "a" * 200}).status_code == 422
+
+
+ONE_TOKEN_PROMPTS = '{"prompt": [%s], "max_tokens": 1}' % ",".join(["[1]"] * 474_985)  # 1.9 MB
+MESSAGES = json.dumps({"messages": [{"role": "user", "content": "a"}] * 61_000, "max_tokens": 1},
+                      separators=(",", ":"))
+BIG_BODIES = [("/v1/completions", ONE_TOKEN_PROMPTS, "prompt", 400),
+              ("/v1/chat/completions", MESSAGES, "messages", 400),
+              ("/v1/responses", MESSAGES.replace('"messages"', '"input"'), "input", 400),
+              ("/v1/completions", json.dumps({"prompt": [1] * 2000, "max_tokens": 1, "stop": "x" * 70_000}), "prompt",
+               400),
+              ("/generate", json.dumps({"inputs": "a", "parameters": {"stop": ["a"] * 300_000}}), "parameters", 422)]
+
+
+def test_large_json_arrays_are_refused_before_they_hold_the_event_loop(robust_server):
+    """A 1.9 MB body of 474,985 one-token prompts was parsed and validated on the event loop: its 400 came after
+    2.6 s, and /health and every stream waited as long. Its shape is now measured from its bytes, in a worker
+    thread, and refused naming the field; /health is answered within 1 s all the while (three at once)."""
+    assert all(len(body) < 2_000_000 for _, body, _, _ in BIG_BODIES)  # inside PAYLOAD_LIMIT
+    results, late, done = [], [], threading.Event()
+
+    def poll_health():
+        with httpx.Client(timeout=1.0) as client:
+            while not done.is_set():
+                try:
+                    client.get(robust_server.url + "/health")
+                except httpx.TimeoutException:
+                    late.append(1)
+
+    def send(path, body):
+        results.append((path, post_raw(robust_server, path, body, timeout=120)))
+
+    poller = threading.Thread(target=poll_health)
+    poller.start()
+    try:
+        for _ in range(2):
+            senders = [threading.Thread(target=send, args=(path, body)) for path, body, _, _ in BIG_BODIES]
+            for t in senders:
+                t.start()
+            for t in senders:
+                t.join()
+    finally:
+        done.set()
+        poller.join()
+    assert late == []  # no /health call waited 1 s
+    for path, body, field, status in BIG_BODIES:
+        for got_path, r in results:
+            if got_path == path and r.request.content == body.encode():
+                err = r.json()["error"]
+                assert r.status_code == status and field in (err if isinstance(err, str) else err["message"]), r.text
+                assert isinstance(err, str) or err["param"] == field
+
+
+def test_truncate_tokenizes_only_the_tail_it_keeps(monkeypatch):
+    """TGI's ``truncate`` tokenized a 1.9 MB prompt whole (3.7-18.8 s of a tokenizer thread) before keeping its last
+    tokens; only a tail of the text is tokenized now, and the answer is that of a short prompt ending the same."""
+    from fastapi.testclient import TestClient
+
+    from server.app import create_app
+    from server.config import load_settings
+
+    app = create_app(load_settings(model_id=str(MODEL_DIR)), load_in_background=False)
+    with TestClient(app) as client:
+        tokenizer = app.state.kvserve.service.tokenizer
+        real, lengths = tokenizer.encode, []
+
+        def encode(text, *args, **kwargs):
+            lengths.append(len(text))
+            return real(text, *args, **kwargs)
+
+        monkeypatch.setattr(tokenizer, "encode", encode)
+        params = {"truncate": 12, "max_new_tokens": 4, "details": True, "decoder_input_details": True}
+        verse = "And God said unto Moses, "
+        big = client.post("/generate", json={"inputs": verse * 76_000, "parameters": params})
+        assert big.status_code == 200 and max(lengths) < 10_000, (big.text[:300], max(lengths))
+        small = client.post("/generate", json={"inputs": verse * 4, "parameters": params}).json()
+        assert big.json()["details"]["prefill"] == small["details"]["prefill"]
+        assert len(small["details"]["prefill"]) == 12 and big.json()["generated_text"] == small["generated_text"]

@@ -84,6 +84,14 @@ def test_top_p_keeps_only_the_nucleus():
     assert seen == {0, 1}
 
 
+def test_a_tiny_top_p_keeps_the_most_likely_token():
+    """top_p 1e-46 is 0.0 in float32: the best token still survives (it was dropped with every other)."""
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(2))
+    for top_p in (1e-46, 1e-9):
+        for seed in range(5):
+            assert one(logits, SamplingParams(do_sample=True, top_p=top_p, seed=seed)).token == int(logits.argmax())
+
+
 def test_seed_reproduces_whatever_else_is_in_the_batch():
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
     params = SamplingParams(do_sample=True, temperature=1.5, top_p=0.9, seed=42)

@@ -10,7 +10,7 @@ import httpx
 
 from tests.conftest import MODEL_DIR
 
-LABELS = '{backend="full",model="%s"}' % MODEL_DIR.name
+LABELS = '{backend="full",model="%s"}' % MODEL_DIR
 
 
 def _m(server, name, labels=LABELS):
@@ -20,7 +20,7 @@ def _m(server, name, labels=LABELS):
 def _labels_with(extra: str) -> str:
     """LABELS plus one more label, in the sorted order the scraper uses."""
     key, value = extra.split("=", 1)
-    return '{backend="full",%s=%s,model="%s"}' % (key, value, MODEL_DIR.name)
+    return '{backend="full",%s=%s,model="%s"}' % (key, value, MODEL_DIR)
 
 
 def _wait_for(predicate, timeout=10.0):
@@ -46,7 +46,7 @@ def stream_events(server, body, path="/generate_stream"):
 def test_health_and_info(server):
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     info = httpx.get(server.url + "/info").json()
-    assert info["kv_backend"] == "full" and info["model_id"] == MODEL_DIR.name
+    assert info["kv_backend"] == "full" and info["model_id"] == str(MODEL_DIR)
     assert info["num_key_value_heads"] == info["num_attention_heads"] == 8
     assert info["max_total_tokens"] == 1024 and info["version"]
 
@@ -188,7 +188,7 @@ def test_prefix_cache_hits_show_in_info_and_metrics(server):
     assert info["prefix_caching"] is True and block > 0
     config = [k for k in server.metrics() if k.startswith("kvserve_cache_config_info{") and 'backend="full"' in k]
     assert config == ['kvserve_cache_config_info{backend="full",block_size="%d",model="%s",num_blocks="%d",'
-                      'num_gpu_blocks="%d",prefix_caching="true"}' % (block, MODEL_DIR.name, info["num_blocks"],
+                      'num_gpu_blocks="%d",prefix_caching="true"}' % (block, MODEL_DIR, info["num_blocks"],
                                                                       info["num_blocks"])]
     prompt = " ".join(["And the LORD spake unto Moses, saying,"] * 12)
     before = server.metrics()

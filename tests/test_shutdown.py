@@ -28,6 +28,10 @@ def read_stream(url: str, path: str, body: dict, out: dict, key: str) -> None:
         out[key] = exc
 
 
+def post(url: str, path: str, body: dict, out: dict, key: str) -> None:
+    out[key] = httpx.post(url + path, json=body, timeout=120)
+
+
 def test_sigterm_drains_then_ends_streams_with_a_finish_reason():
     srv = RunningServer({"SHUTDOWN_GRACE_SECONDS": str(GRACE), "MAX_BATCH_SIZE": "8"})
     try:
@@ -39,6 +43,8 @@ def test_sigterm_drains_then_ends_streams_with_a_finish_reason():
                                              "parameters": {"max_new_tokens": 1000, "temperature": 0}})}
         threads = [threading.Thread(target=read_stream, args=(srv.url, path, {**body, "stream": True}, out, key))
                    for key, (path, body) in jobs.items()]
+        threads.append(threading.Thread(target=post, args=(srv.url, "/ui/api/generate", {
+            "prompt": "And God said", "kv_backend": "full", "max_new_tokens": 1000}, out, "ui")))
         for t in threads:
             t.start()
         time.sleep(1.5)  # all four streaming
@@ -49,6 +55,8 @@ def test_sigterm_drains_then_ends_streams_with_a_finish_reason():
         assert health.status_code == 503 and health.json()["error"] == "server is shutting down"
         refused = httpx.post(srv.url + "/v1/completions", json={"prompt": "a", "max_tokens": 1}, timeout=5)
         assert refused.status_code == 503
+        refused = httpx.post(srv.url + "/ui/api/generate", json={"prompt": "a", "kv_backend": "full"}, timeout=5)
+        assert refused.status_code == 503 and refused.json()["error_type"] == "unhealthy"
         for t in threads:
             t.join(60)
         code = srv.proc.wait(30)
@@ -66,3 +74,5 @@ def test_sigterm_drains_then_ends_streams_with_a_finish_reason():
         assert json.loads(events[-2])["choices"][0]["finish_reason"] == "abort"
     last = json.loads(out["tgi"][-1])
     assert last["details"]["finish_reason"] == "abort" and last["generated_text"]
+    # the page's route was waited for as well, and ended as a non-streaming request is (it was a 500 after 5 s)
+    assert out["ui"].status_code == 503 and out["ui"].json()["error_type"] == "unhealthy", out["ui"].text

@@ -6,6 +6,8 @@ static page is reachable without the key."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import httpx
 import pytest
@@ -18,6 +20,7 @@ from tests.conftest import MODEL_DIR, server_with
 
 server = server_with({"KV_BACKEND": "full", "KV_BACKENDS": "full,int8,elastic"})
 keyed = server_with({"KV_BACKEND": "full", "API_KEY": "s3cret"})
+single = server_with({"KV_BACKEND": "full", "MAX_CONCURRENT_REQUESTS": "1"})
 
 CFG = json.loads((MODEL_DIR / "config.json").read_text())
 LAYERS, HEADS = CFG["num_hidden_layers"], CFG.get("num_key_value_heads") or CFG["num_attention_heads"]
@@ -35,6 +38,14 @@ def test_page_and_assets_are_served_from_the_package(server):
         assert r.content == (ASSETS / name).read_bytes()
     assert httpx.get(server.url + "/ui/assets/..%2Fui.py").status_code == 404
     assert httpx.get(server.url + "/ui/assets/nope.js").status_code == 404
+
+
+def test_head_answers_as_get(server):
+    """Uptime checks and link checkers send HEAD: 200 with GET's headers and no body (it was 405)."""
+    for path in ("/", "/ui", "/ui/assets/app.js"):
+        got, head = httpx.get(server.url + path), httpx.head(server.url + path)
+        assert head.status_code == 200 and head.content == b"", path
+        assert head.headers["content-type"] == got.headers["content-type"], path
 
 
 def test_post_root_stays_tgi(server):
@@ -182,3 +193,27 @@ def test_api_key_guards_everything_but_the_static_page(keyed):
     assert httpx.get(keyed.url + "/ui/api/live", headers=auth).status_code == 200
     assert httpx.post(keyed.url + "/ui/api/generate", headers=auth, timeout=60,
                       json={"prompt": "And", "kv_backend": "full", "max_new_tokens": 2}).status_code == 200
+
+
+def test_generate_counts_against_max_concurrent_requests(single):
+    """MAX_CONCURRENT_REQUESTS=1: while a stream runs, the page's route is 429 as /generate is (40 calls were all
+    200 while /generate answered 429); and a page run holds the slot in turn."""
+    body = {"inputs": "And God said", "parameters": {"max_new_tokens": 1000, "temperature": 0}}
+    with httpx.stream("POST", single.url + "/generate_stream", json=body, timeout=120) as stream:
+        lines = stream.iter_lines()  # kept: a closed line iterator closes the stream
+        next(line for line in lines if line.startswith("data:"))  # the stream is running
+        r = _generate(single, kv_backend="full", max_new_tokens=2)
+        assert r.status_code == 429 and r.json()["error_type"] == "overloaded" and r.headers["retry-after"] == "1"
+    one_token = {"inputs": "a", "parameters": {"max_new_tokens": 1}}
+    while httpx.post(single.url + "/generate", json=one_token, timeout=60).status_code == 429:
+        time.sleep(0.1)  # until the closed stream has ended
+    page = {}
+    runner = threading.Thread(target=lambda: page.update(r=_generate(single, kv_backend="full", max_new_tokens=1000)))
+    runner.start()
+    for _ in range(200):  # until the page's run is in flight
+        if httpx.post(single.url + "/generate", json=one_token, timeout=60).status_code == 429:
+            break
+    else:
+        raise AssertionError("a page run never held the slot")
+    runner.join()
+    assert page["r"].status_code == 200

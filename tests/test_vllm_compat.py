@@ -115,8 +115,19 @@ def test_model_is_checked_against_the_served_names(server):
         assert r.json()["error"] == {"message": r.json()["error"]["message"], "type": "invalid_request_error",
                                      "param": "model", "code": "model_not_found"}
         assert "gpt-4" in r.json()["error"]["message"]
-        for ok in (MODEL_DIR.name, "tgi", "dummy", None):
+        for ok in (str(MODEL_DIR), MODEL_DIR.name, "tgi", "dummy", None):
             assert httpx.post(server.url + path, json={**body, "model": ok}, timeout=60).status_code == 200
+
+
+def test_the_served_name_is_model_id_as_given(server):
+    """As vLLM names a local model: by the path it was given (tools load the tokenizer from the served name), the
+    folder's name kept as an alias; answers carry the first."""
+    assert httpx.get(server.url + "/info").json()["served_model_names"] == [str(MODEL_DIR), MODEL_DIR.name]
+    assert [m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]] == [str(MODEL_DIR)]
+    for name in (str(MODEL_DIR), MODEL_DIR.name):
+        out = httpx.post(server.url + "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1,
+                                                                     "model": name}, timeout=60)
+        assert out.status_code == 200 and out.json()["model"] == str(MODEL_DIR), out.text
 
 
 def test_served_model_name_aliases(tmp_path):

@@ -17,6 +17,7 @@ import uuid
 
 from fastapi import APIRouter, Request
 
+from server import __version__
 from server.api.common import SHUTDOWN_MESSAGE, check_model, event_stream, get_service
 from server.api.fanout import collect_all, merged, submit_all
 from server.api.openai_convert import (TokenText, chat_logprobs, chat_requests, completion_logprobs,
@@ -58,6 +59,11 @@ def _usage(seqs, counted_prompts, echo_only: bool = False) -> Usage:
     cached = PromptTokensDetails(cached_tokens=sum(s.cached_tokens for s in counted_prompts))
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                  prompt_tokens_details=cached, kv_compressed_fraction=compressed_fraction(seqs))
+
+
+def system_fingerprint(seqs) -> str:
+    """``system_fingerprint`` of a chat answer: ``kvserve-<version>-<backend>`` (the backend its sequences ran on)."""
+    return f"kvserve-{__version__}-{seqs[0].backend_name}"
 
 
 def _check(events: list[TokenEvent], service) -> TokenEvent:
@@ -187,6 +193,7 @@ async def chat_completions(body: ChatRequest, request: Request):
     started = await submit_all(service, reqs, request.receive)
     seqs = [seq for seq, _ in started]
     rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), request.app.state.kvserve.model_name
+    fingerprint = system_fingerprint(seqs)
     text = TokenText(service.tokenizer)
     if not body.stream:
         results = await collect_all(started)
@@ -196,14 +203,15 @@ async def chat_completions(body: ChatRequest, request: Request):
             logprobs = chat_logprobs(token_entries(events), text) if body.logprobs else None
             choices.append(ChatChoice(index=k, message=ChatResponseMessage(content=last.generated_text or ""),
                                       finish_reason=finish(last.finish_reason), logprobs=logprobs))
-        return ChatResponse(id=rid, created=created, model=model, usage=_usage(seqs, seqs[:1]), choices=choices)
+        return ChatResponse(id=rid, created=created, model=model, system_fingerprint=fingerprint,
+                            usage=_usage(seqs, seqs[:1]), choices=choices)
 
     def chunk(k: int, delta: ChatDelta, reason: str | None = None, entries=None) -> dict:
         logprobs = chat_logprobs(entries, text) if body.logprobs and entries else None
         usage = _usage(seqs, seqs[:1]) if _continuous_usage(body) else None
-        return {"data": ChatChunk(id=rid, created=created, model=model, usage=usage, choices=[ChatChunkChoice(
-            index=k, delta=delta, finish_reason=reason, logprobs=logprobs)]).model_dump_json(
-                exclude=None if usage else {"usage"})}
+        choice = ChatChunkChoice(index=k, delta=delta, finish_reason=reason, logprobs=logprobs)
+        return {"data": ChatChunk(id=rid, created=created, model=model, system_fingerprint=fingerprint, usage=usage,
+                                  choices=[choice]).model_dump_json(exclude=None if usage else {"usage"})}
 
     async def stream():
         pending = [[] for _ in seqs]
@@ -225,7 +233,7 @@ async def chat_completions(body: ChatRequest, request: Request):
             if ev.finish_reason is not None:
                 yield chunk(k, ChatDelta(), finish(ev.finish_reason), entries=pending[k])
         if _wants_usage(body):
-            yield {"data": ChatChunk(id=rid, created=created, model=model, choices=[],
+            yield {"data": ChatChunk(id=rid, created=created, model=model, system_fingerprint=fingerprint, choices=[],
                                      usage=_usage(seqs, seqs[:1])).model_dump_json()}
         yield {"data": "[DONE]"}
 

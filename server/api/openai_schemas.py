@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
+from server.api.request_model import RequestModel
 from server.api.types import KV_COMPRESSED_FRACTION, Int, drop_unset_extensions
 from server.service import MAX_CACHE_SALT_CHARS
 
@@ -18,14 +19,14 @@ CACHE_SALT = (f"vLLM extension: a non-empty string (at most {MAX_CACHE_SALT_CHAR
               "runs without its prefix cache (KV_PREFIX_CACHING=false).")
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(RequestModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
     include_usage: bool = Field(False, description="End the stream with a chunk carrying `usage`.")
     continuous_usage_stats: bool = Field(False, description="vLLM extension: every chunk carries the usage so far.")
 
 
-class _Sampling(BaseModel):
+class _Sampling(RequestModel):
     """Fields shared by both OpenAI routes. A key this server does not implement is refused (400, naming
     it) unless its value is ``null``, ``false``, ``[]`` or ``{}``; non-finite numbers are refused."""
 
@@ -75,14 +76,14 @@ class CompletionRequest(_Sampling):
                                 "return the `n` with the highest log-probability (not with `stream`).")
 
 
-class TextPart(BaseModel):
+class TextPart(RequestModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
     type: str = Field(description="Only `text` is supported.")
     text: str | None = None
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(RequestModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
@@ -168,11 +169,16 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
 
 
+SYSTEM_FINGERPRINT = ("The configuration that served the request, `kvserve-<version>-<KV backend>`: the same "
+                      "fingerprint and seed give the same tokens.")
+
+
 class ChatResponse(BaseModel):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
+    system_fingerprint: str = Field(description=SYSTEM_FINGERPRINT)
     choices: list[ChatChoice]
     usage: Usage
 
@@ -200,6 +206,7 @@ class ChatChunk(BaseModel):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
+    system_fingerprint: str = Field(description=SYSTEM_FINGERPRINT)
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
 

@@ -29,11 +29,12 @@ from server.api.common import SHUTDOWN_MESSAGE, check_model, event_stream, get_s
 from server.api.fanout import collect_all, merged, submit_all
 from server.api.openai_convert import chat_requests
 from server.api.openai_schemas import CACHE_SALT, ChatRequest, OpenAIError
+from server.api.request_model import RequestModel
 from server.api.types import KV_COMPRESSED_FRACTION, Int, drop_unset_extensions, sse_schema
 from server.api.validation import refuse_unimplemented
 from server.engine.sequence import FinishReason
 from server.errors import NotReady
-from server.service import MAX_CACHE_SALT_CHARS, InvalidRequest
+from server.service import MAX_CACHE_SALT_CHARS, InvalidRequest, utf8_error
 
 router = APIRouter(prefix="/v1", tags=["OpenAI"])
 ERRORS = {code: {"model": OpenAIError} for code in (400, 401, 404, 422, 429, 503)}
@@ -41,14 +42,14 @@ FIELDS = {"inputs": "input", "max_new_tokens": "max_output_tokens", "stop": "sto
 ROLES = ("user", "system", "developer", "assistant")
 
 
-class InputPart(BaseModel):
+class InputPart(RequestModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
     type: str = Field(description="`input_text` (or `output_text` in an assistant message); others are refused.")
     text: str | None = None
 
 
-class InputMessage(BaseModel):
+class InputMessage(RequestModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
     type: str = Field("message", description="Only `message` items are supported.")
@@ -58,19 +59,19 @@ class InputMessage(BaseModel):
     status: str | None = None
 
 
-class TextFormat(BaseModel):
+class TextFormat(RequestModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
     type: Literal["text"] = "text"
 
 
-class TextConfig(BaseModel):
+class TextConfig(RequestModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
     format: TextFormat | None = None
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(RequestModel):
     """A key this server does not implement is refused (400, naming it) unless it is unset."""
 
     model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
@@ -171,8 +172,11 @@ def _messages(body: ResponsesRequest) -> list[dict]:
     """``instructions`` and ``input`` as chat messages.
 
     Raises:
-        InvalidRequest: an item that is not a message, a role or part type not served, naming it.
+        InvalidRequest: an item that is not a message, a role or part type not served, text that is not valid
+            Unicode (a lone surrogate), naming it.
     """
+    if body.instructions is not None and (err := utf8_error(body.instructions, "instructions")) is not None:
+        raise err
     out = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
     if isinstance(body.input, str):
         return out + [{"role": "user", "content": body.input}]
@@ -193,6 +197,8 @@ def _messages(body: ResponsesRequest) -> list[dict]:
                     raise InvalidRequest(f"`input[{i}].content[{j}].type` {part.type!r} is not supported; only "
                                          "'input_text' and 'output_text'", f"input[{i}].content[{j}].type")
             content = "".join(part.text or "" for part in content)
+        if (err := utf8_error(content, f"input[{i}].content")) is not None:
+            raise err
         out.append({"role": item.role, "content": content})
     return out
 

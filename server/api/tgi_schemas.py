@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
+from server.api.request_model import RequestModel
 from server.api.openai_schemas import CACHE_SALT
 from server.api.types import KV_COMPRESSED_FRACTION, Int, drop_unset_extensions
 from server.service import MAX_CACHE_SALT_CHARS
@@ -12,7 +13,7 @@ MAX_BEST_OF = 4
 MAX_TOP_N_TOKENS = 10
 
 
-class TGIParameters(BaseModel):
+class TGIParameters(RequestModel):
     """``parameters`` of a TGI request. A key this server does not implement (e.g. ``grammar``,
     ``watermark``, ``adapter_id``) is refused (422, naming it) unless it is ``null``, ``false``, ``[]`` or
     ``{}``, since TGI's clients send many of those; non-finite numbers are refused."""
@@ -44,7 +45,7 @@ class TGIParameters(BaseModel):
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS, description=CACHE_SALT)
 
 
-class TGIRequest(BaseModel):
+class TGIRequest(RequestModel):
     """Body of ``POST /generate``, ``POST /generate_stream`` and ``POST /``."""
 
     model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)

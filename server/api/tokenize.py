@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from server.api.common import check_model, get_service
 from server.api.openai_convert import chat_prompt, check_parts
 from server.api.openai_schemas import ChatMessage, OpenAIError
+from server.api.request_model import RequestModel
 from server.api.types import Int
 from server.api.validation import refuse_unimplemented
 from server.service import InvalidRequest, utf8_error
@@ -26,7 +27,7 @@ router = APIRouter(tags=["tokenizer"])
 ERRORS = {code: {"model": OpenAIError} for code in (400, 401, 404, 503)}
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(RequestModel):
     """vLLM's ``TokenizeCompletionRequest`` (``prompt``) or ``TokenizeChatRequest`` (``messages``): exactly one."""
 
     model_config = ConfigDict(strict=True, extra="allow")
@@ -47,7 +48,7 @@ class TokenizeResponse(BaseModel):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(RequestModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
     model: str | None = None

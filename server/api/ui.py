@@ -30,11 +30,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from cache_backends.estimate import DTYPE_BYTES, Shape, bytes_per_token_per_layer, default_params, estimate_rows
 from cache_backends.registry import available
 from cache_backends.spec import parse_spec
-from server.api.common import get_service
+from server.api.common import SHUTDOWN_MESSAGE, get_service
 from server.api.types import Int
 from server.api.ui_compression import uncompressed_reason
 from server.engine.sequence import FinishReason
-from server.errors import error_response
+from server.errors import NotReady, error_response
 from server.estimate_cli import applies
 from server.service import GenerationRequest
 
@@ -48,14 +48,14 @@ router = APIRouter(tags=["built-in page"])
 ERRORS = {code: {"description": "TGI-style error body {error, error_type}"} for code in (401, 422, 429, 503)}
 
 
-@router.get("/", response_class=HTMLResponse, include_in_schema=False)
-@router.get("/ui", response_class=HTMLResponse, include_in_schema=False)
+@router.api_route("/", methods=["GET", "HEAD"], response_class=HTMLResponse, include_in_schema=False)
+@router.api_route("/ui", methods=["GET", "HEAD"], response_class=HTMLResponse, include_in_schema=False)
 async def page() -> HTMLResponse:
     """The page (``POST /`` stays TGI's compatibility route)."""
     return HTMLResponse((ASSETS / "index.html").read_text(), headers={"Cache-Control": "no-cache"})
 
 
-@router.get("/ui/assets/{name}", include_in_schema=False)
+@router.api_route("/ui/assets/{name}", methods=["GET", "HEAD"], include_in_schema=False)
 async def asset(name: str):
     if name not in ASSET_TYPES:
         return error_response(404, f"no asset {name!r}", "http")
@@ -100,7 +100,9 @@ class UIGenerateResponse(BaseModel):
 async def ui_generate(body: UIGenerateRequest, request: Request):
     """Run ``prompt`` through one backend and report the request's KV bytes and latencies, against what ``full``
     holds for the same tokens (and, where the backend held as much, why). Each run prefills its whole prompt:
-    it shares no block with another request through the prefix cache."""
+    it shares no block with another request through the prefix cache. Counted and refused as the other
+    generation routes are: 429 past MAX_CONCURRENT_REQUESTS, 503 while draining for a shutdown, and 503 when the
+    shutdown's grace period ends it."""
     service = get_service(request)
     params = service.sampling(do_sample=body.seed is not None, temperature=body.temperature, top_p=None,
                               top_k=None, repetition_penalty=body.repetition_penalty, seed=body.seed)
@@ -112,6 +114,8 @@ async def ui_generate(body: UIGenerateRequest, request: Request):
     seq, events = await service.run(req, request.receive)
     collected = [ev async for ev in events]
     last = collected[-1]
+    if service.is_shutdown_end(last):  # SHUTDOWN_GRACE_SECONDS ended it: another replica can answer
+        raise NotReady(SHUTDOWN_MESSAGE)
     if last.finish_reason == FinishReason.CANCELLED:
         return error_response(499, "client closed request", "cancelled")
     if last.finish_reason == FinishReason.ERROR:

@@ -205,6 +205,7 @@ def apply_top_p(scores: torch.Tensor, rows: list[RowRequest]) -> torch.Tensor:
     sorted_scores, order = torch.sort(scores, descending=True)
     probs = torch.softmax(sorted_scores, dim=-1)
     drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p  # the mass before the token already reaches top_p
+    drop_sorted[:, 0] = False  # a top_p of 0.0 in float32 (1e-46 from a client) would drop every token
     return scores.masked_fill(drop_sorted.scatter(1, order, drop_sorted), NEG_INF)
 
 
