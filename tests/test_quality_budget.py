@@ -13,7 +13,7 @@ import torch
 
 from cache_backends import ModelGeometry, create
 from server.config import ConfigError, load_settings
-from server.quality_budget import Choice, Price, Scorer, candidates, choose, ppl_increase
+from server.quality_budget import SEARCH_HEADROOM, Choice, Price, Scorer, candidates, choose, ppl_increase
 from tests.conftest import RunningServer
 
 
@@ -43,13 +43,22 @@ def test_the_search_takes_the_most_compressive_rank_within_the_budget(setup):
     chosen = backend.params()["rank"]
     assert chosen in ranks
     priced = {int(t["spec"].split("rank=")[1]): t["ppl_increase_pct"] for t in choice.tried}
-    assert priced[chosen] <= 0.5
+    assert priced[chosen] <= 0.5 * SEARCH_HEADROOM
     smaller = [r for r in ranks if r < chosen]
-    if smaller:  # the next rank down was priced and is over the budget
-        assert priced[smaller[-1]] > 0.5
+    if smaller:  # the next rank down was priced and is over the budget's searched share
+        assert priced[smaller[-1]] > 0.5 * SEARCH_HEADROOM
     # a tighter budget never chooses fewer bytes
     tight, tight_choice = choose("mla", geometry, {}, set(), model, ids, None, scorer, 0.01)
     assert tight.params()["rank"] >= chosen and tight_choice.within_budget
+
+
+def test_dca_reuses_the_most_layers_its_budget_allows(setup):
+    model, geometry, ids, scorer = setup
+    backend, choice = choose("dca", geometry, {}, set(), model, ids, None, scorer, 1.0)
+    assert choice.searched == "threshold" and choice.within_budget
+    assert backend.expected_reuse_layers() and backend.threshold in backend.served_similarity.values()
+    lower = [t for t in choice.tried if float(t["spec"].split("threshold=")[1].split(",")[0]) < backend.threshold]
+    assert all(t["ppl_increase_pct"] > SEARCH_HEADROOM for t in lower)  # every lower threshold tried: over
 
 
 def test_an_explicit_setting_is_kept_and_warned_about_when_over(setup):

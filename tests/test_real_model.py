@@ -17,7 +17,7 @@ import torch
 
 from cache_backends import ModelGeometry, create
 from server.model_fetch import DEFAULT_DIR, fetch, is_current, mha_dir
-from server.quality_budget import Scorer, choose
+from server.quality_budget import SEARCH_HEADROOM, Scorer, choose
 from tests.engine_helpers import make_engine, make_seq, reference_greedy, run_all
 
 pytestmark = pytest.mark.real_model
@@ -103,8 +103,8 @@ def test_full_is_token_identical_to_generate_alone_and_batched(real):
     assert [s.output_ids for s in seqs] == expected
 
 
-SPECS = [("full", {}), ("int8", {}), ("int4", {}), ("int4", {"rotate": True}), ("mla", {"rank": 96}),
-         ("gqa", {"groups": 1}), ("mla+int8", {"rank": 96}), ("gqa+int8", {"groups": 1}), ("dca", {})]
+SPECS = [("full", {}), ("int8", {}), ("int4", {"rotate": True}), ("mla", {"rank": 96}), ("gqa", {"groups": 1}),
+         ("mla+int8", {"rank": 96}), ("dca", {})]
 
 
 @pytest.mark.parametrize("name,options", SPECS, ids=[n + "".join(f":{k}={v}" for k, v in o.items()) for n, o in SPECS])
@@ -157,7 +157,8 @@ def test_the_budgeted_mla_keeps_held_out_perplexity_within_the_budget(real, cali
     backend, choice = choose("mla", geometry, {}, set(), model, calib, None, scorer, BUDGET)
     assert choice.searched == "rank" and choice.within_budget
     assert len(choice.tried) >= 3  # a search, not one setting
-    assert all(t["ppl_increase_pct"] > BUDGET for t in choice.tried if t["bytes_per_token"] < choice.bytes_per_token)
+    assert all(t["ppl_increase_pct"] > SEARCH_HEADROOM * BUDGET for t in choice.tried
+               if t["bytes_per_token"] < choice.bytes_per_token)
     assert _held_out_price(model, backend, held_out) <= BUDGET
 
 
