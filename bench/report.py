@@ -370,6 +370,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"{DEFAULT['rounds']}, --quick {QUICK['rounds']})")
 
 
+def command_line(args: argparse.Namespace) -> str:
+    """The ``kvserve bench`` command that repeats this run: the model when it is not the default, the backends,
+    and every scoring and speed size that differs from the mode's default."""
+    parts = ["kvserve bench"] + (["--quick"] if args.quick else [])
+    if Path(args.model).resolve() != (REPO / "models" / "kjv-llama-mha").resolve():
+        parts.append(f"--model {args.model}")
+    if args.backends:
+        parts.append("--backends " + " ".join(args.backends))
+    defaults = QUICK if args.quick else DEFAULT
+    parts += [f"--{k.replace('_', '-')} {getattr(args, k)}" for k in defaults if getattr(args, k) != defaults[k]]
+    if getattr(args, "budget", 1.0) != 1.0:
+        parts.append(f"--budget {args.budget:g}")
+    return " ".join(parts)
+
+
 def check_arguments(args: argparse.Namespace) -> None:
     """Refuse, before any model is loaded, settings the run could not use.
 
@@ -421,8 +436,7 @@ def main(args: argparse.Namespace) -> int:
     (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     table = markdown(result)
     images = plots(result, out)
-    cmd = "kvserve bench" + (" --quick" if args.quick else "") + (
-        " --backends " + " ".join(args.backends) if args.backends else "")
+    cmd = command_line(args)
     sims = similarity_table(result)
     (out / "report.md").write_text(
         f"# kvserve bench — {Path(args.model).name}\n\nCommand: `{cmd}` ({result['wall_s'] / 60:.1f} min, "

@@ -97,3 +97,21 @@ def test_report_table_shows_the_spread_over_rounds():
                         "455.0 (400.1-460.0) |"]
     assert int8[7:] == ["0.088", "8.1", "9.8", "101.2", "455.0 |"]
     assert "median over 3 rounds, min-max over the rounds in brackets" in table
+
+
+def test_the_report_names_the_command_that_repeats_it():
+    """The report's command carries the model, the backends and every size that differs from the defaults
+    (it named only --backends, so a run on another model could not be repeated from its report)."""
+    import argparse
+
+    from bench.report import DEFAULT, add_arguments, command_line
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--model", "models/other", "--backends", "int8", "mla@budget", "--windows", "2",
+                              "--budget", "0.5"])
+    for key, value in DEFAULT.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    assert command_line(args) == ("kvserve bench --model models/other --backends int8 mla@budget --windows 2 "
+                                  "--budget 0.5")
