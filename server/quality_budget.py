@@ -5,8 +5,8 @@ most compressive setting within it.
 ``full``: :data:`PRICE_WINDOWS` windows of :data:`PRICE_WINDOW` tokens from the end of the text; the first
 :data:`PRICE_PREFIX` tokens of each are prefilled into the backend's store, and the later ones are fed in chunks
 of :data:`SCORE_CHUNK` tokens whose queries attend to what the store holds, its compressed form (teacher
-forcing; a store that decides once per prompt, dca's, is prefilled whole, each window as one prompt, and scored
-on the same positions: the reuse it decides for a prompt of that length). At every scored position the price counts the KL divergence KL(p_full || p_backend) of the
+forcing; a store that decides once per prompt, dca's, takes the prefix as its prompt and is scored one decode
+step per token, since a prompt's own prefill attends to its exact K/V and would price any reuse at nothing). At every scored position the price counts the KL divergence KL(p_full || p_backend) of the
 next-token distributions, in nats; its mean over the scored tokens, ``kl``, is the price, expressed as the
 perplexity increase it implies, ``100 * (exp(kl) - 1)`` percent (the expected increase of the cross-entropy
 under ``full``'s own distribution is the KL divergence). The realized perplexity change of the scored tokens is
@@ -58,7 +58,7 @@ PRICE_PREFIX = 256  # of which prefilled (not scored): the rest are scored in ch
 SCORE_CHUNK = 16  # tokens per scoring chunk (each chunk's queries read the stored, compressed form)
 SEARCH_HEADROOM = 0.7  # the search keeps a chosen setting's calibration price within this share of the budget
 MIN_SAVING = 0.05  # a setting that saves less than this share of full's bytes "saves nothing"
-PRICE_VERSION = 3  # of the cached price entries
+PRICE_VERSION = 4  # of the cached price entries
 RANK_LADDER = 16  # mla's candidate ranks: 2 H d k / 16, k = 1 .. 16
 
 
@@ -147,10 +147,13 @@ class Scorer:
         runner = ModelRunner(self.model, self.geometry.num_layers)
         stores = [backend.new_store() for _ in self.windows]
         try:
-            if not stores[0].supports_chunked_prefill:  # a store that decides once per prompt (dca): each window
-                # prefilled whole, as one prompt, and scored on the same positions
-                out = torch.stack([runner.prefill(w[:-1], s, all_logits=True)[self.prefix - 1 :]
-                                   for w, s in zip(self.windows, stores)])
+            if not stores[0].supports_chunked_prefill:  # a store that decides once per prompt (dca): the prefix
+                # as the prompt, then one decode step per token (a prompt's own prefill attends to its exact K/V:
+                # scoring it would price reuse at nothing), the windows batched
+                steps = [torch.stack([runner.prefill(w[: self.prefix], s)[-1] for w, s in zip(self.windows, stores)])]
+                for pos in range(self.prefix, len(self.windows[0]) - 1):
+                    steps.append(runner.decode([w[pos] for w in self.windows], stores))
+                out = torch.stack(steps, dim=1)
             else:  # the prefix, then chunks of SCORE_CHUNK tokens, each reading the stored (compressed) form
                 rows = []
                 for w, s in zip(self.windows, stores):

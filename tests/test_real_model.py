@@ -186,6 +186,7 @@ def test_gqa_on_the_mha_twin_finds_the_models_own_head_sharing(twin):
 def test_a_backend_that_saves_nothing_says_so(real, calib):
     model, _ = real
     geometry = ModelGeometry.from_config(model.config, torch.float32)
-    backend, choice = choose("dca", geometry, {}, set(), model, calib, None, small_scorer(model, geometry, calib), BUDGET)
+    scorer = Scorer(model, geometry, calib, windows=2, window=256, prefix=128)  # dca is scored by decode steps
+    backend, choice = choose("dca", geometry, {}, set(), model, calib, None, scorer, BUDGET)
     assert choice.saves_nothing and "saves nothing" in choice.message
     assert choice.as_dict()["saves_nothing"] is True
