@@ -102,6 +102,10 @@ class Choice:
 
     @property
     def saves_nothing(self) -> bool:
+        """Holds at least (1 - MIN_SAVING) of full's bytes; never for ``elastic``, whose size is a range (full's
+        without pressure, compressed under it) rather than a setting's."""
+        if self.backend.split("+")[0] == "elastic":
+            return False
         return self.bytes_per_token > (1 - MIN_SAVING) * self.full_bytes_per_token
 
     def as_dict(self) -> dict:

@@ -66,7 +66,7 @@ def test_script_end_to_end_on_the_bundled_model(tmp_path):
     result = json.loads(out.read_text())
     (entry,) = result["backends"]
     assert "error" not in entry
-    assert entry["backend"] == "full" and entry["served_model"] == MODEL_DIR.name and entry["items"] == 10
+    assert entry["backend"] == "full" and entry["served_model"] == str(MODEL_DIR) and entry["items"] == 10
     assert entry["kv_bytes_per_token"] > 0 and entry["params"] == {}
     for key in ("acc", "acc_norm"):
         assert 0 <= entry[key] <= 1 and entry[key] * 10 == pytest.approx(round(entry[key] * 10))

@@ -82,6 +82,7 @@ def test_saves_nothing_is_a_share_of_full():
     assert Choice("gqa", "gqa:groups=8", 1.0, price, 16384, 16384, searched="groups").saves_nothing
     assert not Choice("mla", "mla:rank=448", 1.0, price, 14336, 16384, searched="rank").saves_nothing
     assert Choice("dca", "dca", 1.0, price, 16000, 16384).as_dict()["saves_nothing"] is True
+    assert not Choice("elastic", "elastic", 1.0, price, 16384, 16384).saves_nothing  # its size is a range
 
 
 def test_ppl_increase_is_exp_of_the_kl():

@@ -109,7 +109,7 @@ GENESIS = ("In the beginning God created the heaven and the earth. And the earth
 
 def test_generate_runs_prefill_their_whole_prompt(server):
     """Repeated runs time the same work: no run takes the blocks of the one before from the prefix cache."""
-    key = 'kvserve_prefix_cache_hits_total{backend="full",model="kjv-llama-mha"}'
+    key = f'kvserve_prefix_cache_hits_total{{backend="full",model="{MODEL_DIR}"}}'  # the served name: MODEL_ID
     before = server.metrics().get(key, 0)
     a, b = (_generate(server, prompt=GENESIS, kv_backend="full", max_new_tokens=2).json() for _ in "ab")
     assert a["prompt_tokens"] > 32 and a["tokens"] == b["tokens"]

@@ -42,9 +42,10 @@ from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 PROMPT = "And God said"
 SHOTS = os.environ.get("KVSERVE_UI_SCREENSHOTS")
 
-# gqa by mean pooling: no calibration, and its greedy text leaves full's within a few tokens
+# gqa by mean pooling at 2 groups: no calibration, and its greedy text leaves full's within a few tokens; set
+# explicitly, it is kept and served with the quality budget's warning (its price is far over +1%)
 server = server_with({"KV_BACKEND": "full", "KV_BACKENDS": "full,int8,int4,elastic,gqa", "KV_GQA_METHOD": "mean",
-                      "KV_CACHE_BUDGET_BYTES": str(64 * 2**20)})
+                      "KV_GQA_GROUPS": "2", "KV_CACHE_BUDGET_BYTES": str(64 * 2**20)})
 keyed = server_with({"KV_BACKEND": "full", "API_KEY": "s3cret"})
 
 
@@ -197,6 +198,21 @@ def test_compare_full_and_int8_shows_both_texts_no_divergence_and_kv_bytes(brows
         assert found[backend].find_element(By.CSS_SELECTOR, ".ttft .detail").text == "warm, 1 run"
     assert found["int8"].find_elements(By.CSS_SELECTOR, "figure svg rect")  # the logprob-difference plot
     assert "backends=full%2Cint8" in browser.current_url or "backends=full,int8" in browser.current_url
+
+
+def test_a_backend_over_the_quality_budget_is_flagged_on_the_page(browser, server):
+    """/info's kv_quality reaches the page: gqa (2 groups by mean pooling, set explicitly) is over the budget, so a
+    warning with its price stands beside the backends and on its card; int8, within it, has none."""
+    info = httpx.get(server.url + "/info", timeout=10).json()["kv_quality"]
+    assert not info["gqa"]["within_budget"] and info["int8"]["within_budget"]
+    browser.get(server.url + "/?" + urlencode({"prompt": PROMPT, "backends": "full,int8,gqa", "max_new_tokens": 4,
+                                               "run": "1"}))
+    warnings = WebDriverWait(browser, 120).until(lambda b: b.find_elements(By.CSS_SELECTOR, "#backends .quality-warning"))
+    assert [w.get_attribute("data-backend") for w in warnings] == ["gqa"]
+    assert "over the quality budget" in warnings[0].text and info["gqa"]["message"] in warnings[0].text
+    card = WebDriverWait(browser, 300).until(lambda b: cards(b).get("gqa"))
+    WebDriverWait(browser, 300).until(lambda b: card.find_elements(By.CSS_SELECTOR, ".quality-warning"))
+    assert not cards(browser)["int8"].find_elements(By.CSS_SELECTOR, ".quality-warning")
 
 
 def test_shared_url_marks_the_first_diverging_token(browser, server):
