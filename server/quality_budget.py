@@ -293,24 +293,20 @@ def choose(name: str, geometry: ModelGeometry, options: dict, explicit: set[str]
 
 def _bisect(values: list, build, scorer: Scorer, budget: float, tried: list, record):
     """The first of ``values`` (most compressive first, price falling along them) whose price is within
-    ``budget``, by bisection; the last value when none is."""
+    ``budget``, by bisection; the last value when none is (the bisection's last step prices it: every step
+    before it moved up)."""
     lo, hi = 0, len(values) - 1
-    found: tuple[KVBackend, Price] | None = None
+    found, last = None, None
     while lo <= hi:
         mid = (lo + hi) // 2
         backend = build(values[mid])
-        price = scorer.price(backend)
-        record(backend, price, tried)
-        if price.ppl_increase_pct <= budget:
-            found, hi = (backend, price), mid - 1
+        last = (backend, scorer.price(backend))
+        record(*last, tried)
+        if last[1].ppl_increase_pct <= budget:
+            found, hi = last, mid - 1
         else:
             lo = mid + 1
-    if found is None:  # nothing within the budget: the least compressive value, priced
-        backend = build(values[-1])
-        found = (backend, scorer.price(backend))
-        if not tried or tried[-1]["spec"] != format_spec(backend.name, backend.params()):
-            record(backend, found[1], tried)
-    return found
+    return found or last
 
 
 def _search_dca(build, scorer: Scorer, budget: float, tried: list, record):
