@@ -154,7 +154,7 @@ def fetch(out: Path = DEFAULT_DIR, mha: bool = False, log=print) -> list[Path]:
     Raises:
         RuntimeError: the download or the hash check failed.
     """
-    folders, targets = [out], [out] + ([mha_dir(out)] if mha else [])
+    targets = [out] + ([mha_dir(out)] if mha else [])
     if all(is_current(t) for t in targets):
         log(f"kvserve fetch-model: {', '.join(map(str, targets))} already converted (sha256 {GGUF_SHA256[:12]}...)")
         return targets
@@ -179,9 +179,8 @@ def fetch(out: Path = DEFAULT_DIR, mha: bool = False, log=print) -> list[Path]:
             facts.update(gguf_sha256=GGUF_SHA256, dtype="float32", convert_seconds=round(time.perf_counter() - t1, 1))
             (twin / SUMMARY).write_text(json.dumps(facts, indent=2) + "\n")
             log(f"kvserve fetch-model: MHA twin written to {twin} in {facts['convert_seconds']:.1f} s")
-        folders.append(twin)
     log(f"kvserve fetch-model: done in {time.perf_counter() - t0:.1f} s")
-    return folders
+    return targets
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
