@@ -248,6 +248,49 @@ def test_a_wide_request_cannot_make_a_later_one_wait_for_its_whole_length(ref_mo
         assert [e.index for e in ev] == list(range(80)) and seq.output_ids == alone
 
 
+def test_a_wide_request_on_a_full_pool_cannot_make_a_later_one_wait_for_its_whole_length(ref_model):
+    """Fair share of the pool, not only of the batch: four generations of one request fill a pool of 32 blocks with
+    the batch half empty; a later request whose prompt needs 13 blocks is admitted ahead of the wide request's
+    preempted generations and finishes within a few steps (it waited for a wide generation to end before), while
+    every wide generation still gets the tokens it gets alone."""
+    model, tok = ref_model
+    engine = make_engine(model, tok, max_batch_size=8, budget=33 * 262144)
+    assert engine.kv.blocks.usable_pages == 32
+    events = [[] for _ in range(4)]
+    wide = [make_seq(tok, "And God said", 200, params=SamplingParams(ignore_eos=True), events=ev) for ev in events]
+    for seq in wide:
+        seq.group = "wide"
+        engine.submit(seq)
+    while engine.kv.blocks.num_free > 1:
+        engine.step()
+    assert engine.waiting or sum(s.preemptions for s in wide) or len(engine.running) == 4
+    small = make_seq(tok, " ".join(["The LORD is my shepherd; I shall not want."] * 20), 3)
+    small.prompt_ids = small.prompt_ids[:200]
+    engine.submit(small)
+    steps = 0
+    while small.finish_reason is None:
+        engine.step()
+        steps += 1
+    assert steps <= 8 and small.finish_reason.value == "length", steps
+    run_all(engine, [])
+    alone = reference_greedy(model, tok, "And God said", 200)
+    for seq, ev in zip(wide, events):
+        assert [e.index for e in ev] == list(range(200)) and seq.output_ids == alone
+    assert engine.kv.blocks.num_free == engine.kv.blocks.usable_pages
+
+
+def test_two_long_single_requests_do_not_evict_each_other_in_turn(ref_model):
+    """The pool's fair share never preempts a request's only sequence for another: two single requests too long to
+    run together finish one after the other, each preempted at most once, with their greedy tokens."""
+    model, tok = ref_model
+    engine = make_engine(model, tok, max_batch_size=8, budget=33 * 262144)
+    prompts = ["And God said", "In the beginning"]
+    seqs = [make_seq(tok, p, 300, params=SamplingParams(ignore_eos=True)) for p in prompts]
+    run_all(engine, seqs, max_steps=2000)
+    for p, s in zip(prompts, seqs):
+        assert s.preemptions <= 1 and s.output_ids == reference_greedy(model, tok, p, 300)
+
+
 def test_a_whole_prompt_prefill_that_can_never_fit_is_refused_at_once(ref_model):
     """int8 prefills a prompt that wants every position's log-probability whole, its exact pages first: when
     that alone exceeds the pool, the request is refused when submitted (it used to be preempted and readmitted

@@ -129,8 +129,11 @@ class Engine:
             for seq in [s for s in self.waiting if s.cancelled]:
                 self.waiting.remove(seq)
                 self._finish(seq, FinishReason.CANCELLED)
-            unfair = self.scheduler.unfair(self.waiting, self.running)
-        if unfair is not None:
+        for _ in range(len(self.running)):  # fair share: one preemption at a time, until the waiting request fits
+            with self._lock:
+                unfair = self.scheduler.unfair(self.waiting, self.running)
+            if unfair is None:
+                break
             self._preempt(unfair, at_head=False)
         with self._lock:
             admitted = self.scheduler.admit(self.waiting, self.running)

@@ -4,8 +4,8 @@ A waiting sequence is admitted when the batch has room (``max_batch_size``) and 
 must prefill — its prompt, or after a preemption its prompt and what it had generated — fit in the free
 pages, less a small watermark (1% of the pool) and less what the sequences still prefilling will take.
 Nothing is reserved for tokens not yet generated: decode takes a page when a block fills, and when none is
-free the engine preempts the most recently admitted sequence (vLLM's recompute preemption): its pages are
-freed and it goes back to the front of the queue. Admission is first come, first served; a sequence that
+free the engine preempts a sequence (vLLM's recompute preemption; which one: below): its pages are freed and
+it goes back to the front of the queue. Admission is first come, first served; a sequence that
 does not fit the free pages waits, and those behind it wait too (nothing overtakes it, so nothing starves).
 
 An ``elastic`` backend compresses instead of making sequences wait: admission also counts the pages that
@@ -15,7 +15,13 @@ is then needed).
 Fair share: one HTTP request's generations (``n``, ``best_of``, a prompt list) may hold at most half the
 batch's slots while another request waits, and a request that waits with none running takes a slot from the
 request holding the most (its newest generation is preempted, and recomputed later), so one wide request
-cannot make every later one wait for its whole length.
+cannot make every later one wait for its whole length. The pool is shared the same way: a request with nothing
+running is admitted before the waiting generations of requests that run (a preempted generation of a wide
+request does not block it from the head of the queue), and when its pages are not free, a request running two
+or more generations on more than half the pool gives up its newest one (down to one generation: a single
+sequence is never preempted for another, so two long requests cannot evict each other in turn). When pages run
+out during a step, the victim is the newest generation of the wide request holding the most pages, or else
+the most recently admitted sequence.
 """
 
 from __future__ import annotations
@@ -50,16 +56,30 @@ class Scheduler:
         groups = {s.request_group for s in waiting} | {s.request_group for s in running}
         return self.max_batch_size if len(groups) < 2 else max(1, self.max_batch_size // 2)
 
-    def admit(self, waiting: deque[Sequence], running: list[Sequence]) -> list[Sequence]:
-        """Remove and return the waiting sequences that may start now (in arrival order; a sequence whose request
-        holds its fair share already is passed over, and keeps its place)."""
-        admitted: list[Sequence] = []
+    def free_pages(self, running: list[Sequence]) -> int:
+        """Pages a newly admitted sequence may take: the free ones less what running prefills still need, less
+        the watermark, plus what compressing running ``elastic`` sequences would free."""
         free = self.kv.blocks.num_free - sum(self.kv.pending(s) for s in running)
         if running:
             free -= self.kv.watermark
             free += self.kv.compressible_pages(running)
+        return free
+
+    @staticmethod
+    def _order(waiting: deque[Sequence], running: list[Sequence]) -> list[Sequence]:
+        """``waiting`` in admission order: the sequences of requests with nothing running first, each part in
+        arrival order."""
+        held = {s.request_group for s in running}
+        return sorted(waiting, key=lambda s: s.request_group in held)  # stable: arrival order within each part
+
+    def admit(self, waiting: deque[Sequence], running: list[Sequence]) -> list[Sequence]:
+        """Remove and return the waiting sequences that may start now (requests with nothing running first, then
+        arrival order; a sequence whose request holds its fair share already is passed over, and keeps its
+        place)."""
+        admitted: list[Sequence] = []
+        free = self.free_pages(running)
         share, held = self.share(waiting, running), Counter(s.request_group for s in running)
-        for seq in list(waiting):
+        for seq in self._order(waiting, running):
             if len(running) + len(admitted) >= self.max_batch_size:
                 break
             if held[seq.request_group] >= share:
@@ -74,18 +94,46 @@ class Scheduler:
         return admitted
 
     def unfair(self, waiting: deque[Sequence], running: list[Sequence]) -> Sequence | None:
-        """A sequence to preempt so that a waiting request gets a slot: when the batch is full, a waiting request
-        has nothing running, and another request holds more than its share, that request's newest sequence."""
-        if len(running) < self.max_batch_size or not waiting:
-            return None
-        held = Counter(s.request_group for s in running)
-        if not any(held[s.request_group] == 0 for s in waiting):
-            return None
-        share = self.share(waiting, running)
-        over = [s for s in running if held[s.request_group] > share]
-        return over[-1] if over else None
+        """A sequence to preempt so that a waiting request with nothing running can start, or ``None``.
 
-    @staticmethod
-    def victim(running: list[Sequence]) -> Sequence:
-        """The sequence to preempt when pages run out: the most recently admitted."""
-        return running[-1]
+        Slots: when the batch is full and another request holds more than its share of them, that request's
+        newest sequence. Pages: when the waiting request's first sequence does not fit the free pages, and a
+        request runs two or more sequences on more than half the pool's usable pages, that request's newest
+        sequence. The engine preempts one at a time and asks again.
+        """
+        held = Counter(s.request_group for s in running)
+        starved = next((s for s in waiting if held[s.request_group] == 0), None)
+        if starved is None or not running:
+            return None
+        if len(running) >= self.max_batch_size:
+            share = self.share(waiting, running)
+            over = [s for s in running if held[s.request_group] > share]
+            return over[-1] if over else None
+        if self.kv.admission_cost(starved) <= self.free_pages(running):
+            return None
+        wide = self._widest(running)
+        if wide is None or wide[0] <= self.kv.blocks.usable_pages // 2:
+            return None
+        return wide[1]
+
+    def _widest(self, running: list[Sequence]) -> tuple[int, Sequence] | None:
+        """Among the requests running two or more sequences, the pages held by the one holding the most, and its
+        newest sequence; ``None`` when every request runs one sequence."""
+        pages: Counter = Counter()
+        newest: dict[str, Sequence] = {}
+        count: Counter = Counter()
+        for s in running:
+            pages[s.request_group] += self.kv.held(s)
+            count[s.request_group] += 1
+            newest[s.request_group] = s
+        wide = [(pages[g], g) for g in pages if count[g] > 1]
+        if not wide:
+            return None
+        most, group = max(wide)
+        return most, newest[group]
+
+    def victim(self, running: list[Sequence]) -> Sequence:
+        """The sequence to preempt when pages run out: the newest sequence of the request running two or more
+        that holds the most pages, else the most recently admitted."""
+        wide = self._widest(running)
+        return wide[1] if wide is not None else running[-1]
