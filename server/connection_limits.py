@@ -15,8 +15,10 @@ connections alike. :func:`bounded_h11` extends uvicorn's h11 protocol instead:
 * **Connection bound.** A connection opened while ``max_connections`` others are open (idle kept-alive ones
   included) is served no request: its first request gets ``503`` with ``Retry-After: 1`` and ``Connection:
   close``, in the route's error form (TGI's ``{"error", "error_type": "overloaded"}``, OpenAI's object on
-  ``/v1``); one that sends no head within :data:`REFUSED_HEAD_SECONDS` gets the TGI form then. A refused connection
-  does not count towards the bound, and the connections already served (running streams) are never touched.
+  ``/v1``); one that sends no head within :data:`REFUSED_HEAD_SECONDS` gets the TGI form then. ``/health`` and
+  ``/metrics`` are answered all the same (a liveness probe must not fail, and restart the server, because clients
+  hold its connections), and the connection closed after. A refused connection does not count towards the bound,
+  and the connections already served (running streams) are never touched.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import h11
 from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
 
 from server.errors import OPENAI_TYPES
-from server.middleware import openai_path
+from server.middleware import OPEN_PATHS, openai_path
 
 log = logging.getLogger("kvserve")
 
@@ -127,10 +129,12 @@ def bounded_h11(head_timeout: float, max_connections: int) -> type[H11Protocol]:
                 self.transport.write(_raw_response(408, body, default))
             self.transport.close()
 
-        @staticmethod
-        async def _refuse(scope, receive, send) -> None:
+        async def _refuse(self, scope, receive, send) -> None:
             if scope["type"] != "http":
                 return
+            if scope["path"] in OPEN_PATHS:  # a probe: answered (then closed), so that load does not fail it
+                self.cycle.keep_alive = False
+                return await self.config.loaded_app(scope, receive, send)
             body = _error_body(scope["path"], _over_bound_message(max_connections), "overloaded")
             payload = json.dumps(body).encode()
             await send({"type": "http.response.start", "status": 503, "headers": [

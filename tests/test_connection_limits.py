@@ -105,8 +105,8 @@ def test_the_head_timeout_spares_slow_bodies_and_idle_keep_alive_but_times_the_n
 
 def test_connections_beyond_max_connections_get_503_and_running_streams_go_on(bound_server):
     """MAX_CONNECTIONS=20: with one stream running and 25 idle connections open, connections beyond the bound get
-    503 overloaded (at once to a request, after 1 s to silence) and are closed, the stream runs to its end, and
-    once the idle connections close a request is served again."""
+    503 overloaded (at once to a request, after 1 s to silence) and are closed, but for /health (answered, then
+    closed); the stream runs to its end, and once the idle connections close a request is served again."""
     events = []
     with httpx.stream("POST", bound_server.url + "/generate_stream", timeout=60,
                       json={"inputs": "And", "parameters": {"max_new_tokens": 40, "details": True}}) as stream:
@@ -116,8 +116,11 @@ def test_connections_beyond_max_connections_get_503_and_running_streams_go_on(bo
         try:
             asking = [connect(bound_server) for _ in range(10)]
             for s in asking:
-                s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                s.sendall(b"GET /info HTTP/1.1\r\nHost: x\r\n\r\n")
             answers = [read_to_close(s, 5) for s in asking]
+            with connect(bound_server) as probe:  # beyond the bound too, but a probe is answered (and closed)
+                probe.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                probe_answer = read_to_close(probe, 5)
             for s in asking:
                 s.close()
             idle_answers = [read_to_close(s, 0.1 if i < BOUND - 1 else 5) for i, s in enumerate(idle)]
@@ -130,6 +133,7 @@ def test_connections_beyond_max_connections_get_503_and_running_streams_go_on(bo
         assert answer is not None, "a connection beyond MAX_CONNECTIONS was served or held open"
         status, body = status_and_json(answer)
         assert status == 503 and body["error_type"] == "overloaded" and "MAX_CONNECTIONS" in body["error"]
+    assert probe_answer is not None and status_and_json(probe_answer)[0] == 200
     refused = [a for a in idle_answers if a is not None]
     assert len(refused) >= 25 - (BOUND - 1)
     assert all(status_and_json(a)[0] == 503 for a in refused)
