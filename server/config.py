@@ -81,6 +81,12 @@ class Settings(BaseSettings):
     max_header_bytes: int = Field(16384, ge=1024, description="Largest request head (request line + headers, "
                                   "bytes); larger closes the connection with 400.")
     max_headers: int = Field(100, ge=8, description="Most request header fields; more get 431.")
+    request_head_timeout: float = Field(10.0, gt=0, allow_inf_nan=False, description="Seconds a connection has "
+                                        "to send a whole request head (request line + headers), from its opening "
+                                        "or a kept-alive one's next request; later: 408 and closed. Bodies are "
+                                        "not timed.")
+    max_connections: int = Field(1000, ge=1, description="Most HTTP connections open at once (idle kept-alive "
+                                 "ones included); one more gets 503 with Retry-After: 1 and is closed.")
     torch_num_threads: int = Field(0, ge=0, description="torch intra-op threads of the server (0: torch's default, "
                                    "one per core); idle threads wait passively (OMP_WAIT_POLICY=PASSIVE, set by "
                                    "`kvserve` unless given).")
