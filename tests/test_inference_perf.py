@@ -2,81 +2,28 @@
 real server on 127.0.0.1: its streaming run on ``/v1/completions`` reports TTFT, ITL and output tokens (#26).
 
 inference-perf needs Python >= 3.12 (kvserve runs on 3.11), so it gets its own venv, made once under the
-git-ignored ``.venv-clients/inference-perf`` with the first interpreter >= 3.12 found (``python3.12`` ...
-on PATH, then pyenv's versions). Without one the test skips, saying so; the byte-level SSE framing test
-(tests/test_vllm_compat.py) covers the framing this tool depends on everywhere.
+git-ignored ``.venv-clients/inference-perf`` with the first interpreter >= 3.12 found (:mod:`tests.client_venv`).
+Without one the test skips, saying so; the byte-level SSE framing test (tests/test_vllm_compat.py) covers the
+framing this tool depends on everywhere.
 """
 
 from __future__ import annotations
 
-import glob
 import json
-import os
-import shutil
 import subprocess
-from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.conftest import MODEL_DIR, REPO, server_with
+from tests.client_venv import client_script, subprocess_env
+from tests.conftest import MODEL_DIR, server_with
 
 INFERENCE_PERF = "inference-perf==0.7.0"
-VENV = REPO / ".venv-clients" / "inference-perf"
-STAMP = VENV / ".kvserve-installed"
 OUTPUT_TOKENS = 16
 RETOKENIZED = 4  # tokens the client's re-tokenization of 16 sampled tokens may differ by (15..18 seen)
 RUN_TIMEOUT = 170  # seconds: inference-perf's whole run (load ~10 s, report, tokenizer load)
 
 server = server_with({"MAX_BATCH_SIZE": "8"})
-
-
-def _version(python: str) -> tuple[int, int] | None:
-    """The interpreter's (major, minor), or None when it does not run (a pyenv shim for a version that is
-    not selected exits non-zero)."""
-    try:
-        out = subprocess.run([python, "-c", "import sys; print(*sys.version_info[:2])"], capture_output=True,
-                             text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if out.returncode != 0:
-        return None
-    try:
-        major, minor = map(int, out.stdout.split())
-    except ValueError:
-        return None
-    return major, minor
-
-
-def find_python() -> str | None:
-    """The first interpreter >= 3.12 that runs and has ``venv``: on PATH, then under pyenv's versions."""
-    candidates = [p for name in ("python3.12", "python3.13", "python3.14") if (p := shutil.which(name))]
-    root = os.environ.get("PYENV_ROOT", str(Path.home() / ".pyenv"))
-    candidates += sorted(glob.glob(f"{root}/versions/*/bin/python3.1[2-9]"))
-    for python in candidates:
-        version = _version(python)
-        if version and version >= (3, 12):
-            return python
-    return None
-
-
-def inference_perf_bin() -> Path:
-    """The ``inference-perf`` script of the cached venv, made (or remade, when the pin changed) here."""
-    exe = VENV / "bin" / "inference-perf"
-    if STAMP.exists() and STAMP.read_text().strip() == INFERENCE_PERF and exe.exists():
-        return exe
-    python = find_python()
-    if python is None:
-        pytest.skip("inference-perf needs Python >= 3.12: none found (python3.12/3.13 on PATH, ~/.pyenv/versions)")
-    if VENV.exists():
-        shutil.rmtree(VENV)
-    subprocess.run([python, "-m", "venv", str(VENV)], check=True, timeout=300)
-    pip = subprocess.run([str(VENV / "bin" / "python"), "-m", "pip", "install", "-q", INFERENCE_PERF],
-                         capture_output=True, text=True, timeout=1200)
-    if pip.returncode != 0:
-        raise RuntimeError(f"pip install {INFERENCE_PERF} failed:\n{pip.stdout[-3000:]}\n{pip.stderr[-3000:]}")
-    STAMP.write_text(INFERENCE_PERF + "\n")
-    return exe
 
 
 CONFIG = """\
@@ -96,17 +43,14 @@ load:
   request_timeout: 60
 server:
   type: vllm
-  model_name: {model}
   base_url: {url}
   ignore_eos: true
-tokenizer:
-  pretrained_model_name_or_path: {tokenizer}
 report:
   request_lifecycle:
     summary: true
     per_stage: false
     per_request: true
-    per_request_fields: {{request: false, response: false, info: true, response_chunks: true, computed_metrics: true}}
+    per_request_fields: {{request: true, response: false, info: true, response_chunks: true, computed_metrics: true}}
   prometheus:
     summary: false
     per_stage: false
@@ -117,15 +61,17 @@ storage:
 
 
 def test_inference_perf_streaming_reports_ttft_itl_and_tokens(server, tmp_path):
-    exe = inference_perf_bin()
-    model = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    """Its vLLM instructions (``server: {type: vllm, base_url}``: no model name, no tokenizer section): it takes
+    the model from ``/v1/models`` (``MODEL_ID`` as given, the model folder's path) and loads the tokenizer from
+    that path, offline."""
+    exe = client_script("inference-perf", INFERENCE_PERF, "inference-perf", lowest=(3, 12))
+    served = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    assert served == str(MODEL_DIR)
     reports = tmp_path / "reports"
     config = tmp_path / "config.yml"
-    config.write_text(CONFIG.format(out=OUTPUT_TOKENS, model=json.dumps(model), url=server.url,
-                                    tokenizer=json.dumps(str(MODEL_DIR)), reports=json.dumps(str(reports))))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false"}
-    env.pop("VIRTUAL_ENV", None)
+    config.write_text(CONFIG.format(out=OUTPUT_TOKENS, url=server.url, reports=json.dumps(str(reports))))
+    env = subprocess_env(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+                         TOKENIZERS_PARALLELISM="false")
     try:
         run = subprocess.run([str(exe), "-c", str(config)], cwd=tmp_path, env=env, capture_output=True, text=True,
                              timeout=RUN_TIMEOUT)
@@ -160,6 +106,7 @@ def test_inference_perf_streaming_reports_ttft_itl_and_tokens(server, tmp_path):
     assert len(per_request) == successes["count"]
     for entry in per_request:
         assert entry["error"] is None, entry
+        assert json.loads(entry["request"])["model"] == served, entry["request"]  # the name it found, unchanged
         computed = entry["computed_metrics"]
         # Per request, the server's usage is exact; output_tokens (in computed_metrics and response_metrics) is the
         # client's re-tokenization of the streamed text, which BPE may merge or split ("Son"+"to"+"ok" is one word
