@@ -43,8 +43,8 @@ conversion meets it:
   of the norm at the mean size (SmolLM2-135M: held-out perplexity 6.4 → 7900 at full rank).
 * ``carrier``: the last latent dimension carries a constant ``C`` (the bias of ``kv_a_proj_with_mqa``; ``C``
   = 100 x the largest latent norm on calibration) that nothing reads (its ``kv_b_proj`` column is zero), so
-  every token's RMS is ``C / sqrt(rank)`` within 1/20000 and the norm, with that weight, is the identity:
-  the conversion is exact. The latent then holds ``rank - 1`` directions of keys and values.
+  every token's RMS is ``C / sqrt(rank)`` within 1/20000 and the norm, with that weight (0 on the carrier,
+  so that the carrier leaves it as 0), is the identity: the conversion is exact. The latent then holds ``rank - 1`` directions of keys and values.
 """
 
 from __future__ import annotations
@@ -291,6 +291,8 @@ def convert(src_model, calib_ids: list[int], rope_pairs: int, rank: int,
             b.kv_a_proj_with_mqa.bias.zero_()
             b.kv_a_proj_with_mqa.bias[informative] = c
             b.kv_a_layernorm.weight.fill_(c / math.sqrt(rank))
+            b.kv_a_layernorm.weight[informative] = 0  # the carrier leaves the norm as 0 (not C: that would make
+            # kv_b_proj's first updates of its zero column add C-sized noise to every key and value)
             b.o_proj.bias.zero_()
         else:
             b.kv_a_layernorm.weight.fill_(float(mean_rms))  # RMSNorm(latent) * mean RMS ≈ latent
@@ -490,6 +492,9 @@ def main() -> None:
                    help="how the conversion meets DeepSeek's latent RMSNorm: its weight at the mean latent RMS "
                         "(the reference model's recipe), or a constant carrier dimension that makes it the "
                         "identity (exact; for pretrained models)")
+    p.add_argument("--converted-ppl", type=float, default=None,
+                   help="the converted model's held-out perplexity before fine-tune, when already measured by a "
+                        "run of the same conversion (skips scoring it again)")
     p.add_argument("--source-ppl", type=float, default=None,
                    help="the source's held-out perplexity by the same scoring, when already measured (skips "
                         "scoring the source again)")
@@ -528,7 +533,7 @@ def main() -> None:
     t_start = time.time()
     ppl_source = args.source_ppl or heldout(source)
     model, report = convert(source, calib_ids, args.rope_pairs, args.rank, args.latent_norm)
-    ppl_converted = heldout(model)
+    ppl_converted = args.converted_ppl or heldout(model)
     print(json.dumps({"ppl_source": ppl_source, "ppl_converted": ppl_converted, **report}), flush=True)
     t0 = time.time()
     log = fine_tune(model, args, heldout) if args.steps else []
