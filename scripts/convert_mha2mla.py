@@ -4,28 +4,47 @@ One command, end to end (conversion, fine-tune, model card)::
 
     python scripts/convert_mha2mla.py --src models/kjv-llama-mha --out models/kjv-llama-mla
 
+A GQA source (``num_key_value_heads`` < ``num_attention_heads``, e.g. SmolLM2-135M-Instruct) is converted as
+it is: its K/V heads are repeated for the query heads that read them, and the kept RoPE pairs are chosen per
+K/V head (the query heads of a group share its rope-key slots), so the rope key costs ``2 * kv_heads *
+rope_pairs`` values, not ``2 * heads * rope_pairs``. A folder without ``calib_slice.txt``/``eval_slice.txt``
+is calibrated and scored on the packaged texts (:func:`bench.quality.model_slice_ids`); ``--bench-windows N``
+scores the held-out text as ``kvserve bench`` does (the cache path of ``full`` for the source and of the
+native ``mla`` backend for the converted model, N 1024-token windows, the last 256 tokens of each scored).
+
 Method: MHA2MLA (Ji et al., arXiv 2502.14837), in DeepSeek-V3's MLA layout (arXiv 2405.04434) so that
 ``AutoModelForCausalLM`` loads the result and kvserve's ``mla`` backend serves it with absorbed attention:
 
-1. **Partial RoPE** (the paper's 2-norm criterion): per layer and head, the ``--rope-pairs`` RoPE frequency
-   pairs with the largest mean ``|q_pair| * |k_pair|`` on the calibration slice keep RoPE; the other pairs
-   become position-free ("nope") dimensions.
-2. **Decoupled rope key**: the kept pairs of all heads form DeepSeek's rope key (``qk_rope_head_dim =
-   num_heads * 2 * rope_pairs``), cached once per token; head h's rope query is non-zero only on its own
-   pairs, so at conversion ``q_rope_h . k_rope = `` head h's kept-pair score exactly. Each rope-key pair keeps
+1. **Partial RoPE** (the paper's 2-norm criterion): per layer and K/V head, the ``--rope-pairs`` RoPE
+   frequency pairs with the largest mean ``|q_pair| * |k_pair|`` (summed over the query heads reading that
+   key) on the calibration slice keep RoPE; the other pairs become position-free ("nope") dimensions.
+2. **Decoupled rope key**: the kept pairs of all K/V heads form DeepSeek's rope key (``qk_rope_head_dim =
+   num_key_value_heads * 2 * rope_pairs``), cached once per token; query head h's rope query is non-zero only
+   on its K/V head's pairs, so at conversion ``q_rope_h . k_rope = `` head h's kept-pair score exactly. Each rope-key pair keeps
    its original frequency through ``longrope``'s per-frequency factors (short and long factors equal,
    attention factor 1: a frequency table, no context extension).
 3. **Joint low rank**: the position-free key dimensions and the values of all heads are projected on the
    top ``--rank`` principal directions of their calibration activations (uncentred, key and value blocks
    weighted equally): ``kv_a_proj_with_mqa`` maps the hidden state to that latent (``kv_lora_rank``),
    ``kv_b_proj`` back to per-head nope keys and values.
-4. **Fine-tune** every weight on the training chapters (1024-token windows, AdamW, cosine schedule) to
-   recover what steps 1-3 lost; the held-out perplexity is measured before and after.
+4. **Fine-tune** every weight on the training chapters (``--seq-len``-token windows, AdamW, cosine schedule)
+   to recover what steps 1-3 lost; the held-out perplexity is measured before and after. The training
+   chapters are the King James Bible's chapters outside the held-out split (``train_reference_model``, Debian's
+   ``bible-kjv``); none of them is a chapter of the held-out text (checked).
 
 The softmax scale of the new head width (``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5``) is folded into
 ``q_proj`` so that the converted model scores exactly as the source before low rank. DeepSeek normalises
-the latent (``kv_a_layernorm``, an RMSNorm); its weight starts at the mean latent RMS on calibration so the
-conversion is exact up to each token's deviation from that mean, which the fine-tune absorbs.
+the latent (``kv_a_layernorm``, an RMSNorm), which the source does not; ``--latent-norm`` chooses how the
+conversion meets it:
+
+* ``mean`` (the reference model's recipe): the norm's weight starts at the mean latent RMS on calibration, so
+  the conversion is exact up to each token's deviation from that mean, which the fine-tune absorbs. On a
+  pretrained model that deviation is not small: tokens whose values are near zero (attention sinks) come out
+  of the norm at the mean size (SmolLM2-135M: held-out perplexity 6.4 → 7900 at full rank).
+* ``carrier``: the last latent dimension carries a constant ``C`` (the bias of ``kv_a_proj_with_mqa``; ``C``
+  = 100 x the largest latent norm on calibration) that nothing reads (its ``kv_b_proj`` column is zero), so
+  every token's RMS is ``C / sqrt(rank)`` within 1/20000 and the norm, with that weight (0 on the carrier,
+  so that the carrier leaves it as 0), is the identity: the conversion is exact. The latent then holds ``rank - 1`` directions of keys and values.
 """
 
 from __future__ import annotations
@@ -44,10 +63,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DeepseekV3Config, 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench.quality import CALIB_SLICE, EVAL_SLICE, slice_token_ids, teacher_forced_perplexity  # noqa: E402
-from train_reference_model import greedy_sample, lr_at, make_optimizer, train_step, train_stream  # noqa: E402
+from bench.quality import CALIB_SLICE, EVAL_SLICE, model_slice_ids, teacher_forced_perplexity  # noqa: E402
+from cache_backends.calibration import slice_file  # noqa: E402
+from train_reference_model import (greedy_sample, lr_at, make_optimizer, train_chapters, train_step,  # noqa: E402
+                                   train_stream)
 
-COPIED = ["tokenizer.json", "tokenizer_config.json", EVAL_SLICE, CALIB_SLICE, "corpus_words.txt"]
+COPIED = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", EVAL_SLICE,
+          CALIB_SLICE, "corpus_words.txt"]
+BENCH_WINDOW, BENCH_PREFIX = 1024, 768  # kvserve bench's perplexity windows and the prefix before scored tokens
 SAMPLE_PROMPTS = ["And God said", "The LORD is my shepherd", "In the beginning"]
 
 
@@ -70,18 +93,21 @@ def attention_inputs(model, token_ids: list[int], window: int = 1024) -> list[to
 
 
 def pair_scores(q: torch.Tensor, k: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
-    """MHA2MLA's 2-norm rule: per head and RoPE pair, the mean ``|q_pair| |k_pair|`` over tokens.
+    """MHA2MLA's 2-norm rule: per K/V head and RoPE pair, the mean ``|q_pair| |k_pair|`` over tokens, summed
+    over the query heads that read that key.
 
     Args:
-        q, k: (tokens, heads * head_dim) pre-RoPE queries and keys; pair j of a head is dims (j, j + head_dim/2)
-            (transformers' rotate-half layout).
+        q: (tokens, heads * head_dim) pre-RoPE queries; k: (tokens, kv_heads * head_dim) pre-RoPE keys, with
+            ``heads`` a multiple of ``kv_heads`` (query head h reads key h // (heads / kv_heads)); pair j of a
+            head is dims (j, j + head_dim/2) (transformers' rotate-half layout).
     Returns:
-        (heads, head_dim/2) scores.
+        (kv_heads, head_dim/2) scores.
     """
     half = head_dim // 2
-    qn = q.view(-1, heads, 2, half).norm(dim=2)  # (tokens, heads, half): |q_pair|
-    kn = k.view(-1, heads, 2, half).norm(dim=2)
-    return (qn * kn).mean(0)
+    kv_heads = k.shape[-1] // head_dim
+    qn = q.view(-1, kv_heads, heads // kv_heads, 2, half).norm(dim=3)  # (tokens, kv_heads, group, half)
+    kn = k.view(-1, kv_heads, 1, 2, half).norm(dim=3)
+    return (qn * kn).mean(0).sum(1)
 
 
 def frequency_counts(scores: list[torch.Tensor], keep: int) -> torch.Tensor:
@@ -155,11 +181,10 @@ def rope_frequency_factors(table: torch.Tensor, head_dim: int, theta: float) -> 
     return (theta ** (2 * j / head_dim) / theta ** (2 * i / (2 * j.numel()))).tolist()
 
 
-def build_config(src, table: torch.Tensor, rank: int) -> DeepseekV3Config:
+def build_config(src, table: torch.Tensor, keep: int, rank: int) -> DeepseekV3Config:
     """The DeepSeek-V3 config of the converted model: dense MLP in every layer, no query low rank,
     ``qk_rope_head_dim = 2 * len(table)``, ``qk_nope_head_dim = head_dim - 2 * keep``, ``v_head_dim = head_dim``."""
     heads, head_dim = src.num_attention_heads, src.head_dim
-    keep = table.numel() // heads
     theta = src.rope_parameters["rope_theta"]
     factors = rope_frequency_factors(table, head_dim, theta)
     return DeepseekV3Config(
@@ -180,29 +205,37 @@ def build_config(src, table: torch.Tensor, rank: int) -> DeepseekV3Config:
 
 
 @torch.no_grad()
-def convert(src_model, calib_ids: list[int], rope_pairs: int, rank: int) -> tuple[DeepseekV3ForCausalLM, dict]:
+def convert(src_model, calib_ids: list[int], rope_pairs: int, rank: int,
+            latent_norm: str = "mean") -> tuple[DeepseekV3ForCausalLM, dict]:
     """Build the MLA model from the MHA one (steps 1-3 of the module docstring).
 
     Args:
-        src_model: a ``LlamaForCausalLM``-style MHA model (q/k/v/o projections without bias, rotate-half RoPE).
+        src_model: a ``LlamaForCausalLM``-style MHA or GQA model (q/k/v/o projections without bias,
+            rotate-half RoPE).
         calib_ids: calibration token ids (activations for the pair scores and the latent).
         rope_pairs: RoPE pairs kept per head; rank: ``kv_lora_rank``.
+        latent_norm: ``"mean"`` or ``"carrier"`` (module docstring).
     Returns:
-        the converted model and a report: kept pairs per layer and head, the latent's relative
+        the converted model and a report: kept pairs per layer and K/V head, the latent's relative
         reconstruction error per layer on calibration, the spread (std / mean) of the latent's RMS.
     Raises:
-        ValueError: if the source is not plain MHA or ``rope_pairs``/``rank`` are out of range.
+        ValueError: if the query heads do not divide evenly among the K/V heads, ``rope_pairs``/``rank`` are
+            out of range or ``latent_norm`` is unknown.
     """
     cfg = src_model.config
-    heads, d = cfg.num_attention_heads, cfg.head_dim
+    heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     half = d // 2
-    if cfg.num_key_value_heads != heads:
-        raise ValueError("the converter takes an MHA model (num_key_value_heads == num_attention_heads)")
+    if heads % kv_heads:
+        raise ValueError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+    group = heads // kv_heads
     if not 1 <= rope_pairs < half:
         raise ValueError(f"--rope-pairs must be between 1 and {half - 1}")
     nope = d - 2 * rope_pairs
-    if not 1 <= rank <= heads * (nope + d):
-        raise ValueError(f"--rank must be between 1 and {heads * (nope + d)}")
+    if latent_norm not in ("mean", "carrier"):
+        raise ValueError(f"--latent-norm must be 'mean' or 'carrier', got {latent_norm!r}")
+    carrier = latent_norm == "carrier"
+    if not 1 + carrier <= rank <= heads * (nope + d) + carrier:
+        raise ValueError(f"--rank must be between {1 + carrier} and {heads * (nope + d) + carrier}")
     xs = attention_inputs(src_model, calib_ids)
     scores = [pair_scores(l.self_attn.q_proj(x), l.self_attn.k_proj(x), heads, d)
               for l, x in zip(src_model.model.layers, xs)]
@@ -210,7 +243,8 @@ def convert(src_model, calib_ids: list[int], rope_pairs: int, rank: int) -> tupl
     selections = [assign_pairs(s, counts, rope_pairs) for s in scores]
     slots = rope_slots(selections, counts)
     table = torch.repeat_interleave(torch.arange(half), counts)
-    config = build_config(cfg, table, rank)
+    config = build_config(cfg, table, rope_pairs, rank)
+    config.attention_bias = carrier  # the carrier's constant is kv_a_proj_with_mqa's bias (o_proj's stays 0)
     model = DeepseekV3ForCausalLM(config).eval()
     sd = {k: v for k, v in src_model.state_dict().items() if "self_attn" not in k}
     missing = model.load_state_dict(sd, strict=False).missing_keys
@@ -223,37 +257,52 @@ def convert(src_model, calib_ids: list[int], rope_pairs: int, rank: int) -> tupl
     for src_layer, dst_layer, x, sel, slot, score in zip(src_model.model.layers, model.model.layers, xs,
                                                          selections, slots, scores):
         a, b = src_layer.self_attn, dst_layer.self_attn
-        wq, wk, wv = a.q_proj.weight.view(heads, d, -1), a.k_proj.weight.view(heads, d, -1), a.v_proj.weight
+        wq, wk = a.q_proj.weight.view(heads, d, -1), a.k_proj.weight.view(kv_heads, d, -1)
         hidden = wq.shape[-1]
+        wv = a.v_proj.weight.view(kv_heads, d, hidden).repeat_interleave(group, 0).reshape(heads * d, hidden)
         # the rope key (rotate-half layout): slot s holds x1 at row s and x2 at row slots_total + s
         k_rope = torch.zeros(2 * slots_total, hidden)
         q_rows, k_nope_rows = [], []
+        for g in range(kv_heads):
+            k_rope[slot[g]], k_rope[slot[g] + slots_total] = wk[g, sel[g]], wk[g, sel[g] + half]
         for h in range(heads):
-            kept = set(sel[h].tolist()) | {j + half for j in sel[h].tolist()}
+            g = h // group  # the K/V head query head h reads
+            kept = set(sel[g].tolist()) | {j + half for j in sel[g].tolist()}
             nope_dims = [j for j in range(d) if j not in kept]
-            k_rope[slot[h]], k_rope[slot[h] + slots_total] = wk[h, sel[h]], wk[h, sel[h] + half]
-            q_rope = torch.zeros(2 * slots_total, hidden)  # head h reads only its own slots
-            q_rope[slot[h]], q_rope[slot[h] + slots_total] = wq[h, sel[h]], wq[h, sel[h] + half]
+            q_rope = torch.zeros(2 * slots_total, hidden)  # head h reads only its K/V head's slots
+            q_rope[slot[g]], q_rope[slot[g] + slots_total] = wq[h, sel[g]], wq[h, sel[g] + half]
             q_rows.append(torch.cat([wq[h, nope_dims], q_rope]))
-            k_nope_rows.append(wk[h, nope_dims])
+            k_nope_rows.append(wk[g, nope_dims])
         b.q_proj.weight.copy_(torch.cat(q_rows) * scale)
         # the joint latent of every head's position-free keys and values
         w_kv = torch.cat(k_nope_rows + [wv])  # (heads*(nope+d), hidden)
         y = x @ w_kv.T  # (tokens, width)
-        basis, weights = joint_latent(y, heads * nope, rank)
-        down = (basis.T * weights).float()  # (rank, width): latent = down @ y
-        up = (basis / weights[:, None]).float()  # (width, rank): y ≈ up @ latent
-        latent = y @ down.T  # (tokens, rank)
+        informative = rank - carrier
+        basis, weights = joint_latent(y, heads * nope, informative)
+        down = (basis.T * weights).float()  # (informative, width): latent = down @ y
+        up = (basis / weights[:, None]).float()  # (width, informative): y ≈ up @ latent
+        latent = y @ down.T  # (tokens, informative)
         rms = latent.pow(2).mean(-1).sqrt()
         mean_rms = rms.mean()
-        b.kv_a_proj_with_mqa.weight.copy_(torch.cat([down @ w_kv, k_rope]))
-        b.kv_a_layernorm.weight.fill_(float(mean_rms))  # RMSNorm(latent) * mean RMS ≈ latent
+        down_w = down @ w_kv
+        if carrier:  # a last latent dimension held at C by the bias, read by nothing: RMSNorm is then the identity
+            c = 100 * float(latent.norm(dim=-1).max())
+            down_w, up = torch.cat([down_w, torch.zeros(1, hidden)]), torch.cat([up, torch.zeros(len(up), 1)], 1)
+            b.kv_a_proj_with_mqa.bias.zero_()
+            b.kv_a_proj_with_mqa.bias[informative] = c
+            b.kv_a_layernorm.weight.fill_(c / math.sqrt(rank))
+            b.kv_a_layernorm.weight[informative] = 0  # the carrier leaves the norm as 0 (not C: that would make
+            # kv_b_proj's first updates of its zero column add C-sized noise to every key and value)
+            b.o_proj.bias.zero_()
+        else:
+            b.kv_a_layernorm.weight.fill_(float(mean_rms))  # RMSNorm(latent) * mean RMS ≈ latent
+        b.kv_a_proj_with_mqa.weight.copy_(torch.cat([down_w, k_rope]))
         up_k, up_v = up[: heads * nope].view(heads, nope, rank), up[heads * nope:].view(heads, d, rank)
         b.kv_b_proj.weight.copy_(torch.cat([up_k, up_v], dim=1).reshape(-1, rank))
         b.o_proj.weight.copy_(a.o_proj.weight)
         report["rope_pairs"].append(sel.tolist())
         report["pair_score_kept"].append(round(float(score.gather(1, sel).sum() / score.sum()), 4))
-        report["latent_relative_error"].append(round(float((latent @ up.T - y).norm() / y.norm()), 4))
+        report["latent_relative_error"].append(round(float((latent @ up[:, :informative].T - y).norm() / y.norm()), 4))
         report["latent_rms_spread"].append(round(float(rms.std() / mean_rms), 4))
     return model, report
 
@@ -265,8 +314,49 @@ def kv_elements_per_token_per_layer(config) -> int:
     return 2 * config.num_key_value_heads * config.head_dim
 
 
-def fine_tune(model, args, eval_ids: list[int]) -> list[dict]:
-    """Step 4: train every weight on the training chapters; held-out perplexity every ``--eval-every`` steps."""
+def kv_bytes_per_token(config) -> int:
+    """Bytes per token of kvserve's cache for this model in fp32, all layers: ``full`` for an MHA/GQA model,
+    the native ``mla`` backend's latent and rope key for an MLA one (the backend's own count)."""
+    from cache_backends import ModelGeometry, create
+
+    geometry = ModelGeometry.from_config(config, torch.float32)
+    backend = create("mla" if geometry.kv_lora_rank else "full", geometry)
+    return backend.bytes_per_token_per_layer() * geometry.num_layers
+
+
+def bench_perplexity(model, token_ids: list[int], windows: int) -> float:
+    """Held-out perplexity as ``kvserve bench`` scores it (:func:`bench.fidelity.cache_path_perplexity`):
+    ``windows`` 1024-token windows, 768 tokens prefilled, the rest scored token by token through the cache path
+    of ``full`` (an MHA/GQA model) or of the native ``mla`` backend (absorbed attention over the cached latent).
+    Scored on a copy: the backend switches the model's attention modules."""
+    import copy
+
+    from bench.fidelity import cache_path_perplexity
+    from cache_backends import ModelGeometry, create
+
+    scored = copy.deepcopy(model).eval()
+    geometry = ModelGeometry.from_config(scored.config, torch.float32)
+    backend = create("mla" if geometry.kv_lora_rank else "full", geometry)
+    backend.prepare(scored, [])
+    return cache_path_perplexity(scored, backend, token_ids, window=BENCH_WINDOW, prefix=BENCH_PREFIX,
+                                 max_windows=windows)
+
+
+def check_held_out(eval_path: Path) -> None:
+    """Refuse to fine-tune on a chapter of the held-out text.
+
+    Raises:
+        SystemExit: naming how many chapters of ``eval_path`` are training chapters too.
+    """
+    held = {c.strip("\n") for c in eval_path.read_text(encoding="utf-8").split("\n\n") if c.strip()}
+    shared = held & set(train_chapters())
+    if shared:
+        raise SystemExit(f"{len(shared)} chapters of {eval_path} are training chapters: not a held-out text")
+
+
+def fine_tune(model, args, heldout) -> list[dict]:
+    """Step 4: train every weight on the training chapters; ``heldout(model)`` (the held-out perplexity) every
+    ``--eval-every`` steps and after the last."""
     data = train_stream(AutoTokenizer.from_pretrained(args.src))
     opt = make_optimizer(model, args.lr)
     gen = torch.Generator().manual_seed(args.seed)
@@ -281,7 +371,7 @@ def fine_tune(model, args, eval_ids: list[int]) -> list[dict]:
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             model.eval()
             log.append({"step": step + 1, "train_loss": round(loss_ema, 4),
-                        "heldout_ppl": round(teacher_forced_perplexity(model, eval_ids, window=args.seq_len), 3),
+                        "heldout_ppl": round(heldout(model), 3),
                         "minutes": round((time.time() - t0) / 60, 1)})
             tqdm.write(json.dumps(log[-1]))
     model.eval()
@@ -302,11 +392,11 @@ def write_model_card(out: Path, s: dict) -> None:
                        f"{c['minutes']} minutes) | {c['ppl_final']} | {c['ppl_final'] / s['ppl_source'] - 1:+.1%} |\n"
                        f"| **converted vs control** (the cost of MLA at equal training) | | "
                        f"**{s['ppl_final'] / c['ppl_final'] - 1:+.1%}** |\n")
-    card = f"""# kjv-llama-mla — the reference model converted to multi-head latent attention
+    card = f"""# {out.name} — {Path(s["src"]).name} converted to multi-head latent attention
 
 `{s["src"]}` converted MHA → MLA with partial RoPE and a joint K/V latent (MHA2MLA, Ji et al., arXiv
 2502.14837), in DeepSeek-V3's layout (`DeepseekV3ForCausalLM`, arXiv 2405.04434): `AutoModelForCausalLM`
-loads it, and `MODEL_ID=models/kjv-llama-mla KV_BACKEND=mla` serves it with absorbed attention over the
+loads it, and `MODEL_ID={out} KV_BACKEND=mla` serves it with absorbed attention over the
 cached latent. Made by:
 
 ```
@@ -316,13 +406,13 @@ cached latent. Made by:
 ## KV cache
 | | cached elements per token per layer | bytes per token (fp32, {s["layers"]} layers) |
 |---|---|---|
-| MHA source (K and V, {s["heads"]} heads x head_dim {s["head_dim"]}) | {s["mha_elements"]} | {4 * s["mha_elements"] * s["layers"]:,} |
+| source (K and V, {s.get("kv_heads", s["heads"])} K/V heads x head_dim {s["head_dim"]}) | {s["mha_elements"]} | {4 * s["mha_elements"] * s["layers"]:,} |
 | this model (kv_lora_rank {s["rank"]} + rope key {s["rope_dim"]}) | {s["mla_elements"]} | {4 * s["mla_elements"] * s["layers"]:,} |
 
 **{s["mha_elements"] / s["mla_elements"]:.1f}x smaller KV cache.**
 
 ## Recipe
-1. Partial RoPE: {s["rope_pairs"]} of {s["head_dim"] // 2} RoPE pairs kept per head, chosen per layer and head by the
+1. Partial RoPE: {s["rope_pairs"]} of {s["head_dim"] // 2} RoPE pairs kept per K/V head, chosen per layer and head by the
    2-norm rule (largest mean |q_pair| |k_pair| on {s["calib_tokens"]:,} calibration tokens), under one
    frequency table for the model (kept-pair counts: {counts}); the other pairs are position-free.
 2. The kept pairs of all heads form the shared rope key (qk_rope_head_dim {s["rope_dim"]}; head h's rope query
@@ -339,8 +429,8 @@ cached latent. Made by:
 {rows}
 
 ## Held-out perplexity
-Teacher-forced, non-overlapping {s["seq_len"]}-token windows over `eval_slice.txt`, fp32
-(`bench.quality.teacher_forced_perplexity`).
+{s.get("heldout", f"Teacher-forced, non-overlapping {s['seq_len']}-token windows over `eval_slice.txt`, fp32 "
+   "(`bench.quality.teacher_forced_perplexity`).")}
 
 | model | perplexity | vs MHA source |
 |---|---|---|
@@ -366,11 +456,30 @@ def control(args) -> None:
     tokenizer = AutoTokenizer.from_pretrained(src)
     source = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     t0 = time.time()
-    log = fine_tune(source, args, slice_token_ids(src / EVAL_SLICE, tokenizer))
+    eval_ids = model_slice_ids(src, EVAL_SLICE, tokenizer)
+    log = fine_tune(source, args, heldout_scorer(args, eval_ids))
     result = {"command": "python " + " ".join(["scripts/convert_mha2mla.py"] + sys.argv[1:]),
               "ppl_final": log[-1]["heldout_ppl"], "minutes": round((time.time() - t0) / 60, 1), "log": log}
     (out / "control.json").write_text(json.dumps(result, indent=2) + "\n")
     write_model_card(out, json.loads((out / "conversion_summary.json").read_text()))
+
+
+def heldout_scorer(args, eval_ids: list[int]):
+    """The held-out perplexity of a model: ``kvserve bench``'s (``--bench-windows``) or teacher-forced
+    ``--seq-len`` windows over the whole held-out slice."""
+    if args.bench_windows:
+        return lambda model: bench_perplexity(model, eval_ids, args.bench_windows)
+    return lambda model: teacher_forced_perplexity(model, eval_ids, window=args.seq_len)
+
+
+def heldout_description(args) -> str:
+    if args.bench_windows:
+        return (f"As `kvserve bench --windows {args.bench_windows}` scores it (`bench.fidelity.cache_path_perplexity`):"
+                f" {args.bench_windows} windows of {BENCH_WINDOW} tokens of the held-out text, {BENCH_PREFIX} prefilled,"
+                f" the last {BENCH_WINDOW - BENCH_PREFIX} scored token by token through the cache path (`full` for the"
+                f" source, the native `mla` backend for the converted model), fp32.")
+    return (f"Teacher-forced, non-overlapping {args.seq_len}-token windows over `eval_slice.txt`, fp32 "
+            "(`bench.quality.teacher_forced_perplexity`).")
 
 
 def main() -> None:
@@ -379,6 +488,16 @@ def main() -> None:
     p.add_argument("--out", default="models/kjv-llama-mla")
     p.add_argument("--rope-pairs", type=int, default=6, help="RoPE pairs kept per head")
     p.add_argument("--rank", type=int, default=32, help="kv_lora_rank")
+    p.add_argument("--latent-norm", choices=["mean", "carrier"], default="mean",
+                   help="how the conversion meets DeepSeek's latent RMSNorm: its weight at the mean latent RMS "
+                        "(the reference model's recipe), or a constant carrier dimension that makes it the "
+                        "identity (exact; for pretrained models)")
+    p.add_argument("--converted-ppl", type=float, default=None,
+                   help="the converted model's held-out perplexity before fine-tune, when already measured by a "
+                        "run of the same conversion (skips scoring it again)")
+    p.add_argument("--source-ppl", type=float, default=None,
+                   help="the source's held-out perplexity by the same scoring, when already measured (skips "
+                        "scoring the source again)")
     p.add_argument("--calib-tokens", type=int, default=8192)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch", type=int, default=8)
@@ -389,6 +508,9 @@ def main() -> None:
     p.add_argument("--eval-every", type=int, default=40)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bench-windows", type=int, default=0,
+                   help="score the held-out text as kvserve bench --windows N does (the cache path, N 1024-token "
+                        "windows, the last 256 tokens of each) instead of teacher-forced --seq-len windows")
     p.add_argument("--control", action="store_true",
                    help="fine-tune the unchanged MHA source with the same recipe (no conversion) and record its "
                         "held-out perplexity in OUT/control.json and the model card: the share of the recovery "
@@ -403,14 +525,18 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(src)
     source = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
-    calib_ids = slice_token_ids(src / CALIB_SLICE, tokenizer)[: args.calib_tokens]
-    eval_ids = slice_token_ids(src / EVAL_SLICE, tokenizer)
-    ppl_source = teacher_forced_perplexity(source, eval_ids, window=args.seq_len)
-    model, report = convert(source, calib_ids, args.rope_pairs, args.rank)
-    ppl_converted = teacher_forced_perplexity(model, eval_ids, window=args.seq_len)
+    calib_ids = model_slice_ids(src, CALIB_SLICE, tokenizer)[: args.calib_tokens]
+    eval_ids = model_slice_ids(src, EVAL_SLICE, tokenizer)
+    if args.steps:
+        check_held_out(slice_file(src, EVAL_SLICE))
+    heldout = heldout_scorer(args, eval_ids)
+    t_start = time.time()
+    ppl_source = args.source_ppl or heldout(source)
+    model, report = convert(source, calib_ids, args.rope_pairs, args.rank, args.latent_norm)
+    ppl_converted = args.converted_ppl or heldout(model)
     print(json.dumps({"ppl_source": ppl_source, "ppl_converted": ppl_converted, **report}), flush=True)
     t0 = time.time()
-    log = fine_tune(model, args, eval_ids) if args.steps else []
+    log = fine_tune(model, args, heldout) if args.steps else []
     minutes = round((time.time() - t0) / 60, 1)
     ppl_final = log[-1]["heldout_ppl"] if log else ppl_converted
     model.generation_config.do_sample = False
@@ -423,7 +549,11 @@ def main() -> None:
     summary = {
         "command": "python " + " ".join(["scripts/convert_mha2mla.py"] + sys.argv[1:]), "src": str(src),
         "layers": cfg.num_hidden_layers, "heads": cfg.num_attention_heads, "head_dim": source.config.head_dim,
+        "kv_heads": source.config.num_key_value_heads, "source_kv_bytes_per_token": kv_bytes_per_token(source.config),
+        "kv_bytes_per_token": kv_bytes_per_token(cfg), "heldout": heldout_description(args),
+        "train_tokens": args.steps * args.batch * args.seq_len,
         "rope_pairs": args.rope_pairs, "rank": args.rank, "rope_dim": cfg.qk_rope_head_dim,
+        "latent_norm": args.latent_norm,
         "mha_elements": kv_elements_per_token_per_layer(source.config),
         "mla_elements": kv_elements_per_token_per_layer(cfg), "calib_tokens": len(calib_ids),
         "steps": args.steps, "batch": args.batch, "seq_len": args.seq_len, "lr": args.lr, "warmup": args.warmup,
@@ -431,6 +561,7 @@ def main() -> None:
         "fine_tune_minutes": minutes, "ppl_source": round(ppl_source, 3), "ppl_converted": round(ppl_converted, 3),
         "ppl_final": round(ppl_final, 3), "log": log, "conversion": report,
         "samples": {q: greedy_sample(model, tokenizer, q) for q in SAMPLE_PROMPTS},
+        "total_minutes": round((time.time() - t_start) / 60, 1),
     }
     (out / "conversion_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     write_model_card(out, summary)

@@ -55,6 +55,34 @@ def test_conversion_is_exact_before_low_rank(tiny_llama):
     assert (got - want).abs().max().item() < 1e-4
 
 
+def test_gqa_source_converts_exactly_with_one_rope_key_per_kv_head():
+    """A GQA source (4 query heads reading 2 K/V heads) converts as it is: the kept pairs are chosen per K/V
+    head and the rope key holds them once (2 * kv_heads * keep values, not 2 * heads * keep); before low rank,
+    with the carrier dimension that makes DeepSeek's latent RMSNorm the identity, the MLA model gives the
+    source's logits, norm included."""
+    torch.manual_seed(4)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=HEADS, num_key_value_heads=2, head_dim=HEAD_DIM,
+                         max_position_embeddings=256)
+    gqa = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in gqa.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj):
+                w = proj.weight.view(-1, HEAD_DIM, config.hidden_size)
+                w[:, HALF - 1] = 0
+                w[:, HEAD_DIM - 1] = 0
+    ids = torch.randint(0, 128, (1, 60), generator=torch.Generator().manual_seed(5))
+    rank = HEADS * (2 + HEAD_DIM) + 1  # every direction of keys and values, and the carrier
+    mla, report = convert(gqa, ids[0].tolist(), rope_pairs=HALF - 1, rank=rank, latent_norm="carrier")
+    assert mla.config.qk_rope_head_dim == 2 * 2 * (HALF - 1) and mla.config.qk_nope_head_dim == 2
+    assert [len(layer) for layer in report["rope_pairs"]] == [2, 2]
+    assert kv_elements_per_token_per_layer(mla.config) == rank + 2 * 2 * (HALF - 1)
+    assert max(report["latent_relative_error"]) < 1e-5
+    with torch.no_grad():
+        got, want = mla(ids).logits, gqa(ids).logits
+    assert (got - want).abs().max().item() < 1e-4
+
+
 def test_rope_key_keeps_each_pairs_original_frequency(tiny_llama):
     ids = torch.randint(0, 128, (60,), generator=torch.Generator().manual_seed(2)).tolist()
     mla, report = convert(tiny_llama, ids, rope_pairs=3, rank=16)
