@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cache_backends import KVLayer, ModelGeometry, create, get_backend_class
+from cache_backends.base import KVLayer, ModelGeometry
+from cache_backends.registry import create, get_backend_class
 from server.engine.runner import ModelRunner
 
 TEXT = ("And God said, Let there be light: and there was light. And God saw the light, that it was good: "
