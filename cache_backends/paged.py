@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 import torch
 
 from cache_backends.estimate import scale_bytes
-from cache_backends.int8 import (codes_dot, codes_weighted_sum, dequantize_codes, pack, quantize, rotate, scale_dtype,
-                                 stream_bits)
+from cache_backends.quant import (codes_dot, codes_weighted_sum, dequantize_codes, pack, quantize, rotate, scale_dtype,
+                                  stream_bits)
 
 NULL_PAGE = 0  # zeros, never allocated: pads block tables
 ALIGN = 64  # bytes: every slab of a page starts at a multiple of this
@@ -129,7 +129,7 @@ class PageLayout:
         dtype: the model dtype (exact tokens, scales and zero points).
         page_bytes: bytes per page.
         quantize: ``None``, ``{"group_size": g, "residual": r}`` (a quantized tier with a residual window, with
-            optional ``key_bits`` / ``value_bits`` (8 or 4: :func:`cache_backends.int8.stream_bits`) and
+            optional ``key_bits`` / ``value_bits`` (8 or 4: :func:`cache_backends.quant.stream_bits`) and
             ``rotate``), or ``{"group_size": g, "residual": None, "window": w}``: an int8 tier filled only on
             demand (:meth:`plan_compress`, ``elastic``), never by writes, the newest ``w`` tokens always exact.
 
@@ -159,7 +159,7 @@ class PageLayout:
     @staticmethod
     def q_bytes(streams, num_layers: int, dtype: torch.dtype, quantize: dict, tokens: int) -> int:
         """Bytes of a page of ``tokens`` quantized tokens (a multiple of ``group_size``) with scales and zeros
-        (each stream's codes at its bits: :func:`cache_backends.int8.stream_bits`)."""
+        (each stream's codes at its bits: :func:`cache_backends.quant.stream_bits`)."""
         e = torch.empty((), dtype=dtype).element_size()
         group_size, total = quantize["group_size"], 0
         for s in streams:
@@ -221,8 +221,6 @@ class PageLayout:
     @property
     def q_tier(self) -> str:
         """The quantized tier's name: ``int8``, ``int4``, or ``k8v4`` for 8-bit keys and 4-bit values."""
-        from cache_backends.int8 import stream_bits
-
         kb, vb = stream_bits(self.quantize, "channel"), stream_bits(self.quantize, "token")
         return f"int{kb}" if kb == vb else f"k{kb}v{vb}"
 

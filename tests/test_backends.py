@@ -248,7 +248,7 @@ def test_hadamard_rotation_is_orthogonal_and_folds_into_query_and_output():
     """R = R^T = R^-1 (block-diagonal on widths that are not a power of two), so q·k = (qR)·(kR) and a weighted
     sum of rotated rows, rotated once, is the weighted sum of the rows: scoring and output need no un-rotated
     copy of the cache."""
-    from cache_backends.int8 import hadamard, rotate
+    from cache_backends.quant import hadamard, rotate
 
     gen = torch.Generator().manual_seed(0)
     for width in (64, 96, 8):
