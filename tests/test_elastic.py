@@ -108,7 +108,7 @@ def test_mixed_pages_are_attended_as_their_dequantized_copy(ref_model):
 
 
 def driver_blocks(driver, ids):
-    from cache_backends.paged import SeqBlocks
+    from cache_backends.page_plan import SeqBlocks
 
     blocks = SeqBlocks()
     driver.step([blocks], [ids])
