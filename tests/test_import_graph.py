@@ -165,6 +165,13 @@ def test_no_import_cycle():
         _describe(internal, c) for c in cycles)
 
 
+@pytest.mark.parametrize("module", ["cache_backends.quant", "cache_backends.attention"])
+def test_kernels_are_leaves(module):
+    """The quantization and attention kernels import no backend (nothing of ours but their package's face)."""
+    internal, _ = build_graph()
+    assert set(internal[module]) == {"cache_backends"}, f"{module} imports {sorted(internal[module])}"
+
+
 def _torch_path(internal, external, start: str) -> list[str] | None:
     """The import chain from ``start`` to a module that imports torch, or ``None`` (breadth first)."""
     parent = {start: None}
