@@ -30,7 +30,8 @@ from pathlib import Path
 import torch
 
 from bench.quality import EVAL_SLICE, model_slice_ids
-from cache_backends import ModelGeometry, create
+from cache_backends.base import ModelGeometry
+from cache_backends.registry import create
 from cache_backends.spec import format_spec, parse_spec
 
 REPO = Path(__file__).resolve().parents[1]

@@ -54,7 +54,8 @@ def paged_perplexity(model, backend, token_ids: list[int], window: int = 1024, p
     """:func:`cache_path_perplexity` through the paged pool (the path the server runs), every window one row of
     each batched step. ``compress_all``: after the prefill and after every decode step, quantize every group an
     on-demand tier may quantize (``elastic`` with the pool always at its shortest: its worst case)."""
-    from cache_backends.paged import PageLayout, SeqBlocks
+    from cache_backends.page_plan import SeqBlocks
+    from cache_backends.paged import PageLayout
     from cache_backends.pool import KVPool
 
     g, dtype = backend.geometry, next(model.parameters()).dtype
@@ -156,7 +157,7 @@ class PagedSequence:
     """
 
     def __init__(self, model, backend, tokens: int):
-        from cache_backends.paged import SeqBlocks
+        from cache_backends.page_plan import SeqBlocks
         from cache_backends.pool import KVPool
         from server.engine.block_manager import BlockManager
         from server.engine.kv_cache import page_layouts

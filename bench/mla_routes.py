@@ -28,7 +28,7 @@ import torch
 from bench.budget import budget_run, make_backend, step_time
 from bench.fidelity import cache_path_perplexity
 from bench.quality import EVAL_SLICE, model_slice_ids
-from cache_backends import create
+from cache_backends.registry import create
 
 REPO = Path(__file__).resolve().parents[1]
 MHA, MLA = REPO / "models" / "kjv-llama-mha", REPO / "models" / "kjv-llama-mla"

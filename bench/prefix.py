@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from bench.budget import bad_spec, load_reference, make_backend, new_engine, percentile
-from cache_backends import create
+from cache_backends.registry import create
 from cache_backends.spec import format_spec, parse_spec
 
 REPO = Path(__file__).resolve().parents[1]

@@ -26,7 +26,8 @@ from tqdm import tqdm
 from bench.fidelity import (PagedSequence, agreement, cache_path_perplexity, greedy_tokens, measured_bytes_per_token,
                             tpot)
 from bench.quality import CALIB_SLICE, EVAL_SLICE, model_slice_ids
-from cache_backends import ModelGeometry, create
+from cache_backends.base import ModelGeometry
+from cache_backends.registry import create
 from cache_backends.spec import format_spec, parse_spec
 from server.engine.runner import ModelRunner
 

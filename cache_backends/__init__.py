@@ -1,6 +1,6 @@
-"""Pluggable KV-cache backends for kvserve."""
+"""Pluggable KV-cache backends for kvserve.
 
-from cache_backends.base import KVBackend, KVLayer, KVStore, ModelGeometry
-from cache_backends.registry import available, create, get_backend_class
-
-__all__ = ["KVBackend", "KVLayer", "KVStore", "ModelGeometry", "available", "create", "get_backend_class"]
+This package's face imports nothing: Python runs it before any of its modules, so an import here would put every
+backend (and torch) under the tensor-free planning modules. Backends are made by
+:func:`cache_backends.registry.create`; their shapes are :class:`cache_backends.base.ModelGeometry`.
+"""

@@ -58,7 +58,7 @@ def int8_bytes_per_token_per_layer(num_key_value_heads: int, head_dim: int, dtyp
 
 def scale_bytes(bits: int, dtype_bytes: int) -> int:
     """Bytes of one scale or zero point of a ``bits``-bit stream in a model of ``dtype_bytes``: the model dtype's
-    at 8 bits, at most 2 at 4 bits (the rule of :func:`cache_backends.int8.scale_dtype`)."""
+    at 8 bits, at most 2 at 4 bits (the rule of :func:`cache_backends.quant.scale_dtype`)."""
     return dtype_bytes if bits == 8 else min(dtype_bytes, 2)
 
 

@@ -1,5 +1,6 @@
-"""Paged KV storage shared by every paged backend: what a page holds, a sequence's block tables, one step's
-metadata, and the batched reads of the stored form.
+"""Paged KV storage shared by every paged backend: what a page holds, one step's metadata, and the batched reads
+of the stored form (a sequence's block tables and the planning of its pages, with no tensors, are
+:mod:`cache_backends.page_plan`'s).
 
 The pool (:class:`cache_backends.pool.KVPool`) is ``num_pages`` pages of ``page_bytes`` bytes. A backend
 describes the per-token *streams* it keeps per layer (:class:`StreamSpec`: K and V for ``full``, the shared
@@ -31,15 +32,15 @@ padded batch (:class:`StreamRead`) and attends in the stored form. No layer loop
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from cache_backends.estimate import scale_bytes
-from cache_backends.int8 import (codes_dot, codes_weighted_sum, dequantize_codes, pack, quantize, rotate, scale_dtype,
-                                 stream_bits)
+from cache_backends.page_plan import NULL_PAGE, Plan, SeqBlocks, TierPlan
+from cache_backends.quant import (codes_dot, codes_weighted_sum, dequantize_codes, pack, quantize, rotate, scale_dtype,
+                                  stream_bits)
 
-NULL_PAGE = 0  # zeros, never allocated: pads block tables
 ALIGN = 64  # bytes: every slab of a page starts at a multiple of this
 
 
@@ -79,49 +80,9 @@ class Slab:
         return self.units * self.heads * self.width * torch.empty((), dtype=self.dtype).element_size()
 
 
-@dataclass
-class SeqBlocks:
-    """One sequence's block tables and lengths (plain Python; the block manager owns the pages).
-
-    Attributes:
-        exact: pages of the exact tier, oldest first.
-        start: index, in ``exact[0]``, of the first live exact token (earlier slots were quantized).
-        exact_len: live exact tokens (tokens).
-        q: pages of the quantized tier, oldest first.
-        q_len: quantized tokens.
-    """
-
-    exact: list[int] = field(default_factory=list)
-    start: int = 0
-    exact_len: int = 0
-    q: list[int] = field(default_factory=list)
-    q_len: int = 0
-
-    @property
-    def tokens(self) -> int:
-        return self.q_len + self.exact_len
-
-    def pages(self) -> list[int]:
-        return self.exact + self.q
-
-
-@dataclass
-class Plan:
-    """What writing ``n`` tokens does to a :class:`SeqBlocks` (see :meth:`PageLayout.plan`)."""
-
-    n: int
-    drained: int  # tokens quantized this step (a multiple of group_size)
-    new_exact_pages: int  # pages to add to the exact tier before the step
-    new_q_pages: int  # pages to add to the quantized tier before the step
-    free_front: int  # exact pages that hold no live token after the step (freed after it)
-
-    @property
-    def pages_needed(self) -> int:
-        return self.new_exact_pages + self.new_q_pages
-
-
-class PageLayout:
-    """How one backend's streams fill a page of ``page_bytes`` bytes.
+class PageLayout(TierPlan):
+    """How one backend's streams fill a page of ``page_bytes`` bytes; its planning (:meth:`plan`, :meth:`pages_for`,
+    ...) is :class:`cache_backends.page_plan.TierPlan`'s, on the tokens a page of each tier holds.
 
     Args:
         streams: the per-token streams of one layer.
@@ -129,7 +90,7 @@ class PageLayout:
         dtype: the model dtype (exact tokens, scales and zero points).
         page_bytes: bytes per page.
         quantize: ``None``, ``{"group_size": g, "residual": r}`` (a quantized tier with a residual window, with
-            optional ``key_bits`` / ``value_bits`` (8 or 4: :func:`cache_backends.int8.stream_bits`) and
+            optional ``key_bits`` / ``value_bits`` (8 or 4: :func:`cache_backends.quant.stream_bits`) and
             ``rotate``), or ``{"group_size": g, "residual": None, "window": w}``: an int8 tier filled only on
             demand (:meth:`plan_compress`, ``elastic``), never by writes, the newest ``w`` tokens always exact.
 
@@ -140,13 +101,14 @@ class PageLayout:
     def __init__(self, streams: list[StreamSpec], num_layers: int, dtype: torch.dtype, page_bytes: int,
                  quantize: dict | None = None):
         self.streams, self.num_layers, self.dtype, self.page_bytes = streams, num_layers, dtype, page_bytes
-        self.quantize = quantize
-        self.exact_tokens = self._fit(lambda t: self.exact_bytes(streams, num_layers, dtype, t), 1)
-        self.exact_slabs = self._slabs_exact(self.exact_tokens)
-        self.q_tokens = 0
+        exact_tokens = self._fit(lambda t: self.exact_bytes(streams, num_layers, dtype, t), 1)
+        q_tokens = 0
         if quantize:
             g = quantize["group_size"]
-            self.q_tokens = self._fit(lambda t: self.q_bytes(streams, num_layers, dtype, quantize, t), g)
+            q_tokens = self._fit(lambda t: self.q_bytes(streams, num_layers, dtype, quantize, t), g)
+        super().__init__(exact_tokens, q_tokens, quantize)
+        self.exact_slabs = self._slabs_exact(self.exact_tokens)
+        if quantize:
             self.q_slabs = self._slabs_q(self.q_tokens)
 
     # ---- sizes ----------------------------------------------------------------------------------------
@@ -159,7 +121,7 @@ class PageLayout:
     @staticmethod
     def q_bytes(streams, num_layers: int, dtype: torch.dtype, quantize: dict, tokens: int) -> int:
         """Bytes of a page of ``tokens`` quantized tokens (a multiple of ``group_size``) with scales and zeros
-        (each stream's codes at its bits: :func:`cache_backends.int8.stream_bits`)."""
+        (each stream's codes at its bits: :func:`cache_backends.quant.stream_bits`)."""
         e = torch.empty((), dtype=dtype).element_size()
         group_size, total = quantize["group_size"], 0
         for s in streams:
@@ -221,15 +183,8 @@ class PageLayout:
     @property
     def q_tier(self) -> str:
         """The quantized tier's name: ``int8``, ``int4``, or ``k8v4`` for 8-bit keys and 4-bit values."""
-        from cache_backends.int8 import stream_bits
-
         kb, vb = stream_bits(self.quantize, "channel"), stream_bits(self.quantize, "token")
         return f"int{kb}" if kb == vb else f"k{kb}v{vb}"
-
-    @property
-    def on_demand(self) -> bool:
-        """Whether the quantized tier is filled on demand only (``elastic``), not by a residual window."""
-        return bool(self.quantize) and self.quantize["residual"] is None
 
     def used_bytes(self) -> int:
         """Bytes of a page this backend fills (its tokens' slabs; the rest of the page is unused); with an
@@ -254,86 +209,6 @@ class PageLayout:
                 scales = (q // g) * s.heads * s.width if s.axis == "channel" else q * s.heads
                 total += q * s.heads * s.width * bits // 8 + 2 * scales * scale_bytes(bits, e)
         return total * self.num_layers
-
-    # ---- planning (no tensors) ------------------------------------------------------------------------
-    def plan(self, blocks: SeqBlocks, n: int) -> Plan:
-        """What writing ``n`` new tokens into ``blocks`` needs: pages to add, tokens quantized, pages freed."""
-        exact_len = blocks.exact_len + n
-        drained = 0
-        if self.quantize and not self.on_demand:
-            g, r = self.quantize["group_size"], self.quantize["residual"]
-            drained = max(0, (exact_len - r) // g) * g
-        new_q = blocks.q_len + drained
-        need_exact = math.ceil((blocks.start + exact_len) / self.exact_tokens) - len(blocks.exact)
-        need_q = math.ceil(new_q / self.q_tokens) - len(blocks.q) if drained else 0
-        return Plan(n, drained, max(0, need_exact), max(0, need_q), (blocks.start + drained) // self.exact_tokens)
-
-    def compressible(self, blocks: SeqBlocks) -> int:
-        """Tokens of an on-demand tier's exact pages that may be quantized now: whole groups, oldest first,
-        outside the window of the newest tokens (0 for other layouts)."""
-        if not self.on_demand:
-            return 0
-        g = self.quantize["group_size"]
-        return max(0, (blocks.exact_len - self.quantize["window"]) // g * g)
-
-    def plan_compress(self, blocks: SeqBlocks, tokens: int) -> Plan:
-        """Quantizing the oldest ``tokens`` exact tokens of ``blocks`` (a multiple of the group size, at most
-        :meth:`compressible`) without writing any: the quantized pages it needs, the exact pages it frees."""
-        need_q = math.ceil((blocks.q_len + tokens) / self.q_tokens) - len(blocks.q)
-        return Plan(0, tokens, 0, max(0, need_q), (blocks.start + tokens) // self.exact_tokens)
-
-    @property
-    def cache_block_tokens(self) -> int:
-        """Tokens of one page the prefix cache can share: an exact page's, or for a quantized layout a quantized
-        page's (its exact pages are the residual window, rewritten as it slides: never shared)."""
-        return self.q_tokens if self.quantize else self.exact_tokens
-
-    def cached_prefix(self, pages: list[int]) -> SeqBlocks:
-        """The tables of a sequence whose first ``len(pages)`` full blocks are the cached ``pages``."""
-        k = len(pages) * self.cache_block_tokens
-        if self.quantize:
-            return SeqBlocks(q=list(pages), q_len=k)
-        return SeqBlocks(exact=list(pages), exact_len=k)
-
-    def pages_for(self, tokens: int, chunk: int | None = None, start: SeqBlocks | None = None,
-                  compress: bool = False) -> int:
-        """Pages a sequence needs to write ``tokens`` tokens in chunks of ``chunk`` (default: at once) after the
-        tokens of ``start`` (default: none; e.g. a prefix-cache hit, :meth:`cached_prefix`): the most it holds at
-        any moment, ``start``'s pages and the transient exact pages of a chunk included (admission and fit
-        checks). ``compress``: an on-demand tier quantizes what it may after each chunk (the pool short)."""
-        blocks = SeqBlocks() if start is None else SeqBlocks(list(start.exact), start.start, start.exact_len,
-                                                              list(start.q), start.q_len)
-        most, left = len(blocks.pages()), tokens
-        while left > 0:
-            n = left if not chunk else min(chunk, left)
-            p = self.plan(blocks, n)
-            self.extend(blocks, p, [NULL_PAGE] * p.new_exact_pages, [NULL_PAGE] * p.new_q_pages)
-            most = max(most, len(blocks.pages()))
-            self.commit(blocks, p)
-            left -= n
-            if compress and self.on_demand:
-                c = self.plan_compress(blocks, self.compressible(blocks))
-                self.extend(blocks, c, [], blocks.exact[: c.new_q_pages])
-                self.commit(blocks, c)
-        return most
-
-    @staticmethod
-    def extend(blocks: SeqBlocks, plan: Plan, exact_pages: list[int], q_pages: list[int]) -> None:
-        """Add the pages ``plan`` asked for to ``blocks`` (before the step runs)."""
-        blocks.exact.extend(exact_pages)
-        blocks.q.extend(q_pages)
-
-    def commit(self, blocks: SeqBlocks, plan: Plan) -> list[int]:
-        """Apply ``plan`` to ``blocks`` once the step ran; return the exact pages no live token uses any more
-        (the caller frees them)."""
-        blocks.q_len += plan.drained
-        blocks.exact_len += plan.n - plan.drained
-        start = blocks.start + plan.drained
-        freed = blocks.exact[: plan.free_front]
-        del blocks.exact[: plan.free_front]
-        blocks.start = start - plan.free_front * self.exact_tokens
-        return freed
-
 
 class PoolViews:
     """Typed views of one backend's slabs into the pool's byte arena (no copies).

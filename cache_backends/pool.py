@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from cache_backends.paged import ALIGN, NULL_PAGE, PageLayout, PoolViews
+from cache_backends.page_plan import NULL_PAGE
+from cache_backends.paged import ALIGN, PageLayout, PoolViews
 
 
 class KVPool:

@@ -13,7 +13,7 @@ def check_backend(settings) -> None:
     import torch
     from transformers import AutoConfig
 
-    from cache_backends import ModelGeometry
+    from cache_backends.base import ModelGeometry
     from server.config import ConfigError
     from server.state import create_backends
 

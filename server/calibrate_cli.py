@@ -88,7 +88,7 @@ def main(args: argparse.Namespace) -> int:
 def _calibrate(settings, names: list[str], refit: bool) -> int:
     from tqdm import tqdm
 
-    from cache_backends import ModelGeometry
+    from cache_backends.base import ModelGeometry
     from cache_backends.calibration import calibration_file, calibration_ids
     from cache_backends.calibration_cache import CalibrationCache
     from server.model_loading import load_model, resolve_device, resolve_dtype

@@ -8,14 +8,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.engine.engine import Overloaded
-from server.middleware import openai_path
+from server.error_body import error_body, openai_path
 from server.service import InvalidRequest
-
-
-OPENAI_TYPES = {"validation": "invalid_request_error", "overloaded": "overloaded_error",
-                "unhealthy": "service_unavailable_error", "authentication": "authentication_error",
-                "http": "invalid_request_error", "internal": "server_error",
-                "model_not_found": "invalid_request_error"}
 
 
 def is_openai(request: Request | None) -> bool:
@@ -26,11 +20,7 @@ def error_response(status: int, message: str, error_type: str, request: Request 
                    param: str | None = None) -> JSONResponse:
     """TGI's ``{"error", "error_type"}``, or on ``/v1`` routes OpenAI's ``{"error": {"message", "type",
     "param", "code"}}`` (``param``: the request field at fault, if one is)."""
-    if is_openai(request):
-        body = {"error": {"message": message, "type": OPENAI_TYPES.get(error_type, error_type), "param": param,
-                          "code": error_type}}
-        return JSONResponse(status_code=status, content=body)
-    return JSONResponse(status_code=status, content={"error": message, "error_type": error_type})
+    return JSONResponse(status_code=status, content=error_body(is_openai(request), message, error_type, param))
 
 
 def validation_error(request: Request, message: str, param: str | None) -> JSONResponse:

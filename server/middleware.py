@@ -11,27 +11,13 @@ from __future__ import annotations
 import hmac
 import json
 
+from server.error_body import error_body, openai_path
+
 OPEN_PATHS = ("/health", "/metrics")
 
 
-OPENAI_ROOT_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
-"""vLLM's routes outside ``/v1``: they answer OpenAI's error object, as vLLM's do."""
-
-
-def openai_path(path: str) -> bool:
-    """Whether ``path`` answers errors in OpenAI's shape (``/v1/...`` and :data:`OPENAI_ROOT_PATHS`)."""
-    return path.startswith("/v1/") or path in OPENAI_ROOT_PATHS
-
-
 async def _send_error(send, path: str, status: int, message: str, error_type: str, param: str | None = None) -> None:
-    from server.errors import OPENAI_TYPES
-
-    if openai_path(path):
-        body = {"error": {"message": message, "type": OPENAI_TYPES.get(error_type, error_type), "param": param,
-                          "code": error_type}}
-    else:
-        body = {"error": message, "error_type": error_type}
-    payload = json.dumps(body).encode()
+    payload = json.dumps(error_body(openai_path(path), message, error_type, param)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
     if status == 401:
         headers.append((b"www-authenticate", b"Bearer"))

@@ -46,7 +46,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from cache_backends import KVBackend, ModelGeometry, create
+from cache_backends.base import KVBackend, ModelGeometry
+from cache_backends.registry import create
 from cache_backends.spec import format_spec
 from server.engine.runner import ModelRunner
 
@@ -248,7 +249,7 @@ def choose(name: str, geometry: ModelGeometry, options: dict, explicit: set[str]
         The prepared backend and its :class:`Choice`.
 
     Raises:
-        ValueError: a backend or option the model cannot take (as :func:`cache_backends.create`).
+        ValueError: a backend or option the model cannot take (as :func:`cache_backends.registry.create`).
     """
     full_bytes = bytes_per_token(create("full", geometry))
     axis = search_axis(name, geometry)

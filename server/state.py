@@ -7,8 +7,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cache_backends import KVBackend, ModelGeometry, create
+from cache_backends.base import KVBackend, ModelGeometry
 from cache_backends.calibration_cache import CalibrationCache
+from cache_backends.registry import create
 from cache_backends.spec import format_spec
 from server import __version__
 from server.config import Settings

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from cache_backends import ModelGeometry, create
+from cache_backends.base import ModelGeometry
 from cache_backends.calibration import calibration_ids
+from cache_backends.registry import create
 from server.engine.engine import Engine
 from server.engine.sampling import SamplingParams
 from server.engine.sequence import Sequence

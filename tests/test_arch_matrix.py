@@ -20,7 +20,8 @@ import torch
 from transformers import (AutoModelForCausalLM, DeepseekV3Config, Gemma2Config, LlamaConfig, MistralConfig,
                           Phi3Config, Qwen2Config, Qwen3Config)
 
-from cache_backends import ModelGeometry, create
+from cache_backends.base import ModelGeometry
+from cache_backends.registry import create
 from server.engine.runner import ModelRunner
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,

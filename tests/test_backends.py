@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cache_backends import KVLayer, ModelGeometry, create, get_backend_class
+from cache_backends.base import KVLayer, ModelGeometry
+from cache_backends.registry import create, get_backend_class
 from server.engine.runner import ModelRunner
 
 TEXT = ("And God said, Let there be light: and there was light. And God saw the light, that it was good: "
@@ -247,7 +248,7 @@ def test_hadamard_rotation_is_orthogonal_and_folds_into_query_and_output():
     """R = R^T = R^-1 (block-diagonal on widths that are not a power of two), so q·k = (qR)·(kR) and a weighted
     sum of rotated rows, rotated once, is the weighted sum of the rows: scoring and output need no un-rotated
     copy of the cache."""
-    from cache_backends.int8 import hadamard, rotate
+    from cache_backends.quant import hadamard, rotate
 
     gen = torch.Generator().manual_seed(0)
     for width in (64, 96, 8):

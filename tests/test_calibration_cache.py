@@ -20,8 +20,9 @@ import pytest
 import torch
 
 import cache_backends.calibration as calibration
-from cache_backends import ModelGeometry, create
+from cache_backends.base import ModelGeometry
 from cache_backends.calibration_cache import CalibrationCache
+from cache_backends.registry import create
 from tests.conftest import MODEL_DIR, REPO, RunningServer
 from tests.precision import LOGIT_FACTOR
 from tests.test_backends import TEXT, cache_path_logits

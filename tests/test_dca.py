@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cache_backends import ModelGeometry, get_backend_class
+from cache_backends.base import ModelGeometry
+from cache_backends.registry import get_backend_class
 from server.engine.runner import ModelRunner
 from tests.test_backends import TEXT, cache_path_logits
 
@@ -143,7 +144,7 @@ def test_thresholds_are_calibrated_per_layer_and_span_on_what_the_inner_backend_
     get lower thresholds; dca+int8's candidates and thresholds match dca's (the ridge maps do not amplify the
     int8 error: with plain least squares its similarities fell from ~0.96 to ~0.69 and it reused nothing);
     a threshold above 1 has no candidates."""
-    from cache_backends import create
+    from cache_backends.registry import create
 
     model, _, geometry, calib = setup
     plain = make(setup, threshold=0.95)
@@ -205,8 +206,8 @@ def test_reuse_layer_attends_the_source_cache_through_folded_maps_exactly(typed,
     a few eps x 30 x max |value|); for dca, dca+int8 and dca+mla. In bf16 it found the fp32 value bias
     promoting a reuse layer's output to fp32 (o_proj then refused it). With a residual window the layer's own
     K/V of the newest positions join the same softmax (``window=32``)."""
-    from cache_backends import create
     from cache_backends.attention import attend_kv
+    from cache_backends.registry import create
 
     model, _, geometry, calib = typed
     name = "dca" if inner is None else f"dca+{inner}"

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cache_backends import ModelGeometry, create
+from cache_backends.base import ModelGeometry
 from cache_backends.paged import StepMeta, attend_pair, read_layer
+from cache_backends.registry import create
 from server.metrics import Metrics, Recorder
 from tests.engine_helpers import make_engine, make_seq, reference_greedy, run_all
 from tests.precision import ATTENTION_FACTOR
@@ -107,7 +108,7 @@ def test_mixed_pages_are_attended_as_their_dequantized_copy(ref_model):
 
 
 def driver_blocks(driver, ids):
-    from cache_backends.paged import SeqBlocks
+    from cache_backends.page_plan import SeqBlocks
 
     blocks = SeqBlocks()
     driver.step([blocks], [ids])

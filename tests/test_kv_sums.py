@@ -16,7 +16,8 @@ import json
 import pytest
 import torch
 
-from cache_backends import ModelGeometry, create
+from cache_backends.base import ModelGeometry
+from cache_backends.registry import create
 from server.engine.runner import ModelRunner
 from server.estimate_cli import add_arguments
 from server.estimate_cli import main as estimate_main

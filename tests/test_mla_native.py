@@ -7,7 +7,8 @@ import pytest
 import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-from cache_backends import ModelGeometry, create
+from cache_backends.base import ModelGeometry
+from cache_backends.registry import create
 from server.engine.runner import ModelRunner
 
 

@@ -10,10 +10,12 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from cache_backends import ModelGeometry, create
+from cache_backends.base import ModelGeometry
 from cache_backends.calibration import calibration_ids
-from cache_backends.paged import PageLayout, SeqBlocks
+from cache_backends.page_plan import SeqBlocks
+from cache_backends.paged import PageLayout
 from cache_backends.pool import KVPool
+from cache_backends.registry import create
 from server.engine.block_manager import BlockManager
 from server.engine.runner import ModelRunner
 from server.engine.sampling import SamplingParams

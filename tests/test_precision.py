@@ -10,7 +10,8 @@ import sys
 import pytest
 import torch
 
-from cache_backends import ModelGeometry, create
+from cache_backends.base import ModelGeometry
+from cache_backends.registry import create
 from server.engine.runner import ModelRunner
 from tests.conftest import REPO
 from tests.precision import selected

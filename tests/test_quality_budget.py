@@ -11,7 +11,8 @@ import httpx
 import pytest
 import torch
 
-from cache_backends import ModelGeometry, create
+from cache_backends.base import ModelGeometry
+from cache_backends.registry import create
 from server.config import ConfigError, load_settings
 from server.quality_budget import SEARCH_HEADROOM, Choice, Price, Scorer, candidates, choose, ppl_increase
 from tests.conftest import RunningServer

@@ -15,7 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cache_backends import ModelGeometry, create
+from cache_backends.base import ModelGeometry
+from cache_backends.registry import create
 from server.model_fetch import DEFAULT_DIR, fetch, is_current, mha_dir
 from server.quality_budget import SEARCH_HEADROOM, Scorer, choose
 from tests.engine_helpers import make_engine, make_seq, reference_greedy, run_all

@@ -29,8 +29,9 @@ def test_model_folder_without_calibration_slice_calibrates_on_the_packaged_text(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from cache_backends import ModelGeometry, create
+    from cache_backends.base import ModelGeometry
     from cache_backends.calibration import DEFAULT_TEXT, calibration_file, calibration_ids
+    from cache_backends.registry import create
 
     folder = tmp_path / "model"
     shutil.copytree(MODEL_DIR, folder, ignore=shutil.ignore_patterns("calib_slice.txt", "eval_slice.txt"))

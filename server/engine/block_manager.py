@@ -3,7 +3,7 @@
 The pool (:class:`cache_backends.pool.KVPool`, owned by the runner) is ``num_pages`` fixed-size pages of
 bytes; page 0 is the null page (zeros, never handed out) that pads block tables. This module keeps the
 bookkeeping only, as vLLM v1's KV cache manager and nano-vllm's ``BlockManager`` do: a free list,
-reference counts, and one :class:`cache_backends.paged.SeqBlocks` (block tables and lengths) per sequence.
+reference counts, and one :class:`cache_backends.page_plan.SeqBlocks` (block tables and lengths) per sequence.
 
 Prefix cache (vLLM's automatic prefix caching): a full block can be registered under a hash of its content
 (:mod:`server.engine.prefix_cache` makes the hashes). When no sequence holds it any more it is not freed but
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 
-from cache_backends.paged import NULL_PAGE
+from cache_backends.page_plan import NULL_PAGE
 
 
 class OutOfPages(Exception):

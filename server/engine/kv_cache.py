@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from cache_backends.base import KVBackend
-from cache_backends.paged import PageLayout, Plan, SeqBlocks
+from cache_backends.page_plan import Plan, SeqBlocks
+from cache_backends.paged import PageLayout
 from server.engine.block_manager import BlockManager
 from server.engine.prefix_cache import extend_hashes, root_key
 from server.engine.sequence import Sequence

@@ -27,9 +27,11 @@ the most recently admitted sequence.
 from __future__ import annotations
 
 from collections import Counter, deque
+from typing import TYPE_CHECKING
 
-from server.engine.kv_cache import KVCacheManager
-from server.engine.sequence import Sequence
+if TYPE_CHECKING:  # annotations only: admission is plain Python (tests/test_import_graph.py keeps it torch-free)
+    from server.engine.kv_cache import KVCacheManager
+    from server.engine.sequence import Sequence
 
 
 class Scheduler:

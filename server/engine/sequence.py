@@ -94,7 +94,7 @@ class Sequence:
     peak_kv_bytes: int = 0  # the largest of those measurements (int8-family stores shrink when they drain)
     kv_stats: dict = field(default_factory=dict)
     prefilled: int = 0  # tokens of context_ids written to the KV cache (chunked prefill; decode adds one a step)
-    blocks: Any = None  # cache_backends.paged.SeqBlocks: its block tables, while it holds pool pages
+    blocks: Any = None  # cache_backends.page_plan.SeqBlocks: its block tables, while it holds pool pages
     kv_pages: list[int] = field(default_factory=list)  # pages charged to a per-sequence store
     preemptions: int = 0  # times the engine preempted it (its KV freed, recomputed at readmission)
     group: str | None = None  # the HTTP request it belongs to (n > 1, best_of, prompt lists); None: its own

@@ -1,0 +1,154 @@
+"""Tier planning: a sequence's block tables and what a step does to them, with no tensors (no torch import).
+
+A sequence's tokens are its quantized tokens (``q`` pages, oldest first) followed by its exact tokens (``exact``
+pages, a FIFO); :class:`TierPlan` says, from how many tokens a page of each tier holds, which pages a step needs,
+which tokens it quantizes and which pages it frees (:class:`cache_backends.paged.PageLayout` is a
+:class:`TierPlan` whose page sizes come from the backend's streams). The block manager
+(:mod:`server.engine.block_manager`) owns the pages these tables name.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+NULL_PAGE = 0  # zeros, never allocated: pads block tables
+
+
+@dataclass
+class SeqBlocks:
+    """One sequence's block tables and lengths (plain Python; the block manager owns the pages).
+
+    Attributes:
+        exact: pages of the exact tier, oldest first.
+        start: index, in ``exact[0]``, of the first live exact token (earlier slots were quantized).
+        exact_len: live exact tokens (tokens).
+        q: pages of the quantized tier, oldest first.
+        q_len: quantized tokens.
+    """
+
+    exact: list[int] = field(default_factory=list)
+    start: int = 0
+    exact_len: int = 0
+    q: list[int] = field(default_factory=list)
+    q_len: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return self.q_len + self.exact_len
+
+    def pages(self) -> list[int]:
+        return self.exact + self.q
+
+
+@dataclass
+class Plan:
+    """What writing ``n`` tokens does to a :class:`SeqBlocks` (see :meth:`TierPlan.plan`)."""
+
+    n: int
+    drained: int  # tokens quantized this step (a multiple of group_size)
+    new_exact_pages: int  # pages to add to the exact tier before the step
+    new_q_pages: int  # pages to add to the quantized tier before the step
+    free_front: int  # exact pages that hold no live token after the step (freed after it)
+
+    @property
+    def pages_needed(self) -> int:
+        return self.new_exact_pages + self.new_q_pages
+
+
+class TierPlan:
+    """How a sequence's tokens fill the pages of a layout's two tiers (plain Python).
+
+    Args:
+        exact_tokens: tokens one exact page holds.
+        q_tokens: tokens one quantized page holds (0: no quantized tier).
+        quantize: ``None``, ``{"group_size": g, "residual": r, ...}`` (a quantized tier fed by a residual window of
+            ``r`` exact tokens, drained ``g`` at a time), or ``{"group_size": g, "residual": None, "window": w}``
+            (a tier filled on demand only, :meth:`plan_compress`, the newest ``w`` tokens always exact).
+    """
+
+    def __init__(self, exact_tokens: int, q_tokens: int, quantize: dict | None = None):
+        self.exact_tokens, self.q_tokens, self.quantize = exact_tokens, q_tokens, quantize
+
+    @property
+    def on_demand(self) -> bool:
+        """Whether the quantized tier is filled on demand only (``elastic``), not by a residual window."""
+        return bool(self.quantize) and self.quantize["residual"] is None
+
+    def plan(self, blocks: SeqBlocks, n: int) -> Plan:
+        """What writing ``n`` new tokens into ``blocks`` needs: pages to add, tokens quantized, pages freed."""
+        exact_len = blocks.exact_len + n
+        drained = 0
+        if self.quantize and not self.on_demand:
+            g, r = self.quantize["group_size"], self.quantize["residual"]
+            drained = max(0, (exact_len - r) // g) * g
+        new_q = blocks.q_len + drained
+        need_exact = math.ceil((blocks.start + exact_len) / self.exact_tokens) - len(blocks.exact)
+        need_q = math.ceil(new_q / self.q_tokens) - len(blocks.q) if drained else 0
+        return Plan(n, drained, max(0, need_exact), max(0, need_q), (blocks.start + drained) // self.exact_tokens)
+
+    def compressible(self, blocks: SeqBlocks) -> int:
+        """Tokens of an on-demand tier's exact pages that may be quantized now: whole groups, oldest first,
+        outside the window of the newest tokens (0 for other layouts)."""
+        if not self.on_demand:
+            return 0
+        g = self.quantize["group_size"]
+        return max(0, (blocks.exact_len - self.quantize["window"]) // g * g)
+
+    def plan_compress(self, blocks: SeqBlocks, tokens: int) -> Plan:
+        """Quantizing the oldest ``tokens`` exact tokens of ``blocks`` (a multiple of the group size, at most
+        :meth:`compressible`) without writing any: the quantized pages it needs, the exact pages it frees."""
+        need_q = math.ceil((blocks.q_len + tokens) / self.q_tokens) - len(blocks.q)
+        return Plan(0, tokens, 0, max(0, need_q), (blocks.start + tokens) // self.exact_tokens)
+
+    @property
+    def cache_block_tokens(self) -> int:
+        """Tokens of one page the prefix cache can share: an exact page's, or for a quantized layout a quantized
+        page's (its exact pages are the residual window, rewritten as it slides: never shared)."""
+        return self.q_tokens if self.quantize else self.exact_tokens
+
+    def cached_prefix(self, pages: list[int]) -> SeqBlocks:
+        """The tables of a sequence whose first ``len(pages)`` full blocks are the cached ``pages``."""
+        k = len(pages) * self.cache_block_tokens
+        if self.quantize:
+            return SeqBlocks(q=list(pages), q_len=k)
+        return SeqBlocks(exact=list(pages), exact_len=k)
+
+    def pages_for(self, tokens: int, chunk: int | None = None, start: SeqBlocks | None = None,
+                  compress: bool = False) -> int:
+        """Pages a sequence needs to write ``tokens`` tokens in chunks of ``chunk`` (default: at once) after the
+        tokens of ``start`` (default: none; e.g. a prefix-cache hit, :meth:`cached_prefix`): the most it holds at
+        any moment, ``start``'s pages and the transient exact pages of a chunk included (admission and fit
+        checks). ``compress``: an on-demand tier quantizes what it may after each chunk (the pool short)."""
+        blocks = SeqBlocks() if start is None else SeqBlocks(list(start.exact), start.start, start.exact_len,
+                                                              list(start.q), start.q_len)
+        most, left = len(blocks.pages()), tokens
+        while left > 0:
+            n = left if not chunk else min(chunk, left)
+            p = self.plan(blocks, n)
+            self.extend(blocks, p, [NULL_PAGE] * p.new_exact_pages, [NULL_PAGE] * p.new_q_pages)
+            most = max(most, len(blocks.pages()))
+            self.commit(blocks, p)
+            left -= n
+            if compress and self.on_demand:
+                c = self.plan_compress(blocks, self.compressible(blocks))
+                self.extend(blocks, c, [], blocks.exact[: c.new_q_pages])
+                self.commit(blocks, c)
+        return most
+
+    @staticmethod
+    def extend(blocks: SeqBlocks, plan: Plan, exact_pages: list[int], q_pages: list[int]) -> None:
+        """Add the pages ``plan`` asked for to ``blocks`` (before the step runs)."""
+        blocks.exact.extend(exact_pages)
+        blocks.q.extend(q_pages)
+
+    def commit(self, blocks: SeqBlocks, plan: Plan) -> list[int]:
+        """Apply ``plan`` to ``blocks`` once the step ran; return the exact pages no live token uses any more
+        (the caller frees them)."""
+        blocks.q_len += plan.drained
+        blocks.exact_len += plan.n - plan.drained
+        start = blocks.start + plan.drained
+        freed = blocks.exact[: plan.free_front]
+        del blocks.exact[: plan.free_front]
+        blocks.start = start - plan.free_front * self.exact_tokens
+        return freed
