@@ -30,8 +30,8 @@ import time
 import h11
 from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
 
-from server.errors import OPENAI_TYPES
-from server.middleware import OPEN_PATHS, openai_path
+from server.error_body import error_body, openai_path
+from server.middleware import OPEN_PATHS
 
 log = logging.getLogger("kvserve")
 
@@ -59,10 +59,7 @@ def _over_bound_message(limit: int) -> str:
 
 def _error_body(path: str, message: str, error_type: str) -> dict:
     """The routes' error form for ``path``: OpenAI's object on ``/v1`` (and vLLM's root routes), else TGI's."""
-    if openai_path(path):
-        return {"error": {"message": message, "type": OPENAI_TYPES.get(error_type, error_type), "param": None,
-                          "code": error_type}}
-    return {"error": message, "error_type": error_type}
+    return error_body(openai_path(path), message, error_type)
 
 
 def bounded_h11(head_timeout: float, max_connections: int) -> type[H11Protocol]:
