@@ -281,6 +281,35 @@ def test_a_wide_request_on_a_full_pool_cannot_make_a_later_one_wait_for_its_whol
     assert engine.kv.blocks.num_free == engine.kv.blocks.usable_pages
 
 
+def test_two_wide_requests_on_a_full_pool_cannot_make_a_later_one_wait(ref_model):
+    """The pool's share is split between every request that competes for it: two wide requests of three
+    generations each fill a pool of 32 blocks; a later 200-token prompt (13 blocks, more than either holds above
+    its share) finishes within a few steps, and every wide generation still gets the tokens it gets alone."""
+    model, tok = ref_model
+    engine = make_engine(model, tok, max_batch_size=8, budget=33 * 262144)
+    wide = []
+    for group, prompt in (("a", "And God said"), ("b", "In the beginning")):
+        for _ in range(3):
+            seq = make_seq(tok, prompt, 160, params=SamplingParams(ignore_eos=True))
+            seq.group = group
+            wide.append(seq)
+            engine.submit(seq)
+    while engine.kv.blocks.num_free > 1:
+        engine.step()
+    small = make_seq(tok, " ".join(["The LORD is my shepherd; I shall not want."] * 20), 3)
+    small.prompt_ids = small.prompt_ids[:200]
+    engine.submit(small)
+    steps = 0
+    while small.finish_reason is None:
+        engine.step()
+        steps += 1
+    assert steps <= 8 and small.finish_reason.value == "length", steps
+    run_all(engine, [])
+    for seq in wide:
+        prompt = "And God said" if seq.group == "a" else "In the beginning"
+        assert seq.output_ids == reference_greedy(model, tok, prompt, 160)
+
+
 def test_two_long_single_requests_do_not_evict_each_other_in_turn(ref_model):
     """The pool's fair share never preempts a request's only sequence for another: two single requests too long to
     run together finish one after the other, each preempted at most once, with their greedy tokens."""

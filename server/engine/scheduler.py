@@ -18,7 +18,8 @@ request holding the most (its newest generation is preempted, and recomputed lat
 cannot make every later one wait for its whole length. The pool is shared the same way: a request with nothing
 running is admitted before the waiting generations of requests that run (a preempted generation of a wide
 request does not block it from the head of the queue), and when its pages are not free, a request running two
-or more generations on more than half the pool gives up its newest one (down to one generation: a single
+or more generations on more than its share of the pool (the usable pages split evenly between the requests
+running or waiting) gives up its newest one (down to one generation: a single
 sequence is never preempted for another, so two long requests cannot evict each other in turn). When pages run
 out during a step, the victim is the newest generation of the wide request holding the most pages, or else
 the most recently admitted sequence.
@@ -100,8 +101,8 @@ class Scheduler:
 
         Slots: when the batch is full and another request holds more than its share of them, that request's
         newest sequence. Pages: when the waiting request's first sequence does not fit the free pages, and a
-        request runs two or more sequences on more than half the pool's usable pages, that request's newest
-        sequence. The engine preempts one at a time and asks again.
+        request runs two or more sequences on more than its share of the pool (:meth:`page_share`), the newest
+        sequence of the one holding the most. The engine preempts one at a time and asks again.
         """
         held = Counter(s.request_group for s in running)
         starved = next((s for s in waiting if held[s.request_group] == 0), None)
@@ -114,9 +115,15 @@ class Scheduler:
         if self.kv.admission_cost(starved) <= self.free_pages(running):
             return None
         wide = self._widest(running)
-        if wide is None or wide[0] <= self.kv.blocks.usable_pages // 2:
+        if wide is None or wide[0] <= self.page_share(waiting, running):
             return None
         return wide[1]
+
+    def page_share(self, waiting: deque[Sequence], running: list[Sequence]) -> int:
+        """Pages one request may hold while others wait for pages: the pool's usable pages split evenly between
+        the requests running or waiting."""
+        groups = {s.request_group for s in waiting} | {s.request_group for s in running}
+        return self.kv.blocks.usable_pages // max(1, len(groups))
 
     def _widest(self, running: list[Sequence]) -> tuple[int, Sequence] | None:
         """Among the requests running two or more sequences, the pages held by the one holding the most, and its
