@@ -119,3 +119,16 @@ def test_stalled_bodies_hold_no_generation_slot(server):
     finally:
         for s in sockets:
             s.close()
+
+
+def test_a_chunked_body_that_stops_gets_408(server):
+    s = connect(server)
+    try:
+        s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Transfer-Encoding: chunked\r\n\r\n1\r\n{\r\n")  # no last chunk: PAYLOAD_LIMIT counts it as read
+        answer = read_to_close(s, within=BODY_TIMEOUT + 10)
+    finally:
+        s.close()
+    assert answer is not None, "the connection was not closed"
+    assert status_and_json(answer) == (408, {"error": f"no part of the request body came within {BODY_TIMEOUT:g} s "
+                                                      "(REQUEST_BODY_TIMEOUT)", "error_type": "validation"})
