@@ -1,6 +1,6 @@
 """ASGI middleware at the HTTP edge: JSON content type, body-read timeout, body-size limit, bounds on a JSON
-body's shape, header count, optional bearer-token authentication, and the count of generation requests in flight (``MAX_CONCURRENT_REQUESTS``, and
-refusal while draining).
+body's shape, header count, optional bearer-token authentication, and the count of generation requests in flight
+(``MAX_CONCURRENT_REQUESTS``, and refusal while draining).
 
 Each answers with the same JSON error bodies as the routes (TGI's form, OpenAI's on ``/v1``) and never
 lets a refused request reach a route.
@@ -78,7 +78,7 @@ def _is_json(content_type: bytes) -> bool:
 class JsonContentType:
     """Refuse a request body whose ``Content-Type`` is present and is not JSON (a POST, PUT or PATCH with a
     non-empty body) with 415 ``validation``, before any of it is read: every route takes a JSON body. A missing
-    ``Content-Type`` is taken as JSON (as FastAPI and vLLM do)."""
+    ``Content-Type`` is taken as JSON (as vLLM does; the app is built with FastAPI's ``strict_content_type`` off)."""
 
     def __init__(self, app):
         self.app = app
