@@ -18,7 +18,8 @@ from server.api import openai, responses, system, tgi, tokenize, ui
 from server.api.request_model import json_schema_keywords
 from server.config import Settings
 from server.errors import install_error_handlers
-from server.middleware import BearerAuth, BodyBounds, HeaderLimit, InFlight, PayloadLimit
+from server.middleware import (BearerAuth, BodyBounds, BodyTimeout, HeaderLimit, InFlight, JsonContentType,
+                               PayloadLimit)
 from server.state import ServerState
 
 log = logging.getLogger("kvserve")
@@ -58,13 +59,16 @@ def create_app(settings: Settings, load_in_background: bool = True, exit_on_load
         yield
         state.shutdown()
 
-    app = FastAPI(title="kvserve", version=__version__, lifespan=lifespan,
+    # A body without Content-Type is read as JSON (as vLLM does); one of another type gets 415 (JsonContentType).
+    app = FastAPI(title="kvserve", version=__version__, lifespan=lifespan, strict_content_type=False,
                   description="LLM inference server with pluggable KV-cache backends.")
     app.state.kvserve = state
     install_error_handlers(app)
     app.add_middleware(InFlight, limit=settings.max_concurrent_requests, state=state)
     app.add_middleware(BodyBounds, state=state)
     app.add_middleware(PayloadLimit, limit=settings.payload_limit)
+    app.add_middleware(BodyTimeout, timeout=settings.request_body_timeout)  # outside every read of the body
+    app.add_middleware(JsonContentType)  # outside the in-flight count: a body refused is never counted
     app.add_middleware(HeaderLimit, max_headers=settings.max_headers)
     if settings.api_key:
         app.add_middleware(BearerAuth, api_key=settings.api_key, static_paths=ui.PUBLIC_PATHS)

@@ -83,8 +83,11 @@ class Settings(BaseSettings):
     max_headers: int = Field(100, ge=8, description="Most request header fields; more get 431.")
     request_head_timeout: float = Field(10.0, gt=0, allow_inf_nan=False, description="Seconds a connection has "
                                         "to send a whole request head (request line + headers), from its opening "
-                                        "or a kept-alive one's next request; later: 408 and closed. Bodies are "
-                                        "not timed.")
+                                        "or a kept-alive one's next request; later: 408 and closed. Bodies: "
+                                        "REQUEST_BODY_TIMEOUT.")
+    request_body_timeout: float = Field(30.0, gt=0, allow_inf_nan=False, description="Seconds a request body may "
+                                        "go without new bytes (between reads, from the head on); later: 408 and "
+                                        "closed.")
     max_connections: int = Field(1000, ge=1, description="Most HTTP connections open at once (idle kept-alive "
                                  "ones included); one more gets 503 with Retry-After: 1 and is closed.")
     torch_num_threads: int = Field(0, ge=0, description="torch intra-op threads of the server (0: torch's default, "

@@ -1,6 +1,6 @@
-"""ASGI middleware at the HTTP edge: body-size limit, bounds on a JSON body's shape, header count, optional
-bearer-token authentication, and the count of generation requests in flight (``MAX_CONCURRENT_REQUESTS``, and
-refusal while draining).
+"""ASGI middleware at the HTTP edge: JSON content type, body-read timeout, body-size limit, bounds on a JSON
+body's shape, header count, optional bearer-token authentication, and the count of generation requests in flight
+(``MAX_CONCURRENT_REQUESTS``, and refusal while draining).
 
 Each answers with the same JSON error bodies as the routes (TGI's form, OpenAI's on ``/v1``) and never
 lets a refused request reach a route.
@@ -8,6 +8,7 @@ lets a refused request reach a route.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 
@@ -23,6 +24,8 @@ async def _send_error(send, path: str, status: int, message: str, error_type: st
         headers.append((b"www-authenticate", b"Bearer"))
     if status == 429:
         headers.append((b"retry-after", b"1"))  # seconds (RFC 9110 section 10.2.3)
+    if status == 408:
+        headers.append((b"connection", b"close"))  # the rest of the body is not read (RFC 9110 section 15.5.9)
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": payload})
 
@@ -59,6 +62,81 @@ class HeaderLimit:
             return await _send_error(send, scope["path"], 431, f"more than MAX_HEADERS={self.max_headers} request "
                                      "header fields", "validation")
         return await self.app(scope, receive, send)
+
+
+BODY_METHODS = ("POST", "PUT", "PATCH")
+
+
+def _is_json(content_type: bytes) -> bool:
+    """Whether a Content-Type value names JSON: ``application/json`` or ``application/<x>+json``, parameters
+    (``; charset=utf-8``) allowed, case-insensitive."""
+    media = content_type.split(b";", 1)[0].strip().lower()
+    kind, _, subtype = media.partition(b"/")
+    return kind == b"application" and (subtype == b"json" or subtype.endswith(b"+json"))
+
+
+class JsonContentType:
+    """Refuse a request body whose ``Content-Type`` is present and is not JSON (a POST, PUT or PATCH with a
+    non-empty body) with 415 ``validation``, before any of it is read: every route takes a JSON body. A missing
+    ``Content-Type`` is taken as JSON (as vLLM does; the app is built with FastAPI's ``strict_content_type`` off)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("method") not in BODY_METHODS:
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        content_type = headers.get(b"content-type")
+        has_body = headers.get(b"content-length", b"0").strip() != b"0" or b"transfer-encoding" in headers
+        if content_type is not None and has_body and not _is_json(content_type):
+            received = content_type.decode("latin-1")[:100]
+            return await _send_error(send, scope["path"], 415, f"Content-Type `{received}` is not supported: send "
+                                     "the body as JSON, with `Content-Type: application/json`", "validation")
+        return await self.app(scope, receive, send)
+
+
+class _BodyTimedOut(Exception):
+    """No body bytes came within the timeout (raised from the wrapped ``receive``)."""
+
+
+class BodyTimeout:
+    """Close a request whose body stops arriving: when no part of it comes within ``timeout`` seconds of the
+    previous one (or of the request head), 408 ``validation`` (``Connection: close``). Only reads of an
+    unfinished body are timed: once it is whole, waits on ``receive`` (for a client's disconnect) are not.
+
+    The body is read whole by the middleware inside this one (:class:`PayloadLimit`, :class:`BodyBounds`), so
+    the timeout ends the request before a route, or the in-flight count, sees it.
+
+    Args:
+        timeout: seconds (``REQUEST_BODY_TIMEOUT``; > 0).
+    """
+
+    def __init__(self, app, timeout: float):
+        self.app = app
+        self.timeout = timeout
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        done = False
+
+        async def timed_receive():
+            nonlocal done
+            if done:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.timeout)
+            except asyncio.TimeoutError:
+                raise _BodyTimedOut from None
+            done = message["type"] != "http.request" or not message.get("more_body", False)
+            return message
+
+        try:
+            return await self.app(scope, timed_receive, send)
+        except _BodyTimedOut:
+            return await _send_error(send, scope["path"], 408, f"no part of the request body came within "
+                                     f"{self.timeout:g} s (REQUEST_BODY_TIMEOUT)", "validation")
 
 
 GENERATION_PATHS = ("/", "/generate", "/generate_stream", "/v1/completions", "/v1/chat/completions", "/v1/responses",
@@ -112,7 +190,7 @@ class PayloadLimit:
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
             return await _send_error(send, scope["path"], _invalid_status(scope), too_big, "validation")
         # A body without a declared length is read here, counted, then replayed to the app.
-        if declared is None and scope.get("method") in ("POST", "PUT", "PATCH"):
+        if declared is None and scope.get("method") in BODY_METHODS:
             chunks, size, more = [], 0, True
             while more:
                 message = await receive()
@@ -152,8 +230,8 @@ class BodyBounds:
 
     async def __call__(self, scope, receive, send):
         content_type = dict(scope.get("headers") or []).get(b"content-type", b"") if scope["type"] == "http" else b""
-        if scope["type"] != "http" or scope.get("method") not in ("POST", "PUT", "PATCH") or (
-                content_type and b"json" not in content_type.lower()):
+        if scope["type"] != "http" or scope.get("method") not in BODY_METHODS or (
+                content_type and not _is_json(content_type)):
             return await self.app(scope, receive, send)
         chunks, more = [], True
         while more:
