@@ -28,9 +28,9 @@ def serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(settings, exit_on_load_error=True)
-    # h11 (not httptools) so that the request head is bounded: h11 closes a connection whose request line and
-    # headers pass MAX_HEADER_BYTES with 400, before they are buffered any further; bounded_h11 adds
-    # REQUEST_HEAD_TIMEOUT and MAX_CONNECTIONS to uvicorn's h11 protocol.
+    # h11 (not httptools) so that the request head is bounded: bounded_h11 answers a head (request line and
+    # headers) longer than MAX_HEADER_BYTES (h11_max_incomplete_event_size) with 431 and closes the connection,
+    # however it arrived, and adds REQUEST_HEAD_TIMEOUT and MAX_CONNECTIONS to uvicorn's h11 protocol.
     http = bounded_h11(settings.request_head_timeout, settings.max_connections)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level, http=http,
                             h11_max_incomplete_event_size=settings.max_header_bytes, timeout_graceful_shutdown=5)

@@ -79,7 +79,7 @@ class Settings(BaseSettings):
     shutdown_grace_seconds: float = Field(30.0, ge=0, allow_inf_nan=False, description="On SIGTERM: seconds the "
                                           "requests in flight have to finish before the rest are ended.")
     max_header_bytes: int = Field(16384, ge=1024, description="Largest request head (request line + headers, "
-                                  "bytes); larger closes the connection with 400.")
+                                  "bytes); larger gets 431 and the connection is closed.")
     max_headers: int = Field(100, ge=8, description="Most request header fields; more get 431.")
     request_head_timeout: float = Field(10.0, gt=0, allow_inf_nan=False, description="Seconds a connection has "
                                         "to send a whole request head (request line + headers), from its opening "

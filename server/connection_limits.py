@@ -19,16 +19,23 @@ connections alike. :func:`bounded_h11` extends uvicorn's h11 protocol instead:
   ``/metrics`` are answered all the same (a liveness probe must not fail, and restart the server, because clients
   hold its connections), and the connection closed after. A refused connection does not count towards the bound,
   and the connections already served (running streams) are never touched.
+* **Head size.** A request head (request line and headers, to its blank line) longer than ``MAX_HEADER_BYTES``
+  (uvicorn's ``h11_max_incomplete_event_size``) gets ``431 Request Header Fields Too Large`` (as TGI answers, and
+  as ``MAX_HEADERS`` does) in the route's error form, before h11 parses it; the connection is then half-closed
+  and what else the client sends is discarded for :data:`LINGER_SECONDS` (so that it reads the answer rather than
+  a reset), then closed. h11 itself bounds only a head still incomplete in its buffer: a 100 KB head that
+  arrived in one read was served.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 
 import h11
-from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
+from uvicorn.protocols.http.h11_impl import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE, STATUS_PHRASES, H11Protocol
 
 from server.error_body import error_body, openai_path
 from server.middleware import OPEN_PATHS
@@ -38,6 +45,9 @@ log = logging.getLogger("kvserve")
 REFUSED_HEAD_SECONDS = 1.0
 """How long a connection beyond ``MAX_CONNECTIONS`` may take to send the head its 503 answers (at most
 ``REQUEST_HEAD_TIMEOUT``): it holds a socket beyond the bound meanwhile."""
+LINGER_SECONDS = 2.0
+"""How long a connection whose head was too large is kept (its input discarded) after its 431, before it is
+closed."""
 REFUSAL_LOG_SECONDS = 10.0
 """At most one log line about refused connections per this many seconds (an attack opens thousands)."""
 
@@ -51,6 +61,46 @@ def _raw_response(status: int, body: dict, default_headers: list[tuple[bytes, by
                (b"content-length", str(len(payload)).encode()), *extra, (b"connection", b"close")]
     lines = [b"HTTP/1.1 %d %s" % (status, STATUS_PHRASES[status])] + [name + b": " + value for name, value in headers]
     return b"\r\n".join(lines) + b"\r\n\r\n" + payload
+
+
+HEAD_END = re.compile(b"\n\r?\n")
+"""The blank line that ends a request head (h11 accepts bare ``\\n`` line ends too)."""
+
+
+def head_over(buffer: bytes, max_bytes: int) -> bool:
+    """Whether the request head at the start of ``buffer`` (bytes received, from the head's first byte on; the
+    body or pipelined requests may follow it) is longer than ``max_bytes``, its blank line included: it does not
+    end within the first ``max_bytes`` bytes though more have come. A head still short of the bound is not."""
+    return len(buffer) > max_bytes and HEAD_END.search(buffer, 0, max_bytes) is None
+
+
+class HeadBoundConnection(h11.Connection):
+    """An :class:`h11.Connection` (server side) that checks each request head's size, the head's bytes all in or
+    not, before parsing it: when :func:`head_over`, ``on_oversized(buffer)`` is called (it answers and closes the
+    connection) and ``next_event`` returns ``NEED_DATA`` without parsing."""
+
+    def __init__(self, max_head_bytes: int, on_oversized):
+        super().__init__(h11.SERVER, max_incomplete_event_size=max_head_bytes)
+        self.max_head_bytes = max_head_bytes
+        self.on_oversized = on_oversized
+        self.oversized = False
+
+    def next_event(self):
+        if self.oversized:
+            return h11.NEED_DATA
+        if self.their_state is h11.IDLE:
+            buffer = self.trailing_data[0]
+            if head_over(buffer, self.max_head_bytes):
+                self.oversized = True
+                self.on_oversized(buffer)
+                return h11.NEED_DATA
+        return super().next_event()
+
+
+def _target(head: bytes) -> str:
+    """The path of the request line at the start of ``head`` (``""`` when there is none to read)."""
+    words = head[:head.find(b"\n")].split(b" ")
+    return words[1].partition(b"?")[0].decode("latin-1") if len(words) == 3 else ""
 
 
 def _over_bound_message(limit: int) -> str:
@@ -79,6 +129,8 @@ def bounded_h11(head_timeout: float, max_connections: int) -> type[H11Protocol]:
         last_refusal_log = float("-inf")
 
         def connection_made(self, transport) -> None:  # type: ignore[override]
+            limit = self.config.h11_max_incomplete_event_size or DEFAULT_MAX_INCOMPLETE_EVENT_SIZE
+            self.conn = HeadBoundConnection(limit, self._head_too_large)
             super().connection_made(transport)
             self.head_timer = None
             self.head_bytes = 0  # bytes of the request head under way (0: none begun)
@@ -90,6 +142,8 @@ def bounded_h11(head_timeout: float, max_connections: int) -> type[H11Protocol]:
             self._arm(min(head_timeout, REFUSED_HEAD_SECONDS) if self.refused else head_timeout)
 
         def data_received(self, data: bytes) -> None:
+            if self.conn.oversized:  # answered 431: the rest of what the client sends is discarded
+                return
             if self.head_timer is None and self.conn.their_state is h11.IDLE:
                 self._arm(head_timeout)  # a kept-alive connection began its next request
             if self.conn.their_state is h11.IDLE:
@@ -125,6 +179,17 @@ def bounded_h11(head_timeout: float, max_connections: int) -> type[H11Protocol]:
                                        f"{head_timeout:g} s (REQUEST_HEAD_TIMEOUT)", "validation")
                 self.transport.write(_raw_response(408, body, default))
             self.transport.close()
+
+        def _head_too_large(self, buffer: bytes) -> None:
+            self._disarm()
+            limit = self.conn.max_head_bytes
+            body = _error_body(_target(buffer[:limit]), f"the request head (request line and headers) is longer than "
+                               f"{limit} bytes (MAX_HEADER_BYTES)", "validation")
+            self.transport.write(_raw_response(431, body, self.server_state.default_headers))
+            if not self.transport.can_write_eof():
+                return self.transport.close()
+            self.transport.write_eof()
+            self.head_timer = self.loop.call_later(LINGER_SECONDS, self.transport.close)
 
         async def _refuse(self, scope, receive, send) -> None:
             if scope["type"] != "http":

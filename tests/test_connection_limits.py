@@ -164,3 +164,45 @@ def test_the_settings_are_flags_and_variables_and_refuse_bad_values(monkeypatch)
     monkeypatch.setenv("REQUEST_HEAD_TIMEOUT", "-1")
     with pytest.raises(ConfigError, match="invalid REQUEST_HEAD_TIMEOUT="):
         load_settings()
+
+
+def head_of(size: int, path: str = "/health") -> bytes:
+    """A GET request head of exactly ``size`` bytes (its blank line included)."""
+    start, end = f"GET {path} HTTP/1.1\r\nHost: x\r\nX-Pad: ".encode(), b"\r\n\r\n"
+    return start + b"a" * (size - len(start) - len(end)) + end
+
+
+@pytest.mark.parametrize("size, write", [(17 * 1024, 8192), (60 * 1024, None), (100 * 1024, None)],
+                         ids=["17KB-in-8KB-writes", "60KB-in-one-write", "100KB-in-one-write"])
+def test_heads_over_max_header_bytes_get_431_however_they_arrive(head_server, size, write):
+    """#32: h11 bounds only a head still incomplete in its buffer, so a 17 KB head sent as 8 KB writes, or a
+    60 KB or 100 KB one sent at once, got 200: each now gets 431 in the route's error form (MAX_HEADER_BYTES is
+    16384) and the connection is closed."""
+    head = head_of(size, "/v1/models")
+    with connect(head_server) as s:
+        for i in range(0, len(head), write or len(head)):
+            s.sendall(head[i:i + (write or len(head))])
+            time.sleep(0.05 if write else 0)  # separate reads
+        answer = read_to_close(s, 5)
+    assert answer is not None, "the connection was not closed"
+    status, body = status_and_json(answer)
+    assert status == 431 and "MAX_HEADER_BYTES" in body["error"]["message"], body
+    assert body["error"]["type"] == "invalid_request_error"
+
+
+def test_heads_within_max_header_bytes_are_served_with_their_body(head_server):
+    """A head of exactly MAX_HEADER_BYTES (16384) is served; so is one just under it followed, in the same write,
+    by a 300 KB body (the body is not counted as head) and by a pipelined request."""
+    with connect(head_server) as s:
+        s.sendall(head_of(16384))
+        assert read_response(s)[0] == 200
+        body = json.dumps({"prompt": "And God said " * 1000}).encode() + b" " * 300_000  # JSON's whitespace
+        start = f"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" \
+                f"Content-Length: {len(body)}\r\nX-Pad: ".encode()
+        head = start + b"a" * (16000 - len(start) - 4) + b"\r\n\r\n"
+        s.sendall(head + body + head_of(16000).replace(b"Host: x", b"Host: x\r\nConnection: close"))
+        answer = read_to_close(s, 60)
+    assert answer is not None
+    first, second = answer.split(b"HTTP/1.1 ")[1:]
+    assert first.startswith(b"200") and json.loads(first.partition(b"\r\n\r\n")[2])["count"] >= 3000
+    assert second.startswith(b"200")
