@@ -3,7 +3,10 @@
 Parsing and validating a body are done on the event loop (by FastAPI), and take time in proportion to the
 number of JSON values in it: a 1.9 MB body of 474,985 one-token prompts held the loop (``/health`` and every
 stream) for 2.6 s before its 400. A body is therefore measured first, from its bytes (C-speed byte counts, no
-parse), and refused when it holds more values, or a longer array, than any request the server could serve.
+parse), and refused when it holds more values, more objects and arrays, or a longer array, than any request the
+server could serve. Objects and arrays cost the most to validate (a 676 KB chat body of 22k one-letter content
+parts, within the bound on values, held the loop for 1.2 s), and each one a servable request holds is a prompt,
+a message, a content part or an input item, bar a few: so they are bounded by the model's positions.
 """
 
 from __future__ import annotations
@@ -23,9 +26,15 @@ def _split(body: bytes) -> list[bytes] | None:
     return parts if len(parts) % 2 else None
 
 
-def _largest_member(parts: list[bytes]) -> str | None:
-    """The top-level key whose value holds the most items (``None`` when the body is not an object), from the
-    text outside strings (each string one ``S``, a byte JSON never has outside strings), in a few tensor ops."""
+def _containers(outside: bytes) -> int:
+    """Objects and arrays begun in ``outside`` (JSON text with its strings taken out)."""
+    return outside.count(b"[") + outside.count(b"{")
+
+
+def _largest_member(parts: list[bytes], containers: bool = False) -> str | None:
+    """The top-level key whose value holds the most items (with ``containers``: the most objects and arrays;
+    ``None`` when the body is not an object), from the text outside strings (each string one ``S``, a byte JSON
+    never has outside strings), in a few tensor ops."""
     import torch
 
     text = torch.frombuffer(bytearray(b"S".join(parts[::2])), dtype=torch.uint8)
@@ -37,7 +46,7 @@ def _largest_member(parts: list[bytes]) -> str | None:
         return None
     ends = torch.nonzero((commas & (depth == 1)) | (closes & (depth == 0))).flatten()
     ends = torch.cat([ends, torch.tensor([len(text) - 1])])  # an object left open ends with the body
-    items = torch.cumsum((commas | opens).int(), 0)
+    items = torch.cumsum((opens if containers else commas | opens).int(), 0)
     ends = ends[torch.searchsorted(ends, keys)]
     strings = torch.cumsum((text == ord("S")).int(), 0)  # the key of a member: the last string before its colon
     best = int(torch.argmax(items[ends] - items[keys]))
@@ -61,25 +70,33 @@ def _long_array(node, max_items: int, path: str = "") -> tuple[str, int] | None:
     return None
 
 
-def body_fault(body: bytes, max_values: int, max_items: int) -> tuple[str, str | None] | None:
+def body_fault(body: bytes, max_values: int, max_items: int,
+               max_containers: int | None = None) -> tuple[str, str | None] | None:
     """Why ``body`` (JSON text, as bytes) is refused before it is parsed for validation, or ``None``.
 
     Args:
         body: the request body.
         max_values: the most array elements and object members it may hold in all.
         max_items: the most elements any one of its arrays may hold.
+        max_containers: the most objects and arrays it may hold in all (``None``: no bound).
 
     Returns:
         ``(message, field)``: ``field`` names the top-level member (or the array) at fault, ``None`` when the
         body is not an object. ``None`` when the body is within both bounds, or is not JSON (the parser
         reports that).
 
-    Work: a few byte counts over the body; past ``max_values`` a pass over its strings to name the member;
-    within it, a parse (of at most ``max_values`` values).
+    Work: a few byte counts over the body; past a bound, a pass over its strings to name the member; within
+    them, a parse (of at most ``max_values`` values).
     """
     parts = _split(body)
     if parts is None:
         return None
+    containers = sum(_containers(part) for part in parts[::2])
+    if max_containers is not None and containers > max_containers:
+        field = _largest_member(parts, containers=True)
+        return (f"{f'`{field}`' if field else 'the body'} is too large: the body holds {containers} JSON objects "
+                f"and arrays (messages, content parts, input items, prompts), at most {max_containers} are served",
+                field)
     values = sum(_items(part) for part in parts[::2])
     if values > max_values:
         field = _largest_member(parts)

@@ -51,7 +51,7 @@ def _invalid_status(scope) -> int:
 
 class HeaderLimit:
     """Refuse a request with more than ``max_headers`` header fields: 431 (RFC 6585). Their total size is bounded
-    before any of this runs, by the HTTP parser (``h11_max_incomplete_event_size``, see ``kvserve serve``)."""
+    before any of this runs (``MAX_HEADER_BYTES``: :mod:`server.connection_limits`)."""
 
     def __init__(self, app, max_headers: int):
         self.app = app
@@ -211,14 +211,20 @@ UNLOADED_MAX_ITEMS = 4096
 """The array bound while the model loads (its MAX_TOTAL_TOKENS is not known yet; the routes answer 503)."""
 OTHER_VALUES = 1024
 """Values a request may hold besides its prompts' token ids (stop sequences, logit_bias, other fields)."""
+OTHER_CONTAINERS = 256
+"""Objects and arrays a request may hold besides one a position of the model (the body, the prompts of a batch,
+stop lists, logit_bias, a response format)."""
 
 
 class BodyBounds:
     """Refuse a JSON body that holds more values, or a longer array, than a request the server can serve, before
     FastAPI parses and validates it on the event loop (:func:`server.body_bounds.body_fault`, run in a worker
     thread): no array longer than ``MAX_TOTAL_TOKENS`` (token ids, messages, input items: each costs a token at
-    least), and no more values than ``MAX_SEQUENCES_PER_REQUEST`` prompts of that many token ids, plus
-    :data:`OTHER_VALUES`. 400 (``validation``, ``param`` naming the field) on the OpenAI routes, 422 on TGI's.
+    least), no more values than ``MAX_SEQUENCES_PER_REQUEST`` prompts of that many token ids, plus
+    :data:`OTHER_VALUES`, and no more objects and arrays than ``MAX_TOTAL_TOKENS`` plus :data:`OTHER_CONTAINERS`:
+    every message, content part or input item takes a position of the prompt at least, or is of no use (text cut
+    into parts shorter than a token). 400 (``validation``, ``param`` naming the field) on the OpenAI routes, 422
+    on TGI's.
 
     Args:
         state: the server state (:class:`server.state.ServerState`: ``info["max_total_tokens"]`` once loaded).
@@ -249,7 +255,7 @@ class BodyBounds:
 
             max_items = self.state.info.get("max_total_tokens") or UNLOADED_MAX_ITEMS
             fault = await anyio.to_thread.run_sync(body_fault, body, MAX_SEQUENCES_PER_REQUEST * max_items
-                                                   + OTHER_VALUES, max_items)
+                                                   + OTHER_VALUES, max_items, max_items + OTHER_CONTAINERS)
             if fault is not None:
                 message, field = fault
                 return await _send_error(send, scope["path"], _invalid_status(scope), message, "validation", field)
