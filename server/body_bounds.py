@@ -91,13 +91,14 @@ def body_fault(body: bytes, max_values: int, max_items: int,
     parts = _split(body)
     if parts is None:
         return None
-    containers = sum(_containers(part) for part in parts[::2])
+    outside = b"".join(parts[::2])  # one C-speed count over the text outside strings, not one per string
+    containers = _containers(outside)
     if max_containers is not None and containers > max_containers:
         field = _largest_member(parts, containers=True)
         return (f"{f'`{field}`' if field else 'the body'} is too large: the body holds {containers} JSON objects "
                 f"and arrays (messages, content parts, input items, prompts), at most {max_containers} are served",
                 field)
-    values = sum(_items(part) for part in parts[::2])
+    values = _items(outside)
     if values > max_values:
         field = _largest_member(parts)
         return (f"{f'`{field}`' if field else 'the body'} is too large: the body holds about {values} JSON "
