@@ -17,6 +17,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         settings = load_settings(flags={name: flag(name) for name in given}, **given)
         check_backend(settings)
+        check_host(settings.host, settings.port)
     except ConfigError as exc:
         print(f"kvserve: {exc}", file=sys.stderr)
         return 2
@@ -38,12 +39,28 @@ def serve(args: argparse.Namespace) -> int:
         DrainingServer(config, app.state.kvserve, settings.shutdown_grace_seconds).run()
     except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it stopped on; a failed load sends one itself
         if not app.state.kvserve.load_error:
-            raise
+            return 130  # Ctrl-C: uvicorn has already said "Finished server process"; no traceback (as vLLM)
     error = app.state.kvserve.load_error
     if error:  # the server stopped because it could never serve: say why, in one line, and fail
         print(f"kvserve: cannot serve: {error}", file=sys.stderr)
         return 1
     return 0
+
+
+def check_host(host: str, port: int) -> None:
+    """Raise :class:`~server.config.ConfigError` naming ``HOST``/``--host`` when ``host`` does not resolve.
+
+    Checked before the model loads: uvicorn would otherwise fail only once it binds, with its own
+    ``[Errno -2] Name or service not known`` that names no setting (exit 3).
+    """
+    import socket
+
+    from server.config import ConfigError
+
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise ConfigError(f"HOST (--host) {host!r} is not an address or a name that resolves: {exc}") from None
 
 
 def bench(args: argparse.Namespace) -> int:
@@ -106,12 +123,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(p_bench)
     p_bench.set_defaults(func=bench)
+    for subparser in sub.choices.values():  # main() reports an unknown flag with the subcommand's own usage
+        subparser.set_defaults(subparser=subparser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     passive_threads()
-    args = build_parser().parse_args(argv)
+    args, unknown = build_parser().parse_known_args(argv)
+    subparser = args.__dict__.pop("subparser")
+    if unknown:  # `kvserve serve --bogus 1`: serve's usage and the flag (exit 2), not the top-level usage
+        subparser.error(f"unrecognized arguments: {' '.join(unknown)}")
     return args.func(args)
 
 

@@ -106,7 +106,8 @@ class Settings(BaseSettings):
                                         "sequence's one, prompt chunks the rest (chunked prefill); 0 prefills "
                                         "whole prompts.")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log and access-log level.")
-    payload_limit: int = Field(2_000_000, ge=1, description="Largest request body (bytes); larger gets 422.")
+    payload_limit: int = Field(2_000_000, ge=1, description="Largest request body (bytes); larger gets 422 (400 on "
+                               "the OpenAI routes).")
     api_key: str | None = Field(None, description="When set, routes but /health and /metrics need a Bearer token.")
     # backend parameters (see each backend's module docstring)
     kv_calibration_file: str | None = Field(None, description="gqa/mla/dca: calibration text (plain, chapters "

@@ -39,8 +39,11 @@ def _metavar(annotation) -> str:
 def _help(name: str, info: FieldInfo) -> str:
     default = "computed" if info.default_factory else "unset" if info.default is None else repr(info.default)
     text = f"{info.description} " if info.description else ""
+    # a description that says what the default is ("Default: MODEL_ID as given") is not contradicted by the
+    # field's placeholder value ('' or unset)
+    said = "default:" in text.lower()
     # argparse %-formats help strings: a literal % (\"25% of the memory\") must be doubled
-    return f"{text}[env {name.upper()}; default: {default}]".replace("%", "%%")
+    return f"{text}[env {name.upper()}{'' if said else f'; default: {default}'}]".replace("%", "%%")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -113,6 +113,8 @@ class ServerState:
     model_name: str = ""
     info: dict = field(default_factory=dict)
     load_error: str | None = None
+    loading: str = "model is loading"
+    """What start-up is doing until ``service`` is set: ``/health``'s 503 message (pricing takes minutes)."""
     started: float = field(default_factory=time.time)
     model_names: list[str] = field(default_factory=list)
     """What the OpenAI routes accept in ``model`` (``SERVED_MODEL_NAME``); the first is ``model_name``."""
@@ -134,6 +136,7 @@ class ServerState:
         geometry = ModelGeometry.from_config(model.config, dtype)
         names = list(create_backends(s, geometry))  # checked against the model; built below, as priced
         cache = CalibrationCache(s.kv_calibration_cache_dir)
+        self.loading = "model loaded; calibrating and pricing the KV backends (cached for the next start)"
         self.backends, self.quality = prepare_backends(s, names, model, tokenizer, geometry, cache)
         # MODEL_ID as given (a path for a local model, as vLLM names it: tools load the tokenizer from the served
         # name), and a local folder's name as an alias
@@ -143,6 +146,7 @@ class ServerState:
         limits = Limits(max_input, max_total, s.max_stop_sequences)
         eos = model.generation_config.eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [tokenizer.eos_token_id])
+        self.loading = "model loaded; starting the engine"
         recorder = Recorder(self.metrics, self.model_name, names)
         engine = build_engine(model, tokenizer, self.backends, eos_ids, max_batch_size=s.max_batch_size,
                               budget_bytes=s.kv_cache_budget_bytes, max_total_tokens=max_total,

@@ -457,11 +457,12 @@ def test_echo_logprobs_equal_the_models(server, tok, ref_model):
     assert lp[0] is None and lp[1:] == pytest.approx(want, abs=1e-4)
 
 
-@pytest.mark.parametrize("message", [{"role": "user"}, {"role": "assistant", "content": None},
-                                     {"role": "system", "content": None}], ids=["missing", "null-assistant", "null"])
+@pytest.mark.parametrize("message", [{"role": "user"}, {"role": "assistant"}, {"role": "system", "content": None},
+                                     {"role": "user", "content": None}],
+                         ids=["missing", "missing-assistant", "null", "null-user"])
 def test_a_chat_turn_without_content_is_400_naming_it(server, message):
-    """A turn without its text is refused, not read as an empty turn (OpenAI lets an assistant turn omit it only
-    beside tool_calls, which this server refuses)."""
+    """A turn without its text is refused, not read as an empty turn; only an assistant turn may be null
+    (:func:`test_a_null_assistant_turn_is_an_empty_one`)."""
     messages = [message, {"role": "user", "content": "x"}]
     for path in ("/v1/chat/completions", "/tokenize"):
         body = {"messages": messages, "max_tokens": 1} if path.startswith("/v1") else {"messages": messages}
@@ -470,6 +471,19 @@ def test_a_chat_turn_without_content_is_400_naming_it(server, message):
         assert "messages.0.content" in r.text, r.text
     r = httpx.post(server.url + "/v1/responses", json={"input": messages, "max_output_tokens": 1}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "input[0].content", r.text
+
+
+def test_a_null_assistant_turn_is_an_empty_one(server):
+    """``{"role": "assistant", "content": null}`` (nullable in OpenAI's schema; vLLM reads it as empty) was 400."""
+    def history(content):
+        return [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": content},
+                {"role": "user", "content": "Who made light?"}]
+
+    assert text(chat(server, messages=history(None))) == text(chat(server, messages=history("")))
+    ids = [post(server, "/tokenize", {"messages": history(c)})["tokens"] for c in (None, "")]
+    assert ids[0] == ids[1] and len(ids[0]) > 5
+    r = httpx.post(server.url + "/v1/responses", json={"input": history(None), "max_output_tokens": 1}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input[1].content", r.text  # Responses: required
 
 
 def _nulls(model, keep=()) -> dict:

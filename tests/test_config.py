@@ -147,3 +147,17 @@ def test_serve_bad_flag_exits_2_with_one_line_and_help_lists_the_flags():
     assert p.returncode == 0
     assert "--port N" in p.stdout and "TCP port to listen on" in p.stdout and "--kv-dca-window" in p.stdout
     assert "25% of the memory" in p.stdout  # argparse's %-formatting of help text is escaped
+
+
+def test_serve_help_states_defaults_and_statuses_as_they_are():
+    """``--served-model-name`` said "[default: '']" beside "Default: MODEL_ID as given"; ``--payload-limit`` said
+    "larger gets 422", but the OpenAI routes answer 400."""
+    from server.cli import build_parser
+
+    serve = build_parser().parse_known_args(["serve"])[0].subparser
+    text = " ".join(serve.format_help().split())
+    assert "MODEL_ID as given (as vLLM names it), and a local model folder's name as well. [env SERVED_MODEL_NAME]" \
+        in text
+    assert "default: ''" not in text
+    assert "larger gets 422 (400 on the OpenAI routes). [env PAYLOAD_LIMIT; default: 2000000]" in text
+    assert "Default: MAX_TOTAL_TOKENS - 1. [env MAX_INPUT_TOKENS]" in text

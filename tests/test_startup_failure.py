@@ -57,3 +57,38 @@ def test_a_kv_budget_under_two_blocks_exits_1_with_no_traceback():
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert "KV_CACHE_BUDGET_BYTES=600000 holds fewer than 2 KV blocks" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_health_says_when_the_model_is_loaded_and_the_backends_are_being_priced(monkeypatch):
+    """/health said "model is loading" for the minutes of calibration and pricing after the model had loaded."""
+    import threading
+
+    from fastapi.testclient import TestClient
+
+    import server.state
+    from server.app import create_app
+    from server.config import load_settings
+
+    entered, release = threading.Event(), threading.Event()
+    prepare = server.state.prepare_backends
+
+    def slow_prepare(*args, **kwargs):
+        entered.set()
+        release.wait(120)
+        return prepare(*args, **kwargs)
+
+    monkeypatch.setattr(server.state, "prepare_backends", slow_prepare)
+    app = create_app(load_settings(model_id=str(MODEL_DIR), kv_backends="", kv_calibration_cache_dir=""))
+    with TestClient(app) as client:
+        try:
+            assert entered.wait(120)
+            for path in ("/health", "/info", "/v1/models"):
+                r = client.get(path)
+                assert r.status_code == 503 and "calibrating and pricing the KV backends" in r.text, (path, r.text)
+        finally:
+            release.set()
+        for _ in range(600):
+            if client.get("/health").status_code == 200:
+                break
+            threading.Event().wait(0.2)
+        assert client.get("/health").json() == {"status": "ok"}

@@ -44,5 +44,5 @@ def get_service(request: Request) -> GenerationService:
     """
     state = request.app.state.kvserve
     if state.service is None:
-        raise NotReady(state.load_error or "model is loading")
+        raise NotReady(state.load_error or state.loading)
     return state.service

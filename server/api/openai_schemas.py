@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_serializer
 
 from server.api.request_model import RequestModel
 from server.api.types import KV_COMPRESSED_FRACTION, Int, drop_unset_extensions
@@ -87,10 +87,22 @@ class ChatMessage(RequestModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    # Required for every role: OpenAI lets an assistant turn omit it only beside tool_calls, which are refused here.
-    content: str | list[TextPart] = Field(description="The turn's text (or its text parts).")
+    # Required for every role; null only in an assistant turn (nullable in OpenAI's schema, an empty turn as vLLM
+    # reads it): a client replaying a history sends one.
+    content: str | list[TextPart] | None = Field(description="The turn's text (or its text parts); null (empty) "
+                                                 "only for an assistant turn.")
+
+    @field_validator("content")
+    @classmethod
+    def _null_only_for_assistant(cls, v, info: ValidationInfo):
+        if v is None and info.data.get("role") != "assistant":
+            raise ValueError("is required (null only in an assistant turn)")
+        return v
 
     def text(self) -> str:
+        """The turn's text: ``content``, its text parts joined, or ``""`` for an assistant's null."""
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text or "" for part in self.content)

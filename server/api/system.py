@@ -15,7 +15,7 @@ async def health(request: Request):
     """200 once the model is loaded and the engine runs; 503 before, and while draining for a shutdown."""
     state = request.app.state.kvserve
     if state.service is None:
-        return error_response(503, state.load_error or "model is loading", "unhealthy")
+        return error_response(503, state.load_error or state.loading, "unhealthy")
     if state.draining:
         return error_response(503, "server is shutting down", "unhealthy")
     return {"status": "ok"}
@@ -26,7 +26,7 @@ async def info(request: Request):
     """Model, KV backends and their parameters, KV bytes per token (:func:`server.state.kv_sizes`), limits, version."""
     state = request.app.state.kvserve
     if state.service is None:
-        return error_response(503, state.load_error or "model is loading", "unhealthy")
+        return error_response(503, state.load_error or state.loading, "unhealthy")
     return state.info
 
 

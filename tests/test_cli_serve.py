@@ -1,0 +1,45 @@
+"""``kvserve serve`` as a user runs it at a terminal: Ctrl-C, a mistyped flag, a host that does not resolve."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+from tests.conftest import MODEL_DIR, RunningServer, free_port
+
+
+def test_ctrl_c_exits_130_with_no_traceback():
+    """Ctrl-C printed ~30 lines of asyncio CancelledError ... KeyboardInterrupt after uvicorn's clean
+    "Finished server process"; like uvicorn and vLLM it now stops quietly (status 130: stopped by SIGINT)."""
+    srv = RunningServer({"LOG_LEVEL": "info"})
+    try:
+        srv.proc.send_signal(signal.SIGINT)
+        code = srv.proc.wait(60)
+    finally:
+        srv.stop()
+    log = srv.proc.stdout.read()
+    assert code == 130, (code, log[-3000:])
+    assert "Traceback" not in log and "KeyboardInterrupt" not in log, log[-3000:]
+    assert "Finished server process" in log, log[-3000:]
+
+
+def test_an_unknown_serve_flag_prints_the_serve_usage():
+    """It printed the top-level ``usage: kvserve [-h] {serve,calibrate,...}``, not serve's flags."""
+    proc = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--bogus-flag", "1"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("usage: kvserve serve "), proc.stderr[:500]
+    assert proc.stderr.strip().splitlines()[-1] == "kvserve serve: error: unrecognized arguments: --bogus-flag 1"
+
+
+def test_a_host_that_does_not_resolve_exits_2_naming_host():
+    """``--host 256.1.1.1`` loaded the model, then failed in uvicorn with ``[Errno -2] Name or service not known``
+    (exit 3) naming no setting."""
+    env = {**os.environ, "MODEL_ID": str(MODEL_DIR), "PORT": str(free_port())}
+    proc = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--host", "256.1.1.1"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvserve: HOST (--host) '256.1.1.1' is not an address"), lines
