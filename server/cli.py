@@ -119,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     fetch_arguments(p_fetch)
     p_fetch.set_defaults(func=fetch_main)
     p_bench = sub.add_parser("bench", help="measure every KV backend on the model: report.md, plots, JSON")
-    from bench.report import add_arguments
+    from bench.report_cli import add_arguments
 
     add_arguments(p_bench)
     p_bench.set_defaults(func=bench)

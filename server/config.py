@@ -13,7 +13,6 @@ from typing import Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from cache_backends.registry import available
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = str(REPO_ROOT / "models" / "kjv-llama-mha")
@@ -150,6 +149,8 @@ class Settings(BaseSettings):
     @field_validator("kv_backend")
     @classmethod
     def _known_backend(cls, v: str) -> str:
+        from cache_backends.registry import available  # torch: imported when a value is checked, not for --help
+
         if v not in available():
             raise ValueError(f"unknown backend {v!r}; allowed: {', '.join(available())}")
         return v
@@ -157,6 +158,8 @@ class Settings(BaseSettings):
     @field_validator("kv_backends")
     @classmethod
     def _known_backends(cls, v: str | None) -> str | None:
+        from cache_backends.registry import available
+
         for name in filter(None, (x.strip() for x in (v or "").split(","))):
             if name not in available():
                 raise ValueError(f"unknown backend {name!r}; allowed: {', '.join(available())}")

@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 
-from tests.conftest import MODEL_DIR, RunningServer, free_port
+from tests.conftest import MODEL_DIR, REPO, RunningServer, free_port
 
 
 def test_ctrl_c_exits_130_with_no_traceback():
@@ -43,3 +43,13 @@ def test_a_host_that_does_not_resolve_exits_2_naming_host():
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kvserve: HOST (--host) '256.1.1.1' is not an address"), lines
+
+
+def test_the_command_line_parser_imports_no_torch():
+    """`kvserve serve --help` and a bad flag answer at once: building every subcommand's parser imports neither
+    torch nor transformers (they took 10-20 s to import on a busy 2-core CPU before `--help` printed)."""
+    code = ("import sys; from server.cli import build_parser; build_parser(); "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
