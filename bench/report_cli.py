@@ -31,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="backend specs, e.g. gqa:groups=2,method=pca mla:rank=64 (full, the reference, is always run)")
     p.add_argument("--quick", action="store_true",
                    help=f"{len(QUICK_SPECS)} settings, {QUICK['windows']} windows, {QUICK['prompts']} prompts x "
-                        f"{QUICK['new_tokens']} tokens (under 3 minutes)")
+                        f"{QUICK['new_tokens']} tokens (1.4 minutes on an idle 2-core CPU)")
     p.add_argument("--budget", type=float, default=1.0,
                    help=f"the quality budget (percent perplexity increase on the calibration text) of the "
                         f"'NAME{BUDGETED}' entries of --backends, e.g. mla{BUDGETED} (default 1.0)")
