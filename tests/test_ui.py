@@ -208,12 +208,18 @@ def test_generate_counts_against_max_concurrent_requests(single):
     while httpx.post(single.url + "/generate", json=one_token, timeout=60).status_code == 429:
         time.sleep(0.1)  # until the closed stream has ended
     page = {}
-    runner = threading.Thread(target=lambda: page.update(r=_generate(single, kv_backend="full", max_new_tokens=1000)))
+
+    def page_run():  # retried while one of the probes below holds the one slot
+        while (r := _generate(single, kv_backend="full", max_new_tokens=1000)).status_code == 429:
+            time.sleep(0.05)
+        page["r"] = r
+
+    runner = threading.Thread(target=page_run)
     runner.start()
-    for _ in range(200):  # until the page's run is in flight
-        if httpx.post(single.url + "/generate", json=one_token, timeout=60).status_code == 429:
-            break
-    else:
-        raise AssertionError("a page run never held the slot")
+    held, deadline = False, time.monotonic() + 120
+    while not held and runner.is_alive() and time.monotonic() < deadline:  # until the page's run is in flight
+        held = httpx.post(single.url + "/generate", json=one_token, timeout=60).status_code == 429
+        time.sleep(0.05)
     runner.join()
+    assert held, "a page run never held the slot"
     assert page["r"].status_code == 200
