@@ -12,15 +12,12 @@ import httpx
 import pytest
 
 from tests.conftest import server_with
+from tests.raw_http import connect, read_to_close
 
 BODY_TIMEOUT = 1.0
 server = server_with({"REQUEST_BODY_TIMEOUT": str(BODY_TIMEOUT), "MAX_CONCURRENT_REQUESTS": "2",
                       "KV_BACKENDS": ""})
 GENERATE = {"inputs": "Hello", "parameters": {"max_new_tokens": 1}}
-
-
-def connect(srv, timeout: float = 5.0) -> socket.socket:
-    return socket.create_connection(("127.0.0.1", srv.port), timeout=timeout)
 
 
 def stalled(srv, path: str, content_type: str) -> socket.socket:
@@ -29,21 +26,6 @@ def stalled(srv, path: str, content_type: str) -> socket.socket:
     s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: {content_type}\r\nContent-Length: 100\r\n\r\n{{"
               .encode())
     return s
-
-
-def read_to_close(s: socket.socket, within: float) -> bytes | None:
-    """Everything the server sends until it closes the connection, or ``None`` if it has not closed it within
-    ``within`` seconds."""
-    s.settimeout(within)
-    chunks = []
-    try:
-        while chunk := s.recv(65536):
-            chunks.append(chunk)
-    except TimeoutError:
-        return None
-    except ConnectionResetError:
-        pass
-    return b"".join(chunks)
 
 
 def status_and_json(answer: bytes) -> tuple[int, dict]:

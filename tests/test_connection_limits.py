@@ -11,31 +11,13 @@ import httpx
 import pytest
 
 from tests.conftest import server_with
+from tests.raw_http import connect, read_to_close
 
 HEAD_TIMEOUT = 1.0
 head_server = server_with({"REQUEST_HEAD_TIMEOUT": str(HEAD_TIMEOUT), "KV_BACKENDS": ""})
 BOUND = 20
 bound_server = server_with({"MAX_CONNECTIONS": str(BOUND), "REQUEST_HEAD_TIMEOUT": "30", "KV_BACKENDS": ""})
 PARTIAL_HEAD = b"GET /health HTTP/1.1\r\nHost: x\r\n"  # no blank line: the head never ends
-
-
-def connect(srv, timeout: float = 5.0) -> socket.socket:
-    return socket.create_connection(("127.0.0.1", srv.port), timeout=timeout)
-
-
-def read_to_close(s: socket.socket, within: float) -> bytes | None:
-    """Everything the server sends until it closes the connection, or ``None`` if it has not closed it within
-    ``within`` seconds."""
-    s.settimeout(within)
-    chunks = []
-    try:
-        while chunk := s.recv(65536):
-            chunks.append(chunk)
-    except TimeoutError:
-        return None
-    except ConnectionResetError:
-        pass
-    return b"".join(chunks)
 
 
 def read_response(s: socket.socket) -> tuple[int, bytes]:

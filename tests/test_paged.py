@@ -250,6 +250,19 @@ def test_a_wide_request_cannot_make_a_later_one_wait_for_its_whole_length(ref_mo
         assert [e.index for e in ev] == list(range(80)) and seq.output_ids == alone
 
 
+def _steps_for_a_later_request(engine, tok):
+    """Submit a 200-token prompt (13 blocks) for 3 tokens and step ``engine`` until it ends: the steps it took, and
+    the sequence."""
+    small = make_seq(tok, " ".join(["The LORD is my shepherd; I shall not want."] * 20), 3)
+    small.prompt_ids = small.prompt_ids[:200]
+    engine.submit(small)
+    steps = 0
+    while small.finish_reason is None:
+        engine.step()
+        steps += 1
+    return steps, small
+
+
 def test_a_wide_request_on_a_full_pool_cannot_make_a_later_one_wait_for_its_whole_length(ref_model):
     """Fair share of the pool, not only of the batch: four generations of one request fill a pool of 32 blocks with
     the batch half empty; a later request whose prompt needs 13 blocks is admitted ahead of the wide request's
@@ -266,13 +279,7 @@ def test_a_wide_request_on_a_full_pool_cannot_make_a_later_one_wait_for_its_whol
     while engine.kv.blocks.num_free > 1:
         engine.step()
     assert engine.waiting or sum(s.preemptions for s in wide) or len(engine.running) == 4
-    small = make_seq(tok, " ".join(["The LORD is my shepherd; I shall not want."] * 20), 3)
-    small.prompt_ids = small.prompt_ids[:200]
-    engine.submit(small)
-    steps = 0
-    while small.finish_reason is None:
-        engine.step()
-        steps += 1
+    steps, small = _steps_for_a_later_request(engine, tok)
     assert steps <= 8 and small.finish_reason.value == "length", steps
     run_all(engine, [])
     alone = reference_greedy(model, tok, "And God said", 200)
@@ -296,13 +303,7 @@ def test_two_wide_requests_on_a_full_pool_cannot_make_a_later_one_wait(ref_model
             engine.submit(seq)
     while engine.kv.blocks.num_free > 1:
         engine.step()
-    small = make_seq(tok, " ".join(["The LORD is my shepherd; I shall not want."] * 20), 3)
-    small.prompt_ids = small.prompt_ids[:200]
-    engine.submit(small)
-    steps = 0
-    while small.finish_reason is None:
-        engine.step()
-        steps += 1
+    steps, small = _steps_for_a_later_request(engine, tok)
     assert steps <= 8 and small.finish_reason.value == "length", steps
     run_all(engine, [])
     for seq in wide:
