@@ -11,13 +11,14 @@ Admission charges a paged sequence what it holds once its context is written (:m
 stored_pages`): for an int8-family backend its quantized pages plus the exact pages of its residual window,
 not the exact pages a prefill chunk passes through. A step writes every new token into exact pages first and
 quantizes its whole groups from there (the chunk's later tokens read the drained ones exact:
-:class:`cache_backends.paged.StepMeta`), so a prefill step holds, for the length of the step, up to
-:meth:`KVCacheManager.transient_pages` more: a bound (for steps of at most ``prefill_chunk_tokens`` tokens,
-however the engine splits them) of the exact pages of one chunk and of the residual window before it, less
-the stored form's. The engine prefills one sequence at a time (reserve, forward, commit, then the next), so
-at most one sequence is ever above its stored form: the scheduler keeps the largest transient of the
-sequences still prefilling free once, rather than one per sequence. (``elastic``, whose tier fills on demand,
-is charged as if compressed down to its window: the least it can hold.)
+:class:`cache_backends.paged.StepMeta`), so a prefill step of ``n`` tokens holds, for the length of the step,
+the exact pages of ``n`` tokens and of the residual window before them on top of the quantized pages. The
+engine prefills one sequence at a time (reserve, forward, commit, then the next), so at most one sequence is
+ever above its stored form: the scheduler keeps free once, not per sequence, the largest
+:meth:`KVCacheManager.transient_pages` of the sequences still prefilling, the bound for a step of
+:data:`MIN_PREFILL_CHUNK` tokens; a step runs longer (up to ``prefill_chunk_tokens``) only where the pages are
+free beyond every other sequence's charge (:meth:`KVCacheManager.step_tokens`). ``elastic``, whose tier fills
+on demand, is charged as if compressed down to its window (the least it can hold).
 
 Prefix caching (``KV_PREFIX_CACHING``, on by default): every full block a paged sequence writes is registered
 under its chained hash (:mod:`server.engine.prefix_cache`); at admission a sequence takes the longest run of
@@ -43,6 +44,7 @@ from server.engine.prefix_cache import extend_hashes, root_key
 from server.engine.sequence import Sequence
 
 WATERMARK = 0.01  # share of the pool admission keeps free for running sequences' next blocks (vLLM's default)
+MIN_PREFILL_CHUNK = 64  # prompt tokens a chunked prefill step writes at least (while that many are left)
 
 
 def page_layouts(backends: dict[str, KVBackend], dtype: torch.dtype, block_size: int) -> tuple[int, dict]:
@@ -202,10 +204,36 @@ class KVCacheManager:
         ``residual`` newer tokens exist, and exact pages are aligned to positions)."""
         return len(self._stored(seq).pages())
 
+    def min_step(self, seq: Sequence) -> int | None:
+        """The fewest tokens a chunked prefill step of ``seq`` writes while that many are left (``None``: its
+        context is written in one step): :data:`MIN_PREFILL_CHUNK`, or the engine's chunk if smaller."""
+        chunk = self.prefill_chunk(seq)
+        return None if chunk is None else min(chunk, MIN_PREFILL_CHUNK)
+
+    def step_tokens(self, seq: Sequence, n: int, running: list[Sequence]) -> int:
+        """The tokens running ``seq``'s next chunked prefill step writes, at most ``n``: ``n`` if its pages are free
+        beyond what the other running sequences still need for their stored form (:meth:`pending`) and the
+        watermark, else the most that are, but never fewer than :meth:`min_step` (whose pages admission keeps
+        free: :meth:`transient_pages`). A shorter step writes the same tokens over more steps: the stored form
+        and every token's K/V are those of any chunking (:class:`cache_backends.paged.StepMeta`)."""
+        if not self.paged(seq) or n <= 1:
+            return n
+        others = [s for s in running if s is not seq]
+        room = self.blocks.num_free - sum(self.pending(s) for s in others) - (self.watermark if others else 0)
+        lo = min(n, self.min_step(seq) or n)
+        if self.pages_needed(seq, n) <= room or self.pages_needed(seq, lo) > room:
+            return n if self.pages_needed(seq, n) <= room else lo
+        hi = n  # pages_needed grows with the tokens: the most in (lo, n) that fit
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.pages_needed(seq, mid) <= room else (lo, mid)
+        return lo
+
     def transient_pages(self, seq: Sequence) -> int:
-        """A bound on the pages ``seq``'s remaining prefill holds above :meth:`stored_pages` during one step, for
-        steps of at most ``prefill_chunk_tokens`` tokens (any split: the engine's step budget is shared with the
-        decoding sequences and the prefills before it): a step writes its ``n`` tokens into exact pages before it
+        """A bound on the pages ``seq``'s remaining prefill holds above :meth:`stored_pages` during one step of
+        :meth:`min_step` tokens (the engine takes a longer one only where its pages are free beyond every charge:
+        :meth:`step_tokens`; the steps are cut anywhere, as the step budget is shared with the decoding sequences
+        and the prefills before it): a step writes its ``n`` tokens into exact pages before it
         quantizes their whole groups (:class:`cache_backends.paged.StepMeta` reads the drained tokens exact), so
         it holds at most the final quantized pages ``Q`` plus ``ceil((exact_tokens - 1 + W + n) / exact_tokens)``
         exact pages (``W``: the most exact tokens held between steps, ``residual + group_size - 1``, or an
@@ -220,16 +248,15 @@ class KVCacheManager:
         if not layout.quantize:
             return 0
         left = len(seq.context_ids) - start.tokens
-        chunk = min(self.prefill_chunk(seq) or left, left)
+        chunk = min(self.min_step(seq) or left, left)
         first = len(start.pages()) + layout.plan(start, chunk).pages_needed
         stored, te = self._stored(seq), layout.exact_tokens
-        if self.prefill_chunk(seq) is None:
+        if self.min_step(seq) is None:
             return max(0, first - len(stored.pages()))
         q = layout.quantize
         window = (q["window"] if layout.on_demand else q["residual"]) + q["group_size"] - 1
         exact = min(math.ceil((te - 1 + window + chunk) / te), math.ceil((start.start + start.exact_len + left) / te))
-        # at most the pool: a sequence that fits alone (:meth:`fits_alone`, its peak at the engine's chunk) is
-        # admitted to an empty pool, where its steps are the engine's chunk
+        # at most the pool: a sequence that fits alone (:meth:`fits_alone`) is admitted to an empty pool
         peak = min(max(first, len(stored.q) + exact), self.blocks.usable_pages)
         return max(0, peak - len(stored.pages()))
 

@@ -5,10 +5,11 @@ the tokens it must prefill are written — its prompt, or after a preemption its
 generated, in their stored form (:meth:`KVCacheManager.stored_pages`: an int8-family backend's quantized pages
 and residual window, not the exact pages a chunk passes through) — fit in the free pages, less a small
 watermark (1% of the pool), less what the sequences still prefilling will hold, and less one transient: the
-most pages any one prefill step of the sequences still prefilling (the new one included) holds above its
-stored form (:meth:`KVCacheManager.transient_pages`, the chunk's exact pages until the step drains them). One
-suffices, as the engine prefills one sequence at a time and commits its step (freeing its drained pages)
-before the next.
+most pages any one prefill step of :data:`server.engine.kv_cache.MIN_PREFILL_CHUNK` tokens of the sequences
+still prefilling (the new one included) holds above its stored form (:meth:`KVCacheManager.transient_pages`,
+the step's exact pages until it drains them; the engine shortens a step to that when a longer one's pages are
+not free). One suffices, as the engine prefills one sequence at a time and commits its step (freeing its
+drained pages) before the next.
 Nothing is reserved for tokens not yet generated: decode takes a page when a block fills, and when none is
 free the engine preempts a sequence (vLLM's recompute preemption; which one: below): its pages are freed and
 it goes back to the front of the queue. Admission is first come, first served; a sequence that
