@@ -368,3 +368,65 @@ def test_4bit_pages_hold_packed_codes_and_cost_the_sums(ref_model, name, options
             assert layout.stored_bytes(seq.blocks) == pytest.approx(want, rel=1e-12), t
             q_len = seq.blocks.q_len
     assert len(seen) >= 5 and len(seq.output_ids) == 70 and q_len > 0  # the 4-bit tier was exercised
+
+
+@pytest.mark.parametrize("name,options", [("int8", {}), ("int4", {})], ids=["int8", "int4"])
+def test_admission_charges_the_stored_form_not_the_chunks_exact_pages(ref_model, name, options):
+    """A quantized prompt is charged the pages it holds once written (its quantized pages and residual window),
+    and the transient exact pages of one prefill step of 64 tokens are kept free once, not per sequence (a step
+    is shortened to the pages free): a pool that holds five 512-token prompts in stored form plus that transient
+    admits all five at once (charged each prompt's in-step peak at 256-token chunks, it admitted one or two),
+    each is charged exactly what it holds after its prefill, nothing is preempted, and the greedy tokens are
+    those of each prompt served alone."""
+    model, tok = ref_model
+    stream = tok.encode(" ".join(TEXTS * 40))
+    prompts = [stream[7 * i : 7 * i + 512] for i in range(5)]
+
+    def seqs():
+        out = [make_seq(tok, f"p{i}", 6, backend=name, params=SamplingParams(ignore_eos=True)) for i in range(5)]
+        for s, ids in zip(out, prompts):
+            s.prompt_ids = list(ids)
+        return out
+
+    def spy(kv):
+        """The pages each sequence holds after its prefill."""
+        after, commit = {}, kv.commit
+
+        def spy_commit(seq, res):
+            commit(seq, res)
+            if not seq.output_ids and seq.blocks.tokens == len(seq.prompt_ids):
+                after[seq.request_id] = kv.held(seq)
+
+        kv.commit = spy_commit
+        return after
+
+    roomy = make_engine(model, tok, name, prefix_caching=False, **options)
+    held = spy(roomy.kv)
+    alone = []
+    for s in seqs():
+        run_all(roomy, [s])
+        alone.append(s.output_ids)
+    stored, peak = held["p0"], roomy.kv.pages_for(seqs()[0], 512)  # peak: chunks of 256 from an empty table
+    layout, q = roomy.kv.layouts[name], roomy.kv.layouts[name].quantize
+    te, drained = layout.exact_tokens, (512 - q["residual"]) // q["group_size"] * q["group_size"]
+    assert set(held.values()) == {stored} == {-(-drained // layout.q_tokens) + -(-512 // te) - drained // te}
+    # one 64-token step after a window of at most residual + group_size - 1 exact tokens, at the worst offset
+    transient = -(-drained // layout.q_tokens) + -(-(te - 1 + q["residual"] + q["group_size"] - 1 + 64) // te) - stored
+    usable = 5 * stored + transient + 2
+    assert usable < 3 * peak  # the old rule (each prompt charged its peak) admits two at most
+
+    engine = make_engine(model, tok, name, budget=(usable + 1) * roomy.kv.page_bytes, prefix_caching=False,
+                         **options)
+    assert engine.kv.blocks.usable_pages == usable
+    kv, batch = engine.kv, seqs()
+    after = spy(kv)
+    charged = {s.request_id: kv.admission_cost(s) for s in batch}
+    for s in batch:
+        engine.submit(s)
+    engine.step()
+    assert len(engine.running) == 5 and not engine.waiting
+    run_all(engine, [], max_steps=400)
+    assert after == charged == {s.request_id: stored for s in batch}
+    assert [s.preemptions for s in batch] == [0] * 5
+    assert [s.output_ids for s in batch] == alone
+    assert kv.transient_pages(seqs()[0]) == transient

@@ -25,14 +25,13 @@ import torch
 from cache_backends.base import KVBackend
 from server.engine import allocator
 from server.engine.detokenize import IncrementalDetokenizer
+from server.engine.kv_cache import MIN_PREFILL_CHUNK
 from server.engine.runner import ModelRunner
 from server.engine.sampling import RowRequest, Sampled, new_generator, prompt_logprobs, sample_batch
 from server.engine.scheduler import Scheduler
 from server.engine.sequence import FinishReason, Sequence, TokenEvent
 
 log = logging.getLogger("kvserve.engine")
-
-MIN_PREFILL_CHUNK = 64  # prompt tokens a step prefills at least, however many sequences decode
 
 
 class Overloaded(Exception):
@@ -240,8 +239,10 @@ class Engine:
         The budget is ``prefill_chunk_tokens`` less the ``decoding`` sequences' one token each (at least
         :data:`MIN_PREFILL_CHUNK`): a long prompt is written over several steps, each followed by a decode
         step of the running batch, so it does not stall running streams (chunked prefill, as in vLLM's
-        scheduler). Prompts that want every position's log-probability, and stores that decide once per
-        prompt (``dca``), are prefilled whole.
+        scheduler). A paged prompt's step is shortened, down to :data:`MIN_PREFILL_CHUNK` tokens, when the
+        pages of a whole one (a quantized prompt's: its exact pages) are not free (:meth:`KVCacheManager.
+        step_tokens`). Prompts that want every
+        position's log-probability, and stores that decide once per prompt (``dca``), are prefilled whole.
         """
         chunk = self.scheduler.prefill_chunk_tokens
         budget = None if not chunk else max(MIN_PREFILL_CHUNK, chunk - decoding)
@@ -255,7 +256,7 @@ class Engine:
             logprobs = seq.want_prompt_logprobs and not seq.output_ids
             chunkable = self.kv.paged(seq) or seq.store.supports_chunked_prefill
             whole = budget is None or logprobs or not chunkable
-            n = left if whole else min(left, budget)
+            n = left if whole else self.kv.step_tokens(seq, min(left, budget), self.running)
             res = self._reserve(seq, n)
             if res is None:
                 continue

@@ -7,6 +7,19 @@ sequence that finished or was preempted). Backends without a page layout (``dca`
 native-MLA model, which keep per-sequence stores) are charged pages for their store's upper bound at
 admission, so every backend draws from the one budget.
 
+Admission charges a paged sequence what it holds once its context is written (:meth:`KVCacheManager.
+stored_pages`): for an int8-family backend its quantized pages plus the exact pages of its residual window,
+not the exact pages a prefill chunk passes through. A step writes every new token into exact pages first and
+quantizes its whole groups from there (the chunk's later tokens read the drained ones exact:
+:class:`cache_backends.paged.StepMeta`), so a prefill step of ``n`` tokens holds, for the length of the step,
+the exact pages of ``n`` tokens and of the residual window before them on top of the quantized pages. The
+engine prefills one sequence at a time (reserve, forward, commit, then the next), so at most one sequence is
+ever above its stored form: the scheduler keeps free once, not per sequence, the largest
+:meth:`KVCacheManager.transient_pages` of the sequences still prefilling, the bound for a step of
+:data:`MIN_PREFILL_CHUNK` tokens; a step runs longer (up to ``prefill_chunk_tokens``) only where the pages are
+free beyond every other sequence's charge (:meth:`KVCacheManager.step_tokens`). ``elastic``, whose tier fills
+on demand, is charged as if compressed down to its window (the least it can hold).
+
 Prefix caching (``KV_PREFIX_CACHING``, on by default): every full block a paged sequence writes is registered
 under its chained hash (:mod:`server.engine.prefix_cache`); at admission a sequence takes the longest run of
 cached blocks its context starts with, and prefills only the rest. An int8-family backend shares its
@@ -24,13 +37,14 @@ from dataclasses import dataclass
 import torch
 
 from cache_backends.base import KVBackend
-from cache_backends.page_plan import Plan, SeqBlocks
+from cache_backends.page_plan import NULL_PAGE, Plan, SeqBlocks
 from cache_backends.paged import PageLayout
 from server.engine.block_manager import BlockManager
 from server.engine.prefix_cache import extend_hashes, root_key
 from server.engine.sequence import Sequence
 
 WATERMARK = 0.01  # share of the pool admission keeps free for running sequences' next blocks (vLLM's default)
+MIN_PREFILL_CHUNK = 64  # prompt tokens a chunked prefill step writes at least (while that many are left)
 
 
 def page_layouts(backends: dict[str, KVBackend], dtype: torch.dtype, block_size: int) -> tuple[int, dict]:
@@ -159,27 +173,116 @@ class KVCacheManager:
         """Whether ``seq`` could finish with the pool to itself (:meth:`pages_to_finish`)."""
         return self.pages_to_finish(seq) <= self.blocks.usable_pages
 
+    def _prefill_start(self, seq: Sequence) -> SeqBlocks:
+        """The tables ``seq``'s remaining prefill starts from: its own once started, else its prefix-cache hit
+        (``seq.prefix_hit``, from :meth:`admission_cost`) or none."""
+        if seq.blocks is not None:
+            return seq.blocks
+        return self.layouts[seq.backend_name].cached_prefix(getattr(seq, "prefix_hit", None) or [])
+
+    def _stored(self, seq: Sequence) -> SeqBlocks:
+        """The tables (null pages) ``seq`` has once its whole context is written: :meth:`stored_pages`."""
+        layout, start = self.layouts[seq.backend_name], self._prefill_start(seq)
+        blocks = SeqBlocks(list(start.exact), start.start, start.exact_len, list(start.q), start.q_len)
+        left = len(seq.context_ids) - blocks.tokens
+        if left > 0:
+            plan = layout.plan(blocks, left)
+            layout.extend(blocks, plan, [NULL_PAGE] * plan.new_exact_pages, [NULL_PAGE] * plan.new_q_pages)
+            layout.commit(blocks, plan)
+        if layout.on_demand:
+            plan = layout.plan_compress(blocks, layout.compressible(blocks))
+            layout.extend(blocks, plan, [], blocks.exact[: plan.new_q_pages])
+            layout.commit(blocks, plan)
+        return blocks
+
+    def stored_pages(self, seq: Sequence) -> int:
+        """Pages paged ``seq`` holds once its whole context is written, its prefix-cache hit's pages included: for
+        an int8-family backend ``ceil(q / q_tokens)`` quantized pages (``q``: its whole groups of ``group_size``
+        that leave at least ``residual`` tokens exact) plus the exact pages of the rest (the residual window); an
+        on-demand tier (``elastic``) compressed down to its window (the least it can hold); ``full`` the exact
+        pages of every token. Independent of how the context is chunked (a group is drained as soon as
+        ``residual`` newer tokens exist, and exact pages are aligned to positions)."""
+        return len(self._stored(seq).pages())
+
+    def min_step(self, seq: Sequence) -> int | None:
+        """The fewest tokens a chunked prefill step of ``seq`` writes while that many are left (``None``: its
+        context is written in one step): :data:`MIN_PREFILL_CHUNK`, or the engine's chunk if smaller."""
+        chunk = self.prefill_chunk(seq)
+        return None if chunk is None else min(chunk, MIN_PREFILL_CHUNK)
+
+    def step_tokens(self, seq: Sequence, n: int, running: list[Sequence]) -> int:
+        """The tokens running ``seq``'s next chunked prefill step writes, at most ``n``: ``n`` if its pages are free
+        beyond what the other running sequences still need for their stored form (:meth:`pending`) and the
+        watermark, else the most that are, but never fewer than :meth:`min_step` (whose pages admission keeps
+        free: :meth:`transient_pages`). A shorter step writes the same tokens over more steps: the stored form
+        and every token's K/V are those of any chunking (:class:`cache_backends.paged.StepMeta`)."""
+        if not self.paged(seq) or n <= 1:
+            return n
+        others = [s for s in running if s is not seq]
+        room = self.blocks.num_free - sum(self.pending(s) for s in others) - (self.watermark if others else 0)
+        lo = min(n, self.min_step(seq) or n)
+        if self.pages_needed(seq, n) <= room or self.pages_needed(seq, lo) > room:
+            return n if self.pages_needed(seq, n) <= room else lo
+        hi = n  # pages_needed grows with the tokens: the most in (lo, n) that fit
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.pages_needed(seq, mid) <= room else (lo, mid)
+        return lo
+
+    def transient_pages(self, seq: Sequence) -> int:
+        """A bound on the pages ``seq``'s remaining prefill holds above :meth:`stored_pages` during one step of
+        :meth:`min_step` tokens (the engine takes a longer one only where its pages are free beyond every charge:
+        :meth:`step_tokens`; the steps are cut anywhere, as the step budget is shared with the decoding sequences
+        and the prefills before it): a step writes its ``n`` tokens into exact pages before it
+        quantizes their whole groups (:class:`cache_backends.paged.StepMeta` reads the drained tokens exact), so
+        it holds at most the final quantized pages ``Q`` plus ``ceil((exact_tokens - 1 + W + n) / exact_tokens)``
+        exact pages (``W``: the most exact tokens held between steps, ``residual + group_size - 1``, or an
+        on-demand tier's ``window + group_size - 1``), never more than the exact pages of every token left, and
+        its first step exactly what its plan says; at most the pool's usable pages. The bound less the stored
+        form; 0 once prefilled, for a per-sequence store (charged its bound already) and for a layout without a
+        quantized tier (it stores every token it writes). A prompt that wants every position's log-probability
+        is written in one step."""
+        if not self.paged(seq) or seq.prefilled >= len(seq.context_ids):
+            return 0
+        layout, start = self.layouts[seq.backend_name], self._prefill_start(seq)
+        if not layout.quantize:
+            return 0
+        left = len(seq.context_ids) - start.tokens
+        chunk = min(self.min_step(seq) or left, left)
+        first = len(start.pages()) + layout.plan(start, chunk).pages_needed
+        stored, te = self._stored(seq), layout.exact_tokens
+        if self.min_step(seq) is None:
+            return max(0, first - len(stored.pages()))
+        q = layout.quantize
+        window = (q["window"] if layout.on_demand else q["residual"]) + q["group_size"] - 1
+        exact = min(math.ceil((te - 1 + window + chunk) / te), math.ceil((start.start + start.exact_len + left) / te))
+        # at most the pool: a sequence that fits alone (:meth:`fits_alone`) is admitted to an empty pool
+        peak = min(max(first, len(stored.q) + exact), self.blocks.usable_pages)
+        return max(0, peak - len(stored.pages()))
+
     def admission_cost(self, seq: Sequence) -> int:
-        """Pages ``seq`` needs to be admitted: those of the tokens it prefills (its prompt, or on readmission
-        after a preemption its prompt and the tokens it had generated), less the cached blocks it starts with
-        (:meth:`lookup`, kept on ``seq.prefix_hit`` for :meth:`start`) unless no sequence holds them now."""
+        """Pages charged to admit ``seq``: what it holds once the tokens it prefills (its prompt, or on
+        readmission after a preemption its prompt and the tokens it had generated) are written
+        (:meth:`stored_pages`), less the cached blocks it starts with (:meth:`lookup`, kept on ``seq.prefix_hit``
+        for :meth:`start`) unless no sequence holds them now; a per-sequence store: its upper bound. A prefill
+        step's transient exact pages are not in it (:meth:`transient_pages`: the scheduler keeps the largest
+        free once)."""
         seq.prefix_hit = self.lookup(seq)
-        if not seq.prefix_hit:
+        if not self.paged(seq):
             return self.pages_for(seq, len(seq.context_ids))
-        layout = self.layouts[seq.backend_name]
-        hit = layout.cached_prefix(seq.prefix_hit)
-        most = layout.pages_for(len(seq.context_ids) - hit.tokens, self.prefill_chunk(seq), hit)
-        return most - len(seq.prefix_hit) + self.blocks.evictable_among(seq.prefix_hit)
+        stored = self.stored_pages(seq)
+        if not seq.prefix_hit:
+            return stored
+        return stored - len(seq.prefix_hit) + self.blocks.evictable_among(seq.prefix_hit)
 
     def pending(self, seq: Sequence) -> int:
-        """Pages a running sequence still needs to finish its prefill (0 once decoding)."""
+        """Pages a running sequence still needs to hold its whole context in stored form (:meth:`stored_pages`
+        less what it holds; 0 once decoding); its next steps' transient pages are :meth:`transient_pages`."""
         if seq.prefilled >= len(seq.context_ids):
             return 0
-        layout = self.layouts.get(seq.backend_name)
-        if layout is None:
+        if not self.paged(seq):
             return max(0, self.pages_for(seq, len(seq.context_ids)) - self.held(seq))
-        return max(0, layout.pages_for(len(seq.context_ids) - seq.prefilled, self.prefill_chunk(seq), seq.blocks,
-                                       compress=layout.on_demand) - self.held(seq))
+        return max(0, self.stored_pages(seq) - self.held(seq))
 
     # ---- prefix cache ---------------------------------------------------------------------------------
     def caches_backend(self, name: str) -> bool:

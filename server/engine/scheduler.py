@@ -1,8 +1,15 @@
 """Admission and preemption: which sequences run, against the batch size and the pool's free pages (no tensors).
 
-A waiting sequence is admitted when the batch has room (``max_batch_size``) and the pages of the tokens it
-must prefill — its prompt, or after a preemption its prompt and what it had generated — fit in the free
-pages, less a small watermark (1% of the pool) and less what the sequences still prefilling will take.
+A waiting sequence is admitted when the batch has room (``max_batch_size``) and the pages it will hold once
+the tokens it must prefill are written — its prompt, or after a preemption its prompt and what it had
+generated, in their stored form (:meth:`KVCacheManager.stored_pages`: an int8-family backend's quantized pages
+and residual window, not the exact pages a chunk passes through) — fit in the free pages, less a small
+watermark (1% of the pool), less what the sequences still prefilling will hold, and less one transient: the
+most pages any one prefill step of :data:`server.engine.kv_cache.MIN_PREFILL_CHUNK` tokens of the sequences
+still prefilling (the new one included) holds above its stored form (:meth:`KVCacheManager.transient_pages`,
+the step's exact pages until it drains them; the engine shortens a step to that when a longer one's pages are
+not free). One suffices, as the engine prefills one sequence at a time and commits its step (freeing its
+drained pages) before the next.
 Nothing is reserved for tokens not yet generated: decode takes a page when a block fills, and when none is
 free the engine preempts a sequence (vLLM's recompute preemption; which one: below): its pages are freed and
 it goes back to the front of the queue. Admission is first come, first served; a sequence that
@@ -59,14 +66,29 @@ class Scheduler:
         groups = {s.request_group for s in waiting} | {s.request_group for s in running}
         return self.max_batch_size if len(groups) < 2 else max(1, self.max_batch_size // 2)
 
+    def transient(self, running: list[Sequence]) -> int:
+        """Pages kept free for the running prefills' steps: the largest :meth:`KVCacheManager.transient_pages`
+        among them (one step runs at a time), 0 when none is prefilling."""
+        return max((self.kv.transient_pages(s) for s in running), default=0)
+
     def free_pages(self, running: list[Sequence]) -> int:
-        """Pages a newly admitted sequence may take: the free ones less what running prefills still need, less
-        the watermark, plus what compressing running ``elastic`` sequences would free."""
-        free = self.kv.blocks.num_free - sum(self.kv.pending(s) for s in running)
+        """Pages a newly admitted sequence may hold in stored form: the free ones less what running prefills still
+        need (:meth:`KVCacheManager.pending`) and the largest of their transients (:meth:`transient`), less the
+        watermark, plus what compressing running ``elastic`` sequences would free. A sequence whose own
+        transient exceeds the running ones' takes the difference too (:meth:`cost`)."""
+        free = self.kv.blocks.num_free - sum(self.kv.pending(s) for s in running) - self.transient(running)
         if running:
             free -= self.kv.watermark
             free += self.kv.compressible_pages(running)
         return free
+
+    def cost(self, seq: Sequence, transient: int) -> tuple[int, int]:
+        """What admitting waiting ``seq`` takes from :meth:`free_pages` while ``transient`` pages are kept for one
+        prefill step: its :meth:`KVCacheManager.admission_cost` plus what its own transient adds to ``transient``;
+        and the transient kept once it is admitted."""
+        need = self.kv.admission_cost(seq)  # first: it looks up seq's prefix-cache hit, which the transient reads
+        own = self.kv.transient_pages(seq)
+        return need + max(0, own - transient), max(own, transient)
 
     @staticmethod
     def _order(waiting: deque[Sequence], running: list[Sequence]) -> list[Sequence]:
@@ -80,17 +102,17 @@ class Scheduler:
         arrival order; a sequence whose request holds its fair share already is passed over, and keeps its
         place)."""
         admitted: list[Sequence] = []
-        free = self.free_pages(running)
+        free, transient = self.free_pages(running), self.transient(running)
         share, held = self.share(waiting, running), Counter(s.request_group for s in running)
         for seq in self._order(waiting, running):
             if len(running) + len(admitted) >= self.max_batch_size:
                 break
             if held[seq.request_group] >= share:
                 continue
-            need = self.kv.admission_cost(seq)
+            need, after = self.cost(seq, transient)
             if need > free:
                 break
-            free -= need
+            free, transient = free - need, after
             held[seq.request_group] += 1
             waiting.remove(seq)
             admitted.append(seq)
@@ -112,7 +134,7 @@ class Scheduler:
             share = self.share(waiting, running)
             over = [s for s in running if held[s.request_group] > share]
             return over[-1] if over else None
-        if self.kv.admission_cost(starved) <= self.free_pages(running):
+        if self.cost(starved, self.transient(running))[0] <= self.free_pages(running):
             return None
         wide = self._widest(running)
         if wide is None or wide[0] <= self.page_share(waiting, running):
