@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from cache_backends.spec import default_gqa_groups
+
 
 def full_bytes_per_token_per_layer(num_key_value_heads: int, head_dim: int, dtype_bytes: int) -> int:
     """Exact K and V: ``2 * num_key_value_heads * head_dim * dtype_bytes``."""
@@ -164,12 +166,12 @@ PRESETS: dict[str, Shape] = {
 
 def default_params(shape: Shape, backend: str) -> dict:
     """The options the sums use for ``backend`` (or each part of a composition) when a spec leaves them out:
-    gqa num_key_value_heads / 4 groups; mla the model's kv_lora_rank and rope width, else
+    gqa num_key_value_heads / 4 groups (the largest divisor up to that); mla the model's kv_lora_rank and rope width, else
     2 * num_key_value_heads * head_dim / 8 and no rope part; int8 group size 32 and residual 32 tokens
     (int4 the same, with 4-bit keys and values); dca half the layers reused."""
     h, dk, dv = shape.num_key_value_heads, shape.k_head_dim, shape.v_head_dim
     per_part = {
-        "gqa": {"groups": max(1, h // 4)},
+        "gqa": {"groups": default_gqa_groups(h)},
         "mla": {"rank": shape.kv_lora_rank or (h * (dk + dv)) // 8,
                 "rope_dim": shape.rope_dim if shape.kv_lora_rank else 0},
         "int8": {"group_size": 32, "residual": 32},

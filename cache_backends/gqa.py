@@ -30,6 +30,7 @@ import torch
 from cache_backends.base import KVBackend, ModelGeometry, StreamPairLayer
 from cache_backends.int8 import attend_stored, make_storage, quant_spec, storage_reserved_bytes
 from cache_backends.paged import StreamSpec, attend_pair
+from cache_backends.spec import default_gqa_groups
 
 METHODS = ("pca", "mean")
 FIT_VERSION = 1  # of the calibration cache entry (bump when the fit changes)
@@ -184,7 +185,7 @@ class GQABackend(KVBackend):
     Args:
         geometry: the model's attention shape.
         groups: shared K/V heads kept per layer (``KV_GQA_GROUPS``); must divide num_key_value_heads.
-            Default num_key_value_heads // 4 (at least 1).
+            Default: the largest divisor of num_key_value_heads up to a quarter of it (at least 1).
         method: ``pca`` (calibrated) or ``mean`` (``KV_GQA_METHOD``).
 
     Raises:
@@ -195,7 +196,7 @@ class GQABackend(KVBackend):
 
     def __init__(self, geometry: ModelGeometry, groups: int | None = None, method: str = "pca",
                  quantize: dict | None = None):
-        groups = max(1, geometry.num_key_value_heads // 4) if groups is None else groups
+        groups = default_gqa_groups(geometry.num_key_value_heads) if groups is None else groups
         if groups < 1 or geometry.num_key_value_heads % groups:
             raise ValueError(f"KV_GQA_GROUPS={groups} must divide num_key_value_heads="
                              f"{geometry.num_key_value_heads}")

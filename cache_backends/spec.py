@@ -28,6 +28,13 @@ OPTIONS: dict[str, tuple[type, float | tuple[str, ...] | None]] = {
 }
 
 
+def default_gqa_groups(num_key_value_heads: int) -> int:
+    """gqa's default shared K/V heads per layer: the largest divisor of ``num_key_value_heads`` that is at most a
+    quarter of it (at least 1), e.g. 2 of 8, 1 of 3, 1 of 9 (a plain ``heads // 4`` would not divide 9)."""
+    quarter = max(1, num_key_value_heads // 4)
+    return max(g for g in range(1, quarter + 1) if num_key_value_heads % g == 0)
+
+
 def _value(key: str, text: str, spec: str):
     kind, low = OPTIONS.get(key, (None, None))
     if kind is bool:

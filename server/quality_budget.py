@@ -29,7 +29,9 @@ The search keeps the chosen setting's calibration price within :data:`SEARCH_HEA
 price measured on a few hundred calibration tokens moves on other text (on SmolLM2-135M, an ``mla`` rank priced at
 +1.0% on calibration text cost +1.2% on held-out text), and the budget is a promise about the text served.
 
-One rank (or group count) serves every layer: the paged pool lays out one latent width per block.
+One rank (or group count) serves every layer: the paged pool lays out one latent width per block, and per-layer
+ranks of the same total width, measured on SmolLM2-135M (``python -m bench.mla_layer_ranks``), were not cheaper on
+both calibration and held-out text at any width.
 
 A setting that saves less than :data:`MIN_SAVING` of ``full``'s bytes within the budget is reported as saving
 nothing (logged as a warning, in ``/info``'s ``kv_quality`` and on the page); a setting given explicitly is kept

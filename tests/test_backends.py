@@ -275,3 +275,15 @@ def test_rotation_lowers_4bit_error_on_an_outlier_channel():
         store.append(x)
         err[rotate] = ((store.read() - x)[..., [c for c in range(64) if c != 5]] ** 2).mean().item()
     assert err[True] < err[False] / 4, err
+
+
+@pytest.mark.parametrize("heads, groups", [(1, 1), (3, 1), (8, 2), (9, 1), (12, 3), (16, 4)])
+def test_gqa_default_groups_divide_the_heads(heads, groups):
+    """A model whose K/V head count has no divisor at a quarter of it (the MHA twin's 9) still gets a default gqa
+    (``heads // 4`` = 2 does not divide 9), and the sums use the same default."""
+    from cache_backends.estimate import Shape, default_params
+
+    g = ModelGeometry(num_layers=2, num_attention_heads=heads, num_key_value_heads=heads, head_dim=8, dtype_bytes=4)
+    assert create("gqa", g).groups == groups
+    shape = Shape(num_layers=2, num_key_value_heads=heads, k_head_dim=8, v_head_dim=8)
+    assert default_params(shape, "gqa")["groups"] == groups
