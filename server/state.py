@@ -123,9 +123,16 @@ class ServerState:
     in_flight: int = 0
     """Generation requests in flight (:class:`server.middleware.InFlight`)."""
 
+    exit_on_fatal: bool = False
+    """Stop the server (SIGINT to this process; ``kvserve serve`` then exits 1 naming ``load_error``) when the engine
+    core process dies (``ENGINE_PROCESS``)."""
+
     def load(self) -> None:
         """Load the model and start the engine (runs in a background thread at start-up)."""
         s = self.settings
+        if s.engine_process:
+            self._load_core()
+            return
         if s.torch_num_threads:
             import torch
 
@@ -176,6 +183,44 @@ class ServerState:
             "kv_cache_budget_bytes": s.kv_cache_budget_bytes, **engine.kv.info(), "version": __version__,
         }
         self.service = GenerationService(engine, tokenizer, limits, s.kv_backend, prefix_caching=s.kv_prefix_caching)
+
+    def _load_core(self) -> None:
+        """``ENGINE_PROCESS``: start the engine core process (it loads the model and the backends) and serve
+        through it (:class:`server.engine.core_client.CoreClient`)."""
+        from server.engine.core_client import CoreClient
+
+        s = self.settings
+        self.loading = "the engine core process is loading the model and preparing the KV backends"
+        client = CoreClient(s, on_death=self._core_died)
+        try:
+            ready = client.start()
+        except BaseException:
+            client.stop()
+            raise
+        self.model_names = s.model_names(s.model_id, *([Path(s.model_id).name] if Path(s.model_id).exists() else []))
+        self.model_name = self.model_names[0]
+        max_input, max_total = s.token_limits(ready.max_position_embeddings)
+        self.engine = client
+        self.info = {
+            "model_id": self.model_name, "model_path": s.model_id, "kv_backend": s.kv_backend,
+            "kv_backends": ready.backends, "max_input_tokens": max_input, "max_total_tokens": max_total,
+            "max_stop_sequences": s.max_stop_sequences, "max_batch_size": s.max_batch_size,
+            "max_concurrent_requests": s.max_concurrent_requests, "served_model_names": self.model_names,
+            "shutdown_grace_seconds": s.shutdown_grace_seconds, "kv_cache_budget_bytes": s.kv_cache_budget_bytes,
+            **ready.info, "engine_process": True, "version": __version__,
+        }
+        self.service = GenerationService(client, client.tokenizer, Limits(max_input, max_total, s.max_stop_sequences),
+                                         s.kv_backend, prefix_caching=s.kv_prefix_caching)
+
+    def _core_died(self, reason: str) -> None:
+        """The engine core process is gone: ``/health`` answers 503 with ``reason``, and the server stops."""
+        self.load_error = reason
+        self.service = None
+        if self.exit_on_fatal:
+            import os
+            import signal
+
+            os.kill(os.getpid(), signal.SIGINT)
 
     def shutdown(self) -> None:
         if self.engine is not None:

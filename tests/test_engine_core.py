@@ -10,7 +10,8 @@ import pytest
 import zmq
 
 from server.engine import messages as m
-from server.engine.core import EngineCore, sampling_fields, sampling_params
+from server.engine.core import EngineCore, sampling_params
+from server.engine.core_client import sampling_fields
 from server.engine.sampling import SamplingParams
 from tests.engine_helpers import make_engine, make_seq, run_all
 

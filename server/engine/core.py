@@ -48,8 +48,6 @@ log = logging.getLogger("kvserve.core")
 
 IDLE_POLL_MS = 100
 """How long the loop blocks on its socket while nothing is queued or running (milliseconds)."""
-SETTINGS_ENV = "KVSERVE_CORE_SETTINGS"
-"""The environment variable that carries the settings (JSON) to a core process."""
 
 
 class NullDetokenizer:
@@ -68,17 +66,11 @@ class NullDetokenizer:
 
 
 def sampling_params(s: m.Sampling) -> SamplingParams:
-    """The :class:`SamplingParams` of a message's plain fields."""
+    """The :class:`SamplingParams` of a message's plain fields (inverse of
+    :func:`server.engine.core_client.sampling_fields`)."""
     fields = {name: getattr(s, name) for name in s.__struct_fields__}
     fields["logit_bias"] = tuple((int(t), float(b)) for t, b in s.logit_bias)
     return SamplingParams(**fields)
-
-
-def sampling_fields(p: SamplingParams) -> m.Sampling:
-    """The plain fields of ``p`` (inverse of :func:`sampling_params`)."""
-    fields = {name: getattr(p, name) for name in m.Sampling.__struct_fields__}
-    fields["logit_bias"] = [tuple(pair) for pair in p.logit_bias]
-    return m.Sampling(**fields)
 
 
 def finished(seq: Sequence, reason: FinishReason, error: str | None) -> m.Finished:
@@ -271,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     from server.config import Settings
 
     in_addr, out_addr = (argv if argv is not None else sys.argv[1:])[:2]
-    settings = Settings.model_validate_json(os.environ[SETTINGS_ENV])
+    settings = Settings.model_validate_json(os.environ[m.SETTINGS_ENV])
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parent = os.getppid()
     ctx = zmq.Context()

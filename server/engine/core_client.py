@@ -29,9 +29,9 @@ from dataclasses import dataclass
 import zmq
 
 from server.engine import messages as m
-from server.engine.core import SETTINGS_ENV, sampling_fields
 from server.engine.detokenize import IncrementalDetokenizer
 from server.engine.engine import Overloaded
+from server.engine.sampling import SamplingParams
 from server.engine.sequence import FinishReason, Sequence, TokenEvent
 
 log = logging.getLogger("kvserve.core_client")
@@ -40,6 +40,13 @@ READY_TIMEOUT_S = 1800.0
 """Longest wait for the core's ``Ready`` (seconds): loading, calibrating and pricing the backends takes minutes."""
 POLL_MS = 100
 """How often the reader looks whether the core process is still alive while it sends nothing (milliseconds)."""
+
+
+def sampling_fields(p: SamplingParams) -> m.Sampling:
+    """The plain fields of ``p`` for an :class:`~server.engine.messages.AddRequest`."""
+    fields = {name: getattr(p, name) for name in m.Sampling.__struct_fields__}
+    fields["logit_bias"] = [tuple(pair) for pair in p.logit_bias]
+    return m.Sampling(**fields)
 
 
 class CoreDied(RuntimeError):
@@ -110,7 +117,7 @@ class CoreClient:
         """
         from transformers import AutoTokenizer
 
-        env = {**os.environ, SETTINGS_ENV: self.settings.model_dump_json()}
+        env = {**os.environ, m.SETTINGS_ENV: self.settings.model_dump_json()}
         self.proc = subprocess.Popen([sys.executable, "-m", "server.engine.core", f"ipc://{self._dir}/in",
                                       f"ipc://{self._dir}/out"], env=env)
         self.tokenizer = AutoTokenizer.from_pretrained(self.settings.model_id)

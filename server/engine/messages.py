@@ -18,6 +18,10 @@ from typing import Union
 import msgspec
 
 
+SETTINGS_ENV = "KVSERVE_CORE_SETTINGS"
+"""The environment variable that carries the server's settings (JSON) to a core process."""
+
+
 class Sampling(msgspec.Struct, frozen=True):
     """The plain fields of :class:`server.engine.sampling.SamplingParams` (same names and meanings; ``logit_bias``
     as a list of ``(token_id, bias)`` pairs; ``min_tokens`` and ``ignore_eos`` are the end-of-text handling)."""
