@@ -78,7 +78,7 @@ def children(pid: int) -> list[int]:
     return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
-def test_the_core_dying_ends_the_stream_with_an_error_and_the_server_exits_1():
+def test_zz_the_core_dying_ends_the_stream_with_an_error_and_the_server_exits_1():
     srv = RunningServer({**ENV, "ENGINE_PROCESS": "true"})
     try:
         (core_pid,) = children(srv.proc.pid)
@@ -98,7 +98,7 @@ def test_the_core_dying_ends_the_stream_with_an_error_and_the_server_exits_1():
         srv.stop()
 
 
-def test_health_is_503_once_the_core_is_gone():
+def test_zz_health_is_503_once_the_core_is_gone():
     from fastapi.testclient import TestClient
 
     from server.app import create_app
@@ -115,3 +115,43 @@ def test_health_is_503_once_the_core_is_gone():
             time.sleep(0.05)
         r = client.get("/health")
         assert r.status_code == 503 and "the engine core process was killed by signal 9" in r.text
+
+
+def test_info_is_the_in_process_servers(inproc, core):
+    a, b = httpx.get(inproc.url + "/info", timeout=10).json(), httpx.get(core.url + "/info", timeout=10).json()
+    assert b == a
+
+
+def counters_and_gauges(srv) -> dict[str, float]:
+    """The scrape less what depends on timing (histograms' buckets and sums) and on the process (``process_``)."""
+    return {k: v for k, v in srv.metrics().items() if k.startswith("kvserve_") and "_bucket" not in k
+            and "_sum" not in k and "_created" not in k}
+
+
+def settled(srv, predicate) -> dict[str, float]:
+    deadline = time.time() + 10
+    while not predicate(got := counters_and_gauges(srv)) and time.time() < deadline:
+        time.sleep(0.1)
+    return got
+
+
+def test_metrics_are_the_in_process_servers(inproc, core):  # after the same requests on both
+    a, b = counters_and_gauges(inproc), counters_and_gauges(core)
+    assert a["kvserve_requests_total" + '{backend="full",finish_reason="length",model="%s"}' % MODEL_DIR] >= 4
+    assert {k: (a.get(k), b.get(k)) for k in a.keys() | b.keys() if a.get(k) != b.get(k)} == {}
+
+
+def test_a_departed_client_is_counted_cancelled_and_its_kv_freed(core):
+    label = '{backend="full",model="%s"}' % MODEL_DIR
+    cancelled = "kvserve_requests_total" + '{backend="full",finish_reason="cancelled",model="%s"}' % MODEL_DIR
+    before = counters_and_gauges(core)
+    with httpx.stream("POST", core.url + "/generate_stream", timeout=60,
+                      json={"inputs": "And God said", "parameters": {"max_new_tokens": 900}}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                assert counters_and_gauges(core)["kvserve_kv_cache_bytes" + label] > 0
+                break
+    after = settled(core, lambda m: m[cancelled] > before[cancelled])
+    assert after[cancelled] == before[cancelled] + 1
+    assert after["kvserve_kv_cache_bytes" + label] == 0 and after["kvserve_requests_running" + label] == 0
+    assert after["kvserve_generation_tokens_total" + label] - before["kvserve_generation_tokens_total" + label] < 300

@@ -21,10 +21,17 @@ Design (issue 30, item 1; the first part):
 * **In-process mode** stays exactly as before: :class:`Engine` with its thread and the ``Sequence.emit`` callback
   (``ENGINE_PROCESS=false``, the default; tests and benchmarks step the engine directly).
 
-Not carried through the core yet: the Prometheus metrics (the core runs without a recorder; its
-:class:`~server.engine.messages.CoreStats` are sent but not yet fed to :class:`server.metrics.Recorder`),
-``/info``'s calibration and quality figures, the built-in page's live panel, and a SIGTERM drain that waits
-for the core (``Drain`` exists, the server does not send it yet).
+* **Metrics.** The HTTP process owns Prometheus. The core's engine records into a :class:`CoreRecorder`, which keeps
+  plain numbers: each step's output carries the counted events (prefix-cache lookups, compressions, preemptions),
+  the requests whose prefill finished, and the live gauges' numbers (:class:`~server.engine.messages.CoreStats`);
+  the client replays them into :class:`server.metrics.Recorder`, and counts each finished request from its
+  ``Finished`` and the times it saw (TTFT, ITL: when the tokens reached the HTTP process).
+
+* ``/info``: the core sends its part (model dtype and device, the backends' parameters, quality choices,
+  calibration events, KV sizes, the pool's shape) in ``Ready``; the HTTP process adds the settings and limits.
+
+Not carried through the core yet: the built-in page's model shape (the ``/ui`` routes that read the model's
+config from ``state.engine.runner``). On shutdown the server aborts what is left and sends ``Drain``.
 
 Run: ``python -m server.engine.core IN_ADDR OUT_ADDR`` with the settings as JSON in ``KVSERVE_CORE_SETTINGS``
 (the client, :class:`server.engine.core_client.CoreClient`, starts it so).
@@ -82,6 +89,50 @@ def finished(seq: Sequence, reason: FinishReason, error: str | None) -> m.Finish
                       preemptions=seq.preemptions, timings=m.Timings(t.prefill_start, t.first_token, t.last_token))
 
 
+class CoreRecorder:
+    """The core's engine recorder: what :class:`server.metrics.Recorder` would be told, kept as plain numbers for
+    the step's output (the HTTP process replays them into its own ``Recorder``, :mod:`server.engine.core_client`).
+    A finished request's own figures travel in its :class:`~server.engine.messages.Finished`."""
+
+    def __init__(self):
+        self.counters: list[m.Counter] = []
+        self.prefilled: list[tuple[str, float]] = []
+        self.state: tuple | None = None  # live_rows of the latest step_state
+        self.waiting: dict[str, int] = {}
+        self.usage: float | None = None
+        self.cached_blocks = 0
+
+    def prefix_cache(self, seq, queried: int, hit: int) -> None:
+        self.counters.append(m.Counter("prefix_cache", seq.backend_name, queried, hit))
+
+    def compressed(self, seq, blocks: int) -> None:
+        self.counters.append(m.Counter("compressed", seq.backend_name, blocks))
+
+    def preemption_avoided(self, seq) -> None:
+        self.counters.append(m.Counter("preemption_avoided", seq.backend_name))
+
+    def preempted(self, seq) -> None:
+        self.counters.append(m.Counter("preempted", seq.backend_name))
+
+    def prefill_done(self, seq) -> None:
+        self.prefilled.append((seq.request_id, seq.times.prefill_start))
+
+    def request_done(self, seq) -> None:
+        pass  # the HTTP process counts it from the Finished message
+
+    def step_state(self, running: list, waiting: dict[str, int] | None, usage: float | None = None,
+                   cached_blocks: int | None = None) -> None:
+        from server.metrics import live_rows
+
+        self.state = live_rows(running)
+        if waiting is not None:
+            self.waiting = waiting
+        if usage is not None:
+            self.usage = usage
+        if cached_blocks is not None:
+            self.cached_blocks = cached_blocks
+
+
 class EngineCore:
     """An :class:`Engine` fed with :mod:`~server.engine.messages` and stepped by its caller (no thread of its own).
 
@@ -91,6 +142,7 @@ class EngineCore:
 
     def __init__(self, engine: Engine):
         self.engine = engine
+        self.recorder = engine.recorder = CoreRecorder()
         self.live: dict[str, Sequence] = {}
         self.draining = False
         self._new: list[m.NewToken] = []
@@ -153,18 +205,26 @@ class EngineCore:
 
     def stats(self) -> m.CoreStats:
         """The engine's queue and KV numbers now."""
-        e = self.engine
-        usage = e.kv.usage() if e.kv.blocks.usable_pages else None
+        from server.metrics import live_rows
+
+        e, r = self.engine, self.recorder
+        rows, tiers, generated = r.state if r.state is not None else live_rows(e.running)
         return m.CoreStats(running=len(e.running), waiting=len(e.waiting), kv_used_bytes=e.kv_bytes(),
-                           kv_live_bytes=e.kv_used_bytes(), kv_usage=usage, evictable_blocks=e.kv.blocks.num_evictable)
+                           kv_live_bytes=e.kv_used_bytes(), kv_usage=e.kv.usage(),
+                           evictable_blocks=e.kv.blocks.num_evictable, rows=rows,
+                           tiers=[(b, t, n) for (b, t), n in tiers.items()], generated=generated,
+                           waiting_by_backend=dict(r.waiting))
 
     def take_output(self, with_stats: bool = True) -> m.StepOutput | None:
         """What was collected since the last call, as one message (``None`` when nothing was)."""
-        if not (self._new or self._finished or self._accepted or self._rejected or with_stats):
+        r = self.recorder
+        if not (self._new or self._finished or self._accepted or self._rejected or r.counters or r.prefilled
+                or with_stats):
             return None
         out = m.StepOutput(self._new, self._finished, self._accepted, self._rejected,
-                           self.stats() if with_stats else None)
+                           self.stats() if with_stats else None, r.counters, r.prefilled)
         self._new, self._finished, self._accepted, self._rejected = [], [], [], []
+        r.counters, r.prefilled, r.state = [], [], None
         return out
 
     def step(self) -> m.StepOutput:
@@ -231,7 +291,7 @@ def load_core(settings) -> tuple[Engine, m.Ready]:
     from server.engine.setup import build_engine
     from server.model_loading import load_model, resolve_device, resolve_dtype
     from server.service import MAX_SEQUENCES_PER_REQUEST
-    from server.state import create_backends, prepare_backends
+    from server.state import create_backends, engine_info, prepare_backends
 
     s = settings
     if s.torch_num_threads:
@@ -243,8 +303,8 @@ def load_core(settings) -> tuple[Engine, m.Ready]:
     model, tokenizer = load_model(s.model_id, device, dtype)
     geometry = ModelGeometry.from_config(model.config, dtype)
     names = list(create_backends(s, geometry))
-    backends, _quality = prepare_backends(s, names, model, tokenizer, geometry,
-                                          CalibrationCache(s.kv_calibration_cache_dir))
+    cache = CalibrationCache(s.kv_calibration_cache_dir)
+    backends, quality = prepare_backends(s, names, model, tokenizer, geometry, cache)
     max_input, max_total = s.token_limits(model.config.max_position_embeddings)
     eos = model.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [tokenizer.eos_token_id])
@@ -253,8 +313,7 @@ def load_core(settings) -> tuple[Engine, m.Ready]:
                           block_size=s.kv_block_size, prefill_chunk_tokens=s.max_num_batched_tokens or None,
                           max_concurrent_requests=s.max_concurrent_requests * MAX_SEQUENCES_PER_REQUEST,
                           prefix_caching=s.kv_prefix_caching)
-    info = {"model_dtype": str(dtype).removeprefix("torch."), "model_device_type": device.type,
-            **engine.kv.info()}
+    info = engine_info(s, dtype, device, backends, quality, cache, geometry, max_total, engine.kv.info())
     return engine, m.Ready(sorted(eos_ids), names, model.config.max_position_embeddings, info)
 
 

@@ -65,6 +65,13 @@ class _Live:
     stopped: TokenEvent | None = None  # its last event, held until the core's Finished brings its stats
 
 
+@dataclass(frozen=True)
+class _Named:
+    """What the recorder reads of a sequence for a counter: its backend."""
+
+    backend_name: str
+
+
 def _resolve(fut: asyncio.Future, exc: BaseException | None) -> None:
     if not fut.done():
         if exc is None:
@@ -241,11 +248,14 @@ class CoreClient:
             self._close(e, last, last.finish_reason)
 
     def _dispatch(self, out: m.StepOutput) -> None:
-        """One StepOutput: answer the adds, then each request's token, then the finished requests."""
-        if out.stats is not None:
-            self.last_stats = out.stats
+        """One StepOutput: the metrics first (so that a finished request's KV is off the gauges before its last event
+        goes out, as in-process), answer the adds, then each request's token, then the finished requests."""
         with self._lock:
             live = dict(self._live)
+        if out.stats is not None:
+            self.last_stats = out.stats
+        if self.recorder is not None:
+            self._record(out, live)
         for rid in out.accepted:
             if (e := live.get(rid)) is not None:
                 e.loop.call_soon_threadsafe(_resolve, e.answer, None)
@@ -272,6 +282,28 @@ class CoreClient:
                 last = TokenEvent(index=len(e.seq.output_ids), token_id=-1, text="", logprob=0.0, special=True,
                                   error=f.error)
                 self._close(e, last, FinishReason(f.reason))
+
+    def _record(self, out: m.StepOutput, live: dict[str, _Live]) -> None:
+        """Replay the core's plain numbers into the Prometheus recorder (:class:`server.metrics.Recorder`)."""
+        r = self.recorder
+        for c in out.counters:
+            seq = _Named(c.backend)
+            if c.kind == "prefix_cache":
+                r.prefix_cache(seq, c.value, c.hit)
+            elif c.kind == "compressed":
+                r.compressed(seq, c.value)
+            elif c.kind == "preemption_avoided":
+                r.preemption_avoided(seq)
+            elif c.kind == "preempted":
+                r.preempted(seq)
+        for rid, start in out.prefilled:
+            if (e := live.get(rid)) is not None:
+                e.seq.times.prefill_start = start
+                r.prefill_done(e.seq)
+        st = out.stats
+        if st is not None:
+            r.publish(st.rows, {(b, t): n for b, t, n in st.tiers}, st.generated, st.waiting_by_backend,
+                      st.kv_usage, st.evictable_blocks)
 
     def _token(self, e: _Live, t: m.NewToken, fin: m.Finished | None) -> None:
         """Append, detokenize and emit one token; end the stream on the core's finish (EOS before a stop string,
@@ -322,6 +354,8 @@ class CoreClient:
         with self._lock:
             self._live.pop(e.seq.request_id, None)
         e.seq.finish_reason = reason
+        if self.recorder is not None:
+            self.recorder.request_done(e.seq)
         last.finish_reason = reason
         last.generated_text = e.detok.generated_text()
         e.seq.emit(last)

@@ -148,6 +148,11 @@ class CoreStats(msgspec.Struct, frozen=True):
         kv_live_bytes: bytes of the live sequences' cached tokens (<= ``kv_used_bytes``).
         kv_usage: fraction of the pool's pages in use (0-1), or ``None`` without a pool.
         evictable_blocks: cached blocks no sequence holds (the prefix cache's, reusable).
+        rows: by backend, ``[sequences with a store, bytes of their cached tokens, tokens, dca reuse layers,
+            bytes allocated]`` (:func:`server.metrics.live_rows`).
+        tiers: ``(backend, tier, tokens)`` the running sequences hold.
+        generated: tokens the running sequences have generated so far, by backend.
+        waiting_by_backend: queued sequences by backend.
     """
 
     running: int = 0
@@ -156,10 +161,25 @@ class CoreStats(msgspec.Struct, frozen=True):
     kv_live_bytes: int = 0
     kv_usage: float | None = None
     evictable_blocks: int = 0
+    rows: dict[str, list[int]] = {}
+    tiers: list[tuple[str, str, int]] = []
+    generated: dict[str, int] = {}
+    waiting_by_backend: dict[str, int] = {}
+
+
+class Counter(msgspec.Struct, array_like=True, frozen=True):
+    """One event the engine counted during the step, for the HTTP process's Prometheus counters: ``kind`` one of
+    ``prefix_cache`` (``value``: context tokens looked up, ``hit``: of them cached), ``compressed`` (``value``: blocks
+    freed), ``preemption_avoided``, ``preempted``; ``backend``: the sequence's KV backend."""
+
+    kind: str
+    backend: str
+    value: int = 0
+    hit: int = 0
 
 
 class StepOutput(msgspec.Struct, tag=True, frozen=True):
-    """What one engine step produced, in order: ``new`` holds each request's token of this step (a finished
+    """What one engine step produced (``counters``, ``prefilled`` and ``stats`` feed the metrics), in order: ``new`` holds each request's token of this step (a finished
     request's last token comes before its :class:`Finished`); ``accepted`` and ``rejected`` answer the
     :class:`AddRequest` read since the last output."""
 
@@ -168,6 +188,9 @@ class StepOutput(msgspec.Struct, tag=True, frozen=True):
     accepted: list[str] = []
     rejected: list[Rejected] = []
     stats: CoreStats | None = None
+    counters: list[Counter] = []
+    prefilled: list[tuple[str, float]] = []
+    """``(request_id, prefill_start)`` of the requests whose prompt was written this step (first time only)."""
 
 
 class Ready(msgspec.Struct, tag=True, frozen=True):
