@@ -141,6 +141,8 @@ class ServerState:
     in_flight: int = 0
     """Generation requests in flight (:class:`server.middleware.InFlight`)."""
 
+    model_config: dict = field(default_factory=dict)
+    """The served model's config (``config.json``'s fields; the built-in page's model shape)."""
     exit_on_fatal: bool = False
     """Stop the server (SIGINT to this process; ``kvserve serve`` then exits 1 naming ``load_error``) when the engine
     core process dies (``ENGINE_PROCESS``)."""
@@ -183,6 +185,7 @@ class ServerState:
         recorder.cache_config(engine.kv.info())
         engine.start()
         self.engine = engine
+        self.model_config = model.config.to_dict()
         self.info = {**self.server_info(max_input, max_total, names),
                      **engine_info(s, dtype, device, self.backends, self.quality, cache, geometry, max_total,
                                    engine.kv.info()), "version": __version__}
@@ -207,6 +210,7 @@ class ServerState:
         client.recorder = Recorder(self.metrics, self.model_name, ready.backends)
         client.recorder.cache_config(ready.info)
         self.engine = client
+        self.model_config = ready.model_config
         self.info = {**self.server_info(max_input, max_total, ready.backends), **ready.info, "version": __version__}
         self.service = GenerationService(client, client.tokenizer, Limits(max_input, max_total, s.max_stop_sequences),
                                          s.kv_backend, prefix_caching=s.kv_prefix_caching)

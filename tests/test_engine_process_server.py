@@ -117,6 +117,19 @@ def test_zz_health_is_503_once_the_core_is_gone():
         assert r.status_code == 503 and "the engine core process was killed by signal 9" in r.text
 
 
+def test_the_pages_routes_are_the_in_process_servers(inproc, core):
+    body = {"prompt": "And God said", "kv_backend": "full", "max_new_tokens": 10}
+    a = httpx.post(inproc.url + "/ui/api/generate", json=body, timeout=60)
+    b = httpx.post(core.url + "/ui/api/generate", json=body, timeout=60)
+    assert a.status_code == b.status_code == 200, b.text
+    timing = ("ttft_s", "tpot_s", "e2e_s", "latency_s")
+    a, b = ({k: v for k, v in r.json().items() if k not in timing and not k.endswith("_s")} for r in (a, b))
+    assert without_times(b) == without_times(a) and b["kv_peak_bytes"] > 0
+    sums = [httpx.get(srv.url + "/ui/api/sums", params={"seq_len": 4096, "batch": 8}, timeout=10).json()
+            for srv in (inproc, core)]
+    assert sums[0] == sums[1]
+
+
 def test_info_is_the_in_process_servers(inproc, core):
     a, b = httpx.get(inproc.url + "/info", timeout=10).json(), httpx.get(core.url + "/info", timeout=10).json()
     assert b == a

@@ -30,8 +30,12 @@ Design (issue 30, item 1; the first part):
 * ``/info``: the core sends its part (model dtype and device, the backends' parameters, quality choices,
   calibration events, KV sizes, the pool's shape) in ``Ready``; the HTTP process adds the settings and limits.
 
-Not carried through the core yet: the built-in page's model shape (the ``/ui`` routes that read the model's
-config from ``state.engine.runner``). On shutdown the server aborts what is left and sends ``Drain``.
+* ``/ui``: the page's routes read the model's config from ``ServerState.model_config``, which ``Ready`` carries.
+* **Shutdown.** SIGTERM drains in the HTTP process as before; at the end the client aborts what is left, sends
+  ``Drain`` and waits for the core to exit.
+
+Not carried yet: restarting a core that died (the server exits 1 instead), and the other parts of issue 30 (the
+scheduler owning the step, mixed batches).
 
 Run: ``python -m server.engine.core IN_ADDR OUT_ADDR`` with the settings as JSON in ``KVSERVE_CORE_SETTINGS``
 (the client, :class:`server.engine.core_client.CoreClient`, starts it so).
@@ -39,6 +43,7 @@ Run: ``python -m server.engine.core IN_ADDR OUT_ADDR`` with the settings as JSON
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -314,7 +319,8 @@ def load_core(settings) -> tuple[Engine, m.Ready]:
                           max_concurrent_requests=s.max_concurrent_requests * MAX_SEQUENCES_PER_REQUEST,
                           prefix_caching=s.kv_prefix_caching)
     info = engine_info(s, dtype, device, backends, quality, cache, geometry, max_total, engine.kv.info())
-    return engine, m.Ready(sorted(eos_ids), names, model.config.max_position_embeddings, info)
+    return engine, m.Ready(sorted(eos_ids), names, model.config.max_position_embeddings, info,
+                           json.loads(model.config.to_json_string(use_diff=False)))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -201,12 +201,14 @@ class Ready(msgspec.Struct, tag=True, frozen=True):
         backends: the served KV backends' names.
         max_position_embeddings: the model's context length (tokens), for the HTTP side's limits.
         info: plain facts for ``/info`` (JSON-compatible).
+        model_config: the model's config as a JSON object (``config.json``'s fields).
     """
 
     eos_token_ids: list[int]
     backends: list[str]
     max_position_embeddings: int
     info: dict = {}
+    model_config: dict = {}
 
 
 class Failed(msgspec.Struct, tag=True, frozen=True):
