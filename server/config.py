@@ -102,8 +102,8 @@ class Settings(BaseSettings):
                                     "their request and a prompt that starts with cached blocks prefills only the "
                                     "rest (paged backends; not dca).")
     engine_process: bool = Field(False, description="Run the engine (scheduler, KV cache, model) in its own process, "
-                                 "fed over ZMQ; detokenization and streaming stay in the server's. Not yet carried: "
-                                 "the Prometheus metrics, /info's calibration figures, the page's live panel.")
+                                 "fed over ZMQ; detokenization, stop sequences and streaming stay in the server's; "
+                                 "if it dies the server exits 1.")
     max_num_batched_tokens: int = Field(256, ge=0, description="Tokens one engine step processes: each decoding "
                                         "sequence's one, prompt chunks the rest (chunked prefill); 0 prefills "
                                         "whole prompts.")

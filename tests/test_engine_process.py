@@ -105,6 +105,24 @@ def test_a_departed_client_is_aborted_and_its_kv_freed_at_once(client):
     assert stats.running == 0 and stats.waiting == 0 and stats.kv_live_bytes == 0
 
 
+def test_a_submitter_that_stops_waiting_for_the_answer_aborts_the_request(ref_model, client):
+    _, tok = ref_model
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        seq = make_seq(tok, PROMPTS[0], 900, params=SamplingParams(ignore_eos=True),
+                       events=None)
+        seq.emit = lambda e: loop.call_soon_threadsafe(events.put_nowait, e)
+        client.submit(seq).cancel()  # the route was cancelled while it awaited the core's answer
+        while (e := await asyncio.wait_for(events.get(), 60)).finish_reason is None:
+            pass
+        return seq, e
+
+    seq, last = asyncio.run(main())
+    assert last.finish_reason == FinishReason.CANCELLED and len(seq.output_ids) < 100
+
+
 def test_refusals_come_back_as_the_in_process_errors(client):
     from server.service import InvalidRequest
 

@@ -16,8 +16,8 @@ Design (issue 30, item 1; the first part):
   :class:`NullDetokenizer`, so no text is made here.
 * **The loop.** Between two steps the core reads every input waiting on its socket without blocking (it
   blocks, 100 ms at a time, only while it has nothing to run); an ``Abort`` marks its sequence cancelled, and the
-  next step frees its KV before it runs anything else. The core exits when its parent process is gone, and after
-  a ``Drain`` once nothing is queued or running.
+  next step frees its KV before it runs anything else. The core exits when its parent process is gone (looked at
+  before every step), and after a ``Drain`` once nothing is queued or running.
 * **In-process mode** stays exactly as before: :class:`Engine` with its thread and the ``Sequence.emit`` callback
   (``ENGINE_PROCESS=false``, the default; tests and benchmarks step the engine directly).
 
@@ -258,15 +258,15 @@ class EngineCore:
         poller.register(inbox, zmq.POLLIN)
         busy = False
         while True:
+            if parent_pid is not None and os.getppid() != parent_pid:  # every step: a send to nobody blocks at last
+                log.error("the server process is gone; the engine core exits")
+                return 1
             if self.idle:
                 if busy:
                     allocator.trim()
                 busy = False
                 if self.draining:
                     return 0
-                if parent_pid is not None and os.getppid() != parent_pid:
-                    log.error("the server process is gone; the engine core exits")
-                    return 1
             if poller.poll(0 if not self.idle else IDLE_POLL_MS):
                 while True:
                     try:

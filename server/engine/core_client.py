@@ -166,10 +166,16 @@ class CoreClient:
                            seq.backend_name,
                            group=seq.group, cache_salt=seq.cache_salt, want_prompt_logprobs=seq.want_prompt_logprobs)
         entry = _Live(seq, IncrementalDetokenizer(self.tokenizer, seq.stop, self.special_ids), loop, fut)
+        fut.add_done_callback(lambda f: self._gave_up(seq) if f.cancelled() else None)
         with self._lock:
             self._live[seq.request_id] = entry
             self._send(msg)
         return fut
+
+    def _gave_up(self, seq: Sequence) -> None:
+        """The submitter stopped waiting for the core's answer (its client left): abort the request."""
+        seq.cancel()
+        self.wake()
 
     def _send(self, msg: m.CoreInput) -> None:
         """Send ``msg`` to the core (the caller holds ``self._lock``); nothing once the sockets are closed."""
