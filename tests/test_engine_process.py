@@ -13,7 +13,7 @@ import signal
 import pytest
 
 from server.config import Settings
-from server.engine.core_client import CoreClient
+from server.engine.core_client import CoreClient, CoreDied
 from server.engine.sampling import SamplingParams
 from server.engine.sequence import FinishReason
 from server.service import GenerationRequest, GenerationService, Limits
@@ -151,3 +151,27 @@ def test_the_core_dying_ends_running_requests_with_an_error(client):  # last: it
     assert got[-1].finish_reason == FinishReason.ERROR
     assert got[-1].error == "the engine core process was killed by signal 9"
     assert client.deaths == ["the engine core process was killed by signal 9"]
+
+    async def later():
+        with pytest.raises(CoreDied, match="killed by signal 9"):
+            await service(client).run(GenerationRequest(PROMPTS[0], 4, SamplingParams(), [], "full"))
+
+    asyncio.run(later())
+
+
+def test_a_request_after_the_core_died_gets_503():
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from server.errors import install_error_handlers
+
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.get("/x")
+    async def x():
+        raise CoreDied("the engine core process was killed by signal 9")
+
+    r = TestClient(app).get("/x")
+    assert r.status_code == 503 and r.json() == {"error": "the engine core process was killed by signal 9",
+                                                 "error_type": "unhealthy"}
