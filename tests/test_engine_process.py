@@ -175,3 +175,44 @@ def test_a_request_after_the_core_died_gets_503():
     r = TestClient(app).get("/x")
     assert r.status_code == 503 and r.json() == {"error": "the engine core process was killed by signal 9",
                                                  "error_type": "unhealthy"}
+
+
+PARENT = """
+import sys, time
+from server.config import Settings
+from server.engine.core_client import CoreClient
+c = CoreClient(Settings(model_id=sys.argv[1], kv_backends="full", device="cpu", dtype="float32", log_level="warning"))
+c.start()
+print(c.proc.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # exited, not yet reaped by its new parent
+    except FileNotFoundError:
+        return True
+
+
+def test_the_core_exits_when_the_server_process_is_killed():
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import REPO
+
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(MODEL_DIR)], cwd=REPO, stdout=subprocess.PIPE,
+                              text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        core_pid = int(parent.stdout.readline())
+        assert not gone(core_pid)
+        parent.kill()
+        parent.wait(10)
+        deadline = time.time() + 10
+        while not gone(core_pid) and time.time() < deadline:
+            time.sleep(0.1)
+        assert gone(core_pid), "the core outlived its server"
+    finally:
+        parent.kill()
