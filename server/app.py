@@ -36,7 +36,7 @@ def create_app(settings: Settings, load_in_background: bool = True, exit_on_load
             this process) instead of answering 503 forever; ``kvserve serve`` then exits with status 1 and
             one line naming the cause (``state.load_error``).
     """
-    state = ServerState(settings)
+    state = ServerState(settings, exit_on_fatal=exit_on_load_error)
 
     def load() -> None:
         try:

@@ -7,6 +7,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from server.engine.core_client import CoreDied
 from server.engine.engine import Overloaded
 from server.error_body import error_body, openai_path
 from server.service import InvalidRequest
@@ -78,6 +79,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(NotReady)
     async def _not_ready(request: Request, exc: NotReady):
         return error_response(503, str(exc) or "model is loading", "unhealthy", request)
+
+    @app.exception_handler(CoreDied)
+    async def _core_died(request: Request, exc: CoreDied):  # the server is stopping (ENGINE_PROCESS)
+        return error_response(503, str(exc), "unhealthy", request)
 
     @app.exception_handler(ModelNotFound)
     async def _model_not_found(request: Request, exc: ModelNotFound):

@@ -215,25 +215,20 @@ class Recorder:
             usage: the pool's blocks in use / blocks, 0-1, or ``None`` to leave it.
             cached_blocks: the prefix cache's evictable blocks, or ``None`` to leave it.
         """
+        self.publish(*live_rows(running), waiting, usage, cached_blocks)
+
+    def publish(self, rows: dict[str, list[int]], tier_tokens: dict[tuple[str, str], int], generating: dict[str, int],
+                waiting: dict[str, int] | None, usage: float | None = None, cached_blocks: int | None = None) -> None:
+        """Set the live gauges from plain numbers (:func:`live_rows`' and :meth:`step_state`'s others; the engine
+        core process sends them, :mod:`server.engine.core`)."""
         if usage is not None:
             self.m.kv_usage.labels(self.model).set(usage)
         if cached_blocks is not None:
             self.m.prefix_blocks.labels(self.model).set(cached_blocks)
         per_backend: dict[str, list[int]] = {b: [0, 0, 0, 0, 0] for b in self.backends}
-        generated = dict.fromkeys(self.backends, 0)
-        tiers = dict.fromkeys(self._tiers_seen, 0)  # a tier no live sequence holds now reads 0
-        for seq in running:
-            for tier, n in seq.kv_tiers.items():
-                tiers[seq.backend_name, tier] = tiers.get((seq.backend_name, tier), 0) + n
-            generated[seq.backend_name] = generated.get(seq.backend_name, 0) + len(seq.output_ids)
-            if seq.store is None:
-                continue
-            row = per_backend.setdefault(seq.backend_name, [0, 0, 0, 0, 0])
-            row[0] += 1
-            row[1] += seq.kv_bytes  # measured by the engine once per step (it may be below the peak)
-            row[2] += seq.store.num_tokens()
-            row[3] += seq.store.stats().get("dca_reuse_layers", 0)
-            row[4] += seq.kv_allocated
+        per_backend.update(rows)
+        generated = {**dict.fromkeys(self.backends, 0), **generating}
+        tiers = {**dict.fromkeys(self._tiers_seen, 0), **tier_tokens}  # a tier no live sequence holds now reads 0
         for backend, (count, nbytes, tokens, reuse, allocated) in per_backend.items():
             labels = self._l(backend)
             self.m.running.labels(**labels).set(count)
@@ -253,3 +248,25 @@ class Recorder:
             for backend in per_backend:
                 self.m.waiting.labels(**self._l(backend)).set(waiting.get(backend, 0))
             self.m.pod_waiting.labels(self.model).set(sum(waiting.values()))
+
+
+def live_rows(running: list) -> tuple[dict[str, list[int]], dict[tuple[str, str], int], dict[str, int]]:
+    """Plain numbers of the running sequences for :meth:`Recorder.publish`: by backend ``[sequences with a store,
+    bytes of their cached tokens, tokens, dca reuse layers, bytes allocated]``; tokens by ``(backend, tier)``;
+    tokens generated so far by backend."""
+    rows: dict[str, list[int]] = {}
+    tiers: dict[tuple[str, str], int] = {}
+    generated: dict[str, int] = {}
+    for seq in running:
+        for tier, n in seq.kv_tiers.items():
+            tiers[seq.backend_name, tier] = tiers.get((seq.backend_name, tier), 0) + n
+        generated[seq.backend_name] = generated.get(seq.backend_name, 0) + len(seq.output_ids)
+        if seq.store is None:
+            continue
+        row = rows.setdefault(seq.backend_name, [0, 0, 0, 0, 0])
+        row[0] += 1
+        row[1] += seq.kv_bytes  # measured by the engine once per step (it may be below the peak)
+        row[2] += seq.store.num_tokens()
+        row[3] += seq.store.stats().get("dca_reuse_layers", 0)
+        row[4] += seq.kv_allocated
+    return rows, tiers, generated

@@ -323,7 +323,9 @@ class GenerationService:
         with self._live_lock:
             self._live[seq.request_id] = seq
         try:
-            self.engine.submit(seq)
+            taken = self.engine.submit(seq)  # the engine core process (ENGINE_PROCESS) answers asynchronously
+            if taken is not None:
+                await taken
         except BaseException as exc:
             with self._live_lock:
                 self._live.pop(seq.request_id, None)

@@ -99,6 +99,24 @@ def prepare_backends(settings: Settings, names: list[str], model, tokenizer, geo
     return backends, quality
 
 
+def engine_info(s: Settings, dtype, device, backends: dict[str, KVBackend], quality: dict[str, dict],
+                cache: CalibrationCache, geometry: ModelGeometry, max_total: int, kv_info: dict) -> dict:
+    """``/info``'s facts of the loaded model, its backends and the KV pool (``kv_info``:
+    :meth:`server.engine.kv_cache.KVCacheManager.info`), from where the engine runs (JSON-compatible)."""
+    return {
+        "model_dtype": str(dtype).removeprefix("torch."), "model_device_type": device.type,
+        "kv_backend_params": {n: b.params() for n, b in backends.items()},
+        "kv_backend_details": {n: b.details() for n, b in backends.items() if b.details()},
+        "kv_quality_budget_pct": s.kv_quality_budget, "kv_quality": quality,
+        "kv_calibration": [{k: v for k, v in e.as_dict().items() if k != "figures"} for e in cache.events
+                           if e.kind != "price"],  # prices: kv_quality
+        **kv_sizes(backends, geometry.num_layers, max_total), "num_layers": geometry.num_layers,
+        "num_attention_heads": geometry.num_attention_heads,
+        "num_key_value_heads": geometry.num_key_value_heads, "head_dim": geometry.head_dim,
+        "torch_num_threads": torch_threads(), **kv_info,
+    }
+
+
 @dataclass
 class ServerState:
     """Everything the routes need; ``service`` is ``None`` until the model is loaded."""
@@ -123,9 +141,18 @@ class ServerState:
     in_flight: int = 0
     """Generation requests in flight (:class:`server.middleware.InFlight`)."""
 
+    model_config: dict = field(default_factory=dict)
+    """The served model's config (``config.json``'s fields; the built-in page's model shape)."""
+    exit_on_fatal: bool = False
+    """Stop the server (SIGINT to this process; ``kvserve serve`` then exits 1 naming ``load_error``) when the engine
+    core process dies (``ENGINE_PROCESS``)."""
+
     def load(self) -> None:
         """Load the model and start the engine (runs in a background thread at start-up)."""
         s = self.settings
+        if s.engine_process:
+            self._load_core()
+            return
         if s.torch_num_threads:
             import torch
 
@@ -158,24 +185,54 @@ class ServerState:
         recorder.cache_config(engine.kv.info())
         engine.start()
         self.engine = engine
-        self.info = {
-            "model_id": self.model_name, "model_path": s.model_id, "model_dtype": str(dtype).removeprefix("torch."),
-            "model_device_type": device.type, "kv_backend": s.kv_backend, "kv_backends": names,
-            "kv_backend_params": {n: b.params() for n, b in self.backends.items()},
-            "kv_backend_details": {n: b.details() for n, b in self.backends.items() if b.details()},
-            "kv_quality_budget_pct": s.kv_quality_budget, "kv_quality": self.quality,
-            "kv_calibration": [{k: v for k, v in e.as_dict().items() if k != "figures"} for e in cache.events
-                               if e.kind != "price"],  # prices: kv_quality
-            **kv_sizes(self.backends, geometry.num_layers, max_total), "num_layers": geometry.num_layers,
-            "num_attention_heads": geometry.num_attention_heads,
-            "num_key_value_heads": geometry.num_key_value_heads, "head_dim": geometry.head_dim,
-            "max_input_tokens": max_input, "max_total_tokens": max_total,
-            "max_stop_sequences": s.max_stop_sequences, "max_batch_size": s.max_batch_size,
-            "max_concurrent_requests": s.max_concurrent_requests, "served_model_names": self.model_names,
-            "shutdown_grace_seconds": s.shutdown_grace_seconds, "torch_num_threads": torch_threads(),
-            "kv_cache_budget_bytes": s.kv_cache_budget_bytes, **engine.kv.info(), "version": __version__,
-        }
+        self.model_config = model.config.to_dict()
+        self.info = {**self.server_info(max_input, max_total, names),
+                     **engine_info(s, dtype, device, self.backends, self.quality, cache, geometry, max_total,
+                                   engine.kv.info()), "version": __version__}
         self.service = GenerationService(engine, tokenizer, limits, s.kv_backend, prefix_caching=s.kv_prefix_caching)
+
+    def _load_core(self) -> None:
+        """``ENGINE_PROCESS``: start the engine core process (it loads the model and the backends) and serve
+        through it (:class:`server.engine.core_client.CoreClient`)."""
+        from server.engine.core_client import CoreClient
+
+        s = self.settings
+        self.loading = "the engine core process is loading the model and preparing the KV backends"
+        client = CoreClient(s, on_death=self._core_died)
+        try:
+            ready = client.start()
+        except BaseException:
+            client.stop()
+            raise
+        self.model_names = s.model_names(s.model_id, *([Path(s.model_id).name] if Path(s.model_id).exists() else []))
+        self.model_name = self.model_names[0]
+        max_input, max_total = s.token_limits(ready.max_position_embeddings)
+        client.recorder = Recorder(self.metrics, self.model_name, ready.backends)
+        client.recorder.cache_config(ready.info)
+        self.engine = client
+        self.model_config = ready.model_config
+        self.info = {**self.server_info(max_input, max_total, ready.backends), **ready.info, "version": __version__}
+        self.service = GenerationService(client, client.tokenizer, Limits(max_input, max_total, s.max_stop_sequences),
+                                         s.kv_backend, prefix_caching=s.kv_prefix_caching)
+
+    def server_info(self, max_input: int, max_total: int, names: list[str]) -> dict:
+        """``/info``'s facts of the settings and the limits (the engine's: :func:`engine_info`)."""
+        s = self.settings
+        return {"model_id": self.model_name, "model_path": s.model_id, "kv_backend": s.kv_backend, "kv_backends": names,
+                "max_input_tokens": max_input, "max_total_tokens": max_total,
+                "max_stop_sequences": s.max_stop_sequences, "max_batch_size": s.max_batch_size,
+                "max_concurrent_requests": s.max_concurrent_requests, "served_model_names": self.model_names,
+                "shutdown_grace_seconds": s.shutdown_grace_seconds, "kv_cache_budget_bytes": s.kv_cache_budget_bytes}
+
+    def _core_died(self, reason: str) -> None:
+        """The engine core process is gone: ``/health`` answers 503 with ``reason``, and the server stops."""
+        self.load_error = reason
+        self.service = None
+        if self.exit_on_fatal:
+            import os
+            import signal
+
+            os.kill(os.getpid(), signal.SIGINT)
 
     def shutdown(self) -> None:
         if self.engine is not None:

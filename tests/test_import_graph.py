@@ -26,6 +26,7 @@ PACKAGES = ("server", "cache_backends")
 
 TORCH_FREE = (
     "cache_backends.page_plan",  # tier planning: block tables, plans, pages a sequence needs
+    "server.engine.messages",  # the engine core's messages (the HTTP process reads them)
     "server.engine.block_manager",  # free list, reference counts, the prefix cache's table
     "server.engine.prefix_cache",  # block hashes
     "server.engine.scheduler",  # admission and preemption

@@ -9,6 +9,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from tests.conftest import RunningServer
 
@@ -32,8 +33,9 @@ def post(url: str, path: str, body: dict, out: dict, key: str) -> None:
     out[key] = httpx.post(url + path, json=body, timeout=120)
 
 
-def test_sigterm_drains_then_ends_streams_with_a_finish_reason():
-    srv = RunningServer({"SHUTDOWN_GRACE_SECONDS": str(GRACE), "MAX_BATCH_SIZE": "8"})
+@pytest.mark.parametrize("engine_process", ["false", "true"])
+def test_sigterm_drains_then_ends_streams_with_a_finish_reason(engine_process):
+    srv = RunningServer({"SHUTDOWN_GRACE_SECONDS": str(GRACE), "MAX_BATCH_SIZE": "8", "ENGINE_PROCESS": engine_process})
     try:
         out: dict = {}
         jobs = {"short": ("/v1/completions", {"prompt": "And God said", "max_tokens": 12, "temperature": 0}),

@@ -140,7 +140,7 @@ async def ui_generate(body: UIGenerateRequest, request: Request):
 
 def model_shape(state) -> Shape:
     """The served model's attention shape, from its loaded config."""
-    return Shape.from_config(state.engine.runner.model.config.to_dict())
+    return Shape.from_config(state.model_config)
 
 
 def full_bytes_per_token(state) -> float:
@@ -231,7 +231,7 @@ async def ui_sums(request: Request, seq_len: int = Query(1024, ge=1, le=10_000_0
                      "aka": "k8v4" if k8v4 else None,
                      "served_as": [name for name, (backend, opts) in served.items() if backend == row["backend"]
                                    and {**default_params(shape, backend), **opts} == params]})
-    max_positions = getattr(state.engine.runner.model.config, "max_position_embeddings", None)
+    max_positions = state.model_config.get("max_position_embeddings")
     return {"model": info["model_id"], "dtype": info["model_dtype"], "num_layers": shape.num_layers,
             "seq_len": seq_len, "batch": batch, "specs": names, "max_position_embeddings": max_positions,
             "max_total_tokens": info.get("max_total_tokens"),

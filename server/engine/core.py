@@ -1,0 +1,358 @@
+"""The engine core: the :class:`~server.engine.engine.Engine` driven by plain messages, in its own process.
+
+Design (issue 30, item 1; the first part):
+
+* **Boundary.** The HTTP process sends :class:`~server.engine.messages.AddRequest` (token ids, the plain sampling
+  fields, backend, group, cache salt, prompt log-probabilities wanted), :class:`~server.engine.messages.Abort`
+  and :class:`~server.engine.messages.Drain` on one ZMQ PUSH socket; the core answers on another with
+  :class:`~server.engine.messages.Ready` (or ``Failed``) once loaded, then one
+  :class:`~server.engine.messages.StepOutput` per engine step (every request's new token id, log-probability
+  and top pairs; the requests finished, with their plain per-request stats; plain KV/queue numbers), and one
+  after the inputs read between two steps were accepted or refused. msgpack-encoded msgspec Structs
+  (:mod:`server.engine.messages`), as vLLM v1.
+* **Who decides what.** EOS and ``max_new_tokens`` are decided here. Detokenization, stop strings and streaming
+  stay in the HTTP process (:mod:`server.engine.core_client`): when a stop string matches there, it ends the
+  stream and sends ``Abort``; a token the core computed meanwhile is dropped. The core's sequences carry a
+  :class:`NullDetokenizer`, so no text is made here.
+* **The loop.** Between two steps the core reads every input waiting on its socket without blocking (it
+  blocks, 100 ms at a time, only while it has nothing to run); an ``Abort`` marks its sequence cancelled, and the
+  next step frees its KV before it runs anything else. The core exits when its parent process is gone (looked at
+  before every step), and after a ``Drain`` once nothing is queued or running.
+* **In-process mode** stays exactly as before: :class:`Engine` with its thread and the ``Sequence.emit`` callback
+  (``ENGINE_PROCESS=false``, the default; tests and benchmarks step the engine directly).
+
+* **Metrics.** The HTTP process owns Prometheus. The core's engine records into a :class:`CoreRecorder`, which keeps
+  plain numbers: each step's output carries the counted events (prefix-cache lookups, compressions, preemptions),
+  the requests whose prefill finished, and the live gauges' numbers (:class:`~server.engine.messages.CoreStats`);
+  the client replays them into :class:`server.metrics.Recorder`, and counts each finished request from its
+  ``Finished`` and the times it saw (TTFT, ITL: when the tokens reached the HTTP process).
+
+* ``/info``: the core sends its part (model dtype and device, the backends' parameters, quality choices,
+  calibration events, KV sizes, the pool's shape) in ``Ready``; the HTTP process adds the settings and limits.
+
+* ``/ui``: the page's routes read the model's config from ``ServerState.model_config``, which ``Ready`` carries.
+* **Shutdown.** SIGTERM drains in the HTTP process as before; at the end the client aborts what is left, sends
+  ``Drain`` and waits for the core to exit.
+
+Not carried yet: restarting a core that died (the server exits 1 instead), and the other parts of issue 30 (the
+scheduler owning the step, mixed batches).
+
+Run: ``python -m server.engine.core IN_ADDR OUT_ADDR`` with the settings as JSON in ``KVSERVE_CORE_SETTINGS``
+(the client, :class:`server.engine.core_client.CoreClient`, starts it so).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+
+import zmq
+
+from server.engine import messages as m
+from server.engine.engine import Engine, Overloaded
+from server.engine.sampling import SamplingParams
+from server.engine.sequence import FinishReason, Sequence, TokenEvent
+
+log = logging.getLogger("kvserve.core")
+
+IDLE_POLL_MS = 100
+"""How long the loop blocks on its socket while nothing is queued or running (milliseconds)."""
+
+
+class NullDetokenizer:
+    """The detokenizer of a core-side sequence: no text, never a stop (both are the HTTP process's)."""
+
+    stopped = False
+
+    def add(self, token_id: int) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
+
+    def generated_text(self) -> str:
+        return ""
+
+
+def sampling_params(s: m.Sampling) -> SamplingParams:
+    """The :class:`SamplingParams` of a message's plain fields (inverse of
+    :func:`server.engine.core_client.sampling_fields`)."""
+    fields = {name: getattr(s, name) for name in s.__struct_fields__}
+    fields["logit_bias"] = tuple((int(t), float(b)) for t, b in s.logit_bias)
+    return SamplingParams(**fields)
+
+
+def finished(seq: Sequence, reason: FinishReason, error: str | None) -> m.Finished:
+    """The :class:`~server.engine.messages.Finished` of a sequence the engine has just ended."""
+    t = seq.times
+    return m.Finished(seq.request_id, reason.value, error, cached_tokens=seq.cached_tokens, kv_bytes=seq.kv_bytes,
+                      peak_kv_bytes=seq.peak_kv_bytes, kv_stats=dict(seq.kv_stats),
+                      prompt_logprobs=seq.prompt_logprobs, prompt_top_logprobs=seq.prompt_top_logprobs,
+                      preemptions=seq.preemptions, timings=m.Timings(t.prefill_start, t.first_token, t.last_token))
+
+
+class CoreRecorder:
+    """The core's engine recorder: what :class:`server.metrics.Recorder` would be told, kept as plain numbers for
+    the step's output (the HTTP process replays them into its own ``Recorder``, :mod:`server.engine.core_client`).
+    A finished request's own figures travel in its :class:`~server.engine.messages.Finished`."""
+
+    def __init__(self):
+        self.counters: list[m.Counter] = []
+        self.prefilled: list[tuple[str, float]] = []
+        self.state: tuple | None = None  # live_rows of the latest step_state
+        self.waiting: dict[str, int] = {}
+        self.usage: float | None = None
+        self.cached_blocks = 0
+
+    def prefix_cache(self, seq, queried: int, hit: int) -> None:
+        self.counters.append(m.Counter("prefix_cache", seq.backend_name, queried, hit))
+
+    def compressed(self, seq, blocks: int) -> None:
+        self.counters.append(m.Counter("compressed", seq.backend_name, blocks))
+
+    def preemption_avoided(self, seq) -> None:
+        self.counters.append(m.Counter("preemption_avoided", seq.backend_name))
+
+    def preempted(self, seq) -> None:
+        self.counters.append(m.Counter("preempted", seq.backend_name))
+
+    def prefill_done(self, seq) -> None:
+        self.prefilled.append((seq.request_id, seq.times.prefill_start))
+
+    def request_done(self, seq) -> None:
+        pass  # the HTTP process counts it from the Finished message
+
+    def step_state(self, running: list, waiting: dict[str, int] | None, usage: float | None = None,
+                   cached_blocks: int | None = None) -> None:
+        from server.metrics import live_rows
+
+        self.state = live_rows(running)
+        if waiting is not None:
+            self.waiting = waiting
+        if usage is not None:
+            self.usage = usage
+        if cached_blocks is not None:
+            self.cached_blocks = cached_blocks
+
+
+class EngineCore:
+    """An :class:`Engine` fed with :mod:`~server.engine.messages` and stepped by its caller (no thread of its own).
+
+    Args:
+        engine: the engine (its thread not started).
+    """
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.recorder = engine.recorder = CoreRecorder()
+        self.live: dict[str, Sequence] = {}
+        self.draining = False
+        self._new: list[m.NewToken] = []
+        self._finished: list[m.Finished] = []
+        self._accepted: list[str] = []
+        self._rejected: list[m.Rejected] = []
+
+    @property
+    def idle(self) -> bool:
+        """Nothing is queued or running."""
+        return not self.engine.running and not self.engine.waiting
+
+    def handle(self, msg: m.CoreInput) -> None:
+        """Apply one input: queue an :class:`AddRequest` (its answer goes in the next output), mark the sequences
+        of an :class:`Abort` cancelled, or start draining."""
+        if isinstance(msg, m.AddRequest):
+            self._add(msg)
+        elif isinstance(msg, m.Abort):
+            for rid in msg.request_ids:
+                seq = self.live.get(rid)
+                if seq is not None:
+                    seq.cancel()
+        elif isinstance(msg, m.Drain):
+            self.draining = True
+
+    def _add(self, req: m.AddRequest) -> None:
+        rid = req.request_id
+        if self.draining:
+            self._rejected.append(m.Rejected(rid, "draining", "the engine is shutting down"))
+            return
+        if req.backend not in self.engine.backends or rid in self.live:
+            why = f"request id {rid!r} is already live" if rid in self.live else (
+                f"KV backend {req.backend!r} is not served here; allowed: {', '.join(self.engine.backends)}")
+            self._rejected.append(m.Rejected(rid, "invalid", why))
+            return
+        seq = Sequence(request_id=rid, prompt_ids=list(req.prompt_ids), max_new_tokens=req.max_new_tokens,
+                       params=sampling_params(req.sampling), stop=[], emit=lambda ev: self._emit(seq, ev),
+                       backend_name=req.backend, want_prompt_logprobs=req.want_prompt_logprobs, group=req.group,
+                       cache_salt=req.cache_salt)
+        seq.detok = NullDetokenizer()
+        try:
+            self.engine.submit(seq)
+        except Overloaded as exc:
+            self._rejected.append(m.Rejected(rid, "overloaded", str(exc)))
+            return
+        except ValueError as exc:
+            self._rejected.append(m.Rejected(rid, "invalid", str(exc)))
+            return
+        self.live[rid] = seq
+        self._accepted.append(rid)
+
+    def _emit(self, seq: Sequence, event: TokenEvent) -> None:
+        """The core's ``Sequence.emit``: collect into the step's output (on the loop's own thread)."""
+        if event.token_id >= 0:
+            self._new.append(m.NewToken(seq.request_id, event.token_id, event.logprob,
+                                        [tuple(pair) for pair in event.top]))
+        if event.finish_reason is not None:
+            self.live.pop(seq.request_id, None)
+            self._finished.append(finished(seq, event.finish_reason, event.error))
+
+    def stats(self) -> m.CoreStats:
+        """The engine's queue and KV numbers now."""
+        from server.metrics import live_rows
+
+        e, r = self.engine, self.recorder
+        rows, tiers, generated = r.state if r.state is not None else live_rows(e.running)
+        return m.CoreStats(running=len(e.running), waiting=len(e.waiting), kv_used_bytes=e.kv_bytes(),
+                           kv_live_bytes=e.kv_used_bytes(), kv_usage=e.kv.usage(),
+                           evictable_blocks=e.kv.blocks.num_evictable, rows=rows,
+                           tiers=[(b, t, n) for (b, t), n in tiers.items()], generated=generated,
+                           waiting_by_backend=dict(r.waiting))
+
+    def take_output(self, with_stats: bool = True) -> m.StepOutput | None:
+        """What was collected since the last call, as one message (``None`` when nothing was)."""
+        r = self.recorder
+        if not (self._new or self._finished or self._accepted or self._rejected or r.counters or r.prefilled
+                or with_stats):
+            return None
+        out = m.StepOutput(self._new, self._finished, self._accepted, self._rejected,
+                           self.stats() if with_stats else None, r.counters, r.prefilled)
+        self._new, self._finished, self._accepted, self._rejected = [], [], [], []
+        r.counters, r.prefilled, r.state = [], [], None
+        return out
+
+    def step(self) -> m.StepOutput:
+        """One engine step (a step that raises is logged, as the in-process loop does); its output."""
+        try:
+            self.engine.step()
+        except Exception:  # noqa: BLE001 - the loop must survive anything one step does
+            log.exception("engine step failed")
+        return self.take_output()
+
+    def serve(self, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int | None = None) -> int:
+        """Run until drained (0) or the parent process ``parent_pid`` is gone (1): read every waiting input,
+        answer the adds, step, send the step's output.
+
+        Args:
+            inbox: a PULL socket of encoded :data:`~server.engine.messages.CoreInput`.
+            outbox: a PUSH socket for the encoded outputs.
+            parent_pid: the HTTP process; ``None``: do not watch it.
+        """
+        import torch
+
+        from server.engine import allocator
+
+        torch.set_grad_enabled(False)
+        poller = zmq.Poller()
+        poller.register(inbox, zmq.POLLIN)
+        busy = False
+        while True:
+            if parent_pid is not None and os.getppid() != parent_pid:  # every step: a send to nobody blocks at last
+                log.error("the server process is gone; the engine core exits")
+                return 1
+            if self.idle:
+                if busy:
+                    allocator.trim()
+                busy = False
+                if self.draining:
+                    return 0
+            if poller.poll(0 if not self.idle else IDLE_POLL_MS):
+                while True:
+                    try:
+                        data = inbox.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    try:
+                        self.handle(m.decode_input(data))
+                    except Exception:  # noqa: BLE001 - a bad message is the sender's bug; the loop goes on
+                        log.exception("engine core: bad input message")
+                answer = self.take_output(with_stats=False)
+                if answer is not None:
+                    outbox.send(m.encode(answer))
+            if not self.idle:
+                busy = True
+                outbox.send(m.encode(self.step()))
+
+
+def load_core(settings) -> tuple[Engine, m.Ready]:
+    """Load the model and backends for ``settings`` (as the in-process server does) and build the engine.
+
+    Raises:
+        ValueError: a setting this model cannot take; others: the model or a backend failed to load.
+    """
+    from cache_backends.base import ModelGeometry
+    from cache_backends.calibration_cache import CalibrationCache
+    from server.engine.setup import build_engine
+    from server.model_loading import load_model, resolve_device, resolve_dtype
+    from server.service import MAX_SEQUENCES_PER_REQUEST
+    from server.state import create_backends, engine_info, prepare_backends
+
+    s = settings
+    if s.torch_num_threads:
+        import torch
+
+        torch.set_num_threads(s.torch_num_threads)
+    device = resolve_device(s.device)
+    dtype = resolve_dtype(s.dtype, device)
+    model, tokenizer = load_model(s.model_id, device, dtype)
+    geometry = ModelGeometry.from_config(model.config, dtype)
+    names = list(create_backends(s, geometry))
+    cache = CalibrationCache(s.kv_calibration_cache_dir)
+    backends, quality = prepare_backends(s, names, model, tokenizer, geometry, cache)
+    max_input, max_total = s.token_limits(model.config.max_position_embeddings)
+    eos = model.generation_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [tokenizer.eos_token_id])
+    engine = build_engine(model, tokenizer, backends, eos_ids, max_batch_size=s.max_batch_size,
+                          budget_bytes=s.kv_cache_budget_bytes, max_total_tokens=max_total,
+                          block_size=s.kv_block_size, prefill_chunk_tokens=s.max_num_batched_tokens or None,
+                          max_concurrent_requests=s.max_concurrent_requests * MAX_SEQUENCES_PER_REQUEST,
+                          prefix_caching=s.kv_prefix_caching)
+    info = engine_info(s, dtype, device, backends, quality, cache, geometry, max_total, engine.kv.info())
+    return engine, m.Ready(sorted(eos_ids), names, model.config.max_position_embeddings, info,
+                           json.loads(model.config.to_json_string(use_diff=False)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m server.engine.core IN_ADDR OUT_ADDR``: connect, load, send ``Ready`` (or ``Failed``), serve."""
+    from server.config import Settings
+
+    in_addr, out_addr = (argv if argv is not None else sys.argv[1:])[:2]
+    settings = Settings.model_validate_json(os.environ[m.SETTINGS_ENV])
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parent = os.getppid()
+    ctx = zmq.Context()
+    inbox, outbox = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    inbox.connect(in_addr)
+    outbox.connect(out_addr)
+    outbox.setsockopt(zmq.LINGER, 2000)
+    try:
+        engine, ready = load_core(settings)
+    except Exception as exc:  # noqa: BLE001 - told to the server, which says why and exits
+        error = f"model failed to load: {' '.join(str(exc).split()) or type(exc).__name__}"
+        log.log(logging.ERROR if isinstance(exc, ValueError) else logging.CRITICAL, "%s", error,
+                exc_info=not isinstance(exc, ValueError))
+        outbox.send(m.encode(m.Failed(error, isinstance(exc, ValueError))))
+        outbox.close()
+        return 1
+    outbox.send(m.encode(ready))
+    started = time.perf_counter()
+    code = EngineCore(engine).serve(inbox, outbox, parent)
+    log.info("engine core exits after %.0f s", time.perf_counter() - started)
+    outbox.close()
+    inbox.close(0)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,367 @@
+"""The HTTP process's side of the engine core process (:mod:`server.engine.core`).
+
+:class:`CoreClient` starts ``python -m server.engine.core``, sends it :class:`~server.engine.messages.AddRequest`
+and :class:`~server.engine.messages.Abort`, and runs a reader thread that turns each
+:class:`~server.engine.messages.StepOutput` into the :class:`~server.engine.sequence.TokenEvent` stream of each
+request: it detokenizes (:class:`~server.engine.detokenize.IncrementalDetokenizer`), checks stop strings (a match
+ends the stream and aborts the request in the core) and calls the request's ``Sequence.emit``, the same
+thread-safe callback the in-process engine calls. It offers what :class:`server.service.GenerationService` uses of
+an :class:`~server.engine.engine.Engine`: ``backends``, ``special_ids``, ``submit`` (awaitable here: the core
+answers whether it took the request), ``wake`` (sends the aborts of cancelled sequences) and ``stop``.
+
+The HTTP process's ``Sequence`` objects are its own: the core holds others; only messages pass between them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import zmq
+
+from server.engine import messages as m
+from server.engine.detokenize import IncrementalDetokenizer
+from server.engine.engine import Overloaded
+from server.engine.sampling import SamplingParams
+from server.engine.sequence import FinishReason, Sequence, TokenEvent
+
+log = logging.getLogger("kvserve.core_client")
+
+READY_TIMEOUT_S = 1800.0
+"""Longest wait for the core's ``Ready`` (seconds): loading, calibrating and pricing the backends takes minutes."""
+POLL_MS = 100
+"""How often the reader looks whether the core process is still alive while it sends nothing (milliseconds)."""
+
+
+def sampling_fields(p: SamplingParams) -> m.Sampling:
+    """The plain fields of ``p`` for an :class:`~server.engine.messages.AddRequest`."""
+    fields = {name: getattr(p, name) for name in m.Sampling.__struct_fields__}
+    fields["logit_bias"] = [tuple(pair) for pair in p.logit_bias]
+    return m.Sampling(**fields)
+
+
+class CoreDied(RuntimeError):
+    """The engine core process exited while the server needed it."""
+
+
+@dataclass
+class _Live:
+    """A request the core has (or is being asked to take): the HTTP side's sequence and its detokenizer."""
+
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    loop: asyncio.AbstractEventLoop
+    answer: asyncio.Future
+    abort_sent: bool = False
+    stopped: TokenEvent | None = None  # its last event, held until the core's Finished brings its stats
+
+
+@dataclass(frozen=True)
+class _Named:
+    """What the recorder reads of a sequence for a counter: its backend."""
+
+    backend_name: str
+
+
+def _resolve(fut: asyncio.Future, exc: BaseException | None) -> None:
+    if not fut.done():
+        if exc is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(exc)
+
+
+class CoreClient:
+    """The engine core process and the per-request streams fed from it.
+
+    Args:
+        settings: the server's settings (sent to the core as JSON).
+        on_death: called once (from the reader thread) with a one-line reason when the core exits unasked.
+    """
+
+    def __init__(self, settings, on_death: Callable[[str], None] | None = None):
+        self.settings = settings
+        self.on_death = on_death
+        self.ready: m.Ready | None = None
+        self.backends: dict[str, None] = {}
+        self.tokenizer = None
+        self.special_ids: set[int] = set()
+        self.eos_token_ids: set[int] = set()
+        self.recorder = None
+        self.last_stats: m.CoreStats | None = None
+        """The core's numbers after its latest step."""
+        self.dead: str | None = None
+        self.proc: subprocess.Popen | None = None
+        self._live: dict[str, _Live] = {}
+        self._lock = threading.Lock()  # _live, and the send socket (ZMQ sockets are not thread-safe)
+        self._stopping = False
+        self._closed = False
+        self._reader: threading.Thread | None = None
+        self._dir = tempfile.mkdtemp(prefix="kvserve-core-")
+        self._ctx = zmq.Context()
+        self._tx = self._ctx.socket(zmq.PUSH)
+        self._rx = self._ctx.socket(zmq.PULL)
+        for sock in (self._tx, self._rx):
+            sock.setsockopt(zmq.LINGER, 0)  # never block the exit on messages a dead core will not read
+        self._tx.bind(f"ipc://{self._dir}/in")
+        self._rx.bind(f"ipc://{self._dir}/out")
+
+    # ---- start-up -------------------------------------------------------------------------------
+    def start(self, timeout: float = READY_TIMEOUT_S) -> m.Ready:
+        """Start the core process, wait for its ``Ready`` and load the tokenizer (blocking).
+
+        Raises:
+            ValueError: the core refused a setting (its message); RuntimeError: it failed to load or exited.
+        """
+        from transformers import AutoTokenizer
+
+        env = {**os.environ, m.SETTINGS_ENV: self.settings.model_dump_json()}
+        self.proc = subprocess.Popen([sys.executable, "-m", "server.engine.core", f"ipc://{self._dir}/in",
+                                      f"ipc://{self._dir}/out"], env=env)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.settings.model_id)
+        deadline = time.monotonic() + timeout
+        while not self._rx.poll(POLL_MS):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the engine core process exited with status {self.proc.returncode} "
+                                   "before it was ready (its log says why)")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the engine core process was not ready in {timeout:.0f} s")
+        first = m.decode_output(self._rx.recv())
+        if isinstance(first, m.Failed):
+            self.proc.wait(30)
+            raise (ValueError if first.invalid_setting else RuntimeError)(first.error)
+        if not isinstance(first, m.Ready):
+            raise RuntimeError(f"the engine core sent {type(first).__name__} before Ready")
+        self.ready = first
+        self.backends = dict.fromkeys(first.backends)
+        self.eos_token_ids = set(first.eos_token_ids)
+        self.special_ids = set(self.tokenizer.all_special_ids) | self.eos_token_ids
+        self._reader = threading.Thread(target=self._read, name="kvserve-core-reader", daemon=True)
+        self._reader.start()
+        return first
+
+    # ---- requests -------------------------------------------------------------------------------
+    def submit(self, seq: Sequence) -> asyncio.Future:
+        """Send ``seq`` to the core; the returned future (on the running loop) resolves once the core took it.
+
+        The future raises :class:`~server.engine.engine.Overloaded` (the core's queue is full), ``ValueError``
+        (it can never fit the KV budget, or the core is draining) or :class:`CoreDied`.
+        """
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        if self.dead:
+            fut.set_exception(CoreDied(self.dead))
+            return fut
+        msg = m.AddRequest(seq.request_id, seq.prompt_ids, seq.max_new_tokens, sampling_fields(seq.params),
+                           seq.backend_name,
+                           group=seq.group, cache_salt=seq.cache_salt, want_prompt_logprobs=seq.want_prompt_logprobs)
+        entry = _Live(seq, IncrementalDetokenizer(self.tokenizer, seq.stop, self.special_ids), loop, fut)
+        fut.add_done_callback(lambda f: self._gave_up(seq) if f.cancelled() else None)
+        with self._lock:
+            self._live[seq.request_id] = entry
+            self._send(msg)
+        return fut
+
+    def _gave_up(self, seq: Sequence) -> None:
+        """The submitter stopped waiting for the core's answer (its client left): abort the request."""
+        seq.cancel()
+        self.wake()
+
+    def _send(self, msg: m.CoreInput) -> None:
+        """Send ``msg`` to the core (the caller holds ``self._lock``); nothing once the sockets are closed."""
+        if not self._closed:
+            self._tx.send(m.encode(msg))
+
+    def wake(self) -> None:
+        """Send an ``Abort`` for every sequence cancelled since the last call (the core frees their KV at its next
+        step; their closing ``cancelled`` events follow)."""
+        with self._lock:
+            ids = [rid for rid, e in self._live.items() if e.seq.cancelled and not e.abort_sent]
+            for rid in ids:
+                self._live[rid].abort_sent = True
+            if ids:
+                self._send(m.Abort(ids))
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Abort every request, tell the core to drain and wait ``timeout`` seconds for it (then kill it); close
+        the sockets. Once only."""
+        if self._stopping:
+            return
+        self._stopping = True
+        if self.proc is not None and self.proc.poll() is None:
+            with self._lock:
+                ids = list(self._live)
+                if ids:
+                    self._send(m.Abort(ids))
+                self._send(m.Drain())
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout)
+        if self._reader is not None:
+            self._reader.join(timeout)
+        with self._lock:
+            self._closed = True
+            self._tx.close()
+        self._rx.close()
+        self._ctx.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    # ---- the reader thread ----------------------------------------------------------------------
+    def _read(self) -> None:
+        while True:
+            if self._rx.poll(POLL_MS):
+                try:
+                    out = m.decode_output(self._rx.recv())
+                except Exception:  # noqa: BLE001 - a bad message is the core's bug; the stream goes on
+                    log.exception("engine core sent a bad message")
+                    continue
+                if isinstance(out, m.StepOutput):
+                    self._dispatch(out)
+                continue
+            if self.proc.poll() is not None:
+                if not self._stopping:
+                    code = self.proc.returncode
+                    how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+                    self._died(f"the engine core process {how}")
+                return
+
+    def _died(self, reason: str) -> None:
+        """Report ``reason``, then end every live request with an ``error`` event."""
+        self.dead = reason
+        log.error("%s; ending %d requests", reason, len(self._live))
+        if self.on_death is not None:  # first: /health says so before any client sees its error
+            self.on_death(reason)
+        with self._lock:
+            live, self._live = list(self._live.values()), {}
+        for e in live:
+            e.loop.call_soon_threadsafe(_resolve, e.answer, CoreDied(reason))
+            last = e.stopped or TokenEvent(index=len(e.seq.output_ids), token_id=-1, text="", logprob=0.0,
+                                           special=True)
+            if e.stopped is None:
+                last.finish_reason, last.error = FinishReason.ERROR, reason
+            self._close(e, last, last.finish_reason)
+
+    def _dispatch(self, out: m.StepOutput) -> None:
+        """One StepOutput: the metrics first (so that a finished request's KV is off the gauges before its last event
+        goes out, as in-process), answer the adds, then each request's token, then the finished requests."""
+        with self._lock:
+            live = dict(self._live)
+        if out.stats is not None:
+            self.last_stats = out.stats
+        if self.recorder is not None:
+            self._record(out, live)
+        for rid in out.accepted:
+            if (e := live.get(rid)) is not None:
+                e.loop.call_soon_threadsafe(_resolve, e.answer, None)
+        for r in out.rejected:
+            if (e := live.get(r.request_id)) is not None:
+                with self._lock:
+                    self._live.pop(r.request_id, None)
+                exc = Overloaded(r.message) if r.kind == "overloaded" else ValueError(r.message)
+                e.loop.call_soon_threadsafe(_resolve, e.answer, exc)
+        done = {f.request_id: f for f in out.finished}
+        for t in out.new:
+            e = live.get(t.request_id)
+            if e is not None and e.stopped is None:
+                self._token(e, t, done.get(t.request_id))
+        for f in out.finished:
+            e = live.get(f.request_id)
+            if e is None:
+                continue
+            if e.stopped is not None:  # a stop string ended it here; the core's Finished brings its stats
+                self._fill(e.seq, f)
+                self._close(e, e.stopped, FinishReason.STOP)
+            elif e.seq.finish_reason is None:  # ended without a token this step (cancelled, error)
+                self._fill(e.seq, f)
+                last = TokenEvent(index=len(e.seq.output_ids), token_id=-1, text="", logprob=0.0, special=True,
+                                  error=f.error)
+                self._close(e, last, FinishReason(f.reason))
+
+    def _record(self, out: m.StepOutput, live: dict[str, _Live]) -> None:
+        """Replay the core's plain numbers into the Prometheus recorder (:class:`server.metrics.Recorder`)."""
+        r = self.recorder
+        for c in out.counters:
+            seq = _Named(c.backend)
+            if c.kind == "prefix_cache":
+                r.prefix_cache(seq, c.value, c.hit)
+            elif c.kind == "compressed":
+                r.compressed(seq, c.value)
+            elif c.kind == "preemption_avoided":
+                r.preemption_avoided(seq)
+            elif c.kind == "preempted":
+                r.preempted(seq)
+        for rid, start in out.prefilled:
+            if (e := live.get(rid)) is not None:
+                e.seq.times.prefill_start = start
+                r.prefill_done(e.seq)
+        st = out.stats
+        if st is not None:
+            r.publish(st.rows, {(b, t): n for b, t, n in st.tiers}, st.generated, st.waiting_by_backend,
+                      st.kv_usage, st.evictable_blocks)
+
+    def _token(self, e: _Live, t: m.NewToken, fin: m.Finished | None) -> None:
+        """Append, detokenize and emit one token; end the stream on the core's finish (EOS before a stop string,
+        a stop string before ``length``, as the in-process engine) or on a stop string (then abort in the core)."""
+        seq = e.seq
+        now = time.perf_counter()
+        seq.output_ids.append(t.token_id)
+        seq.times.token_times.append(now)
+        seq.times.first_token = seq.times.first_token or now
+        seq.times.last_token = now
+        text = e.detok.add(t.token_id)
+        reason = None
+        if fin is not None:
+            reason = FinishReason.STOP if fin.reason == FinishReason.LENGTH.value and e.detok.stopped else \
+                FinishReason(fin.reason)
+        elif e.detok.stopped:
+            reason = FinishReason.STOP
+        if reason is not None:
+            text += e.detok.flush()
+        event = TokenEvent(index=len(seq.output_ids) - 1, token_id=t.token_id, text=text, logprob=t.logprob,
+                           special=t.token_id in self.special_ids, top=[tuple(p) for p in t.top])
+        if reason is None:
+            seq.emit(event)
+        elif fin is not None:
+            self._fill(seq, fin)
+            event.error = fin.error
+            self._close(e, event, reason)
+        else:  # a stop string: hold the last event until the core has freed its KV and sent its stats
+            seq.finish_reason = reason
+            e.stopped = event
+            with self._lock:
+                e.abort_sent = True
+                self._send(m.Abort([seq.request_id]))
+
+    @staticmethod
+    def _fill(seq: Sequence, f: m.Finished) -> None:
+        """Copy the core's per-request stats onto the HTTP side's sequence."""
+        seq.cached_tokens, seq.kv_bytes, seq.peak_kv_bytes = f.cached_tokens, f.kv_bytes, f.peak_kv_bytes
+        seq.kv_stats = dict(f.kv_stats)
+        seq.prompt_logprobs = f.prompt_logprobs
+        seq.prompt_top_logprobs = ([None if top is None else [tuple(p) for p in top] for top in f.prompt_top_logprobs]
+                                   if f.prompt_top_logprobs is not None else None)
+        seq.preemptions = f.preemptions
+        seq.times.prefill_start = f.timings.prefill_start
+
+    def _close(self, e: _Live, last: TokenEvent, reason: FinishReason) -> None:
+        """Send ``e``'s closing event and forget it."""
+        with self._lock:
+            self._live.pop(e.seq.request_id, None)
+        e.seq.finish_reason = reason
+        if self.recorder is not None:
+            self.recorder.request_done(e.seq)
+        last.finish_reason = reason
+        last.generated_text = e.detok.generated_text()
+        e.seq.emit(last)

@@ -1,0 +1,218 @@
+"""The engine core in its own process behind :class:`~server.engine.core_client.CoreClient`, driven through
+:class:`~server.service.GenerationService` as the routes drive it: the events (token ids, text, log-probabilities,
+finish reasons) are those of the in-process engine; a stop string ends the stream and the core frees the KV; a
+departed client's request is aborted and its KV freed; the core process dying ends running requests with an
+error and reports why."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+from server.config import Settings
+from server.engine.core_client import CoreClient, CoreDied
+from server.engine.sampling import SamplingParams
+from server.engine.sequence import FinishReason
+from server.service import GenerationRequest, GenerationService, Limits
+from tests.conftest import MODEL_DIR
+from tests.engine_helpers import make_engine, make_seq, run_all
+
+PROMPTS = ["In the beginning God created", "And the earth was without form"]
+
+
+@pytest.fixture(scope="module")
+def client():
+    deaths = []
+    c = CoreClient(Settings(model_id=str(MODEL_DIR), kv_backends="full", device="cpu", dtype="float32",
+                            log_level="warning"), on_death=deaths.append)
+    c.start()
+    c.deaths = deaths
+    yield c
+    c.stop()
+
+
+def service(client) -> GenerationService:
+    return GenerationService(client, client.tokenizer, Limits(1000, 1024, 4), "full")
+
+
+def in_process_events(ref_model, prompt: str, n: int, params=None, stop=()):
+    model, tok = ref_model
+    events = []
+    run_all(make_engine(model, tok), [make_seq(tok, prompt, n, params=params, stop=stop, events=events)])
+    return events
+
+
+async def collect(svc, req, receive=None):
+    seq, events = await svc.run(req, receive)
+    return seq, [e async for e in events]
+
+
+def fields(events):
+    return [(e.index, e.token_id, e.text, e.special, e.finish_reason, e.generated_text, e.error) for e in events]
+
+
+def test_events_are_the_in_process_engines(ref_model, client):
+    async def main():
+        svc = service(client)
+        reqs = [GenerationRequest(p, 12, SamplingParams(top_n=2), [], "full") for p in PROMPTS]
+        return await asyncio.gather(*(collect(svc, r) for r in reqs))
+
+    for prompt, (seq, got) in zip(PROMPTS, asyncio.run(main())):
+        want = in_process_events(ref_model, prompt, 12, SamplingParams(top_n=2))
+        assert fields(got) == fields(want)
+        assert [e.logprob for e in got] == pytest.approx([e.logprob for e in want], abs=1e-5)
+        assert [[i for i, _ in e.top] for e in got] == [[i for i, _ in e.top] for e in want]
+        assert got[-1].finish_reason == FinishReason.LENGTH and len(seq.output_ids) == 12
+        assert seq.peak_kv_bytes > 0 and seq.times.prefill_start is not None
+    assert client.last_stats.running == 0 and client.last_stats.kv_live_bytes == 0
+
+
+def test_stop_string_ends_the_stream_as_in_process_and_frees_the_kv(ref_model, client):
+    want = in_process_events(ref_model, PROMPTS[0], 40, stop=["LORD,"])
+    assert want[-1].finish_reason == FinishReason.STOP, "the reference output must contain the stop string"
+    seq, got = asyncio.run(collect(service(client), GenerationRequest(PROMPTS[0], 40, SamplingParams(), ["LORD,"],
+                                                                      "full")))
+    assert fields(got) == fields(want)
+    assert seq.finish_reason == FinishReason.STOP and seq.peak_kv_bytes > 0  # the core's stats came back
+    assert client.last_stats.running == 0 and client.last_stats.kv_live_bytes == 0
+
+
+def test_a_departed_client_is_aborted_and_its_kv_freed_at_once(client):
+    async def main():
+        svc = service(client)
+        first = asyncio.Event()
+
+        async def receive():
+            await first.wait()
+            return {"type": "http.disconnect"}
+
+        seq, events = await svc.run(GenerationRequest(PROMPTS[0], 900, SamplingParams(ignore_eos=True), [], "full"),
+                                    receive)
+        got = []
+        async for e in events:
+            got.append(e)
+            if len(got) == 2:
+                assert client.last_stats.running == 1 and client.last_stats.kv_live_bytes > 0
+                first.set()
+        return seq, got
+
+    seq, got = asyncio.run(main())
+    assert got[-1].finish_reason == FinishReason.CANCELLED and len(got) < 100
+    stats = client.last_stats  # the core's numbers after the step that dropped it
+    assert stats.running == 0 and stats.waiting == 0 and stats.kv_live_bytes == 0
+
+
+def test_a_submitter_that_stops_waiting_for_the_answer_aborts_the_request(ref_model, client):
+    _, tok = ref_model
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        seq = make_seq(tok, PROMPTS[0], 900, params=SamplingParams(ignore_eos=True),
+                       events=None)
+        seq.emit = lambda e: loop.call_soon_threadsafe(events.put_nowait, e)
+        client.submit(seq).cancel()  # the route was cancelled while it awaited the core's answer
+        while (e := await asyncio.wait_for(events.get(), 60)).finish_reason is None:
+            pass
+        return seq, e
+
+    seq, last = asyncio.run(main())
+    assert last.finish_reason == FinishReason.CANCELLED and len(seq.output_ids) < 100
+
+
+def test_refusals_come_back_as_the_in_process_errors(client):
+    from server.service import InvalidRequest
+
+    svc = service(client)
+    svc.limits = Limits(1000, 10**6, 4)  # past the HTTP side's limits: the core's KV budget refuses it
+
+    async def main():
+        with pytest.raises(InvalidRequest, match="KV blocks"):
+            await svc.run(GenerationRequest([1] * 10, 100_000, SamplingParams(), [], "full"))
+
+    asyncio.run(main())
+
+
+def test_the_core_dying_ends_running_requests_with_an_error(client):  # last: it kills the module's core
+    async def main():
+        svc = service(client)
+        seq, events = await svc.run(GenerationRequest(PROMPTS[0], 900, SamplingParams(ignore_eos=True), [], "full"))
+        got = []
+        async for e in events:
+            got.append(e)
+            if len(got) == 2:
+                os.kill(client.proc.pid, signal.SIGKILL)
+        return got
+
+    got = asyncio.run(main())
+    assert got[-1].finish_reason == FinishReason.ERROR
+    assert got[-1].error == "the engine core process was killed by signal 9"
+    assert client.deaths == ["the engine core process was killed by signal 9"]
+
+    async def later():
+        with pytest.raises(CoreDied, match="killed by signal 9"):
+            await service(client).run(GenerationRequest(PROMPTS[0], 4, SamplingParams(), [], "full"))
+
+    asyncio.run(later())
+
+
+def test_a_request_after_the_core_died_gets_503():
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from server.errors import install_error_handlers
+
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.get("/x")
+    async def x():
+        raise CoreDied("the engine core process was killed by signal 9")
+
+    r = TestClient(app).get("/x")
+    assert r.status_code == 503 and r.json() == {"error": "the engine core process was killed by signal 9",
+                                                 "error_type": "unhealthy"}
+
+
+PARENT = """
+import sys, time
+from server.config import Settings
+from server.engine.core_client import CoreClient
+c = CoreClient(Settings(model_id=sys.argv[1], kv_backends="full", device="cpu", dtype="float32", log_level="warning"))
+c.start()
+print(c.proc.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # exited, not yet reaped by its new parent
+    except FileNotFoundError:
+        return True
+
+
+def test_the_core_exits_when_the_server_process_is_killed():
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import REPO
+
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(MODEL_DIR)], cwd=REPO, stdout=subprocess.PIPE,
+                              text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        core_pid = int(parent.stdout.readline())
+        assert not gone(core_pid)
+        parent.kill()
+        parent.wait(10)
+        deadline = time.time() + 10
+        while not gone(core_pid) and time.time() < deadline:
+            time.sleep(0.1)
+        assert gone(core_pid), "the core outlived its server"
+    finally:
+        parent.kill()
