@@ -140,7 +140,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report(result: dict, args) -> str:
-    lines = [f"Model `{result['model']}`: {result['layers']} layers, [K_pre ; V] {result['width']} wide; `full`'s "
+    lines = ["# mla: uniform against per-layer ranks", "",
+             f"Command: `python -m bench.mla_layer_ranks --model {result['model']} --ranks "
+             f"{' '.join(str(r) for r in args.ranks)}`.", "",
+             f"Model `{result['model']}`: {result['layers']} layers, [K_pre ; V] {result['width']} wide; `full`'s "
              f"held-out perplexity {result['full_heldout_ppl']:.3f} ({args.windows} windows of 1024 tokens, the last "
              f"{1024 - args.prefix} of each scored). Price: the quality budget's (KL on the calibration text, as a "
              f"perplexity increase). {result['minutes']:.1f} min.", "",
