@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -184,7 +185,8 @@ def run(args) -> dict:
         row["tpot_s"] = {c: statistics.median(v) for c, v in sample["tpot"].items()}
         row["tokens_per_s"] = {n: statistics.median(v) for n, v in sample["tps"].items()}
         row["speed_samples"] = {"ttft_s": sample["ttft"], "tpot_s": sample["tpot"], "tokens_per_s": sample["tps"]}
-    return {"model": args.model, "windows": args.windows, "prefix": args.prefix, "prompts": args.prompts,
+    windows = min(args.windows, len(range(0, len(eval_ids) - WINDOW + 1, WINDOW)))  # those scored (the slice's)
+    return {"model": args.model, "windows": windows, "prefix": args.prefix, "prompts": args.prompts,
             "new_tokens": args.new_tokens, "rounds": args.rounds, "contexts": contexts, "torch": torch.__version__,
             "threads": torch.get_num_threads(), "rows": rows}
 
@@ -342,6 +344,9 @@ def check_arguments(args: argparse.Namespace) -> None:
     for key in ("windows", "prompts", "new_tokens", "stream_tokens", "rounds"):
         if getattr(args, key) < 1:
             raise ValueError(f"--{key.replace('_', '-')} must be at least 1, got {getattr(args, key)}")
+    budget = getattr(args, "budget", 1.0)
+    if not math.isfinite(budget) or budget < 0:
+        raise ValueError(f"--budget must be a finite number of percent, at least 0, got {budget:g}")
     if not 1 <= args.prefix < WINDOW:
         raise ValueError(f"--prefix must be between 1 and {WINDOW - 1} (windows are {WINDOW} tokens), got {args.prefix}")
     if args.prompts > MAX_PROMPTS:

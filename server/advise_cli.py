@@ -118,6 +118,14 @@ def rows_from_bench(path: str) -> list[dict]:
         raise ValueError(f"--bench {path}: not JSON ({exc})") from None
 
 
+def bench_model(path: str) -> str:
+    """The model a ``kvserve bench`` results.json was measured on (its ``model`` field: a folder by its name, a hub
+    id whole; read after :func:`rows_from_bench` accepted the file)."""
+    model = str(json.loads(Path(path).read_text()).get("model", "an unnamed model"))
+    folder = Path(model)
+    return folder.name if folder.is_absolute() or folder.exists() else model  # a folder by its name; a hub id whole
+
+
 def _rows_from_bench(data: dict) -> list[dict]:
     rows = []
     for r in data["rows"]:
@@ -222,7 +230,10 @@ def main(args: argparse.Namespace) -> int:
             rows = rows_from_bench(args.bench)
         else:
             rows = rows_from_estimate(model, dtype, args.context, args.backends)
-    except (ValueError, OSError) as exc:
+    except OSError as exc:
+        print(f"kvserve advise: --bench {args.bench}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
         print(f"kvserve advise: {exc}", file=sys.stderr)
         return 2
     ranked = advise(rows, args.context, args.concurrency, args.memory_budget, args.tpot_target,
@@ -230,7 +241,7 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([{k: v for k, v in r.items() if k != "rank_key"} for r in ranked], indent=2))
         return 0
-    source = (f"measured by {args.bench}" if args.bench
+    source = (f"measured by {args.bench} on {bench_model(args.bench)}" if args.bench
               else f"estimated for {model} ({dtype}), quality unmeasured")
     print(f"Workload: {args.concurrency} x {args.context} tokens, KV budget {human(args.memory_budget)}"
           + (f", TPOT target {1000 * args.tpot_target:.0f} ms" if args.tpot_target else "") + f" — {source}")

@@ -70,6 +70,8 @@ def test_advise_ranks_the_measured_settings(quick_report):
     (["--prefix", "1024"], "--prefix must be between 1 and 1023"),
     (["--rounds", "0"], "--rounds must be at least 1"),
     (["--model", "/nonexistent"], "no config.json"),
+    (["--backends", "mla@budget", "--budget", "nan"], "--budget must be a finite number"),
+    (["--backends", "mla@budget", "--budget", "-1"], "--budget must be a finite number of percent, at least 0"),
 ])
 def test_bad_arguments_fail_fast_with_one_line(args, message, tmp_path):
     p = subprocess.run([sys.executable, "-m", "server.cli", "bench", "--out", str(tmp_path / "out"), *args], cwd=REPO,

@@ -61,6 +61,8 @@ def kvserve(*args: str) -> subprocess.CompletedProcess:
     (["advise", "--context", "1024", "--memory-budget", "1GiB", "--bench", "LIST_JSON"], "not a results.json"),
     (["advise", "--context", "1024", "--memory-budget", "1GiB", "--min-agreement", "1.5"], "expected a number from 0 to 1"),
     (["advise", "--context", "1024", "--memory-budget", "1GiB", "--max-ppl-increase", "-1"], "expected a number >= 0"),
+    (["advise", "--context", "1024", "--memory-budget", "1GiB", "--bench", "/nonexistent.json"],
+     "--bench /nonexistent.json: No such file or directory"),
     (["advise", "--context", "1024", "--memory-budget", "1GiB", "--bench", "docs/bench/results.json", "--model",
       "llama-3-8b"], "--model applies only without --bench"),
 ])
@@ -84,3 +86,10 @@ def test_advise_default_settings_follow_the_model(model_dir):
     assert rows["mla"]["bytes_per_token"] == 64 * 4 * 8 and rows["full"]["bytes_per_token"] == 2 * 8 * 32 * 4 * 8
     ds = kvserve("advise", "--context", "4096", "--memory-budget", "1GiB", "--model", "deepseek-v3", "--json")
     assert ds.returncode == 0 and {r["spec"] for r in json.loads(ds.stdout)} == {"full", "gqa", "mla", "dca", "mla+int8"}
+
+
+def test_advise_names_the_model_its_bench_file_measured():
+    """The reference model's bench and the real model's give opposite advice: the first line says whose it is."""
+    p = kvserve("advise", "--context", "1024", "--memory-budget", "1GiB", "--bench", "docs/bench/real/results.json")
+    assert p.returncode == 0, p.stderr
+    assert "measured by docs/bench/real/results.json on smollm2-135m-instruct" in p.stdout.splitlines()[0]
