@@ -13,7 +13,13 @@ from tests.conftest import MODEL_DIR, REPO, RunningServer, free_port
 def test_ctrl_c_exits_130_with_no_traceback():
     """Ctrl-C printed ~30 lines of asyncio CancelledError ... KeyboardInterrupt after uvicorn's clean
     "Finished server process"; like uvicorn and vLLM it now stops quietly (status 130: stopped by SIGINT)."""
-    srv = RunningServer({"LOG_LEVEL": "info"})
+    # A shell without job control starts background jobs with SIGINT ignored, and the server would inherit that:
+    # it is started with Python's own SIGINT handler, as from a terminal.
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        srv = RunningServer({"LOG_LEVEL": "info"})
+    finally:
+        signal.signal(signal.SIGINT, inherited)
     try:
         srv.proc.send_signal(signal.SIGINT)
         code = srv.proc.wait(60)
