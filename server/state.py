@@ -73,6 +73,37 @@ def create_backends(settings: Settings, geometry: ModelGeometry) -> dict[str, KV
     return backends
 
 
+def load_weights(settings: Settings):
+    """``TORCH_NUM_THREADS``, then the model on its device and dtype: ``(model, tokenizer, device, dtype,
+    geometry)`` (the HTTP process's engine and the engine core process load alike)."""
+    if settings.torch_num_threads:
+        import torch
+
+        torch.set_num_threads(settings.torch_num_threads)
+    device = resolve_device(settings.device)
+    dtype = resolve_dtype(settings.dtype, device)
+    model, tokenizer = load_model(settings.model_id, device, dtype)
+    return model, tokenizer, device, dtype, ModelGeometry.from_config(model.config, dtype)
+
+
+def eos_token_ids(model, tokenizer) -> set[int]:
+    """The ids that end generation: the generation config's end-of-text id(s), else the tokenizer's."""
+    eos = model.generation_config.eos_token_id
+    return set(eos if isinstance(eos, list) else [eos] if eos is not None else [tokenizer.eos_token_id])
+
+
+def engine_options(settings: Settings, max_total_tokens: int) -> dict:
+    """:func:`server.engine.setup.build_engine`'s options from the settings."""
+    s = settings
+    return dict(max_batch_size=s.max_batch_size, budget_bytes=s.kv_cache_budget_bytes,
+                max_total_tokens=max_total_tokens, block_size=s.kv_block_size,
+                prefill_chunk_tokens=s.max_num_batched_tokens or None,
+                # requests are counted at the HTTP edge (server.middleware.InFlight); the engine's own count is
+                # of sequences, and this many can never be exceeded by those requests
+                max_concurrent_requests=s.max_concurrent_requests * MAX_SEQUENCES_PER_REQUEST,
+                prefix_caching=s.kv_prefix_caching)
+
+
 def prepare_backends(settings: Settings, names: list[str], model, tokenizer, geometry: ModelGeometry,
                      cache: CalibrationCache) -> tuple[dict[str, KVBackend], dict[str, dict]]:
     """Build and prepare the served backends, each at the setting the quality budget chooses
@@ -153,14 +184,7 @@ class ServerState:
         if s.engine_process:
             self._load_core()
             return
-        if s.torch_num_threads:
-            import torch
-
-            torch.set_num_threads(s.torch_num_threads)
-        device = resolve_device(s.device)
-        dtype = resolve_dtype(s.dtype, device)
-        model, tokenizer = load_model(s.model_id, device, dtype)
-        geometry = ModelGeometry.from_config(model.config, dtype)
+        model, tokenizer, device, dtype, geometry = load_weights(s)
         names = list(create_backends(s, geometry))  # checked against the model; built below, as priced
         cache = CalibrationCache(s.kv_calibration_cache_dir)
         self.loading = "model loaded; calibrating and pricing the KV backends (cached for the next start)"
@@ -171,17 +195,11 @@ class ServerState:
         self.model_name = self.model_names[0]
         max_input, max_total = s.token_limits(model.config.max_position_embeddings)
         limits = Limits(max_input, max_total, s.max_stop_sequences)
-        eos = model.generation_config.eos_token_id
-        eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [tokenizer.eos_token_id])
+        eos_ids = eos_token_ids(model, tokenizer)
         self.loading = "model loaded; starting the engine"
         recorder = Recorder(self.metrics, self.model_name, names)
-        engine = build_engine(model, tokenizer, self.backends, eos_ids, max_batch_size=s.max_batch_size,
-                              budget_bytes=s.kv_cache_budget_bytes, max_total_tokens=max_total,
-                              block_size=s.kv_block_size, prefill_chunk_tokens=s.max_num_batched_tokens or None,
-                              # requests are counted at the HTTP edge (server.middleware.InFlight); the engine's
-                              # own count is of sequences, and this many can never be exceeded by those requests
-                              max_concurrent_requests=s.max_concurrent_requests * MAX_SEQUENCES_PER_REQUEST,
-                              recorder=recorder, prefix_caching=s.kv_prefix_caching)
+        engine = build_engine(model, tokenizer, self.backends, eos_ids, recorder=recorder,
+                              **engine_options(s, max_total))
         recorder.cache_config(engine.kv.info())
         engine.start()
         self.engine = engine

@@ -291,33 +291,19 @@ def load_core(settings) -> tuple[Engine, m.Ready]:
     Raises:
         ValueError: a setting this model cannot take; others: the model or a backend failed to load.
     """
-    from cache_backends.base import ModelGeometry
     from cache_backends.calibration_cache import CalibrationCache
     from server.engine.setup import build_engine
-    from server.model_loading import load_model, resolve_device, resolve_dtype
-    from server.service import MAX_SEQUENCES_PER_REQUEST
-    from server.state import create_backends, engine_info, prepare_backends
+    from server.state import (create_backends, engine_info, engine_options, eos_token_ids, load_weights,
+                              prepare_backends)
 
     s = settings
-    if s.torch_num_threads:
-        import torch
-
-        torch.set_num_threads(s.torch_num_threads)
-    device = resolve_device(s.device)
-    dtype = resolve_dtype(s.dtype, device)
-    model, tokenizer = load_model(s.model_id, device, dtype)
-    geometry = ModelGeometry.from_config(model.config, dtype)
+    model, tokenizer, device, dtype, geometry = load_weights(s)
     names = list(create_backends(s, geometry))
     cache = CalibrationCache(s.kv_calibration_cache_dir)
     backends, quality = prepare_backends(s, names, model, tokenizer, geometry, cache)
     max_input, max_total = s.token_limits(model.config.max_position_embeddings)
-    eos = model.generation_config.eos_token_id
-    eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [tokenizer.eos_token_id])
-    engine = build_engine(model, tokenizer, backends, eos_ids, max_batch_size=s.max_batch_size,
-                          budget_bytes=s.kv_cache_budget_bytes, max_total_tokens=max_total,
-                          block_size=s.kv_block_size, prefill_chunk_tokens=s.max_num_batched_tokens or None,
-                          max_concurrent_requests=s.max_concurrent_requests * MAX_SEQUENCES_PER_REQUEST,
-                          prefix_caching=s.kv_prefix_caching)
+    eos_ids = eos_token_ids(model, tokenizer)
+    engine = build_engine(model, tokenizer, backends, eos_ids, **engine_options(s, max_total))
     info = engine_info(s, dtype, device, backends, quality, cache, geometry, max_total, engine.kv.info())
     return engine, m.Ready(sorted(eos_ids), names, model.config.max_position_embeddings, info,
                            json.loads(model.config.to_json_string(use_diff=False)))
