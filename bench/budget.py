@@ -6,8 +6,8 @@
    default, 2 x 1024 tokens of ``full`` = 32 MiB on the reference model). The engine runs in-process, the
    same code the server runs (scheduler, chunked prefill, ragged batched decode, sampler), stepped by
    this script so that the KV bytes held can be read after every step. Reported per backend:
-   output tokens/s (all generated tokens / wall time), decode tokens/s (tokens from decode steps /
-   time inside the batched decode forwards), TTFT and TPOT p50/p95 over streams, the most streams
+   output tokens/s (all generated tokens / wall time), decode tokens/s (tokens of the steps that carry
+   no prefill chunk / time inside those steps' forwards), TTFT and TPOT p50/p95 over streams, the most streams
    running at once, and the peak KV bytes allocated against the budget (it must never exceed it), and
    held-out perplexity through the cache path (2 windows) with its change vs ``full``.
 2. Scaling: one decode step's time (median of ``--steps``) vs context (batch 1) and vs batch (context
@@ -118,16 +118,18 @@ def budget_run(model, tokenizer, backend, prompts: list[list[int]], new_tokens: 
     from server.engine.sequence import Sequence
 
     engine = new_engine(model, tokenizer, backend, len(prompts), budget, chunk)
-    decode_time = [0.0]
-    run_decode = engine._run_decode
+    decode_time, decode_tokens = [0.0], [0]
+    run_rows = engine._run_rows
 
-    def timed_decode(batch, reserved):
+    def timed_rows(chunks, decoding, reserved):  # decode speed: the steps that carry no prefill chunk
         t = time.perf_counter()
-        out = run_decode(batch, reserved)
-        decode_time[0] += time.perf_counter() - t
+        out = run_rows(chunks, decoding, reserved)
+        if not chunks:
+            decode_time[0] += time.perf_counter() - t
+            decode_tokens[0] += len(decoding)
         return out
 
-    engine._run_decode = timed_decode
+    engine._run_rows = timed_rows
     seqs = [Sequence(request_id=str(i), prompt_ids=p, max_new_tokens=new_tokens, params=SamplingParams(), stop=[],
                      emit=lambda e: None, backend_name=backend.name) for i, p in enumerate(prompts)]
     t0 = time.perf_counter()
@@ -144,7 +146,7 @@ def budget_run(model, tokenizer, backend, prompts: list[list[int]], new_tokens: 
     generated = sum(len(s.output_ids) for s in seqs)
     ttft = [s.times.first_token - s.times.arrival for s in seqs]
     tpot = [(s.times.token_times[-1] - s.times.token_times[0]) / (len(s.output_ids) - 1) for s in seqs]
-    return {"output_tokens_per_s": generated / wall, "decode_tokens_per_s": (generated - len(seqs)) / decode_time[0],
+    return {"output_tokens_per_s": generated / wall, "decode_tokens_per_s": decode_tokens[0] / decode_time[0],
             "ttft_p50_s": percentile(ttft, 0.5), "ttft_p95_s": percentile(ttft, 0.95),
             "tpot_p50_s": percentile(tpot, 0.5), "tpot_p95_s": percentile(tpot, 0.95),
             "wall_s": wall, "generated_tokens": generated, "most_running": most_running,

@@ -17,6 +17,10 @@ Two comparisons, in one run, on the same model, prompt and machine:
    with chunked prefill (``MAX_NUM_BATCHED_TOKENS``, default 256) and without (0: whole prompts).
 5. Single-stream llama.cpp (``--gguf``, needs ``llama-cpp-python``): decode tokens/s on the same weights
    with f16 KV and with q8_0 KV + flash attention.
+6. The engine alone: kvserve's engine in this process (no HTTP, no detokenization, stepped on the main thread),
+   N sequences of the prompt, aggregate tokens/s = N x tokens / wall; and the server with its engine core in
+   its own process (``ENGINE_PROCESS=true``) beside the default (``--engine-process``), so the cost of serving
+   over HTTP, and what the separate process recovers of it, are visible.
 
 Servers run one at a time on 127.0.0.1 (never both at once), so they do not share the CPU.
 This is a benchmark, not a test: run it with ``python -m bench.serving`` (see ``--help``).
@@ -51,9 +55,10 @@ def free_port() -> int:
 
 
 @contextmanager
-def running(cmd: list[str], env: dict[str, str], health_url: str, timeout: float = 180):
-    """Start a server process, wait for its health URL, yield, then stop it."""
-    proc = subprocess.Popen(cmd, env={**os.environ, **env}, cwd=REPO, stdout=subprocess.DEVNULL,
+def running(cmd: list[str], env: dict[str, str], health_url: str, timeout: float = 180, inherit: bool = True):
+    """Start a server process (its environment: this one's updated with ``env``, or with ``inherit=False``
+    ``env`` alone), wait for its health URL, yield, then stop it."""
+    proc = subprocess.Popen(cmd, env={**os.environ, **env} if inherit else env, cwd=REPO, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + timeout
@@ -162,6 +167,31 @@ def bench_generate_static(model_dir: str, streams: int, tokens: int, repeats: in
     return best
 
 
+def bench_engine_alone(model_dir: str, streams: int, tokens: int, repeats: int) -> float:
+    """kvserve's engine in-process, ``full`` KV: aggregate tokens/s of ``streams`` greedy sequences of the prompt
+    (``tokens`` each), best of ``repeats`` (the first run warms up)."""
+    from bench.budget import make_backend, new_engine
+    from server.engine.sampling import SamplingParams
+    from server.engine.sequence import Sequence
+    from server.model_loading import load_model
+
+    model, tok = load_model(model_dir, torch.device("cpu"), torch.float32)
+    backend = make_backend("full", model, tok)
+    ids = tok(PROMPT).input_ids
+    best = 0.0
+    for _ in range(repeats + 1):
+        engine = new_engine(model, tok, backend, streams, None)
+        seqs = [Sequence(request_id=str(i), prompt_ids=list(ids), max_new_tokens=tokens, params=SamplingParams(),
+                         stop=[], emit=lambda e: None, backend_name=backend.name) for i in range(streams)]
+        t = time.perf_counter()
+        for seq in seqs:
+            engine.submit(seq)
+        while engine.running or engine.waiting:
+            engine.step()
+        best = max(best, sum(len(s.output_ids) for s in seqs) / (time.perf_counter() - t))
+    return best
+
+
 def long_prompts(model_dir: str, n: int, tokens: int) -> list[str]:
     """``n`` different ~``tokens``-token texts from the model's held-out slice."""
     from transformers import AutoTokenizer
@@ -224,6 +254,9 @@ def main() -> None:
     p.add_argument("--skip-transformers-serve", action="store_true")
     p.add_argument("--gguf", help="the same weights as GGUF, to measure llama.cpp single-stream decode")
     p.add_argument("--long-prompt-tokens", type=int, default=900)
+    p.add_argument("--engine-process", choices=["false", "true", "both"], default="both",
+                   help="the server's ENGINE_PROCESS setting(s) measured at each concurrency (both: two servers)")
+    p.add_argument("--skip-long-prompts", action="store_true", help="leave out the ITL-while-long-prompts-arrive part")
     args = p.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
     torch.set_num_threads(os.cpu_count() or 1)
@@ -240,9 +273,12 @@ def main() -> None:
         report["llama_cpp_decode_tokens_per_s"] = bench_llama_cpp(args.gguf, args.tokens, args.repeats)
         print("llama.cpp:", json.dumps(report["llama_cpp_decode_tokens_per_s"]), flush=True)
 
+    report["engine_alone"] = {n: bench_engine_alone(args.model, n, args.tokens, args.repeats) for n in levels}
+    print("engine alone:", json.dumps(report["engine_alone"]), flush=True)
+
     prompts = long_prompts(args.model, 4, args.long_prompt_tokens)
     report["long_prompt_itl"] = {}
-    for chunk in ("0", "256"):
+    for chunk in () if args.skip_long_prompts else ("0", "256"):
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         env = {"MODEL_ID": args.model, "PORT": str(port), "HOST": "127.0.0.1", "LOG_LEVEL": "warning",
@@ -253,19 +289,24 @@ def main() -> None:
         print(f"ITL while long prompts arrive, MAX_NUM_BATCHED_TOKENS={chunk}:",
               json.dumps(report["long_prompt_itl"][chunk]), flush=True)
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = {"MODEL_ID": args.model, "PORT": str(port), "HOST": "127.0.0.1", "LOG_LEVEL": "warning",
-           "MAX_BATCH_SIZE": str(max(levels))}
-    with running([sys.executable, "-m", "server.cli", "serve"], env, url + "/health"):
-        asyncio.run(concurrent(lambda c: _stream_kvserve(c, url, 8), 1))  # warm-up
-        single = [decode_rate(asyncio.run(_single(lambda c: _stream_kvserve(c, url, args.tokens))))
-                  for _ in range(args.repeats)]
-        report["kvserve_decode_tokens_per_s"] = max(single)
-        print(f"kvserve single stream: {max(single):.1f} decode tokens/s", flush=True)
-        report["kvserve"] = {n: asyncio.run(concurrent(lambda c: _stream_kvserve(c, url, args.tokens), n))
-                             for n in levels}
-        print("kvserve:", json.dumps(report["kvserve"]), flush=True)
+    modes = ["false", "true"] if args.engine_process == "both" else [args.engine_process]
+    for mode in modes:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        env = {"MODEL_ID": args.model, "PORT": str(port), "HOST": "127.0.0.1", "LOG_LEVEL": "warning",
+               "MAX_BATCH_SIZE": str(max(levels)), "ENGINE_PROCESS": mode}
+        key = "kvserve" if mode == modes[0] else "kvserve_engine_process"
+        report.setdefault("engine_process", {})[key] = mode == "true"
+        with running([sys.executable, "-m", "server.cli", "serve"], env, url + "/health"):
+            asyncio.run(concurrent(lambda c: _stream_kvserve(c, url, 8), 1))  # warm-up
+            if key == "kvserve":
+                single = [decode_rate(asyncio.run(_single(lambda c: _stream_kvserve(c, url, args.tokens))))
+                          for _ in range(args.repeats)]
+                report["kvserve_decode_tokens_per_s"] = max(single)
+                print(f"kvserve single stream: {max(single):.1f} decode tokens/s", flush=True)
+            report[key] = {n: asyncio.run(concurrent(lambda c: _stream_kvserve(c, url, args.tokens), n))
+                           for n in levels}
+            print(f"kvserve ENGINE_PROCESS={mode}:", json.dumps(report[key]), flush=True)
 
     if not args.skip_transformers_serve:
         port = free_port()
@@ -310,6 +351,18 @@ def markdown(report: dict) -> str:
                          f"{row['aggregate_tokens_per_s'] / srow:.2f}x |")
         if not prow and not srow:
             lines.append(f"| {n} streams: aggregate tokens/s | {row['aggregate_tokens_per_s']:.1f} | - | |")
+    alone = report.get("engine_alone", {})
+    other = report.get("kvserve_engine_process", {})
+    mode = "true" if report.get("engine_process", {}).get("kvserve") else "false"
+    for n, row in report["kvserve"].items():
+        arow, orow = alone.get(n) or alone.get(str(n)), other.get(n) or other.get(str(n))
+        if arow:
+            lines.append(f"| {n} streams: server (ENGINE_PROCESS={mode}) vs the engine alone in-process, tokens/s | "
+                         f"{row['aggregate_tokens_per_s']:.1f} | {arow:.1f} | {row['aggregate_tokens_per_s'] / arow:.2f}x |")
+        if orow:
+            lines.append(f"| {n} streams: server, ENGINE_PROCESS=true vs {mode}, tokens/s | "
+                         f"{orow['aggregate_tokens_per_s']:.1f} | {row['aggregate_tokens_per_s']:.1f} | "
+                         f"{orow['aggregate_tokens_per_s'] / row['aggregate_tokens_per_s']:.2f}x |")
     for name, rate in report.get("llama_cpp_decode_tokens_per_s", {}).items():
         lines.append(f"| single-stream decode tokens/s (peer: llama.cpp, {name}) | {k:.1f} | {rate:.1f} | "
                      f"{k / rate:.2f}x |")

@@ -70,7 +70,8 @@ def bench(args: argparse.Namespace) -> int:
 
 
 def passive_threads() -> None:
-    """Make OpenMP's idle threads sleep rather than spin (``OMP_WAIT_POLICY=PASSIVE``) unless the variable is set.
+    """Make OpenMP's idle threads sleep rather than spin (``OMP_WAIT_POLICY=PASSIVE``) unless it or libgomp's
+    ``GOMP_SPINCOUNT`` is set.
 
     torch's intra-op threads spin-wait between parallel regions by default; beside a busy process on a shared
     CPU they then wait on each other, and decoding was 5-50x slower (#26: 219-519 ms per token against 21-33 ms
@@ -78,7 +79,8 @@ def passive_threads() -> None:
     """
     import os
 
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if "GOMP_SPINCOUNT" not in os.environ:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -161,29 +161,39 @@ def test_kv_budget_is_a_hard_cap_for_every_backend(ref_model):
 
 def test_chunked_prefill_interleaves_with_decode_and_matches_whole_prefill(ref_model):
     """A long prompt is written in chunks of the step's token budget while a running stream gets a token
-    every step, and its output equals the output of a whole-prompt prefill (greedy, same tokens)."""
+    every step, each step's chunk and decode token in one forward (a mixed batch), and both outputs equal
+    their outputs alone (greedy, same tokens; the long prompt's: a whole-prompt prefill)."""
     model, tok = ref_model
     long_prompt = "And God said, Let there be light: and there was light. " * 12  # ~170 tokens
     whole = make_engine(model, tok, prefill_chunk_tokens=None)
     ref = make_seq(tok, long_prompt, 12)
+    alone = make_seq(tok, "In the beginning", 40)
     run_all(whole, [ref])
+    run_all(whole, [alone])
 
     engine = make_engine(model, tok, prefill_chunk_tokens=64)
+    forwards = []
+    hook = engine.runner.model.register_forward_hook(lambda m, a, kw, out: forwards.append(kw["input_ids"].shape),
+                                                     with_kwargs=True)
     running = make_seq(tok, "In the beginning", 40)
     engine.submit(running)
     engine.step()
-    assert len(running.output_ids) == 2  # prefilled and sampled, then one decode step
+    assert len(running.output_ids) == 1  # prefilled and sampled; it decodes from the next step on (as vLLM)
     late = make_seq(tok, long_prompt, 12)
     engine.submit(late)
     chunks = []
     while late.prefilled < len(late.prompt_ids):
-        before, tokens_before = late.prefilled, len(running.output_ids)
+        before, tokens_before, forwards_before = late.prefilled, len(running.output_ids), len(forwards)
         engine.step()
         chunks.append(late.prefilled - before)
         assert len(running.output_ids) == tokens_before + 1  # the running stream did not stall
+        # one forward: the chunk's tokens and the decode token as one flat row
+        assert forwards[forwards_before:] == [(1, chunks[-1] + 1)]
+    hook.remove()
     assert len(chunks) >= 3 and max(chunks) <= 64
     run_all(engine, [])
     assert late.output_ids == ref.output_ids
+    assert running.output_ids == alone.output_ids
 
 
 def test_the_in_process_benchmarks_fix_glibcs_thresholds_on_glibc():

@@ -99,14 +99,49 @@ def test_paged_batch_matches_the_backends_per_sequence_store(value_model, precis
         assert all(b.exact_len < 64 for b in rows)  # the exact tier is the residual window only
 
 
+MIXED_SPECS = [("full", {}), ("int8", {}), ("mla+int8", {"rank": 64}), ("int4", {"rotate": True})]
+
+
+@pytest.mark.value
+@pytest.mark.parametrize("name,options", MIXED_SPECS, ids=[n + "".join(f":{k}={v}" for k, v in o.items())
+                                                          for n, o in MIXED_SPECS])
+def test_a_mixed_step_gives_each_row_what_it_gets_in_a_step_of_its_own(value_model, precision, name, options):
+    """Two sequences decoding and a third's prompt chunks (40, then 7 tokens: int8 groups drain inside a chunk) run
+    in one forward of rows of different lengths: each row's logits equal those of the same rows run as a decode
+    step and a prefill step apart, at the tolerance of :func:`test_paged_batch_matches_the_backends_per_sequence_store`
+    (a quantized tier may round a code differently when the forward's K/V differ by a few eps)."""
+    model, tok = value_model
+    backend = _backend(model, tok, name, options)
+    apart, mixed = PagedDriver(model, backend), PagedDriver(model, backend)
+    prompts = [tok.encode(t) for t in TEXTS]
+    long = (prompts[2] * 4)[:47]
+    rows_a, rows_m = [SeqBlocks() for _ in range(3)], [SeqBlocks() for _ in range(3)]
+    last = []
+    for i in range(2):
+        ref = apart.step([rows_a[i]], [prompts[i]])
+        mixed.step([rows_m[i]], [prompts[i]])
+        last.append(int(ref[0].argmax()))
+    quant = backend.paged_quantize()
+    factor = LOGIT_FACTOR * (4 if quant else 1) * (16 if quant and 4 in (quant["key_bits"], quant["value_bits"]) else 1)
+    for chunk in (long[:40], long[40:]):
+        decode = apart.step(rows_a[:2], [[t] for t in last])
+        prefill = apart.step([rows_a[2]], [chunk])
+        both = mixed.step(rows_m, [[last[0]], [last[1]], chunk])
+        assert both.shape == (3, decode.shape[-1])
+        precision.assert_close(both[:2], decode, factor, what=f"{name} decode rows of a mixed step")
+        precision.assert_close(both[2:], prefill, factor, what=f"{name} prefill row of a mixed step")
+        last = decode.argmax(-1).tolist()
+    assert [b.tokens for b in rows_m] == [b.tokens for b in rows_a]
+
+
 def test_blocks_are_taken_on_demand_and_given_back(ref_model):
     model, tok = ref_model
     engine = make_engine(model, tok, budget=64 * 262144)  # 64 blocks of 16 full-precision tokens
-    seq = make_seq(tok, "And God said", 300)  # 4 prompt tokens; reserving 304 tokens would take 19 blocks
+    seq = make_seq(tok, "And God said", 300)  # 3 prompt tokens; reserving 303 tokens would take 19 blocks
     engine.submit(seq)
-    engine.step()
+    engine.step()  # the prompt prefilled and its first token sampled; decode steps follow
     assert engine.kv.held(seq) == 1 and engine.kv_bytes() == engine.kv.page_bytes
-    for _ in range(13):
+    for _ in range(14):
         engine.step()
     assert seq.store.num_tokens() == 17 and engine.kv.held(seq) == 2  # a second block when the first filled
     seq.cancel()

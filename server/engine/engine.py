@@ -1,11 +1,12 @@
 """The engine loop: schedule → run → sample → update → hand each new token to its request.
 
-One background thread owns the model. Between decode steps it drops cancelled sequences (freeing
-their KV at once), admits waiting ones (continuous batching), prefills prompts within a per-step token
-budget (chunked prefill: a long prompt is spread over several steps), then runs one batched decode
-step for every sequence whose prompt is cached. Each new token goes to its request through the
-sequence's thread-safe ``emit`` callback. A failure inside one request's prefill fails that request
-only; a failure in a batched decode fails the sequences of that batch, and the loop goes on.
+One background thread owns the model. Between steps it drops cancelled sequences (freeing their KV at
+once) and admits waiting ones (continuous batching). A step then runs one forward (a mixed batch) for the
+prompt chunks it prefills within its token budget (chunked prefill: a long prompt is spread over several
+steps) and one decode token of every sequence whose context is cached, and samples every row with a token
+to emit in one call. Each new token goes to its request through the sequence's thread-safe ``emit``
+callback. A failed forward fails the sequences of its rows (a prompt prefilled in a forward of its own:
+that request only), and the loop goes on.
 
 An admitted sequence starts from the longest run of cached blocks its context begins with (the prefix cache,
 :mod:`server.engine.kv_cache`). When the pool has no page for a step, ``elastic`` sequences are compressed
@@ -143,13 +144,13 @@ class Engine:
         if self.waiting and len(self.running) < self.scheduler.max_batch_size:
             # requests wait for pages: elastic sequences compress what they may, so that the next ones fit
             self._compress(self.kv.num_pages, avoided=False)
-        prefilled = self._prefill_step(sum(1 for s in self.running if s.decoding))
-        # Measured after prefill too: an int8-family store can be at its largest right after prefill,
-        # and shrink in the same step's decode when its residual window drains.
-        self._measure([s for s in prefilled if s.store is not None])
-        batch = [s for s in self.running if s.finish_reason is None and s.decoding]
-        if batch:
-            self._decode(batch)
+        decoding = [s for s in self.running if s.finish_reason is None and s.decoding]
+        chunks = self._prefill_step(len(decoding))
+        reserved = self._reserve_decode(decoding)
+        decoding = [s for s in decoding if s in self.running]
+        chunks = [c for c in chunks if c[0] in self.running]  # a decode reservation may preempt a prefill
+        if chunks or decoding:
+            self._run_step(chunks, decoding, reserved)
         self._measure(self.running)
         self._report()
 
@@ -233,20 +234,23 @@ class Engine:
                 self.recorder.compressed(seq, res.plan.free_front - res.plan.new_q_pages)
         return True
 
-    def _prefill_step(self, decoding: int) -> list[Sequence]:
-        """Prefill running contexts in admission order within this step's token budget; return those written to.
+    def _prefill_step(self, decoding: int) -> list[tuple[Sequence, int, object]]:
+        """Choose this step's prefill chunks, in admission order within its token budget, and reserve their pages;
+        return ``(sequence, tokens, reservation)`` of the chunks that run in the step's forward, beside the decode
+        rows (prompts that want every position's log-probability, and per-sequence stores, are prefilled whole in
+        a forward of their own here).
 
         The budget is ``prefill_chunk_tokens`` less the ``decoding`` sequences' one token each (at least
-        :data:`MIN_PREFILL_CHUNK`): a long prompt is written over several steps, each followed by a decode
-        step of the running batch, so it does not stall running streams (chunked prefill, as in vLLM's
-        scheduler). A paged prompt's step is shortened, down to :data:`MIN_PREFILL_CHUNK` tokens, when the
-        pages of a whole one (a quantized prompt's: its exact pages) are not free (:meth:`KVCacheManager.
-        step_tokens`). Prompts that want every
-        position's log-probability, and stores that decide once per prompt (``dca``), are prefilled whole.
+        :data:`MIN_PREFILL_CHUNK`): a long prompt is written over several steps, each carrying the running batch's
+        decode tokens in the same forward (chunked prefill in a mixed batch, as vLLM v1's scheduler), so it does
+        not stall running streams. A paged prompt's step is shortened, down to :data:`MIN_PREFILL_CHUNK` tokens,
+        when the pages of a whole one (a quantized prompt's: its exact pages) are not free (:meth:`KVCacheManager.
+        step_tokens`). The first chunk of a step may preempt (:meth:`_reserve`); a later one whose pages are not
+        free waits for the next step (admission keeps one chunk's transient pages free, not two).
         """
         chunk = self.scheduler.prefill_chunk_tokens
         budget = None if not chunk else max(MIN_PREFILL_CHUNK, chunk - decoding)
-        done: list[Sequence] = []
+        chunks: list[tuple[Sequence, int, object]] = []
         for seq in [s for s in self.running if s.prefilled < len(s.context_ids)]:
             if budget is not None and budget <= 0:
                 break
@@ -254,23 +258,31 @@ class Engine:
                 continue
             left = len(seq.context_ids) - seq.prefilled
             logprobs = seq.want_prompt_logprobs and not seq.output_ids
-            chunkable = self.kv.paged(seq) or seq.store.supports_chunked_prefill
-            whole = budget is None or logprobs or not chunkable
+            paged = self.kv.paged(seq)
+            whole = budget is None or logprobs or not (paged or seq.store.supports_chunked_prefill)
             n = left if whole else self.kv.step_tokens(seq, min(left, budget), self.running)
-            res = self._reserve(seq, n)
-            if res is None:
-                continue
-            done.append(seq)
+            alone = logprobs or not paged
+            if chunks and not alone:
+                res = self.kv.reserve(seq, n)
+                if res is None:
+                    break
+            else:
+                res = self._reserve(seq, n)
+                if res is None:
+                    continue
             if budget is not None:
                 budget -= n
-            self._prefill(seq, n, res, logprobs)
-        return done
+            if seq.times.prefill_start is None:
+                seq.times.prefill_start = time.perf_counter()
+            if alone:
+                self._prefill(seq, n, res, logprobs)
+            else:
+                chunks.append((seq, n, res))
+        return chunks
 
     def _prefill(self, seq: Sequence, n: int, res, logprobs: bool) -> None:
-        """Write the next ``n`` context tokens of ``seq``; after the last, sample its first token (a sequence
-        readmitted after a preemption goes on decoding its newest token instead)."""
-        if seq.times.prefill_start is None:
-            seq.times.prefill_start = time.perf_counter()
+        """Write the next ``n`` context tokens of ``seq`` in a forward of their own (a prompt that wants every
+        position's log-probability, or a per-sequence store); after the last, sample its first token."""
         try:
             chunk = seq.context_ids[seq.prefilled : seq.prefilled + n]
             if self.kv.paged(seq):
@@ -295,37 +307,64 @@ class Engine:
             self.recorder.prefill_done(seq)
         self._accept_batch([seq], logits)
 
-    def _decode(self, batch: list[Sequence]) -> None:
-        """One decode step for ``batch``: a page for each sequence whose block fills (preempting the newest
-        sequences while none is free), one forward for every paged and in-place row, then sampling."""
+    def _reserve_decode(self, batch: list[Sequence]) -> dict:
+        """A page for each decoding sequence whose block fills (preempting the newest sequences while none is
+        free): ``id(seq)`` → its reservation."""
         reserved = {}
-        for seq in list(batch):
+        for seq in batch:
             if seq not in self.running:
                 continue
             res = self._reserve(seq, 1)
             if res is not None:
                 reserved[id(seq)] = res
-        batch = [s for s in batch if s in self.running]
-        if not batch:
-            return
+        return reserved
+
+    def _run_step(self, chunks: list[tuple[Sequence, int, object]], decoding: list[Sequence], reserved: dict) -> None:
+        """One forward for the step's prefill chunks and decode tokens; commit each row's pages, then sample every
+        row that has a token to emit (a decode row, or a prompt's last chunk) in one sampler call. A failed
+        forward ends the sequences of its rows with ``error``."""
         try:
-            logits = self._run_decode(batch, reserved)
+            logits = self._run_rows(chunks, decoding, reserved)
         except Exception as exc:  # noqa: BLE001
-            log.exception("decode step failed")
-            for seq in batch:
+            log.exception("step failed")
+            for seq, _, _ in chunks:
+                self._finish(seq, FinishReason.ERROR, error=f"prefill failed: {exc}")
+            for seq in decoding:
                 self._finish(seq, FinishReason.ERROR, error=f"decode failed: {exc}")
             return
-        for seq in batch:
+        ready, rows = [], []
+        for row, (seq, n, res) in enumerate(chunks):
+            self.kv.commit(seq, res)
+            seq.prefilled += n
+            if seq.prefilled == len(seq.context_ids) and not seq.output_ids:
+                if self.recorder:
+                    self.recorder.prefill_done(seq)
+                ready.append(seq)
+                rows.append(row)
+        for row, seq in enumerate(decoding, start=len(chunks)):
             self.kv.commit(seq, reserved[id(seq)])
             seq.prefilled += 1
-        self._accept_batch(batch, logits)
+            ready.append(seq)
+            rows.append(row)
+        if ready:
+            self._accept_batch(ready, logits if len(rows) == logits.shape[0] else logits[rows])
 
-    def _run_decode(self, batch: list[Sequence], reserved: dict) -> torch.Tensor:
-        """(batch, vocab_size) logits: paged rows and in-place per-sequence stores in one forward; stores that
+    def _run_rows(self, chunks: list[tuple[Sequence, int, object]], decoding: list[Sequence],
+                  reserved: dict) -> torch.Tensor:
+        """(len(chunks) + len(decoding), vocab_size) logits of each row's last token: the prefill chunks (paged) and
+        the decode rows that are paged or in-place per-sequence stores in one forward; decode rows of stores that
         return rebuilt K/V (``full`` on a native-MLA model) in a second, padded one."""
         groups: dict[str, tuple[list[int], list]] = {}
-        legacy, padded, pages = [], [], []
-        for row, seq in enumerate(batch):
+        ids, legacy, padded, pages = [], [], [], []
+        for row, (seq, n, res) in enumerate(chunks):
+            rows, blocks = groups.setdefault(seq.backend_name, ([], []))
+            rows.append(row)
+            blocks.append((seq.blocks, res.plan))
+            pages += res.pages
+            ids.append(seq.context_ids[seq.prefilled : seq.prefilled + n])
+        for seq in decoding:
+            row = len(ids)
+            ids.append([seq.output_ids[-1]])
             if self.kv.paged(seq):
                 rows, blocks = groups.setdefault(seq.backend_name, ([], []))
                 rows.append(row)
@@ -335,13 +374,22 @@ class Engine:
                 legacy.append((row, seq.store))
             else:
                 padded.append(row)
-        last = [[s.output_ids[-1]] for s in batch]
+        shared = [r for r in range(len(ids)) if r not in set(padded)]
         logits = None
         if groups or legacy:
-            logits = self.runner.run_paged(
-                last, [(self.backends[name], rows, blocks) for name, (rows, blocks) in groups.items()], legacy, pages)
+            if padded:  # renumber the shared forward's rows
+                where = {r: i for i, r in enumerate(shared)}
+                groups = {name: ([where[r] for r in rows], blocks) for name, (rows, blocks) in groups.items()}
+                legacy = [(where[r], store) for r, store in legacy]
+            out = self.runner.run_paged(
+                [ids[r] for r in shared],
+                [(self.backends[name], rows, blocks) for name, (rows, blocks) in groups.items()], legacy, pages)
+            if not padded:
+                return out
+            logits = out.new_empty(len(ids), out.shape[-1])
+            logits[shared] = out
         if padded:
-            out = self.runner.decode([batch[r].output_ids[-1] for r in padded], [batch[r].store for r in padded])
+            out = self.runner.decode([ids[r][0] for r in padded], [decoding[r - len(chunks)].store for r in padded])
             if logits is None:
                 return out
             logits[padded] = out

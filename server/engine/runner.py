@@ -1,8 +1,9 @@
 """The model runner: owns the model, the KV pool and every tensor; turns scheduled sequences into logits.
 
 Paged backends (every backend but ``dca``, and ``full`` on a native-MLA model) keep their KV in the pool
-(:mod:`cache_backends.pool`): :meth:`ModelRunner.run_paged` runs one forward for a step — one prefill chunk
-of one sequence, or one decode token of every running sequence — through a :class:`StepCache`, which hands
+(:mod:`cache_backends.pool`): :meth:`ModelRunner.run_paged` runs one forward for a step — its prefill chunks
+and one decode token of every running sequence; rows of different lengths laid end to end as one flat row of
+tokens (a mixed batch) — through a :class:`StepCache`, which hands
 each layer's new K/V to its backend's groups of rows (one write, one gather and one stored-form attention
 per group and layer, :mod:`cache_backends.paged`) and its per-sequence stores to the other rows.
 
@@ -129,43 +130,61 @@ class PagedGroup:
         backend: the rows' backend.
         views: its views of the pool.
         meta: the step's :class:`cache_backends.paged.StepMeta` for these rows (in this order).
-        rows: the rows' indices in the batch (``None``: every row, in order).
+        rows: the rows' indices in the batch (``None``: every row, in order); for a step of rows of one length.
+        tokens: for a ragged step (rows of different lengths, flattened into one row of tokens), the (B_g * n,)
+            token indices of these rows in the flat batch, row-major (``rows`` is then ``None``).
     """
 
     backend: KVBackend
     views: PoolViews
     meta: StepMeta
     rows: torch.Tensor | None
+    tokens: torch.Tensor | None = None
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        """The group's part of a step tensor: (B, H, n, d) batch rows, or (1, H, T, d) flat tokens → (B_g, H, n, d)."""
+        if self.tokens is not None:
+            h, d = x.shape[1], x.shape[-1]
+            return x[0].index_select(1, self.tokens).view(h, self.meta.batch, self.meta.n, d).transpose(0, 1)
+        return x if self.rows is None else x.index_select(0, self.rows)
+
+    def put(self, out: torch.Tensor, o: torch.Tensor) -> None:
+        """Write the group's (B_g, H, n, dv) output ``o`` into the step's output at its rows or tokens."""
+        if self.tokens is not None:
+            out[0].index_copy_(1, self.tokens, o.transpose(0, 1).reshape(o.shape[1], -1, o.shape[-1]))
+        else:
+            out[self.rows] = o
 
 
 class PagedRead:
     """What a :class:`StepCache` layer hands the attention function: it attends each group of rows in its
     backend's stored form, in one call per group (and per-sequence stores one row at a time)."""
 
-    def __init__(self, layer: int, parts: list, legacy: list, module=None):
-        self.layer, self.parts, self.legacy, self.module = layer, parts, legacy, module
+    def __init__(self, cache: "StepCache", layer: int, parts: list, legacy: list, module=None):
+        self.cache, self.layer, self.parts, self.legacy, self.module = cache, layer, parts, legacy, module
 
     def with_module(self, module) -> "PagedRead":
         """The same read with the model's attention module attached (native MLA's absorbed attention)."""
-        return PagedRead(self.layer, self.parts, self.legacy, module)
+        return PagedRead(self.cache, self.layer, self.parts, self.legacy, module)
 
     def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """(B, num_attention_heads, n, head_dim) queries → (B, num_attention_heads, n, v_head_dim)."""
-        if len(self.parts) == 1 and not self.legacy and self.parts[0][0].rows is None:
+        """(B, num_attention_heads, n, head_dim) queries → (B, num_attention_heads, n, v_head_dim); in a ragged
+        step (1, num_attention_heads, T, head_dim) → (1, num_attention_heads, T, v_head_dim)."""
+        if len(self.parts) == 1 and not self.legacy and self.parts[0][0].rows is None \
+                and self.parts[0][0].tokens is None:
             group, reads = self.parts[0]
             return group.backend.attend_paged(self.layer, query, reads, group.meta, scaling, self.module)
         out = None
         for group, reads in self.parts:
-            o = group.backend.attend_paged(self.layer, query.index_select(0, group.rows), reads, group.meta, scaling,
-                                           self.module)
+            o = group.backend.attend_paged(self.layer, group.take(query), reads, group.meta, scaling, self.module)
             if out is None:
-                out = o.new_empty(query.shape[0], *o.shape[1:])
-            out[group.rows] = o
+                out = o.new_empty(*query.shape[:-1], o.shape[-1])
+            group.put(out, o)
         for row, read in self.legacy:
-            o = read.attend(query[row : row + 1], scaling)
+            o = read.attend(self.cache.row(query, row), scaling)
             if out is None:
-                out = o.new_empty(query.shape[0], *o.shape[1:])
-            out[row] = o[0]
+                out = o.new_empty(*query.shape[:-1], o.shape[-1])
+            self.cache.put_row(out, row, o)
         return out
 
 
@@ -186,19 +205,17 @@ class _StepLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Write the batch's new K/V (B, num_key_value_heads, n, head_dim) — each group's rows into the pool in its
         stored form, each per-sequence row into its store — and return ``(PagedRead, None)``."""
-        i, parts, legacy = self.layer_idx, [], []
-        for group in self.cache.groups:
-            k, v = key_states, value_states
-            if group.rows is not None:
-                k, v = k.index_select(0, group.rows), v.index_select(0, group.rows)
+        i, parts, legacy, cache = self.layer_idx, [], [], self.cache
+        for group in cache.groups:
+            k, v = group.take(key_states), group.take(value_states)
             write_layer(group.views, i, group.meta, group.backend.encode_paged(i, k, v, group.meta))
             parts.append((group, read_layer(group.views, i, group.meta)))
-        for row, store in self.cache.legacy:
-            k, v = store.layers[i].update(None if key_states is None else key_states[row : row + 1],
-                                          None if value_states is None else value_states[row : row + 1], *args,
+        for row, store in cache.legacy:
+            k, v = store.layers[i].update(None if key_states is None else cache.row(key_states, row),
+                                          None if value_states is None else cache.row(value_states, row), *args,
                                           **kwargs)
             legacy.append((row, as_read(k, v)))
-        return PagedRead(i, parts, legacy), None
+        return PagedRead(cache, i, parts, legacy), None
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.cache.past_len + query_length, 0
@@ -219,11 +236,29 @@ class StepCache(Cache):
         legacy: ``(row, store)`` for each row with a per-sequence store.
         past_len: the longest cached length in the batch before this step (what the model's mask helpers ask).
         num_layers: decoder layers.
+        spans: in a ragged step, each row's ``(first token, tokens)`` in the flat batch; ``None``: the batch's rows
+            are its rows (every row writes the same number of tokens).
     """
 
-    def __init__(self, groups: list[PagedGroup], legacy: list[tuple[int, KVStore]], past_len: int, num_layers: int):
-        self.groups, self.legacy, self.past_len = groups, legacy, past_len
+    def __init__(self, groups: list[PagedGroup], legacy: list[tuple[int, KVStore]], past_len: int, num_layers: int,
+                 spans: list[tuple[int, int]] | None = None):
+        self.groups, self.legacy, self.past_len, self.spans = groups, legacy, past_len, spans
         super().__init__(layers=[_StepLayer(self, i) for i in range(num_layers)])
+
+    def row(self, x: torch.Tensor, row: int) -> torch.Tensor:
+        """Row ``row``'s part of a step tensor, (1, H, n, d): a batch row, or its span of the flat tokens."""
+        if self.spans is None:
+            return x[row : row + 1]
+        start, n = self.spans[row]
+        return x[:, :, start : start + n]
+
+    def put_row(self, out: torch.Tensor, row: int, o: torch.Tensor) -> None:
+        """Write row ``row``'s (1, H, n, dv) output into the step's output."""
+        if self.spans is None:
+            out[row] = o[0]
+        else:
+            start, n = self.spans[row]
+            out[:, :, start : start + n] = o
 
     def skip_kv_projection(self, layer_idx: int) -> bool:
         """Only when every row is a per-sequence store that may skip (``dca``)."""
@@ -249,10 +284,16 @@ class ModelRunner:
     @torch.inference_mode()
     def run_paged(self, input_ids: list[list[int]], groups: list[tuple[KVBackend, list[int], list]],
                   legacy: list[tuple[int, KVStore]], new_pages: list[int], all_logits: bool = False) -> torch.Tensor:
-        """One forward over a step's batch: every row writes ``n`` new tokens and attends to its cache.
+        """One forward over a step's batch: row ``i`` writes its ``len(input_ids[i])`` new tokens and attends to its
+        cache.
+
+        Rows of one length run as a (B, n) batch. Rows of different lengths (a mixed step: prefill chunks beside
+        one-token decode rows, as vLLM v1's unified batch) run as one flat row of all their tokens, so every
+        weight is read once for the whole step; each backend's rows of each length attend as one group
+        (:class:`PagedGroup` ``tokens``), per-sequence stores one span at a time.
 
         Args:
-            input_ids: (B, n) the new tokens of each row.
+            input_ids: each row's new tokens (B rows).
             groups: ``(backend, rows, [(SeqBlocks, Plan), ...])`` per paged backend: the rows it serves and each
                 row's blocks (this step's pages already added) and plan.
             legacy: ``(row, store)`` for rows with per-sequence stores (their position: the store's length).
@@ -261,7 +302,15 @@ class ModelRunner:
 
         Returns:
             (B, vocab_size) logits of each row's last token, or (B, n, vocab_size) with ``all_logits``.
+
+        Raises:
+            ValueError: ``all_logits`` for rows of different lengths.
         """
+        lengths = [len(ids) for ids in input_ids]
+        if len(set(lengths)) > 1:
+            if all_logits:
+                raise ValueError("a step of rows of different lengths returns each row's last logits only")
+            return self._run_ragged(input_ids, lengths, groups, legacy, new_pages)
         batch = len(input_ids)
         ids = torch.tensor(input_ids, device=self.device)  # (B, n)
         positions = torch.empty_like(ids)
@@ -282,6 +331,38 @@ class ModelRunner:
         out = self.model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True,
                          logits_to_keep=0 if all_logits else 1)
         return out.logits if all_logits else out.logits[:, -1]
+
+    def _run_ragged(self, input_ids: list[list[int]], lengths: list[int], groups: list[tuple[KVBackend, list[int], list]],
+                    legacy: list[tuple[int, KVStore]], new_pages: list[int]) -> torch.Tensor:
+        """:meth:`run_paged` for rows of different lengths: one (1, T) forward of every row's tokens; (B, vocab_size)
+        logits of each row's last token."""
+        starts = [sum(lengths[:r]) for r in range(len(lengths))]
+        ids = torch.tensor([[t for row in input_ids for t in row]], device=self.device)  # (1, T)
+        positions = torch.empty_like(ids)
+        paged, past = [], 0
+        for backend, rows, blocks in groups:
+            views = self.pool.views[backend.name]
+            by_length: dict[int, tuple[list[int], list]] = {}
+            for row, b in zip(rows, blocks):
+                by_length.setdefault(lengths[row], ([], []))[0].append(row)
+                by_length[lengths[row]][1].append(b)
+            for n, (part, part_blocks) in by_length.items():
+                meta = StepMeta(views.layout, part_blocks, self.device)
+                tokens = torch.tensor([starts[r] + j for r in part for j in range(n)], device=self.device)
+                positions[0, tokens] = meta.query_positions.reshape(-1)
+                paged.append(PagedGroup(backend, views, meta, None, tokens))
+                past = max(past, max(b.tokens for b, _ in part_blocks))
+        for row, store in legacy:
+            n = store.num_tokens()
+            positions[0, starts[row] : starts[row] + lengths[row]] = torch.arange(n, n + lengths[row],
+                                                                                  device=self.device)
+            past = max(past, n)
+        if self.pool is not None:
+            self.pool.zero(new_pages)
+        cache = StepCache(paged, legacy, past, self.num_layers, spans=list(zip(starts, lengths)))
+        last = torch.tensor([s + n - 1 for s, n in zip(starts, lengths)], device=self.device)
+        out = self.model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=last)
+        return out.logits[0]  # (B, vocab_size)
 
     @torch.inference_mode()
     def compress(self, groups: list[tuple[KVBackend, list]], new_pages: list[int]) -> None:
