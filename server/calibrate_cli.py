@@ -77,7 +77,7 @@ def main(args: argparse.Namespace) -> int:
         settings = load_settings(flags={k: v for k, v in flags.items() if k in overrides}, **overrides)
         if not settings.kv_calibration_cache_dir:
             raise ConfigError("KV_CALIBRATION_CACHE_DIR is empty (no cache): kvserve calibrate has nowhere to write")
-        check_backend(settings)
+        check_backend(settings, "--model" if args.model else "MODEL_ID")
     except ConfigError as exc:
         print(f"kvserve: {exc}", file=sys.stderr)
         return 2

@@ -16,7 +16,7 @@ def serve(args: argparse.Namespace) -> int:
     given = overrides(args)
     try:
         settings = load_settings(flags={name: flag(name) for name in given}, **given)
-        check_backend(settings)
+        check_backend(settings, flag("model_id") if "model_id" in given else "MODEL_ID")
         check_host(settings.host, settings.port)
     except ConfigError as exc:
         print(f"kvserve: {exc}", file=sys.stderr)
