@@ -61,6 +61,8 @@ def kvserve(*args: str) -> subprocess.CompletedProcess:
     (["advise", "--context", "1024", "--memory-budget", "1GiB", "--bench", "LIST_JSON"], "not a results.json"),
     (["advise", "--context", "1024", "--memory-budget", "1GiB", "--min-agreement", "1.5"], "expected a number from 0 to 1"),
     (["advise", "--context", "1024", "--memory-budget", "1GiB", "--max-ppl-increase", "-1"], "expected a number >= 0"),
+    (["advise", "--context", "2048", "--memory-budget", "1GiB", "--model", "models/kjv-llama-mha"],
+     "kvserve advise: --context 2048 is more than models/kjv-llama-mha's 1024 positions (max_position_embeddings)"),
     (["advise", "--context", "1024", "--memory-budget", "1GiB", "--bench", "/nonexistent.json"],
      "--bench /nonexistent.json: No such file or directory"),
     (["advise", "--context", "1024", "--memory-budget", "1GiB", "--bench", "docs/bench/results.json", "--model",
