@@ -356,8 +356,10 @@ def check_arguments(args: argparse.Namespace) -> None:
     geometry = ModelGeometry.from_config(AutoConfig.from_pretrained(args.model), torch.float32)
     for spec in args.backends or []:
         name, options = parse_spec(spec.removesuffix(BUDGETED))  # its errors name the spec
-        if spec.endswith(BUDGETED) and options:
-            raise ValueError(f"--backends {spec}: a budgeted entry takes no options (the budget chooses them)")
+        budgeted = spec.endswith(BUDGETED) or name.endswith(BUDGETED)  # mla:rank=3@budget, mla@budget:rank=3
+        if budgeted and options:
+            raise ValueError(f"--backends {spec}: {BUDGETED} chooses the setting itself (within --budget) and takes "
+                             f"no options: give {name.removesuffix(BUDGETED)}{BUDGETED} alone")
         try:
             create(name, geometry, **options)
         except (ValueError, TypeError, KeyError) as exc:

@@ -122,6 +122,8 @@ class Shape:
         v_head_dim: value channels per head.
         kv_lora_rank: the native latent width (DeepSeek-V2/V3), else ``None``.
         rope_dim: the decoupled rope key width of native MLA, else 0.
+        max_positions: the config's ``max_position_embeddings`` (the longest context the model holds), else
+            ``None`` (the presets: shapes, not one model's limit).
     """
 
     num_layers: int
@@ -130,6 +132,7 @@ class Shape:
     v_head_dim: int
     kv_lora_rank: int | None = None
     rope_dim: int = 0
+    max_positions: int | None = None
 
     @classmethod
     def from_config(cls, cfg: dict) -> "Shape":
@@ -148,12 +151,14 @@ class Shape:
     def _from_config(cls, cfg: dict) -> "Shape":
         heads = cfg["num_attention_heads"]
         kv_heads = cfg.get("num_key_value_heads") or heads
+        positions = cfg.get("max_position_embeddings")
+        positions = positions if isinstance(positions, int) and positions > 0 else None
         if cfg.get("kv_lora_rank"):
             rope = cfg.get("qk_rope_head_dim", 64)
             return cls(cfg["num_hidden_layers"], heads, cfg.get("qk_nope_head_dim", 128) + rope,
-                       cfg.get("v_head_dim", 128), cfg["kv_lora_rank"], rope)
+                       cfg.get("v_head_dim", 128), cfg["kv_lora_rank"], rope, positions)
         d = cfg.get("head_dim") or cfg["hidden_size"] // heads
-        return cls(cfg["num_hidden_layers"], kv_heads, d, d)
+        return cls(cfg["num_hidden_layers"], kv_heads, d, d, max_positions=positions)
 
 
 PRESETS: dict[str, Shape] = {

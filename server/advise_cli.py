@@ -22,7 +22,7 @@ from pathlib import Path
 from cache_backends.estimate import DTYPE_BYTES, estimate_rows
 from cache_backends.spec import format_spec
 from server.estimate_cli import DEFAULT_SPECS as ESTIMATE_SPECS
-from server.estimate_cli import human, load_shape, resolve_specs
+from server.estimate_cli import human, load_shape, over_positions, resolve_specs
 
 UNITS = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
@@ -140,9 +140,13 @@ def rows_from_estimate(model: str, dtype: str, context: int, specs: list[str] | 
     """Rows from the closed-form sums (no quality or speed); without ``specs``, estimate's default list.
 
     Raises:
-        ValueError: for an unknown model, a malformed spec or one the model cannot take.
+        ValueError: for an unknown model, a malformed spec or one the model cannot take, or a ``context``
+            longer than the model holds (its ``max_position_embeddings``): no setting serves that workload.
     """
     shape = load_shape(model)
+    if over_positions(shape, [context]):
+        raise ValueError(f"--context {context} is more than {model}'s {shape.max_positions} positions "
+                         "(max_position_embeddings): the model cannot hold that context")
     parsed = resolve_specs(shape, specs, DTYPE_BYTES[dtype])
     sums = estimate_rows(shape, parsed, [context], [1], DTYPE_BYTES[dtype])
     # elastic fits where its fully compressed size does (its least; it is exact while the budget allows more)

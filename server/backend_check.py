@@ -2,10 +2,32 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 
-def check_backend(settings) -> None:
+
+def check_model_folder(model_id: str, source: str = "MODEL_ID") -> None:
+    """Refuse a local model folder without ``config.json``, or a path (``/...``, ``./...``, ``~/...``) that does not
+    exist, naming ``source`` (the variable or flag) and the folder: transformers would say "Unrecognized model ...
+    Should have a `model_type` key in its config.json" or "Repo id must be in the form ...", as if it were a hub id.
+
+    Raises:
+        ConfigError: one line naming ``source``, the folder and what is missing.
+    """
+    from server.config import ConfigError
+
+    path = Path(model_id).expanduser()
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise ConfigError(f"invalid {source}={model_id!r}: the folder has no config.json (a model folder holds "
+                          "config.json, the tokenizer files and the weights)")
+    if not path.exists() and (path.is_absolute() or model_id.startswith((".", "~"))):
+        raise ConfigError(f"invalid {source}={model_id!r}: no such folder")
+
+
+def check_backend(settings, model_source: str = "MODEL_ID") -> None:
     """Build the chosen backend against the model's config (no weights) so that a parameter the model
     cannot take (e.g. KV_GQA_GROUPS not dividing num_key_value_heads) stops start-up at once.
+
+    ``model_source`` (``MODEL_ID``, or the flag that set it) is named when the model's config cannot be read.
 
     Raises:
         ConfigError: with the backend's one-line message.
@@ -17,10 +39,11 @@ def check_backend(settings) -> None:
     from server.config import ConfigError
     from server.state import create_backends
 
+    check_model_folder(settings.model_id, model_source)
     try:
         config = AutoConfig.from_pretrained(settings.model_id)
     except Exception as exc:  # noqa: BLE001 - any failure to read the config is a bad MODEL_ID
-        raise ConfigError(f"invalid MODEL_ID={settings.model_id!r}: {exc}".splitlines()[0]) from None
+        raise ConfigError(f"invalid {model_source}={settings.model_id!r}: {exc}".splitlines()[0]) from None
     dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(settings.dtype, torch.float32)
     geometry = ModelGeometry.from_config(config, dtype)
     try:

@@ -72,11 +72,12 @@ def main(args: argparse.Namespace) -> int:
         overrides.update(kv_backend=names[0], kv_backends=",".join(names[1:]))
     if args.model:
         overrides["model_id"] = args.model
+    flags = {"kv_backend": "--backend", "kv_backends": "--backend", "model_id": "--model"}  # named in a refusal
     try:
-        settings = load_settings(**overrides)
+        settings = load_settings(flags={k: v for k, v in flags.items() if k in overrides}, **overrides)
         if not settings.kv_calibration_cache_dir:
             raise ConfigError("KV_CALIBRATION_CACHE_DIR is empty (no cache): kvserve calibrate has nowhere to write")
-        check_backend(settings)
+        check_backend(settings, "--model" if args.model else "MODEL_ID")
     except ConfigError as exc:
         print(f"kvserve: {exc}", file=sys.stderr)
         return 2

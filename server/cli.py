@@ -16,7 +16,7 @@ def serve(args: argparse.Namespace) -> int:
     given = overrides(args)
     try:
         settings = load_settings(flags={name: flag(name) for name in given}, **given)
-        check_backend(settings)
+        check_backend(settings, flag("model_id") if "model_id" in given else "MODEL_ID")
         check_host(settings.host, settings.port)
     except ConfigError as exc:
         print(f"kvserve: {exc}", file=sys.stderr)
@@ -131,12 +131,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the subcommand; its exit status. Output cut short by its reader (``kvserve advise | head -1``) ends it
+    quietly with 141 (128 + SIGPIPE, as a shell tool stopped by the closed pipe), not a BrokenPipeError traceback."""
     passive_threads()
     args, unknown = build_parser().parse_known_args(argv)
     subparser = args.__dict__.pop("subparser")
     if unknown:  # `kvserve serve --bogus 1`: serve's usage and the flag (exit 2), not the top-level usage
         subparser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    return args.func(args)
+    try:
+        status = args.func(args)
+        sys.stdout.flush()  # here, not at exit: a closed pipe is then caught below
+    except BrokenPipeError:
+        import os
+
+        # Python's recipe: point stdout at devnull so that the flush at exit does not fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    return status
 
 
 if __name__ == "__main__":

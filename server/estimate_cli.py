@@ -62,6 +62,12 @@ def load_shape(model: str) -> Shape:
     return Shape.from_config(json.loads(path.read_text()))
 
 
+def over_positions(shape: Shape, lengths: list[int]) -> list[int]:
+    """The context lengths in ``lengths`` longer than the model holds (its ``max_position_embeddings``; none for a
+    preset, which has no limit of its own)."""
+    return [n for n in lengths if shape.max_positions and n > shape.max_positions]
+
+
 def human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -90,6 +96,10 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvserve estimate: {exc}", file=sys.stderr)
         return 2
+    if over := over_positions(shape, args.seq_len):  # sums, not a deployment: shown, with the limit named
+        print(f"kvserve estimate: warning: --seq-len {','.join(map(str, over))} is more than {args.model}'s "
+              f"{shape.max_positions} positions (max_position_embeddings): the model cannot hold that context; "
+              "those rows show what the cache would cost if it could", file=sys.stderr)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0

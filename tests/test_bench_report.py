@@ -72,6 +72,8 @@ def test_advise_ranks_the_measured_settings(quick_report):
     (["--model", "/nonexistent"], "no config.json"),
     (["--backends", "mla@budget", "--budget", "nan"], "--budget must be a finite number"),
     (["--backends", "mla@budget", "--budget", "-1"], "--budget must be a finite number of percent, at least 0"),
+    (["--backends", "mla@budget:rank=3"], "--backends mla@budget:rank=3: @budget chooses the setting itself"),
+    (["--backends", "mla:rank=3@budget"], "--backends mla:rank=3@budget: @budget chooses the setting itself"),
 ])
 def test_bad_arguments_fail_fast_with_one_line(args, message, tmp_path):
     p = subprocess.run([sys.executable, "-m", "server.cli", "bench", "--out", str(tmp_path / "out"), *args], cwd=REPO,

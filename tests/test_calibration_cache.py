@@ -282,6 +282,7 @@ def test_calibrate_fills_the_cache_and_the_server_starts_from_it(tmp_path):
 def test_calibrate_refuses_a_bad_backend_with_one_line(tmp_path):
     r = calibrate({"KV_CALIBRATION_CACHE_DIR": str(tmp_path)}, "--backend", "gqa,nope")
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "nope" in r.stderr, r.stderr
+    assert "invalid --backend='nope'" in r.stderr and "KV_BACKEND" not in r.stderr  # the flag given, not the variable
     r = calibrate({"KV_CALIBRATION_CACHE_DIR": ""}, "--backend", "mla")
     assert r.returncode == 2 and "KV_CALIBRATION_CACHE_DIR" in r.stderr
 

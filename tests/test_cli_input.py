@@ -2,6 +2,7 @@
 never a traceback, a default silently put in its place, or nonsense printed with exit 0."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -61,6 +62,8 @@ def kvserve(*args: str) -> subprocess.CompletedProcess:
     (["advise", "--context", "1024", "--memory-budget", "1GiB", "--bench", "LIST_JSON"], "not a results.json"),
     (["advise", "--context", "1024", "--memory-budget", "1GiB", "--min-agreement", "1.5"], "expected a number from 0 to 1"),
     (["advise", "--context", "1024", "--memory-budget", "1GiB", "--max-ppl-increase", "-1"], "expected a number >= 0"),
+    (["advise", "--context", "2048", "--memory-budget", "1GiB", "--model", "models/kjv-llama-mha"],
+     "kvserve advise: --context 2048 is more than models/kjv-llama-mha's 1024 positions (max_position_embeddings)"),
     (["advise", "--context", "1024", "--memory-budget", "1GiB", "--bench", "/nonexistent.json"],
      "--bench /nonexistent.json: No such file or directory"),
     (["advise", "--context", "1024", "--memory-budget", "1GiB", "--bench", "docs/bench/results.json", "--model",
@@ -93,3 +96,16 @@ def test_advise_names_the_model_its_bench_file_measured():
     p = kvserve("advise", "--context", "1024", "--memory-budget", "1GiB", "--bench", "docs/bench/real/results.json")
     assert p.returncode == 0, p.stderr
     assert "measured by docs/bench/real/results.json on smollm2-135m-instruct" in p.stdout.splitlines()[0]
+
+
+def test_a_reader_that_closes_early_ends_the_output_quietly():
+    """`kvserve advise ... | head -1` printed a BrokenPipeError traceback: a closed pipe ends the command quietly,
+    with 141 (128 + SIGPIPE). The pipe's reading end is closed before the command writes, so every write fails."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        p = subprocess.run([sys.executable, "-m", "server.cli", "advise", "--context", "1024", "--memory-budget",
+                            "1GiB"], cwd=REPO, stdout=write, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert (p.returncode, p.stderr) == (141, "")

@@ -42,6 +42,24 @@ def test_serve_exits_nonzero_with_one_line():
     assert len(lines) == 1 and "KV_BACKEND" in lines[0] and "full" in lines[0]
 
 
+def test_a_model_folder_without_config_json_is_named_in_one_line(tmp_path):
+    """A folder with no config.json got transformers' "Unrecognized model ... Should have a `model_type` key in
+    its config.json", a missing path "Repo id must be in the form ...": the line names the folder and what is
+    missing, and the flag when the folder came from one."""
+    (tmp_path / "notes.txt").write_text("not a model")
+    p = subprocess.run([sys.executable, "-m", "server.cli", "calibrate", "--model", str(tmp_path)], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+        f"kvserve: invalid --model={str(tmp_path)!r}: the folder has no config.json (a model folder holds "
+        "config.json, the tokenizer files and the weights)"], p.stderr
+    from server.backend_check import check_backend
+
+    with pytest.raises(ConfigError, match=f"^invalid MODEL_ID={str(tmp_path)!r}: the folder has no config.json"):
+        check_backend(load_settings(model_id=str(tmp_path)))
+    with pytest.raises(ConfigError, match=f"^invalid MODEL_ID='{tmp_path}/nothing': no such folder$"):
+        check_backend(load_settings(model_id=str(tmp_path / "nothing")))
+
+
 def test_bit_widths_from_the_environment_are_numbers(monkeypatch):
     """KV_*_BITS arrive as strings: "4" is 4 (a Literal[4, 8] field refused it: the k8v4 server did not start)."""
     monkeypatch.setenv("KV_INT8_VALUE_BITS", "4")

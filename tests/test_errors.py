@@ -81,6 +81,29 @@ def test_openai_invalid_input_is_400_with_openai_error_naming_the_field(strict_s
     assert "inputs" not in err["message"]
 
 
+@pytest.mark.parametrize("path", ["/generate", "/generate_stream"])
+def test_a_parameter_beside_inputs_is_refused_saying_it_goes_in_parameters(strict_server, path):
+    """``{"inputs": ..., "kv_backend": "int8"}`` was "`kv_backend` is not supported by this server"."""
+    r = post(strict_server, path, {"inputs": "a", "kv_backend": "int8"})
+    assert r.status_code == 422 and r.json() == {
+        "error": '`kv_backend` goes in `parameters`: {..., "parameters": {"kv_backend": ...}}',
+        "error_type": "validation"}, r.text
+    r = post(strict_server, path, {"inputs": "a", "max_new_tokens": 3})
+    assert r.status_code == 422 and r.json()["error"].startswith("`max_new_tokens` goes in `parameters`")
+
+
+def test_an_empty_kv_backend_is_refused_naming_it(strict_server):
+    """``"kv_backend": ""`` was served by the default backend, as if unset: it is a 4xx naming the field."""
+    r = post(strict_server, "/generate", {"inputs": "a", "parameters": {"kv_backend": ""}})
+    assert r.status_code == 422 and "parameters.kv_backend" in r.json()["error"], r.text
+    for path, body in (("/v1/completions", {"prompt": "a", "max_tokens": 1}),
+                       ("/v1/responses", {"input": "a", "max_output_tokens": 1}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "max_tokens": 1})):
+        assert post(strict_server, path, body).status_code == 200, path
+        r = post(strict_server, path, {**body, "kv_backend": ""})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "kv_backend", (path, r.text)
+
+
 def test_openai_chat_errors_name_chat_fields(strict_server):
     r = post(strict_server, "/v1/chat/completions", {"messages": []})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"

@@ -78,3 +78,23 @@ def test_cli_without_specs_lists_every_backend_at_the_models_defaults():
     assert rows["mla"]["params"] == {"rank": 512, "rope_dim": 64} and rows["mla"]["bytes_per_token_per_layer"] == 1152
     assert rows["gqa"]["params"] == {"groups": 32} and rows["dca"]["params"] == {"reuse_fraction": 0.5, "window": 32}
     assert rows["full"]["total_bytes"] == 128 * (192 + 128) * 2 * 4096 * 61
+
+
+def test_a_context_over_the_models_positions_is_sized_with_a_warning(model_dir, capsys):
+    """--seq-len past the model's max_position_embeddings was sized silently: the rows stay (sums of what the cache
+    would cost: the default --seq-len is longer than small models hold), with one warning line naming the limit; a
+    preset has no limit of its own."""
+    from server.cli import build_parser
+
+    def estimate(*argv):
+        args = build_parser().parse_args(["estimate", *argv, "--batch", "1", "--json", "full"])
+        assert args.func(args) == 0
+        out = capsys.readouterr()
+        return [r["seq_len"] for r in json.loads(out.out)], out.err
+
+    assert estimate("--model", str(model_dir), "--seq-len", "512,1024,2048,4096") == ([512, 1024, 2048, 4096], (
+        f"kvserve estimate: warning: --seq-len 2048,4096 is more than {model_dir}'s 1024 positions "
+        "(max_position_embeddings): the model cannot hold that context; those rows show what the cache would cost "
+        "if it could\n"))
+    assert estimate("--model", str(model_dir), "--seq-len", "1024") == ([1024], "")
+    assert estimate("--model", "llama-2-7b", "--seq-len", "32768") == ([32768], "")

@@ -51,7 +51,7 @@ class _Sampling(RequestModel):
     ignore_eos: bool = Field(False, description="vLLM extension: never stop at end-of-text.")
     min_tokens: Int = Field(0, ge=0, description="vLLM extension: end-of-text is masked until this many tokens.")
     user: str | None = Field(None, description="End-user id (informational only, as in OpenAI).")
-    kv_backend: str | None = Field(None, description="KV backend for this request (one of KV_BACKENDS).")
+    kv_backend: str | None = Field(None, min_length=1, description="KV backend for this request (one of KV_BACKENDS).")
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS, description=CACHE_SALT)
 
     def stop_list(self) -> list[str]:

@@ -89,7 +89,7 @@ class ResponsesRequest(RequestModel):
     text: TextConfig | None = Field(None, description="Only the `text` format.")
     truncation: Literal["disabled"] | None = None
     tool_choice: Literal["none", "auto"] | None = Field(None, description="No tools are served: `none` or `auto`.")
-    kv_backend: str | None = Field(None, description="KV backend for this request (one of KV_BACKENDS).")
+    kv_backend: str | None = Field(None, min_length=1, description="KV backend for this request (one of KV_BACKENDS).")
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS, description=CACHE_SALT)
 
 

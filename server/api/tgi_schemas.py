@@ -41,7 +41,7 @@ class TGIParameters(RequestModel):
     details: bool = False
     decoder_input_details: bool = False
     return_full_text: bool = False
-    kv_backend: str | None = Field(None, description="KV backend for this request (one of KV_BACKENDS).")
+    kv_backend: str | None = Field(None, min_length=1, description="KV backend for this request (one of KV_BACKENDS).")
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS, description=CACHE_SALT)
 
 

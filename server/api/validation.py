@@ -14,7 +14,8 @@ def _is_set(value) -> bool:
 
 def refuse_unimplemented(model: BaseModel, path: str = "") -> None:
     """Raise for the first key of ``model`` (or of a model nested in it) that its schema does not define
-    and that is set to something.
+    and that is set to something; a key that a nested model defines (TGI's ``kv_backend`` or ``max_new_tokens``
+    beside ``inputs`` instead of in ``parameters``) is refused saying where it goes.
 
     Args:
         model: a parsed request body (its models must allow extra keys).
@@ -23,9 +24,16 @@ def refuse_unimplemented(model: BaseModel, path: str = "") -> None:
     Raises:
         InvalidRequest: naming the field, with ``param`` set to it.
     """
+    nested = {name: f.annotation for name, f in type(model).model_fields.items()
+              if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel)}
     for key, value in (model.model_extra or {}).items():
-        if _is_set(value):
-            raise InvalidRequest(f"`{path}{key}` is not supported by this server", f"{path}{key}")
+        if not _is_set(value):
+            continue
+        home = next((name for name, cls in nested.items() if key in cls.model_fields), None)
+        if home is not None:  # TGI's {"inputs": ..., "kv_backend": ...}: a field of `parameters`, one level up
+            raise InvalidRequest(f"`{path}{key}` goes in `{path}{home}`: "
+                                 f"{{..., \"{home}\": {{\"{key}\": ...}}}}", f"{path}{key}")
+        raise InvalidRequest(f"`{path}{key}` is not supported by this server", f"{path}{key}")
     for name in type(model).model_fields:
         value = getattr(model, name)
         if isinstance(value, BaseModel):
