@@ -99,7 +99,7 @@ $(GGUF): $(STAMP)
 		--model models/kjv-llama-mha --out $(GGUF)
 
 bench-serving: $(GGUF)
-	$(BIN)/python -m bench.serving --tokens 128 --concurrency 1,8,16 --gguf $(GGUF)
+	OMP_WAIT_POLICY=ACTIVE $(BIN)/python -m bench.serving --tokens 128 --concurrency 1,8,16 --gguf $(GGUF)
 
 bench-mla-routes: $(STAMP)
 	$(BIN)/python -m bench.mla_routes

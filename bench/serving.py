@@ -82,6 +82,14 @@ def running(cmd: list[str], env: dict[str, str], health_url: str, timeout: float
             proc.kill()
 
 
+def kvserve_env(env: dict[str, str]) -> dict[str, str]:
+    """A kvserve server's whole environment: this one's without OpenMP's thread variables (the server takes its
+    own defaults: ``TORCH_NUM_THREADS``, ``OMP_WAIT_POLICY=PASSIVE``), then ``env``. The peers keep this process's
+    (``make bench-serving`` gives them ``OMP_WAIT_POLICY=ACTIVE``: spinning threads, their best on a quiet CPU)."""
+    keep = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")}
+    return {**keep, **env}
+
+
 async def _stream_kvserve(client: httpx.AsyncClient, url: str, tokens: int, times: list | None = None) -> dict:
     """Stream one request; ``times`` (token arrival times) fills as tokens arrive."""
     body = {"inputs": PROMPT, "parameters": {"max_new_tokens": tokens}}
@@ -261,7 +269,7 @@ def main() -> None:
     levels = [int(x) for x in args.concurrency.split(",")]
     torch.set_num_threads(os.cpu_count() or 1)
     report: dict = {"model": args.model, "tokens": args.tokens, "prompt": PROMPT, "cpu_count": os.cpu_count(),
-                    "torch": torch.__version__}
+                    "torch": torch.__version__, "peers_omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset")}
 
     report["generate_decode_tokens_per_s"] = bench_generate(args.model, args.tokens, args.repeats)
     print(f"generate(): {report['generate_decode_tokens_per_s']:.1f} decode tokens/s", flush=True)
@@ -283,7 +291,7 @@ def main() -> None:
         url = f"http://127.0.0.1:{port}"
         env = {"MODEL_ID": args.model, "PORT": str(port), "HOST": "127.0.0.1", "LOG_LEVEL": "warning",
                "MAX_BATCH_SIZE": "16", "MAX_NUM_BATCHED_TOKENS": chunk}
-        with running([sys.executable, "-m", "server.cli", "serve"], env, url + "/health"):
+        with running([sys.executable, "-m", "server.cli", "serve"], kvserve_env(env), url + "/health", inherit=False):
             asyncio.run(concurrent(lambda c: _stream_kvserve(c, url, 8), 1))  # warm-up
             report["long_prompt_itl"][chunk] = asyncio.run(_long_arrival(url, prompts, 8, max(128, args.tokens)))
         print(f"ITL while long prompts arrive, MAX_NUM_BATCHED_TOKENS={chunk}:",
@@ -297,7 +305,7 @@ def main() -> None:
                "MAX_BATCH_SIZE": str(max(levels)), "ENGINE_PROCESS": mode}
         key = "kvserve" if mode == modes[0] else "kvserve_engine_process"
         report.setdefault("engine_process", {})[key] = mode == "true"
-        with running([sys.executable, "-m", "server.cli", "serve"], env, url + "/health"):
+        with running([sys.executable, "-m", "server.cli", "serve"], kvserve_env(env), url + "/health", inherit=False):
             asyncio.run(concurrent(lambda c: _stream_kvserve(c, url, 8), 1))  # warm-up
             if key == "kvserve":
                 single = [decode_rate(asyncio.run(_single(lambda c: _stream_kvserve(c, url, args.tokens))))

@@ -30,7 +30,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from bench.serving import REPO, _single, _stream_kvserve, concurrent, decode_rate, free_port, running
+from bench.serving import REPO, _single, _stream_kvserve, concurrent, decode_rate, free_port, kvserve_env, running
 
 WAITS = {  # setting → the variables it sets (every other OpenMP wait variable is removed)
     "spin": {"OMP_WAIT_POLICY": "ACTIVE"},
@@ -55,20 +55,20 @@ def busy_core(on: bool):
         proc.wait()
 
 
-def server_env(model: str, port: int, wait: dict[str, str], threads: int, streams: int) -> dict[str, str]:
-    """The server's whole environment: this one's without OpenMP's wait variables, then the setting's."""
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")}
-    env.update({"MODEL_ID": model, "PORT": str(port), "HOST": "127.0.0.1", "LOG_LEVEL": "warning",
-                "MAX_BATCH_SIZE": str(streams), "TORCH_NUM_THREADS": str(threads), **wait})
-    return env
+def server_env(model: str, port: int, wait: dict[str, str], threads: int, streams: int,
+               engine_process: bool) -> dict[str, str]:
+    """The server's whole environment: this one's without OpenMP's thread variables, then the setting's."""
+    return kvserve_env({"MODEL_ID": model, "PORT": str(port), "HOST": "127.0.0.1", "LOG_LEVEL": "warning",
+                        "MAX_BATCH_SIZE": str(streams), "TORCH_NUM_THREADS": str(threads),
+                        "ENGINE_PROCESS": str(engine_process).lower(), **wait})
 
 
 def measure(model: str, wait: dict[str, str], threads: int, streams: int, tokens: int, repeats: int,
-            busy: bool) -> dict:
+            busy: bool, engine_process: bool) -> dict:
     """One server with one setting: TPOT of one stream (median, s) and ``streams`` streams' tokens/s (best)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    env = server_env(model, port, wait, threads, streams)
+    env = server_env(model, port, wait, threads, streams, engine_process)
     with running([sys.executable, "-m", "server.cli", "serve"], env, url + "/health", inherit=False), busy_core(busy):
         asyncio.run(concurrent(lambda c: _stream_kvserve(c, url, 8), 1))  # warm-up
         tpot = statistics.median(1 / decode_rate(asyncio.run(_single(lambda c: _stream_kvserve(c, url, tokens))))
@@ -123,6 +123,8 @@ def main() -> None:
     p.add_argument("--waits", nargs="+", default=list(WAITS), choices=list(WAITS))
     p.add_argument("--threads", type=int, nargs="+", default=None,
                    help="TORCH_NUM_THREADS values (default: 1 up to the CPUs this process may use)")
+    p.add_argument("--engine-process", choices=["false", "true"], default="true",
+                   help="the servers' ENGINE_PROCESS (default true: the engine core's threads alone in their process)")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "threads.json"))
     args = p.parse_args()
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -133,10 +135,11 @@ def main() -> None:
             for n in threads:
                 t = time.perf_counter()
                 r = {"wait": wait, "threads": n, "busy": busy,
-                     **measure(args.model, WAITS[wait], n, args.streams, args.tokens, args.repeats, busy)}
+                     **measure(args.model, WAITS[wait], n, args.streams, args.tokens, args.repeats, busy,
+                                args.engine_process == "true")}
                 rows.append(r)
                 print(json.dumps(r), f"({time.perf_counter() - t:.0f} s)", flush=True)
-    report = {"model": args.model, "cpus": cpus, "streams": args.streams, "tokens": args.tokens,
+    report = {"model": args.model, "engine_process": args.engine_process == "true", "cpus": cpus, "streams": args.streams, "tokens": args.tokens,
               "repeats": args.repeats, "rows": rows, "settings": worst_cases(rows)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")

@@ -89,9 +89,10 @@ class Settings(BaseSettings):
                                         "closed.")
     max_connections: int = Field(1000, ge=1, description="Most HTTP connections open at once (idle kept-alive "
                                  "ones included); one more gets 503 with Retry-After: 1 and is closed.")
-    torch_num_threads: int = Field(0, ge=0, description="torch intra-op threads of the server (0: torch's default, "
-                                   "one per core); idle threads wait passively (OMP_WAIT_POLICY=PASSIVE, set by "
-                                   "`kvserve` unless given).")
+    torch_num_threads: int = Field(0, ge=0, description="torch intra-op threads of the engine (0: one per CPU the "
+                                   "process may use, less one left to the HTTP side; at least 1); idle threads "
+                                   "wait passively (OMP_WAIT_POLICY=PASSIVE, set by `kvserve` unless it or "
+                                   "GOMP_SPINCOUNT is given).")
     kv_cache_budget_bytes: int | None = Field(None, ge=1, description="Bytes of the KV pool, preallocated at "
                                               "start-up (default: the pages MAX_BATCH_SIZE sequences of "
                                               "MAX_TOTAL_TOKENS tokens of the costliest served backend hold, at "
@@ -101,9 +102,10 @@ class Settings(BaseSettings):
     kv_prefix_caching: bool = Field(True, description="Automatic prefix caching: full KV blocks stay cached after "
                                     "their request and a prompt that starts with cached blocks prefills only the "
                                     "rest (paged backends; not dca).")
-    engine_process: bool = Field(False, description="Run the engine (scheduler, KV cache, model) in its own process, "
+    engine_process: bool = Field(True, description="Run the engine (scheduler, KV cache, model) in its own process, "
                                  "fed over ZMQ; detokenization, stop sequences and streaming stay in the server's; "
-                                 "if it dies the server exits 1.")
+                                 "if it dies the server exits 1. false: the engine is a thread of the server's "
+                                 "process.")
     max_num_batched_tokens: int = Field(256, ge=0, description="Tokens one engine step processes: each decoding "
                                         "sequence's one, prompt chunks the rest (chunked prefill); 0 prefills "
                                         "whole prompts.")

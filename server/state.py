@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,13 +74,25 @@ def create_backends(settings: Settings, geometry: ModelGeometry) -> dict[str, KV
     return backends
 
 
-def load_weights(settings: Settings):
-    """``TORCH_NUM_THREADS``, then the model on its device and dtype: ``(model, tokenizer, device, dtype,
-    geometry)`` (the HTTP process's engine and the engine core process load alike)."""
-    if settings.torch_num_threads:
-        import torch
+PRICING = "model loaded; calibrating and pricing the KV backends (cached for the next start)"
+"""``/health``'s 503 message once the model is loaded, while the KV backends are calibrated and priced."""
 
-        torch.set_num_threads(settings.torch_num_threads)
+
+def default_torch_threads() -> int:
+    """``TORCH_NUM_THREADS=0``'s thread count: the CPUs this process may use less one, which the HTTP side (event
+    loop, detokenization, sockets) then has to itself; at least 1. On 2 cores (``python -m bench.threads``, docs/
+    benchmarks.md "Threads") one thread had the best worst case of every wait policy and count: within 1.4x of
+    the best setting quiet and beside a busy core, where two threads were up to 3.4x slower beside it."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cpus - 1)
+
+
+def load_weights(settings: Settings):
+    """``TORCH_NUM_THREADS`` (0: :func:`default_torch_threads`), then the model on its device and dtype: ``(model,
+    tokenizer, device, dtype, geometry)`` (the HTTP process's engine and the engine core process load alike)."""
+    import torch
+
+    torch.set_num_threads(settings.torch_num_threads or default_torch_threads())
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)
     model, tokenizer = load_model(settings.model_id, device, dtype)
@@ -187,7 +200,7 @@ class ServerState:
         model, tokenizer, device, dtype, geometry = load_weights(s)
         names = list(create_backends(s, geometry))  # checked against the model; built below, as priced
         cache = CalibrationCache(s.kv_calibration_cache_dir)
-        self.loading = "model loaded; calibrating and pricing the KV backends (cached for the next start)"
+        self.loading = PRICING
         self.backends, self.quality = prepare_backends(s, names, model, tokenizer, geometry, cache)
         # MODEL_ID as given (a path for a local model, as vLLM names it: tools load the tokenizer from the served
         # name), and a local folder's name as an alias
@@ -218,7 +231,7 @@ class ServerState:
         self.loading = "the engine core process is loading the model and preparing the KV backends"
         client = CoreClient(s, on_death=self._core_died)
         try:
-            ready = client.start()
+            ready = client.start(on_stage=lambda stage: setattr(self, "loading", stage))
         except BaseException:
             client.stop()
             raise

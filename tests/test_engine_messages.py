@@ -30,7 +30,8 @@ def test_every_output_round_trips():
                              timings=m.Timings(1.0, 2.0, 3.0))],
         accepted=["r3"], rejected=[m.Rejected("r4", "overloaded", "full")],
         stats=m.CoreStats(running=1, waiting=2, kv_used_bytes=10, kv_live_bytes=5, kv_usage=0.25, evictable_blocks=3))
-    for msg in (step, m.Ready([0, 2], ["full", "int8"], 2048, {"kv_block_size": 16}), m.Failed("no model", True)):
+    for msg in (step, m.Ready([0, 2], ["full", "int8"], 2048, {"kv_block_size": 16}), m.Failed("no model", True),
+                m.Loading("model loaded; calibrating")):
         back = m.decode_output(m.encode(msg))
         assert back == msg and type(back) is type(msg)
 

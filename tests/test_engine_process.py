@@ -28,7 +28,8 @@ def client():
     deaths = []
     c = CoreClient(Settings(model_id=str(MODEL_DIR), kv_backends="full", device="cpu", dtype="float32",
                             log_level="warning"), on_death=deaths.append)
-    c.start()
+    c.stages = []
+    c.start(on_stage=c.stages.append)
     c.deaths = deaths
     yield c
     c.stop()
@@ -52,6 +53,13 @@ async def collect(svc, req, receive=None):
 
 def fields(events):
     return [(e.index, e.token_id, e.text, e.special, e.finish_reason, e.generated_text, e.error) for e in events]
+
+
+def test_the_core_reports_its_start_up_stage_before_ready(client):
+    """``/health`` says, as in-process, that the model is loaded and the backends are being priced."""
+    from server.state import PRICING
+
+    assert client.stages == [PRICING]
 
 
 def test_events_are_the_in_process_engines(ref_model, client):

@@ -78,7 +78,9 @@ def test_health_says_when_the_model_is_loaded_and_the_backends_are_being_priced(
         return prepare(*args, **kwargs)
 
     monkeypatch.setattr(server.state, "prepare_backends", slow_prepare)
-    app = create_app(load_settings(model_id=str(MODEL_DIR), kv_backends="", kv_calibration_cache_dir=""))
+    # the in-process engine (its prepare_backends patched here); the engine core's stages: tests/test_engine_process.py
+    app = create_app(load_settings(model_id=str(MODEL_DIR), kv_backends="", kv_calibration_cache_dir="",
+                                   engine_process=False))
     with TestClient(app) as client:
         try:
             assert entered.wait(120)

@@ -285,21 +285,23 @@ class EngineCore:
                 outbox.send(m.encode(self.step()))
 
 
-def load_core(settings) -> tuple[Engine, m.Ready]:
-    """Load the model and backends for ``settings`` (as the in-process server does) and build the engine.
+def load_core(settings, progress=lambda stage: None) -> tuple[Engine, m.Ready]:
+    """Load the model and backends for ``settings`` (as the in-process server does) and build the engine;
+    ``progress(stage)`` is told when the model is loaded and the backends are being calibrated and priced.
 
     Raises:
         ValueError: a setting this model cannot take; others: the model or a backend failed to load.
     """
     from cache_backends.calibration_cache import CalibrationCache
     from server.engine.setup import build_engine
-    from server.state import (create_backends, engine_info, engine_options, eos_token_ids, load_weights,
+    from server.state import (PRICING, create_backends, engine_info, engine_options, eos_token_ids, load_weights,
                               prepare_backends)
 
     s = settings
     model, tokenizer, device, dtype, geometry = load_weights(s)
     names = list(create_backends(s, geometry))
     cache = CalibrationCache(s.kv_calibration_cache_dir)
+    progress(PRICING)
     backends, quality = prepare_backends(s, names, model, tokenizer, geometry, cache)
     max_input, max_total = s.token_limits(model.config.max_position_embeddings)
     eos_ids = eos_token_ids(model, tokenizer)
@@ -323,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     outbox.connect(out_addr)
     outbox.setsockopt(zmq.LINGER, 2000)
     try:
-        engine, ready = load_core(settings)
+        engine, ready = load_core(settings, lambda stage: outbox.send(m.encode(m.Loading(stage))))
     except Exception as exc:  # noqa: BLE001 - told to the server, which says why and exits
         error = f"model failed to load: {' '.join(str(exc).split()) or type(exc).__name__}"
         log.log(logging.ERROR if isinstance(exc, ValueError) else logging.CRITICAL, "%s", error,

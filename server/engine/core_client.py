@@ -116,8 +116,9 @@ class CoreClient:
         self._rx.bind(f"ipc://{self._dir}/out")
 
     # ---- start-up -------------------------------------------------------------------------------
-    def start(self, timeout: float = READY_TIMEOUT_S) -> m.Ready:
-        """Start the core process, wait for its ``Ready`` and load the tokenizer (blocking).
+    def start(self, timeout: float = READY_TIMEOUT_S, on_stage=lambda stage: None) -> m.Ready:
+        """Start the core process, wait for its ``Ready`` and load the tokenizer (blocking); ``on_stage(text)`` is
+        called with each :class:`~server.engine.messages.Loading` stage the core reports before.
 
         Raises:
             ValueError: the core refused a setting (its message); RuntimeError: it failed to load or exited.
@@ -129,14 +130,18 @@ class CoreClient:
                                       f"ipc://{self._dir}/out"], env=env)
         self.tokenizer = AutoTokenizer.from_pretrained(self.settings.model_id)
         deadline = time.monotonic() + timeout
-        while not self._rx.poll(POLL_MS):
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the engine core process exited with status {self.proc.returncode} "
-                                   "before it was ready (its log says why)")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"the engine core process was not ready in {timeout:.0f} s")
-        first = m.decode_output(self._rx.recv())
+        while True:
+            while not self._rx.poll(POLL_MS):
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"the engine core process exited with status {self.proc.returncode} "
+                                       "before it was ready (its log says why)")
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"the engine core process was not ready in {timeout:.0f} s")
+            first = m.decode_output(self._rx.recv())
+            if not isinstance(first, m.Loading):
+                break
+            on_stage(first.stage)
         if isinstance(first, m.Failed):
             self.proc.wait(30)
             raise (ValueError if first.invalid_setting else RuntimeError)(first.error)

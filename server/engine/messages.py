@@ -211,6 +211,13 @@ class Ready(msgspec.Struct, tag=True, frozen=True):
     model_config: dict = {}
 
 
+class Loading(msgspec.Struct, tag=True, frozen=True):
+    """Start-up progress before ``Ready``: ``stage`` is what the core is doing now, in the words ``/health``'s 503
+    answer gives (e.g. the model loaded, the KV backends being calibrated and priced)."""
+
+    stage: str
+
+
 class Failed(msgspec.Struct, tag=True, frozen=True):
     """The core could not start (the model, a backend or a setting): ``error`` says why, in one line;
     ``invalid_setting``: the cause is a setting this model cannot take (a ``ValueError``)."""
@@ -219,7 +226,7 @@ class Failed(msgspec.Struct, tag=True, frozen=True):
     invalid_setting: bool = False
 
 
-CoreOutput = Union[StepOutput, Ready, Failed]
+CoreOutput = Union[StepOutput, Ready, Loading, Failed]
 
 _encoder = msgspec.msgpack.Encoder()
 _input_decoder = msgspec.msgpack.Decoder(CoreInput)
