@@ -18,8 +18,8 @@ Two comparisons, in one run, on the same model, prompt and machine:
 5. Single-stream llama.cpp (``--gguf``, needs ``llama-cpp-python``): decode tokens/s on the same weights
    with f16 KV and with q8_0 KV + flash attention.
 6. The engine alone: kvserve's engine in this process (no HTTP, no detokenization, stepped on the main thread),
-   N sequences of the prompt, aggregate tokens/s = N x tokens / wall; and the server with its engine as a
-   thread of the HTTP process (``ENGINE_PROCESS=false``) beside the default, its own process
+   N sequences of the prompt, aggregate tokens/s = N x tokens / wall; and the server with its engine core in
+   its own process (``ENGINE_PROCESS=true``) beside the default, a thread of the HTTP process
    (``--engine-process``), so the cost of serving over HTTP, and what the separate process recovers of it,
    are visible.
 
@@ -298,7 +298,7 @@ def main() -> None:
         print(f"ITL while long prompts arrive, MAX_NUM_BATCHED_TOKENS={chunk}:",
               json.dumps(report["long_prompt_itl"][chunk]), flush=True)
 
-    modes = ["true", "false"] if args.engine_process == "both" else [args.engine_process]  # the default first
+    modes = ["false", "true"] if args.engine_process == "both" else [args.engine_process]  # the default first
     for mode in modes:
         port = free_port()
         url = f"http://127.0.0.1:{port}"

@@ -102,7 +102,7 @@ class Settings(BaseSettings):
     kv_prefix_caching: bool = Field(True, description="Automatic prefix caching: full KV blocks stay cached after "
                                     "their request and a prompt that starts with cached blocks prefills only the "
                                     "rest (paged backends; not dca).")
-    engine_process: bool = Field(True, description="Run the engine (scheduler, KV cache, model) in its own process, "
+    engine_process: bool = Field(False, description="Run the engine (scheduler, KV cache, model) in its own process, "
                                  "fed over ZMQ; detokenization, stop sequences and streaming stay in the server's; "
                                  "if it dies the server exits 1. false: the engine is a thread of the server's "
                                  "process.")
