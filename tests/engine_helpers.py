@@ -6,7 +6,12 @@ import torch
 
 from cache_backends.base import ModelGeometry
 from cache_backends.calibration import calibration_ids
+from cache_backends.page_plan import SeqBlocks
+from cache_backends.paged import PageLayout
+from cache_backends.pool import KVPool
 from cache_backends.registry import create
+from server.engine.block_manager import BlockManager
+from server.engine.runner import ModelRunner
 from server.engine.engine import Engine
 from server.engine.sampling import SamplingParams
 from server.engine.sequence import Sequence
@@ -49,3 +54,32 @@ def reference_greedy(model, tokenizer, prompt: str, max_new_tokens: int) -> list
     out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id,
                          eos_token_id=None)
     return out[0, ids.shape[1]:].tolist()
+
+
+class PagedDriver:
+    """Drives :meth:`ModelRunner.run_paged` for one backend over a private pool (no engine)."""
+
+    def __init__(self, model, backend, pages: int = 300, block_size: int = 16):
+        g, dtype = backend.geometry, next(model.parameters()).dtype
+        streams, quantize = backend.paged_streams(), backend.paged_quantize()
+        page = PageLayout.natural_page_bytes(streams, g.num_layers, dtype, block_size, quantize)
+        self.layout = PageLayout(streams, g.num_layers, dtype, page, quantize)
+        self.pool = KVPool(pages, page, {backend.name: self.layout}, next(model.parameters()).device)
+        self.manager = BlockManager(pages)
+        self.runner = ModelRunner(model, g.num_layers, self.pool)
+        self.backend = backend
+
+    def step(self, rows: list[SeqBlocks], ids: list[list[int]]) -> torch.Tensor:
+        """Write ``ids[i]`` into row ``i`` (rows of any lengths: one forward) and return each row's last logits
+        (B, vocab_size)."""
+        plans, new = [], []
+        for blocks, row_ids in zip(rows, ids):
+            plan = self.layout.plan(blocks, len(row_ids))
+            pages = self.manager.allocate(plan.pages_needed)
+            self.layout.extend(blocks, plan, pages[: plan.new_exact_pages], pages[plan.new_exact_pages:])
+            plans.append(plan)
+            new += pages
+        logits = self.runner.run_paged(ids, [(self.backend, list(range(len(rows))), list(zip(rows, plans)))], [], new)
+        for blocks, plan in zip(rows, plans):
+            self.manager.free(self.layout.commit(blocks, plan))
+        return logits

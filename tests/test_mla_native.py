@@ -9,7 +9,9 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from cache_backends.base import ModelGeometry
 from cache_backends.registry import create
+from cache_backends.page_plan import SeqBlocks
 from server.engine.runner import ModelRunner
+from tests.engine_helpers import PagedDriver
 
 
 # num_experts_per_tok = n_routed_experts: no discontinuous top-k routing (tests/test_arch_matrix.py says why).
@@ -82,6 +84,27 @@ def test_absorbed_attention_batched_matches_the_models_own_attention(tiny_deepse
         with torch.no_grad():
             reference = model(torch.tensor([ids], device=precision.device)).logits[0, -1]
         precision.assert_close(batched[row], reference, what=f"row {row}")
+
+
+def test_a_mixed_step_on_native_mla_gives_each_row_the_models_own_logits(tiny_deepseek, precision):
+    """Two sequences decoding and a third's prompt chunks (12, then 18 tokens) in one forward through the pool
+    (absorbed attention over the latent and rope key pages, each length's rows as one group): every row's logits
+    equal the model's own forward at that position."""
+    model = tiny_deepseek
+    backend = create("mla", ModelGeometry.from_config(model.config, model.dtype))
+    backend.prepare(model)
+    driver = PagedDriver(model, backend)
+    gen = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (21, 34, 30)]
+    rows = [SeqBlocks() for _ in seqs]
+    for blocks, ids in zip(rows[:2], seqs[:2]):
+        driver.step([blocks], [ids[:19]])
+    for step, (lo, hi) in enumerate([(0, 12), (12, 30)]):
+        logits = driver.step(rows, [[seqs[0][19 + step]], [seqs[1][19 + step]], seqs[2][lo:hi]])
+        for row, end in enumerate([20 + step, 20 + step, hi]):
+            with torch.no_grad():
+                want = model(torch.tensor([seqs[row][:end]], device=precision.device)).logits[0, -1]
+            precision.assert_close(logits[row], want, what=f"mixed step {step}, row {row}")
 
 
 @pytest.mark.parametrize("name,options,min_cos", [("mla+int8", {}, 0.99), ("mla+int4", {"rotate": True}, 0.95)],

@@ -13,14 +13,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from cache_backends.base import ModelGeometry
 from cache_backends.calibration import calibration_ids
 from cache_backends.page_plan import SeqBlocks
-from cache_backends.paged import PageLayout
-from cache_backends.pool import KVPool
 from cache_backends.registry import create
-from server.engine.block_manager import BlockManager
-from server.engine.runner import ModelRunner
 from server.engine.sampling import SamplingParams
 from tests.precision import LOGIT_FACTOR
-from tests.engine_helpers import make_engine, make_seq, reference_greedy, run_all
+from tests.engine_helpers import PagedDriver, make_engine, make_seq, reference_greedy, run_all
 
 SPECS = [("full", {}), ("int8", {}), ("gqa", {"groups": 2}), ("gqa+int8", {"groups": 2}), ("mla", {"rank": 64}),
          ("mla+int8", {"rank": 64}), ("int4", {}), ("int4", {"rotate": True}), ("int8", {"value_bits": 4}),
@@ -29,33 +25,6 @@ SPEC_IDS = [name + "".join(f":{k}={v}" for k, v in options.items()) for name, op
 TEXTS = ["And God said, Let there be light: and there was light. And God saw the light, that it was good",
          "In the beginning God created the heaven and the earth. And the earth was without form, and void",
          "The LORD is my shepherd; I shall not want."]
-
-
-class PagedDriver:
-    """Drives :meth:`ModelRunner.run_paged` for one backend over a private pool (no engine)."""
-
-    def __init__(self, model, backend, pages: int = 300, block_size: int = 16):
-        g, dtype = backend.geometry, next(model.parameters()).dtype
-        streams, quantize = backend.paged_streams(), backend.paged_quantize()
-        page = PageLayout.natural_page_bytes(streams, g.num_layers, dtype, block_size, quantize)
-        self.layout = PageLayout(streams, g.num_layers, dtype, page, quantize)
-        self.pool = KVPool(pages, page, {backend.name: self.layout}, next(model.parameters()).device)
-        self.manager = BlockManager(pages)
-        self.runner = ModelRunner(model, g.num_layers, self.pool)
-        self.backend = backend
-
-    def step(self, rows: list[SeqBlocks], ids: list[list[int]]) -> torch.Tensor:
-        plans, new = [], []
-        for blocks, row_ids in zip(rows, ids):
-            plan = self.layout.plan(blocks, len(row_ids))
-            pages = self.manager.allocate(plan.pages_needed)
-            self.layout.extend(blocks, plan, pages[: plan.new_exact_pages], pages[plan.new_exact_pages:])
-            plans.append(plan)
-            new += pages
-        logits = self.runner.run_paged(ids, [(self.backend, list(range(len(rows))), list(zip(rows, plans)))], [], new)
-        for blocks, plan in zip(rows, plans):
-            self.manager.free(self.layout.commit(blocks, plan))
-        return logits
 
 
 def _backend(model, tok, name, options):
