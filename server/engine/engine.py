@@ -374,7 +374,8 @@ class Engine:
                 legacy.append((row, seq.store))
             else:
                 padded.append(row)
-        shared = [r for r in range(len(ids)) if r not in set(padded)]
+        apart = set(padded)
+        shared = [r for r in range(len(ids)) if r not in apart]
         logits = None
         if groups or legacy:
             if padded:  # renumber the shared forward's rows
