@@ -57,7 +57,7 @@ class ModelGeometry:
             num_attention_heads=heads,
             num_key_value_heads=getattr(config, "num_key_value_heads", None) or heads,
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-            dtype_bytes=torch.empty((), dtype=dtype).element_size(),
+            dtype_bytes=dtype.itemsize,
             kv_lora_rank=getattr(config, "kv_lora_rank", None),
             rope_dim=getattr(config, "qk_rope_head_dim", 0) if getattr(config, "kv_lora_rank", None) else 0,
         )

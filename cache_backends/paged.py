@@ -77,7 +77,7 @@ class Slab:
 
     @property
     def nbytes(self) -> int:
-        return self.units * self.heads * self.width * torch.empty((), dtype=self.dtype).element_size()
+        return self.units * self.heads * self.width * self.dtype.itemsize
 
 
 class PageLayout(TierPlan):
@@ -115,14 +115,14 @@ class PageLayout(TierPlan):
     @staticmethod
     def exact_bytes(streams, num_layers: int, dtype: torch.dtype, tokens: int) -> int:
         """Bytes of a page of ``tokens`` exact tokens (slabs aligned)."""
-        e = torch.empty((), dtype=dtype).element_size()
+        e = dtype.itemsize
         return num_layers * sum(_align(tokens * s.heads * s.width * e) for s in streams)
 
     @staticmethod
     def q_bytes(streams, num_layers: int, dtype: torch.dtype, quantize: dict, tokens: int) -> int:
         """Bytes of a page of ``tokens`` quantized tokens (a multiple of ``group_size``) with scales and zeros
         (each stream's codes at its bits: :func:`cache_backends.quant.stream_bits`)."""
-        e = torch.empty((), dtype=dtype).element_size()
+        e = dtype.itemsize
         group_size, total = quantize["group_size"], 0
         for s in streams:
             bits = stream_bits(quantize, s.axis)
@@ -199,7 +199,7 @@ class PageLayout(TierPlan):
     def stored_bytes(self, blocks: SeqBlocks) -> int:
         """Bytes of the tokens ``blocks`` holds in their stored form (what the closed formulas count; the
         pages it holds are :meth:`SeqBlocks.pages` x ``page_bytes``)."""
-        e = torch.empty((), dtype=self.dtype).element_size()
+        e = self.dtype.itemsize
         per_exact = sum(s.heads * s.width for s in self.streams) * e
         total = blocks.exact_len * per_exact
         if self.quantize and blocks.q_len:

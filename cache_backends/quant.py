@@ -34,7 +34,7 @@ def code_range(bits: int) -> tuple[int, int]:
 def scale_dtype(bits: int, dtype: torch.dtype) -> torch.dtype:
     """The dtype of a ``bits``-bit stream's scales and zero points: the model ``dtype`` at 8 bits; at 4 bits a
     2-byte float (``dtype`` if it is one, else float16)."""
-    if bits == 8 or torch.empty((), dtype=dtype).element_size() <= 2:
+    if bits == 8 or dtype.itemsize <= 2:
         return dtype
     return torch.float16
 
