@@ -44,7 +44,7 @@ def run_one(model: str, setting: dict[str, str], measure: str, streams: int, tok
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = kvserve_env({"MODEL_ID": model, "PORT": str(port), "HOST": "127.0.0.1", "LOG_LEVEL": "warning",
-                       "MAX_BATCH_SIZE": str(max(streams, 8)), **setting})
+                       "MAX_BATCH_SIZE": str(max(streams, 16)), **setting})  # long prompts: 8 running + 4 arriving
     with running([sys.executable, "-m", "server.cli", "serve"], env, url + "/health", inherit=False):
         asyncio.run(concurrent(lambda c: _stream_kvserve(c, url, 8), 1))  # warm-up
         if measure == "long-prompts":

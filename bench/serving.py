@@ -85,7 +85,8 @@ def running(cmd: list[str], env: dict[str, str], health_url: str, timeout: float
 
 def kvserve_env(env: dict[str, str]) -> dict[str, str]:
     """A kvserve server's whole environment: this one's without OpenMP's thread variables (the server takes its
-    own defaults: ``TORCH_NUM_THREADS``, ``OMP_WAIT_POLICY=PASSIVE``), then ``env``. The peers keep this process's
+    own wait policy, ``OMP_WAIT_POLICY=PASSIVE``, and its own thread count unless ``TORCH_NUM_THREADS`` is
+    exported), then ``env``. The peers keep this process's
     (``make bench-serving`` gives them ``OMP_WAIT_POLICY=ACTIVE``: spinning threads, their best on a quiet CPU)."""
     keep = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")}
     return {**keep, **env}
@@ -178,7 +179,7 @@ def bench_generate_static(model_dir: str, streams: int, tokens: int, repeats: in
 
 def bench_engine_alone(model_dir: str, streams: int, tokens: int, repeats: int) -> float:
     """kvserve's engine in-process, ``full`` KV: aggregate tokens/s of ``streams`` greedy sequences of the prompt
-    (``tokens`` each), best of ``repeats`` (the first run warms up)."""
+    (``tokens`` each), best of ``repeats`` + 1 runs (the first also warms up)."""
     from bench.budget import make_backend, new_engine
     from server.engine.sampling import SamplingParams
     from server.engine.sequence import Sequence

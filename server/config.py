@@ -90,7 +90,8 @@ class Settings(BaseSettings):
     max_connections: int = Field(1000, ge=1, description="Most HTTP connections open at once (idle kept-alive "
                                  "ones included); one more gets 503 with Retry-After: 1 and is closed.")
     torch_num_threads: int = Field(0, ge=0, description="torch intra-op threads of the engine (0: one per CPU the "
-                                   "process may use, less one left to the HTTP side; at least 1); idle threads "
+                                   "process may use, less one left to the HTTP side; at least 1, at most torch's "
+                                   "default); idle threads "
                                    "wait passively (OMP_WAIT_POLICY=PASSIVE, set by `kvserve` unless it or "
                                    "GOMP_SPINCOUNT is given).")
     kv_cache_budget_bytes: int | None = Field(None, ge=1, description="Bytes of the KV pool, preallocated at "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -78,13 +79,32 @@ PRICING = "model loaded; calibrating and pricing the KV backends (cached for the
 """``/health``'s 503 message once the model is loaded, while the KV backends are calibrated and priced."""
 
 
-def default_torch_threads() -> int:
-    """``TORCH_NUM_THREADS=0``'s thread count: the CPUs this process may use less one, which the HTTP side (event
-    loop, detokenization, sockets) then has to itself; at least 1. On 2 cores (``python -m bench.threads``, docs/
-    benchmarks.md "Threads") one thread had the best worst case of every wait policy and count: within 1.4x of
-    the best setting quiet and beside a busy core, where two threads were up to 3.4x slower beside it."""
+CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+"""cgroup v2's CPU quota of this process's group: ``"<quota> <period>"`` in microseconds, or ``"max <period>"``."""
+
+
+def usable_cpus() -> int:
+    """CPUs this process may use: its affinity mask, capped by a cgroup v2 CPU quota (``cpu.max``, as a container's
+    ``--cpus`` sets it), at least 1."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cpus - 1)
+    try:
+        quota, period = CGROUP_CPU_MAX.read_text().split()[:2]
+        if quota != "max":
+            cpus = min(cpus, math.ceil(int(quota) / int(period)))
+    except (OSError, ValueError):
+        pass
+    return max(1, cpus)
+
+
+def default_torch_threads() -> int:
+    """``TORCH_NUM_THREADS=0``'s thread count: :func:`usable_cpus` less one, which the HTTP side (event loop,
+    detokenization, sockets) then has to itself, and no more than torch's own default; at least 1. Measured on 2
+    cores (``python -m bench.threads``, docs/benchmarks.md "Threads"): one thread had the best worst case of every
+    wait policy and thread count, quiet and beside a process busy on one core, where two threads were up to 4x
+    slower beside it."""
+    import torch
+
+    return max(1, min(usable_cpus() - 1, torch.get_num_threads()))
 
 
 def load_weights(settings: Settings):

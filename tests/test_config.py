@@ -179,3 +179,22 @@ def test_serve_help_states_defaults_and_statuses_as_they_are():
     assert "default: ''" not in text
     assert "larger gets 422 (400 on the OpenAI routes). [env PAYLOAD_LIMIT; default: 2000000]" in text
     assert "Default: MAX_TOTAL_TOKENS - 1. [env MAX_INPUT_TOKENS]" in text
+
+
+@pytest.mark.parametrize("cpu_max,want", [(None, 63), ("max 100000", 63), ("200000 100000", 1), ("350000 100000", 3)])
+def test_default_torch_threads_leave_one_usable_cpu_to_the_http_side(monkeypatch, tmp_path, cpu_max, want):
+    """TORCH_NUM_THREADS=0: the CPUs the process may use (its affinity, capped by a cgroup v2 quota: a container's
+    ``--cpus 2`` on a 64-CPU host is 2) less one, and never more than torch's own default."""
+    import torch
+
+    import server.state as state
+
+    path = tmp_path / "cpu.max"
+    if cpu_max is not None:
+        path.write_text(cpu_max + "\n")
+    monkeypatch.setattr(state, "CGROUP_CPU_MAX", path)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 64)
+    assert state.default_torch_threads() == want
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert state.default_torch_threads() == min(want, 2)

@@ -180,6 +180,49 @@ def test_mixed_backends_share_the_pool_and_one_forward(ref_model):
     assert mixed[0] == run(["full"])[0] and mixed[1] == run(["full", "int8"])[1]
 
 
+def test_a_mixed_step_of_several_backends_and_a_per_sequence_store(ref_model):
+    """A long int8 prompt is prefilled in chunks while a full and a dca sequence decode: each step's chunk, the
+    full row and the dca row (a per-sequence store, attended in its span of the flat row) run in one forward,
+    and every sequence's greedy output equals its output served alone."""
+    from server.engine.setup import build_engine
+
+    model, tok = ref_model
+    g = ModelGeometry.from_config(model.config, torch.float32)
+    calib = calibration_ids(model, tok, max_tokens=4096)
+    backends = {"full": create("full", g), "int8": create("int8", g), "dca": create("dca", g)}
+    for backend in backends.values():
+        backend.prepare(model, calib)
+    long = " ".join([TEXTS[0], TEXTS[1]] * 3)  # ~130 tokens: three chunks of 48
+
+    def engine(names):
+        return build_engine(model, tok, {n: backends[n] for n in names}, {0}, max_batch_size=4, budget_bytes=None,
+                            max_total_tokens=1024, prefill_chunk_tokens=50)
+
+    def alone(prompt, name, n):
+        seq = make_seq(tok, prompt, n, backend=name)
+        run_all(engine([name]), [seq])
+        return seq.output_ids
+
+    e = engine(["full", "int8", "dca"])
+    shapes = []
+    hook = e.runner.model.register_forward_hook(lambda m, a, kw, out: shapes.append(tuple(kw["input_ids"].shape)),
+                                                with_kwargs=True)
+    running = [make_seq(tok, TEXTS[2], 40, backend="full"), make_seq(tok, TEXTS[1], 40, backend="dca")]
+    for seq in running:
+        e.submit(seq)
+    e.step()
+    e.step()
+    late = make_seq(tok, long, 8, backend="int8")
+    run_all(e, [late])
+    hook.remove()
+    # after the two prompts and a decode step: each chunk of the long prompt beside the two decode tokens, one flat row
+    chunks = [n - 2 for rows, n in shapes[3:] if rows == 1]
+    assert len(chunks) >= 2 and sum(chunks) == len(late.prompt_ids)
+    assert late.output_ids == alone(long, "int8", 8)
+    assert running[0].output_ids == alone(TEXTS[2], "full", 40)
+    assert running[1].output_ids == alone(TEXTS[1], "dca", 40)
+
+
 class _OpCounter(TorchDispatchMode):
     """Counts the aten ops that compute (views, which only relabel a tensor's shape, are not counted: the model's
     own reshapes differ at batch 1)."""

@@ -123,8 +123,9 @@ class Engine:
 
     # ---- one step -------------------------------------------------------------------------------
     def step(self) -> None:
-        """Drop cancelled sequences, admit new ones, prefill up to the step's token budget (whole prompts
-        or chunks of them), then decode every sequence whose context is cached, once, as a batch."""
+        """Drop cancelled sequences, admit new ones, reserve a decode token's pages for every sequence whose
+        context is cached, then prefill chunks up to the step's token budget in the pages left, and run both in
+        one forward (a mixed batch)."""
         with self._lock:
             for seq in [s for s in self.waiting if s.cancelled]:
                 self.waiting.remove(seq)
@@ -145,10 +146,11 @@ class Engine:
             # requests wait for pages: elastic sequences compress what they may, so that the next ones fit
             self._compress(self.kv.num_pages, avoided=False)
         decoding = [s for s in self.running if s.finish_reason is None and s.decoding]
-        chunks = self._prefill_step(len(decoding))
+        # the running streams first (as vLLM's scheduler): a chunk is then sized to the pages they leave
         reserved = self._reserve_decode(decoding)
-        decoding = [s for s in decoding if s in self.running]
-        chunks = [c for c in chunks if c[0] in self.running]  # a decode reservation may preempt a prefill
+        chunks = self._prefill_step(len(decoding))
+        decoding = [s for s in decoding if s in self.running]  # a chunk's reservation may preempt one
+        chunks = [c for c in chunks if c[0] in self.running]
         if chunks or decoding:
             self._run_step(chunks, decoding, reserved)
         self._measure(self.running)
@@ -237,8 +239,9 @@ class Engine:
     def _prefill_step(self, decoding: int) -> list[tuple[Sequence, int, object]]:
         """Choose this step's prefill chunks, in admission order within its token budget, and reserve their pages;
         return ``(sequence, tokens, reservation)`` of the chunks that run in the step's forward, beside the decode
-        rows (prompts that want every position's log-probability, and per-sequence stores, are prefilled whole in
-        a forward of their own here).
+        rows. Prompts that want every position's log-probability, and per-sequence stores, are prefilled here in a
+        forward of their own: whole, or for a per-sequence store that takes chunks (``full`` on a native-MLA
+        model) one chunk; ``dca``, which decides once per prompt, whole.
 
         The budget is ``prefill_chunk_tokens`` less the ``decoding`` sequences' one token each (at least
         :data:`MIN_PREFILL_CHUNK`): a long prompt is written over several steps, each carrying the running batch's
@@ -282,7 +285,8 @@ class Engine:
 
     def _prefill(self, seq: Sequence, n: int, res, logprobs: bool) -> None:
         """Write the next ``n`` context tokens of ``seq`` in a forward of their own (a prompt that wants every
-        position's log-probability, or a per-sequence store); after the last, sample its first token."""
+        position's log-probability, or a per-sequence store's prompt or chunk); after the last, sample its first
+        token."""
         try:
             chunk = seq.context_ids[seq.prefilled : seq.prefilled + n]
             if self.kv.paged(seq):
