@@ -198,3 +198,18 @@ def test_default_torch_threads_leave_one_usable_cpu_to_the_http_side(monkeypatch
     assert state.default_torch_threads() == want
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     assert state.default_torch_threads() == min(want, 2)
+
+
+@pytest.mark.parametrize("given,want", [({}, "PASSIVE"), ({"OMP_WAIT_POLICY": "ACTIVE"}, "ACTIVE"),
+                                        ({"GOMP_SPINCOUNT": "10000"}, None)])
+def test_kvserve_makes_idle_threads_sleep_unless_told_how_they_wait(monkeypatch, given, want):
+    """``kvserve`` sets OMP_WAIT_POLICY=PASSIVE, except when it or libgomp's GOMP_SPINCOUNT (a bounded spin, which
+    PASSIVE would override: libgomp then never spins) is given."""
+    from server.cli import passive_threads
+
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in given.items():
+        monkeypatch.setenv(name, value)
+    passive_threads()
+    assert os.environ.get("OMP_WAIT_POLICY") == want
