@@ -123,6 +123,25 @@ def greedy_tokens(model, backend, prompts: list[list[int]], new_tokens: int, ins
     return outs
 
 
+@torch.inference_mode()
+def forced_agreement(model, backend, prompts: list[list[int]], reference: list[list[int]]) -> float:
+    """Fraction of positions where ``backend``'s greedy token equals ``reference``'s when both read the same context
+    (each prompt followed by the reference's own tokens so far: teacher forcing), so that one early difference
+    does not move every later position, as it does in :func:`agreement` of free-running continuations. The
+    references must be of one length."""
+    runner = _runner(model, backend)
+    stores = [backend.new_store() for _ in prompts]
+    logits = torch.stack([runner.prefill(p, s)[-1] for p, s in zip(prompts, stores)])  # (prompts, vocab_size)
+    same = 0
+    for j in range(len(reference[0])):
+        same += sum(int(t) == r[j] for t, r in zip(logits.argmax(-1).tolist(), reference))
+        if j + 1 < len(reference[0]):
+            logits = runner.decode([r[j] for r in reference], stores)
+    for s in stores:
+        s.release()
+    return same / sum(len(r) for r in reference)
+
+
 def agreement(ours: list[list[int]], reference: list[list[int]]) -> float:
     """Fraction of positions where two sets of continuations have the same token."""
     same = sum(a == b for x, y in zip(ours, reference) for a, b in zip(x, y))

@@ -129,7 +129,11 @@ def test_every_backend_holds_the_bytes_its_sums_report(real, calib, name, option
 
 
 def test_int8_agrees_with_full_on_95_percent_of_greedy_tokens(real, calib):
-    from bench.fidelity import agreement, greedy_tokens
+    """int8's greedy token equals full's at 95% of 4 x 48 positions, each read in full's context (teacher forcing).
+    Free-running continuations counted one near-tie flip as every later position: with transformers 5.24.0 the
+    fourth prompt's continuation parts at its 16th token, and 0.83 of the positions agree there, while int8 picks
+    full's token at all but one of the 192 positions."""
+    from bench.fidelity import forced_agreement, greedy_tokens
 
     model, tok = real
     geometry = ModelGeometry.from_config(model.config, torch.float32)
@@ -138,7 +142,7 @@ def test_int8_agrees_with_full_on_95_percent_of_greedy_tokens(real, calib):
         "Tell a short story about a lighthouse keeper.",
         "Summarise: " + tok.decode(calib[:400]))]
     full, int8 = create("full", geometry), create("int8", geometry)
-    assert agreement(greedy_tokens(model, int8, prompts, 48), greedy_tokens(model, full, prompts, 48)) >= 0.95
+    assert forced_agreement(model, int8, prompts, greedy_tokens(model, full, prompts, 48)) >= 0.95
 
 
 def small_scorer(model, geometry, ids) -> Scorer:
