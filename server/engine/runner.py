@@ -141,6 +141,11 @@ class PagedGroup:
     rows: torch.Tensor | None
     tokens: torch.Tensor | None = None
 
+    @property
+    def whole(self) -> bool:
+        """Whether the group is the whole step, in order (its tensors need no selecting)."""
+        return self.rows is None and self.tokens is None
+
     def take(self, x: torch.Tensor) -> torch.Tensor:
         """The group's part of a step tensor: (B, H, n, d) batch rows, or (1, H, T, d) flat tokens → (B_g, H, n, d)."""
         if self.tokens is not None:
@@ -170,8 +175,7 @@ class PagedRead:
     def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """(B, num_attention_heads, n, head_dim) queries → (B, num_attention_heads, n, v_head_dim); in a ragged
         step (1, num_attention_heads, T, head_dim) → (1, num_attention_heads, T, v_head_dim)."""
-        if len(self.parts) == 1 and not self.legacy and self.parts[0][0].rows is None \
-                and self.parts[0][0].tokens is None:
+        if len(self.parts) == 1 and not self.legacy and self.parts[0][0].whole:
             group, reads = self.parts[0]
             return group.backend.attend_paged(self.layer, query, reads, group.meta, scaling, self.module)
         out = None
