@@ -7,7 +7,7 @@
    same code the server runs (scheduler, chunked prefill, ragged batched decode, sampler), stepped by
    this script so that the KV bytes held can be read after every step. Reported per backend:
    output tokens/s (all generated tokens / wall time), decode tokens/s (tokens of the steps that carry
-   no prefill chunk / time inside those steps' forwards), TTFT and TPOT p50/p95 over streams, the most streams
+   no prefill chunk / time inside those steps' forward and sampling), TTFT and TPOT p50/p95 over streams, the most streams
    running at once, and the peak KV bytes allocated against the budget (it must never exceed it), and
    held-out perplexity through the cache path (2 windows) with its change vs ``full``.
 2. Scaling: one decode step's time (median of ``--steps``) vs context (batch 1) and vs batch (context
@@ -119,17 +119,17 @@ def budget_run(model, tokenizer, backend, prompts: list[list[int]], new_tokens: 
 
     engine = new_engine(model, tokenizer, backend, len(prompts), budget, chunk)
     decode_time, decode_tokens = [0.0], [0]
-    run_rows = engine._run_rows
+    execute = engine.runner.execute
 
-    def timed_rows(chunks, decoding, reserved):  # decode speed: the steps that carry no prefill chunk
+    def timed_execute(out, *args):  # decode speed: the steps that carry no prefill chunk (forward and sampling)
         t = time.perf_counter()
-        out = run_rows(chunks, decoding, reserved)
-        if not chunks:
+        result = execute(out, *args)
+        if out.rows and out.decode_only:
             decode_time[0] += time.perf_counter() - t
-            decode_tokens[0] += len(decoding)
-        return out
+            decode_tokens[0] += len(out.rows)
+        return result
 
-    engine._run_rows = timed_rows
+    engine.runner.execute = timed_execute
     seqs = [Sequence(request_id=str(i), prompt_ids=p, max_new_tokens=new_tokens, params=SamplingParams(), stop=[],
                      emit=lambda e: None, backend_name=backend.name) for i, p in enumerate(prompts)]
     t0 = time.perf_counter()

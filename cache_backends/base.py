@@ -274,6 +274,8 @@ class KVBackend(ABC):
     """
 
     name: ClassVar[str]
+    chunked_prefill: ClassVar[bool] = True
+    """Whether its per-sequence stores take a prompt in several forward passes (``dca`` decides once per prompt)."""
 
     def __init__(self, geometry: ModelGeometry, **options: Any):
         self.geometry = geometry

@@ -554,6 +554,7 @@ class DCABackend(KVBackend):
     """
 
     name = "dca"
+    chunked_prefill = False  # each layer decides kept/reuse once, on the whole prompt
 
     def __init__(self, geometry: ModelGeometry, threshold: float = 0.95, probe_interval: int = 16,
                  align: str = "linear", window: int = 32, inner: KVBackend | None = None):

@@ -1,12 +1,14 @@
-"""The engine loop: schedule → run → sample → update → hand each new token to its request.
+"""The engine loop: schedule → run → update → hand each new token to its request.
 
-One background thread owns the model. Between steps it drops cancelled sequences (freeing their KV at
-once) and admits waiting ones (continuous batching). A step then runs one forward (a mixed batch) for the
-prompt chunks it prefills within its token budget (chunked prefill: a long prompt is spread over several
-steps) and one decode token of every sequence whose context is cached, and samples every row with a token
-to emit in one call. Each new token goes to its request through the sequence's thread-safe ``emit``
-callback. A failed forward fails the sequences of its rows (a prompt prefilled in a forward of its own:
-that request only), and the loop goes on.
+One background thread owns the model. Each step the scheduler (:class:`~server.engine.scheduler.Scheduler`)
+decides everything — it drops cancelled sequences (freeing their KV at once), admits waiting ones (continuous
+batching), preempts and compresses, and chooses the prompt chunks it prefills within its token budget
+(chunked prefill: a long prompt is spread over several steps) beside one decode token of every sequence whose
+context is cached — and returns plain rows (:class:`~server.engine.step_plan.SchedulerOutput`). The runner runs
+them in one forward (a mixed batch) and samples every row with a token to emit in one call
+(:class:`~server.engine.step_plan.RunnerOutput`); the scheduler commits the rows that ran. Each new token goes to
+its request through the sequence's thread-safe ``emit`` callback. A failed forward fails the sequences of its
+rows (a prompt prefilled in a forward of its own: that request only), and the loop goes on.
 
 An admitted sequence starts from the longest run of cached blocks its context begins with (the prefix cache,
 :mod:`server.engine.kv_cache`). When the pool has no page for a step, ``elastic`` sequences are compressed
@@ -26,9 +28,8 @@ import torch
 from cache_backends.base import KVBackend
 from server.engine import allocator
 from server.engine.detokenize import IncrementalDetokenizer
-from server.engine.kv_cache import MIN_PREFILL_CHUNK
 from server.engine.runner import ModelRunner
-from server.engine.sampling import RowRequest, Sampled, new_generator, prompt_logprobs, sample_batch
+from server.engine.sampling import RowRequest, Sampled, new_generator
 from server.engine.scheduler import Scheduler
 from server.engine.sequence import FinishReason, Sequence, TokenEvent
 
@@ -63,12 +64,20 @@ class Engine:
         self.kv = scheduler.kv
         self.max_concurrent_requests = max_concurrent_requests
         self.recorder = recorder
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
-        self._lock = threading.Lock()
+        self._lock = scheduler.lock
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    @property
+    def waiting(self) -> deque[Sequence]:
+        """The queue (the scheduler's)."""
+        return self.scheduler.waiting
+
+    @property
+    def running(self) -> list[Sequence]:
+        """The running batch (the scheduler's)."""
+        return self.scheduler.running
 
     # ---- requests -------------------------------------------------------------------------------
     def submit(self, seq: Sequence) -> None:
@@ -123,38 +132,76 @@ class Engine:
 
     # ---- one step -------------------------------------------------------------------------------
     def step(self) -> None:
-        """Drop cancelled sequences, admit new ones, reserve a decode token's pages for every sequence whose
-        context is cached, then prefill chunks up to the step's token budget in the pages left, and run both in
-        one forward (a mixed batch)."""
-        with self._lock:
-            for seq in [s for s in self.waiting if s.cancelled]:
-                self.waiting.remove(seq)
-                self._finish(seq, FinishReason.CANCELLED)
-        for _ in range(len(self.running)):  # fair share: one preemption at a time, until the waiting request fits
-            with self._lock:
-                unfair = self.scheduler.unfair(self.waiting, self.running)
-            if unfair is None:
-                break
-            self._preempt(unfair, at_head=False)
-        with self._lock:
-            admitted = self.scheduler.admit(self.waiting, self.running)
-        for seq in [s for s in self.running if s.cancelled]:
-            self._finish(seq, FinishReason.CANCELLED)
-        for seq in admitted:
-            self._start(seq)
-        if self.waiting and len(self.running) < self.scheduler.max_batch_size:
-            # requests wait for pages: elastic sequences compress what they may, so that the next ones fit
-            self._compress(self.kv.num_pages, avoided=False)
-        decoding = [s for s in self.running if s.finish_reason is None and s.decoding]
-        # the running streams first (as vLLM's scheduler): a chunk is then sized to the pages they leave
-        reserved = self._reserve_decode(decoding)
-        chunks = self._prefill_step(len(decoding))
-        decoding = [s for s in decoding if s in self.running]  # a chunk's reservation may preempt one
-        chunks = [c for c in chunks if c[0] in self.running]
-        if chunks or decoding:
-            self._run_step(chunks, decoding, reserved)
+        """One step: the scheduler decides it (:meth:`Scheduler.schedule`), the runner runs it
+        (:meth:`ModelRunner.execute`: one forward for the prefill chunks and decode tokens, a mixed batch), the
+        scheduler commits the rows that ran, and each sampled token goes to its request."""
+        out, ev = self.scheduler.schedule()
+        self._report_events(ev)
+        if out.rows or out.compress:
+            self._execute(out)
         self._measure(self.running)
         self._report()
+
+    def _report_events(self, ev) -> None:
+        """What scheduling did, told to the requests and the recorder: closing events of the sequences it ended,
+        preemptions, compressions, prefix-cache lookups; admitted per-sequence stores get their store, and first
+        admissions their detokenizer."""
+        for seq, reason, error, was_running in ev.finished:
+            self._closed(seq, reason, was_running, error=error)
+        if self.recorder:
+            for seq in ev.preempted:
+                self.recorder.preempted(seq)
+            for seq in ev.avoided:
+                self.recorder.preemption_avoided(seq)
+            for seq, freed in ev.compressed:
+                self.recorder.compressed(seq, freed)
+        for seq, queried, hit in ev.started:
+            if queried and self.recorder:
+                self.recorder.prefix_cache(seq, queried, hit)
+            if not self.kv.paged(seq):
+                seq.store = self.backends[seq.backend_name].new_store()
+                seq.store.reserve(len(seq.prompt_ids) + seq.max_new_tokens)
+            if seq.detok is None:
+                seq.detok = IncrementalDetokenizer(self.tokenizer, seq.stop, self.special_ids)
+
+    def _execute(self, out) -> None:
+        """Run ``out`` (:meth:`ModelRunner.execute`), commit each row that ran, and accept every sampled token; a
+        row whose forward failed ends its sequence with ``error``."""
+        seqs = {s.seq_id: s for s in self.running}
+        rows = [(r, seqs[r.seq_id]) for r in out.rows]
+        sampling = {}
+        for row, seq in rows:
+            if row.sample:
+                if seq.generator is None and not seq.params.greedy:
+                    seq.generator = new_generator(seq.params.seed, self.runner.device)
+                sampling[seq.seq_id] = RowRequest(seq.params, seq.prompt_ids, seq.output_ids, seq.generator)
+        stores = {seq.seq_id: seq.store for _, seq in rows if seq.blocks is None}
+        result = self.runner.execute(out, self.backends, stores, sampling, self.eos_token_ids)
+        ready = []
+        for row, seq in rows:
+            if seq.seq_id in result.failed:
+                log.error("step failed for %s: %s", seq.request_id, result.failed[seq.seq_id])
+                self._finish(seq, FinishReason.ERROR, error=result.failed[seq.seq_id])
+                continue
+            if self.scheduler.commit(seq, row) and self.recorder:
+                self.recorder.prefill_done(seq)
+            if seq.seq_id in result.prompt_logprobs:
+                seq.prompt_logprobs, seq.prompt_top_logprobs = result.prompt_logprobs[seq.seq_id]
+            if row.sample:
+                ready.append(seq)
+        for seq in ready:
+            sampled = result.sampled[seq.seq_id]
+            if seq.cancelled:
+                self._finish(seq, FinishReason.CANCELLED)
+            elif isinstance(sampled, Exception):
+                log.error("sampling failed for %s: %r", seq.request_id, sampled)
+                self._finish(seq, FinishReason.ERROR, error=f"sampling failed: {sampled}")
+            else:
+                try:
+                    self._accept(seq, sampled)
+                except Exception as exc:  # noqa: BLE001 - e.g. detokenization: this request only
+                    log.exception("accepting a token failed for %s", seq.request_id)
+                    self._finish(seq, FinishReason.ERROR, error=f"token handling failed: {exc}")
 
     def _measure(self, seqs: list[Sequence]) -> None:
         """Record each store's bytes now (once per sequence per step) and keep the largest seen: the bytes
@@ -165,273 +212,6 @@ class Engine:
             seq.kv_allocated = self.kv.held_bytes(seq)
             seq.kv_tiers = self.kv.tier_tokens(seq)
             seq.peak_kv_bytes = max(seq.peak_kv_bytes, seq.kv_bytes)
-
-    def _start(self, seq: Sequence) -> None:
-        """Give an admitted sequence its pages (the prefix cache's hit first; per-sequence stores: a store capped at
-        its reservation), and on its first admission its detokenizer; count its prefix-cache lookup."""
-        queried = len(seq.context_ids) if self.kv.cacheable(seq) else 0
-        hit = self.kv.start(seq)
-        if seq.preemptions == 0:
-            seq.cached_tokens = min(hit, len(seq.prompt_ids))
-        if queried and self.recorder:
-            self.recorder.prefix_cache(seq, queried, hit)
-        if not self.kv.paged(seq):
-            seq.store = self.backends[seq.backend_name].new_store()
-            seq.store.reserve(len(seq.prompt_ids) + seq.max_new_tokens)
-        if seq.detok is None:
-            seq.detok = IncrementalDetokenizer(self.tokenizer, seq.stop, self.special_ids)
-        self.running.append(seq)
-
-    def _preempt(self, seq: Sequence, at_head: bool = True) -> None:
-        """Free every page of ``seq`` and put it back in the queue (at its head, or for the fair share at its
-        tail); it recomputes its context (prompt and generated tokens) when readmitted, and its client sees one
-        uninterrupted stream."""
-        self.running.remove(seq)
-        self._drop_kv(seq)
-        seq.prefilled = 0
-        seq.preemptions += 1
-        with self._lock:
-            if at_head:
-                self.waiting.appendleft(seq)
-            else:
-                self.waiting.append(seq)
-        if self.recorder:
-            self.recorder.preempted(seq)
-        log.info("preempted %s (%d tokens) to free KV pages", seq.request_id, seq.total_tokens)
-
-    def _reserve(self, seq: Sequence, n: int):
-        """Pages for ``n`` more tokens of ``seq``, preempting the most recently admitted sequences while none are
-        free; ``None`` when ``seq`` itself had to be preempted."""
-        while True:
-            res = self.kv.reserve(seq, n)
-            if res is not None:
-                return res
-            if self._compress(self.kv.pages_needed(seq, n)):
-                continue
-            if self.running == [seq]:  # alone and still too big (a whole-prompt prefill's exact pages)
-                self._finish(seq, FinishReason.ERROR, error=f"{n} tokens at once need more KV blocks than the pool "
-                                                            f"has ({self.kv.blocks.usable_pages}; KV_CACHE_BUDGET_BYTES)")
-                return None
-            victim = self.scheduler.victim(self.running)
-            self._preempt(victim)
-            if victim is seq:
-                return None
-
-    def _compress(self, need: int, avoided: bool = True) -> bool:
-        """Quantize running ``elastic`` sequences' oldest exact groups until ``need`` pages are free (or nothing
-        is left to compress); whether any page was freed. ``avoided``: instead of preempting (else: to admit)."""
-        plans = self.kv.plan_compression(self.running, need)
-        if not plans:
-            return False
-        groups: dict[str, list] = {}
-        for seq, res in plans:
-            groups.setdefault(seq.backend_name, []).append((seq.blocks, res.plan))
-        self.runner.compress([(self.backends[name], rows) for name, rows in groups.items()],
-                             [p for _, res in plans for p in res.pages])
-        if self.recorder and avoided:
-            self.recorder.preemption_avoided(plans[0][0])
-        for seq, res in plans:
-            self.kv.commit_compression(seq, res)
-            if self.recorder:
-                self.recorder.compressed(seq, res.plan.free_front - res.plan.new_q_pages)
-        return True
-
-    def _prefill_step(self, decoding: int) -> list[tuple[Sequence, int, object]]:
-        """Choose this step's prefill chunks, in admission order within its token budget, and reserve their pages;
-        return ``(sequence, tokens, reservation)`` of the chunks that run in the step's forward, beside the decode
-        rows. Prompts that want every position's log-probability, and per-sequence stores, are prefilled here in a
-        forward of their own: whole, or for a per-sequence store that takes chunks (``full`` on a native-MLA
-        model) one chunk; ``dca``, which decides once per prompt, whole.
-
-        The budget is ``prefill_chunk_tokens`` less the ``decoding`` sequences' one token each (at least
-        :data:`MIN_PREFILL_CHUNK`): a long prompt is written over several steps, each carrying the running batch's
-        decode tokens in the same forward (chunked prefill in a mixed batch, as vLLM v1's scheduler), so it does
-        not stall running streams. A paged prompt's step is shortened, down to :data:`MIN_PREFILL_CHUNK` tokens,
-        when the pages of a whole one (a quantized prompt's: its exact pages) are not free (:meth:`KVCacheManager.
-        step_tokens`). The first chunk of a step may preempt (:meth:`_reserve`); a later one whose pages are not
-        free waits for the next step (admission keeps one chunk's transient pages free, not two).
-        """
-        chunk = self.scheduler.prefill_chunk_tokens
-        budget = None if not chunk else max(MIN_PREFILL_CHUNK, chunk - decoding)
-        chunks: list[tuple[Sequence, int, object]] = []
-        for seq in [s for s in self.running if s.prefilled < len(s.context_ids)]:
-            if budget is not None and budget <= 0:
-                break
-            if seq not in self.running:  # preempted by an earlier prefill of this step
-                continue
-            left = len(seq.context_ids) - seq.prefilled
-            logprobs = seq.want_prompt_logprobs and not seq.output_ids
-            paged = self.kv.paged(seq)
-            whole = budget is None or logprobs or not (paged or seq.store.supports_chunked_prefill)
-            n = left if whole else self.kv.step_tokens(seq, min(left, budget), self.running)
-            alone = logprobs or not paged
-            if chunks and not alone:
-                res = self.kv.reserve(seq, n)
-                if res is None:
-                    break
-            else:
-                res = self._reserve(seq, n)
-                if res is None:
-                    continue
-            if budget is not None:
-                budget -= n
-            if seq.times.prefill_start is None:
-                seq.times.prefill_start = time.perf_counter()
-            if alone:
-                self._prefill(seq, n, res, logprobs)
-            else:
-                chunks.append((seq, n, res))
-        return chunks
-
-    def _prefill(self, seq: Sequence, n: int, res, logprobs: bool) -> None:
-        """Write the next ``n`` context tokens of ``seq`` in a forward of their own (a prompt that wants every
-        position's log-probability, or a per-sequence store's prompt or chunk); after the last, sample its first
-        token."""
-        try:
-            chunk = seq.context_ids[seq.prefilled : seq.prefilled + n]
-            if self.kv.paged(seq):
-                logits = self.runner.run_paged([chunk], [(self.backends[seq.backend_name], [0], [(seq.blocks, res.plan)])],
-                                               [], res.pages, all_logits=logprobs)
-                logits = logits[0] if logprobs else logits  # (n, vocab_size) or (1, vocab_size)
-                self.kv.commit(seq, res)
-            else:
-                logits = self.runner.prefill(chunk, seq.store, all_logits=logprobs)
-            seq.prefilled += n
-            if seq.prefilled < len(seq.context_ids) or seq.output_ids:
-                return
-            if logprobs:
-                seq.prompt_logprobs, seq.prompt_top_logprobs = prompt_logprobs(logits, seq.prompt_ids,
-                                                                               seq.params.top_n)
-            logits = logits[-1:]
-        except Exception as exc:  # noqa: BLE001
-            log.exception("prefill failed for %s", seq.request_id)
-            self._finish(seq, FinishReason.ERROR, error=f"prefill failed: {exc}")
-            return
-        if self.recorder:
-            self.recorder.prefill_done(seq)
-        self._accept_batch([seq], logits)
-
-    def _reserve_decode(self, batch: list[Sequence]) -> dict:
-        """A page for each decoding sequence whose block fills (preempting the newest sequences while none is
-        free): ``id(seq)`` → its reservation."""
-        reserved = {}
-        for seq in batch:
-            if seq not in self.running:
-                continue
-            res = self._reserve(seq, 1)
-            if res is not None:
-                reserved[id(seq)] = res
-        return reserved
-
-    def _run_step(self, chunks: list[tuple[Sequence, int, object]], decoding: list[Sequence], reserved: dict) -> None:
-        """One forward for the step's prefill chunks and decode tokens; commit each row's pages, then sample every
-        row that has a token to emit (a decode row, or a prompt's last chunk) in one sampler call. A failed
-        forward ends the sequences of its rows with ``error``."""
-        try:
-            logits = self._run_rows(chunks, decoding, reserved)
-        except Exception as exc:  # noqa: BLE001
-            log.exception("step failed")
-            for seq, _, _ in chunks:
-                self._finish(seq, FinishReason.ERROR, error=f"prefill failed: {exc}")
-            for seq in decoding:
-                self._finish(seq, FinishReason.ERROR, error=f"decode failed: {exc}")
-            return
-        ready, rows = [], []
-        for row, (seq, n, res) in enumerate(chunks):
-            self.kv.commit(seq, res)
-            seq.prefilled += n
-            if seq.prefilled == len(seq.context_ids) and not seq.output_ids:
-                if self.recorder:
-                    self.recorder.prefill_done(seq)
-                ready.append(seq)
-                rows.append(row)
-        for row, seq in enumerate(decoding, start=len(chunks)):
-            self.kv.commit(seq, reserved[id(seq)])
-            seq.prefilled += 1
-            ready.append(seq)
-            rows.append(row)
-        if ready:
-            self._accept_batch(ready, logits if len(rows) == logits.shape[0] else logits[rows])
-
-    def _run_rows(self, chunks: list[tuple[Sequence, int, object]], decoding: list[Sequence],
-                  reserved: dict) -> torch.Tensor:
-        """(len(chunks) + len(decoding), vocab_size) logits of each row's last token: the prefill chunks (paged) and
-        the decode rows that are paged or in-place per-sequence stores in one forward; decode rows of stores that
-        return rebuilt K/V (``full`` on a native-MLA model) in a second, padded one."""
-        groups: dict[str, tuple[list[int], list]] = {}
-        ids, legacy, padded, pages = [], [], [], []
-        for row, (seq, n, res) in enumerate(chunks):
-            rows, blocks = groups.setdefault(seq.backend_name, ([], []))
-            rows.append(row)
-            blocks.append((seq.blocks, res.plan))
-            pages += res.pages
-            ids.append(seq.context_ids[seq.prefilled : seq.prefilled + n])
-        for seq in decoding:
-            row = len(ids)
-            ids.append([seq.output_ids[-1]])
-            if self.kv.paged(seq):
-                rows, blocks = groups.setdefault(seq.backend_name, ([], []))
-                rows.append(row)
-                blocks.append((seq.blocks, reserved[id(seq)].plan))
-                pages += reserved[id(seq)].pages
-            elif seq.store.in_place:
-                legacy.append((row, seq.store))
-            else:
-                padded.append(row)
-        apart = set(padded)
-        shared = [r for r in range(len(ids)) if r not in apart]
-        logits = None
-        if groups or legacy:
-            if padded:  # renumber the shared forward's rows
-                where = {r: i for i, r in enumerate(shared)}
-                groups = {name: ([where[r] for r in rows], blocks) for name, (rows, blocks) in groups.items()}
-                legacy = [(where[r], store) for r, store in legacy]
-            out = self.runner.run_paged(
-                [ids[r] for r in shared],
-                [(self.backends[name], rows, blocks) for name, (rows, blocks) in groups.items()], legacy, pages)
-            if not padded:
-                return out
-            logits = out.new_empty(len(ids), out.shape[-1])
-            logits[shared] = out
-        if padded:
-            out = self.runner.decode([ids[r][0] for r in padded], [decoding[r - len(chunks)].store for r in padded])
-            if logits is None:
-                return out
-            logits[padded] = out
-        return logits
-
-    def _accept_batch(self, batch: list[Sequence], logits: torch.Tensor) -> None:
-        """Sample one token for every sequence of ``batch`` from ``logits`` (batch, vocab_size) in one
-        batched sampler call, emit each, and finish the sequences that are done.
-
-        A cancelled sequence is finished without a token; a row whose sampling fails finishes with
-        ``error`` and the other rows get their token as usual.
-        """
-        live = []
-        for row, seq in enumerate(batch):
-            if seq.cancelled:
-                self._finish(seq, FinishReason.CANCELLED)
-            else:
-                live.append(row)
-        if not live:
-            return
-        if len(live) < len(batch):
-            logits = logits[live]
-        seqs = [batch[row] for row in live]
-        for seq in seqs:
-            if seq.generator is None and not seq.params.greedy:
-                seq.generator = new_generator(seq.params.seed, logits.device)
-        rows = [RowRequest(s.params, s.prompt_ids, s.output_ids, s.generator) for s in seqs]
-        for seq, result in zip(seqs, sample_batch(logits, rows, self.eos_token_ids)):
-            if isinstance(result, Exception):
-                log.error("sampling failed for %s: %r", seq.request_id, result)
-                self._finish(seq, FinishReason.ERROR, error=f"sampling failed: {result}")
-                continue
-            try:
-                self._accept(seq, result)
-            except Exception as exc:  # noqa: BLE001 - e.g. detokenization: this request only
-                log.exception("accepting a token failed for %s", seq.request_id)
-                self._finish(seq, FinishReason.ERROR, error=f"token handling failed: {exc}")
 
     def _accept(self, seq: Sequence, sampled: Sampled) -> None:
         """Append ``sampled``'s token to ``seq``, emit it, and finish ``seq`` if it is done."""
@@ -460,25 +240,18 @@ class Engine:
 
     def _finish(self, seq: Sequence, reason: FinishReason, last: TokenEvent | None = None,
                 error: str | None = None) -> None:
-        """End ``seq``: free its KV now, record its stats, send the closing event."""
-        seq.finish_reason = reason
-        was_running = seq in self.running
-        if was_running:
-            self.running.remove(seq)
-        if seq.store is not None:
-            seq.peak_kv_bytes = max(seq.peak_kv_bytes, seq.store.nbytes())
-            seq.kv_stats = seq.store.stats()
-            layout = self.kv.layouts.get(seq.backend_name)
-            if layout is not None and layout.on_demand:
-                tiers = self.kv.tier_tokens(seq)
-                seq.kv_stats["compressed_fraction"] = tiers[layout.q_tier] / max(1, sum(tiers.values()))
-        self._drop_kv(seq)
+        """End ``seq``: free its KV now (:meth:`Scheduler.finish`), record its stats, send the closing event."""
+        self._closed(seq, reason, self.scheduler.finish(seq, reason), last, error)
+
+    def _closed(self, seq: Sequence, reason: FinishReason, was_running: bool, last: TokenEvent | None = None,
+                error: str | None = None) -> None:
+        """Record ended ``seq``'s stats and send its closing event (its KV is freed already)."""
         if self.recorder:
             self.recorder.request_done(seq)
         if was_running:
             # The gauges drop this sequence before its last event goes out, so a client that reads
             # /metrics right after its response no longer sees its KV. (A sequence cancelled while
-            # queued is finished under self._lock and held no KV: the step's report covers it.)
+            # queued held no KV: the step's report covers it.)
             # The others are measured again so that bytes and tokens describe the same moment.
             self._measure(self.running)
             self._report(queue=False)
@@ -488,14 +261,6 @@ class Engine:
         last.error = error
         last.generated_text = seq.detok.generated_text() if seq.detok else ""
         seq.emit(last)
-
-    def _drop_kv(self, seq: Sequence) -> None:
-        """Free ``seq``'s pages and store now."""
-        if seq.store is not None:
-            seq.store.release()
-            seq.store = None
-        self.kv.release(seq)
-        seq.kv_bytes = seq.kv_allocated = 0
 
     def _report(self, queue: bool = True) -> None:
         """Refresh the live gauges from the running batch and, with ``queue``, the queue lengths

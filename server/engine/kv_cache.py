@@ -42,9 +42,9 @@ from cache_backends.paged import PageLayout
 from server.engine.block_manager import BlockManager
 from server.engine.prefix_cache import extend_hashes, root_key
 from server.engine.sequence import Sequence
+from server.engine.step_plan import MIN_PREFILL_CHUNK
 
 WATERMARK = 0.01  # share of the pool admission keeps free for running sequences' next blocks (vLLM's default)
-MIN_PREFILL_CHUNK = 64  # prompt tokens a chunked prefill step writes at least (while that many are left)
 
 
 def page_layouts(backends: dict[str, KVBackend], dtype: torch.dtype, block_size: int) -> tuple[int, dict]:
@@ -142,6 +142,11 @@ class KVCacheManager:
 
     def paged(self, seq: Sequence) -> bool:
         return seq.backend_name in self.layouts
+
+    def chunked_prefill(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s context may be written over several steps (paged, or a per-sequence store whose backend
+        takes chunks: not ``dca``)."""
+        return self.paged(seq) or self.backends[seq.backend_name].chunked_prefill
 
     # ---- costs ----------------------------------------------------------------------------------------
     def prefill_chunk(self, seq: Sequence) -> int | None:

@@ -29,6 +29,8 @@ from cache_backends.attention import install as install_attention
 from cache_backends.base import KVBackend, KVStore
 from cache_backends.paged import Drain, PoolViews, StepMeta, drain_layer, drain_sources, read_layer, write_layer
 from cache_backends.pool import KVPool
+from server.engine.sampling import RowRequest, prompt_logprobs, sample_batch
+from server.engine.step_plan import RowPlan, RunnerOutput, SchedulerOutput
 
 
 class _BatchedLayerView(CacheLayerMixin):
@@ -284,6 +286,108 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.pool = pool
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, backends: dict[str, KVBackend], stores: dict[int, KVStore],
+                sampling: dict[int, RowRequest], eos_token_ids=()) -> RunnerOutput:
+        """Run one scheduled step: its compressions, then each ``alone`` row in a forward of its own, then every
+        other row in one forward (a mixed batch), then sample every row that has a token to emit in one sampler
+        call.
+
+        Args:
+            out: the scheduler's decision (rows, new pages, compressions).
+            backends: served backends by name.
+            stores: the per-sequence stores of the rows that have one, by ``seq_id``.
+            sampling: each sampled row's request (parameters, tokens so far, generator), by ``seq_id``.
+            eos_token_ids: ids masked for rows under ``min_tokens``.
+
+        Returns:
+            the sampled tokens, the prompt log-probabilities of ``all_logits`` rows, and the rows whose forward
+            failed (with why; the other rows are unaffected).
+        """
+        result = RunnerOutput()
+        for c in out.compress:
+            self.compress([(backends[c.backend], list(c.rows))], list(c.pages))
+        if self.pool is not None and out.new_pages:
+            self.pool.zero(out.new_pages)
+        last: dict[int, torch.Tensor] = {}  # seq_id -> (vocab_size,) logits of the row's last token
+        for row in out.rows:
+            if row.alone:
+                try:
+                    logits = self._run_alone(row, backends, stores)
+                    if row.sample and row.all_logits:
+                        top_n = sampling[row.seq_id].params.top_n
+                        result.prompt_logprobs[row.seq_id] = prompt_logprobs(logits, row.token_ids, top_n)
+                except Exception as exc:  # noqa: BLE001 - this request only
+                    result.failed[row.seq_id] = f"prefill failed: {exc}"
+                    continue
+                if row.sample:
+                    last[row.seq_id] = logits[-1]
+        shared = [r for r in out.rows if not r.alone]
+        if shared:
+            try:
+                logits = self._run_rows(shared, backends, stores)
+            except Exception as exc:  # noqa: BLE001 - the step's rows only; the engine goes on
+                for r in shared:
+                    result.failed[r.seq_id] = f"{'decode' if r.decode else 'prefill'} failed: {exc}"
+            else:
+                for i, r in enumerate(shared):
+                    if r.sample:
+                        last[r.seq_id] = logits[i]
+        if last:
+            ids = list(last)
+            for seq_id, sampled in zip(ids, sample_batch(torch.stack([last[i] for i in ids]),
+                                                         [sampling[i] for i in ids], eos_token_ids)):
+                result.sampled[seq_id] = sampled
+        return result
+
+    def _run_alone(self, row: RowPlan, backends: dict[str, KVBackend], stores: dict[int, KVStore]) -> torch.Tensor:
+        """A prompt (or a per-sequence store's chunk) in a forward of its own: (n, vocab_size) logits of every
+        position with ``all_logits``, else (1, vocab_size) of its last."""
+        ids = list(row.token_ids)
+        if row.blocks is None:
+            return self.prefill(ids, stores[row.seq_id], all_logits=row.all_logits)
+        logits = self.run_paged([ids], [(backends[row.backend], [0], [(row.blocks, row.plan)])], [], [],
+                                all_logits=row.all_logits)
+        return logits[0] if row.all_logits else logits
+
+    def _run_rows(self, rows: list[RowPlan], backends: dict[str, KVBackend], stores: dict[int, KVStore]
+                  ) -> torch.Tensor:
+        """(len(rows), vocab_size) logits of each row's last token: the paged rows and the rows of in-place
+        per-sequence stores in one forward; decode rows of stores that return rebuilt K/V (``full`` on a
+        native-MLA model) in a second, padded one."""
+        groups: dict[str, tuple[list[int], list]] = {}
+        legacy, padded = [], []
+        for i, row in enumerate(rows):
+            if row.blocks is not None:
+                members, blocks = groups.setdefault(row.backend, ([], []))
+                members.append(i)
+                blocks.append((row.blocks, row.plan))
+            elif stores[row.seq_id].in_place:
+                legacy.append((i, stores[row.seq_id]))
+            else:
+                padded.append(i)
+        apart = set(padded)
+        shared = [i for i in range(len(rows)) if i not in apart]
+        logits = None
+        if shared:
+            if padded:  # renumber the shared forward's rows
+                where = {r: i for i, r in enumerate(shared)}
+                groups = {name: ([where[r] for r in members], blocks) for name, (members, blocks) in groups.items()}
+                legacy = [(where[r], store) for r, store in legacy]
+            got = self.run_paged([list(rows[i].token_ids) for i in shared],
+                                 [(backends[name], members, blocks) for name, (members, blocks) in groups.items()],
+                                 legacy, [])
+            if not padded:
+                return got
+            logits = got.new_empty(len(rows), got.shape[-1])
+            logits[shared] = got
+        if padded:
+            got = self.decode([rows[i].token_ids[0] for i in padded], [stores[rows[i].seq_id] for i in padded])
+            if logits is None:
+                return got
+            logits[padded] = got
+        return logits
 
     @torch.inference_mode()
     def run_paged(self, input_ids: list[list[int]], groups: list[tuple[KVBackend, list[int], list]],

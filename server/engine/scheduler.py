@@ -5,7 +5,7 @@ the tokens it must prefill are written — its prompt, or after a preemption its
 generated, in their stored form (:meth:`KVCacheManager.stored_pages`: an int8-family backend's quantized pages
 and residual window, not the exact pages a chunk passes through) — fit in the free pages, less a small
 watermark (1% of the pool), less what the sequences still prefilling will hold, and less one transient: the
-most pages any one prefill step of :data:`server.engine.kv_cache.MIN_PREFILL_CHUNK` tokens of the sequences
+most pages any one prefill step of :data:`server.engine.step_plan.MIN_PREFILL_CHUNK` tokens of the sequences
 still prefilling (the new one included) holds above its stored form (:meth:`KVCacheManager.transient_pages`,
 the step's exact pages until it drains them; the engine shortens a step to that when a longer one's pages are
 not free). One suffices, as the engine prefills one sequence at a time and commits its step (freeing its
@@ -34,16 +34,54 @@ the most recently admitted sequence.
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
 from collections import Counter, deque
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # annotations only: admission is plain Python (tests/test_import_graph.py keeps it torch-free)
-    from server.engine.kv_cache import KVCacheManager
+from server.engine.sequence import FinishReason
+from server.engine.step_plan import MIN_PREFILL_CHUNK, CompressPlan, RowPlan, SchedulerOutput, snapshot
+
+if TYPE_CHECKING:  # annotations only: the scheduler is plain Python (tests/test_import_graph.py keeps it torch-free)
+    from server.engine.kv_cache import KVCacheManager, Reservation
     from server.engine.sequence import Sequence
+
+log = logging.getLogger("kvserve.scheduler")
+
+
+@dataclass
+class StepEvents:
+    """What a step's scheduling did that the engine reports (same thread; the runner never sees it).
+
+    Attributes:
+        started: ``(sequence, context tokens looked up in the prefix cache, tokens it hit)`` of each admitted one.
+        finished: ``(sequence, reason, error)`` of each sequence the scheduler ended (cancelled, or too big for
+            the pool alone); its KV is freed already.
+        preempted: sequences put back in the queue, their KV freed.
+        compressed: ``(sequence, pages freed)`` of each ``elastic`` compression planned.
+        avoided: sequences whose compression avoided a preemption (the first of each compression).
+    """
+
+    started: list = field(default_factory=list)
+    finished: list = field(default_factory=list)
+    preempted: list = field(default_factory=list)
+    compressed: list = field(default_factory=list)
+    avoided: list = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _Committed:
+    """A row's plan in the form :meth:`KVCacheManager.commit` takes (the pages it named are the sequence's now)."""
+
+    plan: object
+    pages: tuple = ()
 
 
 class Scheduler:
-    """FIFO admission against batch size and the pool's free pages; the preemption victim.
+    """The step's decisions: FIFO admission against batch size and the pool's free pages, fair share, preemption,
+    ``elastic`` compression, the prefill token budget and each chunk's length (:meth:`schedule`); the queues.
 
     Args:
         max_batch_size: most sequences running at once.
@@ -56,6 +94,9 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.kv = kv
         self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.waiting: deque[Sequence] = deque()  # taken under ``lock`` (requests arrive from other threads)
+        self.running: list[Sequence] = []
+        self.lock = threading.Lock()
 
     def fits_alone(self, seq: Sequence) -> bool:
         """Whether ``seq`` could ever finish (all its tokens fit the pool on their own)."""
@@ -168,3 +209,205 @@ class Scheduler:
         that holds the most pages, else the most recently admitted."""
         wide = self._widest(running)
         return wide[1] if wide is not None else running[-1]
+
+    # ---- one step ---------------------------------------------------------------------------------
+    def schedule(self) -> tuple[SchedulerOutput, StepEvents]:
+        """Decide one step: drop cancelled sequences (their KV freed at once), preempt for fair share, admit,
+        compress ``elastic`` sequences for the queue, reserve a decode token's pages for every sequence whose
+        context is cached, then size and reserve the prefill chunks in the pages left (:meth:`_prefill_rows`).
+
+        Returns:
+            the rows for the runner (:class:`~server.engine.step_plan.SchedulerOutput`: pages already added to
+            each sequence's tables) and what the engine reports (:class:`StepEvents`).
+        """
+        out, ev = SchedulerOutput(), StepEvents()
+        with self.lock:
+            for seq in [s for s in self.waiting if s.cancelled]:
+                self.waiting.remove(seq)
+                self._end(ev, seq, FinishReason.CANCELLED)
+        for _ in range(len(self.running)):  # fair share: one preemption at a time, until the waiting request fits
+            with self.lock:
+                unfair = self.unfair(self.waiting, self.running)
+            if unfair is None:
+                break
+            self._preempt(ev, unfair, at_head=False)
+        with self.lock:
+            admitted = self.admit(self.waiting, self.running)
+        for seq in [s for s in self.running if s.cancelled]:
+            self._end(ev, seq, FinishReason.CANCELLED)
+        for seq in admitted:
+            self._start(ev, seq)
+        if self.waiting and len(self.running) < self.max_batch_size:
+            # requests wait for pages: elastic sequences compress what they may, so that the next ones fit
+            self._compress(out, ev, self.kv.num_pages, avoided=False)
+        decoding = [s for s in self.running if s.finish_reason is None and s.decoding]
+        # the running streams first (as vLLM's scheduler): a chunk is then sized to the pages they leave
+        reserved = []
+        for seq in decoding:
+            if seq in self.running:  # an earlier one's page may have preempted it
+                res = self._reserve(out, ev, seq, 1)
+                if res is not None:
+                    reserved.append((seq, res))
+        chunks = self._prefill_rows(out, ev, len(decoding))
+        for seq, n, res, alone, logprobs in chunks:  # a later reservation may have preempted an earlier row
+            if seq in self.running:
+                out.rows.append(self._row(seq, seq.context_ids[seq.prefilled : seq.prefilled + n], res, False,
+                                          seq.prefilled + n == len(seq.context_ids) and not seq.output_ids, alone,
+                                          logprobs))
+        for seq, res in reserved:
+            if seq in self.running:
+                out.rows.append(self._row(seq, [seq.output_ids[-1]], res, True, True))
+        return out, ev
+
+    def _row(self, seq: Sequence, tokens: list[int], res: Reservation, decode: bool, sample: bool,
+             alone: bool = False, all_logits: bool = False) -> RowPlan:
+        """The runner's row for ``seq``'s reservation (its tables copied as they stand once the step is planned)."""
+        return RowPlan(seq.seq_id, seq.backend_name, tuple(tokens),
+                       snapshot(seq.blocks) if seq.blocks is not None else None, res.plan, decode, sample, alone,
+                       all_logits)
+
+    def _prefill_rows(self, out: SchedulerOutput, ev: StepEvents, decoding: int) -> list[tuple]:
+        """Choose this step's prefill chunks, in admission order within its token budget, and reserve their pages:
+        ``(sequence, tokens, reservation, alone, all_logits)``. Prompts that want every position's log-probability,
+        and per-sequence stores, run in a forward of their own (``alone``): whole, or for a per-sequence store that
+        takes chunks (``full`` on a native-MLA model) one chunk; ``dca``, which decides once per prompt, whole.
+
+        The budget is ``prefill_chunk_tokens`` less the ``decoding`` sequences' one token each (at least
+        :data:`MIN_PREFILL_CHUNK`): a long prompt is written over several steps, each carrying the running batch's
+        decode tokens in the same forward (chunked prefill in a mixed batch, as vLLM v1's scheduler), so it does
+        not stall running streams. A paged prompt's step is shortened, down to :data:`MIN_PREFILL_CHUNK` tokens,
+        when the pages of a whole one (a quantized prompt's: its exact pages) are not free (:meth:`KVCacheManager.
+        step_tokens`). The first chunk of a step may preempt (:meth:`_reserve`); a later one whose pages are not
+        free waits for the next step (admission keeps one chunk's transient pages free, not two).
+        """
+        chunk = self.prefill_chunk_tokens
+        budget = None if not chunk else max(MIN_PREFILL_CHUNK, chunk - decoding)
+        chunks: list[tuple] = []
+        for seq in [s for s in self.running if s.prefilled < len(s.context_ids)]:
+            if budget is not None and budget <= 0:
+                break
+            if seq not in self.running:  # preempted by an earlier prefill of this step
+                continue
+            left = len(seq.context_ids) - seq.prefilled
+            logprobs = seq.want_prompt_logprobs and not seq.output_ids
+            paged = self.kv.paged(seq)
+            whole = budget is None or logprobs or not self.kv.chunked_prefill(seq)
+            n = left if whole else self.kv.step_tokens(seq, min(left, budget), self.running)
+            alone = logprobs or not paged
+            if chunks and not alone:
+                res = self.kv.reserve(seq, n)
+                if res is None:
+                    break
+                out.new_pages += res.pages
+            else:
+                res = self._reserve(out, ev, seq, n)
+                if res is None:
+                    continue
+            if budget is not None:
+                budget -= n
+            if seq.times.prefill_start is None:
+                seq.times.prefill_start = time.perf_counter()
+            chunks.append((seq, n, res, alone, logprobs))
+        return chunks
+
+    def _reserve(self, out: SchedulerOutput, ev: StepEvents, seq: Sequence, n: int) -> Reservation | None:
+        """Pages for ``n`` more tokens of ``seq`` (listed in ``out.new_pages``), compressing ``elastic`` sequences
+        and then preempting the most recently admitted sequences while none are free; ``None`` when ``seq`` itself
+        had to be preempted or ended (it needs more pages than the pool has)."""
+        while True:
+            res = self.kv.reserve(seq, n)
+            if res is not None:
+                out.new_pages += res.pages
+                return res
+            if self._compress(out, ev, self.kv.pages_needed(seq, n)):
+                continue
+            if self.running == [seq]:  # alone and still too big (a whole-prompt prefill's exact pages)
+                self._end(ev, seq, FinishReason.ERROR, f"{n} tokens at once need more KV blocks than the pool has "
+                                                       f"({self.kv.blocks.usable_pages}; KV_CACHE_BUDGET_BYTES)")
+                return None
+            victim = self.victim(self.running)
+            self._preempt(ev, victim)
+            if victim is seq:
+                return None
+
+    def _compress(self, out: SchedulerOutput, ev: StepEvents, need: int, avoided: bool = True) -> bool:
+        """Plan quantizing running ``elastic`` sequences' oldest exact groups until ``need`` pages are free (or
+        nothing is left to compress) and commit the plans now (the pages they free are free for this step's
+        reservations; the runner re-encodes the groups before anything is written: ``out.compress``); whether
+        any page was freed. ``avoided``: instead of preempting (else: to admit)."""
+        plans = self.kv.plan_compression(self.running, need)
+        if not plans:
+            return False
+        groups: dict[str, tuple[list, list]] = {}
+        for seq, res in plans:
+            rows, pages = groups.setdefault(seq.backend_name, ([], []))
+            rows.append((snapshot(seq.blocks), res.plan))
+            pages += res.pages
+        out.compress += [CompressPlan(name, tuple(rows), tuple(pages)) for name, (rows, pages) in groups.items()]
+        if avoided:
+            ev.avoided.append(plans[0][0])
+        for seq, res in plans:
+            self.kv.commit_compression(seq, res)
+            ev.compressed.append((seq, res.plan.free_front - res.plan.new_q_pages))
+        return True
+
+    def _start(self, ev: StepEvents, seq: Sequence) -> None:
+        """Give an admitted sequence its pages (the prefix cache's hit first) and a place in the batch."""
+        queried = len(seq.context_ids) if self.kv.cacheable(seq) else 0
+        hit = self.kv.start(seq)
+        if seq.preemptions == 0:
+            seq.cached_tokens = min(hit, len(seq.prompt_ids))
+        self.running.append(seq)
+        ev.started.append((seq, queried, hit))
+
+    def _preempt(self, ev: StepEvents, seq: Sequence, at_head: bool = True) -> None:
+        """Free every page of ``seq`` and put it back in the queue (at its head, or for the fair share at its
+        tail); it recomputes its context (prompt and generated tokens) when readmitted, and its client sees one
+        uninterrupted stream."""
+        self.running.remove(seq)
+        self.drop_kv(seq)
+        seq.prefilled = 0
+        seq.preemptions += 1
+        with self.lock:
+            if at_head:
+                self.waiting.appendleft(seq)
+            else:
+                self.waiting.append(seq)
+        ev.preempted.append(seq)
+        log.info("preempted %s (%d tokens) to free KV pages", seq.request_id, seq.total_tokens)
+
+    def _end(self, ev: StepEvents, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
+        ev.finished.append((seq, reason, error, self.finish(seq, reason)))
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> bool:
+        """End ``seq``: keep its store's last figures (peak bytes, stats, an on-demand tier's compressed share),
+        take it out of the batch and free its KV now. Whether it was running."""
+        seq.finish_reason = reason
+        was_running = seq in self.running
+        if was_running:
+            self.running.remove(seq)
+        if seq.store is not None:
+            seq.peak_kv_bytes = max(seq.peak_kv_bytes, seq.store.nbytes())
+            seq.kv_stats = seq.store.stats()
+            layout = self.kv.layouts.get(seq.backend_name)
+            if layout is not None and layout.on_demand:
+                tiers = self.kv.tier_tokens(seq)
+                seq.kv_stats["compressed_fraction"] = tiers[layout.q_tier] / max(1, sum(tiers.values()))
+        self.drop_kv(seq)
+        return was_running
+
+    def drop_kv(self, seq: Sequence) -> None:
+        """Free ``seq``'s pages and store now."""
+        if seq.store is not None:
+            seq.store.release()
+            seq.store = None
+        self.kv.release(seq)
+        seq.kv_bytes = seq.kv_allocated = 0
+
+    def commit(self, seq: Sequence, row: RowPlan) -> bool:
+        """``row`` ran: apply its plan to ``seq``'s tables (freeing the exact pages it drained; registering its full
+        blocks in the prefix cache) and count its tokens as cached. Whether it completed ``seq``'s prompt (a
+        prefill row that wrote its last token)."""
+        self.kv.commit(seq, _Committed(row.plan))
+        seq.prefilled += len(row.token_ids)
+        return not row.decode and row.sample

@@ -1,16 +1,21 @@
-"""One request's state inside the engine: tokens, sampling parameters, status and its KV store."""
+"""One request's state inside the engine: tokens, sampling parameters, status and its KV store (no torch import:
+the scheduler reads it)."""
 
 from __future__ import annotations
 
 import enum
+import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-import torch
+if TYPE_CHECKING:  # annotations only: the scheduler reads sequences and stays torch-free
+    import torch
 
-from cache_backends.base import KVStore
-from server.engine.sampling import SamplingParams
+    from cache_backends.base import KVStore
+    from server.engine.sampling import SamplingParams
+
+_ids = itertools.count()
 
 
 class FinishReason(str, enum.Enum):
@@ -105,6 +110,7 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # chained keys of its full blocks so far
     registered_blocks: int = 0  # of its blocks, those registered in the prefix cache
     kv_tiers: dict = field(default_factory=dict)  # tokens it holds per tier (exact, int8) at the last measurement
+    seq_id: int = field(default_factory=lambda: next(_ids))  # unique in the process (request ids may repeat)
 
     @property
     def request_group(self) -> str:
