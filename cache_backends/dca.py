@@ -523,7 +523,7 @@ class DCAStore(KVStore):
 
     @property
     def supports_chunked_prefill(self) -> bool:
-        return False  # each layer decides kept/reuse once, on the whole prompt
+        return DCABackend.chunked_prefill
 
     def reuse_layers(self) -> int:
         return sum(layer.reusing() for layer in self.layers)

@@ -175,7 +175,7 @@ class Engine:
                 if seq.generator is None and not seq.params.greedy:
                     seq.generator = new_generator(seq.params.seed, self.runner.device)
                 sampling[seq.seq_id] = RowRequest(seq.params, seq.prompt_ids, seq.output_ids, seq.generator)
-        stores = {seq.seq_id: seq.store for _, seq in rows if seq.blocks is None}
+        stores = {seq.seq_id: seq.store for row, seq in rows if row.blocks is None}
         result = self.runner.execute(out, self.backends, stores, sampling, self.eos_token_ids)
         ready = []
         for row, seq in rows:

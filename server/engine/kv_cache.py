@@ -380,12 +380,12 @@ class KVCacheManager:
         layout.extend(seq.blocks, plan, exact, q)
         return Reservation(plan, exact + q)
 
-    def commit(self, seq: Sequence, res: Reservation) -> None:
+    def commit(self, seq: Sequence, plan: Plan) -> None:
         """The step ran: update ``seq``'s lengths and free the exact pages it drained, and register its full blocks
         in the prefix cache (a prompt that wanted every position's log-probability too: it hit nothing, but its
         blocks serve later requests, even when it ends after one token, as ``echo`` with ``max_tokens: 0``)."""
         if self.paged(seq):
-            self.blocks.free(self.layouts[seq.backend_name].commit(seq.blocks, res.plan))
+            self.blocks.free(self.layouts[seq.backend_name].commit(seq.blocks, plan))
             if self.caches_backend(seq.backend_name):
                 self._register(seq)
 

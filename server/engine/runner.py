@@ -19,6 +19,8 @@ which left-pads rebuilt K/V to the longest sequence under a 4-D mask (transient,
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -31,6 +33,8 @@ from cache_backends.paged import Drain, PoolViews, StepMeta, drain_layer, drain_
 from cache_backends.pool import KVPool
 from server.engine.sampling import RowRequest, prompt_logprobs, sample_batch
 from server.engine.step_plan import RowPlan, RunnerOutput, SchedulerOutput
+
+log = logging.getLogger("kvserve.runner")
 
 
 class _BatchedLayerView(CacheLayerMixin):
@@ -319,6 +323,7 @@ class ModelRunner:
                         top_n = sampling[row.seq_id].params.top_n
                         result.prompt_logprobs[row.seq_id] = prompt_logprobs(logits, row.token_ids, top_n)
                 except Exception as exc:  # noqa: BLE001 - this request only
+                    log.exception("prefill failed")
                     result.failed[row.seq_id] = f"prefill failed: {exc}"
                     continue
                 if row.sample:
@@ -328,6 +333,7 @@ class ModelRunner:
             try:
                 logits = self._run_rows(shared, backends, stores)
             except Exception as exc:  # noqa: BLE001 - the step's rows only; the engine goes on
+                log.exception("step failed")
                 for r in shared:
                     result.failed[r.seq_id] = f"{'decode' if r.decode else 'prefill'} failed: {exc}"
             else:

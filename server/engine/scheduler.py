@@ -57,8 +57,8 @@ class StepEvents:
 
     Attributes:
         started: ``(sequence, context tokens looked up in the prefix cache, tokens it hit)`` of each admitted one.
-        finished: ``(sequence, reason, error)`` of each sequence the scheduler ended (cancelled, or too big for
-            the pool alone); its KV is freed already.
+        finished: ``(sequence, reason, error, was running)`` of each sequence the scheduler ended (cancelled, or
+            too big for the pool alone); its KV is freed already.
         preempted: sequences put back in the queue, their KV freed.
         compressed: ``(sequence, pages freed)`` of each ``elastic`` compression planned.
         avoided: sequences whose compression avoided a preemption (the first of each compression).
@@ -69,14 +69,6 @@ class StepEvents:
     preempted: list = field(default_factory=list)
     compressed: list = field(default_factory=list)
     avoided: list = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class _Committed:
-    """A row's plan in the form :meth:`KVCacheManager.commit` takes (the pages it named are the sequence's now)."""
-
-    plan: object
-    pages: tuple = ()
 
 
 class Scheduler:
@@ -261,9 +253,9 @@ class Scheduler:
 
     def _row(self, seq: Sequence, tokens: list[int], res: Reservation, decode: bool, sample: bool,
              alone: bool = False, all_logits: bool = False) -> RowPlan:
-        """The runner's row for ``seq``'s reservation (its tables copied as they stand once the step is planned)."""
-        return RowPlan(seq.seq_id, seq.backend_name, tuple(tokens),
-                       snapshot(seq.blocks) if seq.blocks is not None else None, res.plan, decode, sample, alone,
+        """The runner's row for ``seq``'s reservation (its tables as they stand once the step is planned: nothing
+        changes them until the row is committed, so they are not copied)."""
+        return RowPlan(seq.seq_id, seq.backend_name, tuple(tokens), seq.blocks, res.plan, decode, sample, alone,
                        all_logits)
 
     def _prefill_rows(self, out: SchedulerOutput, ev: StepEvents, decoding: int) -> list[tuple]:
@@ -408,6 +400,6 @@ class Scheduler:
         """``row`` ran: apply its plan to ``seq``'s tables (freeing the exact pages it drained; registering its full
         blocks in the prefix cache) and count its tokens as cached. Whether it completed ``seq``'s prompt (a
         prefill row that wrote its last token)."""
-        self.kv.commit(seq, _Committed(row.plan))
+        self.kv.commit(seq, row.plan)
         seq.prefilled += len(row.token_ids)
         return not row.decode and row.sample

@@ -33,7 +33,8 @@ class RowPlan:
         seq_id: the sequence (:attr:`server.engine.sequence.Sequence.seq_id`).
         backend: its KV backend's name.
         token_ids: the tokens it writes: a prefill chunk, or its newest token (decode).
-        blocks: its block tables for the step (this step's pages added; a copy), ``None`` for a per-sequence store.
+        blocks: its block tables for the step (this step's pages added; read only: the scheduler changes them only
+            when it commits the row), ``None`` for a per-sequence store.
         plan: what writing the tokens does to ``blocks`` (committed after the step).
         decode: a decode row (one generated token), not a prefill chunk.
         sample: its last token's logits are sampled (a decode row, or a prompt's last chunk).
