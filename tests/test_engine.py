@@ -203,3 +203,63 @@ def test_the_in_process_benchmarks_fix_glibcs_thresholds_on_glibc():
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("not glibc: the setting does not apply")
     assert allocator.keep_step_memory() is True
+
+
+@pytest.mark.parametrize("backend", ["full", "int8"])
+def test_every_page_a_step_hands_out_is_zeroed_before_it_is_read(ref_model, backend):
+    """The pool's pages hold garbage (NaN bytes) before the run: every page the scheduler hands out must be zeroed
+    by the runner before a step reads it (padded gathers read unwritten slots), so the outputs equal those of a
+    run on a fresh pool. Two long prompts arrive together, so one step carries two prefill chunks (the second
+    reserved without preempting) beside decode rows."""
+    model, tok = ref_model
+    long_prompt = "And God said, Let there be light: and there was light. " * 8
+    prompts = ["In the beginning", long_prompt, "The LORD is my shepherd, I shall not want. " * 6]
+
+    def run(poison: bool) -> list[list[int]]:
+        engine = make_engine(model, tok, backend=backend, prefill_chunk_tokens=256)
+        if poison:
+            engine.runner.pool.arena.fill_(255)
+            engine.runner.pool.arena[0].zero_()  # the null page stays zeros (the pool's invariant)
+        seqs = [make_seq(tok, p, 12, backend=backend, params=SamplingParams(ignore_eos=True)) for p in prompts]
+        engine.submit(seqs[0])
+        engine.step()
+        run_all(engine, seqs[1:])
+        assert all(len(s.output_ids) == 12 and s.finish_reason == FinishReason.LENGTH for s in seqs)
+        return [s.output_ids for s in seqs]
+
+    assert run(poison=True) == run(poison=False)
+
+
+def test_a_failed_forward_ends_only_its_own_rows(ref_model):
+    """A forward that raises ends the sequences of its rows with an error event naming the failure and frees their
+    KV; a request whose prompt ran in a forward of its own is not touched by it, and the engine goes on."""
+    model, tok = ref_model
+    engine = make_engine(model, tok)
+    events = [[], []]
+    batch = make_seq(tok, "And God said", 30, events=events[0])
+    apart = make_seq(tok, "In the beginning", 6, events=events[1])
+    apart.want_prompt_logprobs = True  # prefilled in a forward of its own
+    engine.submit(batch)
+    engine.step()
+    engine.submit(apart)
+    run_paged, calls = engine.runner.run_paged, []
+
+    def failing(input_ids, groups, legacy, new_pages, all_logits=False):
+        calls.append(all_logits)
+        if not all_logits:
+            raise RuntimeError("boom")
+        return run_paged(input_ids, groups, legacy, new_pages, all_logits=all_logits)
+
+    engine.runner.run_paged = failing
+    engine.step()  # apart's prompt alone (ok), then batch's decode row (fails)
+    engine.runner.run_paged = run_paged
+    assert calls == [True, False]
+    assert batch.finish_reason == FinishReason.ERROR and events[0][-1].error == "decode failed: boom"
+    assert batch.store is None
+    run_all(engine, [])
+    assert apart.finish_reason == FinishReason.LENGTH and len(apart.output_ids) == 6
+    assert apart.output_ids == reference_greedy(model, tok, "In the beginning", 6)
+    assert engine.kv_bytes() == 0
+    later = make_seq(tok, "Blessed are the", 5)
+    run_all(engine, [later])
+    assert later.output_ids == reference_greedy(model, tok, "Blessed are the", 5)
