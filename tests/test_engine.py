@@ -263,3 +263,62 @@ def test_a_failed_forward_ends_only_its_own_rows(ref_model):
     later = make_seq(tok, "Blessed are the", 5)
     run_all(engine, [later])
     assert later.output_ids == reference_greedy(model, tok, "Blessed are the", 5)
+
+
+def test_a_cancellation_in_the_step_that_admits_a_per_sequence_store(ref_model):
+    """A running sequence cancelled in the step that admits a ``dca`` sequence (a per-sequence store, made once the
+    step is scheduled): the cancelled one gets its closing event, and the admitted one its store and detokenizer and
+    its tokens (the gauges measured at the cancellation skip nothing and fail on nothing)."""
+    model, tok = ref_model
+    engine = make_engine(model, tok, "dca")
+    events = [[], []]
+    running = make_seq(tok, "And God said", 50, backend="dca", events=events[0])
+    engine.submit(running)
+    engine.step()
+    engine.step()
+    admitted = make_seq(tok, "In the beginning", 5, backend="dca", events=events[1])
+    engine.submit(admitted)
+    running.cancel()
+    engine.step()
+    assert running.finish_reason == FinishReason.CANCELLED and events[0][-1].finish_reason == FinishReason.CANCELLED
+    assert admitted.store is not None and admitted.detok is not None
+    run_all(engine, [])
+    assert admitted.finish_reason == FinishReason.LENGTH and len(admitted.output_ids) == 5
+    assert [e.index for e in events[1]] == list(range(5))
+    assert engine.kv_bytes() == 0
+
+
+def test_one_paged_prompt_runs_alone_per_step(ref_model):
+    """Two int8 prompts that want every position's log-probability arrive together: each runs in a forward of its
+    own, one a step (its transient exact pages go back only when its step is committed, and admission keeps one
+    prompt's transient free), the second in the next step beside the first one's decode row. Each gets the prompt
+    log-probabilities and tokens it gets alone."""
+    model, tok = ref_model
+    prompts = ["And God said, Let there be light", "In the beginning God created the heaven and the earth"]
+
+    def seqs():
+        out = [make_seq(tok, p, 4, backend="int8") for p in prompts]
+        for s in out:
+            s.want_prompt_logprobs = True
+        return out
+
+    alone = []
+    for s in seqs():
+        run_all(make_engine(model, tok, "int8"), [s])
+        alone.append(s)
+    engine = make_engine(model, tok, "int8")
+    scheduled, execute = [], engine.runner.execute
+
+    def spy(out, *args):
+        scheduled.append([(r.seq_id, r.alone, r.decode) for r in out.rows])
+        return execute(out, *args)
+
+    engine.runner.execute = spy
+    both = seqs()
+    run_all(engine, both)
+    first, second = both[0].seq_id, both[1].seq_id
+    assert scheduled[0] == [(first, True, False)]
+    assert (second, True, False) in scheduled[1] and (first, False, True) in scheduled[1]
+    for s, ref in zip(both, alone):
+        assert s.output_ids == ref.output_ids
+        assert s.prompt_logprobs == pytest.approx(ref.prompt_logprobs, abs=1e-4)

@@ -136,16 +136,27 @@ class Engine:
         (:meth:`ModelRunner.execute`: one forward for the prefill chunks and decode tokens, a mixed batch), the
         scheduler commits the rows that ran, and each sampled token goes to its request."""
         out, ev = self.scheduler.schedule()
-        self._report_events(ev)
-        if out.rows or out.compress:
-            self._execute(out)
+        try:
+            self._report_events(ev)
+        finally:  # the step's compressions are committed already: their groups must be re-encoded whatever happens
+            if out.rows or out.compress:
+                self._execute(out)
         self._measure(self.running)
         self._report()
 
     def _report_events(self, ev) -> None:
-        """What scheduling did, told to the requests and the recorder: closing events of the sequences it ended,
-        preemptions, compressions, prefix-cache lookups; admitted per-sequence stores get their store, and first
-        admissions their detokenizer."""
+        """What scheduling did, told to the requests and the recorder: admitted per-sequence stores get their store,
+        and first admissions their detokenizer (first: every running sequence is measurable before a closing event
+        measures them); prefix-cache lookups, closing events of the sequences it ended, preemptions,
+        compressions."""
+        for seq, queried, hit in ev.started:
+            if not self.kv.paged(seq):
+                seq.store = self.backends[seq.backend_name].new_store()
+                seq.store.reserve(len(seq.prompt_ids) + seq.max_new_tokens)
+            if seq.detok is None:
+                seq.detok = IncrementalDetokenizer(self.tokenizer, seq.stop, self.special_ids)
+            if queried and self.recorder:
+                self.recorder.prefix_cache(seq, queried, hit)
         for seq, reason, error, was_running in ev.finished:
             self._closed(seq, reason, was_running, error=error)
         if self.recorder:
@@ -155,14 +166,6 @@ class Engine:
                 self.recorder.preemption_avoided(seq)
             for seq, freed in ev.compressed:
                 self.recorder.compressed(seq, freed)
-        for seq, queried, hit in ev.started:
-            if queried and self.recorder:
-                self.recorder.prefix_cache(seq, queried, hit)
-            if not self.kv.paged(seq):
-                seq.store = self.backends[seq.backend_name].new_store()
-                seq.store.reserve(len(seq.prompt_ids) + seq.max_new_tokens)
-            if seq.detok is None:
-                seq.detok = IncrementalDetokenizer(self.tokenizer, seq.stop, self.special_ids)
 
     def _execute(self, out) -> None:
         """Run ``out`` (:meth:`ModelRunner.execute`), commit each row that ran, and accept every sampled token; a

@@ -151,7 +151,7 @@ class KVCacheManager:
     # ---- costs ----------------------------------------------------------------------------------------
     def prefill_chunk(self, seq: Sequence) -> int | None:
         """The chunk ``seq``'s context is prefilled in: the engine's, or ``None`` (whole) for a prompt that wants
-        every position's log-probability (the rule of :meth:`Engine._prefill_step`)."""
+        every position's log-probability (the rule of :meth:`Scheduler._prefill_rows`)."""
         return None if seq.want_prompt_logprobs and not seq.output_ids else self.chunk
 
     def pages_for(self, seq: Sequence, tokens: int) -> int:

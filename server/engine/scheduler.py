@@ -269,8 +269,10 @@ class Scheduler:
         decode tokens in the same forward (chunked prefill in a mixed batch, as vLLM v1's scheduler), so it does
         not stall running streams. A paged prompt's step is shortened, down to :data:`MIN_PREFILL_CHUNK` tokens,
         when the pages of a whole one (a quantized prompt's: its exact pages) are not free (:meth:`KVCacheManager.
-        step_tokens`). The first chunk of a step may preempt (:meth:`_reserve`); a later one whose pages are not
-        free waits for the next step (admission keeps one chunk's transient pages free, not two).
+        step_tokens`). The first chunk of the mixed batch may preempt (:meth:`_reserve`), and so may a prompt that
+        runs alone; a later chunk of the mixed batch whose pages are not free waits for the next step, and so does a
+        second paged prompt that runs alone (admission keeps one chunk's transient pages free, not two; a row's
+        drained pages go back only when the step is committed).
         """
         chunk = self.prefill_chunk_tokens
         budget = None if not chunk else max(MIN_PREFILL_CHUNK, chunk - decoding)
@@ -286,7 +288,9 @@ class Scheduler:
             whole = budget is None or logprobs or not self.kv.chunked_prefill(seq)
             n = left if whole else self.kv.step_tokens(seq, min(left, budget), self.running)
             alone = logprobs or not paged
-            if chunks and not alone:
+            if alone and paged and any(c[3] and self.kv.paged(c[0]) for c in chunks):
+                break  # one paged prompt alone a step: its transient pages go back only once it is committed
+            if not alone and any(not c[3] for c in chunks):  # a later chunk of the mixed batch
                 res = self.kv.reserve(seq, n)
                 if res is None:
                     break

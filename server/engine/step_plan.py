@@ -8,7 +8,7 @@ writes, its block tables (pages for the step already added) and its :class:`~cac
 pages handed out for the step (zeroed before it runs); the compressions to run first. The runner
 (:meth:`server.engine.runner.ModelRunner.execute`) runs them and returns a :class:`RunnerOutput`: each sampled row's
 token, log-probability and top alternatives, and the rows that failed. The scheduler then commits the rows that ran
-(:meth:`~server.engine.scheduler.Scheduler.update`). As vLLM v1's ``SchedulerOutput`` / ``ModelRunnerOutput``.
+(:meth:`~server.engine.scheduler.Scheduler.commit`). As vLLM v1's ``SchedulerOutput`` / ``ModelRunnerOutput``.
 """
 
 from __future__ import annotations
