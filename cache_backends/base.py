@@ -20,6 +20,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from cache_backends.attention import LayerRead, attend_kv
 from cache_backends.buffer import TokenBuffer
 from cache_backends.estimate import Shape, bytes_per_token_per_layer
+from cache_backends.paged import PageLayout, StepMeta, read_layer, write_layer
 
 
 def tensor_bytes(*tensors: torch.Tensor | None) -> int:
@@ -339,6 +340,50 @@ class KVBackend(ABC):
     def paged_quantize(self) -> dict | None:
         """``{"group_size", "residual", "key_bits", "value_bits", "rotate"}`` when the streams are held quantized
         (8- or 4-bit codes, :mod:`cache_backends.int8`) with a residual window, else ``None``."""
+        return None
+
+    def natural_page_bytes(self, dtype: torch.dtype, block_size: int) -> int:
+        """Bytes of one block of ``block_size`` tokens of every layer in this backend's stored form
+        (:meth:`cache_backends.paged.PageLayout.natural_page_bytes`)."""
+        return PageLayout.natural_page_bytes(self.paged_streams(), self.geometry.num_layers, dtype, block_size,
+                                             self.paged_quantize())
+
+    def page_layout(self, dtype: torch.dtype, page_bytes: int):
+        """How this backend's blocks fill a page of ``page_bytes`` (:class:`cache_backends.paged.PageLayout`; the
+        planning the KV cache manager reads: ``plan``, ``extend``, ``commit``, ``written``, ``pages_for``...)."""
+        return PageLayout(self.paged_streams(), self.geometry.num_layers, dtype, page_bytes, self.paged_quantize())
+
+    def step_meta(self, layout, rows: list, device):
+        """One step's metadata for this backend's rows ``[(blocks, plan), ...]`` (:class:`cache_backends.paged.
+        StepMeta`), built once before the forward."""
+        return StepMeta(layout, rows, device)
+
+    def paged_layer(self, views, layer: int, meta, key_states: torch.Tensor, value_states: torch.Tensor) -> list:
+        """Write layer ``layer``'s new K/V of the step's rows into their pages (:meth:`encode_paged`, then the
+        groups the step drains quantized) and gather every row's stored form: the reads :meth:`attend_paged`
+        takes.
+
+        Args:
+            key_states, value_states: (B, num_key_value_heads, n, head_dim), after RoPE.
+        """
+        write_layer(views, layer, meta, self.encode_paged(layer, key_states, value_states, meta))
+        return read_layer(views, layer, meta)
+
+    def stored_kv(self, layer: int, reads: list, meta) -> tuple:
+        """The keys and values layer ``layer``'s gathered ``reads`` stand for, as two
+        :class:`cache_backends.paged.StreamRead` of num_key_value_heads heads (``dot``, ``weighted_sum``,
+        ``read``): the reads themselves for a backend that stores K/V (``full``, ``int8``); ``mla`` rebuilds them
+        from its latent (a transient copy). ``dca`` reads its sources through it."""
+        return reads[0], reads[1]
+
+    def as_stored(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor, meta) -> tuple:
+        """What a step's new K/V (B, H, n, d) read back as once stored, before any quantization (a new token is
+        in the exact tier): themselves, but for ``mla``'s latent round trip."""
+        return key_states, value_states
+
+    def step_feedback(self, meta) -> list | None:
+        """What this step's forward measured per row of ``meta`` for the scheduler's commit (plain data; ``dca``:
+        its similarities), or ``None``."""
         return None
 
     def encode_paged(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor, meta) -> list:

@@ -49,7 +49,11 @@ import torch
 
 from cache_backends.attention import LayerRead, attend_kv
 from cache_backends.base import KVBackend, KVLayer, KVStore, ModelGeometry
-from cache_backends.estimate import dca_store_bytes_per_token_per_layer, dca_window_tokens
+from cache_backends.dca_plan import (PROBE_WINDOW, SPANS, DCALayout, Feedback, falls_back, probes_after,
+                                     runtime_threshold, window_start)
+from cache_backends.estimate import dca_store_bytes_per_token_per_layer
+from cache_backends.paged import (PageLayout, StepMeta, StreamRead, grouped_rows, read_layer, ungroup_rows,
+                                  write_layer)
 from cache_backends.rope import RopeTable
 
 log = logging.getLogger("kvserve.dca")
@@ -281,16 +285,7 @@ def similarity(own_k, own_v, pred_k, pred_v) -> float:
     return (0.5 * both).mean().item()
 
 
-def window_start(length: int, window: int) -> int:
-    """The first position a reuse layer's residual window holds at ``length`` tokens: it holds the newest
-    :func:`cache_backends.estimate.dca_window_tokens` of them (between ``window`` and ``2 * window - 1`` once
-    the sequence is that long; it drops its oldest ``window`` tokens at once). ``length`` for ``window`` 0."""
-    return length - dca_window_tokens(length, window)
-
-
-SPANS = (1, 4, 16, 64, 256, 1024)  # token counts at which each layer's runtime threshold is calibrated
 QUANTILE = 0.01  # a layer's runtime threshold: this quantile of its calibrated similarity over such spans
-PROBE_WINDOW = 4  # a decode probe compares the mean of the last this-many probed tokens
 
 
 def span_thresholds(per_window: list[torch.Tensor], quantile: float = QUANTILE) -> dict[int, float]:
@@ -304,15 +299,6 @@ def span_thresholds(per_window: list[torch.Tensor], quantile: float = QUANTILE) 
         means = torch.cat(means) if means else torch.stack([w.mean() for w in per_window])
         out[n] = round(torch.quantile(means.double(), quantile).item(), 4)
     return out
-
-
-def runtime_threshold(spans: dict[int, float] | None, cap: float, tokens: int) -> float:
-    """The similarity a span of ``tokens`` tokens must reach to reuse: the lower of ``cap`` (``KV_DCA_THRESHOLD``)
-    and the calibrated threshold at the longest calibrated span not above ``tokens``; +inf for a layer that is
-    not a reuse candidate (``spans`` None)."""
-    if spans is None:
-        return float("inf")
-    return min(cap, spans[max((n for n in SPANS if n <= tokens), default=SPANS[0])])
 
 
 def select_reuse_layers(mean_similarity: dict[int, float], threshold: float) -> list[int]:
@@ -550,7 +536,8 @@ class DCABackend(KVBackend):
         window: a reuse layer's residual window, tokens (``KV_DCA_WINDOW``, 32; 0: none).
 
     Raises:
-        ValueError: for a probe interval below 1, a negative window or an unknown ``align``.
+        ValueError: for a probe interval below 1, a negative window, an unknown ``align``, or a window above
+            ``(residual + group_size) / 2`` of a quantized inner backend (its window is held exact).
     """
 
     name = "dca"
@@ -571,6 +558,12 @@ class DCABackend(KVBackend):
         self.inner = inner if inner is not None else FullBackend(geometry)
         if inner is not None:
             self.options.update(inner.params())
+        q = self.inner.paged_quantize()
+        if q and q.get("residual") is not None and 2 * window > q["residual"] + q["group_size"]:
+            prefix = f"KV_{self.inner.name.upper()}"
+            raise ValueError(f"KV_DCA_WINDOW={window}: a reuse layer keeps up to 2 x window - 1 tokens exact, so with "
+                             f"{self.inner.name} the window must be at most ({prefix}_RESIDUAL + {prefix}_GROUP_SIZE)"
+                             f" / 2 = {(q['residual'] + q['group_size']) // 2}")
         self.maps: list[LayerMap] | None = None
         self.calibration: dict[str, list[float]] = {}
         self.calibration_reuse: list[tuple[int, int]] = []  # per calibration window: (tokens, reuse layers)
@@ -726,6 +719,111 @@ class DCABackend(KVBackend):
         return ("dca" if inner == "full" else f"dca+{inner}"), {"reuse_fraction": self.expected_reuse_fraction(),
                                                                 "window": self.window, **options}
 
+    # ---- the paged pool (cache_backends.dca_plan: the tables; DCAStepMeta and attend_through_map: the step) ----
+    def paged_streams(self) -> list | None:
+        """The inner backend's streams (K/V for ``full``, ``int8``, ``int4``; the latent for ``mla``, whose K/V the
+        candidates read rebuilt: :meth:`KVBackend.stored_kv`)."""
+        if self.geometry.kv_lora_rank:
+            return None
+        return self.inner.paged_streams()
+
+    def paged_quantize(self) -> dict | None:
+        return self.inner.paged_quantize()
+
+    def _groups(self) -> tuple[list[int], list[int]]:
+        if self.maps is None:
+            raise RuntimeError("dca backend used before prepare(model)")
+        candidates = list(self.reuse_candidates)
+        return [layer for layer in range(self.geometry.num_layers) if layer not in candidates], candidates
+
+    def natural_page_bytes(self, dtype: torch.dtype, block_size: int) -> int:
+        """One block of the kept layers' group (a candidate's page holds one layer: more tokens of it)."""
+        kept, _ = self._groups()
+        return PageLayout.natural_page_bytes(self.paged_streams(), len(kept), dtype, block_size,
+                                             self.paged_quantize())
+
+    def page_layout(self, dtype: torch.dtype, page_bytes: int) -> DCALayout:
+        """The kept layers' group and one group per reuse candidate, as prepared (:meth:`set_threshold` afterwards
+        does not change a built layout)."""
+        kept, candidates = self._groups()
+        streams, quantize = self.paged_streams(), self.paged_quantize()
+        groups = [PageLayout(streams, len(kept), dtype, page_bytes, quantize)]
+        groups += [PageLayout(streams, 1, dtype, page_bytes, quantize) for _ in candidates]
+        return DCALayout(groups, kept, candidates, [self.layer_thresholds[c] for c in candidates], self.threshold,
+                         self.window, self.probe_interval)
+
+    def step_meta(self, layout: DCALayout, rows: list, device) -> DCAStepMeta:
+        return DCAStepMeta(layout, rows, device)
+
+    def paged_layer(self, views, layer: int, meta: DCAStepMeta, key_states, value_states):
+        """Write layer ``layer``'s new K/V into its group's pages and gather its stored form. A candidate first
+        measures what its rows' decisions need: the prompt's similarity to the prediction from its source as stored
+        (prefill), the probed token's (decode, probe due; a probe that makes the layer fall back moves the row's
+        ``own_from`` at once, as the commit will)."""
+        group, j = meta.layout.where[layer]
+        if group == 0:
+            inner_meta = meta.kept
+            write_layer(views[0], j, inner_meta, self.inner.encode_paged(layer, key_states, value_states, inner_meta))
+            reads = read_layer(views[0], j, inner_meta)
+            if layer + 1 in meta.layout.candidates:
+                kv = self.inner.stored_kv(layer, reads, inner_meta)
+                meta.sources[layer] = (kv, *self.inner.as_stored(layer, key_states, value_states, inner_meta))
+            return reads
+        i = group - 1
+        self._measure(meta, i, layer, key_states, value_states)
+        own_meta = meta.candidates[i]
+        write_layer(views[group], 0, own_meta, self.inner.encode_paged(layer, key_states, value_states, own_meta))
+        reads = read_layer(views[group], 0, own_meta)
+        own_kv = self.inner.stored_kv(layer, reads, own_meta) if any(meta.own_from[i]) else None
+        return _CandidateRead(i, reads, own_kv)
+
+    def _measure(self, meta: DCAStepMeta, i: int, layer: int, key_states, value_states) -> None:
+        layout, layer_map = meta.layout, self.maps[layer - 1]
+        reads, src_k, src_v = meta.sources[layer - 1]
+        prefill = [r for r, (_, plan) in enumerate(meta.rows) if plan.prefill]
+        if prefill:  # the source as stored: one copy of every position the last token sees, in order
+            stored = [s.read() for s in reads]  # (H, B, T, d)
+            seen = meta.kept.mask[:, -1]  # (B, T)
+            reuse = []
+            for r in prefill:
+                pk, pv = (x[:, r, seen[r]][None] for x in stored)  # (1, H, n, d)
+                pk, pv = _predict_rows(layer_map, pk, pv, meta.kept.query_positions[r : r + 1], meta.position_limit)
+                sim = _similarity_rows(key_states[r : r + 1], value_states[r : r + 1], pk, pv)[0]
+                meta.feedback[r].prefill[i] = sim
+                if layout.reuses(i, sim, meta.n):
+                    reuse.append(r)
+            if reuse and layout.quantize:  # a reuse layer's prompt attends its own K/V exact
+                own = meta.candidates[i]
+                rows = torch.zeros(meta.batch, dtype=torch.bool, device=own.mask.device)
+                rows[reuse] = True
+                own.mask = torch.where(rows[:, None, None], _exact_mask(own), own.mask)
+        probed = [r for r, (_, plan) in enumerate(meta.rows) if plan.probe[i]]
+        if probed:  # the source's new token is stored exact
+            pk, pv = _predict_rows(layer_map, src_k, src_v, meta.kept.query_positions, meta.position_limit)
+            sims = _similarity_rows(key_states, value_states, pk, pv)
+            for r in probed:
+                blocks, plan = meta.rows[r]
+                meta.feedback[r].probe[i] = sims[r]
+                if falls_back(probes_after(blocks.states[i].probes, sims[r]), layout.thresholds[i], layout.cap):
+                    meta.own_from[i][r] = plan.own_from_fallback[i]
+
+    def attend_paged(self, layer, query, reads, meta: DCAStepMeta, scaling, module=None):
+        """A kept layer: the inner backend's attention over its group. A candidate: its own pages alone where no row
+        reads its source, else :func:`attend_through_map`."""
+        if not isinstance(reads, _CandidateRead):
+            return self.inner.attend_paged(layer, query, reads, meta.kept, scaling, module)
+        i = reads.index
+        own_meta = meta.candidates[i]
+        if not any(meta.own_from[i]):
+            return self.inner.attend_paged(layer, query, reads.own, own_meta, scaling, module)
+        src_reads = meta.sources[layer - 1][0]
+        own_from = torch.tensor(meta.own_from[i], device=query.device)
+        return attend_through_map(self.maps[layer - 1], query, src_reads, meta.kept, reads.own_kv, own_meta, own_from,
+                                  scaling, meta.position_limit)
+
+    def step_feedback(self, meta: DCAStepMeta) -> list[Feedback]:
+        return meta.feedback
+
     def live_bytes_per_token_per_layer(self, store: "DCAStore") -> float:
         """The sums over this sequence's own layers: its reuse decisions and fall-backs, not the calibrated
         fraction."""
@@ -735,3 +833,131 @@ class DCABackend(KVBackend):
     def reserved_bytes(self, max_tokens: int) -> int:
         """Every layer kept (the upper bound: a sequence may reuse no layer, or fall back everywhere)."""
         return self.inner.reserved_bytes(max_tokens)
+
+
+# ---- the paged pool: kept layers in one group of pages, each reuse candidate in its own (dca_plan) ---------------
+class DCAStepMeta:
+    """One step's metadata for a backend's dca rows: a :class:`cache_backends.paged.StepMeta` of the kept layers'
+    group and one of each candidate's, and what the forward measures (read back by :meth:`DCABackend.step_feedback`).
+
+    Args:
+        layout: the backend's :class:`cache_backends.dca_plan.DCALayout`.
+        rows: each sequence's :class:`~cache_backends.dca_plan.DCABlocks` (this step's pages added) and
+            :class:`~cache_backends.dca_plan.DCAPlan`, in batch order.
+        device: where the index tensors go.
+
+    Attributes:
+        kept, candidates: the groups' step metadata (``candidates[i]`` over candidate ``i``'s own tokens, from each
+            row's ``first``).
+        own_from: per candidate, per row, the first position read from its own pages (plain ints; a probe that makes
+            the layer fall back moves its row's to the plan's ``own_from_fallback`` within the step).
+        sources: layer → ``(reads, keys, values)`` of a source layer in this step: its gathered stored form and
+            its new tokens' K/V (B, H, n, d), kept for the candidate after it.
+        feedback: per row, the similarities measured (:class:`cache_backends.dca_plan.Feedback`).
+    """
+
+    def __init__(self, layout: DCALayout, rows: list[tuple], device):
+        self.layout, self.rows = layout, rows
+        self.kept = StepMeta(layout.groups[0], [(b.groups[0], p.groups[0]) for b, p in rows], device)
+        self.candidates = [StepMeta(layout.groups[1 + i], [(b.groups[1 + i], p.groups[1 + i]) for b, p in rows],
+                                    device, exact_rows=[p.exact_rows[1 + i] for _, p in rows])
+                           for i in range(len(layout.candidates))]
+        self.query_positions, self.n, self.batch = self.kept.query_positions, self.kept.n, self.kept.batch
+        self.own_from = [[p.own_from[i] for _, p in rows] for i in range(len(layout.candidates))]
+        widths = [m.positions.shape[1] for m in (self.kept, *self.candidates)]
+        self.position_limit = max(b.length for b, _ in rows) + self.n + max(widths)  # every gathered position below
+        self.sources: dict[int, tuple] = {}
+        self.feedback = [Feedback() for _ in rows]
+        self.device = device
+
+
+class _CandidateRead:
+    """What a candidate layer hands its attention: which candidate it is, its own tokens' stored form, and (when a
+    row reads its source) the K/V they stand for (:meth:`KVBackend.stored_kv`)."""
+
+    def __init__(self, index: int, own: list[StreamRead], own_kv: tuple | None):
+        self.index, self.own, self.own_kv = index, own, own_kv
+
+
+def _exact_mask(meta: StepMeta) -> torch.Tensor:
+    """A prefill step's mask (B, n, Tq + Te) reading every row's tokens from its exact slots (written first, still
+    there for the tokens the step quantizes) and none as codes: causal over the tokens the rows hold."""
+    tq = meta.q_width
+    exact = meta.positions[:, tq:]  # (B, Te): the exact slots' positions (before the step's drain moved them)
+    end = meta.query_positions[:, -1:] + 1  # (B, 1)
+    seen = (exact[:, None, :] <= meta.query_positions[:, :, None]) & (exact < end)[:, None, :]
+    return torch.cat([torch.zeros_like(meta.mask[..., :tq]), seen], dim=-1)
+
+
+def _similarity_rows(own_k, own_v, pred_k, pred_v) -> list[float]:
+    """Per row, (cos(K) + cos(V)) / 2 averaged over heads and tokens: (B, H, n, d) inputs → B floats."""
+    cos = torch.nn.functional.cosine_similarity
+    both = cos(own_k.float(), pred_k.float(), dim=-1) + cos(own_v.float(), pred_v.float(), dim=-1)  # (B, H, n)
+    return (0.5 * both.mean(dim=(1, 2))).tolist()
+
+
+def _predict_rows(layer_map: LayerMap, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                  limit: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, H, n, d) source K (after RoPE) and V at ``positions`` (B, n) → the predicted K (after RoPE) and V."""
+    if layer_map.key_mix is None:
+        return keys, values
+    z = torch.einsum("hgi,bgni->bhni", layer_map.key_mix, _complex(keys.float()))
+    bias = _bias_at(layer_map, positions, limit, keys.dtype).transpose(0, 1)  # (B, H, n, d)
+    v_hat = torch.einsum("bgnd,ghde->bhne", values.float(), layer_map.value_map)
+    return _real(z).to(keys.dtype) + bias, (v_hat + layer_map.value_bias[None, :, None, :]).to(values.dtype)
+
+
+def _bias_at(layer_map: LayerMap, positions: torch.Tensor, limit: int, dtype) -> torch.Tensor:
+    """The key bias after RoPE at ``positions`` (B, T) (each below ``limit``; a padded slot's is clamped, its
+    score masked): (H, B, T, d)."""
+    table = layer_map._rotated_bias(0, limit, dtype)  # (H, limit, d)
+    return table[:, positions.clamp(max=limit - 1)]
+
+
+def attend_through_map(layer_map: LayerMap, query: torch.Tensor, src: list[StreamRead], src_meta: StepMeta,
+                       own: list[StreamRead], own_meta: StepMeta, own_from: torch.Tensor, scaling: float,
+                       limit: int) -> torch.Tensor:
+    """A candidate layer's attention for a batch: the positions before each row's ``own_from`` through its source's
+    stored K/V read with the map folded in (:meth:`LayerMap.attend`, batched), the later ones from its own pages,
+    in one softmax.
+
+    Args:
+        query: (B, Hq, n, d) after RoPE.
+        src, src_meta: the source layer's gathered keys and values (H heads) and the kept group's step metadata.
+        own, own_meta: this layer's own gathered keys and values and its group's step metadata.
+        own_from: (B,) the first position each row reads from its own pages.
+        limit: above every gathered position (:attr:`DCAStepMeta.position_limit`).
+
+    Returns:
+        (B, Hq, n, d).
+    """
+    b, hq, n, d = query.shape
+    h = src[0].exact.shape[0]
+    rep = hq // h
+    gq = grouped_rows(query, h).transpose(0, 1)  # (H, B, rep * n, d)
+    if layer_map.key_mix is None:  # the source's K/V as they are
+        from_source = src[0].dot(gq).transpose(0, 1).reshape(b, hq, n, -1)
+    else:
+        key_fold, value_map, value_bias = layer_map._per_query_head(hq)
+        folded = (query.float() @ key_fold).view(b, hq, n, h, d).permute(3, 0, 1, 2, 4).reshape(h, b, hq * n, d)
+        from_source = src[0].dot(folded.to(query.dtype)).sum(0).view(b, hq, n, -1)  # (B, Hq, n, Ts)
+        bias = _bias_at(layer_map, src_meta.positions, limit, query.dtype)  # (H, B, Ts, d)
+        from_source = from_source + (gq @ bias.transpose(-1, -2)).transpose(0, 1).reshape(b, hq, n, -1)
+    from_own = own[0].dot(gq).transpose(0, 1).reshape(b, hq, n, -1)  # (B, Hq, n, To)
+    src_mask = src_meta.mask & (src_meta.positions < own_from[:, None])[:, None, :]  # (B, n, Ts)
+    own_mask = own_meta.mask & (own_meta.positions >= own_from[:, None])[:, None, :]  # (B, n, To)
+    mask = torch.cat([src_mask, own_mask], dim=-1)[:, None]  # (B, 1, n, Ts + To)
+    scores = torch.cat([from_source, from_own], dim=-1) * scaling
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)  # (B, Hq, n, Ts + To)
+    ts = from_source.shape[-1]
+    p_src, p_own = probs[..., :ts], probs[..., ts:]
+    own_out = own[1].weighted_sum(grouped_rows(p_own, h).transpose(0, 1))  # (H, B, rep * n, d)
+    own_out = ungroup_rows(own_out.transpose(0, 1), hq)  # (B, Hq, n, d)
+    if layer_map.key_mix is None:
+        src_out = ungroup_rows(src[1].weighted_sum(grouped_rows(p_src, h).transpose(0, 1)).transpose(0, 1), hq)
+        return (src_out + own_out).to(query.dtype)
+    weights = p_src.reshape(1, b, hq * n, ts).expand(h, b, hq * n, ts)
+    mixed = src[1].weighted_sum(weights).view(h, b, hq, n, d).permute(1, 2, 3, 0, 4).reshape(b, hq, n, h * d)
+    # the value map in fp32 (see LayerMap.attend)
+    out = mixed.float() @ value_map + value_bias[None, :, None, :] * p_src.sum(-1, keepdim=True).float()
+    return (out + own_out.float()).to(query.dtype)

@@ -5,13 +5,15 @@ in the model's dtype, in preallocated buffers appended in place (:mod:`cache_bac
 attends through a view of them (no copy). Bytes per token per layer:
 ``2 * num_key_value_heads * head_dim * dtype_bytes``. (On a native-MLA model such as DeepSeek-V3,
 transformers hands the cache the model's latent and rope key instead, so ``full`` holds those exactly:
-``(kv_lora_rank + qk_rope_head_dim) * dtype_bytes``.)
+``(kv_lora_rank + qk_rope_head_dim) * dtype_bytes``; it pages them and attends with absorbed attention,
+:mod:`cache_backends.absorbed_mla`, as ``mla`` does on such a model.)
 """
 
 from __future__ import annotations
 
 import torch
 
+from cache_backends.absorbed_mla import absorbed_attention, install_absorbed_attention
 from cache_backends.attention import attend_kv
 from cache_backends.base import FullStorage, KVBackend, StreamPairLayer
 from cache_backends.paged import StreamSpec, attend_pair
@@ -40,6 +42,12 @@ class FullBackend(KVBackend):
 
     name = "full"
 
+    def prepare(self, model, calibration_ids: list[int] | None = None, cache=None) -> None:
+        """Nothing to fit; on a native-MLA model, switch its attention to absorbed attention over the cached latent
+        (the model's own entries, exactly)."""
+        if self.geometry.kv_lora_rank:
+            install_absorbed_attention(model)
+
     def new_layer(self, index: int, position_offset: int = 0) -> FullLayer:
         return FullLayer()
 
@@ -52,15 +60,18 @@ class FullBackend(KVBackend):
     def reserved_bytes(self, max_tokens: int) -> int:
         return int(self.bytes_per_token_per_layer() * max_tokens * self.geometry.num_layers)
 
-    def paged_streams(self) -> list[StreamSpec] | None:
-        """Keys and values, (num_key_value_heads, head_dim) each per token. On a native-MLA model ``full`` keeps
-        per-sequence stores: its attention expands the cached latent after the cache read."""
+    def paged_streams(self) -> list[StreamSpec]:
+        """Keys and values, (num_key_value_heads, head_dim) each per token; on a native-MLA model the model's
+        latent (1, kv_lora_rank) and shared rope key (1, qk_rope_head_dim)."""
         g = self.geometry
         if g.kv_lora_rank:
-            return None
+            return [StreamSpec(1, g.kv_lora_rank, "channel"), StreamSpec(1, g.rope_dim, "channel")]
         return [StreamSpec(g.num_key_value_heads, g.head_dim, "channel"),
                 StreamSpec(g.num_key_value_heads, g.head_dim, "token")]
 
     def attend_paged(self, layer, query, reads, meta, scaling, module=None):
-        """Exact attention over the gathered K/V (``scaled_dot_product_attention`` under the step's mask)."""
+        """Exact attention over the gathered K/V (``scaled_dot_product_attention`` under the step's mask); on a
+        native-MLA model absorbed attention over the gathered latent and rope key."""
+        if self.geometry.kv_lora_rank:
+            return absorbed_attention(query, reads[0], reads[1], meta, scaling, module)
         return attend_pair(query, reads[0], reads[1], meta, scaling)

@@ -25,6 +25,8 @@ class SeqBlocks:
         exact_len: live exact tokens (tokens).
         q: pages of the quantized tier, oldest first.
         q_len: quantized tokens.
+        first: the position of the first token they hold (0 but for a ``dca`` layer that keeps only some of a
+            sequence's tokens: :mod:`cache_backends.dca_plan`).
     """
 
     exact: list[int] = field(default_factory=list)
@@ -32,13 +34,18 @@ class SeqBlocks:
     exact_len: int = 0
     q: list[int] = field(default_factory=list)
     q_len: int = 0
+    first: int = 0
 
     @property
     def tokens(self) -> int:
+        """Tokens held (from position ``first`` on)."""
         return self.q_len + self.exact_len
 
     def pages(self) -> list[int]:
         return self.exact + self.q
+
+    def copy(self) -> "SeqBlocks":
+        return SeqBlocks(list(self.exact), self.start, self.exact_len, list(self.q), self.q_len, self.first)
 
 
 @dataclass
@@ -102,6 +109,12 @@ class TierPlan:
         return Plan(0, tokens, 0, max(0, need_q), (blocks.start + tokens) // self.exact_tokens)
 
     @property
+    def cacheable(self) -> bool:
+        """Whether the blocks' stored form depends on their tokens alone (prefix caching): not an on-demand tier,
+        quantized when the pool ran short."""
+        return not self.on_demand
+
+    @property
     def cache_block_tokens(self) -> int:
         """Tokens of one page the prefix cache can share: an exact page's, or for a quantized layout a quantized
         page's (its exact pages are the residual window, rewritten as it slides: never shared)."""
@@ -120,8 +133,7 @@ class TierPlan:
         tokens of ``start`` (default: none; e.g. a prefix-cache hit, :meth:`cached_prefix`): the most it holds at
         any moment, ``start``'s pages and the transient exact pages of a chunk included (admission and fit
         checks). ``compress``: an on-demand tier quantizes what it may after each chunk (the pool short)."""
-        blocks = SeqBlocks() if start is None else SeqBlocks(list(start.exact), start.start, start.exact_len,
-                                                              list(start.q), start.q_len)
+        blocks = SeqBlocks() if start is None else start.copy()
         most, left = len(blocks.pages()), tokens
         while left > 0:
             n = left if not chunk else min(chunk, left)
@@ -136,15 +148,33 @@ class TierPlan:
                 self.commit(blocks, c)
         return most
 
+    def written(self, start: SeqBlocks, tokens: int) -> SeqBlocks:
+        """The tables (null pages) once ``tokens`` more tokens are written after ``start`` (an on-demand tier then
+        compressed down to its window: the least it can hold); ``start`` is left as it is."""
+        blocks = start.copy()
+        if tokens > 0:
+            plan = self.plan(blocks, tokens)
+            self.extend(blocks, plan, [NULL_PAGE] * plan.new_exact_pages, [NULL_PAGE] * plan.new_q_pages)
+            self.commit(blocks, plan)
+        if self.on_demand:
+            plan = self.plan_compress(blocks, self.compressible(blocks))
+            self.extend(blocks, plan, [], blocks.exact[: plan.new_q_pages])
+            self.commit(blocks, plan)
+        return blocks
+
+    def prefill_pages(self, start: SeqBlocks, tokens: int) -> int:
+        """Pages a step writing ``tokens`` tokens after ``start`` holds while it runs."""
+        return len(start.pages()) + self.plan(start, tokens).pages_needed
+
     @staticmethod
     def extend(blocks: SeqBlocks, plan: Plan, exact_pages: list[int], q_pages: list[int]) -> None:
         """Add the pages ``plan`` asked for to ``blocks`` (before the step runs)."""
         blocks.exact.extend(exact_pages)
         blocks.q.extend(q_pages)
 
-    def commit(self, blocks: SeqBlocks, plan: Plan) -> list[int]:
+    def commit(self, blocks: SeqBlocks, plan: Plan, feedback=None) -> list[int]:
         """Apply ``plan`` to ``blocks`` once the step ran; return the exact pages no live token uses any more
-        (the caller frees them)."""
+        (the caller frees them). ``feedback``: what the runner measured (only ``dca`` reads it)."""
         blocks.q_len += plan.drained
         blocks.exact_len += plan.n - plan.drained
         start = blocks.start + plan.drained

@@ -196,6 +196,16 @@ class PageLayout(TierPlan):
             return self.q_bytes(self.streams, self.num_layers, self.dtype, self.quantize, self.q_tokens)
         return self.exact_bytes(self.streams, self.num_layers, self.dtype, self.exact_tokens)
 
+    def tier_tokens(self, blocks: SeqBlocks) -> dict[str, int]:
+        """Tokens ``blocks`` holds per tier (``exact``, and for a quantized layout ``int8``, ``int4`` or ``k8v4``)."""
+        if self.quantize:
+            return {"exact": blocks.exact_len, self.q_tier: blocks.q_len}
+        return {"exact": blocks.exact_len}
+
+    def stats(self, blocks: SeqBlocks) -> dict:
+        """Backend figures of one sequence for ``/info`` and the metrics (none here)."""
+        return {}
+
     def stored_bytes(self, blocks: SeqBlocks) -> int:
         """Bytes of the tokens ``blocks`` holds in their stored form (what the closed formulas count; the
         pages it holds are :meth:`SeqBlocks.pages` x ``page_bytes``)."""
@@ -305,7 +315,8 @@ class StepMeta:
     codes, and are read so.)
     """
 
-    def __init__(self, layout: PageLayout, rows: list[tuple[SeqBlocks, Plan]], device):
+    def __init__(self, layout: PageLayout, rows: list[tuple[SeqBlocks, Plan]], device,
+                 exact_rows: list[bool] | None = None):
         te, tq = layout.exact_tokens, layout.q_tokens
         n = rows[0][1].n
         wp, ws = [], []
@@ -335,15 +346,18 @@ class StepMeta:
         pos_q = iq.expand(len(rows), t_q)
         pos_e = q_len[:, None] + ie[None] - start[:, None]
         self.positions = torch.cat([pos_q, pos_e], dim=1)  # (B, Tq + Te)
-        self.query_positions = as_long(qpos)  # (B, n)
+        self.query_positions = as_long(qpos)  # (B, n), from each row's first token until the end
         causal = self.positions[:, None, :] <= self.query_positions[:, :, None]  # (B, n, T)
-        if layout.quantize:
+        if layout.quantize and not (exact_rows and all(exact_rows)):
             old_start = as_long([b.start for b, _ in rows])
             # tokens held only as codes are read as codes (after a prefix-cache hit: the hit's whole pages; an
             # on-demand tier: every quantized token)
             split = as_long([b.q_len for b, _ in rows])[:, None].expand_as(self.query_positions)
             if not layout.on_demand:
-                split = torch.maximum(quantized_before(self.query_positions, g, layout.quantize["residual"]), split)
+                rule = quantized_before(self.query_positions, g, layout.quantize["residual"])
+                if exact_rows and any(exact_rows):  # rows read exact (dca: a candidate's prefill, a reuse window)
+                    rule = rule.masked_fill(as_long(exact_rows).bool()[:, None], 0)
+                split = torch.maximum(rule, split)
             split = split[:, :, None]  # (B, n, 1)
             quantized = iq[None, None] < split
             exact = (ie[None] >= old_start[:, None])[:, None] & (pos_e[:, None] >= split)
@@ -351,6 +365,10 @@ class StepMeta:
         else:
             live = (ie[None] >= start[:, None]) & (pos_e < (q_len + e_len)[:, None])
             self.mask = live[:, None, :] & causal
+        firsts = [b.first for b, _ in rows]
+        if any(firsts):  # positions above were counted from each row's first token (a dca layer's own tokens)
+            first = as_long(firsts)[:, None]
+            self.positions, self.query_positions = self.positions + first, self.query_positions + first
         self.q_width = t_q
         self.gather_index: dict = {}  # the page gathers' row indices, built by the first layer that reads them
 

@@ -23,12 +23,13 @@ class KVPool:
     Args:
         num_pages: pages (the null page included).
         page_bytes: bytes per page (a multiple of 64).
-        layouts: each paged backend's :class:`PageLayout`, by backend name.
+        layouts: each paged backend's :class:`PageLayout` (or a layout of several groups of pages, ``groups``: dca's
+            :class:`cache_backends.dca_plan.DCALayout`), by backend name.
         device: where the arena lives.
 
     Attributes:
         arena: (num_pages, page_bytes) uint8.
-        views: :class:`PoolViews` by backend name.
+        views: :class:`PoolViews` by backend name (a list of them, one a group, for a layout of groups).
     """
 
     def __init__(self, num_pages: int, page_bytes: int, layouts: dict[str, PageLayout], device):
@@ -37,7 +38,9 @@ class KVPool:
         self.num_pages, self.page_bytes = num_pages, page_bytes
         self.arena = torch.empty(num_pages, page_bytes, dtype=torch.uint8, device=device)
         self.arena[NULL_PAGE].zero_()
-        self.views = {name: PoolViews(self.arena, layout) for name, layout in layouts.items()}
+        self.layouts = layouts
+        self.views = {name: [PoolViews(self.arena, g) for g in layout.groups] if hasattr(layout, "groups")
+                      else PoolViews(self.arena, layout) for name, layout in layouts.items()}
 
     @property
     def nbytes(self) -> int:

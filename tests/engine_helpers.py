@@ -7,7 +7,6 @@ import torch
 from cache_backends.base import ModelGeometry
 from cache_backends.calibration import calibration_ids
 from cache_backends.page_plan import SeqBlocks
-from cache_backends.paged import PageLayout
 from cache_backends.pool import KVPool
 from cache_backends.registry import create
 from server.engine.block_manager import BlockManager
@@ -61,9 +60,8 @@ class PagedDriver:
 
     def __init__(self, model, backend, pages: int = 300, block_size: int = 16):
         g, dtype = backend.geometry, next(model.parameters()).dtype
-        streams, quantize = backend.paged_streams(), backend.paged_quantize()
-        page = PageLayout.natural_page_bytes(streams, g.num_layers, dtype, block_size, quantize)
-        self.layout = PageLayout(streams, g.num_layers, dtype, page, quantize)
+        page = -(-backend.natural_page_bytes(dtype, block_size) // 64) * 64
+        self.layout = backend.page_layout(dtype, page)
         self.pool = KVPool(pages, page, {backend.name: self.layout}, next(model.parameters()).device)
         self.manager = BlockManager(pages)
         self.runner = ModelRunner(model, g.num_layers, self.pool)
@@ -79,7 +77,13 @@ class PagedDriver:
             self.layout.extend(blocks, plan, pages[: plan.new_exact_pages], pages[plan.new_exact_pages:])
             plans.append(plan)
             new += pages
-        logits = self.runner.run_paged(ids, [(self.backend, list(range(len(rows))), list(zip(rows, plans)))], [], new)
-        for blocks, plan in zip(rows, plans):
-            self.manager.free(self.layout.commit(blocks, plan))
+        feedback: dict = {}
+        logits = self.runner.run_paged(ids, [(self.backend, list(range(len(rows))), list(zip(rows, plans)))], [], new,
+                                       feedback=feedback)
+        for i, (blocks, plan) in enumerate(zip(rows, plans)):
+            self.manager.free(self.layout.commit(blocks, plan, feedback.get(i)))
         return logits
+
+    def new_blocks(self):
+        """Empty tables of this backend's layout."""
+        return self.layout.cached_prefix([])

@@ -268,3 +268,104 @@ def test_rope_commuting_map_predicts_post_rope_keys_exactly_as_pre_rope(setup):
     k_post, _ = layer_map.predict(post, sv[:50].transpose(0, 1)[None], 7)
     want = layer_map.rope.apply(k_pre.transpose(0, 1)[None], 7)
     assert (k_post - want).abs().max().item() < 1e-4
+
+
+# ---- dca in the paged pool -------------------------------------------------------------------------------------
+def _store_greedy(model, backend, geometry, ids, n):
+    """Greedy tokens of a per-sequence DCAStore (one layer object per layer, its own attention path): the
+    reference the pool is checked against; ``n - 1`` decode steps, as the engine writes its last token never."""
+    runner = ModelRunner(model, geometry.num_layers)
+    store = backend.new_store()
+    logits = runner.prefill(ids, store)
+    out = []
+    for step in range(n):
+        out.append(int(logits[-1].argmax()))
+        if step < n - 1:
+            logits = runner.decode([out[-1]], [store])
+    return out, store
+
+
+@pytest.mark.parametrize("name,options", [
+    ("dca", {"threshold": -1.0, "window": 32}), ("dca", {"threshold": -1.0, "window": 0}),
+    ("dca", {"probe_interval": 2}), ("dca+int8", {"threshold": -1.0}),
+    ("dca+int8", {"probe_interval": 3, "window": 0})],
+    ids=["reuse-window", "reuse-no-window", "fallbacks", "int8-reuse", "int8-no-window"])
+def test_the_pool_serves_what_a_per_sequence_store_serves(setup, name, options):
+    """Three prompts served together from the paged pool (one forward a step, every candidate layer batched) get
+    the greedy tokens, the reuse decisions and the fall-backs a per-sequence store gets for each alone; at the
+    default threshold with a probe every 2 steps some layers fall back (the probes and the fall-back's window
+    are the pool's too)."""
+    from cache_backends.registry import create
+    from server.engine.sampling import SamplingParams
+    from server.engine.sequence import Sequence
+    from tests.engine_helpers import make_engine, run_all
+
+    model, tok, geometry, calib = setup
+    backend = create(name, geometry, **options)
+    backend.prepare(model, calib)
+    prompts, n = [calib[:100], calib[300:345], calib[600:700]], 30
+    refs = [_store_greedy(model, backend, geometry, p, n) for p in prompts]
+    engine = make_engine(model, tok, name, **options)
+    assert type(engine.kv.layouts[name]).__name__ == "DCALayout"
+    seqs = [Sequence(request_id=str(i), prompt_ids=list(p), max_new_tokens=n, params=SamplingParams(), stop=[],
+                     emit=lambda e: None, backend_name=name) for i, p in enumerate(prompts)]
+    run_all(engine, seqs)
+    for (tokens, store), seq in zip(refs, seqs):
+        assert seq.output_ids == tokens
+        assert seq.kv_stats == store.stats()
+    if options.get("probe_interval") == 2:
+        assert sum(s.kv_stats["dca_fallbacks"] for s in seqs) > 0
+    assert engine.kv.blocks.num_used == 0
+
+
+@pytest.mark.parametrize("window", [32, 0])
+def test_a_reuse_layer_holds_only_its_window_in_the_pool(setup, window):
+    """After a 100-token prefill with every candidate reusing, the kept layers hold every token and each reuse
+    layer only its window (36 tokens from position 64; without a window nothing, in at most one page: the slot its
+    next token is written to and dropped from), and the sequence's bytes are those tokens' bytes, as the
+    per-sequence store's; its pages are fewer than ``full``'s for the same prompt."""
+    from tests.engine_helpers import make_engine, make_seq
+
+    model, tok, geometry, calib = setup
+    engine = make_engine(model, tok, "dca", threshold=-1.0, window=window)
+    layout = engine.kv.layouts["dca"]
+    assert layout.candidates == [1, 3, 5, 7]
+    seq = make_seq(tok, "x", 5, backend="dca")
+    seq.prompt_ids = calib[:100]
+    engine.submit(seq)
+    engine.step()
+    blocks = seq.blocks
+    assert blocks.groups[0].tokens == 100 and blocks.reuse_layers() == 4
+    own = 36 if window else 0
+    for group in blocks.groups[1:]:
+        assert group.tokens == own and group.first == 100 - own
+        assert len(group.pages()) == (-(-own // layout.groups[1].exact_tokens) if window else 1)
+    per_token = 2 * geometry.num_key_value_heads * geometry.head_dim * 4
+    assert seq.store.nbytes() == per_token * (4 * 100 + 4 * own)
+    kept_pages = -(-100 // layout.groups[0].exact_tokens)
+    assert engine.kv.held(seq) == kept_pages + sum(len(g.pages()) for g in blocks.groups[1:])
+    full = make_engine(model, tok, "full")
+    other = make_seq(tok, "x", 5)
+    other.prompt_ids = calib[:100]
+    full.submit(other)
+    full.step()
+    assert engine.kv.held_bytes(seq) < full.kv.held_bytes(other)
+
+
+def test_admission_charges_dca_what_its_prefill_keeps_and_the_step_the_rest(setup):
+    """A dca prompt is charged the pages it holds once its candidates keep only their windows (the least), and
+    the scheduler keeps free, for its prefill step, the rest of what the step holds (every layer's K/V before
+    the decisions): less than every layer kept, not more than the step needs."""
+    from tests.engine_helpers import make_engine, make_seq
+
+    model, tok, geometry, calib = setup
+    engine = make_engine(model, tok, "dca", threshold=-1.0)
+    layout = engine.kv.layouts["dca"]
+    seq = make_seq(tok, "x", 5, backend="dca")
+    seq.prompt_ids = calib[:500]
+    cost, transient = engine.kv.admission_cost(seq), engine.kv.transient_pages(seq)
+    every_layer = layout.prefill_pages(layout.cached_prefix([]), 500)
+    assert cost < every_layer == cost + transient == layout.pages_for(500)
+    engine.submit(seq)
+    engine.step()
+    assert engine.kv.held(seq) == cost  # every candidate reused: what admission charged

@@ -244,11 +244,11 @@ def test_a_failed_forward_ends_only_its_own_rows(ref_model):
     engine.submit(apart)
     run_paged, calls = engine.runner.run_paged, []
 
-    def failing(input_ids, groups, legacy, new_pages, all_logits=False):
+    def failing(input_ids, groups, legacy, new_pages, all_logits=False, feedback=None):
         calls.append(all_logits)
         if not all_logits:
             raise RuntimeError("boom")
-        return run_paged(input_ids, groups, legacy, new_pages, all_logits=all_logits)
+        return run_paged(input_ids, groups, legacy, new_pages, all_logits=all_logits, feedback=feedback)
 
     engine.runner.run_paged = failing
     engine.step()  # apart's prompt alone (ok), then batch's decode row (fails)

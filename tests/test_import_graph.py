@@ -26,6 +26,9 @@ PACKAGES = ("server", "cache_backends")
 
 TORCH_FREE = (
     "cache_backends.page_plan",  # tier planning: block tables, plans, pages a sequence needs
+    "cache_backends.dca_plan",  # dca's groups of pages and its per-sequence reuse decisions
+    "server.engine.step_plan",  # the scheduler's and the runner's plain step records
+    "server.engine.sequence",  # a request's state in the engine
     "server.engine.messages",  # the engine core's messages (the HTTP process reads them)
     "server.engine.block_manager",  # free list, reference counts, the prefix cache's table
     "server.engine.prefix_cache",  # block hashes

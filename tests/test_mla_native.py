@@ -86,13 +86,16 @@ def test_absorbed_attention_batched_matches_the_models_own_attention(tiny_deepse
         precision.assert_close(batched[row], reference, what=f"row {row}")
 
 
-def test_a_mixed_step_on_native_mla_gives_each_row_the_models_own_logits(tiny_deepseek, precision):
+@pytest.mark.parametrize("name", ["mla", "full"])
+def test_a_mixed_step_on_native_mla_gives_each_row_the_models_own_logits(tiny_deepseek, precision, name):
     """Two sequences decoding and a third's prompt chunks (12, then 18 tokens) in one forward through the pool
     (absorbed attention over the latent and rope key pages, each length's rows as one group): every row's logits
-    equal the model's own forward at that position."""
+    equal the model's own forward at that position, for ``mla`` and for ``full`` (which holds the same entries
+    exactly: both are paged on a native-MLA model)."""
     model = tiny_deepseek
-    backend = create("mla", ModelGeometry.from_config(model.config, model.dtype))
+    backend = create(name, ModelGeometry.from_config(model.config, model.dtype))
     backend.prepare(model)
+    assert backend.paged_streams() is not None
     driver = PagedDriver(model, backend)
     gen = torch.Generator().manual_seed(5)
     seqs = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (21, 34, 30)]
@@ -132,7 +135,7 @@ def test_native_mla_int8_attends_the_int8_codes_and_holds_what_the_sums_say(tiny
 @torch.inference_mode()
 def _check_int8_read(layer, a, precision, gen):
     """One layer: absorbed attention on its int8 codes vs on their dequantized copy."""
-    from cache_backends.mla import AbsorbedRead
+    from cache_backends.absorbed_mla import AbsorbedRead
 
     nope = a.qk_nope_head_dim
     query = precision.randn(1, 4, 1, nope + a.qk_rope_head_dim, generator=gen)

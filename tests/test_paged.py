@@ -181,15 +181,15 @@ def test_mixed_backends_share_the_pool_and_one_forward(ref_model):
 
 
 def test_a_mixed_step_of_several_backends_and_a_per_sequence_store(ref_model):
-    """A long int8 prompt is prefilled in chunks while a full and a dca sequence decode: each step's chunk, the
-    full row and the dca row (a per-sequence store, attended in its span of the flat row) run in one forward,
+    """A long int8 prompt is prefilled in chunks while a full and a dca+mla sequence decode: each step's chunk, the
+    full row and the dca+mla row (a per-sequence store, attended in its span of the flat row) run in one forward,
     and every sequence's greedy output equals its output served alone."""
     from server.engine.setup import build_engine
 
     model, tok = ref_model
     g = ModelGeometry.from_config(model.config, torch.float32)
     calib = calibration_ids(model, tok, max_tokens=4096)
-    backends = {"full": create("full", g), "int8": create("int8", g), "dca": create("dca", g)}
+    backends = {"full": create("full", g), "int8": create("int8", g), "dca+mla": create("dca+mla", g)}
     for backend in backends.values():
         backend.prepare(model, calib)
     long = " ".join([TEXTS[0], TEXTS[1]] * 3)  # ~130 tokens: three chunks of 48
@@ -203,24 +203,25 @@ def test_a_mixed_step_of_several_backends_and_a_per_sequence_store(ref_model):
         run_all(engine([name]), [seq])
         return seq.output_ids
 
-    e = engine(["full", "int8", "dca"])
+    e = engine(["full", "int8", "dca+mla"])
     shapes = []
     hook = e.runner.model.register_forward_hook(lambda m, a, kw, out: shapes.append(tuple(kw["input_ids"].shape)),
                                                 with_kwargs=True)
-    running = [make_seq(tok, TEXTS[2], 40, backend="full"), make_seq(tok, TEXTS[1], 40, backend="dca")]
+    running = [make_seq(tok, TEXTS[2], 40, backend="full"), make_seq(tok, TEXTS[1], 40, backend="dca+mla")]
     for seq in running:
         e.submit(seq)
     e.step()
     e.step()
+    before = len(shapes)
     late = make_seq(tok, long, 8, backend="int8")
     run_all(e, [late])
     hook.remove()
     # after the two prompts and a decode step: each chunk of the long prompt beside the two decode tokens, one flat row
-    chunks = [n - 2 for rows, n in shapes[3:] if rows == 1]
+    chunks = [n - 2 for rows, n in shapes[before:] if rows == 1]
     assert len(chunks) >= 2 and sum(chunks) == len(late.prompt_ids)
     assert late.output_ids == alone(long, "int8", 8)
     assert running[0].output_ids == alone(TEXTS[2], "full", 40)
-    assert running[1].output_ids == alone(TEXTS[1], "dca", 40)
+    assert running[1].output_ids == alone(TEXTS[1], "dca+mla", 40)
 
 
 class _OpCounter(TorchDispatchMode):
@@ -238,16 +239,19 @@ class _OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("name,options", [("full", {}), ("int8", {}), ("mla+int8", {"rank": 64})],
-                         ids=["full", "int8", "mla+int8"])
+@pytest.mark.parametrize("name,options", [("full", {}), ("int8", {}), ("mla+int8", {"rank": 64}),
+                                          ("dca", {"threshold": -1.0}), ("dca+int8", {"threshold": -1.0})],
+                         ids=["full", "int8", "mla+int8", "dca", "dca+int8"])
 def test_a_decode_steps_op_count_does_not_grow_with_the_batch(ref_model, name, options):
+    """One decode step's aten ops are the same at batch 1, 4 and 8 (dca: every candidate reusing its source through
+    its map, read from the kept layers' pages)."""
     model, tok = ref_model
     backend = _backend(model, tok, name, options)
     counts = {}
     for batch in (1, 4, 8):
         driver = PagedDriver(model, backend, pages=400)
         ids = tok.encode(TEXTS[0])[:20]
-        rows = [SeqBlocks() for _ in range(batch)]
+        rows = [driver.new_blocks() for _ in range(batch)]
         driver.step(rows, [ids] * batch)
         driver.step(rows, [[ids[0]]] * batch)
         with _OpCounter() as counter:
@@ -439,8 +443,8 @@ def test_admission_charges_the_stored_form_not_the_chunks_exact_pages(ref_model,
         """The pages each sequence holds after its prefill."""
         after, commit = {}, kv.commit
 
-        def spy_commit(seq, res):
-            commit(seq, res)
+        def spy_commit(seq, res, feedback=None):
+            commit(seq, res, feedback)
             if not seq.output_ids and seq.blocks.tokens == len(seq.prompt_ids):
                 after[seq.request_id] = kv.held(seq)
 

@@ -186,7 +186,7 @@ class Engine:
                 log.error("step failed for %s: %s", seq.request_id, result.failed[seq.seq_id])
                 self._finish(seq, FinishReason.ERROR, error=result.failed[seq.seq_id])
                 continue
-            if self.scheduler.commit(seq, row) and self.recorder:
+            if self.scheduler.commit(seq, row, result.feedback.get(seq.seq_id)) and self.recorder:
                 self.recorder.prefill_done(seq)
             if seq.seq_id in result.prompt_logprobs:
                 seq.prompt_logprobs, seq.prompt_top_logprobs = result.prompt_logprobs[seq.seq_id]

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from cache_backends.base import KVBackend
-from cache_backends.page_plan import NULL_PAGE, Plan, SeqBlocks
+from cache_backends.page_plan import Plan, SeqBlocks
 from cache_backends.paged import PageLayout
 from server.engine.block_manager import BlockManager
 from server.engine.prefix_cache import extend_hashes, root_key
@@ -59,17 +59,15 @@ def page_layouts(backends: dict[str, KVBackend], dtype: torch.dtype, block_size:
     Returns:
         ``(page_bytes, {name: PageLayout})`` (backends without a layout are left out).
     """
-    specs = {n: (b.paged_streams(), b.paged_quantize(), b.geometry.num_layers) for n, b in backends.items()}
-    paged = {n: v for n, v in specs.items() if v[0] is not None}
+    paged = {n: b for n, b in backends.items() if b.paged_streams() is not None}
     if not paged:  # per-sequence stores only: pages are an accounting unit of full K/V blocks
         g = next(iter(backends.values())).geometry
         return block_size * g.num_layers * 2 * g.num_key_value_heads * g.head_dim * g.dtype_bytes, {}
 
     def layouts(k: int) -> tuple[int, dict]:
-        page = max(PageLayout.natural_page_bytes(st, layers, dtype, k * block_size, q)
-                   for st, q, layers in paged.values())
+        page = max(b.natural_page_bytes(dtype, k * block_size) for b in paged.values())
         page = -(-page // 64) * 64
-        return page, {n: PageLayout(st, layers, dtype, page, q) for n, (st, q, layers) in paged.items()}
+        return page, {n: b.page_layout(dtype, page) for n, b in paged.items()}
 
     def filled(page: int, out: dict) -> float:
         return min(l.used_bytes() / page for l in out.values())
@@ -102,7 +100,7 @@ class PagedStore:
         return len(self.blocks.pages()) * self.layout.page_bytes
 
     def stats(self) -> dict:
-        return {}
+        return self.layout.stats(self.blocks)
 
     def release(self) -> None:
         """Nothing to drop here: the manager returns the pages (:meth:`KVCacheManager.release`)."""
@@ -144,15 +142,18 @@ class KVCacheManager:
         return seq.backend_name in self.layouts
 
     def chunked_prefill(self, seq: Sequence) -> bool:
-        """Whether ``seq``'s context may be written over several steps (paged, or a per-sequence store whose backend
-        takes chunks: not ``dca``)."""
-        return self.paged(seq) or self.backends[seq.backend_name].chunked_prefill
+        """Whether ``seq``'s context may be written over several steps (not ``dca``, which decides on the whole
+        prompt)."""
+        return self.backends[seq.backend_name].chunked_prefill
 
     # ---- costs ----------------------------------------------------------------------------------------
     def prefill_chunk(self, seq: Sequence) -> int | None:
         """The chunk ``seq``'s context is prefilled in: the engine's, or ``None`` (whole) for a prompt that wants
-        every position's log-probability (the rule of :meth:`Scheduler._prefill_rows`)."""
-        return None if seq.want_prompt_logprobs and not seq.output_ids else self.chunk
+        every position's log-probability (the rule of :meth:`Scheduler._prefill_rows`) or whose backend does not
+        take chunks (``dca``)."""
+        if (seq.want_prompt_logprobs and not seq.output_ids) or not self.chunked_prefill(seq):
+            return None
+        return self.chunk
 
     def pages_for(self, seq: Sequence, tokens: int) -> int:
         """Pages ``seq`` holds with ``tokens`` tokens cached, prefilled as the engine will prefill them (an
@@ -187,18 +188,8 @@ class KVCacheManager:
 
     def _stored(self, seq: Sequence) -> SeqBlocks:
         """The tables (null pages) ``seq`` has once its whole context is written: :meth:`stored_pages`."""
-        layout, start = self.layouts[seq.backend_name], self._prefill_start(seq)
-        blocks = SeqBlocks(list(start.exact), start.start, start.exact_len, list(start.q), start.q_len)
-        left = len(seq.context_ids) - blocks.tokens
-        if left > 0:
-            plan = layout.plan(blocks, left)
-            layout.extend(blocks, plan, [NULL_PAGE] * plan.new_exact_pages, [NULL_PAGE] * plan.new_q_pages)
-            layout.commit(blocks, plan)
-        if layout.on_demand:
-            plan = layout.plan_compress(blocks, layout.compressible(blocks))
-            layout.extend(blocks, plan, [], blocks.exact[: plan.new_q_pages])
-            layout.commit(blocks, plan)
-        return blocks
+        start = self._prefill_start(seq)
+        return self.layouts[seq.backend_name].written(start, len(seq.context_ids) - start.tokens)
 
     def stored_pages(self, seq: Sequence) -> int:
         """Pages paged ``seq`` holds once its whole context is written, its prefix-cache hit's pages included: for
@@ -206,7 +197,9 @@ class KVCacheManager:
         that leave at least ``residual`` tokens exact) plus the exact pages of the rest (the residual window); an
         on-demand tier (``elastic``) compressed down to its window (the least it can hold); ``full`` the exact
         pages of every token. Independent of how the context is chunked (a group is drained as soon as
-        ``residual`` newer tokens exist, and exact pages are aligned to positions)."""
+        ``residual`` newer tokens exist, and exact pages are aligned to positions); ``dca``: every candidate layer
+        reusing, down to its window (the least it can hold; its prefill step holds every layer's K/V:
+        :meth:`transient_pages`)."""
         return len(self._stored(seq).pages())
 
     def min_step(self, seq: Sequence) -> int | None:
@@ -250,14 +243,14 @@ class KVCacheManager:
         if not self.paged(seq) or seq.prefilled >= len(seq.context_ids):
             return 0
         layout, start = self.layouts[seq.backend_name], self._prefill_start(seq)
-        if not layout.quantize:
-            return 0
         left = len(seq.context_ids) - start.tokens
         chunk = min(self.min_step(seq) or left, left)
-        first = len(start.pages()) + layout.plan(start, chunk).pages_needed
+        first = layout.prefill_pages(start, chunk)
         stored, te = self._stored(seq), layout.exact_tokens
-        if self.min_step(seq) is None:
+        if self.min_step(seq) is None:  # one step: what it holds while it runs, less what it keeps
             return max(0, first - len(stored.pages()))
+        if not layout.quantize:
+            return 0
         q = layout.quantize
         window = (q["window"] if layout.on_demand else q["residual"]) + q["group_size"] - 1
         exact = min(math.ceil((te - 1 + window + chunk) / te), math.ceil((start.start + start.exact_len + left) / te))
@@ -294,7 +287,7 @@ class KVCacheManager:
         """Whether backend ``name``'s blocks can go through the prefix cache at all (caching on, a paged backend
         whose stored form depends on the tokens alone)."""
         layout = self.layouts.get(name)
-        return self.prefix_caching and layout is not None and not layout.on_demand
+        return self.prefix_caching and layout is not None and layout.cacheable
 
     def cacheable(self, seq: Sequence) -> bool:
         """Whether ``seq``'s blocks go through the prefix cache: a paged backend whose stored form depends on the
@@ -380,12 +373,13 @@ class KVCacheManager:
         layout.extend(seq.blocks, plan, exact, q)
         return Reservation(plan, exact + q)
 
-    def commit(self, seq: Sequence, plan: Plan) -> None:
+    def commit(self, seq: Sequence, plan: Plan, feedback=None) -> None:
         """The step ran: update ``seq``'s lengths and free the exact pages it drained, and register its full blocks
         in the prefix cache (a prompt that wanted every position's log-probability too: it hit nothing, but its
-        blocks serve later requests, even when it ends after one token, as ``echo`` with ``max_tokens: 0``)."""
+        blocks serve later requests, even when it ends after one token, as ``echo`` with ``max_tokens: 0``).
+        ``feedback``: what the runner measured for the row (``dca``'s similarities: its decisions)."""
         if self.paged(seq):
-            self.blocks.free(self.layouts[seq.backend_name].commit(seq.blocks, plan))
+            self.blocks.free(self.layouts[seq.backend_name].commit(seq.blocks, plan, feedback))
             if self.caches_backend(seq.backend_name):
                 self._register(seq)
 
@@ -442,15 +436,16 @@ class KVCacheManager:
         """Tokens ``seq`` holds per tier (``exact``, and for quantized layouts ``int8``, ``int4`` or ``k8v4``)."""
         if seq.blocks is None:
             return {"exact": seq.store.num_tokens() if seq.store is not None else 0}
-        if self.layouts[seq.backend_name].quantize:
-            return {"exact": seq.blocks.exact_len, self.layouts[seq.backend_name].q_tier: seq.blocks.q_len}
-        return {"exact": seq.blocks.exact_len}
+        return self.layouts[seq.backend_name].tier_tokens(seq.blocks)
 
     def release(self, seq: Sequence) -> None:
         """Return every page ``seq`` holds (finished, cancelled or preempted); its cached blocks stay in the
         prefix cache, the deepest first in line for eviction."""
         if seq.blocks is not None:
-            self.blocks.free(seq.blocks.exact[::-1] + seq.blocks.q[::-1])
+            if self.layouts[seq.backend_name].cacheable:
+                self.blocks.free(seq.blocks.exact[::-1] + seq.blocks.q[::-1])
+            else:
+                self.blocks.free(seq.blocks.pages())
             seq.blocks = None
         if seq.kv_pages:
             self.blocks.free(seq.kv_pages)

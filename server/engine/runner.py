@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from cache_backends.attention import BatchRead, as_read
 from cache_backends.attention import install as install_attention
 from cache_backends.base import KVBackend, KVStore
-from cache_backends.paged import Drain, PoolViews, StepMeta, drain_layer, drain_sources, read_layer, write_layer
+from cache_backends.paged import Drain, PoolViews, StepMeta, drain_layer, drain_sources
 from cache_backends.pool import KVPool
 from server.engine.sampling import RowRequest, prompt_logprobs, sample_batch
 from server.engine.step_plan import RowPlan, RunnerOutput, SchedulerOutput
@@ -146,6 +146,7 @@ class PagedGroup:
     meta: StepMeta
     rows: torch.Tensor | None
     tokens: torch.Tensor | None = None
+    members: list[int] | None = None  # the rows' indices in the batch, as a list
 
     @property
     def whole(self) -> bool:
@@ -165,6 +166,16 @@ class PagedGroup:
             out[0].index_copy_(1, self.tokens, o.transpose(0, 1).reshape(o.shape[1], -1, o.shape[-1]))
         else:
             out[self.rows] = o
+
+
+def _collect_feedback(groups: list[PagedGroup], feedback: dict | None) -> None:
+    """Put what each group's backend measured in the forward (:meth:`KVBackend.step_feedback`) under its rows."""
+    if feedback is None:
+        return
+    for group in groups:
+        measured = group.backend.step_feedback(group.meta)
+        if measured is not None:
+            feedback.update(zip(group.members, measured))
 
 
 class PagedRead:
@@ -218,8 +229,7 @@ class _StepLayer(CacheLayerMixin):
         i, parts, legacy, cache = self.layer_idx, [], [], self.cache
         for group in cache.groups:
             k, v = group.take(key_states), group.take(value_states)
-            write_layer(group.views, i, group.meta, group.backend.encode_paged(i, k, v, group.meta))
-            parts.append((group, read_layer(group.views, i, group.meta)))
+            parts.append((group, group.backend.paged_layer(group.views, i, group.meta, k, v)))
         for row, store in cache.legacy:
             k, v = store.layers[i].update(None if key_states is None else cache.row(key_states, row),
                                           None if value_states is None else cache.row(value_states, row), *args,
@@ -318,7 +328,7 @@ class ModelRunner:
         for row in out.rows:
             if row.alone:
                 try:
-                    logits = self._run_alone(row, backends, stores)
+                    logits = self._run_alone(row, backends, stores, result.feedback)
                     if row.sample and row.all_logits:
                         top_n = sampling[row.seq_id].params.top_n
                         result.prompt_logprobs[row.seq_id] = prompt_logprobs(logits, row.token_ids, top_n)
@@ -331,7 +341,7 @@ class ModelRunner:
         shared = [r for r in out.rows if not r.alone]
         if shared:
             try:
-                logits = self._run_rows(shared, backends, stores)
+                logits = self._run_rows(shared, backends, stores, result.feedback)
             except Exception as exc:  # noqa: BLE001 - the step's rows only; the engine goes on
                 log.exception("step failed")
                 for r in shared:
@@ -347,18 +357,22 @@ class ModelRunner:
                 result.sampled[seq_id] = sampled
         return result
 
-    def _run_alone(self, row: RowPlan, backends: dict[str, KVBackend], stores: dict[int, KVStore]) -> torch.Tensor:
+    def _run_alone(self, row: RowPlan, backends: dict[str, KVBackend], stores: dict[int, KVStore],
+                   feedback: dict) -> torch.Tensor:
         """A prompt (or a per-sequence store's chunk) in a forward of its own: (n, vocab_size) logits of every
         position with ``all_logits``, else (1, vocab_size) of its last."""
         ids = list(row.token_ids)
         if row.blocks is None:
             return self.prefill(ids, stores[row.seq_id], all_logits=row.all_logits)
+        measured: dict = {}
         logits = self.run_paged([ids], [(backends[row.backend], [0], [(row.blocks, row.plan)])], [], [],
-                                all_logits=row.all_logits)
+                                all_logits=row.all_logits, feedback=measured)
+        if 0 in measured:
+            feedback[row.seq_id] = measured[0]
         return logits[0] if row.all_logits else logits
 
-    def _run_rows(self, rows: list[RowPlan], backends: dict[str, KVBackend], stores: dict[int, KVStore]
-                  ) -> torch.Tensor:
+    def _run_rows(self, rows: list[RowPlan], backends: dict[str, KVBackend], stores: dict[int, KVStore],
+                  feedback: dict) -> torch.Tensor:
         """(len(rows), vocab_size) logits of each row's last token: the paged rows and the rows of in-place
         per-sequence stores in one forward; decode rows of stores that return rebuilt K/V (``full`` on a
         native-MLA model) in a second, padded one."""
@@ -381,9 +395,11 @@ class ModelRunner:
                 where = {r: i for i, r in enumerate(shared)}
                 groups = {name: ([where[r] for r in members], blocks) for name, (members, blocks) in groups.items()}
                 legacy = [(where[r], store) for r, store in legacy]
+            measured: dict = {}
             got = self.run_paged([list(rows[i].token_ids) for i in shared],
                                  [(backends[name], members, blocks) for name, (members, blocks) in groups.items()],
-                                 legacy, [])
+                                 legacy, [], feedback=measured)
+            feedback.update({rows[shared[i]].seq_id: m for i, m in measured.items()})
             if not padded:
                 return got
             logits = got.new_empty(len(rows), got.shape[-1])
@@ -397,7 +413,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_paged(self, input_ids: list[list[int]], groups: list[tuple[KVBackend, list[int], list]],
-                  legacy: list[tuple[int, KVStore]], new_pages: list[int], all_logits: bool = False) -> torch.Tensor:
+                  legacy: list[tuple[int, KVStore]], new_pages: list[int], all_logits: bool = False,
+                  feedback: dict | None = None) -> torch.Tensor:
         """One forward over a step's batch: row ``i`` writes its ``len(input_ids[i])`` new tokens and attends to its
         cache.
 
@@ -413,6 +430,7 @@ class ModelRunner:
             legacy: ``(row, store)`` for rows with per-sequence stores (their position: the store's length).
             new_pages: pages handed out for this step (zeroed first).
             all_logits: logits of every new token (prompt log-probabilities) instead of the last.
+            feedback: filled with what the forward measured per row, by row (:meth:`KVBackend.step_feedback`).
 
         Returns:
             (B, vocab_size) logits of each row's last token, or (B, n, vocab_size) with ``all_logits``.
@@ -424,16 +442,16 @@ class ModelRunner:
         if len(set(lengths)) > 1:
             if all_logits:
                 raise ValueError("a step of rows of different lengths returns each row's last logits only")
-            return self._run_ragged(input_ids, lengths, groups, legacy, new_pages)
+            return self._run_ragged(input_ids, lengths, groups, legacy, new_pages, feedback)
         batch = len(input_ids)
         ids = torch.tensor(input_ids, device=self.device)  # (B, n)
         positions = torch.empty_like(ids)
         paged, past = [], 0
         for backend, rows, blocks in groups:
-            meta = StepMeta(self.pool.views[backend.name].layout, blocks, self.device)
+            meta = backend.step_meta(self.pool.layouts[backend.name], blocks, self.device)
             index = None if rows == list(range(batch)) else torch.tensor(rows, device=self.device)
             positions[rows if index is None else index] = meta.query_positions
-            paged.append(PagedGroup(backend, self.pool.views[backend.name], meta, index))
+            paged.append(PagedGroup(backend, self.pool.views[backend.name], meta, index, members=rows))
             past = max(past, max(b.tokens for b, _ in blocks))
         for row, store in legacy:
             n = store.num_tokens()
@@ -444,10 +462,12 @@ class ModelRunner:
         cache = StepCache(paged, legacy, past, self.num_layers)
         out = self.model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True,
                          logits_to_keep=0 if all_logits else 1)
+        _collect_feedback(paged, feedback)
         return out.logits if all_logits else out.logits[:, -1]
 
     def _run_ragged(self, input_ids: list[list[int]], lengths: list[int], groups: list[tuple[KVBackend, list[int], list]],
-                    legacy: list[tuple[int, KVStore]], new_pages: list[int]) -> torch.Tensor:
+                    legacy: list[tuple[int, KVStore]], new_pages: list[int], feedback: dict | None = None
+                    ) -> torch.Tensor:
         """:meth:`run_paged` for rows of different lengths: one (1, T) forward of every row's tokens; (B, vocab_size)
         logits of each row's last token."""
         starts = [sum(lengths[:r]) for r in range(len(lengths))]
@@ -461,10 +481,10 @@ class ModelRunner:
                 by_length.setdefault(lengths[row], ([], []))[0].append(row)
                 by_length[lengths[row]][1].append(b)
             for n, (part, part_blocks) in by_length.items():
-                meta = StepMeta(views.layout, part_blocks, self.device)
+                meta = backend.step_meta(self.pool.layouts[backend.name], part_blocks, self.device)
                 tokens = torch.tensor([starts[r] + j for r in part for j in range(n)], device=self.device)
                 positions[0, tokens] = meta.query_positions.reshape(-1)
-                paged.append(PagedGroup(backend, views, meta, None, tokens))
+                paged.append(PagedGroup(backend, views, meta, None, tokens, members=part))
                 past = max(past, max(b.tokens for b, _ in part_blocks))
         for row, store in legacy:
             n = store.num_tokens()
@@ -476,6 +496,7 @@ class ModelRunner:
         cache = StepCache(paged, legacy, past, self.num_layers, spans=list(zip(starts, lengths)))
         last = torch.tensor([s + n - 1 for s, n in zip(starts, lengths)], device=self.device)
         out = self.model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=last)
+        _collect_feedback(paged, feedback)
         return out.logits[0]  # (B, vocab_size)
 
     @torch.inference_mode()

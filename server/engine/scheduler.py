@@ -400,10 +400,11 @@ class Scheduler:
         self.kv.release(seq)
         seq.kv_bytes = seq.kv_allocated = 0
 
-    def commit(self, seq: Sequence, row: RowPlan) -> bool:
+    def commit(self, seq: Sequence, row: RowPlan, feedback=None) -> bool:
         """``row`` ran: apply its plan to ``seq``'s tables (freeing the exact pages it drained; registering its full
         blocks in the prefix cache) and count its tokens as cached. Whether it completed ``seq``'s prompt (a
-        prefill row that wrote its last token)."""
-        self.kv.commit(seq, row.plan)
+        prefill row that wrote its last token). ``feedback``: what the runner measured for the row
+        (:attr:`RunnerOutput.feedback`)."""
+        self.kv.commit(seq, row.plan, feedback)
         seq.prefilled += len(row.token_ids)
         return not row.decode and row.sample

@@ -102,8 +102,11 @@ class RunnerOutput:
         prompt_logprobs: ``seq_id`` → ``(logprobs, tops)`` of every prompt position (rows with ``all_logits`` whose
             prompt is complete).
         failed: ``seq_id`` → why its forward failed (its pages are not committed).
+        feedback: ``seq_id`` → what the forward measured for the row's commit (plain data: ``dca``'s similarities,
+            :class:`cache_backends.dca_plan.Feedback`).
     """
 
     sampled: dict = field(default_factory=dict)
     prompt_logprobs: dict = field(default_factory=dict)
     failed: dict[int, str] = field(default_factory=dict)
+    feedback: dict = field(default_factory=dict)
