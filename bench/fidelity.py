@@ -20,11 +20,12 @@ import time
 
 import torch
 
+from cache_backends.store_path import StorePath
 from server.engine.runner import ModelRunner
 
 
-def _runner(model, backend) -> ModelRunner:
-    return ModelRunner(model, backend.geometry.num_layers)
+def _runner(model, backend) -> StorePath:
+    return StorePath(model, backend.geometry.num_layers)
 
 
 @torch.inference_mode()
@@ -55,7 +56,7 @@ def paged_perplexity(model, backend, token_ids: list[int], window: int = 1024, p
     each batched step. ``compress_all``: after the prefill and after every decode step, quantize every group an
     on-demand tier may quantize (``elastic`` with the pool always at its shortest: its worst case)."""
     from cache_backends.page_plan import SeqBlocks
-    from cache_backends.paged import PageLayout
+    from cache_backends.page_layout import PageLayout
     from cache_backends.pool import KVPool
 
     g, dtype = backend.geometry, next(model.parameters()).dtype
@@ -78,7 +79,7 @@ def paged_perplexity(model, backend, token_ids: list[int], window: int = 1024, p
             layout.extend(blocks, plan, taken[: plan.new_exact_pages], taken[plan.new_exact_pages:])
             plans.append(plan)
             new += taken
-        logits = runner.run_paged(ids, [(backend, list(range(len(rows))), list(zip(rows, plans)))], [], new)
+        logits = runner.run_paged(ids, [(backend, list(range(len(rows))), list(zip(rows, plans)))], new)
         for blocks, plan in zip(rows, plans):
             free.extend(layout.commit(blocks, plan))
         if compress_all and layout.on_demand:
@@ -176,7 +177,6 @@ class PagedSequence:
     """
 
     def __init__(self, model, backend, tokens: int):
-        from cache_backends.page_plan import SeqBlocks
         from cache_backends.pool import KVPool
         from server.engine.block_manager import BlockManager
         from server.engine.kv_cache import page_layouts
@@ -186,7 +186,7 @@ class PagedSequence:
         pages = self.layout.pages_for(tokens) + 2
         self.runner = ModelRunner(model, backend.geometry.num_layers,
                                   KVPool(pages, page, layouts, next(model.parameters()).device))
-        self.manager, self.blocks, self.backend = BlockManager(pages), SeqBlocks(), backend
+        self.manager, self.blocks, self.backend = BlockManager(pages), self.layout.cached_prefix([]), backend
 
     @torch.inference_mode()
     def step(self, ids: list[int]) -> torch.Tensor:
@@ -194,8 +194,9 @@ class PagedSequence:
         plan = self.layout.plan(self.blocks, len(ids))
         new = self.manager.allocate(plan.pages_needed)
         self.layout.extend(self.blocks, plan, new[: plan.new_exact_pages], new[plan.new_exact_pages :])
-        logits = self.runner.run_paged([ids], [(self.backend, [0], [(self.blocks, plan)])], [], new)
-        self.manager.free(self.layout.commit(self.blocks, plan))
+        feedback: dict = {}
+        logits = self.runner.run_paged([ids], [(self.backend, [0], [(self.blocks, plan)])], new, feedback=feedback)
+        self.manager.free(self.layout.commit(self.blocks, plan, feedback.get(0)))
         return logits[0]
 
 

@@ -30,7 +30,7 @@ from bench.quality import CALIB_SLICE, EVAL_SLICE, model_slice_ids
 from cache_backends.base import ModelGeometry
 from cache_backends.registry import create
 from cache_backends.spec import format_spec, parse_spec
-from server.engine.runner import ModelRunner
+from cache_backends.store_path import StorePath
 
 from bench.report_cli import (BUDGETED, DEFAULT, DEFAULT_SPECS, MAX_PROMPTS, QUICK, QUICK_SPECS, REPO,  # noqa: F401
                               WINDOW, add_arguments, command_line)
@@ -75,7 +75,7 @@ def ttft(model, backend, ids: list[int]) -> float:
     """Time (seconds) to prefill ``ids`` into an empty cache and pick the first token, in-process, through the
     path the server serves the backend by (the paged pool; ``dca``'s per-sequence store)."""
     if backend.paged_streams() is None:
-        runner, store = ModelRunner(model, backend.geometry.num_layers), backend.new_store()
+        runner, store = StorePath(model, backend.geometry.num_layers), backend.new_store()
         t0 = time.perf_counter()
         int(runner.prefill(ids, store)[-1].argmax())
         elapsed = time.perf_counter() - t0
@@ -102,7 +102,7 @@ class Phases:
 
 def bytes_vs_context(model, backend, token_ids: list[int], contexts=(128, 256, 512, 768, 1024)) -> dict[int, int]:
     """Bytes one sequence's store holds after a prefill of each context length (tokens -> bytes)."""
-    runner, out = ModelRunner(model, backend.geometry.num_layers), {}
+    runner, out = StorePath(model, backend.geometry.num_layers), {}
     for c in contexts:
         store = backend.new_store()
         runner.prefill(token_ids[:c], store)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from cache_backends.attention import BatchRead, causal_mask
-from cache_backends.paged import StreamRead, masked_softmax
+from cache_backends.paged import StreamRead
+from cache_backends.paged_attention import masked_softmax
 
 
 class AbsorbedRead:

@@ -20,7 +20,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from cache_backends.attention import LayerRead, attend_kv
 from cache_backends.buffer import TokenBuffer
 from cache_backends.estimate import Shape, bytes_per_token_per_layer
-from cache_backends.paged import PageLayout, StepMeta, read_layer, write_layer
+from cache_backends.page_layout import PageLayout
+from cache_backends.paged import read_layer, write_layer
+from cache_backends.step_meta import StepMeta
 
 
 def tensor_bytes(*tensors: torch.Tensor | None) -> int:
@@ -333,7 +335,7 @@ class KVBackend(ABC):
 
     # ---- the paged pool (cache_backends.paged): what a block holds and how the batch attends to it --------
     def paged_streams(self) -> "list | None":
-        """The per-token streams (:class:`cache_backends.paged.StreamSpec`) one layer of this backend stores in
+        """The per-token streams (:class:`cache_backends.page_layout.StreamSpec`) one layer of this backend stores in
         the paged pool, or ``None`` for a backend that keeps per-sequence stores (:meth:`new_store`) instead."""
         return None
 
@@ -344,12 +346,12 @@ class KVBackend(ABC):
 
     def natural_page_bytes(self, dtype: torch.dtype, block_size: int) -> int:
         """Bytes of one block of ``block_size`` tokens of every layer in this backend's stored form
-        (:meth:`cache_backends.paged.PageLayout.natural_page_bytes`)."""
+        (:meth:`cache_backends.page_layout.PageLayout.natural_page_bytes`)."""
         return PageLayout.natural_page_bytes(self.paged_streams(), self.geometry.num_layers, dtype, block_size,
                                              self.paged_quantize())
 
     def page_layout(self, dtype: torch.dtype, page_bytes: int):
-        """How this backend's blocks fill a page of ``page_bytes`` (:class:`cache_backends.paged.PageLayout`; the
+        """How this backend's blocks fill a page of ``page_bytes`` (:class:`cache_backends.page_layout.PageLayout`; the
         planning the KV cache manager reads: ``plan``, ``extend``, ``commit``, ``written``, ``pages_for``...)."""
         return PageLayout(self.paged_streams(), self.geometry.num_layers, dtype, page_bytes, self.paged_quantize())
 
@@ -392,7 +394,7 @@ class KVBackend(ABC):
         Args:
             key_states: (B, num_key_value_heads, n, head_dim) after RoPE (on native MLA: the latent).
             value_states: (B, num_key_value_heads, n, head_dim) (on native MLA: the rope key).
-            meta: the step's :class:`cache_backends.paged.StepMeta` (positions of the new tokens).
+            meta: the step's :class:`cache_backends.step_meta.StepMeta` (positions of the new tokens).
         """
         return [key_states, value_states]
 

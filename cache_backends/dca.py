@@ -52,8 +52,10 @@ from cache_backends.base import KVBackend, KVLayer, KVStore, ModelGeometry
 from cache_backends.dca_plan import (PROBE_WINDOW, SPANS, DCALayout, Feedback, falls_back, probes_after,
                                      runtime_threshold, window_start)
 from cache_backends.estimate import dca_store_bytes_per_token_per_layer
-from cache_backends.paged import (PageLayout, StepMeta, StreamRead, grouped_rows, read_layer, ungroup_rows,
-                                  write_layer)
+from cache_backends.page_layout import PageLayout
+from cache_backends.paged import StreamRead, read_layer, write_layer
+from cache_backends.paged_attention import grouped_rows, ungroup_rows
+from cache_backends.step_meta import StepMeta
 from cache_backends.rope import RopeTable
 
 log = logging.getLogger("kvserve.dca")
@@ -837,7 +839,7 @@ class DCABackend(KVBackend):
 
 # ---- the paged pool: kept layers in one group of pages, each reuse candidate in its own (dca_plan) ---------------
 class DCAStepMeta:
-    """One step's metadata for a backend's dca rows: a :class:`cache_backends.paged.StepMeta` of the kept layers'
+    """One step's metadata for a backend's dca rows: a :class:`cache_backends.step_meta.StepMeta` of the kept layers'
     group and one of each candidate's, and what the forward measures (read back by :meth:`DCABackend.step_feedback`).
 
     Args:

@@ -175,7 +175,7 @@ class Feedback:
 
 class DCALayout:
     """The pages of every dca sequence: one :class:`cache_backends.page_plan.TierPlan` for the kept layers' group
-    and one per candidate (each a :class:`cache_backends.paged.PageLayout` of its layers), and the rules above.
+    and one per candidate (each a :class:`cache_backends.page_layout.PageLayout` of its layers), and the rules above.
 
     Args:
         groups: ``[kept, candidate_0, ...]`` layouts (pages of the pool's size).

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from cache_backends.base import KVBackend, ModelGeometry
 from cache_backends.full import FullLayer
-from cache_backends.paged import StreamSpec, attend_pair
+from cache_backends.page_layout import StreamSpec
+from cache_backends.paged_attention import attend_pair
 
 
 class ElasticBackend(KVBackend):

@@ -16,7 +16,8 @@ import torch
 from cache_backends.absorbed_mla import absorbed_attention, install_absorbed_attention
 from cache_backends.attention import attend_kv
 from cache_backends.base import FullStorage, KVBackend, StreamPairLayer
-from cache_backends.paged import StreamSpec, attend_pair
+from cache_backends.page_layout import StreamSpec
+from cache_backends.paged_attention import attend_pair
 
 
 class FullLayer(StreamPairLayer):

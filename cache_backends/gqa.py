@@ -29,7 +29,8 @@ import torch
 
 from cache_backends.base import KVBackend, ModelGeometry, StreamPairLayer
 from cache_backends.int8 import attend_stored, make_storage, quant_spec, storage_reserved_bytes
-from cache_backends.paged import StreamSpec, attend_pair
+from cache_backends.page_layout import StreamSpec
+from cache_backends.paged_attention import attend_pair
 from cache_backends.spec import default_gqa_groups
 
 METHODS = ("pca", "mean")

@@ -53,7 +53,8 @@ from cache_backends.attention import grouped_query, ungroup
 from cache_backends.base import FullStorage, KVBackend, ModelGeometry, StreamPairLayer
 from cache_backends.buffer import TokenBuffer
 from cache_backends.estimate import scale_bytes
-from cache_backends.paged import StreamSpec, attend_pair
+from cache_backends.page_layout import StreamSpec
+from cache_backends.paged_attention import attend_pair
 from cache_backends.quant import (BITS, codes_dot, codes_weighted_sum, dequantize_codes, pack, quantize, rotate,
                                   stream_bits)
 

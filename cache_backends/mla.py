@@ -32,7 +32,9 @@ from cache_backends.attention import grouped_query, ungroup
 from cache_backends.base import KVBackend, KVLayer, KVStore, ModelGeometry
 from cache_backends.full import FullLayer
 from cache_backends.int8 import make_storage, quant_spec, storage_reserved_bytes
-from cache_backends.paged import StreamRead, StreamSpec, group_mask, grouped_rows, masked_softmax, ungroup_rows
+from cache_backends.page_layout import StreamSpec
+from cache_backends.paged import StreamRead
+from cache_backends.paged_attention import group_mask, grouped_rows, masked_softmax, ungroup_rows
 from cache_backends.rope import RopeTable
 
 FIT_VERSION = 1  # of the calibration cache entry (bump when the fit changes)

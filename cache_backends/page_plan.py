@@ -2,7 +2,7 @@
 
 A sequence's tokens are its quantized tokens (``q`` pages, oldest first) followed by its exact tokens (``exact``
 pages, a FIFO); :class:`TierPlan` says, from how many tokens a page of each tier holds, which pages a step needs,
-which tokens it quantizes and which pages it frees (:class:`cache_backends.paged.PageLayout` is a
+which tokens it quantizes and which pages it frees (:class:`cache_backends.page_layout.PageLayout` is a
 :class:`TierPlan` whose page sizes come from the backend's streams). The block manager
 (:mod:`server.engine.block_manager`) owns the pages these tables name.
 """

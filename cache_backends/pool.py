@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 
 from cache_backends.page_plan import NULL_PAGE
-from cache_backends.paged import ALIGN, PageLayout, PoolViews
+from cache_backends.page_layout import ALIGN, PageLayout
+from cache_backends.paged import PoolViews
 
 
 class KVPool:

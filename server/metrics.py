@@ -63,9 +63,8 @@ class Metrics:
         self.waiting = Gauge("kvserve_requests_waiting", "Requests queued, waiting for admission.",
                              LABELS, registry=r)
         self.kv_bytes = Gauge("kvserve_kv_cache_bytes",
-                              "KV-cache bytes held by all live sequences: the KV pool's pages they hold (a "
-                              "per-sequence store: the pages charged for its reservation); never above "
-                              "KV_CACHE_BUDGET_BYTES.", LABELS, registry=r)
+                              "KV-cache bytes held by all live sequences: the KV pool's pages they hold; never "
+                              "above KV_CACHE_BUDGET_BYTES.", LABELS, registry=r)
         self.kv_used_bytes = Gauge("kvserve_kv_cache_used_bytes",
                                    "KV-cache bytes of the cached tokens of all live sequences (what the "
                                    "bytes-per-token formulas count; <= kvserve_kv_cache_bytes).", LABELS, registry=r)
@@ -153,7 +152,7 @@ class Recorder:
 
     def cache_config(self, info: dict) -> None:
         """Publish the pool's shape (:meth:`server.engine.kv_cache.KVCacheManager.info`) as
-        ``kvserve_cache_config_info``: one series per served backend (per-sequence stores: block_size 0), its
+        ``kvserve_cache_config_info``: one series per served backend, its
         ``prefix_caching`` label true where that backend's blocks go through the prefix cache."""
         sizes = info["block_size_tokens"]
         for b in self.backends:

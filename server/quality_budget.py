@@ -51,7 +51,7 @@ import torch
 from cache_backends.base import KVBackend, ModelGeometry
 from cache_backends.registry import create
 from cache_backends.spec import format_spec
-from server.engine.runner import ModelRunner
+from cache_backends.store_path import StorePath
 
 log = logging.getLogger("kvserve.budget")
 
@@ -151,7 +151,7 @@ class Scorer:
     @torch.inference_mode()
     def _logprobs(self, backend: KVBackend) -> torch.Tensor:
         """(windows, scored tokens, vocab_size) float32 log-probabilities through ``backend``'s cache path."""
-        runner = ModelRunner(self.model, self.geometry.num_layers)
+        runner = StorePath(self.model, self.geometry.num_layers)
         stores = [backend.new_store() for _ in self.windows]
         try:
             if not stores[0].supports_chunked_prefill:  # a store that decides once per prompt (dca): the prefix

@@ -78,7 +78,7 @@ class PagedDriver:
             plans.append(plan)
             new += pages
         feedback: dict = {}
-        logits = self.runner.run_paged(ids, [(self.backend, list(range(len(rows))), list(zip(rows, plans)))], [], new,
+        logits = self.runner.run_paged(ids, [(self.backend, list(range(len(rows))), list(zip(rows, plans)))], new,
                                        feedback=feedback)
         for i, (blocks, plan) in enumerate(zip(rows, plans)):
             self.manager.free(self.layout.commit(blocks, plan, feedback.get(i)))

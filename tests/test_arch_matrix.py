@@ -22,7 +22,7 @@ from transformers import (AutoModelForCausalLM, DeepseekV3Config, Gemma2Config, 
 
 from cache_backends.base import ModelGeometry
 from cache_backends.registry import create
-from server.engine.runner import ModelRunner
+from cache_backends.store_path import StorePath
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -87,7 +87,7 @@ def models(precision):
 
 def cache_path(model, backend, prompts: list[list[int]]) -> torch.Tensor:
     """Logits of the last 6 positions of each prompt: prefill all but 6 tokens, then 6 batched decode steps."""
-    runner = ModelRunner(model, backend.geometry.num_layers)
+    runner = StorePath(model, backend.geometry.num_layers)
     stores = [backend.new_store() for _ in prompts]
     rows = [[runner.prefill(p[:-6], s)[-1]] for p, s in zip(prompts, stores)]
     for k in range(6, 1, -1):
@@ -124,7 +124,7 @@ def test_architecture_row(models, precision, arch):
                 precision.assert_close(row, own, what=f"{arch}: full vs the model's own logits")
             ids = torch.tensor([prompts[0]], device=precision.device)
             ref = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
-            runner, store = ModelRunner(model, geometry.num_layers), backend.new_store()
+            runner, store = StorePath(model, geometry.num_layers), backend.new_store()
             token, ours = int(runner.prefill(prompts[0], store)[-1].argmax()), []
             for _ in range(8):
                 ours.append(token)

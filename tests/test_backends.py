@@ -10,7 +10,7 @@ import torch
 
 from cache_backends.base import KVLayer, ModelGeometry
 from cache_backends.registry import create, get_backend_class
-from server.engine.runner import ModelRunner
+from cache_backends.store_path import StorePath
 
 TEXT = ("And God said, Let there be light: and there was light. And God saw the light, that it was good: "
         "and God divided the light from the darkness.")
@@ -44,7 +44,7 @@ def make(name, model, geometry, calib, **options):
 
 def cache_path_logits(model, backend, ids, prefix):
     """Logits of positions prefix-1 .. len-1: prefill ``prefix`` tokens, then decode the rest one by one."""
-    runner = ModelRunner(model, backend.geometry.num_layers)
+    runner = StorePath(model, backend.geometry.num_layers)
     store = backend.new_store()
     out = [runner.prefill(ids[:prefix], store)[-1]]
     for t in ids[prefix:]:
@@ -78,7 +78,7 @@ ALL = [("full", {}), ("gqa", {"groups": 2, "method": "mean"}), ("gqa", {"groups"
 def test_bytes_are_the_tensors_and_match_the_formula_at_1024(ref_model, geometry, calib, name, options):
     model, _ = ref_model
     backend = make(name, model, geometry, calib, **options)
-    runner = ModelRunner(model, geometry.num_layers)
+    runner = StorePath(model, geometry.num_layers)
     store = backend.new_store()
     runner.prefill(calib[:1000], store)
     for t in calib[1000:1024]:
@@ -123,7 +123,7 @@ def test_int8_stores_int8_and_is_under_0_55x_of_full(ref_model, geometry, calib)
     sizes = {}
     for b in (full, int8):
         store = b.new_store()
-        ModelRunner(model, geometry.num_layers).prefill(calib[:1024], store)
+        StorePath(model, geometry.num_layers).prefill(calib[:1024], store)
         sizes[b.name] = store.nbytes()
         if b is int8:
             assert all(layer.key_store.codes.data.dtype == torch.int8
@@ -193,7 +193,7 @@ def test_decode_attends_in_stored_form_exactly(typed, precision, calib, name, op
     model, _, geometry = typed
     backend = make(name, model, geometry, calib, **options)
     store = backend.new_store()
-    ModelRunner(model, geometry.num_layers).prefill(calib[:300], store)  # 300: quantized groups + a window
+    StorePath(model, geometry.num_layers).prefill(calib[:300], store)  # 300: quantized groups + a window
     gen = torch.Generator().manual_seed(0)
     for i, layer in enumerate(store.layers):
         query = precision.randn(1, geometry.num_attention_heads, 1, geometry.head_dim, generator=gen)
@@ -230,7 +230,7 @@ def test_int4_packs_two_codes_a_byte_and_rotation_keeps_the_bytes(ref_model, geo
     for key, name, options in [("full", "full", {}), ("int8", "int8", {}), ("k8v4", "int8", {"value_bits": 4}),
                                ("int4", "int4", {}), ("int4r", "int4", {"rotate": True})]:
         store = make(name, model, geometry, calib, **options).new_store()
-        ModelRunner(model, geometry.num_layers).prefill(calib[:1024], store)
+        StorePath(model, geometry.num_layers).prefill(calib[:1024], store)
         sizes[key] = store.nbytes()
         for layer in store.layers if key != "full" else []:
             for stream, bits in ((layer.key_store, 8 if key in ("int8", "k8v4") else 4),

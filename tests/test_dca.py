@@ -10,7 +10,7 @@ import torch
 
 from cache_backends.base import ModelGeometry
 from cache_backends.registry import get_backend_class
-from server.engine.runner import ModelRunner
+from cache_backends.store_path import StorePath
 from tests.test_backends import TEXT, cache_path_logits
 
 
@@ -50,7 +50,7 @@ def test_threshold_above_one_is_identical_to_full(typed, precision):
 def test_reuse_layers_store_nothing_and_skip_projections(setup):
     model, tok, geometry, calib = setup
     backend = make(setup, threshold=-1.0, probe_interval=1000, window=0)  # every other layer reuses, no window
-    runner = ModelRunner(model, geometry.num_layers)
+    runner = StorePath(model, geometry.num_layers)
     store = backend.new_store()
     runner.prefill(calib[:200], store)
     reuse = [i for i, layer in enumerate(store.layers) if layer.mode == "reuse"]
@@ -73,7 +73,7 @@ def test_reuse_layers_store_nothing_and_skip_projections(setup):
 def test_probe_below_threshold_falls_back_and_stores_from_there(setup):
     model, tok, geometry, calib = setup
     backend = make(setup, threshold=-1.0, probe_interval=2, window=0)
-    runner = ModelRunner(model, geometry.num_layers)
+    runner = StorePath(model, geometry.num_layers)
     store = backend.new_store()
     runner.prefill(calib[:100], store)
     for layer in store.layers:
@@ -96,7 +96,7 @@ def test_residual_window_holds_the_newest_tokens_and_slides(setup):
 
     model, _, geometry, calib = setup
     backend = make(setup, threshold=-1.0, probe_interval=1000, window=32)
-    runner = ModelRunner(model, geometry.num_layers)
+    runner = StorePath(model, geometry.num_layers)
     store = backend.new_store()
     runner.prefill(calib[:100], store)
     per_token = 2 * geometry.num_key_value_heads * geometry.head_dim * 4
@@ -125,7 +125,7 @@ def test_probe_compares_the_mean_of_the_latest_probes_with_the_threshold_of_that
     four fails a span-4 one."""
     model, _, geometry, calib = setup
     backend = make(setup, threshold=-1.0, probe_interval=1, window=0)
-    runner = ModelRunner(model, geometry.num_layers)
+    runner = StorePath(model, geometry.num_layers)
     store = backend.new_store()
     runner.prefill(calib[:100], store)
     layer = store.layers[3]
@@ -214,7 +214,7 @@ def test_reuse_layer_attends_the_source_cache_through_folded_maps_exactly(typed,
     backend = create(name, geometry, threshold=-1.0, window=window)  # every layer whose source is kept reuses it
     backend.prepare(model, calib)
     store = backend.new_store()
-    runner = ModelRunner(model, geometry.num_layers)
+    runner = StorePath(model, geometry.num_layers)
     runner.prefill(calib[:300], store)
     runner.decode([calib[300]], [store])
     gen = torch.Generator().manual_seed(0)
@@ -245,7 +245,7 @@ def test_maps_predict_in_fp32_whatever_the_cache_dtype(typed, precision):
     model, _, geometry, calib = typed
     backend = make(typed)
     store = get_backend_class("full")(geometry).new_store()
-    ModelRunner(model, geometry.num_layers).prefill(calib[:100], store)
+    StorePath(model, geometry.num_layers).prefill(calib[:100], store)
     for i, layer_map in enumerate(backend.maps):  # map i predicts layer i + 1 from layer i
         keys, values = store.layers[i].materialize()  # (1, H, 100, d)
         got = layer_map.predict(keys, values, 0)
@@ -274,7 +274,7 @@ def test_rope_commuting_map_predicts_post_rope_keys_exactly_as_pre_rope(setup):
 def _store_greedy(model, backend, geometry, ids, n):
     """Greedy tokens of a per-sequence DCAStore (one layer object per layer, its own attention path): the
     reference the pool is checked against; ``n - 1`` decode steps, as the engine writes its last token never."""
-    runner = ModelRunner(model, geometry.num_layers)
+    runner = StorePath(model, geometry.num_layers)
     store = backend.new_store()
     logits = runner.prefill(ids, store)
     out = []
@@ -288,8 +288,8 @@ def _store_greedy(model, backend, geometry, ids, n):
 @pytest.mark.parametrize("name,options", [
     ("dca", {"threshold": -1.0, "window": 32}), ("dca", {"threshold": -1.0, "window": 0}),
     ("dca", {"probe_interval": 2}), ("dca+int8", {"threshold": -1.0}),
-    ("dca+int8", {"probe_interval": 3, "window": 0})],
-    ids=["reuse-window", "reuse-no-window", "fallbacks", "int8-reuse", "int8-no-window"])
+    ("dca+int8", {"probe_interval": 3, "window": 0}), ("dca+mla", {"probe_interval": 2})],
+    ids=["reuse-window", "reuse-no-window", "fallbacks", "int8-reuse", "int8-no-window", "mla-fallbacks"])
 def test_the_pool_serves_what_a_per_sequence_store_serves(setup, name, options):
     """Three prompts served together from the paged pool (one forward a step, every candidate layer batched) get
     the greedy tokens, the reuse decisions and the fall-backs a per-sequence store gets for each alone; at the
@@ -313,7 +313,7 @@ def test_the_pool_serves_what_a_per_sequence_store_serves(setup, name, options):
     for (tokens, store), seq in zip(refs, seqs):
         assert seq.output_ids == tokens
         assert seq.kv_stats == store.stats()
-    if options.get("probe_interval") == 2:
+    if options.get("probe_interval") == 2:  # the default threshold: some layers fall back
         assert sum(s.kv_stats["dca_fallbacks"] for s in seqs) > 0
     assert engine.kv.blocks.num_used == 0
 

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from cache_backends.base import ModelGeometry
-from cache_backends.paged import StepMeta, attend_pair, read_layer
+from cache_backends.paged import read_layer
+from cache_backends.paged_attention import attend_pair
+from cache_backends.step_meta import StepMeta
 from cache_backends.registry import create
 from server.metrics import Metrics, Recorder
 from tests.engine_helpers import make_engine, make_seq, reference_greedy, run_all

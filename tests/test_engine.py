@@ -5,6 +5,7 @@ import platform
 
 import pytest
 
+from cache_backends.store_path import StorePath
 from server.engine import allocator
 from server.engine.sampling import SamplingParams
 from server.engine.sequence import FinishReason
@@ -39,7 +40,8 @@ def test_batched_decode_logits_match_single(value_model, precision):
     tolerance, :mod:`tests.precision`)."""
     model, tok = value_model
     engine = make_engine(model, tok)
-    runner, backend = engine.runner, engine.backends["full"]
+    backend = engine.backends["full"]
+    runner = StorePath(model, backend.geometry.num_layers)
     prompts = [tok.encode(p) for p in PROMPTS]
     singles, stores = [], []
     for ids in prompts:
@@ -78,7 +80,7 @@ def test_full_store_bytes_are_the_sum_of_its_tensors(ref_model):
     backend = engine.backends["full"]
     store = backend.new_store()
     ids = tok.encode("And God said, Let there be light: and there was light.")
-    engine.runner.prefill(ids, store)
+    StorePath(model, engine.runner.num_layers).prefill(ids, store)
     expected = sum(t.nelement() * t.element_size() for layer in store.layers for t in layer.materialize())
     assert store.nbytes() == expected == len(ids) * backend.bytes_per_token_per_layer() * len(store.layers)
     # Allocated: the buffers' capacity (64 tokens, the first block), each a tensor the store really holds.
@@ -97,11 +99,11 @@ def test_reserved_store_never_allocates_past_its_reservation(ref_model):
         backend = engine.backends[name]
         store = backend.new_store()
         store.reserve(len(ids) + n_new)
-        engine.runner.prefill(ids, store)
+        StorePath(model, engine.runner.num_layers).prefill(ids, store)
         peak = store.allocated_bytes()
         token = ids[-1]
         for _ in range(n_new):
-            engine.runner.decode([token], [store])
+            StorePath(model, engine.runner.num_layers).decode([token], [store])
             peak = max(peak, store.allocated_bytes())
         assert store.nbytes() <= peak <= backend.reserved_bytes(len(ids) + n_new), name
 
@@ -244,11 +246,11 @@ def test_a_failed_forward_ends_only_its_own_rows(ref_model):
     engine.submit(apart)
     run_paged, calls = engine.runner.run_paged, []
 
-    def failing(input_ids, groups, legacy, new_pages, all_logits=False, feedback=None):
+    def failing(input_ids, groups, new_pages, all_logits=False, feedback=None):
         calls.append(all_logits)
         if not all_logits:
             raise RuntimeError("boom")
-        return run_paged(input_ids, groups, legacy, new_pages, all_logits=all_logits, feedback=feedback)
+        return run_paged(input_ids, groups, new_pages, all_logits=all_logits, feedback=feedback)
 
     engine.runner.run_paged = failing
     engine.step()  # apart's prompt alone (ok), then batch's decode row (fails)

@@ -18,7 +18,7 @@ import torch
 
 from cache_backends.base import ModelGeometry
 from cache_backends.registry import create
-from server.engine.runner import ModelRunner
+from cache_backends.store_path import StorePath
 from server.estimate_cli import add_arguments
 from server.estimate_cli import main as estimate_main
 from server.state import kv_sizes
@@ -54,7 +54,7 @@ def backends(ref_model, calib) -> dict:
 def filled(model, backend, ids: list[int]):
     """A store holding ``ids``, prefilled as the engine does: reserved to the prompt, in chunks of
     :data:`CHUNK` tokens, or whole where the store decides once per prompt (dca)."""
-    runner = ModelRunner(model, backend.geometry.num_layers)
+    runner = StorePath(model, backend.geometry.num_layers)
     store = backend.new_store()
     store.reserve(len(ids))
     step = CHUNK if store.supports_chunked_prefill else len(ids)
@@ -113,7 +113,7 @@ def test_dca_live_figure_counts_the_sequences_own_reuse_and_fall_backs(ref_model
     reused = [layer for layer in store.layers if layer.mode == "reuse"]
     for layer in store.layers:
         layer.threshold_for = lambda tokens: 2.0  # every probe fails: each reuse layer falls back at its first probe (step 16)
-    runner = ModelRunner(model, backend.geometry.num_layers)
+    runner = StorePath(model, backend.geometry.num_layers)
     for t in ids[300:]:
         runner.decode([t], [store])
     assert [layer.fallback_at for layer in reused] == [300 + 15] * len(reused)  # the 16th decode step's position

@@ -10,7 +10,7 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from cache_backends.base import ModelGeometry
 from cache_backends.registry import create
 from cache_backends.page_plan import SeqBlocks
-from server.engine.runner import ModelRunner
+from cache_backends.store_path import StorePath
 from tests.engine_helpers import PagedDriver
 
 
@@ -32,7 +32,7 @@ def cache_path_and_reference(model, backend, seed: int):
     """40 random tokens: 30 prefilled, 9 decoded through ``backend``; returns the store, the 10 logits rows of the
     cache path and the model's own forward's rows for the same positions."""
     ids = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(seed)).tolist()
-    runner = ModelRunner(model, backend.geometry.num_layers)
+    runner = StorePath(model, backend.geometry.num_layers)
     store = backend.new_store()
     logits = [runner.prefill(ids[:30], store)[-1]]
     for t in ids[30:-1]:
@@ -73,7 +73,7 @@ def test_absorbed_attention_batched_matches_the_models_own_attention(tiny_deepse
     backend = create("mla", geometry)
     backend.prepare(model)
     assert all(type(layer.self_attn).__name__.startswith("Absorbing") for layer in model.model.layers)
-    runner = ModelRunner(model, geometry.num_layers)
+    runner = StorePath(model, geometry.num_layers)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (9, 17, 30)]
     stores = [backend.new_store() for _ in prompts]

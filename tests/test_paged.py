@@ -14,6 +14,7 @@ from cache_backends.base import ModelGeometry
 from cache_backends.calibration import calibration_ids
 from cache_backends.page_plan import SeqBlocks
 from cache_backends.registry import create
+from cache_backends.store_path import StorePath
 from server.engine.sampling import SamplingParams
 from tests.precision import LOGIT_FACTOR
 from tests.engine_helpers import PagedDriver, make_engine, make_seq, reference_greedy, run_all
@@ -41,13 +42,13 @@ def test_paged_batch_matches_the_backends_per_sequence_store(value_model, precis
     equal those of the backend's per-sequence store (its identity tests: tests/test_backends.py)."""
     model, tok = value_model
     backend = _backend(model, tok, name, options)
-    driver = PagedDriver(model, backend)
+    driver, reference = PagedDriver(model, backend), StorePath(model, backend.geometry.num_layers)
     prompts = [tok.encode(t) for t in TEXTS]
     rows, refs = [SeqBlocks() for _ in prompts], [backend.new_store() for _ in prompts]
     for blocks, store, ids in zip(rows, refs, prompts):
         driver.step([blocks], [ids[:7]])
         paged = driver.step([blocks], [ids[7:]])
-        ref = driver.runner.prefill(ids, store)
+        ref = reference.prefill(ids, store)
         precision.assert_close(paged[0], ref[-1], what=f"{name} prefill")
     last = [ids[-1] for ids in prompts]
     # Each path quantizes the K/V its own forward produced; those differ by a few eps, and a value that sits on a
@@ -59,7 +60,7 @@ def test_paged_batch_matches_the_backends_per_sequence_store(value_model, precis
     factor = LOGIT_FACTOR * (4 if quant else 1) * (16 if quant and 4 in (quant["key_bits"], quant["value_bits"]) else 1)
     for step in range(56):
         paged = driver.step(rows, [[t] for t in last])
-        ref = driver.runner.decode(last, refs)
+        ref = reference.decode(last, refs)
         precision.assert_close(paged, ref, factor, what=f"{name} decode step {step}")
         last = ref.argmax(-1).tolist()
     assert [b.tokens for b in rows] == [len(p) + 56 for p in prompts]
@@ -180,9 +181,9 @@ def test_mixed_backends_share_the_pool_and_one_forward(ref_model):
     assert mixed[0] == run(["full"])[0] and mixed[1] == run(["full", "int8"])[1]
 
 
-def test_a_mixed_step_of_several_backends_and_a_per_sequence_store(ref_model):
+def test_a_mixed_step_of_several_backends(ref_model):
     """A long int8 prompt is prefilled in chunks while a full and a dca+mla sequence decode: each step's chunk, the
-    full row and the dca+mla row (a per-sequence store, attended in its span of the flat row) run in one forward,
+    full row and the dca+mla row (its groups of pages, attended in its span of the flat row) run in one forward,
     and every sequence's greedy output equals its output served alone."""
     from server.engine.setup import build_engine
 

@@ -12,7 +12,7 @@ import torch
 
 from cache_backends.base import ModelGeometry
 from cache_backends.registry import create
-from server.engine.runner import ModelRunner
+from cache_backends.store_path import StorePath
 from tests.conftest import REPO
 from tests.precision import selected
 from tests.test_backends import buffers_of
@@ -59,7 +59,7 @@ def test_selection_reaches_the_model_and_the_stores(value_model, precision, back
     options = {"residual": 0, "group_size": 16} if backend == "int8" else {}
     store = create(backend, geometry, **options).new_store()
     ids = tok.encode("And God said, Let there be light: and there was light. " * 3)  # > 16 tokens: int8 codes
-    logits = ModelRunner(model, geometry.num_layers).prefill(ids, store)
+    logits = StorePath(model, geometry.num_layers).prefill(ids, store)
     assert logits.dtype == precision.dtype and logits.device.type == precision.device.type
     buffers = [b for layer in store.layers for b in buffers_of(layer)]
     assert buffers and {b.data.device.type for b in buffers} == {precision.device.type}

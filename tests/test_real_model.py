@@ -110,13 +110,13 @@ SPECS = [("full", {}), ("int8", {}), ("int4", {"rotate": True}), ("mla", {"rank"
 
 @pytest.mark.parametrize("name,options", SPECS, ids=[n + "".join(f":{k}={v}" for k, v in o.items()) for n, o in SPECS])
 def test_every_backend_holds_the_bytes_its_sums_report(real, calib, name, options):
-    from server.engine.runner import ModelRunner
+    from cache_backends.store_path import StorePath
 
     model, _ = real
     geometry = ModelGeometry.from_config(model.config, torch.float32)
     backend = create(name, geometry, **options)
     backend.prepare(model, calib)
-    runner = ModelRunner(model, geometry.num_layers)
+    runner = StorePath(model, geometry.num_layers)
     for tokens in (100, 700):
         store = backend.new_store()
         runner.prefill(calib[:tokens], store)

@@ -145,14 +145,10 @@ class Engine:
         self._report()
 
     def _report_events(self, ev) -> None:
-        """What scheduling did, told to the requests and the recorder: admitted per-sequence stores get their store,
-        and first admissions their detokenizer (first: every running sequence is measurable before a closing event
+        """What scheduling did, told to the requests and the recorder: first admissions get their detokenizer (first: every running sequence is measurable before a closing event
         measures them); prefix-cache lookups, closing events of the sequences it ended, preemptions,
         compressions."""
         for seq, queried, hit in ev.started:
-            if not self.kv.paged(seq):
-                seq.store = self.backends[seq.backend_name].new_store()
-                seq.store.reserve(len(seq.prompt_ids) + seq.max_new_tokens)
             if seq.detok is None:
                 seq.detok = IncrementalDetokenizer(self.tokenizer, seq.stop, self.special_ids)
             if queried and self.recorder:
@@ -178,8 +174,7 @@ class Engine:
                 if seq.generator is None and not seq.params.greedy:
                     seq.generator = new_generator(seq.params.seed, self.runner.device)
                 sampling[seq.seq_id] = RowRequest(seq.params, seq.prompt_ids, seq.output_ids, seq.generator)
-        stores = {seq.seq_id: seq.store for row, seq in rows if row.blocks is None}
-        result = self.runner.execute(out, self.backends, stores, sampling, self.eos_token_ids)
+        result = self.runner.execute(out, self.backends, sampling, self.eos_token_ids)
         ready = []
         for row, seq in rows:
             if seq.seq_id in result.failed:
@@ -208,8 +203,7 @@ class Engine:
 
     def _measure(self, seqs: list[Sequence]) -> None:
         """Record each store's bytes now (once per sequence per step) and keep the largest seen: the bytes
-        of the cached tokens (``kv_bytes``) and the bytes of the pages it holds (``kv_allocated``; a per-sequence
-        store: the pages charged for its reservation)."""
+        of the cached tokens (``kv_bytes``) and the bytes of the pages it holds (``kv_allocated``)."""
         for seq in seqs:
             seq.kv_bytes = seq.store.nbytes()
             seq.kv_allocated = self.kv.held_bytes(seq)
@@ -280,7 +274,7 @@ class Engine:
 
     # ---- introspection --------------------------------------------------------------------------
     def kv_bytes(self) -> int:
-        """Bytes of the pool's pages in use (the KV memory held, per-sequence stores' reservations included)."""
+        """Bytes of the pool's pages in use (the KV memory held)."""
         return self.kv.used_bytes()
 
     def kv_used_bytes(self) -> int:

@@ -1,17 +1,16 @@
 """The KV cache manager: pages for sequences, on demand (no tensors).
 
-It knows each served backend's page layout (:class:`cache_backends.paged.PageLayout`) and the block manager
+It knows each served backend's page layout (:class:`cache_backends.page_layout.PageLayout`) and the block manager
 (free list, reference counts); it plans how many pages a step's tokens need, hands them out, and takes back
 those a sequence no longer uses (an int8-family window drained into quantized pages) or all of them (a
-sequence that finished or was preempted). Backends without a page layout (``dca``, and ``full`` on a
-native-MLA model, which keep per-sequence stores) are charged pages for their store's upper bound at
-admission, so every backend draws from the one budget.
+sequence that finished or was preempted). Every served backend has a page layout: every backend draws from
+the one budget.
 
 Admission charges a paged sequence what it holds once its context is written (:meth:`KVCacheManager.
 stored_pages`): for an int8-family backend its quantized pages plus the exact pages of its residual window,
 not the exact pages a prefill chunk passes through. A step writes every new token into exact pages first and
 quantizes its whole groups from there (the chunk's later tokens read the drained ones exact:
-:class:`cache_backends.paged.StepMeta`), so a prefill step of ``n`` tokens holds, for the length of the step,
+:class:`cache_backends.step_meta.StepMeta`), so a prefill step of ``n`` tokens holds, for the length of the step,
 the exact pages of ``n`` tokens and of the residual window before them on top of the quantized pages. The
 engine prefills one sequence at a time (reserve, forward, commit, then the next), so at most one sequence is
 ever above its stored form: the scheduler keeps free once, not per sequence, the largest
@@ -24,9 +23,8 @@ Prefix caching (``KV_PREFIX_CACHING``, on by default): every full block a paged 
 under its chained hash (:mod:`server.engine.prefix_cache`); at admission a sequence takes the longest run of
 cached blocks its context starts with, and prefills only the rest. An int8-family backend shares its
 quantized pages (whole groups, whose codes depend on the tokens before them only,
-:class:`cache_backends.paged.StepMeta`); its exact pages are the residual window and are never shared.
-Per-sequence stores (``dca``, whose reuse is decided from the whole prompt, and ``full`` on native MLA) are not
-cached.
+:class:`cache_backends.step_meta.StepMeta`); its exact pages are the residual window and are never shared.
+``dca``, whose reuse is decided from the whole prompt, is not cached.
 """
 
 from __future__ import annotations
@@ -38,7 +36,7 @@ import torch
 
 from cache_backends.base import KVBackend
 from cache_backends.page_plan import Plan, SeqBlocks
-from cache_backends.paged import PageLayout
+from cache_backends.page_layout import PageLayout
 from server.engine.block_manager import BlockManager
 from server.engine.prefix_cache import extend_hashes, root_key
 from server.engine.sequence import Sequence
@@ -57,12 +55,15 @@ def page_layouts(backends: dict[str, KVBackend], dtype: torch.dtype, block_size:
     only 62% of a one-block page, 94% of a two-block page, on the reference model in fp32).
 
     Returns:
-        ``(page_bytes, {name: PageLayout})`` (backends without a layout are left out).
+        ``(page_bytes, {name: layout})``.
+
+    Raises:
+        ValueError: for a backend without a paged form.
     """
-    paged = {n: b for n, b in backends.items() if b.paged_streams() is not None}
-    if not paged:  # per-sequence stores only: pages are an accounting unit of full K/V blocks
-        g = next(iter(backends.values())).geometry
-        return block_size * g.num_layers * 2 * g.num_key_value_heads * g.head_dim * g.dtype_bytes, {}
+    unpaged = [n for n, b in backends.items() if b.paged_streams() is None]
+    if unpaged:
+        raise ValueError(f"{', '.join(unpaged)} has no paged form: it cannot be served")
+    paged = backends
 
     def layouts(k: int) -> tuple[int, dict]:
         page = max(b.natural_page_bytes(dtype, k * block_size) for b in paged.values())
@@ -138,9 +139,6 @@ class KVCacheManager:
     def num_pages(self) -> int:
         return self.blocks.num_pages
 
-    def paged(self, seq: Sequence) -> bool:
-        return seq.backend_name in self.layouts
-
     def chunked_prefill(self, seq: Sequence) -> bool:
         """Whether ``seq``'s context may be written over several steps (not ``dca``, which decides on the whole
         prompt)."""
@@ -157,20 +155,15 @@ class KVCacheManager:
 
     def pages_for(self, seq: Sequence, tokens: int) -> int:
         """Pages ``seq`` holds with ``tokens`` tokens cached, prefilled as the engine will prefill them (an
-        on-demand tier compressing what it may after each chunk: the least it can hold); for a per-sequence
-        store, its upper bound for the whole request."""
-        if self.paged(seq):
-            layout = self.layouts[seq.backend_name]
-            return layout.pages_for(tokens, self.prefill_chunk(seq), compress=layout.on_demand)
-        reserved = self.backends[seq.backend_name].reserved_bytes(len(seq.prompt_ids) + seq.max_new_tokens)
-        return math.ceil(reserved / self.page_bytes)
+        on-demand tier compressing what it may after each chunk: the least it can hold; ``dca``: every layer
+        kept, the most it can hold)."""
+        layout = self.layouts[seq.backend_name]
+        return layout.pages_for(tokens, self.prefill_chunk(seq), compress=layout.on_demand)
 
     def pages_to_finish(self, seq: Sequence) -> int:
         """The most pages ``seq`` holds on its own from admission to its last token: its prompt as it is prefilled,
         and every token once generated (an on-demand tier compressed as it grows)."""
         total = len(seq.prompt_ids) + seq.max_new_tokens
-        if not self.paged(seq):
-            return self.pages_for(seq, total)
         layout = self.layouts[seq.backend_name]
         grown = layout.pages_for(total, self.chunk, compress=layout.on_demand)
         return max(grown, self.pages_for(seq, len(seq.prompt_ids)))
@@ -213,8 +206,8 @@ class KVCacheManager:
         beyond what the other running sequences still need for their stored form (:meth:`pending`) and the
         watermark, else the most that are, but never fewer than :meth:`min_step` (whose pages admission keeps
         free: :meth:`transient_pages`). A shorter step writes the same tokens over more steps: the stored form
-        and every token's K/V are those of any chunking (:class:`cache_backends.paged.StepMeta`)."""
-        if not self.paged(seq) or n <= 1:
+        and every token's K/V are those of any chunking (:class:`cache_backends.step_meta.StepMeta`)."""
+        if n <= 1:
             return n
         others = [s for s in running if s is not seq]
         room = self.blocks.num_free - sum(self.pending(s) for s in others) - (self.watermark if others else 0)
@@ -232,15 +225,15 @@ class KVCacheManager:
         :meth:`min_step` tokens (the engine takes a longer one only where its pages are free beyond every charge:
         :meth:`step_tokens`; the steps are cut anywhere, as the step budget is shared with the decoding sequences
         and the prefills before it): a step writes its ``n`` tokens into exact pages before it
-        quantizes their whole groups (:class:`cache_backends.paged.StepMeta` reads the drained tokens exact), so
+        quantizes their whole groups (:class:`cache_backends.step_meta.StepMeta` reads the drained tokens exact), so
         it holds at most the final quantized pages ``Q`` plus ``ceil((exact_tokens - 1 + W + n) / exact_tokens)``
         exact pages (``W``: the most exact tokens held between steps, ``residual + group_size - 1``, or an
         on-demand tier's ``window + group_size - 1``), never more than the exact pages of every token left, and
         its first step exactly what its plan says; at most the pool's usable pages. The bound less the stored
-        form; 0 once prefilled, for a per-sequence store (charged its bound already) and for a layout without a
-        quantized tier (it stores every token it writes). A prompt that wants every position's log-probability
-        is written in one step."""
-        if not self.paged(seq) or seq.prefilled >= len(seq.context_ids):
+        form; 0 once prefilled and for a layout without a quantized tier (it stores every token it writes). A
+        prompt written in one step (one that wants every position's log-probability; ``dca``'s) holds what that
+        step's plan says, less what it keeps."""
+        if seq.prefilled >= len(seq.context_ids):
             return 0
         layout, start = self.layouts[seq.backend_name], self._prefill_start(seq)
         left = len(seq.context_ids) - start.tokens
@@ -262,12 +255,10 @@ class KVCacheManager:
         """Pages charged to admit ``seq``: what it holds once the tokens it prefills (its prompt, or on
         readmission after a preemption its prompt and the tokens it had generated) are written
         (:meth:`stored_pages`), less the cached blocks it starts with (:meth:`lookup`, kept on ``seq.prefix_hit``
-        for :meth:`start`) unless no sequence holds them now; a per-sequence store: its upper bound. A prefill
+        for :meth:`start`) unless no sequence holds them now. A prefill
         step's transient exact pages are not in it (:meth:`transient_pages`: the scheduler keeps the largest
         free once)."""
         seq.prefix_hit = self.lookup(seq)
-        if not self.paged(seq):
-            return self.pages_for(seq, len(seq.context_ids))
         stored = self.stored_pages(seq)
         if not seq.prefix_hit:
             return stored
@@ -278,8 +269,6 @@ class KVCacheManager:
         less what it holds; 0 once decoding); its next steps' transient pages are :meth:`transient_pages`."""
         if seq.prefilled >= len(seq.context_ids):
             return 0
-        if not self.paged(seq):
-            return max(0, self.pages_for(seq, len(seq.context_ids)) - self.held(seq))
         return max(0, self.stored_pages(seq) - self.held(seq))
 
     # ---- prefix cache ---------------------------------------------------------------------------------
@@ -326,29 +315,24 @@ class KVCacheManager:
 
     def held(self, seq: Sequence) -> int:
         """Pages ``seq`` holds now."""
-        if seq.blocks is not None:
-            return len(seq.blocks.pages())
-        return len(seq.kv_pages)
+        return len(seq.blocks.pages()) if seq.blocks is not None else 0
 
     def held_bytes(self, seq: Sequence) -> int:
         """Bytes of the pages ``seq`` holds, a page shared through the prefix cache split between its holders (so
         the sequences' figures add up to :meth:`used_bytes`)."""
         if seq.blocks is None:
-            return len(seq.kv_pages) * self.page_bytes
+            return 0
         ref = self.blocks.ref
         return round(self.page_bytes * sum(1 / ref[p] for p in seq.blocks.pages()))
 
     # ---- life of a sequence ---------------------------------------------------------------------------
     def start(self, seq: Sequence) -> int:
         """Give an admitted sequence its block tables — the cached blocks :meth:`admission_cost` found, if any,
-        its context then counting as prefilled up to them — or a per-sequence store its pages.
+        its context then counting as prefilled up to them.
 
         Returns:
             the context tokens served from the prefix cache.
         """
-        if not self.paged(seq):
-            seq.kv_pages = self.blocks.allocate(self.pages_for(seq, 0))
-            return 0
         layout = self.layouts[seq.backend_name]
         hit = getattr(seq, "prefix_hit", None) or []
         self.blocks.acquire(hit)
@@ -361,9 +345,7 @@ class KVCacheManager:
 
     def reserve(self, seq: Sequence, n: int) -> Reservation | None:
         """Pages for writing ``n`` more tokens of ``seq`` (added to its tables now), or ``None`` if too few are
-        free (nothing is taken then). A per-sequence store holds its pages from admission: no new ones."""
-        if not self.paged(seq):
-            return Reservation(Plan(n, 0, 0, 0, 0), [])
+        free (nothing is taken then)."""
         layout = self.layouts[seq.backend_name]
         plan = layout.plan(seq.blocks, n)
         if plan.pages_needed > self.blocks.num_free:
@@ -378,10 +360,9 @@ class KVCacheManager:
         in the prefix cache (a prompt that wanted every position's log-probability too: it hit nothing, but its
         blocks serve later requests, even when it ends after one token, as ``echo`` with ``max_tokens: 0``).
         ``feedback``: what the runner measured for the row (``dca``'s similarities: its decisions)."""
-        if self.paged(seq):
-            self.blocks.free(self.layouts[seq.backend_name].commit(seq.blocks, plan, feedback))
-            if self.caches_backend(seq.backend_name):
-                self._register(seq)
+        self.blocks.free(self.layouts[seq.backend_name].commit(seq.blocks, plan, feedback))
+        if self.caches_backend(seq.backend_name):
+            self._register(seq)
 
     # ---- compression under pressure (elastic) --------------------------------------------------------
     def plan_compression(self, running: list[Sequence], need: int) -> list[tuple[Sequence, Reservation]]:
@@ -393,7 +374,7 @@ class KVCacheManager:
         when that is all there is.
         """
         out, gained = [], 0
-        candidates = [s for s in running if self.paged(s) and self.layouts[s.backend_name].on_demand]
+        candidates = [s for s in running if self.layouts[s.backend_name].on_demand]
         for seq in sorted(candidates, key=lambda s: -self.layouts[s.backend_name].compressible(s.blocks)):
             if self.blocks.num_free + gained >= need:
                 break
@@ -419,8 +400,8 @@ class KVCacheManager:
         self.blocks.free([p for p in freed if p not in res.pages])
 
     def pages_needed(self, seq: Sequence, n: int) -> int:
-        """Pages writing ``n`` more tokens of paged ``seq`` takes (0 for a per-sequence store)."""
-        return self.layouts[seq.backend_name].plan(seq.blocks, n).pages_needed if self.paged(seq) else 0
+        """Pages writing ``n`` more tokens of ``seq`` takes."""
+        return self.layouts[seq.backend_name].plan(seq.blocks, n).pages_needed
 
     def compressible_pages(self, running: list[Sequence]) -> int:
         """Pages compressing every compressible group of the running on-demand-tier sequences would free."""
@@ -447,9 +428,6 @@ class KVCacheManager:
             else:
                 self.blocks.free(seq.blocks.pages())
             seq.blocks = None
-        if seq.kv_pages:
-            self.blocks.free(seq.kv_pages)
-            seq.kv_pages = []
 
     # ---- figures --------------------------------------------------------------------------------------
     def usage(self) -> float:

@@ -144,7 +144,7 @@ class CoreStats(msgspec.Struct, frozen=True):
     Attributes:
         running: sequences in the batch.
         waiting: sequences queued.
-        kv_used_bytes: bytes of the pool's pages in use (per-sequence stores' reservations included).
+        kv_used_bytes: bytes of the pool's pages in use.
         kv_live_bytes: bytes of the live sequences' cached tokens (<= ``kv_used_bytes``).
         kv_usage: fraction of the pool's pages in use (0-1), or ``None`` without a pool.
         evictable_blocks: cached blocks no sequence holds (the prefix cache's, reusable).

@@ -260,9 +260,9 @@ class Scheduler:
 
     def _prefill_rows(self, out: SchedulerOutput, ev: StepEvents, decoding: int) -> list[tuple]:
         """Choose this step's prefill chunks, in admission order within its token budget, and reserve their pages:
-        ``(sequence, tokens, reservation, alone, all_logits)``. Prompts that want every position's log-probability,
-        and per-sequence stores, run in a forward of their own (``alone``): whole, or for a per-sequence store that
-        takes chunks (``full`` on a native-MLA model) one chunk; ``dca``, which decides once per prompt, whole.
+        ``(sequence, tokens, reservation, alone, all_logits)``. Prompts that want every position's log-probability
+        run whole in a forward of their own (``alone``); ``dca`` prompts, whose layers decide once per prompt, are
+        written whole, in the mixed forward.
 
         The budget is ``prefill_chunk_tokens`` less the ``decoding`` sequences' one token each (at least
         :data:`MIN_PREFILL_CHUNK`): a long prompt is written over several steps, each carrying the running batch's
@@ -271,7 +271,7 @@ class Scheduler:
         when the pages of a whole one (a quantized prompt's: its exact pages) are not free (:meth:`KVCacheManager.
         step_tokens`). The first chunk of the mixed batch may preempt (:meth:`_reserve`), and so may a prompt that
         runs alone; a later chunk of the mixed batch whose pages are not free waits for the next step, and so does a
-        second paged prompt that runs alone (admission keeps one chunk's transient pages free, not two; a row's
+        second prompt that runs alone (admission keeps one chunk's transient pages free, not two; a row's
         drained pages go back only when the step is committed).
         """
         chunk = self.prefill_chunk_tokens
@@ -284,12 +284,11 @@ class Scheduler:
                 continue
             left = len(seq.context_ids) - seq.prefilled
             logprobs = seq.want_prompt_logprobs and not seq.output_ids
-            paged = self.kv.paged(seq)
             whole = budget is None or logprobs or not self.kv.chunked_prefill(seq)
             n = left if whole else self.kv.step_tokens(seq, min(left, budget), self.running)
-            alone = logprobs or not paged
-            if alone and paged and any(c[3] and self.kv.paged(c[0]) for c in chunks):
-                break  # one paged prompt alone a step: its transient pages go back only once it is committed
+            alone = logprobs
+            if alone and any(c[3] for c in chunks):
+                break  # one prompt alone a step: its transient pages go back only once it is committed
             if not alone and any(not c[3] for c in chunks):  # a later chunk of the mixed batch
                 res = self.kv.reserve(seq, n)
                 if res is None:

@@ -100,7 +100,6 @@ class Sequence:
     kv_stats: dict = field(default_factory=dict)
     prefilled: int = 0  # tokens of context_ids written to the KV cache (chunked prefill; decode adds one a step)
     blocks: Any = None  # cache_backends.page_plan.SeqBlocks: its block tables, while it holds pool pages
-    kv_pages: list[int] = field(default_factory=list)  # pages charged to a per-sequence store
     preemptions: int = 0  # times the engine preempted it (its KV freed, recomputed at readmission)
     group: str | None = None  # the HTTP request it belongs to (n > 1, best_of, prompt lists); None: its own
     cache_salt: str | None = None  # mixed into its prefix-cache block hashes: only requests with the same salt share

@@ -33,12 +33,7 @@ def default_budget(backends: dict[str, KVBackend], layouts: dict, page_bytes: in
     ``max_total_tokens`` tokens of the costliest served backend can hold at once (an int8-family prompt's
     exact pages while it is prefilled included), plus the null page; at most :data:`MEMORY_FRACTION` of the
     memory free now."""
-    pages = 0
-    for name, backend in backends.items():
-        if name in layouts:
-            pages = max(pages, layouts[name].pages_for(max_total_tokens, prefill_chunk_tokens))
-        else:
-            pages = max(pages, -(-backend.reserved_bytes(max_total_tokens) // page_bytes))
+    pages = max(layout.pages_for(max_total_tokens, prefill_chunk_tokens) for layout in layouts.values())
     need = (max_batch_size * pages + 1) * page_bytes
     return int(min(need, MEMORY_FRACTION * free_memory_bytes(device)))
 
@@ -62,7 +57,7 @@ def build_engine(model, tokenizer, backends: dict[str, KVBackend], eos_token_ids
     if num_pages < 2:
         raise ValueError(f"KV_CACHE_BUDGET_BYTES={budget_bytes} holds fewer than 2 KV blocks of {page_bytes} bytes")
     num_layers = next(iter(backends.values())).geometry.num_layers
-    pool = KVPool(num_pages, page_bytes, layouts, device) if layouts else None
+    pool = KVPool(num_pages, page_bytes, layouts, device)
     kv = KVCacheManager(backends, layouts, page_bytes, num_pages, prefill_chunk_tokens, prefix_caching)
     runner = ModelRunner(model, num_layers, pool)
     return Engine(runner, backends, tokenizer, eos_token_ids, Scheduler(max_batch_size, kv, prefill_chunk_tokens),

@@ -34,19 +34,20 @@ class RowPlan:
         backend: its KV backend's name.
         token_ids: the tokens it writes: a prefill chunk, or its newest token (decode).
         blocks: its block tables for the step (this step's pages added; read only: the scheduler changes them only
-            when it commits the row), ``None`` for a per-sequence store.
+            when it commits the row): :class:`~cache_backends.page_plan.SeqBlocks`, or ``dca``'s
+            :class:`~cache_backends.dca_plan.DCABlocks`.
         plan: what writing the tokens does to ``blocks`` (committed after the step).
         decode: a decode row (one generated token), not a prefill chunk.
         sample: its last token's logits are sampled (a decode row, or a prompt's last chunk).
-        alone: runs in a forward of its own (a prompt that wants every position's log-probability, or a
-            per-sequence store's prefill), not in the step's mixed batch.
+        alone: runs in a forward of its own (a prompt that wants every position's log-probability), not in the
+            step's mixed batch.
         all_logits: every position's logits are kept (prompt log-probabilities).
     """
 
     seq_id: int
     backend: str
     token_ids: tuple[int, ...]
-    blocks: SeqBlocks | None
+    blocks: SeqBlocks
     plan: Plan
     decode: bool
     sample: bool

@@ -1,0 +1,138 @@
+"""One step's metadata for the rows of one backend, built once before the forward and read by every layer: block
+tables as tensors, write slots, the slots of the groups the step quantizes (:class:`Drain`), every gathered
+token's position and the attention mask (:class:`StepMeta`)."""
+
+from __future__ import annotations
+
+import torch
+
+from cache_backends.page_layout import PageLayout
+from cache_backends.page_plan import NULL_PAGE, Plan, SeqBlocks
+
+def quantized_before(positions: torch.Tensor, group_size: int, residual: int) -> torch.Tensor:
+    """Tokens held as codes once the token at each of ``positions`` is cached: the whole groups of
+    ``group_size`` that leave at least ``residual`` newer tokens exact (KIVI's residual window), same shape."""
+    return ((positions + 1 - residual).clamp(min=0) // group_size) * group_size
+
+
+def _pad_table(tables: list[list[int]]) -> list[list[int]]:
+    width = max((len(t) for t in tables), default=0)
+    return [t + [NULL_PAGE] * (width - len(t)) for t in tables]
+
+
+class Drain:
+    """Where the tokens one step (or one compression, :meth:`PageLayout.plan_compress`) quantizes come from and go.
+
+    Args:
+        layout: the backend's page layout.
+        rows: each sequence's blocks (pages for the step already added) and its plan.
+        device: where the index tensors go.
+
+    Attributes:
+        tokens: tokens quantized, over all rows (0: nothing to do).
+        src, dst: ``(pages, slots)`` (N,) each: the exact slot each quantized token is read from, and its slot in
+            the quantized tier.
+        grp: ``(pages, group slots)`` (N / group_size,) of each new group's scales.
+    """
+
+    def __init__(self, layout: PageLayout, rows: list[tuple[SeqBlocks, Plan]], device):
+        te, tq = layout.exact_tokens, layout.q_tokens
+        g = layout.quantize["group_size"] if layout.quantize else 0
+        sp, ss, dp, ds, gp, gs = ([] for _ in range(6))
+        for blocks, plan in rows:
+            for j in range(plan.drained):
+                sp.append(blocks.exact[(blocks.start + j) // te])
+                ss.append((blocks.start + j) % te)
+                t = blocks.q_len + j
+                dp.append(blocks.q[t // tq])
+                ds.append(t % tq)
+                if j % g == 0:
+                    gp.append(blocks.q[t // tq])
+                    gs.append((t % tq) // g)
+        self.tokens = len(sp)
+        if self.tokens:
+            as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+            self.src, self.dst, self.grp = (as_long(sp), as_long(ss)), (as_long(dp), as_long(ds)), (as_long(gp),
+                                                                                                     as_long(gs))
+
+
+class StepMeta:
+    """One step's metadata for the sequences of one backend, built once and read by every layer.
+
+    Args:
+        layout: the backend's page layout.
+        rows: each sequence's blocks (pages for this step already added) and its plan, in batch order.
+        device: where the index tensors go.
+
+    Attributes (tensors, B = sequences, n = new tokens per sequence):
+        write_pages, write_slots: (B * n,) exact page and slot of each new token, row-major.
+        drain: the tokens quantized this step (:class:`Drain`).
+        exact_table (B, Pe) and q_table (B, Pq): page tables, padded with the null page.
+        positions: (B, Tq + Te) position of every gathered token (q pages first, then exact pages).
+        gather_index: the row indices of the page gathers (:class:`_RunRows`), filled by the first layer.
+        query_positions: (B, n) positions of the new tokens.
+        mask: (B, n, Tq + Te) bool, True where a new token attends to a cached token (causal, live only).
+
+    Quantized layouts: the new token at position ``p`` reads the tokens before ``quantized_before(p)`` as codes
+    and the later ones exact, as it would decoding alone (the drained tokens' exact slots are still in their
+    pages during the step). So every token's K/V, and hence every group's codes, are a function of the tokens
+    before it only, however the prompt was chunked. (After a prefix-cache hit the hit's tokens exist only as
+    codes, and are read so.)
+    """
+
+    def __init__(self, layout: PageLayout, rows: list[tuple[SeqBlocks, Plan]], device,
+                 exact_rows: list[bool] | None = None):
+        te, tq = layout.exact_tokens, layout.q_tokens
+        n = rows[0][1].n
+        wp, ws = [], []
+        qpos, q_lens, starts, e_lens = [], [], [], []
+        g = layout.quantize["group_size"] if layout.quantize else 0
+        for blocks, plan in rows:
+            if plan.n != n:
+                raise ValueError("every sequence of a step writes the same number of tokens")
+            base = blocks.start + blocks.exact_len
+            for j in range(n):
+                wp.append(blocks.exact[(base + j) // te])
+                ws.append((base + j) % te)
+            qpos.append([blocks.tokens + j for j in range(n)])
+            q_lens.append(blocks.q_len + plan.drained)
+            starts.append(blocks.start + plan.drained)
+            e_lens.append(blocks.exact_len + n - plan.drained)
+        as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+        self.n, self.batch = n, len(rows)
+        self.write_pages, self.write_slots = as_long(wp), as_long(ws)
+        self.drain = Drain(layout, rows, device)
+        self.exact_table = as_long(_pad_table([b.exact for b, _ in rows]))
+        q_tables = _pad_table([b.q for b, _ in rows]) if layout.quantize else [[] for _ in rows]
+        self.q_table = as_long(q_tables)
+        t_q, t_e = self.q_table.shape[1] * tq, self.exact_table.shape[1] * te
+        q_len, start, e_len = as_long(q_lens), as_long(starts), as_long(e_lens)
+        iq, ie = torch.arange(t_q, device=device), torch.arange(t_e, device=device)
+        pos_q = iq.expand(len(rows), t_q)
+        pos_e = q_len[:, None] + ie[None] - start[:, None]
+        self.positions = torch.cat([pos_q, pos_e], dim=1)  # (B, Tq + Te)
+        self.query_positions = as_long(qpos)  # (B, n), from each row's first token until the end
+        causal = self.positions[:, None, :] <= self.query_positions[:, :, None]  # (B, n, T)
+        if layout.quantize and not (exact_rows and all(exact_rows)):
+            old_start = as_long([b.start for b, _ in rows])
+            # tokens held only as codes are read as codes (after a prefix-cache hit: the hit's whole pages; an
+            # on-demand tier: every quantized token)
+            split = as_long([b.q_len for b, _ in rows])[:, None].expand_as(self.query_positions)
+            if not layout.on_demand:
+                rule = quantized_before(self.query_positions, g, layout.quantize["residual"])
+                if exact_rows and any(exact_rows):  # rows read exact (dca: a candidate's prefill, a reuse window)
+                    rule = rule.masked_fill(as_long(exact_rows).bool()[:, None], 0)
+                split = torch.maximum(rule, split)
+            split = split[:, :, None]  # (B, n, 1)
+            quantized = iq[None, None] < split
+            exact = (ie[None] >= old_start[:, None])[:, None] & (pos_e[:, None] >= split)
+            self.mask = torch.cat([quantized, exact], dim=2) & causal
+        else:
+            live = (ie[None] >= start[:, None]) & (pos_e < (q_len + e_len)[:, None])
+            self.mask = live[:, None, :] & causal
+        firsts = [b.first for b, _ in rows]
+        if any(firsts):  # positions above were counted from each row's first token (a dca layer's own tokens)
+            first = as_long(firsts)[:, None]
+            self.positions, self.query_positions = self.positions + first, self.query_positions + first
+        self.q_width = t_q
+        self.gather_index: dict = {}  # the page gathers' row indices, built by the first layer that reads them
