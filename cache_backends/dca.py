@@ -182,13 +182,23 @@ class LayerMap:
             self._bias_table = table
         return table[:, start:stop]
 
-    def predict(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(1, H, n, d) source K (after RoPE) and V at positions start.. → predicted K (after RoPE) and V."""
+    def bias_at(self, positions: torch.Tensor, limit: int, dtype) -> torch.Tensor:
+        """The key bias after RoPE at ``positions`` (B, T), each below ``limit`` (a padded slot's is clamped: its
+        score is masked): (H, B, T, d)."""
+        return self._rotated_bias(0, limit, dtype)[:, positions.clamp(max=limit - 1)]
+
+    def predict(self, keys: torch.Tensor, values: torch.Tensor, start: int | torch.Tensor,
+                limit: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, H, n, d) source K (after RoPE) and V at positions ``start``.. (every row), or at ``start`` (B, n)
+        positions of each row (all below ``limit``) → predicted K (after RoPE) and V."""
         if self.key_mix is None:
             return keys, values
-        n = keys.shape[-2]
         z = torch.einsum("hgi,bgni->bhni", self.key_mix, _complex(keys.float()))
-        k_hat = _real(z).to(keys.dtype) + self._rotated_bias(start, n, keys.dtype)
+        if isinstance(start, int):
+            bias = self._rotated_bias(start, keys.shape[-2], keys.dtype)  # (H, n, d)
+        else:
+            bias = self.bias_at(start, limit, keys.dtype).transpose(0, 1)  # (B, H, n, d)
+        k_hat = _real(z).to(keys.dtype) + bias
         v_hat = torch.einsum("bgnd,ghde->bhne", values.float(), self.value_map)  # fp32: see attend
         return k_hat, (v_hat + self.value_bias[None, :, None, :]).to(values.dtype)
 
@@ -767,9 +777,8 @@ class DCABackend(KVBackend):
             inner_meta = meta.kept
             write_layer(views[0], j, inner_meta, self.inner.encode_paged(layer, key_states, value_states, inner_meta))
             reads = read_layer(views[0], j, inner_meta)
-            if layer + 1 in meta.layout.candidates:
-                kv = self.inner.stored_kv(layer, reads, inner_meta)
-                meta.sources[layer] = (kv, *self.inner.as_stored(layer, key_states, value_states, inner_meta))
+            if layer + 1 in meta.layout.candidates:  # what the candidate after it reads, rebuilt only if it does
+                meta.sources[layer] = _Source(self.inner, layer, reads, inner_meta, key_states, value_states)
             return reads
         i = group - 1
         self._measure(meta, i, layer, key_states, value_states)
@@ -780,16 +789,15 @@ class DCABackend(KVBackend):
         return _CandidateRead(i, reads, own_kv)
 
     def _measure(self, meta: DCAStepMeta, i: int, layer: int, key_states, value_states) -> None:
-        layout, layer_map = meta.layout, self.maps[layer - 1]
-        reads, src_k, src_v = meta.sources[layer - 1]
+        layout, layer_map, source = meta.layout, self.maps[layer - 1], meta.sources[layer - 1]
         prefill = [r for r, (_, plan) in enumerate(meta.rows) if plan.prefill]
         if prefill:  # the source as stored: one copy of every position the last token sees, in order
-            stored = [s.read() for s in reads]  # (H, B, T, d)
+            stored = [s.read() for s in source.kv()]  # (H, B, T, d)
             seen = meta.kept.mask[:, -1]  # (B, T)
             reuse = []
             for r in prefill:
                 pk, pv = (x[:, r, seen[r]][None] for x in stored)  # (1, H, n, d)
-                pk, pv = _predict_rows(layer_map, pk, pv, meta.kept.query_positions[r : r + 1], meta.position_limit)
+                pk, pv = layer_map.predict(pk, pv, meta.kept.query_positions[r : r + 1], meta.position_limit)
                 sim = _similarity_rows(key_states[r : r + 1], value_states[r : r + 1], pk, pv)[0]
                 meta.feedback[r].prefill[i] = sim
                 if layout.reuses(i, sim, meta.n):
@@ -800,8 +808,8 @@ class DCABackend(KVBackend):
                 rows[reuse] = True
                 own.mask = torch.where(rows[:, None, None], _exact_mask(own), own.mask)
         probed = [r for r, (_, plan) in enumerate(meta.rows) if plan.probe[i]]
-        if probed:  # the source's new token is stored exact
-            pk, pv = _predict_rows(layer_map, src_k, src_v, meta.kept.query_positions, meta.position_limit)
+        if probed:  # the source's new tokens as stored
+            pk, pv = layer_map.predict(*source.new_as_stored(), meta.kept.query_positions, meta.position_limit)
             sims = _similarity_rows(key_states, value_states, pk, pv)
             for r in probed:
                 blocks, plan = meta.rows[r]
@@ -818,7 +826,7 @@ class DCABackend(KVBackend):
         own_meta = meta.candidates[i]
         if not any(meta.own_from[i]):
             return self.inner.attend_paged(layer, query, reads.own, own_meta, scaling, module)
-        src_reads = meta.sources[layer - 1][0]
+        src_reads = meta.sources[layer - 1].kv()
         own_from = torch.tensor(meta.own_from[i], device=query.device)
         return attend_through_map(self.maps[layer - 1], query, src_reads, meta.kept, reads.own_kv, own_meta, own_from,
                                   scaling, meta.position_limit)
@@ -853,8 +861,7 @@ class DCAStepMeta:
             row's ``first``).
         own_from: per candidate, per row, the first position read from its own pages (plain ints; a probe that makes
             the layer fall back moves its row's to the plan's ``own_from_fallback`` within the step).
-        sources: layer → ``(reads, keys, values)`` of a source layer in this step: its gathered stored form and
-            its new tokens' K/V (B, H, n, d), kept for the candidate after it.
+        sources: layer → a source layer's :class:`_Source` in this step, kept for the candidate after it.
         feedback: per row, the similarities measured (:class:`cache_backends.dca_plan.Feedback`).
     """
 
@@ -870,7 +877,24 @@ class DCAStepMeta:
         self.position_limit = max(b.length for b, _ in rows) + self.n + max(widths)  # every gathered position below
         self.sources: dict[int, tuple] = {}
         self.feedback = [Feedback() for _ in rows]
-        self.device = device
+
+
+class _Source:
+    """A source layer's step, as the reuse candidate after it reads it: the K/V its gathered pages stand for and its
+    new tokens' K/V as stored (:meth:`KVBackend.stored_kv`, :meth:`KVBackend.as_stored`), each computed once, when
+    first asked for (``mla`` rebuilds them from its latent: not for a step no row reads or probes)."""
+
+    def __init__(self, inner: KVBackend, layer: int, reads: list, meta: StepMeta, key_states, value_states):
+        self.inner, self.layer, self.reads, self.meta, self.new = inner, layer, reads, meta, (key_states, value_states)
+        self._kv = None
+
+    def kv(self) -> tuple:
+        if self._kv is None:
+            self._kv = self.inner.stored_kv(self.layer, self.reads, self.meta)
+        return self._kv
+
+    def new_as_stored(self) -> tuple:
+        return self.inner.as_stored(self.layer, *self.new, self.meta)
 
 
 class _CandidateRead:
@@ -896,24 +920,6 @@ def _similarity_rows(own_k, own_v, pred_k, pred_v) -> list[float]:
     cos = torch.nn.functional.cosine_similarity
     both = cos(own_k.float(), pred_k.float(), dim=-1) + cos(own_v.float(), pred_v.float(), dim=-1)  # (B, H, n)
     return (0.5 * both.mean(dim=(1, 2))).tolist()
-
-
-def _predict_rows(layer_map: LayerMap, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-                  limit: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, H, n, d) source K (after RoPE) and V at ``positions`` (B, n) → the predicted K (after RoPE) and V."""
-    if layer_map.key_mix is None:
-        return keys, values
-    z = torch.einsum("hgi,bgni->bhni", layer_map.key_mix, _complex(keys.float()))
-    bias = _bias_at(layer_map, positions, limit, keys.dtype).transpose(0, 1)  # (B, H, n, d)
-    v_hat = torch.einsum("bgnd,ghde->bhne", values.float(), layer_map.value_map)
-    return _real(z).to(keys.dtype) + bias, (v_hat + layer_map.value_bias[None, :, None, :]).to(values.dtype)
-
-
-def _bias_at(layer_map: LayerMap, positions: torch.Tensor, limit: int, dtype) -> torch.Tensor:
-    """The key bias after RoPE at ``positions`` (B, T) (each below ``limit``; a padded slot's is clamped, its
-    score masked): (H, B, T, d)."""
-    table = layer_map._rotated_bias(0, limit, dtype)  # (H, limit, d)
-    return table[:, positions.clamp(max=limit - 1)]
 
 
 def attend_through_map(layer_map: LayerMap, query: torch.Tensor, src: list[StreamRead], src_meta: StepMeta,
@@ -943,7 +949,7 @@ def attend_through_map(layer_map: LayerMap, query: torch.Tensor, src: list[Strea
         key_fold, value_map, value_bias = layer_map._per_query_head(hq)
         folded = (query.float() @ key_fold).view(b, hq, n, h, d).permute(3, 0, 1, 2, 4).reshape(h, b, hq * n, d)
         from_source = src[0].dot(folded.to(query.dtype)).sum(0).view(b, hq, n, -1)  # (B, Hq, n, Ts)
-        bias = _bias_at(layer_map, src_meta.positions, limit, query.dtype)  # (H, B, Ts, d)
+        bias = layer_map.bias_at(src_meta.positions, limit, query.dtype)  # (H, B, Ts, d)
         from_source = from_source + (gq @ bias.transpose(-1, -2)).transpose(0, 1).reshape(b, hq, n, -1)
     from_own = own[0].dot(gq).transpose(0, 1).reshape(b, hq, n, -1)  # (B, Hq, n, To)
     src_mask = src_meta.mask & (src_meta.positions < own_from[:, None])[:, None, :]  # (B, n, Ts)

@@ -155,10 +155,6 @@ class DCAPlan:
     def pages_needed(self) -> int:
         return self.new_exact_pages + self.new_q_pages
 
-    @property
-    def drained(self) -> int:
-        return self.groups[0].drained
-
 
 @dataclass
 class Feedback:
@@ -331,9 +327,6 @@ class DCALayout:
         """Pages the prefill step of ``tokens`` tokens holds (every layer's K/V, before the decisions)."""
         return len(start.pages()) + self.plan(start, tokens).pages_needed
 
-    def compressible(self, blocks) -> int:
-        return 0
-
     def stored_bytes(self, blocks: DCABlocks) -> int:
         """Bytes of the tokens every group holds in its stored form."""
         return sum(g.stored_bytes(b) for g, b in zip(self.groups, blocks.groups))
@@ -352,7 +345,3 @@ class DCALayout:
 
     def stats(self, blocks: DCABlocks) -> dict:
         return {"dca_reuse_layers": blocks.reuse_layers(), "dca_fallbacks": blocks.fallbacks}
-
-    def own_tokens(self, blocks: DCABlocks) -> list[int]:
-        """Per model layer, the tokens it stores itself."""
-        return [blocks.groups[g].tokens for g, _ in self.where]

@@ -63,12 +63,11 @@ def page_layouts(backends: dict[str, KVBackend], dtype: torch.dtype, block_size:
     unpaged = [n for n, b in backends.items() if b.paged_streams() is None]
     if unpaged:
         raise ValueError(f"{', '.join(unpaged)} has no paged form: it cannot be served")
-    paged = backends
 
     def layouts(k: int) -> tuple[int, dict]:
-        page = max(b.natural_page_bytes(dtype, k * block_size) for b in paged.values())
+        page = max(b.natural_page_bytes(dtype, k * block_size) for b in backends.values())
         page = -(-page // 64) * 64
-        return page, {n: b.page_layout(dtype, page) for n, b in paged.items()}
+        return page, {n: b.page_layout(dtype, page) for n, b in backends.items()}
 
     def filled(page: int, out: dict) -> float:
         return min(l.used_bytes() / page for l in out.values())

@@ -157,11 +157,12 @@ class ModelRunner:
     Args:
         model: a loaded causal LM (``eval()`` mode).
         num_layers: decoder layers of ``model``.
+        pool: the KV pool every backend's blocks live in.
     """
 
-    def __init__(self, model, num_layers: int, pool: KVPool | None = None):
+    def __init__(self, model, num_layers: int, pool: KVPool):
         self.model = model
-        install_attention(model)  # kvserve's stores are read by kvserve's attention function
+        install_attention(model)  # the pool's reads are attended by kvserve's attention function
         self.num_layers = num_layers
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -187,8 +188,7 @@ class ModelRunner:
         result = RunnerOutput()
         for c in out.compress:
             self.compress([(backends[c.backend], list(c.rows))], list(c.pages))
-        if self.pool is not None and out.new_pages:
-            self.pool.zero(out.new_pages)
+        self.pool.zero(out.new_pages)
         last: dict[int, torch.Tensor] = {}  # seq_id -> (vocab_size,) logits of the row's last token
         for row in out.rows:
             if row.alone:
