@@ -319,9 +319,10 @@ class DCALayout:
         return blocks
 
     def pages_for(self, tokens: int, chunk: int | None = None, start=None, compress: bool = False) -> int:
-        """The most pages a sequence of ``tokens`` tokens can hold: every layer kept (a sequence may reuse no layer,
-        or fall back everywhere); its prefill is one step (``chunk`` does not apply)."""
-        return sum(g.pages_for(tokens) for g in self.groups)
+        """At most the pages a sequence holds writing ``tokens`` tokens in steps of ``chunk`` (default: at once)
+        with every layer kept (a sequence may reuse no layer, or fall back everywhere): each group's most, added.
+        Its prompt is one step; the tokens it generates are one a step, within any ``chunk``."""
+        return sum(g.pages_for(tokens, chunk) for g in self.groups)
 
     def prefill_pages(self, start: DCABlocks, tokens: int) -> int:
         """Pages the prefill step of ``tokens`` tokens holds (every layer's K/V, before the decisions)."""

@@ -369,3 +369,19 @@ def test_admission_charges_dca_what_its_prefill_keeps_and_the_step_the_rest(setu
     engine.submit(seq)
     engine.step()
     assert engine.kv.held(seq) == cost  # every candidate reused: what admission charged
+
+
+def test_a_quantized_inner_is_not_priced_above_dca_for_a_request_to_fit_alone(setup):
+    """The most a request can hold (whether it fits the pool alone) is its prompt written whole and then its tokens
+    as they are generated, not every token written in one step: ``dca+int8`` (which stores less) is never priced
+    above ``dca`` for the same request (it was refused at 60 blocks where ``dca`` fitted)."""
+    from tests.engine_helpers import make_engine, make_seq
+
+    model, tok, geometry, calib = setup
+    need = {}
+    for name in ("dca", "dca+int8"):
+        engine = make_engine(model, tok, name)
+        seq = make_seq(tok, "x", 300, backend=name)
+        seq.prompt_ids = calib[:351]
+        need[name] = engine.kv.pages_to_finish(seq) * engine.kv.page_bytes
+    assert need["dca+int8"] < need["dca"], need
