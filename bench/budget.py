@@ -101,7 +101,7 @@ def new_engine(model, tokenizer, backend, streams: int, budget: int | None, chun
                prefix_caching: bool = True):
     """The server's engine (pool, scheduler, runner) for ``backend`` alone, in-process (stepped on this, the main,
     thread: with glibc's allocator thresholds fixed, :func:`server.engine.allocator.keep_step_memory`)."""
-    from server.engine.allocator import keep_step_memory
+    from server.engine.malloc_tuning import keep_step_memory
     from server.engine.setup import build_engine
 
     keep_step_memory()
@@ -139,8 +139,8 @@ def budget_run(model, tokenizer, backend, prompts: list[list[int]], new_tokens: 
     peak = peak_used = most_running = 0
     while engine.running or engine.waiting:
         engine.step()
-        peak = max(peak, engine.kv_bytes())
-        peak_used = max(peak_used, engine.kv_used_bytes())
+        peak = max(peak, engine.kv_held_bytes())
+        peak_used = max(peak_used, engine.kv_stored_bytes())
         most_running = max(most_running, len(engine.running))
     wall = time.perf_counter() - t0
     generated = sum(len(s.output_ids) for s in seqs)
@@ -193,8 +193,7 @@ def perplexity_change(model, backend, full_ppl: float | None, ids: list[int]) ->
     on-demand tier (``elastic``) its worst case, every compressible group quantized at every step."""
     from bench.fidelity import cache_path_perplexity, paged_perplexity
 
-    quantize = backend.paged_quantize()
-    if quantize and quantize["residual"] is None:
+    if backend.quantization and backend.quantization.on_demand:
         ppl = paged_perplexity(model, backend, ids, max_windows=2, compress_all=True)
     else:
         ppl = cache_path_perplexity(model, backend, ids, max_windows=2)

@@ -60,9 +60,8 @@ def paged_perplexity(model, backend, token_ids: list[int], window: int = 1024, p
     from cache_backends.pool import KVPool
 
     g, dtype = backend.geometry, next(model.parameters()).dtype
-    streams, quantize = backend.paged_streams(), backend.paged_quantize()
-    page = PageLayout.natural_page_bytes(streams, g.num_layers, dtype, 2 * block_size, quantize)
-    layout = PageLayout(streams, g.num_layers, dtype, -(-page // 64) * 64, quantize)
+    page = backend.block_bytes(2 * block_size)
+    layout = PageLayout(backend.kv_spec(), dtype, -(-page // 64) * 64)
     windows = [token_ids[s : s + window] for s in range(0, len(token_ids) - window + 1, window)]
     windows = windows[:max_windows] if max_windows else windows
     pages = len(windows) * (layout.pages_for(window, None) + 2) + 1
@@ -172,7 +171,7 @@ class PagedSequence:
 
     Args:
         model: the loaded model.
-        backend: a paged backend (``backend.paged_streams()`` is not ``None``).
+        backend: the backend.
         tokens: the most tokens the sequence will hold.
     """
 
@@ -203,18 +202,13 @@ class PagedSequence:
 @torch.inference_mode()
 def tpot(model, backend, token_ids: list[int], context: int, steps: int = 32) -> float:
     """Median single-sequence decode step time (seconds) over ``steps`` steps ending at ``context`` tokens, through
-    the path the server serves the backend by (the paged pool; ``dca``'s per-sequence store).
+    the path the server serves the backend by (the paged pool).
 
     The median, not the mean, so that one step delayed by the machine does not move the number.
     """
-    if backend.paged_streams() is None:
-        runner, store = _runner(model, backend), backend.new_store()
-        runner.prefill(token_ids[: context - steps], store)
-        step = lambda t: runner.decode([t], [store])[0]  # noqa: E731
-    else:
-        seq = PagedSequence(model, backend, context)
-        seq.step(token_ids[: context - steps])
-        step = lambda t: seq.step([t])  # noqa: E731
+    seq = PagedSequence(model, backend, context)
+    seq.step(token_ids[: context - steps])
+    step = lambda t: seq.step([t])  # noqa: E731
     last = token_ids[context - steps]
     step(last)  # warm-up step
     times = []

@@ -73,14 +73,7 @@ def engine_throughput(model, tokenizer, backend, streams: int, new_tokens: int) 
 @torch.inference_mode()
 def ttft(model, backend, ids: list[int]) -> float:
     """Time (seconds) to prefill ``ids`` into an empty cache and pick the first token, in-process, through the
-    path the server serves the backend by (the paged pool; ``dca``'s per-sequence store)."""
-    if backend.paged_streams() is None:
-        runner, store = StorePath(model, backend.geometry.num_layers), backend.new_store()
-        t0 = time.perf_counter()
-        int(runner.prefill(ids, store)[-1].argmax())
-        elapsed = time.perf_counter() - t0
-        store.release()
-        return elapsed
+    path the server serves the backend by (the paged pool)."""
     seq = PagedSequence(model, backend, len(ids))
     t0 = time.perf_counter()
     int(seq.step(ids).argmax())

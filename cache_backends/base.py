@@ -19,7 +19,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from cache_backends.attention import LayerRead, attend_kv
 from cache_backends.buffer import TokenBuffer
-from cache_backends.estimate import Shape, bytes_per_token_per_layer
+from cache_backends.estimate import Shape
+from cache_backends.kv_spec import KVSpec, Quantization, StreamSpec
 from cache_backends.page_layout import PageLayout
 from cache_backends.paged import read_layer, write_layer
 from cache_backends.step_meta import StepMeta
@@ -277,6 +278,9 @@ class KVBackend(ABC):
     """
 
     name: ClassVar[str]
+    quantization: Quantization | None = None
+    """The quantized tier (int8-family backends and compositions), else ``None``."""
+
     chunked_prefill: ClassVar[bool] = True
     """Whether its per-sequence stores take a prompt in several forward passes (``dca`` decides once per prompt)."""
 
@@ -327,33 +331,31 @@ class KVBackend(ABC):
 
     def bytes_per_token_per_layer(self, seq_len: int = 1024) -> float:
         """Bytes one token costs in one layer at the model's dtype, averaged over a sequence of ``seq_len``
-        tokens (int8-family backends depend on it through their full-precision window):
-        :func:`cache_backends.estimate.bytes_per_token_per_layer` of :meth:`sums_spec`, the function
-        ``kvserve estimate`` prints. ``/info`` reports it."""
-        g = self.geometry
-        return bytes_per_token_per_layer(g.shape(), *self.sums_spec(), g.dtype_bytes, seq_len)
+        tokens (int8-family backends depend on it through their full-precision window): what :meth:`kv_spec`
+        holds (:meth:`cache_backends.kv_spec.KVSpec.bytes_per_token_per_layer`), the same function
+        ``kvserve estimate`` prints for :meth:`sums_spec`. ``/info`` reports it."""
+        return self.kv_spec().bytes_per_token_per_layer(seq_len)
 
     # ---- the paged pool (cache_backends.paged): what a block holds and how the batch attends to it --------
-    def paged_streams(self) -> "list | None":
-        """The per-token streams (:class:`cache_backends.page_layout.StreamSpec`) one layer of this backend stores in
-        the paged pool, or ``None`` for a backend that keeps per-sequence stores (:meth:`new_store`) instead."""
-        return None
+    def kv_spec(self) -> KVSpec:
+        """What one layer of this backend stores per token, in how many layers, and its quantized tier
+        (:class:`cache_backends.kv_spec.KVSpec`): every byte count (pages, admission, ``/info``, metrics) is
+        computed from it."""
+        raise NotImplementedError(f"{self.name} has no KV spec")
 
-    def paged_quantize(self) -> dict | None:
-        """``{"group_size", "residual", "key_bits", "value_bits", "rotate"}`` when the streams are held quantized
-        (8- or 4-bit codes, :mod:`cache_backends.int8`) with a residual window, else ``None``."""
-        return None
+    def _kv_spec(self, streams: list[StreamSpec], quantization: Quantization | None = None) -> KVSpec:
+        """``streams`` in every layer of the model at its dtype."""
+        return KVSpec(tuple(streams), self.geometry.num_layers, self.geometry.dtype_bytes, quantization)
 
-    def natural_page_bytes(self, dtype: torch.dtype, block_size: int) -> int:
+    def block_bytes(self, block_size: int) -> int:
         """Bytes of one block of ``block_size`` tokens of every layer in this backend's stored form
-        (:meth:`cache_backends.page_layout.PageLayout.natural_page_bytes`)."""
-        return PageLayout.natural_page_bytes(self.paged_streams(), self.geometry.num_layers, dtype, block_size,
-                                             self.paged_quantize())
+        (:meth:`cache_backends.kv_spec.KVSpec.block_bytes`): the page size a pool serving only it uses."""
+        return self.kv_spec().block_bytes(block_size)
 
     def page_layout(self, dtype: torch.dtype, page_bytes: int):
         """How this backend's blocks fill a page of ``page_bytes`` (:class:`cache_backends.page_layout.PageLayout`; the
         planning the KV cache manager reads: ``plan``, ``extend``, ``commit``, ``written``, ``pages_for``...)."""
-        return PageLayout(self.paged_streams(), self.geometry.num_layers, dtype, page_bytes, self.paged_quantize())
+        return PageLayout(self.kv_spec(), dtype, page_bytes)
 
     def step_meta(self, layout, rows: list, device):
         """One step's metadata for this backend's rows ``[(blocks, plan), ...]`` (:class:`cache_backends.paged.

@@ -51,7 +51,8 @@ from cache_backends.attention import LayerRead, attend_kv
 from cache_backends.base import KVBackend, KVLayer, KVStore, ModelGeometry
 from cache_backends.dca_plan import (PROBE_WINDOW, SPANS, DCALayout, Feedback, falls_back, probes_after,
                                      runtime_threshold, window_start)
-from cache_backends.estimate import dca_store_bytes_per_token_per_layer
+from cache_backends.estimate import bytes_per_token_per_layer, dca_store_bytes_per_token_per_layer
+from cache_backends.kv_spec import KVSpec
 from cache_backends.page_layout import PageLayout
 from cache_backends.paged import StreamRead, read_layer, write_layer
 from cache_backends.paged_attention import grouped_rows, ungroup_rows
@@ -570,12 +571,12 @@ class DCABackend(KVBackend):
         self.inner = inner if inner is not None else FullBackend(geometry)
         if inner is not None:
             self.options.update(inner.params())
-        q = self.inner.paged_quantize()
-        if q and q.get("residual") is not None and 2 * window > q["residual"] + q["group_size"]:
+        q = self.inner.quantization
+        if q and not q.on_demand and 2 * window > q.residual + q.group_size:
             prefix = f"KV_{self.inner.name.upper()}"
             raise ValueError(f"KV_DCA_WINDOW={window}: a reuse layer keeps up to 2 x window - 1 tokens exact, so with "
                              f"{self.inner.name} the window must be at most ({prefix}_RESIDUAL + {prefix}_GROUP_SIZE)"
-                             f" / 2 = {(q['residual'] + q['group_size']) // 2}")
+                             f" / 2 = {(q.residual + q.group_size) // 2}")
         self.maps: list[LayerMap] | None = None
         self.calibration: dict[str, list[float]] = {}
         self.calibration_reuse: list[tuple[int, int]] = []  # per calibration window: (tokens, reuse layers)
@@ -732,15 +733,17 @@ class DCABackend(KVBackend):
                                                                 "window": self.window, **options}
 
     # ---- the paged pool (cache_backends.dca_plan: the tables; DCAStepMeta and attend_through_map: the step) ----
-    def paged_streams(self) -> list | None:
-        """The inner backend's streams (K/V for ``full``, ``int8``, ``int4``; the latent for ``mla``, whose K/V the
-        candidates read rebuilt: :meth:`KVBackend.stored_kv`)."""
-        if self.geometry.kv_lora_rank:
-            return None
-        return self.inner.paged_streams()
+    def bytes_per_token_per_layer(self, seq_len: int = 1024) -> float:
+        """The sums at the calibrated reuse fraction (:meth:`sums_spec`; a live sequence's own:
+        :meth:`live_bytes_per_token_per_layer`)."""
+        g = self.geometry
+        return bytes_per_token_per_layer(g.shape(), *self.sums_spec(), g.dtype_bytes, seq_len)
 
-    def paged_quantize(self) -> dict | None:
-        return self.inner.paged_quantize()
+    def kv_spec(self) -> KVSpec:
+        """A block holds the inner backend's streams (K/V for ``full``, ``int8``, ``int4``; the latent for ``mla``,
+        whose K/V the candidates read rebuilt: :meth:`KVBackend.stored_kv`) for a group of layers: the kept layers
+        in one group, each reuse candidate in a group of its own (:meth:`page_layout`)."""
+        return self.inner.kv_spec()
 
     def _groups(self) -> tuple[list[int], list[int]]:
         if self.maps is None:
@@ -748,19 +751,18 @@ class DCABackend(KVBackend):
         candidates = list(self.reuse_candidates)
         return [layer for layer in range(self.geometry.num_layers) if layer not in candidates], candidates
 
-    def natural_page_bytes(self, dtype: torch.dtype, block_size: int) -> int:
+    def block_bytes(self, block_size: int) -> int:
         """One block of the kept layers' group (a candidate's page holds one layer: more tokens of it)."""
         kept, _ = self._groups()
-        return PageLayout.natural_page_bytes(self.paged_streams(), len(kept), dtype, block_size,
-                                             self.paged_quantize())
+        return self.kv_spec().with_layers(len(kept)).block_bytes(block_size)
 
     def page_layout(self, dtype: torch.dtype, page_bytes: int) -> DCALayout:
         """The kept layers' group and one group per reuse candidate, as prepared (:meth:`set_threshold` afterwards
         does not change a built layout)."""
         kept, candidates = self._groups()
-        streams, quantize = self.paged_streams(), self.paged_quantize()
-        groups = [PageLayout(streams, len(kept), dtype, page_bytes, quantize)]
-        groups += [PageLayout(streams, 1, dtype, page_bytes, quantize) for _ in candidates]
+        spec = self.kv_spec()
+        groups = [PageLayout(spec.with_layers(len(kept)), dtype, page_bytes)]
+        groups += [PageLayout(spec.with_layers(1), dtype, page_bytes) for _ in candidates]
         return DCALayout(groups, kept, candidates, [self.layer_thresholds[c] for c in candidates], self.threshold,
                          self.window, self.probe_interval)
 
@@ -802,7 +804,7 @@ class DCABackend(KVBackend):
                 meta.feedback[r].prefill[i] = sim
                 if layout.reuses(i, sim, meta.n):
                     reuse.append(r)
-            if reuse and layout.quantize:  # a reuse layer's prompt attends its own K/V exact
+            if reuse and layout.quantization:  # a reuse layer's prompt attends its own K/V exact
                 own = meta.candidates[i]
                 rows = torch.zeros(meta.batch, dtype=torch.bool, device=own.mask.device)
                 rows[reuse] = True

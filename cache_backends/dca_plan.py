@@ -192,7 +192,7 @@ class DCALayout:
         self.groups, self.kept_layers, self.candidates = groups, kept_layers, candidates
         self.thresholds, self.cap, self.window, self.probe_interval = thresholds, cap, window, probe_interval
         self.page_bytes = groups[0].page_bytes
-        self.quantize = groups[0].quantize
+        self.quantization = groups[0].quantization
         self.exact_tokens = groups[0].exact_tokens
         self.cache_block_tokens = groups[0].exact_tokens
         where = {layer: (0, j) for j, layer in enumerate(kept_layers)}

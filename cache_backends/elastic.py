@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from cache_backends.base import KVBackend, ModelGeometry
 from cache_backends.full import FullLayer
-from cache_backends.page_layout import StreamSpec
+from cache_backends.kv_spec import KVSpec, Quantization, kv_streams
 from cache_backends.paged_attention import attend_pair
 
 
@@ -50,6 +50,7 @@ class ElasticBackend(KVBackend):
             raise ValueError(f"elastic bits={bits} must be 4 or 8")
         super().__init__(geometry, group_size=group_size, window=window, bits=bits)
         self.group_size, self.window, self.bits = group_size, window, bits
+        self.quantization = Quantization(group_size, None, bits, bits, window=window)  # filled on demand only
         self.tiers = ("exact", f"int{bits}")
 
     def new_layer(self, index: int, position_offset: int = 0) -> FullLayer:
@@ -68,15 +69,12 @@ class ElasticBackend(KVBackend):
                 "compress": "under pool pressure, oldest exact groups of the sequence with the most compressible "
                             "tokens first; preemption only when none is left"}
 
-    def paged_streams(self) -> list[StreamSpec]:
-        """Keys (grouped per channel once quantized) and values (per token), (num_key_value_heads, head_dim)."""
+    def kv_spec(self) -> KVSpec:
+        """A block holds keys (grouped per channel once quantized) and values (per token), (num_key_value_heads,
+        head_dim) each per token, exact until the pool runs short: an on-demand tier (no residual window), the
+        newest ``window`` tokens always exact."""
         g = self.geometry
-        return [StreamSpec(g.num_key_value_heads, g.head_dim, "channel"),
-                StreamSpec(g.num_key_value_heads, g.head_dim, "token")]
-
-    def paged_quantize(self) -> dict:
-        return {"group_size": self.group_size, "residual": None, "window": self.window, "key_bits": self.bits,
-                "value_bits": self.bits}
+        return self._kv_spec(kv_streams(g.num_key_value_heads, g.head_dim), self.quantization)
 
     def attend_paged(self, layer, query, reads, meta, scaling, module=None):
         """Exact pages through ``scaled_dot_product_attention`` while nothing is quantized; else the codes scored

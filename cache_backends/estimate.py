@@ -1,10 +1,11 @@
-"""The KV-cache sums, in one place: bytes per token per layer for each backend.
+"""The estimator's sums: bytes per token per layer for a backend spec named as ``kvserve estimate`` takes it.
 
-A served backend sizes itself with :func:`bytes_per_token_per_layer` of its own spec
-(:meth:`cache_backends.base.KVBackend.sums_spec`), the same function ``kvserve estimate`` prints, so
-``/info`` and the estimator give one number. Every sum is exact: it counts what a store holds at
-``seq_len`` tokens (codes, scales, zero points, the full-precision residual window, latents, shared
-heads), so it equals ``store.nbytes() / seq_len`` per layer at every length, not only asymptotically.
+A name and its options (``("gqa+int8", {"groups": 2})``) become the :class:`cache_backends.kv_spec.KVSpec` the
+served backend holds (:func:`kv_spec`), and its bytes come from the same methods the pool, admission, ``/info``
+and the metrics read (:meth:`cache_backends.kv_spec.KVSpec.bytes_per_token_per_layer`), so a served backend
+(:meth:`cache_backends.base.KVBackend.kv_spec`) and the estimator give one number. Every sum is exact: it
+counts what a sequence holds at ``seq_len`` tokens (codes, scales, zero points, the full-precision residual
+window, latents, shared heads), at every length, not only asymptotically.
 The one input that is not a config value is ``dca``'s share of reused layers: the estimator takes it
 as a parameter, a served backend uses its calibrated share, and a live sequence its own
 (:func:`dca_store_bytes_per_token_per_layer`). Units are bytes.
@@ -15,72 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from cache_backends.kv_spec import KVSpec, Quantization, StreamSpec, kv_streams
 from cache_backends.spec import default_gqa_groups
-
-
-def full_bytes_per_token_per_layer(num_key_value_heads: int, head_dim: int, dtype_bytes: int) -> int:
-    """Exact K and V: ``2 * num_key_value_heads * head_dim * dtype_bytes``."""
-    return 2 * num_key_value_heads * head_dim * dtype_bytes
-
-
-def gqa_bytes_per_token_per_layer(groups: int, head_dim: int, dtype_bytes: int) -> int:
-    """G shared K and V heads: ``2 * groups * head_dim * dtype_bytes``."""
-    return 2 * groups * head_dim * dtype_bytes
-
-
-def mla_bytes_per_token_per_layer(rank: int, rope_dim: int, dtype_bytes: int) -> int:
-    """A latent of ``rank`` values (plus a shared rope key of ``rope_dim`` on native MLA): ``(rank + rope_dim) * B``."""
-    return (rank + rope_dim) * dtype_bytes
-
-
-def int8_bytes_per_token_per_layer(num_key_value_heads: int, head_dim: int, dtype_bytes: int, group_size: int,
-                                   residual: int, seq_len: int, key_bits: int = 8, value_bits: int = 8) -> float:
-    """Quantized K and V with scales and zero points, plus a full-precision residual window, averaged at
-    ``seq_len`` (``int8``; ``int4`` and k8v4 by their bits).
-
-    Codes: ``key_bits`` / ``value_bits`` bits per element (4-bit codes are packed two a byte). Keys: one
-    scale and one zero point (``dtype_bytes`` each at 8 bits; at 4 bits at most 2: :func:`scale_bytes`) per
-    channel per group of ``group_size`` tokens. Values:
-    one scale and one zero point per token per head. The newest tokens stay in full precision: at
-    ``seq_len`` tokens, ``r`` of them, where r = residual + (seq_len - residual) mod group_size once
-    seq_len >= residual + group_size (before that, all of them).
-
-    Returns:
-        Average bytes per token per layer at ``seq_len`` tokens.
-    """
-    hd = num_key_value_heads * head_dim
-    fp_tokens = _fp_tokens(seq_len, group_size, residual)
-    q_tokens = seq_len - fp_tokens
-    kb, vb = scale_bytes(key_bits, dtype_bytes), scale_bytes(value_bits, dtype_bytes)
-    key_bytes = q_tokens * hd * key_bits // 8 + (q_tokens // group_size) * hd * 2 * kb
-    value_bytes = q_tokens * hd * value_bits // 8 + q_tokens * num_key_value_heads * 2 * vb
-    fp_bytes = fp_tokens * 2 * hd * dtype_bytes
-    return (key_bytes + value_bytes + fp_bytes) / max(seq_len, 1)
-
-
-def scale_bytes(bits: int, dtype_bytes: int) -> int:
-    """Bytes of one scale or zero point of a ``bits``-bit stream in a model of ``dtype_bytes``: the model dtype's
-    at 8 bits, at most 2 at 4 bits (the rule of :func:`cache_backends.quant.scale_dtype`)."""
-    return dtype_bytes if bits == 8 else min(dtype_bytes, 2)
-
-
-def _fp_tokens(seq_len: int, group_size: int, residual: int) -> int:
-    """Tokens still in full precision at ``seq_len`` (the residual window plus the forming group)."""
-    if seq_len < residual + group_size:
-        return seq_len
-    return residual + (seq_len - residual) % group_size
-
-
-def int8_latent_bytes_per_token_per_layer(rank: int, dtype_bytes: int, group_size: int, residual: int,
-                                          seq_len: int, bits: int = 8) -> float:
-    """``mla+int8`` (``mla+int4``: ``bits`` = 4): a quantized latent of ``rank`` channels, one scale and minimum
-    per channel per group of ``group_size`` tokens, and the residual window in full precision; averaged at
-    ``seq_len``. ``rank`` may be the sum of several per-channel streams' widths (native MLA's latent and rope
-    key), each even at 4 bits."""
-    fp = _fp_tokens(seq_len, group_size, residual)
-    q = seq_len - fp
-    scales = (q // group_size) * rank * 2 * scale_bytes(bits, dtype_bytes)
-    return (q * rank * bits // 8 + scales + fp * rank * dtype_bytes) / max(seq_len, 1)
 
 
 def dca_window_tokens(seq_len: int, window: int) -> int:
@@ -190,8 +127,57 @@ def default_params(shape: Shape, backend: str) -> dict:
     return out
 
 
+def _quantization(backend: str, params: dict) -> Quantization | None:
+    """The quantized tier a spec names (``...int8``, ``...int4``, ``elastic``), else ``None``."""
+    if backend == "elastic":
+        bits = params["bits"]
+        return Quantization(params["group_size"], None, bits, bits, window=params["window"])
+    if backend.endswith(("int8", "int4")):
+        default = 4 if backend.endswith("int4") else 8
+        return Quantization(params["group_size"], params["residual"], params.get("key_bits", default),
+                            params.get("value_bits", default))
+    return None
+
+
+def kv_spec(shape: Shape, backend: str, params: dict, dtype_bytes: int) -> KVSpec:
+    """The KV spec a backend spec stores on ``shape`` (every backend but ``dca``, whose layers differ: see
+    :func:`bytes_per_token_per_layer`).
+
+    Args:
+        shape: the model's attention shape.
+        backend: ``full``, ``gqa``, ``mla``, ``int8``, ``int4``, ``elastic``, or ``gqa+int8``, ``mla+int8``,
+            ``gqa+int4``, ``mla+int4``.
+        params: the spec's options, over :func:`default_params`.
+        dtype_bytes: bytes per element (2 for fp16).
+
+    Raises:
+        ValueError: for an unknown backend, or a parameter the shape cannot take.
+    """
+    params = {**default_params(shape, backend), **params}
+    h, dk, dv = shape.num_key_value_heads, shape.k_head_dim, shape.v_head_dim
+    outer = backend.split("+")[0]
+    if outer == "gqa":
+        groups = params["groups"]
+        if groups < 1 or h % groups:
+            raise ValueError(f"gqa groups={groups} must divide num_key_value_heads={h}")
+        h = groups
+    if outer == "mla":  # the latent; on native MLA the model's latent and its rope key, each per channel
+        rope = params["rope_dim"]
+        streams = [StreamSpec(1, params["rank"])] + ([StreamSpec(1, rope)] if rope else [])
+    elif outer in ("full", "gqa", "int8", "int4", "elastic"):
+        if backend not in ("full", "gqa", "elastic") and dk != dv:
+            raise ValueError(f"{backend} sums assume k_head_dim == v_head_dim")
+        streams = kv_streams(h, dk) if dk == dv else [StreamSpec(h, dk), StreamSpec(h, dv)]
+    else:
+        raise ValueError(f"unknown backend {backend!r}; allowed: full, gqa, mla, int8, int4, dca, elastic, gqa+int8, "
+                         "mla+int8, dca+int8, dca+mla, gqa+int4, mla+int4, dca+int4")
+    return KVSpec(tuple(streams), shape.num_layers, dtype_bytes, _quantization(backend, params))
+
+
 def bytes_per_token_per_layer(shape: Shape, backend: str, params: dict, dtype_bytes: int, seq_len: int) -> float:
-    """Closed-form bytes one token costs in one layer for a backend spec.
+    """Closed-form bytes one token costs in one layer for a backend spec, averaged over ``seq_len`` tokens:
+    :meth:`cache_backends.kv_spec.KVSpec.bytes_per_token_per_layer` of :func:`kv_spec` (``elastic``: its most,
+    every token exact; its least is :func:`elastic_min_bytes_per_token_per_layer`).
 
     Args:
         shape: the model's attention shape.
@@ -200,56 +186,26 @@ def bytes_per_token_per_layer(shape: Shape, backend: str, params: dict, dtype_by
         params: the spec's options (``gqa``: groups; ``mla``: rank, rope_dim; ``int8``/``int4``: group_size,
             residual, key_bits, value_bits (8 for int8, 4 for int4 unless given), rotate (no bytes);
             ``dca``: reuse_fraction, window (a reuse layer's residual window, tokens) and optional inner
-            backend options).
+            backend options): a reuse fraction f costs (1 - f) x the inner backend's sum plus f x its window's
+            tokens in the inner form.
         dtype_bytes: bytes per element (2 for fp16).
         seq_len: context length (matters for int8's residual window).
 
     Raises:
         ValueError: for an unknown backend or a parameter the shape cannot take.
     """
-    params = {**default_params(shape, backend), **params}
-    h, dk, dv = shape.num_key_value_heads, shape.k_head_dim, shape.v_head_dim
-    if backend.startswith("dca+"):
-        return bytes_per_token_per_layer(shape, "dca", {**params, "inner": backend[4:]}, dtype_bytes, seq_len)
-    if backend in ("gqa+int8", "gqa+int4"):
-        groups = params["groups"]
-        return bytes_per_token_per_layer(Shape(shape.num_layers, groups, dk, dv), backend[4:], params, dtype_bytes,
-                                         seq_len)
-    if backend in ("mla+int8", "mla+int4"):  # every latent stream is per channel: key_bits
-        return int8_latent_bytes_per_token_per_layer(params["rank"] + params["rope_dim"], dtype_bytes,
-                                                     params["group_size"], params["residual"], seq_len,
-                                                     params.get("key_bits", 8))
-    if backend == "full":
-        return h * (dk + dv) * dtype_bytes
-    if backend == "elastic":  # its most: every token exact (the least: elastic_min_bytes_per_token_per_layer)
-        return h * (dk + dv) * dtype_bytes
-    if backend == "gqa":
-        groups = params["groups"]
-        if h % groups:
-            raise ValueError(f"gqa groups={groups} must divide num_key_value_heads={h}")
-        return groups * (dk + dv) * dtype_bytes
-    if backend == "mla":
-        return mla_bytes_per_token_per_layer(params["rank"], params["rope_dim"], dtype_bytes)
-    if backend in ("int8", "int4"):
-        g, r = params["group_size"], params["residual"]
-        if dk != dv:
-            raise ValueError(f"{backend} sums assume k_head_dim == v_head_dim")
-        return int8_bytes_per_token_per_layer(h, dk, dtype_bytes, g, r, seq_len, params.get("key_bits", 8),
-                                              params.get("value_bits", 8))
-    if backend == "dca":
+    if backend == "dca" or backend.startswith("dca+"):
+        params = {**default_params(shape, "dca"), **params}
         f = params["reuse_fraction"]
         if not 0 <= f < 1:
             raise ValueError(f"dca reuse_fraction={f} must be in [0, 1)")
-        inner = params.get("inner", "full")
-        window = int(params.get("window", 0))
-        rest = {k: v for k, v in params.items() if k not in ("reuse_fraction", "inner", "window")}
-        kept = (1 - f) * bytes_per_token_per_layer(shape, inner, rest, dtype_bytes, seq_len)
-        held = dca_window_tokens(seq_len, window)  # a reuse layer's residual window, in the inner backend's form
-        if not held:
-            return kept
-        return kept + f * bytes_per_token_per_layer(shape, inner, rest, dtype_bytes, held) * held / seq_len
-    raise ValueError(f"unknown backend {backend!r}; allowed: full, gqa, mla, int8, int4, dca, elastic, gqa+int8, "
-                     "mla+int8, dca+int8, dca+mla, gqa+int4, mla+int4, dca+int4")
+        inner = "full" if backend == "dca" else backend[4:]
+        rest = {k: v for k, v in params.items() if k not in ("reuse_fraction", "window")}
+        spec = kv_spec(shape, inner, rest, dtype_bytes)
+        held = dca_window_tokens(seq_len, int(params.get("window", 0)))  # a reuse layer's residual window
+        per_layer = spec.bytes_per_token_per_layer(seq_len)
+        return (1 - f) * per_layer + f * spec.bytes_at(held) / (spec.num_layers * max(seq_len, 1))
+    return kv_spec(shape, backend, params, dtype_bytes).bytes_per_token_per_layer(seq_len)
 
 
 def elastic_min_bytes_per_token_per_layer(shape: Shape, params: dict, dtype_bytes: int, seq_len: int) -> float:
@@ -257,8 +213,8 @@ def elastic_min_bytes_per_token_per_layer(shape: Shape, params: dict, dtype_byte
     ``int4``) with its group size and its window as the residual window. Its most is ``full``'s."""
     params = {**default_params(shape, "elastic"), **params}
     tier = "int8" if params["bits"] == 8 else "int4"
-    return bytes_per_token_per_layer(shape, tier, {"group_size": params["group_size"], "residual": params["window"]},
-                                     dtype_bytes, seq_len)
+    return kv_spec(shape, tier, {"group_size": params["group_size"], "residual": params["window"]},
+                   dtype_bytes).bytes_per_token_per_layer(seq_len)
 
 
 def estimate_rows(shape: Shape, specs: list[tuple[str, dict]], seq_lens: list[int], batches: list[int],

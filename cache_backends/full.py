@@ -16,7 +16,7 @@ import torch
 from cache_backends.absorbed_mla import absorbed_attention, install_absorbed_attention
 from cache_backends.attention import attend_kv
 from cache_backends.base import FullStorage, KVBackend, StreamPairLayer
-from cache_backends.page_layout import StreamSpec
+from cache_backends.kv_spec import KVSpec, StreamSpec, kv_streams
 from cache_backends.paged_attention import attend_pair
 
 
@@ -61,14 +61,13 @@ class FullBackend(KVBackend):
     def reserved_bytes(self, max_tokens: int) -> int:
         return int(self.bytes_per_token_per_layer() * max_tokens * self.geometry.num_layers)
 
-    def paged_streams(self) -> list[StreamSpec]:
-        """Keys and values, (num_key_value_heads, head_dim) each per token; on a native-MLA model the model's
-        latent (1, kv_lora_rank) and shared rope key (1, qk_rope_head_dim)."""
+    def kv_spec(self) -> KVSpec:
+        """A block holds keys and values, (num_key_value_heads, head_dim) each per token; on a native-MLA model the
+        model's latent (1, kv_lora_rank) and shared rope key (1, qk_rope_head_dim)."""
         g = self.geometry
         if g.kv_lora_rank:
-            return [StreamSpec(1, g.kv_lora_rank, "channel"), StreamSpec(1, g.rope_dim, "channel")]
-        return [StreamSpec(g.num_key_value_heads, g.head_dim, "channel"),
-                StreamSpec(g.num_key_value_heads, g.head_dim, "token")]
+            return self._kv_spec([StreamSpec(1, g.kv_lora_rank), StreamSpec(1, g.rope_dim)])
+        return self._kv_spec(kv_streams(g.num_key_value_heads, g.head_dim))
 
     def attend_paged(self, layer, query, reads, meta, scaling, module=None):
         """Exact attention over the gathered K/V (``scaled_dot_product_attention`` under the step's mask); on a

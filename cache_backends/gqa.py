@@ -29,7 +29,7 @@ import torch
 
 from cache_backends.base import KVBackend, ModelGeometry, StreamPairLayer
 from cache_backends.int8 import attend_stored, make_storage, quant_spec, storage_reserved_bytes
-from cache_backends.page_layout import StreamSpec
+from cache_backends.kv_spec import KVSpec, Quantization, kv_streams
 from cache_backends.paged_attention import attend_pair
 from cache_backends.spec import default_gqa_groups
 
@@ -152,16 +152,16 @@ class GQALayer(StreamPairLayer):
     folded into the query and the value codec into the output; no head is rebuilt.
     """
 
-    def __init__(self, key_codec: GroupCodec, value_codec: GroupCodec, quantize: dict | None = None,
+    def __init__(self, key_codec: GroupCodec, value_codec: GroupCodec, quantization: Quantization | None = None,
                  query_map: torch.Tensor | None = None, output_map: torch.Tensor | None = None):
         super().__init__()
         self.key_codec = key_codec
         self.value_codec = value_codec
-        self.quantize = quantize
+        self.quantization = quantization
         self.query_map = query_map  # (Hq, d, d): B^k per query head, transposed when applied
         self.output_map = output_map  # (Hq, d, d): B^v per query head
-        self.key_store = make_storage("channel", self.quantize)
-        self.value_store = make_storage("token", self.quantize)
+        self.key_store = make_storage("channel", self.quantization)
+        self.value_store = make_storage("token", self.quantization)
 
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.key_store.append(self.key_codec.encode(key_states))
@@ -196,15 +196,16 @@ class GQABackend(KVBackend):
     name = "gqa"
 
     def __init__(self, geometry: ModelGeometry, groups: int | None = None, method: str = "pca",
-                 quantize: dict | None = None):
+                 quantization: Quantization | None = None):
         groups = default_gqa_groups(geometry.num_key_value_heads) if groups is None else groups
         if groups < 1 or geometry.num_key_value_heads % groups:
             raise ValueError(f"KV_GQA_GROUPS={groups} must divide num_key_value_heads="
                              f"{geometry.num_key_value_heads}")
         if method not in METHODS:
             raise ValueError(f"KV_GQA_METHOD={method!r}; allowed: {', '.join(METHODS)}")
-        super().__init__(geometry, groups=groups, method=method, **(quant_spec(quantize)[1] if quantize else {}))
-        self.groups, self.method, self.quantize = groups, method, quantize
+        super().__init__(geometry, groups=groups, method=method,
+                         **(quant_spec(quantization)[1] if quantization else {}))
+        self.groups, self.method, self.quantization = groups, method, quantization
         m = geometry.num_key_value_heads // groups
         codec = mean_codec(groups, m, geometry.head_dim)
         self.codecs = [(codec, codec)] * geometry.num_layers
@@ -262,15 +263,12 @@ class GQABackend(KVBackend):
     def new_layer(self, index: int, position_offset: int = 0) -> GQALayer:
         key_codec, value_codec = self.codecs[index]
         query_map, output_map = self._folded(index)
-        return GQALayer(key_codec, value_codec, self.quantize, query_map, output_map)
+        return GQALayer(key_codec, value_codec, self.quantization, query_map, output_map)
 
-    def paged_streams(self) -> list[StreamSpec]:
-        """The G shared key heads (grouped per channel under int8) and value heads, (G, head_dim) each."""
-        d = self.geometry.head_dim
-        return [StreamSpec(self.groups, d, "channel"), StreamSpec(self.groups, d, "token")]
-
-    def paged_quantize(self) -> dict | None:
-        return self.quantize
+    def kv_spec(self) -> KVSpec:
+        """A block holds the G shared key heads (grouped per channel under int8) and value heads, (G, head_dim)
+        each per token."""
+        return self._kv_spec(kv_streams(self.groups, self.geometry.head_dim), self.quantization)
 
     def encode_paged(self, layer, key_states, value_states, meta):
         key_codec, value_codec = self.codecs[layer]
@@ -285,14 +283,14 @@ class GQABackend(KVBackend):
         return torch.einsum("bhrd,hde->bhre", out, output_map.to(out.dtype))
 
     def sums_spec(self) -> tuple[str, dict]:
-        if self.quantize:  # gqa+int8/int4: the quantized sums with G heads in place of num_key_value_heads
-            name, options = quant_spec(self.quantize)
+        if self.quantization:  # gqa+int8/int4: the quantized sums with G heads in place of num_key_value_heads
+            name, options = quant_spec(self.quantization)
             options.pop("rotate", None)  # a per-model constant: no byte per token
             return f"gqa+{name}", {"groups": self.groups, **options}
         return "gqa", {"groups": self.groups}
 
     def reserved_bytes(self, max_tokens: int) -> int:
         g = self.geometry
-        per_layer = sum(storage_reserved_bytes(self.quantize, axis, max_tokens, self.groups, g.head_dim, g.dtype_bytes)
+        per_layer = sum(storage_reserved_bytes(self.quantization, axis, max_tokens, self.groups, g.head_dim, g.dtype_bytes)
                         for axis in ("channel", "token"))
         return per_layer * g.num_layers

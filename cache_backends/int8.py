@@ -36,7 +36,7 @@ Tr residual tokens, n = Tq / group_size, d_c = d at 8 bits and d / 2 at 4 bits):
 
 Bytes per token per layer (asymptotically, 8 bits): ``2*H*d + 2*H*d*B/group_size + 2*H*B`` — about 0.31x of
 ``full`` in fp32 and 0.56x in fp16/bf16 at group size 32 (0.33x and 0.58x at 1024 tokens with the
-residual window: :func:`cache_backends.estimate.int8_bytes_per_token_per_layer`); 4-bit codes halve the
+residual window: :meth:`cache_backends.kv_spec.KVSpec.bytes_at`); 4-bit codes halve the
 ``2*H*d`` term. Decode attends to the codes
 directly (scales folded into the query and the attention weights, :meth:`Int8Storage.dot` and
 :meth:`Int8Storage.weighted_sum`); nothing full-precision but the residual window survives a step.
@@ -52,11 +52,9 @@ import torch
 from cache_backends.attention import grouped_query, ungroup
 from cache_backends.base import FullStorage, KVBackend, ModelGeometry, StreamPairLayer
 from cache_backends.buffer import TokenBuffer
-from cache_backends.estimate import scale_bytes
-from cache_backends.page_layout import StreamSpec
+from cache_backends.kv_spec import KVSpec, Quantization, kv_streams, scale_bytes
 from cache_backends.paged_attention import attend_pair
-from cache_backends.quant import (BITS, codes_dot, codes_weighted_sum, dequantize_codes, pack, quantize, rotate,
-                                  stream_bits)
+from cache_backends.quant import BITS, codes_dot, codes_weighted_sum, dequantize_codes, pack, quantize, rotate
 
 class Int8Storage:
     """A stream of per-token vectors, (batch, heads, seq_len, width), held as 8- or 4-bit codes plus a residual
@@ -188,41 +186,40 @@ class Int8Storage:
             buf.release()
 
 
-def quant_spec(quantize: dict) -> tuple[str, dict]:
+def quant_spec(quantization: Quantization) -> tuple[str, dict]:
     """The quantized part of a spec, as the sums and ``/info`` name it: ``int4`` when keys and values are both
     4-bit, else ``int8``; its options are group_size and residual, the bits where they differ from that name's
     (``int8:value_bits=4`` is k8v4), and ``rotate`` when on."""
-    kb, vb = quantize.get("key_bits", 8), quantize.get("value_bits", 8)
+    kb, vb = quantization.key_bits, quantization.value_bits
     name = "int4" if kb == vb == 4 else "int8"
     default = 4 if name == "int4" else 8
-    options = {"group_size": quantize["group_size"], "residual": quantize["residual"]}
+    options = {"group_size": quantization.group_size, "residual": quantization.residual}
     options.update({k: b for k, b in (("key_bits", kb), ("value_bits", vb)) if b != default})
-    if quantize.get("rotate"):
+    if quantization.rotate:
         options["rotate"] = True
     return name, options
 
 
-def make_storage(axis: str, quantize: dict | None):
-    """An exact :class:`FullStorage`, or an :class:`Int8Storage` when ``quantize`` gives its options.
+def make_storage(axis: str, quantization: Quantization | None):
+    """An exact :class:`FullStorage`, or an :class:`Int8Storage` with ``quantization``'s options.
 
     Args:
         axis: ``"channel"`` (key-like streams) or ``"token"`` (value-like streams).
-        quantize: ``None``, or ``{"group_size": int, "residual": int}`` with optional ``key_bits``,
-            ``value_bits`` (8 or 4; :func:`stream_bits`) and ``rotate`` (bool).
+        quantization: ``None``, or the tier (:class:`cache_backends.kv_spec.Quantization`, with a residual window).
     """
-    if quantize is None:
+    if quantization is None:
         return FullStorage()
-    return Int8Storage(axis, quantize["group_size"], quantize["residual"], stream_bits(quantize, axis),
-                       bool(quantize.get("rotate")))
+    return Int8Storage(axis, quantization.group_size, quantization.residual, quantization.bits(axis),
+                       quantization.rotate)
 
 
-def storage_reserved_bytes(quantize: dict | None, axis: str, max_tokens: int, heads: int, width: int,
+def storage_reserved_bytes(quantization: Quantization | None, axis: str, max_tokens: int, heads: int, width: int,
                            dtype_bytes: int) -> int:
-    """The most bytes :func:`make_storage` ``(axis, quantize)`` reserved for ``max_tokens`` can allocate."""
-    if quantize is None:
+    """The most bytes :func:`make_storage` ``(axis, quantization)`` reserved for ``max_tokens`` can allocate."""
+    if quantization is None:
         return FullStorage.reserved_bytes(max_tokens, heads, width, dtype_bytes)
-    return Int8Storage.reserved_bytes(axis, quantize["group_size"], quantize["residual"], max_tokens, heads, width,
-                                      dtype_bytes, stream_bits(quantize, axis))
+    return Int8Storage.reserved_bytes(axis, quantization.group_size, quantization.residual, max_tokens, heads, width,
+                                      dtype_bytes, quantization.bits(axis))
 
 
 def attend_stored(query: torch.Tensor, key_store, value_store, scaling: float) -> torch.Tensor:
@@ -245,14 +242,13 @@ class Int8Layer(StreamPairLayer):
     """One layer's KIVI cache: keys in a per-channel :class:`Int8Storage`, values in a per-token one.
 
     Args:
-        quantize: the options of :func:`make_storage`.
+        quantization: the tier of :func:`make_storage`.
     """
 
-    def __init__(self, quantize: dict):
+    def __init__(self, quantization: Quantization):
         super().__init__()
-        self.quantize = quantize
-        self.key_store = make_storage("channel", quantize)
-        self.value_store = make_storage("token", quantize)
+        self.key_store = make_storage("channel", quantization)
+        self.value_store = make_storage("token", quantization)
 
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.key_store.append(key_states)
@@ -316,31 +312,27 @@ class Int8Backend(KVBackend):
         super().__init__(geometry, group_size=group_size, residual=residual, **extra,
                          **({"rotate": True} if rotate else {}))
         self.group_size, self.residual = group_size, residual
-        self.quantize = {"group_size": group_size, "residual": residual, "key_bits": key_bits,
-                         "value_bits": value_bits, "rotate": bool(rotate)}
+        self.quantization = Quantization(group_size, residual, key_bits, value_bits, bool(rotate))
 
     def new_layer(self, index: int, position_offset: int = 0) -> Int8Layer:
-        return Int8Layer(self.quantize)
+        return Int8Layer(self.quantization)
 
     def sums_spec(self) -> tuple[str, dict]:
-        name, options = quant_spec(self.quantize)
+        name, options = quant_spec(self.quantization)
         options.pop("rotate", None)  # a per-model constant: no byte per token
         return name, options
 
     def reserved_bytes(self, max_tokens: int) -> int:
         g = self.geometry
-        per_layer = sum(storage_reserved_bytes(self.quantize, axis, max_tokens, g.num_key_value_heads, g.head_dim,
+        per_layer = sum(storage_reserved_bytes(self.quantization, axis, max_tokens, g.num_key_value_heads, g.head_dim,
                                                g.dtype_bytes) for axis in ("channel", "token"))
         return per_layer * g.num_layers
 
-    def paged_streams(self) -> list:
-        """Keys (grouped per channel) and values (per token), (num_key_value_heads, head_dim) each per token."""
+    def kv_spec(self) -> KVSpec:
+        """A block holds keys (grouped per channel) and values (per token), (num_key_value_heads, head_dim) each
+        per token: quantized, the residual window exact."""
         g = self.geometry
-        return [StreamSpec(g.num_key_value_heads, g.head_dim, "channel"),
-                StreamSpec(g.num_key_value_heads, g.head_dim, "token")]
-
-    def paged_quantize(self) -> dict:
-        return dict(self.quantize)
+        return self._kv_spec(kv_streams(g.num_key_value_heads, g.head_dim), self.quantization)
 
     def attend_paged(self, layer, query, reads, meta, scaling, module=None):
         """Scores on the key codes (scales and rotation folded into the query), output from the value codes

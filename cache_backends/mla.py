@@ -32,7 +32,7 @@ from cache_backends.attention import grouped_query, ungroup
 from cache_backends.base import KVBackend, KVLayer, KVStore, ModelGeometry
 from cache_backends.full import FullLayer
 from cache_backends.int8 import make_storage, quant_spec, storage_reserved_bytes
-from cache_backends.page_layout import StreamSpec
+from cache_backends.kv_spec import KVSpec, Quantization, StreamSpec
 from cache_backends.paged import StreamRead
 from cache_backends.paged_attention import group_mask, grouped_rows, masked_softmax, ungroup_rows
 from cache_backends.rope import RopeTable
@@ -77,20 +77,20 @@ class MLALayer(KVLayer):
         basis: the layer's projection.
         rope: the model's RoPE table.
         heads, head_dim: H and d.
-        quantize: ``None`` or int8 options (the latent is quantized per channel over token groups,
+        quantization: ``None`` or int8 options (the latent is quantized per channel over token groups,
             since principal components differ in scale by orders of magnitude).
         position_offset: the position of the first token this layer will hold.
     """
 
-    def __init__(self, basis: LatentBasis, rope: RopeTable, heads: int, head_dim: int, quantize: dict | None = None,
-                 position_offset: int = 0):
+    def __init__(self, basis: LatentBasis, rope: RopeTable, heads: int, head_dim: int,
+                 quantization: Quantization | None = None, position_offset: int = 0):
         super().__init__()
         self.p = basis
         self.rope = rope
         self.heads, self.head_dim = heads, head_dim
-        self.quantize = quantize
+        self.quantization = quantization
         self.position_offset = position_offset
-        self.latent = make_storage("channel", self.quantize)
+        self.latent = make_storage("channel", self.quantization)
         hd = heads * head_dim
         rank = basis.basis.shape[1]
         # P_v per head, (H, r, d), and the value mean per head, (H, 1, d): the absorbed value side.
@@ -165,14 +165,15 @@ class NativeLatentLayer(FullLayer):
     :meth:`FullLayer.attend`.
 
     Args:
-        quantize: ``None`` (exact), or int8 options (``mla+int8``): both streams quantized per channel over
+        quantization: ``None`` (exact), or int8 options (``mla+int8``): both streams quantized per channel over
             groups of ``group_size`` tokens, the newest ``residual`` tokens in full precision (KIVI's keys).
     """
 
-    def __init__(self, quantize: dict | None = None):
+    def __init__(self, quantization: Quantization | None = None):
         super().__init__()
-        if quantize:
-            self.key_store, self.value_store = make_storage("channel", quantize), make_storage("channel", quantize)
+        if quantization:
+            self.key_store = make_storage("channel", quantization)
+            self.value_store = make_storage("channel", quantization)
 
 
 class MLABackend(KVBackend):
@@ -189,22 +190,22 @@ class MLABackend(KVBackend):
 
     name = "mla"
 
-    def __init__(self, geometry: ModelGeometry, rank: int | None = None, quantize: dict | None = None):
+    def __init__(self, geometry: ModelGeometry, rank: int | None = None, quantization: Quantization | None = None):
         self.native = bool(geometry.kv_lora_rank)
         if self.native:
             if rank not in (None, geometry.kv_lora_rank):
                 raise ValueError(f"KV_MLA_RANK={rank}: this model is natively MLA and caches its own latent of "
                                  f"kv_lora_rank={geometry.kv_lora_rank}; leave KV_MLA_RANK unset or equal to it")
             super().__init__(geometry, rank=geometry.kv_lora_rank, rope_dim=geometry.rope_dim, native=True,
-                             **(quant_spec(quantize)[1] if quantize else {}))
-            self.rank, self.quantize, self.bases, self.rope = geometry.kv_lora_rank, quantize, None, None
+                             **(quant_spec(quantization)[1] if quantization else {}))
+            self.rank, self.quantization, self.bases, self.rope = geometry.kv_lora_rank, quantization, None, None
             return
         width = 2 * geometry.num_key_value_heads * geometry.head_dim
         rank = max(1, width // 8) if rank is None else rank
         if not 1 <= rank <= width:
             raise ValueError(f"KV_MLA_RANK={rank} must be between 1 and 2*num_key_value_heads*head_dim={width}")
-        super().__init__(geometry, rank=rank, **(quant_spec(quantize)[1] if quantize else {}))
-        self.rank, self.quantize = rank, quantize
+        super().__init__(geometry, rank=rank, **(quant_spec(quantization)[1] if quantization else {}))
+        self.rank, self.quantization = rank, quantization
         self.bases: list[LatentBasis] | None = None
         self.rope: RopeTable | None = None
 
@@ -246,26 +247,22 @@ class MLABackend(KVBackend):
 
     def new_layer(self, index: int, position_offset: int = 0) -> KVLayer:
         if self.native:
-            return NativeLatentLayer(self.quantize)  # what the model hands over: its latent and its rope key
+            return NativeLatentLayer(self.quantization)  # what the model hands over: its latent and its rope key
         if self.bases is None:
             raise RuntimeError("mla backend used before prepare(model)")
         g = self.geometry
-        return MLALayer(self.bases[index], self.rope, g.num_key_value_heads, g.head_dim, self.quantize, position_offset)
+        return MLALayer(self.bases[index], self.rope, g.num_key_value_heads, g.head_dim, self.quantization, position_offset)
 
     def new_store(self) -> KVStore:
         """One sequence's store; on a native-MLA model it is read in place by absorbed attention."""
         return KVStore([self.new_layer(i) for i in range(self.geometry.num_layers)], in_place=True)
 
     # ---- paged: one latent stream (post-hoc), or the model's latent and rope key (native) ----------------
-    def paged_streams(self) -> list[StreamSpec]:
-        """Post-hoc: the latent, (1, rank) per token. Native: the model's latent (1, kv_lora_rank) and its shared
-        rope key (1, qk_rope_head_dim). Every stream is grouped per channel under int8."""
-        if self.native:
-            return [StreamSpec(1, self.rank, "channel"), StreamSpec(1, self.geometry.rope_dim, "channel")]
-        return [StreamSpec(1, self.rank, "channel")]
-
-    def paged_quantize(self) -> dict | None:
-        return self.quantize
+    def kv_spec(self) -> KVSpec:
+        """A block holds, post-hoc, the latent, (1, rank) per token; native, the model's latent (1, kv_lora_rank)
+        and its shared rope key (1, qk_rope_head_dim). Every stream is grouped per channel under int8."""
+        streams = [StreamSpec(1, self.rank)] + ([StreamSpec(1, self.geometry.rope_dim)] if self.native else [])
+        return self._kv_spec(streams, self.quantization)
 
     def encode_paged(self, layer, key_states, value_states, meta):
         """Native: what the model hands over, as it is. Post-hoc: the latent ``([K_pre ; V] - mu) P`` of each new
@@ -321,18 +318,18 @@ class MLABackend(KVBackend):
 
     def sums_spec(self) -> tuple[str, dict]:
         spec = {"rank": self.rank, "rope_dim": self.geometry.rope_dim if self.native else 0}
-        if not self.quantize:
+        if not self.quantization:
             return "mla", spec
         # mla+int8/int4: the latent (native: and the rope key) quantized per channel; no per-token scales
-        name, options = quant_spec(self.quantize)
+        name, options = quant_spec(self.quantization)
         options.pop("rotate", None)  # a per-model constant: no byte per token
         return f"mla+{name}", {**spec, **options}
 
     def reserved_bytes(self, max_tokens: int) -> int:
         g = self.geometry
-        if self.native and self.quantize:
-            return sum(storage_reserved_bytes(self.quantize, "channel", max_tokens, 1, width, g.dtype_bytes)
+        if self.native and self.quantization:
+            return sum(storage_reserved_bytes(self.quantization, "channel", max_tokens, 1, width, g.dtype_bytes)
                        for width in (self.rank, g.rope_dim)) * g.num_layers
         if self.native:
             return super().reserved_bytes(max_tokens)
-        return storage_reserved_bytes(self.quantize, "channel", max_tokens, 1, self.rank, g.dtype_bytes) * g.num_layers
+        return storage_reserved_bytes(self.quantization, "channel", max_tokens, 1, self.rank, g.dtype_bytes) * g.num_layers

@@ -1,10 +1,10 @@
 """What a page of the KV pool holds: a backend's per-token *streams* and how every layer's slab of each fills a page.
 
 The pool (:class:`cache_backends.pool.KVPool`) is ``num_pages`` pages of ``page_bytes`` bytes. A backend
-describes the per-token streams it keeps per layer (:class:`StreamSpec`: K and V for ``full``, the shared
-heads for ``gqa``, a latent for ``mla``, the model's latent and rope key on native MLA) and whether they are
-quantized (``int8`` options). :class:`PageLayout` carves a page into every layer's slab of every stream, in
-one of two *tiers*:
+describes what it keeps (:class:`cache_backends.kv_spec.KVSpec`: the per-token streams of a layer, K and V for
+``full``, the shared heads for ``gqa``, a latent for ``mla``, the model's latent and rope key on native MLA, and
+their quantization); :class:`PageLayout` carves a page into every layer's slab of every stream, in one of two
+*tiers*, with the sizes the spec computes:
 
 * ``exact`` — ``exact_tokens`` tokens of every stream in the model dtype;
 * ``q`` (quantized backends only) — ``q_tokens`` tokens as codes with their scales and zero points
@@ -27,31 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from cache_backends.estimate import scale_bytes
+from cache_backends.kv_spec import KVSpec, align
 from cache_backends.page_plan import SeqBlocks, TierPlan
-from cache_backends.quant import scale_dtype, stream_bits
-
-ALIGN = 64  # bytes: every slab of a page starts at a multiple of this
-
-
-def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
-@dataclass(frozen=True)
-class StreamSpec:
-    """One per-token stream a backend stores in every layer: ``(heads, width)`` per token.
-
-    Attributes:
-        heads: heads of the stream (num_key_value_heads for K/V, G for gqa, 1 for a latent).
-        width: channels per head (head_dim, the latent rank, the rope key width).
-        axis: how int8 groups its scales: ``"channel"`` (per channel over token groups: keys, latents) or
-            ``"token"`` (per token and head: values).
-    """
-
-    heads: int
-    width: int
-    axis: str = "channel"
+from cache_backends.quant import scale_dtype
 
 
 @dataclass
@@ -75,61 +53,29 @@ class PageLayout(TierPlan):
     ...) is :class:`cache_backends.page_plan.TierPlan`'s, on the tokens a page of each tier holds.
 
     Args:
-        streams: the per-token streams of one layer.
-        num_layers: decoder layers (every page holds its tokens for all of them).
-        dtype: the model dtype (exact tokens, scales and zero points).
+        spec: what the backend stores (:class:`cache_backends.kv_spec.KVSpec`): its streams, layers per page and
+            quantized tier (``residual=None``: an int8 tier filled only on demand, :meth:`plan_compress`,
+            ``elastic``, never by writes).
+        dtype: the model dtype (exact tokens, scales and zero points), of ``spec.dtype_bytes`` bytes.
         page_bytes: bytes per page.
-        quantize: ``None``, ``{"group_size": g, "residual": r}`` (a quantized tier with a residual window, with
-            optional ``key_bits`` / ``value_bits`` (8 or 4: :func:`cache_backends.quant.stream_bits`) and
-            ``rotate``), or ``{"group_size": g, "residual": None, "window": w}``: an int8 tier filled only on
-            demand (:meth:`plan_compress`, ``elastic``), never by writes, the newest ``w`` tokens always exact.
 
     Raises:
-        ValueError: if a page cannot hold one exact token, or one quantization group.
+        ValueError: if a page cannot hold one exact token, or one quantization group, or ``dtype`` is not the
+            spec's element size.
     """
 
-    def __init__(self, streams: list[StreamSpec], num_layers: int, dtype: torch.dtype, page_bytes: int,
-                 quantize: dict | None = None):
-        self.streams, self.num_layers, self.dtype, self.page_bytes = streams, num_layers, dtype, page_bytes
-        exact_tokens = self._fit(lambda t: self.exact_bytes(streams, num_layers, dtype, t), 1)
-        q_tokens = 0
-        if quantize:
-            g = quantize["group_size"]
-            q_tokens = self._fit(lambda t: self.q_bytes(streams, num_layers, dtype, quantize, t), g)
-        super().__init__(exact_tokens, q_tokens, quantize)
+    def __init__(self, spec: KVSpec, dtype: torch.dtype, page_bytes: int):
+        if dtype.itemsize != spec.dtype_bytes:
+            raise ValueError(f"a {dtype} pool cannot hold a KV spec of {spec.dtype_bytes}-byte elements")
+        self.spec, self.streams, self.num_layers = spec, spec.streams, spec.num_layers
+        self.dtype, self.page_bytes = dtype, page_bytes
+        q = spec.quantization
+        exact_tokens = self._fit(lambda t: spec.exact_bytes(t, aligned=True), 1)
+        q_tokens = self._fit(lambda t: spec.q_bytes(t, aligned=True), q.group_size) if q else 0
+        super().__init__(exact_tokens, q_tokens, q)
         self.exact_slabs = self._slabs_exact(self.exact_tokens)
-        if quantize:
+        if q:
             self.q_slabs = self._slabs_q(self.q_tokens)
-
-    # ---- sizes ----------------------------------------------------------------------------------------
-    @staticmethod
-    def exact_bytes(streams, num_layers: int, dtype: torch.dtype, tokens: int) -> int:
-        """Bytes of a page of ``tokens`` exact tokens (slabs aligned)."""
-        e = dtype.itemsize
-        return num_layers * sum(_align(tokens * s.heads * s.width * e) for s in streams)
-
-    @staticmethod
-    def q_bytes(streams, num_layers: int, dtype: torch.dtype, quantize: dict, tokens: int) -> int:
-        """Bytes of a page of ``tokens`` quantized tokens (a multiple of ``group_size``) with scales and zeros
-        (each stream's codes at its bits: :func:`cache_backends.quant.stream_bits`)."""
-        e = dtype.itemsize
-        group_size, total = quantize["group_size"], 0
-        for s in streams:
-            bits = stream_bits(quantize, s.axis)
-            scales = (tokens // group_size) * s.heads * s.width if s.axis == "channel" else tokens * s.heads
-            total += _align(tokens * s.heads * s.width * bits // 8) + 2 * _align(scales * scale_bytes(bits, e))
-        return num_layers * total
-
-    @classmethod
-    def natural_page_bytes(cls, streams, num_layers: int, dtype: torch.dtype, block_size: int,
-                           quantize: dict | None) -> int:
-        """Bytes of one block of ``block_size`` tokens in this backend's stored form (rounded up to whole
-        quantization groups; an on-demand tier: the exact block every token starts in): the page size a pool
-        serving only this backend uses."""
-        if quantize and quantize["residual"] is not None:
-            g = quantize["group_size"]
-            return cls.q_bytes(streams, num_layers, dtype, quantize, g * -(-block_size // g))
-        return cls.exact_bytes(streams, num_layers, dtype, block_size)
 
     def _fit(self, size, step: int) -> int:
         """The most tokens (a multiple of ``step``) whose page fits ``page_bytes``."""
@@ -148,24 +94,24 @@ class PageLayout(TierPlan):
             for s in self.streams:
                 slab = Slab(off, tokens, s.heads, s.width, self.dtype)
                 row.append(slab)
-                off += _align(slab.nbytes)
+                off += align(slab.nbytes)
             out.append(row)
         return out
 
     def _slabs_q(self, tokens: int) -> list[list[tuple[Slab, Slab, Slab]]]:
-        g = self.quantize["group_size"]
+        q = self.quantization
         off, out = 0, []
         for _ in range(self.num_layers):
             row = []
             for s in self.streams:
-                bits = stream_bits(self.quantize, s.axis)  # 4 bits: (width / 2) bytes, two codes each
+                bits = q.bits(s.axis)  # 4 bits: (width / 2) bytes, two codes each
                 codes = Slab(off, tokens, s.heads, s.width * bits // 8, torch.int8 if bits == 8 else torch.uint8)
-                off += _align(codes.nbytes)
-                units, width = (tokens // g, s.width) if s.axis == "channel" else (tokens, 1)
+                off += align(codes.nbytes)
+                units, width = (tokens // q.group_size, s.width) if s.axis == "channel" else (tokens, 1)
                 scale = Slab(off, units, s.heads, width, scale_dtype(bits, self.dtype))
-                off += _align(scale.nbytes)
+                off += align(scale.nbytes)
                 zero = Slab(off, units, s.heads, width, scale_dtype(bits, self.dtype))
-                off += _align(zero.nbytes)
+                off += align(zero.nbytes)
                 row.append((codes, scale, zero))
             out.append(row)
         return out
@@ -173,22 +119,20 @@ class PageLayout(TierPlan):
     @property
     def q_tier(self) -> str:
         """The quantized tier's name: ``int8``, ``int4``, or ``k8v4`` for 8-bit keys and 4-bit values."""
-        kb, vb = stream_bits(self.quantize, "channel"), stream_bits(self.quantize, "token")
-        return f"int{kb}" if kb == vb else f"k{kb}v{vb}"
+        return self.quantization.tier
 
     def used_bytes(self) -> int:
         """Bytes of a page this backend fills (its tokens' slabs; the rest of the page is unused); with an
         on-demand tier, the emptier of its two tiers."""
-        if self.on_demand:
-            return min(self.exact_bytes(self.streams, self.num_layers, self.dtype, self.exact_tokens),
-                       self.q_bytes(self.streams, self.num_layers, self.dtype, self.quantize, self.q_tokens))
-        if self.quantize:
-            return self.q_bytes(self.streams, self.num_layers, self.dtype, self.quantize, self.q_tokens)
-        return self.exact_bytes(self.streams, self.num_layers, self.dtype, self.exact_tokens)
+        exact = self.spec.exact_bytes(self.exact_tokens, aligned=True)
+        if not self.quantization:
+            return exact
+        q = self.spec.q_bytes(self.q_tokens, aligned=True)
+        return min(exact, q) if self.on_demand else q
 
     def tier_tokens(self, blocks: SeqBlocks) -> dict[str, int]:
         """Tokens ``blocks`` holds per tier (``exact``, and for a quantized layout ``int8``, ``int4`` or ``k8v4``)."""
-        if self.quantize:
+        if self.quantization:
             return {"exact": blocks.exact_len, self.q_tier: blocks.q_len}
         return {"exact": blocks.exact_len}
 
@@ -197,15 +141,7 @@ class PageLayout(TierPlan):
         return {}
 
     def stored_bytes(self, blocks: SeqBlocks) -> int:
-        """Bytes of the tokens ``blocks`` holds in their stored form (what the closed formulas count; the
-        pages it holds are :meth:`SeqBlocks.pages` x ``page_bytes``)."""
-        e = self.dtype.itemsize
-        per_exact = sum(s.heads * s.width for s in self.streams) * e
-        total = blocks.exact_len * per_exact
-        if self.quantize and blocks.q_len:
-            g, q = self.quantize["group_size"], blocks.q_len
-            for s in self.streams:
-                bits = stream_bits(self.quantize, s.axis)
-                scales = (q // g) * s.heads * s.width if s.axis == "channel" else q * s.heads
-                total += q * s.heads * s.width * bits // 8 + 2 * scales * scale_bytes(bits, e)
-        return total * self.num_layers
+        """Bytes of the tokens ``blocks`` holds in their stored form (:meth:`cache_backends.kv_spec.KVSpec.
+        stored_bytes`, what the closed formulas count; the pages it holds are :meth:`SeqBlocks.pages` x
+        ``page_bytes``)."""
+        return self.spec.stored_bytes(blocks.exact_len, blocks.q_len)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from cache_backends.kv_spec import Quantization
+
 NULL_PAGE = 0  # zeros, never allocated: pads block tables
 
 
@@ -69,25 +71,25 @@ class TierPlan:
     Args:
         exact_tokens: tokens one exact page holds.
         q_tokens: tokens one quantized page holds (0: no quantized tier).
-        quantize: ``None``, ``{"group_size": g, "residual": r, ...}`` (a quantized tier fed by a residual window of
-            ``r`` exact tokens, drained ``g`` at a time), or ``{"group_size": g, "residual": None, "window": w}``
-            (a tier filled on demand only, :meth:`plan_compress`, the newest ``w`` tokens always exact).
+        quantization: ``None``, or the quantized tier (:class:`cache_backends.kv_spec.Quantization`): fed by a
+            residual window of ``residual`` exact tokens, drained ``group_size`` at a time, or filled on demand only
+            (``residual=None``, :meth:`plan_compress`, the newest ``window`` tokens always exact).
     """
 
-    def __init__(self, exact_tokens: int, q_tokens: int, quantize: dict | None = None):
-        self.exact_tokens, self.q_tokens, self.quantize = exact_tokens, q_tokens, quantize
+    def __init__(self, exact_tokens: int, q_tokens: int, quantization: Quantization | None = None):
+        self.exact_tokens, self.q_tokens, self.quantization = exact_tokens, q_tokens, quantization
 
     @property
     def on_demand(self) -> bool:
         """Whether the quantized tier is filled on demand only (``elastic``), not by a residual window."""
-        return bool(self.quantize) and self.quantize["residual"] is None
+        return self.quantization is not None and self.quantization.on_demand
 
     def plan(self, blocks: SeqBlocks, n: int) -> Plan:
         """What writing ``n`` new tokens into ``blocks`` needs: pages to add, tokens quantized, pages freed."""
         exact_len = blocks.exact_len + n
         drained = 0
-        if self.quantize and not self.on_demand:
-            g, r = self.quantize["group_size"], self.quantize["residual"]
+        if self.quantization and not self.on_demand:
+            g, r = self.quantization.group_size, self.quantization.residual
             drained = max(0, (exact_len - r) // g) * g
         new_q = blocks.q_len + drained
         need_exact = math.ceil((blocks.start + exact_len) / self.exact_tokens) - len(blocks.exact)
@@ -99,8 +101,8 @@ class TierPlan:
         outside the window of the newest tokens (0 for other layouts)."""
         if not self.on_demand:
             return 0
-        g = self.quantize["group_size"]
-        return max(0, (blocks.exact_len - self.quantize["window"]) // g * g)
+        g = self.quantization.group_size
+        return max(0, (blocks.exact_len - self.quantization.window) // g * g)
 
     def plan_compress(self, blocks: SeqBlocks, tokens: int) -> Plan:
         """Quantizing the oldest ``tokens`` exact tokens of ``blocks`` (a multiple of the group size, at most
@@ -118,12 +120,12 @@ class TierPlan:
     def cache_block_tokens(self) -> int:
         """Tokens of one page the prefix cache can share: an exact page's, or for a quantized layout a quantized
         page's (its exact pages are the residual window, rewritten as it slides: never shared)."""
-        return self.q_tokens if self.quantize else self.exact_tokens
+        return self.q_tokens if self.quantization else self.exact_tokens
 
     def cached_prefix(self, pages: list[int]) -> SeqBlocks:
         """The tables of a sequence whose first ``len(pages)`` full blocks are the cached ``pages``."""
         k = len(pages) * self.cache_block_tokens
-        if self.quantize:
+        if self.quantization:
             return SeqBlocks(q=list(pages), q_len=k)
         return SeqBlocks(exact=list(pages), exact_len=k)
 

@@ -12,7 +12,7 @@ import math
 import torch
 
 from cache_backends.page_layout import PageLayout, Slab
-from cache_backends.quant import codes_dot, codes_weighted_sum, dequantize_codes, pack, quantize, rotate, stream_bits
+from cache_backends.quant import codes_dot, codes_weighted_sum, dequantize_codes, pack, quantize, rotate
 from cache_backends.step_meta import Drain, StepMeta
 
 class PoolViews:
@@ -35,7 +35,7 @@ class PoolViews:
 
         self.layout = layout
         self.exact = [[view(s) for s in row] for row in layout.exact_slabs]
-        self.q = [[tuple(view(s) for s in parts) for parts in row] for row in layout.q_slabs] if layout.quantize \
+        self.q = [[tuple(view(s) for s in parts) for parts in row] for row in layout.q_slabs] if layout.quantization \
             else None
 
 
@@ -159,12 +159,13 @@ def drain_layer(views: PoolViews, layer: int, drain: Drain, sources: list[torch.
     if not drain.tokens:
         return
     layout = views.layout
-    g, rotated = layout.quantize["group_size"], layout.quantize.get("rotate")
+    q_tier = layout.quantization
+    g, rotated = q_tier.group_size, q_tier.rotate
     sources = sources if sources is not None else drain_sources(views, layer, drain)
     for s, spec in enumerate(layout.streams):
         src = sources[s]  # (heads, N, width), N = groups * g
         src = rotate(src) if rotated else src
-        bits = stream_bits(layout.quantize, spec.axis)
+        bits = q_tier.bits(spec.axis)
         codes_v, scale_v, zero_v = views.q[layer][s]
         dst, grp = (slice(None), *drain.dst), (slice(None), *drain.grp)
         if spec.axis == "channel":
@@ -182,13 +183,14 @@ def drain_layer(views: PoolViews, layer: int, drain: Drain, sources: list[torch.
 def read_layer(views: PoolViews, layer: int, meta: StepMeta) -> list[StreamRead]:
     """Every stream of ``layer`` for the step's batch, gathered in its stored form."""
     layout = views.layout
-    g = layout.quantize["group_size"] if layout.quantize else 0
+    q_tier = layout.quantization
+    g = q_tier.group_size if q_tier else 0
     out = []
     for s, spec in enumerate(layout.streams):
         exact = _gather(views.exact[layer][s], meta.exact_table, meta.gather_index)
         q = None
-        if layout.quantize and meta.q_width:
+        if q_tier and meta.q_width:
             q = tuple(_gather(v, meta.q_table, meta.gather_index) for v in views.q[layer][s])
-        bits = stream_bits(layout.quantize, spec.axis) if layout.quantize else 8
-        out.append(StreamRead(exact, q, spec.axis, g, bits, bool(layout.quantize and layout.quantize.get("rotate"))))
+        bits = q_tier.bits(spec.axis) if q_tier else 8
+        out.append(StreamRead(exact, q, spec.axis, g, bits, bool(q_tier and q_tier.rotate)))
     return out

@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 
 from cache_backends.page_plan import NULL_PAGE
-from cache_backends.page_layout import ALIGN, PageLayout
+from cache_backends.kv_spec import ALIGN
+from cache_backends.page_layout import PageLayout
 from cache_backends.paged import PoolViews
 
 

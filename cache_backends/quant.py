@@ -174,9 +174,3 @@ def codes_weighted_sum(weights: torch.Tensor, codes: torch.Tensor, scale: torch.
     pg = weights.reshape(b, h, r, n, g).transpose(2, 3)  # (b, h, n, R, g)
     per_group = pg @ codes.reshape(b, h, n, g, w)  # (b, h, n, R, w)
     return (per_group * scale.unsqueeze(3)).sum(2) + pg.sum(-1).transpose(2, 3) @ zero
-
-
-def stream_bits(quantize: dict, axis: str) -> int:
-    """Code width of a stream: ``key_bits`` for per-channel streams (keys, latents, rope keys), ``value_bits``
-    for per-token ones (values); 8 where the options leave it out."""
-    return quantize.get("key_bits" if axis == "channel" else "value_bits", 8)

@@ -80,13 +80,13 @@ def create(name: str, geometry: ModelGeometry, **options) -> KVBackend:
         picked = {k: options[k] for k in INT8_OPTIONS if k in options}
         used |= set(picked)
         quantizer = _BACKENDS[inner](geometry, **picked)  # validates the values, fills in the defaults
-        quantize = quantizer.paged_quantize()
+        tier = quantizer.quantization
         if outer in ("gqa", "mla"):
             own = _accepts(_BACKENDS[outer], options)
-            own.pop("quantize", None)
+            own.pop("quantization", None)
             used |= set(own)
-            backend = _BACKENDS[outer](geometry, quantize=quantize, **own)
-            if outer == "mla" and 4 in (quantize["key_bits"], quantize["value_bits"]) and backend.rank % 2:
+            backend = _BACKENDS[outer](geometry, quantization=tier, **own)
+            if outer == "mla" and 4 in (tier.key_bits, tier.value_bits) and backend.rank % 2:
                 raise ValueError(f"{name}: 4-bit codes pack two channels per byte: rank={backend.rank} must be even")
         else:  # dca+int8, dca+int4
             own = _accepts(DCABackend, options)

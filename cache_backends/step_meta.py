@@ -37,7 +37,7 @@ class Drain:
 
     def __init__(self, layout: PageLayout, rows: list[tuple[SeqBlocks, Plan]], device):
         te, tq = layout.exact_tokens, layout.q_tokens
-        g = layout.quantize["group_size"] if layout.quantize else 0
+        g = layout.quantization.group_size if layout.quantization else 0
         sp, ss, dp, ds, gp, gs = ([] for _ in range(6))
         for blocks, plan in rows:
             for j in range(plan.drained):
@@ -86,7 +86,7 @@ class StepMeta:
         n = rows[0][1].n
         wp, ws = [], []
         qpos, q_lens, starts, e_lens = [], [], [], []
-        g = layout.quantize["group_size"] if layout.quantize else 0
+        g = layout.quantization.group_size if layout.quantization else 0
         for blocks, plan in rows:
             if plan.n != n:
                 raise ValueError("every sequence of a step writes the same number of tokens")
@@ -103,7 +103,7 @@ class StepMeta:
         self.write_pages, self.write_slots = as_long(wp), as_long(ws)
         self.drain = Drain(layout, rows, device)
         self.exact_table = as_long(_pad_table([b.exact for b, _ in rows]))
-        q_tables = _pad_table([b.q for b, _ in rows]) if layout.quantize else [[] for _ in rows]
+        q_tables = _pad_table([b.q for b, _ in rows]) if layout.quantization else [[] for _ in rows]
         self.q_table = as_long(q_tables)
         t_q, t_e = self.q_table.shape[1] * tq, self.exact_table.shape[1] * te
         q_len, start, e_len = as_long(q_lens), as_long(starts), as_long(e_lens)
@@ -113,13 +113,13 @@ class StepMeta:
         self.positions = torch.cat([pos_q, pos_e], dim=1)  # (B, Tq + Te)
         self.query_positions = as_long(qpos)  # (B, n), from each row's first token until the end
         causal = self.positions[:, None, :] <= self.query_positions[:, :, None]  # (B, n, T)
-        if layout.quantize and not (exact_rows and all(exact_rows)):
+        if layout.quantization and not (exact_rows and all(exact_rows)):
             old_start = as_long([b.start for b, _ in rows])
             # tokens held only as codes are read as codes (after a prefix-cache hit: the hit's whole pages; an
             # on-demand tier: every quantized token)
             split = as_long([b.q_len for b, _ in rows])[:, None].expand_as(self.query_positions)
             if not layout.on_demand:
-                rule = quantized_before(self.query_positions, g, layout.quantize["residual"])
+                rule = quantized_before(self.query_positions, g, layout.quantization.residual)
                 if exact_rows and any(exact_rows):  # rows read exact (dca: a candidate's prefill, a reuse window)
                     rule = rule.masked_fill(as_long(exact_rows).bool()[:, None], 0)
                 split = torch.maximum(rule, split)

@@ -62,10 +62,10 @@ class Metrics:
                              LABELS, registry=r)
         self.waiting = Gauge("kvserve_requests_waiting", "Requests queued, waiting for admission.",
                              LABELS, registry=r)
-        self.kv_bytes = Gauge("kvserve_kv_cache_bytes",
+        self.kv_held_bytes = Gauge("kvserve_kv_cache_bytes",
                               "KV-cache bytes held by all live sequences: the KV pool's pages they hold; never "
                               "above KV_CACHE_BUDGET_BYTES.", LABELS, registry=r)
-        self.kv_used_bytes = Gauge("kvserve_kv_cache_used_bytes",
+        self.kv_stored_bytes = Gauge("kvserve_kv_cache_used_bytes",
                                    "KV-cache bytes of the cached tokens of all live sequences (what the "
                                    "bytes-per-token formulas count; <= kvserve_kv_cache_bytes).", LABELS, registry=r)
         self.kv_tokens = Gauge("kvserve_kv_cache_tokens", "Tokens cached by all live sequences.",
@@ -127,7 +127,7 @@ class Recorder:
         self.live_generated: dict[str, int] = dict.fromkeys(backends, 0)
         self._tiers_seen: set[tuple[str, str]] = {(b, "exact") for b in backends}
         for b in backends:  # every series exists from the start, so dashboards and rates see zeros, not gaps
-            for gauge in (metrics.running, metrics.waiting, metrics.kv_bytes, metrics.kv_used_bytes, metrics.kv_tokens):
+            for gauge in (metrics.running, metrics.waiting, metrics.kv_held_bytes, metrics.kv_stored_bytes, metrics.kv_tokens):
                 gauge.labels(model, b).set(0)
             for counter in (metrics.prompt_tokens, metrics.generation_tokens, metrics.preemptions,
                             metrics.prefix_queries, metrics.prefix_hits):
@@ -194,7 +194,7 @@ class Recorder:
             return  # cancelled while queued: it never reached the model
         end = t.last_token if t.last_token is not None else t.prefill_start
         self.m.e2e.labels(**labels).observe(end - t.arrival)
-        self.m.request_kv.labels(**labels).observe(seq.peak_kv_bytes)
+        self.m.request_kv.labels(**labels).observe(seq.peak_kv_stored_bytes)
         if t.first_token is not None:
             self.m.ttft.labels(**labels).observe(t.first_token - t.arrival)
         if n > 1:
@@ -231,8 +231,8 @@ class Recorder:
         for backend, (count, nbytes, tokens, reuse, allocated) in per_backend.items():
             labels = self._l(backend)
             self.m.running.labels(**labels).set(count)
-            self.m.kv_bytes.labels(**labels).set(allocated)
-            self.m.kv_used_bytes.labels(**labels).set(nbytes)
+            self.m.kv_held_bytes.labels(**labels).set(allocated)
+            self.m.kv_stored_bytes.labels(**labels).set(nbytes)
             self.m.kv_tokens.labels(**labels).set(tokens)
             # 0 when nothing is cached, rather than the last sequence's figure
             self.m.kv_bytes_per_token.labels(**labels).set(nbytes / tokens if tokens else 0)
@@ -264,8 +264,8 @@ def live_rows(running: list) -> tuple[dict[str, list[int]], dict[tuple[str, str]
             continue
         row = rows.setdefault(seq.backend_name, [0, 0, 0, 0, 0])
         row[0] += 1
-        row[1] += seq.kv_bytes  # measured by the engine once per step (it may be below the peak)
+        row[1] += seq.kv_stored_bytes  # measured by the engine once per step (it may be below the peak)
         row[2] += seq.store.num_tokens()
         row[3] += seq.store.stats().get("dca_reuse_layers", 0)
-        row[4] += seq.kv_allocated
+        row[4] += seq.kv_held_bytes
     return rows, tiers, generated

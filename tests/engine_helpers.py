@@ -60,7 +60,7 @@ class PagedDriver:
 
     def __init__(self, model, backend, pages: int = 300, block_size: int = 16):
         g, dtype = backend.geometry, next(model.parameters()).dtype
-        page = -(-backend.natural_page_bytes(dtype, block_size) // 64) * 64
+        page = -(-backend.block_bytes(block_size) // 64) * 64
         self.layout = backend.page_layout(dtype, page)
         self.pool = KVPool(pages, page, {backend.name: self.layout}, next(model.parameters()).device)
         self.manager = BlockManager(pages)

@@ -6,7 +6,7 @@ import platform
 import pytest
 
 from cache_backends.store_path import StorePath
-from server.engine import allocator
+from server.engine import malloc_tuning
 from server.engine.sampling import SamplingParams
 from server.engine.sequence import FinishReason
 from tests.engine_helpers import make_engine, make_seq, reference_greedy, run_all
@@ -63,15 +63,15 @@ def test_kv_is_freed_when_sequences_finish_or_are_cancelled(ref_model):
     engine.submit(done)
     engine.submit(cancelled)
     engine.step()
-    assert engine.kv_bytes() > 0
-    bytes_two = engine.kv_bytes()
+    assert engine.kv_held_bytes() > 0
+    bytes_two = engine.kv_held_bytes()
     cancelled.cancel()
     engine.step()
     assert cancelled.finish_reason == FinishReason.CANCELLED and cancelled.store is None
-    assert 0 < engine.kv_bytes() < bytes_two
+    assert 0 < engine.kv_held_bytes() < bytes_two
     run_all(engine, [])
     assert done.finish_reason == FinishReason.LENGTH and len(done.output_ids) == 4
-    assert engine.kv_bytes() == 0
+    assert engine.kv_held_bytes() == 0
 
 
 def test_full_store_bytes_are_the_sum_of_its_tensors(ref_model):
@@ -153,8 +153,8 @@ def test_kv_budget_is_a_hard_cap_for_every_backend(ref_model):
         steps, peak = 0, 0
         while engine.running or engine.waiting:
             engine.step()
-            peak = max(peak, engine.kv_bytes())
-            assert engine.kv_bytes() <= budget, (name, engine.kv_bytes())
+            peak = max(peak, engine.kv_held_bytes())
+            assert engine.kv_held_bytes() <= budget, (name, engine.kv_held_bytes())
             steps += 1
             assert steps < 2000
         assert all(s.finish_reason == FinishReason.LENGTH and len(s.output_ids) == 100 for s in seqs), name
@@ -201,10 +201,10 @@ def test_chunked_prefill_interleaves_with_decode_and_matches_whole_prefill(ref_m
 def test_the_in_process_benchmarks_fix_glibcs_thresholds_on_glibc():
     """On glibc, the allocator's mmap and trim thresholds can be fixed (``mallopt`` takes them), as the in-process
     benchmarks' engine does: a step's freed transients are kept for the next step instead of going back to the
-    OS and being faulted in, zeroed, again (server/engine/allocator.py)."""
+    OS and being faulted in, zeroed, again (server/engine/malloc_tuning.py)."""
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("not glibc: the setting does not apply")
-    assert allocator.keep_step_memory() is True
+    assert malloc_tuning.keep_step_memory() is True
 
 
 @pytest.mark.parametrize("backend", ["full", "int8"])
@@ -261,7 +261,7 @@ def test_a_failed_forward_ends_only_its_own_rows(ref_model):
     run_all(engine, [])
     assert apart.finish_reason == FinishReason.LENGTH and len(apart.output_ids) == 6
     assert apart.output_ids == reference_greedy(model, tok, "In the beginning", 6)
-    assert engine.kv_bytes() == 0
+    assert engine.kv_held_bytes() == 0
     later = make_seq(tok, "Blessed are the", 5)
     run_all(engine, [later])
     assert later.output_ids == reference_greedy(model, tok, "Blessed are the", 5)
@@ -287,7 +287,7 @@ def test_a_cancellation_in_the_step_that_admits_a_per_sequence_store(ref_model):
     run_all(engine, [])
     assert admitted.finish_reason == FinishReason.LENGTH and len(admitted.output_ids) == 5
     assert [e.index for e in events[1]] == list(range(5))
-    assert engine.kv_bytes() == 0
+    assert engine.kv_held_bytes() == 0
 
 
 def test_one_paged_prompt_runs_alone_per_step(ref_model):

@@ -103,8 +103,8 @@ def test_greedy_tokens_and_logprobs_match_the_in_process_engine(ref_model, wire)
     assert [t.logprob for t in got] == pytest.approx([e.logprob for e in ref["a"]], abs=1e-5)
     assert [[i for i, _ in t.top] for t in got] == [[i for i, _ in e.top] for e in ref["a"]]
     assert all(o.stats is not None for o in outs if o.new)  # a step's output; an answer to adds alone has none
-    assert outs[-1].stats.running == 0 and outs[-1].stats.kv_used_bytes == 0  # finished: KV freed
-    assert done["a"].peak_kv_bytes > 0 and done["a"].timings.first_token >= done["a"].timings.prefill_start
+    assert outs[-1].stats.running == 0 and outs[-1].stats.kv_held_bytes == 0  # finished: KV freed
+    assert done["a"].peak_kv_stored_bytes > 0 and done["a"].timings.first_token >= done["a"].timings.prefill_start
 
 
 def test_eos_is_decided_in_the_core(ref_model, wire):
@@ -122,7 +122,7 @@ def test_abort_frees_the_kv_at_the_next_step(ref_model, wire):
     while True:  # until it decodes and holds KV
         out = wire.recv()
         if out.new:
-            assert out.stats.kv_used_bytes > 0 and out.stats.running == 1
+            assert out.stats.kv_held_bytes > 0 and out.stats.running == 1
             break
     wire.send(m.Abort(["long", "nobody"]))  # an id the core does not know is ignored
     while True:
@@ -130,7 +130,7 @@ def test_abort_frees_the_kv_at_the_next_step(ref_model, wire):
         if out.finished:
             break
     assert [(f.request_id, f.reason) for f in out.finished] == [("long", "cancelled")]
-    assert out.stats.running == 0 and out.stats.kv_used_bytes == 0 and out.stats.kv_live_bytes == 0
+    assert out.stats.running == 0 and out.stats.kv_held_bytes == 0 and out.stats.kv_stored_bytes == 0
 
 
 def test_refused_requests_are_answered(ref_model, wire):

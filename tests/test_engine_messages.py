@@ -24,12 +24,12 @@ def test_every_input_round_trips():
 def test_every_output_round_trips():
     step = m.StepOutput(
         new=[m.NewToken("r1", 42, -0.25, [(42, -0.25), (7, -2.0)]), m.NewToken("r2", 3, -1.0)],
-        finished=[m.Finished("r2", "length", cached_tokens=16, kv_bytes=4096, peak_kv_bytes=8192,
+        finished=[m.Finished("r2", "length", cached_tokens=16, kv_stored_bytes=4096, peak_kv_stored_bytes=8192,
                              kv_stats={"dca_fallbacks": 1, "compressed_fraction": 0.5},
                              prompt_logprobs=[None, -1.5], prompt_top_logprobs=[None, [(5, -0.5)]],
                              timings=m.Timings(1.0, 2.0, 3.0))],
         accepted=["r3"], rejected=[m.Rejected("r4", "overloaded", "full")],
-        stats=m.CoreStats(running=1, waiting=2, kv_used_bytes=10, kv_live_bytes=5, kv_usage=0.25, evictable_blocks=3))
+        stats=m.CoreStats(running=1, waiting=2, kv_held_bytes=10, kv_stored_bytes=5, kv_usage=0.25, evictable_blocks=3))
     for msg in (step, m.Ready([0, 2], ["full", "int8"], 2048, {"kv_block_size": 16}), m.Failed("no model", True),
                 m.Loading("model loaded; calibrating")):
         back = m.decode_output(m.encode(msg))

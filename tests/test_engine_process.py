@@ -74,8 +74,8 @@ def test_events_are_the_in_process_engines(ref_model, client):
         assert [e.logprob for e in got] == pytest.approx([e.logprob for e in want], abs=1e-5)
         assert [[i for i, _ in e.top] for e in got] == [[i for i, _ in e.top] for e in want]
         assert got[-1].finish_reason == FinishReason.LENGTH and len(seq.output_ids) == 12
-        assert seq.peak_kv_bytes > 0 and seq.times.prefill_start is not None
-    assert client.last_stats.running == 0 and client.last_stats.kv_live_bytes == 0
+        assert seq.peak_kv_stored_bytes > 0 and seq.times.prefill_start is not None
+    assert client.last_stats.running == 0 and client.last_stats.kv_stored_bytes == 0
 
 
 def test_stop_string_ends_the_stream_as_in_process_and_frees_the_kv(ref_model, client):
@@ -84,8 +84,8 @@ def test_stop_string_ends_the_stream_as_in_process_and_frees_the_kv(ref_model, c
     seq, got = asyncio.run(collect(service(client), GenerationRequest(PROMPTS[0], 40, SamplingParams(), ["LORD,"],
                                                                       "full")))
     assert fields(got) == fields(want)
-    assert seq.finish_reason == FinishReason.STOP and seq.peak_kv_bytes > 0  # the core's stats came back
-    assert client.last_stats.running == 0 and client.last_stats.kv_live_bytes == 0
+    assert seq.finish_reason == FinishReason.STOP and seq.peak_kv_stored_bytes > 0  # the core's stats came back
+    assert client.last_stats.running == 0 and client.last_stats.kv_stored_bytes == 0
 
 
 def test_a_departed_client_is_aborted_and_its_kv_freed_at_once(client):
@@ -103,14 +103,14 @@ def test_a_departed_client_is_aborted_and_its_kv_freed_at_once(client):
         async for e in events:
             got.append(e)
             if len(got) == 2:
-                assert client.last_stats.running == 1 and client.last_stats.kv_live_bytes > 0
+                assert client.last_stats.running == 1 and client.last_stats.kv_stored_bytes > 0
                 first.set()
         return seq, got
 
     seq, got = asyncio.run(main())
     assert got[-1].finish_reason == FinishReason.CANCELLED and len(got) < 100
     stats = client.last_stats  # the core's numbers after the step that dropped it
-    assert stats.running == 0 and stats.waiting == 0 and stats.kv_live_bytes == 0
+    assert stats.running == 0 and stats.waiting == 0 and stats.kv_stored_bytes == 0
 
 
 def test_a_submitter_that_stops_waiting_for_the_answer_aborts_the_request(ref_model, client):

@@ -39,4 +39,4 @@ def test_one_rows_sampling_failure_fails_that_request_only(ref_model, monkeypatc
     for i in (0, 2):
         assert seqs[i].finish_reason == FinishReason.LENGTH and seqs[i].output_ids == alone[i]
         assert [e.token_id for e in events[i]] == alone[i]  # one event per token, none repeated or lost
-    assert not engine.running and engine.kv_bytes() == 0
+    assert not engine.running and engine.kv_held_bytes() == 0

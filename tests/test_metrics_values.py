@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 from prometheus_client import CollectorRegistry
 
-from cache_backends.estimate import full_bytes_per_token_per_layer, int8_bytes_per_token_per_layer
+from tests.closed_forms import full_bytes_per_token_per_layer, int8_bytes_per_token_per_layer
 from server.metrics import Metrics, Recorder
 from server.engine.sequence import FinishReason
 from tests.engine_helpers import make_engine, make_seq, run_all
@@ -86,7 +86,7 @@ def test_request_kv_histogram_records_the_peak_of_a_draining_int8_store(ref_mode
 
 def _fake_seq(backend: str, reuse: int):
     store = SimpleNamespace(num_tokens=lambda: 10, stats=lambda: {"dca_reuse_layers": reuse, "dca_fallbacks": 0})
-    return SimpleNamespace(backend_name=backend, store=store, kv_bytes=1000, kv_allocated=1024, output_ids=[1, 2],
+    return SimpleNamespace(backend_name=backend, store=store, kv_stored_bytes=1000, kv_held_bytes=1024, output_ids=[1, 2],
                            kv_tiers={"exact": 10})
 
 

@@ -95,7 +95,7 @@ def test_a_mixed_step_on_native_mla_gives_each_row_the_models_own_logits(tiny_de
     model = tiny_deepseek
     backend = create(name, ModelGeometry.from_config(model.config, model.dtype))
     backend.prepare(model)
-    assert backend.paged_streams() is not None
+    assert [s.width for s in backend.kv_spec().streams] == [model.config.kv_lora_rank, model.config.qk_rope_head_dim]
     driver = PagedDriver(model, backend)
     gen = torch.Generator().manual_seed(5)
     seqs = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (21, 34, 30)]

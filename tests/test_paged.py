@@ -56,15 +56,15 @@ def test_paged_batch_matches_the_backends_per_sequence_store(value_model, precis
     # one forward's rounding, so int8 tiers are compared at 4x the logit factor (measured: up to 1.1x). A 4-bit
     # code step is 17x an int8 one (range / 15 against range / 255), and a 4-bit stream's fp16 scale can round
     # to a neighbouring fp16 value in the two paths: 4-bit tiers get 16x more (measured: 7.3x the int8 allowance).
-    quant = backend.paged_quantize()
-    factor = LOGIT_FACTOR * (4 if quant else 1) * (16 if quant and 4 in (quant["key_bits"], quant["value_bits"]) else 1)
+    quant = backend.quantization
+    factor = LOGIT_FACTOR * (4 if quant else 1) * (16 if quant and 4 in (quant.key_bits, quant.value_bits) else 1)
     for step in range(56):
         paged = driver.step(rows, [[t] for t in last])
         ref = reference.decode(last, refs)
         precision.assert_close(paged, ref, factor, what=f"{name} decode step {step}")
         last = ref.argmax(-1).tolist()
     assert [b.tokens for b in rows] == [len(p) + 56 for p in prompts]
-    if backend.paged_quantize():
+    if backend.quantization:
         assert all(b.q_len > 0 for b in rows)  # the int8 tier was exercised
         assert all(b.exact_len < 64 for b in rows)  # the exact tier is the residual window only
 
@@ -91,8 +91,8 @@ def test_a_mixed_step_gives_each_row_what_it_gets_in_a_step_of_its_own(value_mod
         ref = apart.step([rows_a[i]], [prompts[i]])
         mixed.step([rows_m[i]], [prompts[i]])
         last.append(int(ref[0].argmax()))
-    quant = backend.paged_quantize()
-    factor = LOGIT_FACTOR * (4 if quant else 1) * (16 if quant and 4 in (quant["key_bits"], quant["value_bits"]) else 1)
+    quant = backend.quantization
+    factor = LOGIT_FACTOR * (4 if quant else 1) * (16 if quant and 4 in (quant.key_bits, quant.value_bits) else 1)
     for chunk in (long[:40], long[40:]):
         decode = apart.step(rows_a[:2], [[t] for t in last])
         prefill = apart.step([rows_a[2]], [chunk])
@@ -110,13 +110,13 @@ def test_blocks_are_taken_on_demand_and_given_back(ref_model):
     seq = make_seq(tok, "And God said", 300)  # 3 prompt tokens; reserving 303 tokens would take 19 blocks
     engine.submit(seq)
     engine.step()  # the prompt prefilled and its first token sampled; decode steps follow
-    assert engine.kv.held(seq) == 1 and engine.kv_bytes() == engine.kv.page_bytes
+    assert engine.kv.held(seq) == 1 and engine.kv_held_bytes() == engine.kv.page_bytes
     for _ in range(14):
         engine.step()
     assert seq.store.num_tokens() == 17 and engine.kv.held(seq) == 2  # a second block when the first filled
     seq.cancel()
     engine.step()
-    assert engine.kv_bytes() == 0 and engine.kv.blocks.num_free == engine.kv.blocks.usable_pages
+    assert engine.kv_held_bytes() == 0 and engine.kv.blocks.num_free == engine.kv.blocks.usable_pages
 
 
 def test_int8_window_pages_are_returned_as_groups_quantize(ref_model):
@@ -132,7 +132,7 @@ def test_int8_window_pages_are_returned_as_groups_quantize(ref_model):
     assert blocks.exact_len < 32 + 32 and blocks.q_len % 32 == 0
     assert len(blocks.exact) <= -(-(blocks.start + blocks.exact_len) // layout.exact_tokens)
     assert seq.store.nbytes() == layout.stored_bytes(blocks)
-    assert engine.kv_bytes() == len(blocks.pages()) * engine.kv.page_bytes
+    assert engine.kv_held_bytes() == len(blocks.pages()) * engine.kv.page_bytes
 
 
 def test_a_request_that_can_never_fit_the_pool_is_refused(ref_model):
@@ -402,9 +402,9 @@ def test_4bit_pages_hold_packed_codes_and_cost_the_sums(ref_model, name, options
     model, tok = ref_model
     engine = make_engine(model, tok, name, **options)
     layout = engine.kv.layouts[name]
-    quant = layout.quantize
+    quant = layout.quantization
     for row, spec in zip(layout.q_slabs[0], layout.streams):
-        bits = quant["key_bits"] if spec.axis == "channel" else quant["value_bits"]
+        bits = quant.bits(spec.axis)
         assert row[0].dtype == (torch.uint8 if bits == 4 else torch.int8) and row[0].width == spec.width * bits // 8
     seq = make_seq(tok, " ".join(["And God said, Let there be light"] * 40), 70, backend=name)
     engine.submit(seq)
@@ -459,11 +459,11 @@ def test_admission_charges_the_stored_form_not_the_chunks_exact_pages(ref_model,
         run_all(roomy, [s])
         alone.append(s.output_ids)
     stored, peak = held["p0"], roomy.kv.pages_for(seqs()[0], 512)  # peak: chunks of 256 from an empty table
-    layout, q = roomy.kv.layouts[name], roomy.kv.layouts[name].quantize
-    te, drained = layout.exact_tokens, (512 - q["residual"]) // q["group_size"] * q["group_size"]
+    layout, q = roomy.kv.layouts[name], roomy.kv.layouts[name].quantization
+    te, drained = layout.exact_tokens, (512 - q.residual) // q.group_size * q.group_size
     assert set(held.values()) == {stored} == {-(-drained // layout.q_tokens) + -(-512 // te) - drained // te}
     # one 64-token step after a window of at most residual + group_size - 1 exact tokens, at the worst offset
-    transient = -(-drained // layout.q_tokens) + -(-(te - 1 + q["residual"] + q["group_size"] - 1 + 64) // te) - stored
+    transient = -(-drained // layout.q_tokens) + -(-(te - 1 + q.residual + q.group_size - 1 + 64) // te) - stored
     usable = 5 * stored + transient + 2
     assert usable < 3 * peak  # the old rule (each prompt charged its peak) admits two at most
 

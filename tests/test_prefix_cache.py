@@ -107,7 +107,7 @@ def test_every_paged_backend_hits_with_the_logits_of_a_miss(ref_model, name, opt
     assert seq.output_ids == miss.output_ids
     # int8 measured: 7e-5 (fp32), against 4e-4 between a whole and a chunked prefill before prefill read its past
     # as decode does (test above)
-    tol = 1e-3 if layout.quantize else LOGIT_FACTOR * FP32_EPS * 20
+    tol = 1e-3 if layout.quantization else LOGIT_FACTOR * FP32_EPS * 20
     assert _logprobs(events) == pytest.approx(_logprobs(miss_events), abs=tol)
 
 

@@ -10,7 +10,7 @@ import re
 import httpx
 import pytest
 
-from cache_backends.estimate import full_bytes_per_token_per_layer, int8_bytes_per_token_per_layer
+from tests.closed_forms import full_bytes_per_token_per_layer, int8_bytes_per_token_per_layer
 from server.metrics import Metrics, Recorder
 from tests.conftest import MODEL_DIR, REPO, server_with
 

@@ -12,7 +12,8 @@ import time
 import httpx
 import pytest
 
-from cache_backends.estimate import DTYPE_BYTES, Shape, estimate_rows, int8_bytes_per_token_per_layer
+from cache_backends.estimate import DTYPE_BYTES, Shape, estimate_rows
+from tests.closed_forms import int8_bytes_per_token_per_layer
 from server.api.ui import ASSETS, ASSET_TYPES, PUBLIC_PATHS, context_warnings
 from server.api.ui_compression import uncompressed_reason
 from server.estimate_cli import resolve_specs

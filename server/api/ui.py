@@ -127,12 +127,12 @@ async def ui_generate(body: UIGenerateRequest, request: Request):
     state = request.app.state.kvserve
     full_peak = round(full_bytes_per_token(state) * cached)
     reason = None
-    if seq.backend_name != "full" and seq.peak_kv_bytes >= full_peak:
+    if seq.backend_name != "full" and seq.peak_kv_stored_bytes >= full_peak:
         reason = uncompressed_reason(state.backends[seq.backend_name].sums_spec(), cached)
     return UIGenerateResponse(
         kv_backend=seq.backend_name, text=last.generated_text or "", tokens=tokens,
-        finish_reason=last.finish_reason.value, prompt_tokens=len(seq.prompt_ids), kv_peak_bytes=seq.peak_kv_bytes,
-        kv_bytes_per_token=seq.peak_kv_bytes / max(cached, 1), kv_full_peak_bytes=full_peak,
+        finish_reason=last.finish_reason.value, prompt_tokens=len(seq.prompt_ids), kv_peak_bytes=seq.peak_kv_stored_bytes,
+        kv_bytes_per_token=seq.peak_kv_stored_bytes / max(cached, 1), kv_full_peak_bytes=full_peak,
         kv_uncompressed_reason=reason,
         ttft_s=t.first_token - t.arrival if t.first_token is not None else None,
         tpot_s=(t.last_token - t.first_token) / (n - 1) if n > 1 else None)

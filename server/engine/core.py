@@ -88,8 +88,8 @@ def sampling_params(s: m.Sampling) -> SamplingParams:
 def finished(seq: Sequence, reason: FinishReason, error: str | None) -> m.Finished:
     """The :class:`~server.engine.messages.Finished` of a sequence the engine has just ended."""
     t = seq.times
-    return m.Finished(seq.request_id, reason.value, error, cached_tokens=seq.cached_tokens, kv_bytes=seq.kv_bytes,
-                      peak_kv_bytes=seq.peak_kv_bytes, kv_stats=dict(seq.kv_stats),
+    return m.Finished(seq.request_id, reason.value, error, cached_tokens=seq.cached_tokens, kv_stored_bytes=seq.kv_stored_bytes,
+                      peak_kv_stored_bytes=seq.peak_kv_stored_bytes, kv_stats=dict(seq.kv_stats),
                       prompt_logprobs=seq.prompt_logprobs, prompt_top_logprobs=seq.prompt_top_logprobs,
                       preemptions=seq.preemptions, timings=m.Timings(t.prefill_start, t.first_token, t.last_token))
 
@@ -214,8 +214,8 @@ class EngineCore:
 
         e, r = self.engine, self.recorder
         rows, tiers, generated = r.state if r.state is not None else live_rows(e.running)
-        return m.CoreStats(running=len(e.running), waiting=len(e.waiting), kv_used_bytes=e.kv_bytes(),
-                           kv_live_bytes=e.kv_used_bytes(), kv_usage=e.kv.usage(),
+        return m.CoreStats(running=len(e.running), waiting=len(e.waiting), kv_held_bytes=e.kv_held_bytes(),
+                           kv_stored_bytes=e.kv_stored_bytes(), kv_usage=e.kv.usage(),
                            evictable_blocks=e.kv.blocks.num_evictable, rows=rows,
                            tiers=[(b, t, n) for (b, t), n in tiers.items()], generated=generated,
                            waiting_by_backend=dict(r.waiting))
@@ -251,7 +251,7 @@ class EngineCore:
         """
         import torch
 
-        from server.engine import allocator
+        from server.engine import malloc_tuning
 
         torch.set_grad_enabled(False)
         poller = zmq.Poller()
@@ -263,7 +263,7 @@ class EngineCore:
                 return 1
             if self.idle:
                 if busy:
-                    allocator.trim()
+                    malloc_tuning.trim()
                 busy = False
                 if self.draining:
                     return 0

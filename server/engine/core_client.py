@@ -352,7 +352,7 @@ class CoreClient:
     @staticmethod
     def _fill(seq: Sequence, f: m.Finished) -> None:
         """Copy the core's per-request stats onto the HTTP side's sequence."""
-        seq.cached_tokens, seq.kv_bytes, seq.peak_kv_bytes = f.cached_tokens, f.kv_bytes, f.peak_kv_bytes
+        seq.cached_tokens, seq.kv_stored_bytes, seq.peak_kv_stored_bytes = f.cached_tokens, f.kv_stored_bytes, f.peak_kv_stored_bytes
         seq.kv_stats = dict(f.kv_stats)
         seq.prompt_logprobs = f.prompt_logprobs
         seq.prompt_top_logprobs = ([None if top is None else [tuple(p) for p in top] for top in f.prompt_top_logprobs]

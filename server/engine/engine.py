@@ -26,7 +26,7 @@ from collections import deque
 import torch
 
 from cache_backends.base import KVBackend
-from server.engine import allocator
+from server.engine import malloc_tuning
 from server.engine.detokenize import IncrementalDetokenizer
 from server.engine.runner import ModelRunner
 from server.engine.sampling import RowRequest, Sampled, new_generator
@@ -119,7 +119,7 @@ class Engine:
         while not self._stop.is_set():
             if not self.running and not self.waiting:
                 if busy:
-                    allocator.trim()
+                    malloc_tuning.trim()
                 busy = False
                 self._wake.wait(0.1)
                 self._wake.clear()
@@ -203,12 +203,12 @@ class Engine:
 
     def _measure(self, seqs: list[Sequence]) -> None:
         """Record each store's bytes now (once per sequence per step) and keep the largest seen: the bytes
-        of the cached tokens (``kv_bytes``) and the bytes of the pages it holds (``kv_allocated``)."""
+        of the cached tokens (``kv_stored_bytes``) and the bytes of the pages it holds (``kv_held_bytes``)."""
         for seq in seqs:
-            seq.kv_bytes = seq.store.nbytes()
-            seq.kv_allocated = self.kv.held_bytes(seq)
+            seq.kv_stored_bytes = seq.store.nbytes()
+            seq.kv_held_bytes = self.kv.held_bytes(seq)
             seq.kv_tiers = self.kv.tier_tokens(seq)
-            seq.peak_kv_bytes = max(seq.peak_kv_bytes, seq.kv_bytes)
+            seq.peak_kv_stored_bytes = max(seq.peak_kv_stored_bytes, seq.kv_stored_bytes)
 
     def _accept(self, seq: Sequence, sampled: Sampled) -> None:
         """Append ``sampled``'s token to ``seq``, emit it, and finish ``seq`` if it is done."""
@@ -273,10 +273,10 @@ class Engine:
         self.recorder.step_state(self.running, waiting, self.kv.usage(), self.kv.blocks.num_evictable)
 
     # ---- introspection --------------------------------------------------------------------------
-    def kv_bytes(self) -> int:
+    def kv_held_bytes(self) -> int:
         """Bytes of the pool's pages in use (the KV memory held)."""
         return self.kv.used_bytes()
 
-    def kv_used_bytes(self) -> int:
-        """Bytes of the cached tokens of every live sequence (<= :meth:`kv_bytes`)."""
+    def kv_stored_bytes(self) -> int:
+        """Bytes of the cached tokens of every live sequence (<= :meth:`kv_held_bytes`)."""
         return sum(s.store.nbytes() for s in list(self.running) if s.store is not None)

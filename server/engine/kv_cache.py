@@ -60,12 +60,14 @@ def page_layouts(backends: dict[str, KVBackend], dtype: torch.dtype, block_size:
     Raises:
         ValueError: for a backend without a paged form.
     """
-    unpaged = [n for n, b in backends.items() if b.paged_streams() is None]
-    if unpaged:
-        raise ValueError(f"{', '.join(unpaged)} has no paged form: it cannot be served")
+    for name, backend in backends.items():
+        try:
+            backend.kv_spec()
+        except NotImplementedError:
+            raise ValueError(f"{name} has no paged form: it cannot be served") from None
 
     def layouts(k: int) -> tuple[int, dict]:
-        page = max(b.natural_page_bytes(dtype, k * block_size) for b in backends.values())
+        page = max(b.block_bytes(k * block_size) for b in backends.values())
         page = -(-page // 64) * 64
         return page, {n: b.page_layout(dtype, page) for n, b in backends.items()}
 
@@ -241,10 +243,10 @@ class KVCacheManager:
         stored, te = self._stored(seq), layout.exact_tokens
         if self.min_step(seq) is None:  # one step: what it holds while it runs, less what it keeps
             return max(0, first - len(stored.pages()))
-        if not layout.quantize:
+        q = layout.quantization
+        if not q:
             return 0
-        q = layout.quantize
-        window = (q["window"] if layout.on_demand else q["residual"]) + q["group_size"] - 1
+        window = (q.window if q.on_demand else q.residual) + q.group_size - 1
         exact = min(math.ceil((te - 1 + window + chunk) / te), math.ceil((start.start + start.exact_len + left) / te))
         # at most the pool: a sequence that fits alone (:meth:`fits_alone`) is admitted to an empty pool
         peak = min(max(first, len(stored.q) + exact), self.blocks.usable_pages)
@@ -302,10 +304,10 @@ class KVCacheManager:
     def _register(self, seq: Sequence) -> None:
         """Register the full blocks ``seq`` has completed since the last call."""
         blocks, layout = seq.blocks, self.layouts[seq.backend_name]
-        full = (blocks.q_len if layout.quantize else blocks.exact_len) // layout.cache_block_tokens
+        full = (blocks.q_len if layout.quantization else blocks.exact_len) // layout.cache_block_tokens
         if full <= seq.registered_blocks:
             return
-        pages = blocks.q if layout.quantize else blocks.exact
+        pages = blocks.q if layout.quantization else blocks.exact
         tokens = (seq.prompt_ids + seq.output_ids)[: full * layout.cache_block_tokens]
         hashes = self._hashes(seq, tokens)
         for i in range(seq.registered_blocks, full):
@@ -378,7 +380,7 @@ class KVCacheManager:
             if self.blocks.num_free + gained >= need:
                 break
             layout = self.layouts[seq.backend_name]
-            g, most = layout.quantize["group_size"], layout.compressible(seq.blocks)
+            g, most = layout.quantization.group_size, layout.compressible(seq.blocks)
             plan = None
             for tokens in range(g, most + 1, g):  # the fewest groups that free what is missing
                 plan = layout.plan_compress(seq.blocks, tokens)

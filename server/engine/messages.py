@@ -107,8 +107,8 @@ class Finished(msgspec.Struct, frozen=True):
             ``error``; never ``stop_sequence``: stop strings are the HTTP process's).
         error: the message when ``reason`` is ``error``.
         cached_tokens: prompt tokens served from the prefix cache.
-        kv_bytes: bytes of its cached tokens at its last measurement.
-        peak_kv_bytes: the largest such measurement.
+        kv_stored_bytes: bytes of its cached tokens in their stored form at its last measurement.
+        peak_kv_stored_bytes: the largest such measurement.
         kv_stats: its store's statistics (plain numbers).
         prompt_logprobs: each prompt position's log-probability (``None`` for the first), when asked for.
         prompt_top_logprobs: each position's top ``(token_id, logprob)`` pairs, when asked for.
@@ -120,8 +120,8 @@ class Finished(msgspec.Struct, frozen=True):
     reason: str
     error: str | None = None
     cached_tokens: int = 0
-    kv_bytes: int = 0
-    peak_kv_bytes: int = 0
+    kv_stored_bytes: int = 0
+    peak_kv_stored_bytes: int = 0
     kv_stats: dict = {}
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
@@ -144,8 +144,8 @@ class CoreStats(msgspec.Struct, frozen=True):
     Attributes:
         running: sequences in the batch.
         waiting: sequences queued.
-        kv_used_bytes: bytes of the pool's pages in use.
-        kv_live_bytes: bytes of the live sequences' cached tokens (<= ``kv_used_bytes``).
+        kv_held_bytes: bytes of the pool's pages in use (held).
+        kv_stored_bytes: bytes of the live sequences' cached tokens (<= ``kv_held_bytes``).
         kv_usage: fraction of the pool's pages in use (0-1), or ``None`` without a pool.
         evictable_blocks: cached blocks no sequence holds (the prefix cache's, reusable).
         rows: by backend, ``[sequences with a store, bytes of their cached tokens, tokens, dca reuse layers,
@@ -157,8 +157,8 @@ class CoreStats(msgspec.Struct, frozen=True):
 
     running: int = 0
     waiting: int = 0
-    kv_used_bytes: int = 0
-    kv_live_bytes: int = 0
+    kv_held_bytes: int = 0
+    kv_stored_bytes: int = 0
     kv_usage: float | None = None
     evictable_blocks: int = 0
     rows: dict[str, list[int]] = {}

@@ -382,7 +382,7 @@ class Scheduler:
         if was_running:
             self.running.remove(seq)
         if seq.store is not None:
-            seq.peak_kv_bytes = max(seq.peak_kv_bytes, seq.store.nbytes())
+            seq.peak_kv_stored_bytes = max(seq.peak_kv_stored_bytes, seq.store.nbytes())
             seq.kv_stats = seq.store.stats()
             layout = self.kv.layouts.get(seq.backend_name)
             if layout is not None and layout.on_demand:
@@ -397,7 +397,7 @@ class Scheduler:
             seq.store.release()
             seq.store = None
         self.kv.release(seq)
-        seq.kv_bytes = seq.kv_allocated = 0
+        seq.kv_stored_bytes = seq.kv_held_bytes = 0
 
     def commit(self, seq: Sequence, row: RowPlan, feedback=None) -> bool:
         """``row`` ran: apply its plan to ``seq``'s tables (freeing the exact pages it drained; registering its full

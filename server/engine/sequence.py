@@ -94,9 +94,9 @@ class Sequence:
     cancelled: bool = False
     finish_reason: FinishReason | None = None
     times: RequestTimes = field(default_factory=RequestTimes)
-    kv_bytes: int = 0  # bytes its KV store held when the engine last measured it (once per step)
-    kv_allocated: int = 0  # bytes its KV store had allocated (capacity included) at that measurement
-    peak_kv_bytes: int = 0  # the largest of those measurements (int8-family stores shrink when they drain)
+    kv_stored_bytes: int = 0  # bytes of its tokens in their stored form when the engine last measured it (a step)
+    kv_held_bytes: int = 0  # bytes of the pages it held at that measurement
+    peak_kv_stored_bytes: int = 0  # the largest stored bytes measured (int8-family sequences shrink when they drain)
     kv_stats: dict = field(default_factory=dict)
     prefilled: int = 0  # tokens of context_ids written to the KV cache (chunked prefill; decode adds one a step)
     blocks: Any = None  # cache_backends.page_plan.SeqBlocks: its block tables, while it holds pool pages

@@ -1,0 +1,99 @@
+"""One place for every byte count: a backend's :class:`cache_backends.kv_spec.KVSpec`.
+
+The pool's page sizes, what a page of each tier holds, a sequence's stored bytes (admission, ``/info``, the
+metrics) and the estimator's sums (``kvserve estimate``, ``advise``) are all computed by the spec's methods; a
+served backend and the estimator describe the same spec for the same settings.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cache_backends.base import ModelGeometry
+from cache_backends.estimate import bytes_per_token_per_layer, kv_spec
+from cache_backends.kv_spec import KVSpec, Quantization, StreamSpec, kv_streams
+from cache_backends.page_plan import SeqBlocks, TierPlan
+from cache_backends.registry import create
+
+GEOMETRY = ModelGeometry(num_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=32, dtype_bytes=4)
+SPECS = [("full", {}), ("gqa", {"groups": 2}), ("mla", {"rank": 48}), ("int8", {}), ("int4", {"rotate": True}),
+         ("int8", {"value_bits": 4, "group_size": 16, "residual": 8}), ("gqa+int8", {"groups": 1}),
+         ("mla+int8", {"rank": 48}), ("mla+int4", {"rank": 48}), ("gqa+int4", {"groups": 2}), ("elastic", {}),
+         ("elastic", {"bits": 4, "window": 64})]
+IDS = [n + "".join(f":{k}={v}" for k, v in o.items()) for n, o in SPECS]
+LENGTHS = [0, 1, 31, 32, 63, 64, 65, 100, 1000, 1024, 4097]
+
+
+@pytest.mark.parametrize("name,options", SPECS, ids=IDS)
+def test_a_served_backend_and_the_estimator_hold_the_same_spec(name, options):
+    """The spec a backend serves (its streams, layers, element size and quantized tier, less ``rotate``, which
+    costs no byte) is the one the estimator builds from the backend's sums name, so both give one byte count
+    at every length."""
+    backend = create(name, GEOMETRY, **options)
+    served = backend.kv_spec()
+    estimated = kv_spec(GEOMETRY.shape(), *backend.sums_spec(), GEOMETRY.dtype_bytes)
+    if served.quantization:
+        served = served.with_quantization(Quantization(**{**vars(served.quantization), "rotate": False}))
+    assert served == estimated
+    for t in LENGTHS:
+        expected = bytes_per_token_per_layer(GEOMETRY.shape(), *backend.sums_spec(), GEOMETRY.dtype_bytes, t)
+        assert backend.bytes_per_token_per_layer(t) == expected
+
+
+def test_every_byte_count_is_the_specs(monkeypatch):
+    """Doubling the spec's exact bytes doubles the estimator's sum, the backend's ``/info`` figure, its block
+    size and a page layout's stored bytes: none of them counts bytes on its own."""
+    backend = create("full", GEOMETRY)
+    layout = backend.page_layout(torch.float32, backend.block_bytes(16))
+    blocks = SeqBlocks(exact=[1, 2], exact_len=20)
+    before = (bytes_per_token_per_layer(GEOMETRY.shape(), "full", {}, 4, 100), backend.bytes_per_token_per_layer(100),
+              backend.block_bytes(16), layout.stored_bytes(blocks))
+    exact_bytes = KVSpec.exact_bytes
+    monkeypatch.setattr(KVSpec, "exact_bytes", lambda self, tokens, aligned=False: 2 * exact_bytes(self, tokens,
+                                                                                                   aligned))
+    after = (bytes_per_token_per_layer(GEOMETRY.shape(), "full", {}, 4, 100), backend.bytes_per_token_per_layer(100),
+             backend.block_bytes(16), layout.stored_bytes(blocks))
+    assert after == tuple(2 * b for b in before)
+
+
+def test_the_sums_count_what_a_page_layout_holds():
+    """A full page of each tier holds the tokens whose aligned slabs the spec counts, and a sequence's stored bytes
+    are the spec's for its tiers' tokens."""
+    backend = create("int8", GEOMETRY, group_size=16, residual=8)
+    spec = backend.kv_spec()
+    layout = backend.page_layout(torch.float32, 3 * backend.block_bytes(16))
+    assert layout.used_bytes() == spec.q_bytes(layout.q_tokens, aligned=True) <= layout.page_bytes
+    assert spec.exact_bytes(layout.exact_tokens, aligned=True) <= layout.page_bytes
+    assert spec.exact_bytes(layout.exact_tokens + 1, aligned=True) > layout.page_bytes
+    blocks = layout.written(SeqBlocks(), 100)
+    assert (blocks.exact_len, blocks.q_len) == spec.tokens_held(100) == (8 + (100 - 8) % 16, 100 - 8 - (100 - 8) % 16)
+    assert layout.stored_bytes(blocks) == spec.bytes_at(100)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 16, 50, None])
+def test_the_exact_window_is_the_pools_drain_rule_however_the_tokens_are_written(chunk):
+    """:meth:`Quantization.exact_held` (what the sums count as exact) is what the pool's tier planning keeps
+    exact after writing the same tokens, whole or in chunks."""
+    q = Quantization(group_size=16, residual=8)
+    plan = TierPlan(exact_tokens=24, q_tokens=32, quantization=q)
+    blocks, written = SeqBlocks(), 0
+    while written < 300:
+        n = chunk or 300
+        p = plan.plan(blocks, n)
+        plan.extend(blocks, p, [0] * p.new_exact_pages, [0] * p.new_q_pages)
+        plan.commit(blocks, p)
+        written += n
+        assert blocks.exact_len == q.exact_held(written)
+
+
+def test_a_spec_refuses_what_no_page_can_hold():
+    with pytest.raises(ValueError, match="two channels per byte"):
+        KVSpec((StreamSpec(1, 33),), 2, 2, Quantization(32, 32, key_bits=4, value_bits=4))
+    with pytest.raises(ValueError, match="needs streams"):
+        KVSpec((), 2, 2)
+    with pytest.raises(ValueError, match="no quantized tier"):
+        KVSpec(tuple(kv_streams(2, 8)), 2, 2).q_bytes(32)
+    backend = create("full", GEOMETRY)
+    with pytest.raises(ValueError, match="cannot hold a KV spec"):
+        backend.page_layout(torch.float16, backend.block_bytes(16))
