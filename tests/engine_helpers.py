@@ -19,10 +19,15 @@ from server.engine.setup import build_engine
 
 def make_engine(model, tokenizer, backend: str = "full", max_batch_size: int = 8, budget=None,
                 prefill_chunk_tokens: int | None = 256, block_size: int = 16, prefix_caching: bool = True,
-                **options):
-    geometry = ModelGeometry.from_config(model.config, next(model.parameters()).dtype)
-    be = create(backend, geometry, **options)
-    be.prepare(model, calibration_ids(model, tokenizer, max_tokens=4096))  # tests: a short calibration slice
+                prepared=None, **options):
+    """An engine serving ``backend`` built with ``options`` and prepared on a short calibration slice, or the
+    ``prepared`` backend object itself (a test that already prepared it for its reference)."""
+    if prepared is not None:
+        be = prepared
+    else:
+        geometry = ModelGeometry.from_config(model.config, next(model.parameters()).dtype)
+        be = create(backend, geometry, **options)
+        be.prepare(model, calibration_ids(model, tokenizer, max_tokens=4096))  # tests: a short calibration slice
     eos = model.generation_config.eos_token_id
     return build_engine(model, tokenizer, {backend: be}, set(eos if isinstance(eos, list) else [eos]),
                         max_batch_size=max_batch_size, budget_bytes=budget,

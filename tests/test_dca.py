@@ -305,7 +305,7 @@ def test_the_pool_serves_what_a_per_sequence_store_serves(setup, name, options):
     backend.prepare(model, calib)
     prompts, n = [calib[:100], calib[300:345], calib[600:700]], 30
     refs = [_store_greedy(model, backend, geometry, p, n) for p in prompts]
-    engine = make_engine(model, tok, name, **options)
+    engine = make_engine(model, tok, name, prepared=backend)
     assert type(engine.kv.layouts[name]).__name__ == "DCALayout"
     seqs = [Sequence(request_id=str(i), prompt_ids=list(p), max_new_tokens=n, params=SamplingParams(), stop=[],
                      emit=lambda e: None, backend_name=name) for i, p in enumerate(prompts)]
