@@ -100,7 +100,7 @@ class OpCounter:
 def new_engine(model, tokenizer, backend, streams: int, budget: int | None, chunk: int | None = 256,
                prefix_caching: bool = True):
     """The server's engine (pool, scheduler, runner) for ``backend`` alone, in-process (stepped on this, the main,
-    thread: with glibc's allocator thresholds fixed, :func:`server.engine.allocator.keep_step_memory`)."""
+    thread: with glibc's allocator thresholds fixed, :func:`server.engine.malloc_tuning.keep_step_memory`)."""
     from server.engine.malloc_tuning import keep_step_memory
     from server.engine.setup import build_engine
 

@@ -56,12 +56,10 @@ def paged_perplexity(model, backend, token_ids: list[int], window: int = 1024, p
     each batched step. ``compress_all``: after the prefill and after every decode step, quantize every group an
     on-demand tier may quantize (``elastic`` with the pool always at its shortest: its worst case)."""
     from cache_backends.page_plan import SeqBlocks
-    from cache_backends.page_layout import PageLayout
     from cache_backends.pool import KVPool
 
     g, dtype = backend.geometry, next(model.parameters()).dtype
-    page = backend.block_bytes(2 * block_size)
-    layout = PageLayout(backend.kv_spec(), dtype, -(-page // 64) * 64)
+    layout = backend.page_layout(dtype, -(-backend.block_bytes(2 * block_size) // 64) * 64)
     windows = [token_ids[s : s + window] for s in range(0, len(token_ids) - window + 1, window)]
     windows = windows[:max_windows] if max_windows else windows
     pages = len(windows) * (layout.pages_for(window, None) + 2) + 1

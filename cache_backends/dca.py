@@ -571,7 +571,7 @@ class DCABackend(KVBackend):
         self.inner = inner if inner is not None else FullBackend(geometry)
         if inner is not None:
             self.options.update(inner.params())
-        q = self.inner.quantization
+        self.quantization = q = self.inner.quantization  # the inner backend's tier: every layer's own tokens
         if q and not q.on_demand and 2 * window > q.residual + q.group_size:
             prefix = f"KV_{self.inner.name.upper()}"
             raise ValueError(f"KV_DCA_WINDOW={window}: a reuse layer keeps up to 2 x window - 1 tokens exact, so with "

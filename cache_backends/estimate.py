@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from cache_backends.kv_spec import KVSpec, Quantization, StreamSpec, kv_streams
+from cache_backends.kv_spec import Axis, KVSpec, Quantization, StreamSpec
 from cache_backends.spec import default_gqa_groups
 
 
@@ -164,10 +164,8 @@ def kv_spec(shape: Shape, backend: str, params: dict, dtype_bytes: int) -> KVSpe
     if outer == "mla":  # the latent; on native MLA the model's latent and its rope key, each per channel
         rope = params["rope_dim"]
         streams = [StreamSpec(1, params["rank"])] + ([StreamSpec(1, rope)] if rope else [])
-    elif outer in ("full", "gqa", "int8", "int4", "elastic"):
-        if backend not in ("full", "gqa", "elastic") and dk != dv:
-            raise ValueError(f"{backend} sums assume k_head_dim == v_head_dim")
-        streams = kv_streams(h, dk) if dk == dv else [StreamSpec(h, dk), StreamSpec(h, dv)]
+    elif outer in ("full", "gqa", "int8", "int4", "elastic"):  # keys per channel, values per token
+        streams = [StreamSpec(h, dk, Axis.CHANNEL), StreamSpec(h, dv, Axis.TOKEN)]
     else:
         raise ValueError(f"unknown backend {backend!r}; allowed: full, gqa, mla, int8, int4, dca, elastic, gqa+int8, "
                          "mla+int8, dca+int8, dca+mla, gqa+int4, mla+int4, dca+int4")
