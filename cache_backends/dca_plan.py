@@ -324,6 +324,11 @@ class DCALayout:
         Its prompt is one step; the tokens it generates are one a step, within any ``chunk``."""
         return sum(g.pages_for(tokens, chunk) for g in self.groups)
 
+    def pages_to_generate(self, prompt: int, total: int, chunk: int | None = None) -> int:
+        """At most the pages a sequence holds writing its prompt, then one token a step until ``total``, with every
+        layer kept: each group's most (:meth:`TierPlan.pages_to_generate`), added."""
+        return sum(g.pages_to_generate(prompt, total, chunk) for g in self.groups)
+
     def prefill_pages(self, start: DCABlocks, tokens: int) -> int:
         """Pages the prefill step of ``tokens`` tokens holds (every layer's K/V, before the decisions)."""
         return len(start.pages()) + self.plan(start, tokens).pages_needed

@@ -150,6 +150,30 @@ class TierPlan:
                 self.commit(blocks, c)
         return most
 
+    def pages_to_generate(self, prompt: int, total: int, chunk: int | None = None) -> int:
+        """At most the pages a sequence holds writing its ``prompt`` tokens in chunks of ``chunk`` (default: at once)
+        and then its generated tokens one a step until it holds ``total`` (an on-demand tier compressing what it may
+        after each step: the least it can hold; fit checks).
+
+        After the prompt, a step writes one token: its quantized pages grow to those of the ``total`` tokens at
+        most, and its exact tokens during a step are at most the window (``residual``, or an on-demand tier's
+        ``window``) plus one group, from a slot of the first exact page on: at most
+        ``ceil((exact_tokens - 1 + window + group_size) / exact_tokens)`` pages, and no more than all ``total``
+        tokens take. A bound, not a walk of every step: at most two pages above the walk where a quantized page holds
+        at least an exact page's tokens (``tests/test_kv_spec.py``).
+        """
+        most = self.pages_for(prompt, chunk, compress=self.on_demand)
+        if total <= prompt:
+            return most
+        final = self.written(SeqBlocks(), total)
+        te = self.exact_tokens
+        exact = math.ceil(total / te)
+        q = self.quantization
+        if q:
+            window = (q.window if q.on_demand else q.residual) + q.group_size
+            exact = min(exact, math.ceil((te - 1 + window) / te))
+        return max(most, len(final.pages()), (math.ceil(final.q_len / self.q_tokens) if q else 0) + exact)
+
     def written(self, start: SeqBlocks, tokens: int) -> SeqBlocks:
         """The tables (null pages) once ``tokens`` more tokens are written after ``start`` (an on-demand tier then
         compressed down to its window: the least it can hold); ``start`` is left as it is."""

@@ -21,10 +21,10 @@ from cache_backends.full import FullBackend
 from cache_backends.gqa import GQABackend
 from cache_backends.int8 import Int4Backend, Int8Backend
 from cache_backends.mla import MLABackend
+from cache_backends.spec import COMPOSITIONS
 
 _BACKENDS: dict[str, type[KVBackend]] = {cls.name: cls for cls in (FullBackend, GQABackend, MLABackend, Int8Backend,
                                                                     Int4Backend, DCABackend, ElasticBackend)}
-COMPOSITIONS = ("gqa+int8", "mla+int8", "dca+int8", "dca+mla", "gqa+int4", "mla+int4", "dca+int4")
 INT8_OPTIONS = ("group_size", "residual", "key_bits", "value_bits", "rotate")
 QUANTIZED = ("int8", "int4")
 

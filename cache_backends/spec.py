@@ -95,16 +95,23 @@ BACKEND_OPTIONS: dict[str, set[str]] = {
 }
 
 
+COMPOSITIONS = ("gqa+int8", "mla+int8", "dca+int8", "dca+mla", "gqa+int4", "mla+int4", "dca+int4")
+"""The compositions kvserve serves (an outer backend over a quantized or latent inner one)."""
+
+
 def check_options(name: str, options: dict) -> None:
-    """Refuse options that backend ``name`` (or each part of a composition like ``mla+int8``) does not take.
+    """Refuse a name that is neither a backend nor a supported composition, and options that backend ``name`` (or
+    each part of a composition like ``mla+int8``) does not take.
 
     Raises:
-        ValueError: naming the unknown backend or options.
+        ValueError: naming the unknown backend, combination or options.
     """
     parts = name.split("+")
     unknown_parts = [p for p in parts if p not in BACKEND_OPTIONS]
     if unknown_parts:
         raise ValueError(f"unknown backend {unknown_parts[0]!r}; allowed: {', '.join(BACKEND_OPTIONS)}")
+    if len(parts) > 1 and name not in COMPOSITIONS:
+        raise ValueError(f"unsupported combination {name!r}; supported: {', '.join(COMPOSITIONS)}")
     unknown = set(options) - set().union(*(BACKEND_OPTIONS[p] for p in parts))
     if unknown:
         raise ValueError(f"{name} takes no option {', '.join(sorted(unknown))}")

@@ -37,7 +37,7 @@ def parse_bytes(text: str) -> int:
     scale = UNITS.get(t[-1:], 1)
     try:
         n = int(float(t[:-1] if t[-1:] in UNITS else t) * scale)
-    except ValueError:
+    except (ValueError, OverflowError):  # not a number; inf
         n = 0
     if n < 1:
         raise argparse.ArgumentTypeError(f"expected a size such as 24GiB, 512MiB or 1e9 (bytes), got {text!r}")

@@ -1,6 +1,9 @@
 """`kvserve advise`: fits the budget, ranks by measured quality then TPOT, says why."""
 
+import argparse
 import json
+
+import pytest
 
 from server.advise_cli import advise, parse_bytes, rows_from_estimate
 
@@ -12,6 +15,12 @@ def row(spec, bpt, ppl, tpot):
 
 def test_parse_bytes():
     assert parse_bytes("24GiB") == 24 * 2**30 and parse_bytes("512M") == 512 * 2**20 and parse_bytes("1000") == 1000
+
+
+@pytest.mark.parametrize("text", ["infGiB", "1e400", "nanGiB", "-5GiB", "abc", "0"])
+def test_a_size_that_is_not_a_finite_positive_number_is_refused_in_one_line(text):
+    with pytest.raises(argparse.ArgumentTypeError, match="expected a size"):
+        parse_bytes(text)
 
 
 def test_ranks_fitting_settings_by_quality_then_latency():

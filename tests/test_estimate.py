@@ -103,3 +103,15 @@ def test_a_context_over_the_models_positions_is_sized_with_a_warning(model_dir, 
         "if it could\n"))
     assert estimate("--model", str(model_dir), "--seq-len", "1024") == ([1024], "")
     assert estimate("--model", "llama-2-7b", "--seq-len", "32768") == ([32768], "")
+
+
+@pytest.mark.parametrize("name", ["int8+mla", "int8+int4", "mla+gqa", "elastic+int8", "dca+dca"])
+def test_a_combination_kvserve_does_not_serve_is_refused(name):
+    """The estimator sized some unsupported names as one of their parts (``int8+mla`` as ``full``)."""
+    from cache_backends.estimate import bytes_per_token_per_layer
+
+    with pytest.raises(ValueError, match="unsupported combination"):
+        bytes_per_token_per_layer(PRESETS["llama-2-7b"], name, {}, 2, 1024)
+    out = subprocess.run([sys.executable, "-m", "server.cli", "estimate", name], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2 and "unsupported combination" in out.stderr and "Traceback" not in out.stderr

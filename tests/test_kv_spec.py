@@ -97,3 +97,63 @@ def test_a_spec_refuses_what_no_page_can_hold():
     backend = create("full", GEOMETRY)
     with pytest.raises(ValueError, match="cannot hold a KV spec"):
         backend.page_layout(torch.float16, backend.block_bytes(16))
+
+
+def _walk(plan: TierPlan, prompt: int, total: int, chunk: int) -> int:
+    """The most pages a sequence holds, step by step: its prompt in chunks, then one token a step (an on-demand
+    tier compressing all it may after each step)."""
+    blocks, most, left = SeqBlocks(), 0, prompt
+
+    def step(n: int) -> None:
+        nonlocal most
+        p = plan.plan(blocks, n)
+        plan.extend(blocks, p, [0] * p.new_exact_pages, [0] * p.new_q_pages)
+        most = max(most, len(blocks.pages()))
+        plan.commit(blocks, p)
+        if plan.on_demand:
+            c = plan.plan_compress(blocks, plan.compressible(blocks))
+            plan.extend(blocks, c, [], blocks.exact[: c.new_q_pages])
+            plan.commit(blocks, c)
+
+    while left > 0:
+        step(min(chunk, left))
+        left -= min(chunk, left)
+    for _ in range(total - prompt):
+        step(1)
+    return most
+
+
+@pytest.mark.parametrize("on_demand", [False, True])
+def test_the_pages_to_finish_bound_the_walk_of_every_step_closely(on_demand):
+    """A fit check's pages (prompt in chunks, then one token a step) are never below what the steps hold, and at
+    most two pages above, for every layout whose quantized page holds at least an exact page's tokens."""
+    for te, tq, g, r in [(10, 32, 16, 8), (10, 96, 32, 32), (32, 32, 32, 32), (32, 96, 32, 32), (32, 64, 16, 0),
+                         (96, 96, 32, 8)]:
+        plan = TierPlan(te, tq, Quantization(g, None, window=r) if on_demand else Quantization(g, r))
+        for prompt in (1, 5, 40, 300):
+            for total in (prompt, prompt + 1, prompt + 7, prompt + 63, prompt + 300):
+                walked, bound = _walk(plan, prompt, total, 256), plan.pages_to_generate(prompt, total, 256)
+                assert walked <= bound <= walked + 2, (te, tq, g, r, prompt, total)
+    exact = TierPlan(32, 0)
+    assert exact.pages_to_generate(5, 305, 256) == _walk(exact, 5, 305, 256) == 10
+
+
+def test_a_quantized_request_is_not_charged_its_generated_tokens_as_prompt_chunks():
+    """A 5-token prompt with 300 tokens to generate: int8 holds its quantized groups and a residual window, so it
+    finishes in fewer pages than full, not more (its generated tokens were priced as if written 256 at a time,
+    exact before they drain: 11 pages against full's 10 on the pages of a pool serving both)."""
+    from server.engine.kv_cache import KVCacheManager
+    from server.engine.sampling import SamplingParams
+    from server.engine.sequence import Sequence
+
+    backends = {"full": create("full", GEOMETRY), "int8": create("int8", GEOMETRY)}
+    page = -(-max(b.block_bytes(32) for b in backends.values()) // 64) * 64
+    layouts = {name: b.page_layout(torch.float32, page) for name, b in backends.items()}
+    kv = KVCacheManager(backends, layouts, page, num_pages=11, prefill_chunk_tokens=256)
+    need = {}
+    for name in backends:
+        seq = Sequence(request_id=name, prompt_ids=[1, 2, 3, 4, 5], max_new_tokens=300, params=SamplingParams(),
+                       stop=[], emit=lambda e: None, backend_name=name)
+        need[name] = kv.pages_to_finish(seq)
+    assert need["full"] == 10 and need["int8"] < need["full"]
+    assert need["int8"] <= _walk(layouts["int8"], 5, 305, 256) + 2

@@ -165,9 +165,7 @@ class KVCacheManager:
         """The most pages ``seq`` holds on its own from admission to its last token: its prompt as it is prefilled,
         and every token once generated (an on-demand tier compressed as it grows)."""
         total = len(seq.prompt_ids) + seq.max_new_tokens
-        layout = self.layouts[seq.backend_name]
-        grown = layout.pages_for(total, self.chunk, compress=layout.on_demand)
-        return max(grown, self.pages_for(seq, len(seq.prompt_ids)))
+        return self.layouts[seq.backend_name].pages_to_generate(len(seq.prompt_ids), total, self.prefill_chunk(seq))
 
     def fits_alone(self, seq: Sequence) -> bool:
         """Whether ``seq`` could finish with the pool to itself (:meth:`pages_to_finish`)."""
