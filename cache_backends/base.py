@@ -336,6 +336,11 @@ class KVBackend(ABC):
         ``kvserve estimate`` prints for :meth:`sums_spec`. ``/info`` reports it."""
         return self.kv_spec().bytes_per_token_per_layer(seq_len)
 
+    def min_bytes_per_token_per_layer(self, seq_len: int = 1024) -> float:
+        """The least :meth:`bytes_per_token_per_layer` can be: the same but for a backend whose size depends on
+        the pool's state (``elastic``: every compressible group quantized)."""
+        return self.bytes_per_token_per_layer(seq_len)
+
     # ---- the paged pool (cache_backends.paged): what a block holds and how the batch attends to it --------
     def kv_spec(self) -> KVSpec:
         """What one layer of this backend stores per token, in how many layers, and its quantized tier

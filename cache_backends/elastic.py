@@ -19,6 +19,8 @@ alone, so ``elastic`` blocks are not shared through the prefix cache.
 
 from __future__ import annotations
 
+import dataclasses
+
 from cache_backends.base import KVBackend, ModelGeometry
 from cache_backends.full import FullLayer
 from cache_backends.kv_spec import KVSpec, Quantization, kv_streams
@@ -68,6 +70,12 @@ class ElasticBackend(KVBackend):
         return {"tiers": list(self.tiers), "window": self.window, "group_size": self.group_size, "bits": self.bits,
                 "compress": "under pool pressure, oldest exact groups of the sequence with the most compressible "
                             "tokens first; preemption only when none is left"}
+
+    def min_bytes_per_token_per_layer(self, seq_len: int = 1024) -> float:
+        """Every compressible group quantized: its tier with the window as the residual window (what
+        ``int8:group_size=g,residual=window`` holds; :func:`cache_backends.estimate.elastic_min_bytes_per_token_per_layer`)."""
+        tier = dataclasses.replace(self.quantization, residual=self.window, window=0)
+        return self.kv_spec().with_quantization(tier).bytes_per_token_per_layer(seq_len)
 
     def kv_spec(self) -> KVSpec:
         """A block holds keys (grouped per channel once quantized) and values (per token), (num_key_value_heads,

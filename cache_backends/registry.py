@@ -21,7 +21,7 @@ from cache_backends.full import FullBackend
 from cache_backends.gqa import GQABackend
 from cache_backends.int8 import Int4Backend, Int8Backend
 from cache_backends.mla import MLABackend
-from cache_backends.spec import COMPOSITIONS
+from cache_backends.spec import COMPOSITIONS, NATIVE_MLA_BACKENDS
 
 _BACKENDS: dict[str, type[KVBackend]] = {cls.name: cls for cls in (FullBackend, GQABackend, MLABackend, Int8Backend,
                                                                     Int4Backend, DCABackend, ElasticBackend)}
@@ -61,7 +61,7 @@ def create(name: str, geometry: ModelGeometry, **options) -> KVBackend:
         ValueError: for an unsupported name or combination (listing the supported ones), an unknown
             option, or an option value a backend refuses.
     """
-    if geometry.kv_lora_rank and name not in ("full", "mla", "mla+int8", "mla+int4"):
+    if geometry.kv_lora_rank and name not in NATIVE_MLA_BACKENDS:
         raise ValueError(f"{name} needs per-head K/V, but this model is natively MLA (kv_lora_rank="
                          f"{geometry.kv_lora_rank}) and hands its cache a latent: use full, mla, mla+int8 or mla+int4")
     if "+" not in name:

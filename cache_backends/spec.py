@@ -98,6 +98,9 @@ BACKEND_OPTIONS: dict[str, set[str]] = {
 COMPOSITIONS = ("gqa+int8", "mla+int8", "dca+int8", "dca+mla", "gqa+int4", "mla+int4", "dca+int4")
 """The compositions kvserve serves (an outer backend over a quantized or latent inner one)."""
 
+NATIVE_MLA_BACKENDS = ("full", "mla", "mla+int8", "mla+int4")
+"""What a natively-MLA model (DeepSeek-V2/V3) can be served with: it hands its cache a latent, not per-head K/V."""
+
 
 def check_options(name: str, options: dict) -> None:
     """Refuse a name that is neither a backend nor a supported composition, and options that backend ``name`` (or

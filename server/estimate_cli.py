@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from cache_backends.estimate import DTYPE_BYTES, PRESETS, Shape, bytes_per_token_per_layer, estimate_rows
-from cache_backends.spec import parse_spec
+from cache_backends.spec import NATIVE_MLA_BACKENDS, parse_spec
 
 
 # Without specs: every backend and the two most useful compositions, at ``default_params`` for the model.
@@ -16,7 +16,10 @@ DEFAULT_SPECS = ["full", "gqa", "mla", "int8", "dca", "mla+int8", "gqa+int8"]
 
 
 def applies(shape: Shape, spec: tuple[str, dict], dtype_bytes: int) -> bool:
-    """Whether the sums can size ``spec`` on this model (e.g. not int8 where K and V widths differ)."""
+    """Whether kvserve can serve ``spec`` on this model and the sums size it (a natively-MLA model takes only
+    :data:`cache_backends.spec.NATIVE_MLA_BACKENDS`: it hands its cache a latent, not per-head K/V)."""
+    if shape.kv_lora_rank and spec[0] not in NATIVE_MLA_BACKENDS:
+        return False
     try:
         bytes_per_token_per_layer(shape, *spec, dtype_bytes, 1)
     except ValueError:

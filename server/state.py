@@ -36,6 +36,8 @@ def kv_sizes(backends: dict[str, KVBackend], num_layers: int, max_total_tokens: 
       ``max_total_tokens``, keyed by the length as a string. A sequence of n tokens holds n times the
       figure at n: int8-family backends cost more per token on short sequences, whose newest 32-63 tokens
       (the residual window and the forming group) are in full precision;
+    * ``kv_min_bytes_per_token``: for a backend whose size is a range (``elastic``, from every token exact to
+      every compressible group quantized), its least at :data:`REFERENCE_SEQ_LEN` tokens;
     * ``kv_estimate_spec``: the ``kvserve estimate`` spec that gives the same numbers (``dca``: with its
       calibrated reuse fraction; a live sequence's own reuse shows in ``kvserve_dca_reuse_layers``).
     """
@@ -46,6 +48,10 @@ def kv_sizes(backends: dict[str, KVBackend], num_layers: int, max_total_tokens: 
                                for n, b in backends.items()},
         "kv_bytes_per_token_by_seq_len": {n: {str(t): float(b.bytes_per_token_per_layer(t) * num_layers)
                                               for t in lengths} for n, b in backends.items()},
+        "kv_min_bytes_per_token": {n: float(b.min_bytes_per_token_per_layer(REFERENCE_SEQ_LEN) * num_layers)
+                                   for n, b in backends.items()
+                                   if b.min_bytes_per_token_per_layer(REFERENCE_SEQ_LEN)
+                                   < b.bytes_per_token_per_layer(REFERENCE_SEQ_LEN)},
         "kv_estimate_spec": {n: format_spec(*b.sums_spec()) for n, b in backends.items()},
     }
 

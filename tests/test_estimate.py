@@ -73,16 +73,20 @@ def test_cli_without_specs_lists_every_backend_at_the_models_defaults():
     out = subprocess.run([sys.executable, "-m", "server.cli", "estimate", "--model", "deepseek-v3", "--seq-len", "4096",
                           "--batch", "1", "--json"], cwd=REPO, capture_output=True, text=True, timeout=120, check=True)
     rows = {r["backend"]: r for r in json.loads(out.stdout)}
-    # the per-head backends size the K (192) and V (128) heads DeepSeek's attention expands: keys per channel and
-    # values per token for int8, as on any model
-    assert list(rows) == ["full", "gqa", "mla", "int8", "dca", "mla+int8", "gqa+int8"]
+    # a natively-MLA model is served with full, mla or mla+int8 only (it hands its cache a latent)
+    assert list(rows) == ["full", "mla", "mla+int8"]
+    assert rows["mla"]["params"] == {"rank": 512, "rope_dim": 64} and rows["mla"]["bytes_per_token_per_layer"] == 1152
+    assert rows["full"]["total_bytes"] == 128 * (192 + 128) * 2 * 4096 * 61
+
+
+def test_a_per_head_spec_named_on_deepseek_sizes_its_expanded_k_and_v_heads():
+    """Named, int8 sizes the K (192) and V (128) heads DeepSeek's attention expands: keys per channel, values per
+    token (the sums refused unequal widths)."""
+    (row,) = estimate_rows(PRESETS["deepseek-v3"], [("int8", {})], [4096], [1], 2)
     h, dk, dv, t, g = 128, 192, 128, 4096, 32
     q, exact = t - 32, 32  # a residual window of 32 and no forming group at 4096
     int8 = q * h * (dk + dv) + 2 * 2 * (q // g) * h * dk + 2 * 2 * q * h + exact * h * (dk + dv) * 2
-    assert rows["int8"]["bytes_per_token_per_layer"] == int8 / t
-    assert rows["mla"]["params"] == {"rank": 512, "rope_dim": 64} and rows["mla"]["bytes_per_token_per_layer"] == 1152
-    assert rows["gqa"]["params"] == {"groups": 32} and rows["dca"]["params"] == {"reuse_fraction": 0.5, "window": 32}
-    assert rows["full"]["total_bytes"] == 128 * (192 + 128) * 2 * 4096 * 61
+    assert row["bytes_per_token_per_layer"] == int8 / t
 
 
 def test_a_context_over_the_models_positions_is_sized_with_a_warning(model_dir, capsys):

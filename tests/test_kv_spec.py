@@ -157,3 +157,16 @@ def test_a_quantized_request_is_not_charged_its_generated_tokens_as_prompt_chunk
         need[name] = kv.pages_to_finish(seq)
     assert need["full"] == 10 and need["int8"] < need["full"]
     assert need["int8"] <= _walk(layouts["int8"], 5, 305, 256) + 2
+
+
+def test_info_gives_elastics_size_as_a_range():
+    """``/info`` showed ``elastic`` at its most (every token exact) only; its least is the estimator's minimum."""
+    from cache_backends.estimate import elastic_min_bytes_per_token_per_layer
+    from server.state import kv_sizes
+
+    backends = {name: create(name, GEOMETRY) for name in ("full", "int8", "elastic")}
+    sizes = kv_sizes(backends, GEOMETRY.num_layers, 2048)
+    least = elastic_min_bytes_per_token_per_layer(GEOMETRY.shape(), {}, GEOMETRY.dtype_bytes, 1024)
+    assert sizes["kv_min_bytes_per_token"] == {"elastic": least * GEOMETRY.num_layers}
+    assert sizes["kv_min_bytes_per_token"]["elastic"] < sizes["kv_bytes_per_token"]["elastic"] \
+        == sizes["kv_bytes_per_token"]["full"]

@@ -184,7 +184,7 @@ SUMS_ORDER = ("full", "gqa", "mla", "int8", "int4", "int8:value_bits=4", "dca", 
 
 def sums_specs(shape: Shape, dtype_bytes: int) -> list[str]:
     """Every backend and composition this server knows (:func:`cache_backends.registry.available`) and
-    :data:`SUMS_EXTRA_SPECS`, less what the model cannot take (e.g. int8 where K and V widths differ)."""
+    :data:`SUMS_EXTRA_SPECS`, less what kvserve cannot serve on the model (:func:`server.estimate_cli.applies`)."""
     known = sorted((*available(), *SUMS_EXTRA_SPECS),
                    key=lambda s: SUMS_ORDER.index(s) if s in SUMS_ORDER else len(SUMS_ORDER))
     return [s for s in known if applies(shape, parse_spec(s), dtype_bytes)]
