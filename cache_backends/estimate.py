@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from cache_backends.kv_spec import Axis, KVSpec, Quantization, StreamSpec
-from cache_backends.spec import COMPOSITIONS, default_gqa_groups
+from cache_backends.spec import check_composition, default_gqa_groups
 
 
 def dca_window_tokens(seq_len: int, window: int) -> int:
@@ -153,8 +153,7 @@ def kv_spec(shape: Shape, backend: str, params: dict, dtype_bytes: int) -> KVSpe
     Raises:
         ValueError: for an unknown backend, or a parameter the shape cannot take.
     """
-    if "+" in backend and backend not in COMPOSITIONS:
-        raise ValueError(f"unsupported combination {backend!r}; supported: {', '.join(COMPOSITIONS)}")
+    check_composition(backend)
     params = {**default_params(shape, backend), **params}
     h, dk, dv = shape.num_key_value_heads, shape.k_head_dim, shape.v_head_dim
     outer = backend.split("+")[0]
@@ -194,8 +193,7 @@ def bytes_per_token_per_layer(shape: Shape, backend: str, params: dict, dtype_by
     Raises:
         ValueError: for an unknown backend or a parameter the shape cannot take.
     """
-    if "+" in backend and backend not in COMPOSITIONS:
-        raise ValueError(f"unsupported combination {backend!r}; supported: {', '.join(COMPOSITIONS)}")
+    check_composition(backend)
     if backend == "dca" or backend.startswith("dca+"):
         params = {**default_params(shape, "dca"), **params}
         f = params["reuse_fraction"]

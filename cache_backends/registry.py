@@ -21,7 +21,7 @@ from cache_backends.full import FullBackend
 from cache_backends.gqa import GQABackend
 from cache_backends.int8 import Int4Backend, Int8Backend
 from cache_backends.mla import MLABackend
-from cache_backends.spec import COMPOSITIONS, NATIVE_MLA_BACKENDS
+from cache_backends.spec import COMPOSITIONS, NATIVE_MLA_BACKENDS, check_composition
 
 _BACKENDS: dict[str, type[KVBackend]] = {cls.name: cls for cls in (FullBackend, GQABackend, MLABackend, Int8Backend,
                                                                     Int4Backend, DCABackend, ElasticBackend)}
@@ -72,8 +72,7 @@ def create(name: str, geometry: ModelGeometry, **options) -> KVBackend:
         if unknown:
             raise ValueError(f"{name} takes no option {', '.join(sorted(unknown))}")
         return cls(geometry, **options)
-    if name not in COMPOSITIONS:
-        raise ValueError(f"unsupported combination {name!r}; supported: {', '.join(COMPOSITIONS)}")
+    check_composition(name)
     outer, inner = name.split("+")
     used = set()
     if inner in QUANTIZED:

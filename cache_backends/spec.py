@@ -102,6 +102,16 @@ NATIVE_MLA_BACKENDS = ("full", "mla", "mla+int8", "mla+int4")
 """What a natively-MLA model (DeepSeek-V2/V3) can be served with: it hands its cache a latent, not per-head K/V."""
 
 
+def check_composition(name: str) -> None:
+    """Refuse a ``+`` name that is not a supported composition (``int8+mla``), listing those that are.
+
+    Raises:
+        ValueError: naming it.
+    """
+    if "+" in name and name not in COMPOSITIONS:
+        raise ValueError(f"unsupported combination {name!r}; supported: {', '.join(COMPOSITIONS)}")
+
+
 def check_options(name: str, options: dict) -> None:
     """Refuse a name that is neither a backend nor a supported composition, and options that backend ``name`` (or
     each part of a composition like ``mla+int8``) does not take.
@@ -113,8 +123,7 @@ def check_options(name: str, options: dict) -> None:
     unknown_parts = [p for p in parts if p not in BACKEND_OPTIONS]
     if unknown_parts:
         raise ValueError(f"unknown backend {unknown_parts[0]!r}; allowed: {', '.join(BACKEND_OPTIONS)}")
-    if len(parts) > 1 and name not in COMPOSITIONS:
-        raise ValueError(f"unsupported combination {name!r}; supported: {', '.join(COMPOSITIONS)}")
+    check_composition(name)
     unknown = set(options) - set().union(*(BACKEND_OPTIONS[p] for p in parts))
     if unknown:
         raise ValueError(f"{name} takes no option {', '.join(sorted(unknown))}")

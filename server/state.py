@@ -42,16 +42,15 @@ def kv_sizes(backends: dict[str, KVBackend], num_layers: int, max_total_tokens: 
       calibrated reuse fraction; a live sequence's own reuse shows in ``kvserve_dca_reuse_layers``).
     """
     lengths = sorted({n for n in (SHORT_SEQ_LEN, REFERENCE_SEQ_LEN) if n < max_total_tokens} | {max_total_tokens})
+    sizes = {n: b.bytes_per_token_per_layer(REFERENCE_SEQ_LEN) for n, b in backends.items()}
     return {
         # floats for every backend (the sums of some backends are whole numbers, others' are not): one JSON type
-        "kv_bytes_per_token": {n: float(b.bytes_per_token_per_layer(REFERENCE_SEQ_LEN) * num_layers)
-                               for n, b in backends.items()},
+        "kv_bytes_per_token": {n: float(per * num_layers) for n, per in sizes.items()},
         "kv_bytes_per_token_by_seq_len": {n: {str(t): float(b.bytes_per_token_per_layer(t) * num_layers)
                                               for t in lengths} for n, b in backends.items()},
-        "kv_min_bytes_per_token": {n: float(b.min_bytes_per_token_per_layer(REFERENCE_SEQ_LEN) * num_layers)
-                                   for n, b in backends.items()
-                                   if b.min_bytes_per_token_per_layer(REFERENCE_SEQ_LEN)
-                                   < b.bytes_per_token_per_layer(REFERENCE_SEQ_LEN)},
+        "kv_min_bytes_per_token": {n: float(least * num_layers) for n, least in (
+            (n, b.min_bytes_per_token_per_layer(REFERENCE_SEQ_LEN)) for n, b in backends.items())
+            if least < sizes[n]},
         "kv_estimate_spec": {n: format_spec(*b.sums_spec()) for n, b in backends.items()},
     }
 
