@@ -92,9 +92,10 @@ def kvserve_env(env: dict[str, str]) -> dict[str, str]:
     return {**keep, **env}
 
 
-async def _stream_kvserve(client: httpx.AsyncClient, url: str, tokens: int, times: list | None = None) -> dict:
+async def _stream_kvserve(client: httpx.AsyncClient, url: str, tokens: int, times: list | None = None,
+                          prompt: str = PROMPT) -> dict:
     """Stream one request; ``times`` (token arrival times) fills as tokens arrive."""
-    body = {"inputs": PROMPT, "parameters": {"max_new_tokens": tokens}}
+    body = {"inputs": prompt, "parameters": {"max_new_tokens": tokens}}
     t0 = time.perf_counter()
     times = [] if times is None else times
     async with client.stream("POST", url + "/generate_stream", json=body) as r:
@@ -215,23 +216,26 @@ def long_prompts(model_dir: str, n: int, tokens: int) -> list[str]:
 
 async def _long_arrival(url: str, prompts: list[str], running: int, tokens: int) -> dict:
     """``running`` streams decode ``tokens`` tokens; once each has 4 tokens, ``prompts`` arrive (8 new tokens
-    each). Returns ITL p50/p95 (seconds) of the running streams' gaps that end after the first arrival."""
+    each, streamed). Returns ITL p50/p95 (seconds) of the running streams' gaps that end after the first arrival, and
+    the arriving prompts' TTFT (p50 and max, seconds)."""
     async with httpx.AsyncClient(timeout=600) as client:
         seen = [[] for _ in range(running)]
         streams = [asyncio.create_task(_stream_kvserve(client, url, tokens, times)) for times in seen]
         while min(len(t) for t in seen) < 4:
             await asyncio.sleep(0.01)
         arrival = time.perf_counter()
-        long = [asyncio.create_task(client.post(url + "/generate", json={
-            "inputs": p, "parameters": {"max_new_tokens": 8}})) for p in prompts]
+        long = [asyncio.create_task(_stream_kvserve(client, url, 8, prompt=p)) for p in prompts]
         results = await asyncio.gather(*streams)
-        for r in await asyncio.gather(*long):
-            r.raise_for_status()
+        arrived = await asyncio.gather(*long)
+    ttft = sorted(r["times"][0] - r["start"] for r in arrived if r["times"])
+    if len(ttft) != len(prompts):
+        raise RuntimeError("an arriving long prompt got no token")
     gaps = sorted(b - a for r in results for a, b in zip(r["times"], r["times"][1:]) if b > arrival)
     if not gaps:
         raise RuntimeError("no running-stream token after the long prompts arrived: raise --tokens")
     return {"itl_p50_s": statistics.median(gaps), "itl_p95_s": gaps[int(0.95 * (len(gaps) - 1))],
-            "itl_p99_s": gaps[int(0.99 * (len(gaps) - 1))], "itl_max_s": gaps[-1], "gaps": len(gaps)}
+            "itl_p99_s": gaps[int(0.99 * (len(gaps) - 1))], "itl_max_s": gaps[-1], "gaps": len(gaps),
+            "long_ttft_p50_s": statistics.median(ttft), "long_ttft_max_s": ttft[-1]}
 
 
 def bench_llama_cpp(gguf: str, tokens: int, repeats: int) -> dict:

@@ -110,6 +110,12 @@ class Settings(BaseSettings):
     max_num_batched_tokens: int = Field(256, ge=0, description="Tokens one engine step processes: each decoding "
                                         "sequence's one, prompt chunks the rest (chunked prefill); 0 prefills "
                                         "whole prompts.")
+    prefill_itl_ratio: float = Field(2.0, ge=0, allow_inf_nan=False,
+                                     description="While sequences decode, a step that also prefills prompt chunks "
+                                     "costs at most this many decode steps (both measured as the engine runs): "
+                                     "the running streams' inter-token latency stays within it when long prompts "
+                                     "arrive, and those prompts' first tokens come later; 0: chunks of "
+                                     "MAX_NUM_BATCHED_TOKENS alone.")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log and access-log level.")
     payload_limit: int = Field(2_000_000, ge=1, description="Largest request body (bytes); larger gets 422 (400 on "
                                "the OpenAI routes).")
@@ -196,6 +202,13 @@ class Settings(BaseSettings):
             raise ValueError(f"MAX_TOTAL_TOKENS ({self.max_total_tokens}) must be greater than "
                              f"MAX_INPUT_TOKENS ({self.max_input_tokens})")
         return self
+
+    @field_validator("prefill_itl_ratio")
+    @classmethod
+    def _itl_ratio(cls, v: float) -> float:
+        if 0 < v <= 1:
+            raise ValueError("must be 0 (off) or more than 1 (a step with a prefill chunk costs more than a decode step)")
+        return v
 
     @field_validator("served_model_name")
     @classmethod

@@ -41,6 +41,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from server.engine.itl_budget import ChunkBudget
 from server.engine.sequence import FinishReason
 from server.engine.step_plan import MIN_PREFILL_CHUNK, CompressPlan, RowPlan, SchedulerOutput, snapshot
 
@@ -80,12 +81,16 @@ class Scheduler:
         kv: the KV cache manager (pages).
         prefill_chunk_tokens: most tokens prefilled per engine step (chunked prefill, as vLLM's scheduler
             budgets tokens per step); ``None`` prefills each prompt whole.
+        itl: bounds the prefill tokens of a step that carries decode tokens by what steps cost
+            (:class:`~server.engine.itl_budget.ChunkBudget`, fed by the engine); ``None``: no bound.
     """
 
-    def __init__(self, max_batch_size: int, kv: KVCacheManager, prefill_chunk_tokens: int | None = 256):
+    def __init__(self, max_batch_size: int, kv: KVCacheManager, prefill_chunk_tokens: int | None = 256,
+                 itl: ChunkBudget | None = None):
         self.max_batch_size = max_batch_size
         self.kv = kv
         self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.itl = itl if itl is not None else ChunkBudget(None)
         self.waiting: deque[Sequence] = deque()  # taken under ``lock`` (requests arrive from other threads)
         self.running: list[Sequence] = []
         self.lock = threading.Lock()
@@ -265,7 +270,8 @@ class Scheduler:
         written whole, in the mixed forward.
 
         The budget is ``prefill_chunk_tokens`` less the ``decoding`` sequences' one token each (at least
-        :data:`MIN_PREFILL_CHUNK`): a long prompt is written over several steps, each carrying the running batch's
+        :data:`MIN_PREFILL_CHUNK`), and while sequences decode at most what keeps the step within ``itl``'s ratio of a
+        decode step's cost (:meth:`ChunkBudget.tokens`): a long prompt is written over several steps, each carrying the running batch's
         decode tokens in the same forward (chunked prefill in a mixed batch, as vLLM v1's scheduler), so it does
         not stall running streams. A paged prompt's step is shortened, down to :data:`MIN_PREFILL_CHUNK` tokens,
         when the pages of a whole one (a quantized prompt's: its exact pages) are not free (:meth:`KVCacheManager.
@@ -275,7 +281,7 @@ class Scheduler:
         drained pages go back only when the step is committed).
         """
         chunk = self.prefill_chunk_tokens
-        budget = None if not chunk else max(MIN_PREFILL_CHUNK, chunk - decoding)
+        budget = self.itl.tokens(decoding, None if not chunk else max(MIN_PREFILL_CHUNK, chunk - decoding))
         chunks: list[tuple] = []
         for seq in [s for s in self.running if s.prefilled < len(s.context_ids)]:
             if budget is not None and budget <= 0:

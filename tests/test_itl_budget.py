@@ -1,0 +1,100 @@
+"""The prefill budget bounded by step cost (server/engine/itl_budget.py, ``PREFILL_ITL_RATIO``): sized from the
+measured cost of a decode step and of a prefilled token, applied only while sequences decode, and obeyed by the
+scheduler: a long prompt beside a decoding stream is written in chunks of that size, its tokens unchanged."""
+
+from __future__ import annotations
+
+import pytest
+
+from server.engine.itl_budget import MIN_ITL_CHUNK, ChunkBudget
+
+
+def measured(ratio=2.0, decode_s=0.010, token_s=0.0001) -> ChunkBudget:
+    b = ChunkBudget(ratio, weight=1.0)
+    b.observe(0, 8, decode_s)
+    b.observe(100, 8, decode_s + 100 * token_s)
+    return b
+
+
+def test_the_bound_is_the_tokens_that_cost_ratio_minus_one_decode_steps():
+    b = measured(ratio=2.0, decode_s=0.010, token_s=0.0001)
+    assert b.decode_s == pytest.approx(0.010) and b.token_s == pytest.approx(0.0001)
+    assert b.tokens(8, 248) == 100  # 100 tokens x 0.1 ms = one decode step more
+    assert measured(ratio=3.0).tokens(8, 248) == 200
+    assert measured(ratio=3.0).tokens(8, 120) == 120  # within the configured budget
+
+
+def test_it_never_goes_below_a_block():
+    assert measured(token_s=0.01).tokens(8, 248) == MIN_ITL_CHUNK
+
+
+@pytest.mark.parametrize("budget", [None, 248])
+def test_without_decoding_rows_a_ratio_or_measurements_the_configured_budget_holds(budget):
+    assert measured().tokens(0, budget) == budget  # nothing decodes: no stream to protect
+    assert ChunkBudget(None).tokens(8, budget) == budget
+    assert ChunkBudget(2.0).tokens(8, budget) == budget  # nothing measured yet
+
+
+def test_whole_prompt_prefill_is_left_whole():
+    assert measured().tokens(8, None) is None  # MAX_NUM_BATCHED_TOKENS=0
+
+
+def test_the_averages_move_with_each_step():
+    b = ChunkBudget(2.0, weight=0.5)
+    b.observe(50, 4, 0.02)  # a chunk before any decode step: nothing to subtract yet
+    assert b.token_s is None
+    b.observe(0, 4, 0.010)
+    b.observe(0, 4, 0.020)
+    assert b.decode_s == pytest.approx(0.015)
+    b.observe(100, 4, 0.025)  # 0.010 s over a decode step for 100 tokens
+    assert b.token_s == pytest.approx(0.0001)
+    b.observe(0, 0, 5.0)  # a step of nothing: not a decode step
+    assert b.decode_s == pytest.approx(0.015)
+
+
+@pytest.mark.parametrize("ratio", [1.0, 0.5])
+def test_a_step_cheaper_than_a_decode_step_is_refused(ratio):
+    with pytest.raises(ValueError, match="> 1"):
+        ChunkBudget(ratio)
+
+
+def test_the_scheduler_writes_a_long_prompt_beside_a_decoding_stream_in_chunks_of_the_bound(ref_model):
+    from tests.engine_helpers import make_engine, make_seq, run_all
+
+    model, tok = ref_model
+    long_prompt = "And God said, Let there be light: and there was light. " * 12  # ~170 tokens
+    whole = make_engine(model, tok, prefill_chunk_tokens=None)
+    ref = make_seq(tok, long_prompt, 6)
+    run_all(whole, [ref])
+
+    engine = make_engine(model, tok, prefill_chunk_tokens=256)
+    engine.scheduler.itl = measured(ratio=1.4, decode_s=0.010, token_s=0.0001)  # a bound of 40 tokens
+    engine.scheduler.itl.weight = 0.0  # the test's figures, not this machine's steps
+    running = make_seq(tok, "In the beginning", 40)
+    engine.submit(running)
+    engine.step()
+    late = make_seq(tok, long_prompt, 6)
+    engine.submit(late)
+    chunks = []
+    while late.prefilled < len(late.prompt_ids):
+        before = late.prefilled
+        engine.step()
+        chunks.append(late.prefilled - before)
+    assert chunks[:-1] == [40] * (len(chunks) - 1) and 0 < chunks[-1] <= 40
+    run_all(engine, [])
+    assert late.output_ids == ref.output_ids
+
+
+def test_the_engine_feeds_the_budget_its_steps(ref_model):
+    from tests.engine_helpers import make_engine, make_seq, run_all
+
+    model, tok = ref_model
+    engine = make_engine(model, tok, prefill_chunk_tokens=64)
+    engine.scheduler.itl = ChunkBudget(2.0)
+    running = make_seq(tok, "In the beginning", 12)
+    engine.submit(running)
+    engine.step()
+    engine.step()  # a decode step
+    assert engine.scheduler.itl.decode_s > 0 and engine.scheduler.itl.token_s is None
+    run_all(engine, [make_seq(tok, "And God said, Let there be light: and there was light. " * 4, 4)])
+    assert engine.scheduler.itl.token_s > 0
