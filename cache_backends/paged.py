@@ -20,6 +20,9 @@ class PoolViews:
 
     Attributes:
         exact: ``exact[layer][stream]`` (heads, num_pages, exact_tokens, width), model dtype.
+        exact_joint: per layer, every exact stream's heads as one view (streams x heads, num_pages, exact_tokens,
+            width) when the layer's slabs lie end to end with one shape (``full``'s and ``int8``'s K and V), so that
+            one gather reads them all; else ``None``.
         q: ``q[layer][stream]`` = (codes, scale, zero) views, (heads, num_pages, units, width) each.
     """
 
@@ -35,8 +38,21 @@ class PoolViews:
 
         self.layout = layout
         self.exact = [[view(s) for s in row] for row in layout.exact_slabs]
+        self.exact_joint = [None if joint is None else view(joint) for joint in map(_joint, layout.exact_slabs)]
         self.q = [[tuple(view(s) for s in parts) for parts in row] for row in layout.q_slabs] if layout.quantization \
             else None
+
+
+def _joint(slabs: list[Slab]) -> Slab | None:
+    """One slab spanning a layer's ``slabs`` when there are two or more of one shape and dtype, each starting where
+    the one before ends (their heads' runs then follow each other in a page), else ``None``."""
+    first = slabs[0]
+    if len(slabs) < 2 or any((s.units, s.heads, s.width, s.dtype) != (first.units, first.heads, first.width,
+                                                                       first.dtype) for s in slabs):
+        return None
+    if any(b.offset != a.offset + a.nbytes for a, b in zip(slabs, slabs[1:])):
+        return None
+    return Slab(first.offset, first.units, first.heads * len(slabs), first.width, first.dtype)
 
 
 class StreamRead:
@@ -186,8 +202,13 @@ def read_layer(views: PoolViews, layer: int, meta: StepMeta) -> list[StreamRead]
     q_tier = layout.quantization
     g = q_tier.group_size if q_tier else 0
     out = []
+    joint = views.exact_joint[layer]
+    if joint is not None:  # every stream's exact tokens in one gather, split along the heads (views)
+        heads = [spec.heads for spec in layout.streams]
+        exacts = _gather(joint, meta.exact_table, meta.gather_index).split(heads)
     for s, spec in enumerate(layout.streams):
-        exact = _gather(views.exact[layer][s], meta.exact_table, meta.gather_index)
+        exact = exacts[s] if joint is not None else _gather(views.exact[layer][s], meta.exact_table,
+                                                            meta.gather_index)
         q = None
         if q_tier and meta.q_width:
             q = tuple(_gather(v, meta.q_table, meta.gather_index) for v in views.q[layer][s])

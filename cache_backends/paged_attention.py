@@ -45,11 +45,14 @@ def attend_pair(query: torch.Tensor, keys, values, meta,
     hq, h = query.shape[1], keys.exact.shape[0]
     rep = hq // h
     q = grouped_rows(query, h).transpose(0, 1)  # (H, B, rep * R, d): the gathered streams' order
-    mask = group_mask(meta.mask, rep).transpose(0, 1)  # (1, B, rep * R, T)
+    grouped = meta.grouped_mask(rep)  # (B, 1, rep * R, T), or None: the first meta.unmasked_len tokens, all seen
+    mask = None if grouped is None else grouped.transpose(0, 1)  # (1, B, rep * R, T)
     if keys.codes is None and values.codes is None:
-        out = torch.nn.functional.scaled_dot_product_attention(q, keys.exact, values.exact, attn_mask=mask,
-                                                               scale=scaling)
+        k, v = keys.exact, values.exact
+        if mask is None:  # no mask: the rows' own tokens, without the padding of their last page (views)
+            k, v = k[:, :, :meta.unmasked_len], v[:, :, :meta.unmasked_len]
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
     else:
-        probs = masked_softmax(keys.dot(q), mask, scaling)
+        probs = masked_softmax(keys.dot(q), mask, scaling)  # a quantized layout's mask is never dropped
         out = values.weighted_sum(probs)
     return ungroup_rows(out.transpose(0, 1), hq)

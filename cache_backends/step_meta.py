@@ -130,9 +130,29 @@ class StepMeta:
         else:
             live = (ie[None] >= start[:, None]) & (pos_e < (q_len + e_len)[:, None])
             self.mask = live[:, None, :] & causal
+            if n == 1 and all(s == 0 for s in starts) and len(set(e_lens)) == 1:
+                # one new token each, every row as long: the first e_lens[0] gathered tokens, all visible
+                self._unmasked, self.unmasked_len = self.mask, e_lens[0]
         firsts = [b.first for b, _ in rows]
         if any(firsts):  # positions above were counted from each row's first token (a dca layer's own tokens)
             first = as_long(firsts)[:, None]
             self.positions, self.query_positions = self.positions + first, self.query_positions + first
         self.q_width = t_q
         self.gather_index: dict = {}  # the page gathers' row indices, built by the first layer that reads them
+        self._grouped: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    _unmasked: torch.Tensor | None = None  # the mask, when it lets every new token see the first unmasked_len tokens
+    unmasked_len: int | None = None
+
+    def grouped_mask(self, rep: int) -> torch.Tensor | None:
+        """:attr:`mask` for rows grouped as :func:`cache_backends.paged_attention.grouped_rows` orders them, (B, 1,
+        rep * n, T), built once per step and ``rep``; ``None`` when the rows' first :attr:`unmasked_len` gathered
+        tokens are all they see, every one of them (one new token per row, every row as long: attention over those
+        needs no mask). A mask replaced in the step (``dca``) is grouped anew."""
+        if self._unmasked is not None and self._unmasked is self.mask:
+            return None
+        cached = self._grouped.get(rep)
+        if cached is None or cached[0] is not self.mask:
+            b, r, t = self.mask.shape
+            cached = self._grouped[rep] = (self.mask, self.mask[:, None].expand(b, rep, r, t).reshape(b, 1, rep * r, t))
+        return cached[1]

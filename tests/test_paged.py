@@ -261,19 +261,31 @@ def test_a_decode_steps_op_count_does_not_grow_with_the_batch(ref_model, name, o
     assert counts[1] == counts[4] == counts[8], counts
 
 
-def test_a_step_gathers_each_stream_of_a_layer_in_one_op(ref_model):
-    """The pages of every head and sequence of one stream are gathered by one ``index_select`` per layer (not one
-    per head: 8x the ops on the reference model), and the gathered context is the one attention would read."""
+@pytest.mark.parametrize("name", ["full", "int8"])
+def test_a_step_gathers_the_exact_streams_of_a_layer_in_one_op(ref_model, name):
+    """The pages of every head, sequence and exact stream of one layer (``full``'s and ``int8``'s K and V lie end to
+    end in a page) are gathered by one ``index_select`` per layer (not one per stream, nor per head: 8x the ops on
+    the reference model), and each stream's part of it is what a gather of that stream alone reads."""
+    from cache_backends.paged import _gather
+    from cache_backends.step_meta import StepMeta
+
     model, tok = ref_model
-    backend = _backend(model, tok, "full", {})
+    backend = _backend(model, tok, name, {})
     driver = PagedDriver(model, backend, pages=400)
-    ids = tok.encode(TEXTS[0])[:40]
+    ids = tok.encode(" ".join(TEXTS * 3))[:100]  # int8: 100 tokens leave quantized groups beside the exact window
     rows = [SeqBlocks() for _ in range(4)]
     driver.step(rows, [ids] * 4)
     with _OpCounter() as counter:
         driver.step(rows, [[ids[0]]] * 4)
-    layout = driver.pool.views[backend.name].layout
-    assert counter.by_op["index_select"] == model.config.num_hidden_layers * len(layout.streams), counter.by_op
+    views = driver.pool.views[backend.name]
+    assert (rows[0].q_len > 0) == bool(views.layout.quantization)
+    q_gathers = 3 * len(views.layout.streams) if views.layout.quantization else 0  # codes, scales, zero points
+    assert counter.by_op["index_select"] == model.config.num_hidden_layers * (1 + q_gathers), counter.by_op
+    meta = StepMeta(views.layout, [(b, views.layout.plan(b, 1)) for b in rows], torch.device("cpu"))
+    for layer in range(model.config.num_hidden_layers):
+        joint = _gather(views.exact_joint[layer], meta.exact_table, {})
+        alone = [_gather(views.exact[layer][s], meta.exact_table, {}) for s in range(len(views.layout.streams))]
+        assert torch.equal(joint, torch.cat(alone)) and joint.abs().sum() > 0
 
 
 def test_a_wide_request_cannot_make_a_later_one_wait_for_its_whole_length(ref_model):
@@ -482,3 +494,51 @@ def test_admission_charges_the_stored_form_not_the_chunks_exact_pages(ref_model,
     assert [s.preemptions for s in batch] == [0] * 5
     assert [s.output_ids for s in batch] == alone
     assert kv.transient_pages(seqs()[0]) == transient
+
+
+def test_the_attention_mask_is_dropped_only_when_it_hides_nothing(ref_model):
+    """Decode rows of one length attend with no mask, over their own tokens (the padding of their last page left
+    out); rows of different lengths, or a chunk of several tokens (causal), get the step's mask, grouped once per
+    step for every layer; the logits are the same either way (the engine's value tests)."""
+    from cache_backends.step_meta import StepMeta
+
+    model, tok = ref_model
+    backend = _backend(model, tok, "full", {})
+    driver = PagedDriver(model, backend, pages=400)
+    layout = driver.pool.views[backend.name].layout
+    ids = tok.encode(" ".join(TEXTS))
+    even, uneven = [SeqBlocks() for _ in range(2)], [SeqBlocks() for _ in range(2)]
+    driver.step(even, [ids[:28]] * 2)  # two pages of 16 tokens: room for 4 more without a new page
+    driver.step(uneven, [ids[:28], ids[:20]])
+
+    def meta(rows, n):
+        return StepMeta(layout, [(b, layout.plan(b, n)) for b in rows], torch.device("cpu"))
+
+    m = meta(even, 1)
+    assert m.grouped_mask(1) is None and m.unmasked_len == 29
+    m = meta(uneven, 1)
+    grouped = m.grouped_mask(2)
+    assert grouped.shape == (2, 1, 2, 32)
+    assert grouped[0, 0, :, :29].all() and not grouped[0, 0, :, 29:].any()
+    assert grouped[1, 0, :, :21].all() and not grouped[1, 0, :, 21:].any()
+    assert m.grouped_mask(2) is grouped  # built once for every layer
+    chunk = meta(even, 3).grouped_mask(1)
+    assert chunk is not None and chunk[0, 0, 0, :29].all() and not chunk[0, 0, 0, 29:].any()  # not its next ones
+
+
+def test_decode_rows_of_one_length_give_the_same_logits_without_the_mask(ref_model, monkeypatch):
+    from cache_backends.step_meta import StepMeta
+
+    model, tok = ref_model
+    backend = _backend(model, tok, "full", {})
+    ids = tok.encode(" ".join(TEXTS))
+    logits = []
+    for keep_mask in (False, True):
+        if keep_mask:
+            monkeypatch.setattr(StepMeta, "grouped_mask", lambda self, rep: self.mask[:, None].expand(
+                -1, rep, -1, -1).reshape(self.mask.shape[0], 1, -1, self.mask.shape[-1]))
+        driver = PagedDriver(model, backend, pages=400)
+        rows = [SeqBlocks() for _ in range(3)]
+        driver.step(rows, [ids[:37], ids[3:40], ids[5:42]])
+        logits.append(driver.step(rows, [[ids[37]], [ids[40]], [ids[42]]]))
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
