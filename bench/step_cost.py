@@ -8,6 +8,11 @@ time under ``torch.profiler`` (which slows small ops, so shares, not times, are 
 ``--context`` cached tokens.
 
     python -m bench.step_cost [--batches 1 16] [--backends full int8] [--out docs/bench/step_cost.json]
+
+``--compile`` measures ``torch.compile`` (inductor) of parts of the model instead: ``mlp-norm`` compiles each decoder
+layer's MLP and RMSNorms (regional compilation), ``layers`` each whole decoder layer with the KV path left eager
+(a graph break at the cache write and at the attention); the step times before and after, and the seconds the
+first compiled steps took (compilation and recompilations as the step's shapes change).
 """
 
 from __future__ import annotations
@@ -125,6 +130,37 @@ def measure(model, tok, spec: str, ids: list[int], batch: int, context: int, ste
             "ops": ops, "ops_total": sum(ops.values()), "cpu_share": shares}
 
 
+def compile_parts(model, how: str) -> None:
+    """``torch.compile`` the parts of ``model`` that ``how`` names (``mlp-norm`` or ``layers``), in place."""
+    if how == "layers":
+        import server.engine.runner as runner
+
+        runner._StepLayer.update = torch.compiler.disable(runner._StepLayer.update)
+        runner.PagedRead.attend = torch.compiler.disable(runner.PagedRead.attend)
+    for layer in model.model.layers:
+        if how == "layers":
+            layer.compile(dynamic=True)
+        else:
+            for part in (layer.mlp, layer.input_layernorm, layer.post_attention_layernorm):
+                part.compile(dynamic=True)
+
+
+def compile_run(model, tok, ids: list[int], how: str, batches: list[int], context: int, steps: int) -> dict:
+    """Decode step times (ms) of ``full`` before and after compiling ``how``, and the seconds the first compiled
+    steps of each batch size took."""
+    from bench.budget import make_backend, step_time
+
+    backend = make_backend("full", model, tok)
+    eager = {b: round(1000 * step_time(model, tok, backend, ids, context, b, steps), 2) for b in batches}
+    compile_parts(model, how)
+    t = time.perf_counter()
+    for b in batches:
+        step_time(model, tok, backend, ids, context, b, 2)
+    first = round(time.perf_counter() - t, 1)
+    compiled = {b: round(1000 * step_time(model, tok, backend, ids, context, b, steps), 2) for b in batches}
+    return {"compile": how, "eager_step_ms": eager, "compiled_step_ms": compiled, "first_steps_s": first}
+
+
 def markdown(rows: list[dict]) -> str:
     lines = ["| backend | batch | step ms | aten ops (model matmuls / model other / KV path / engine) | share of the "
              "step's time under the profiler (same order) |", "|---|---|---|---|---|"]
@@ -147,12 +183,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: the count measured in the docs)")
+    p.add_argument("--compile", choices=["mlp-norm", "layers"], default=None,
+                   help="measure torch.compile of these parts of the model instead (full)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     keep_step_memory()
     model, tok = load_model(args.model, torch.device("cpu"), torch.float32)
     ids = calibration_ids(model, tok, max_tokens=max(args.batches) * 97 + args.context + 100)
+    if args.compile:
+        report = compile_run(model, tok, ids, args.compile, args.batches, args.context, args.steps)
+        print(json.dumps(report))
+        if args.out:
+            args.out.write_text(json.dumps(report, indent=1) + "\n")
+        return 0
     rows = []
     for spec in args.backends:
         for batch in args.batches:

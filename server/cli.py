@@ -69,25 +69,18 @@ def bench(args: argparse.Namespace) -> int:
     return bench_main(args)
 
 
-SPIN_COUNT = "10000"
-"""libgomp's ``GOMP_SPINCOUNT`` that ``kvserve`` sets: an idle thread spins about 0.1 ms (libgomp counts some 100,000
-spins a millisecond), then sleeps."""
+def passive_threads() -> None:
+    """Make OpenMP's idle threads sleep rather than spin (``OMP_WAIT_POLICY=PASSIVE``) unless it or libgomp's
+    ``GOMP_SPINCOUNT`` is set.
 
-
-def bounded_spin() -> None:
-    """Make OpenMP's idle threads spin briefly, then sleep (``GOMP_SPINCOUNT=``:data:`SPIN_COUNT`), unless
-    ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` is set.
-
-    Between two parallel regions of one step a thread waits microseconds: a brief spin catches the next region
-    without the wake-up a sleeping thread costs (two sleeping threads were slower than one on 2 cores), and it
-    never spins through the gaps between steps. Beside a busy process, where waiting threads slow every region
-    down, the engine's thread tuner (:mod:`server.engine.threads`) takes fewer threads. OpenMP reads the
-    variables when torch loads it, so this runs first.
+    torch's intra-op threads spin-wait between parallel regions by default; beside a busy process on a shared
+    CPU they then wait on each other, and decoding was 5-50x slower (#26: 219-519 ms per token against 21-33 ms
+    with passive waiting, same 2 threads). OpenMP reads the variable when torch loads it, so this runs first.
     """
     import os
 
-    if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
-        os.environ["GOMP_SPINCOUNT"] = SPIN_COUNT
+    if "GOMP_SPINCOUNT" not in os.environ:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -140,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the subcommand; its exit status. Output cut short by its reader (``kvserve advise | head -1``) ends it
     quietly with 141 (128 + SIGPIPE, as a shell tool stopped by the closed pipe), not a BrokenPipeError traceback."""
-    bounded_spin()
+    passive_threads()
     args, unknown = build_parser().parse_known_args(argv)
     subparser = args.__dict__.pop("subparser")
     if unknown:  # `kvserve serve --bogus 1`: serve's usage and the flag (exit 2), not the top-level usage

@@ -102,23 +102,14 @@ def usable_cpus() -> int:
 
 
 def default_torch_threads() -> int:
-    """The most threads ``TORCH_NUM_THREADS=0`` may give the engine: :func:`usable_cpus`, and no more than torch's own
-    default; at least 1."""
+    """``TORCH_NUM_THREADS=0``'s thread count: :func:`usable_cpus` less one, which the HTTP side (event loop,
+    detokenization, sockets) then has to itself, and no more than torch's own default; at least 1. Measured on 2
+    cores (``python -m bench.threads``, docs/benchmarks.md "Threads"): one thread had the best worst case of every
+    wait policy and thread count, quiet and beside a process busy on one core, where two threads were up to 4x
+    slower beside it."""
     import torch
 
-    return max(1, min(usable_cpus(), torch.get_num_threads()))
-
-
-def thread_choices(settings: Settings) -> list[int] | None:
-    """The thread counts the engine chooses among as it runs (:class:`server.engine.threads.ThreadTuner`) with
-    ``TORCH_NUM_THREADS=0``: every usable CPU (:func:`default_torch_threads`), or one less, which the HTTP side
-    (event loop, detokenization, sockets) and the machine's other processes then have to themselves; ``None``
-    (a fixed count) when ``TORCH_NUM_THREADS`` is set. Measured on 2 cores (``python -m bench.threads``,
-    docs/benchmarks.md "Threads"): two threads were the faster quiet, one beside a busy process."""
-    if settings.torch_num_threads:
-        return None
-    most = default_torch_threads()
-    return sorted({max(1, most - 1), most})
+    return max(1, min(usable_cpus() - 1, torch.get_num_threads()))
 
 
 def load_weights(settings: Settings):
@@ -126,8 +117,7 @@ def load_weights(settings: Settings):
     tokenizer, device, dtype, geometry)`` (the HTTP process's engine and the engine core process load alike)."""
     import torch
 
-    choices = thread_choices(settings)
-    torch.set_num_threads(settings.torch_num_threads or max(choices))
+    torch.set_num_threads(settings.torch_num_threads or default_torch_threads())
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)
     model, tokenizer = load_model(settings.model_id, device, dtype)
@@ -149,8 +139,7 @@ def engine_options(settings: Settings, max_total_tokens: int) -> dict:
                 # requests are counted at the HTTP edge (server.middleware.InFlight); the engine's own count is
                 # of sequences, and this many can never be exceeded by those requests
                 max_concurrent_requests=s.max_concurrent_requests * MAX_SEQUENCES_PER_REQUEST,
-                prefix_caching=s.kv_prefix_caching, thread_choices=thread_choices(s),
-                prefill_itl_ratio=s.prefill_itl_ratio or None)
+                prefix_caching=s.kv_prefix_caching, prefill_itl_ratio=s.prefill_itl_ratio or None)
 
 
 def prepare_backends(settings: Settings, names: list[str], model, tokenizer, geometry: ModelGeometry,

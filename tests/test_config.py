@@ -181,16 +181,13 @@ def test_serve_help_states_defaults_and_statuses_as_they_are():
     assert "Default: MAX_TOTAL_TOKENS - 1. [env MAX_INPUT_TOKENS]" in text
 
 
-@pytest.mark.parametrize("cpu_max,most", [(None, 64), ("max 100000", 64), ("200000 100000", 2), ("350000 100000", 4),
-                                         ("50000 100000", 1)])
-def test_default_torch_threads_choose_between_every_usable_cpu_and_one_less(monkeypatch, tmp_path, cpu_max, most):
-    """TORCH_NUM_THREADS=0: the engine's thread tuner chooses between the CPUs the process may use (its affinity,
-    capped by a cgroup v2 quota: a container's ``--cpus 2`` on a 64-CPU host is 2), never more than torch's own
-    default, and one less (left to the HTTP side); one CPU: one thread, nothing to choose. A count given is fixed."""
+@pytest.mark.parametrize("cpu_max,want", [(None, 63), ("max 100000", 63), ("200000 100000", 1), ("350000 100000", 3)])
+def test_default_torch_threads_leave_one_usable_cpu_to_the_http_side(monkeypatch, tmp_path, cpu_max, want):
+    """TORCH_NUM_THREADS=0: the CPUs the process may use (its affinity, capped by a cgroup v2 quota: a container's
+    ``--cpus 2`` on a 64-CPU host is 2) less one, and never more than torch's own default."""
     import torch
 
     import server.state as state
-    from server.config import Settings
 
     path = tmp_path / "cpu.max"
     if cpu_max is not None:
@@ -198,25 +195,21 @@ def test_default_torch_threads_choose_between_every_usable_cpu_and_one_less(monk
     monkeypatch.setattr(state, "CGROUP_CPU_MAX", path)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 64)
-    auto = Settings(model_id="m", torch_num_threads=0)
-    assert state.default_torch_threads() == most
-    assert state.thread_choices(auto) == sorted({max(1, most - 1), most})
+    assert state.default_torch_threads() == want
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    assert state.thread_choices(auto) == sorted({max(1, min(most, 2) - 1), min(most, 2)})
-    assert state.thread_choices(Settings(model_id="m", torch_num_threads=3)) is None
+    assert state.default_torch_threads() == min(want, 2)
 
 
-@pytest.mark.parametrize("given,want", [({}, (None, "10000")), ({"OMP_WAIT_POLICY": "ACTIVE"}, ("ACTIVE", None)),
-                                        ({"OMP_WAIT_POLICY": "PASSIVE"}, ("PASSIVE", None)),
-                                        ({"GOMP_SPINCOUNT": "300000"}, (None, "300000"))])
-def test_kvserve_makes_idle_threads_spin_briefly_unless_told_how_they_wait(monkeypatch, given, want):
-    """``kvserve`` sets GOMP_SPINCOUNT=10000 (spin about 0.1 ms, then sleep), except when OMP_WAIT_POLICY or
-    GOMP_SPINCOUNT is given."""
-    from server.cli import bounded_spin
+@pytest.mark.parametrize("given,want", [({}, "PASSIVE"), ({"OMP_WAIT_POLICY": "ACTIVE"}, "ACTIVE"),
+                                        ({"GOMP_SPINCOUNT": "10000"}, None)])
+def test_kvserve_makes_idle_threads_sleep_unless_told_how_they_wait(monkeypatch, given, want):
+    """``kvserve`` sets OMP_WAIT_POLICY=PASSIVE, except when it or libgomp's GOMP_SPINCOUNT (a bounded spin, which
+    PASSIVE would override: libgomp then never spins) is given."""
+    from server.cli import passive_threads
 
     for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
         monkeypatch.delenv(name, raising=False)
     for name, value in given.items():
         monkeypatch.setenv(name, value)
-    bounded_spin()
-    assert (os.environ.get("OMP_WAIT_POLICY"), os.environ.get("GOMP_SPINCOUNT")) == want
+    passive_threads()
+    assert os.environ.get("OMP_WAIT_POLICY") == want

@@ -35,7 +35,6 @@ TORCH_FREE = (
     "server.engine.block_manager",  # free list, reference counts, the prefix cache's table
     "server.engine.prefix_cache",  # block hashes
     "server.engine.scheduler",  # admission and preemption
-    "server.engine.threads",  # the thread tuner
     "server.engine.itl_budget",  # the prefill budget bounded by step cost
 )
 

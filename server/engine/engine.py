@@ -32,7 +32,6 @@ from server.engine.runner import ModelRunner
 from server.engine.sampling import RowRequest, Sampled, new_generator
 from server.engine.scheduler import Scheduler
 from server.engine.sequence import FinishReason, Sequence, TokenEvent
-from server.engine.threads import ThreadTuner
 
 log = logging.getLogger("kvserve.engine")
 
@@ -52,12 +51,10 @@ class Engine:
         scheduler: admission policy.
         max_concurrent_requests: queue + batch capacity; more is refused with :class:`Overloaded`.
         recorder: receives plain stats (``server.metrics.Recorder``), or ``None``.
-        threads: chooses torch's thread count for each size of step from the steps' times
-            (:class:`~server.engine.threads.ThreadTuner`), or ``None`` (the count is left as it is).
     """
 
     def __init__(self, runner: ModelRunner, backends: dict[str, KVBackend], tokenizer, eos_token_ids: set[int],
-                 scheduler: Scheduler, max_concurrent_requests: int, recorder=None, threads: ThreadTuner | None = None):
+                 scheduler: Scheduler, max_concurrent_requests: int, recorder=None):
         self.runner = runner
         self.backends = backends
         self.tokenizer = tokenizer
@@ -67,7 +64,6 @@ class Engine:
         self.kv = scheduler.kv
         self.max_concurrent_requests = max_concurrent_requests
         self.recorder = recorder
-        self.threads = threads
         self._lock = scheduler.lock
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -178,15 +174,10 @@ class Engine:
                 if seq.generator is None and not seq.params.greedy:
                     seq.generator = new_generator(seq.params.seed, self.runner.device)
                 sampling[seq.seq_id] = RowRequest(seq.params, seq.prompt_ids, seq.output_ids, seq.generator)
-        tuned = self.threads is not None and bool(out.rows)
-        if tuned:
-            self.threads.before_step(sum(len(r.token_ids) for r in out.rows))
         started = time.perf_counter()
         result = self.runner.execute(out, self.backends, sampling, self.eos_token_ids)
         seconds = time.perf_counter() - started
-        if tuned:
-            self.threads.after_step(seconds)
-        if out.rows:
+        if out.rows:  # what the step cost, for the prefill budget (PREFILL_ITL_RATIO)
             prefill = sum(len(r.token_ids) for r in out.rows if not r.decode)
             self.scheduler.itl.observe(prefill, len(out.rows) - sum(not r.decode for r in out.rows), seconds)
         ready = []

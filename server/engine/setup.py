@@ -13,7 +13,6 @@ from server.engine.itl_budget import ChunkBudget
 from server.engine.kv_cache import KVCacheManager, page_layouts
 from server.engine.runner import ModelRunner
 from server.engine.scheduler import Scheduler
-from server.engine.threads import ThreadTuner
 
 DEFAULT_BLOCK_SIZE = 16  # tokens per block (vLLM's default)
 MEMORY_FRACTION = 0.25  # of the memory free at start-up, the most an unset KV budget takes
@@ -43,10 +42,8 @@ def default_budget(backends: dict[str, KVBackend], layouts: dict, page_bytes: in
 def build_engine(model, tokenizer, backends: dict[str, KVBackend], eos_token_ids: set[int], *, max_batch_size: int,
                  budget_bytes: int | None, max_total_tokens: int, block_size: int = DEFAULT_BLOCK_SIZE,
                  prefill_chunk_tokens: int | None = 256, max_concurrent_requests: int = 128,
-                 recorder=None, prefix_caching: bool = True, thread_choices: list[int] | None = None,
-                 prefill_itl_ratio: float | None = None) -> Engine:
+                 recorder=None, prefix_caching: bool = True, prefill_itl_ratio: float | None = None) -> Engine:
     """An engine over one KV pool of ``budget_bytes`` (default: :func:`default_budget`) for ``backends``; with
-    ``thread_choices``, it picks torch's thread count among them as it runs (:class:`ThreadTuner`); with
     ``prefill_itl_ratio``, a step that carries prefill chunks while sequences decode costs at most that many decode
     steps (:class:`ChunkBudget`).
 
@@ -66,6 +63,5 @@ def build_engine(model, tokenizer, backends: dict[str, KVBackend], eos_token_ids
     pool = KVPool(num_pages, page_bytes, layouts, device)
     kv = KVCacheManager(backends, layouts, page_bytes, num_pages, prefill_chunk_tokens, prefix_caching)
     runner = ModelRunner(model, num_layers, pool)
-    threads = ThreadTuner(thread_choices, torch.set_num_threads) if thread_choices else None
     scheduler = Scheduler(max_batch_size, kv, prefill_chunk_tokens, ChunkBudget(prefill_itl_ratio))
-    return Engine(runner, backends, tokenizer, eos_token_ids, scheduler, max_concurrent_requests, recorder, threads)
+    return Engine(runner, backends, tokenizer, eos_token_ids, scheduler, max_concurrent_requests, recorder)
