@@ -41,7 +41,7 @@ def default_budget(backends: dict[str, KVBackend], layouts: dict, page_bytes: in
 def build_engine(model, tokenizer, backends: dict[str, KVBackend], eos_token_ids: set[int], *, max_batch_size: int,
                  budget_bytes: int | None, max_total_tokens: int, block_size: int = DEFAULT_BLOCK_SIZE,
                  prefill_chunk_tokens: int | None = 256, max_concurrent_requests: int = 128,
-                 recorder=None, prefix_caching: bool = True) -> Engine:
+                 prefix_caching: bool = True) -> Engine:
     """An engine over one KV pool of ``budget_bytes`` (default: :func:`default_budget`) for ``backends``.
 
     Raises:
@@ -61,4 +61,4 @@ def build_engine(model, tokenizer, backends: dict[str, KVBackend], eos_token_ids
     kv = KVCacheManager(backends, layouts, page_bytes, num_pages, prefill_chunk_tokens, prefix_caching)
     runner = ModelRunner(model, num_layers, pool)
     return Engine(runner, backends, tokenizer, eos_token_ids, Scheduler(max_batch_size, kv, prefill_chunk_tokens),
-                  max_concurrent_requests, recorder)
+                  max_concurrent_requests)
