@@ -19,9 +19,9 @@ Two comparisons, in one run, on the same model, prompt and machine:
    with f16 KV and with q8_0 KV + flash attention.
 6. The engine alone: kvserve's engine in this process (no HTTP, no detokenization, stepped on the main thread),
    N sequences of the prompt, aggregate tokens/s = N x tokens / wall; and the server with its engine core in
-   its own process (``ENGINE_PROCESS=true``) beside the default, a thread of the HTTP process
-   (``--engine-process``), so the cost of serving over HTTP, and what the separate process recovers of it,
-   are visible.
+   its own process (``ENGINE_PROCESS=true``, the default) beside the same core in a thread of the HTTP process
+   (``false``; ``--engine-process``), so the cost of serving over HTTP, and what the separate process recovers of
+   it, are visible.
 
 Servers run one at a time on 127.0.0.1 (never both at once), so they do not share the CPU.
 This is a benchmark, not a test: run it with ``python -m bench.serving`` (see ``--help``).
@@ -303,7 +303,7 @@ def main() -> None:
         print(f"ITL while long prompts arrive, MAX_NUM_BATCHED_TOKENS={chunk}:",
               json.dumps(report["long_prompt_itl"][chunk]), flush=True)
 
-    modes = ["false", "true"] if args.engine_process == "both" else [args.engine_process]  # the default first
+    modes = ["true", "false"] if args.engine_process == "both" else [args.engine_process]  # the default first
     for mode in modes:
         port = free_port()
         url = f"http://127.0.0.1:{port}"

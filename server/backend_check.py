@@ -37,7 +37,7 @@ def check_backend(settings, model_source: str = "MODEL_ID") -> None:
 
     from cache_backends.base import ModelGeometry
     from server.config import ConfigError
-    from server.state import create_backends
+    from server.engine_loading import create_backends
 
     check_model_folder(settings.model_id, model_source)
     try:

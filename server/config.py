@@ -103,10 +103,10 @@ class Settings(BaseSettings):
     kv_prefix_caching: bool = Field(True, description="Automatic prefix caching: full KV blocks stay cached after "
                                     "their request and a prompt that starts with cached blocks prefills only the "
                                     "rest (paged backends; not dca).")
-    engine_process: bool = Field(False, description="Run the engine (scheduler, KV cache, model) in its own process, "
-                                 "fed over ZMQ; detokenization, stop sequences and streaming stay in the server's; "
-                                 "if it dies the server exits 1. false: the engine is a thread of the server's "
-                                 "process.")
+    engine_process: bool = Field(True, description="Run the engine core (scheduler, KV cache, model) in its own "
+                                 "process; false: in a thread of the server's process. Either way it is fed over ZMQ "
+                                 "with plain messages, detokenization, stop sequences and streaming stay in the "
+                                 "server's process, and if the core ends unasked the server exits 1.")
     max_num_batched_tokens: int = Field(256, ge=0, description="Tokens one engine step processes: each decoding "
                                         "sequence's one, prompt chunks the rest (chunked prefill); 0 prefills "
                                         "whole prompts.")

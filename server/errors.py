@@ -81,7 +81,7 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(503, str(exc) or "model is loading", "unhealthy", request)
 
     @app.exception_handler(CoreDied)
-    async def _core_died(request: Request, exc: CoreDied):  # the server is stopping (ENGINE_PROCESS)
+    async def _core_died(request: Request, exc: CoreDied):  # the engine core ended: the server is stopping
         return error_response(503, str(exc), "unhealthy", request)
 
     @app.exception_handler(ModelNotFound)

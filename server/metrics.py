@@ -219,7 +219,7 @@ class Recorder:
     def publish(self, rows: dict[str, list[int]], tier_tokens: dict[tuple[str, str], int], generating: dict[str, int],
                 waiting: dict[str, int] | None, usage: float | None = None, cached_blocks: int | None = None) -> None:
         """Set the live gauges from plain numbers (:func:`live_rows`' and :meth:`step_state`'s others; the engine
-        core process sends them, :mod:`server.engine.core`)."""
+        core sends them, :mod:`server.engine.core`)."""
         if usage is not None:
             self.m.kv_usage.labels(self.model).set(usage)
         if cached_blocks is not None:

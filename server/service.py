@@ -9,11 +9,14 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from server.engine.engine import Engine
 from server.engine.sampling import SamplingParams
 from server.engine.sequence import FinishReason, Sequence, TokenEvent
 from server.prompt_tail import tail_ids
+
+if TYPE_CHECKING:  # annotation only: the client imports the engine core, which imports this module's limits
+    from server.engine.core_client import CoreClient
 
 DEFAULT_MAX_NEW_TOKENS = 100
 MAX_SEQUENCES_PER_REQUEST = 64
@@ -132,10 +135,10 @@ class GenerationRequest:
 
 
 class GenerationService:
-    """Validates requests against the limits and runs them on the engine.
+    """Validates requests against the limits and runs them on the engine (through the engine core's client).
 
     Args:
-        engine: the running engine.
+        engine: the engine core's client, ready (:class:`server.engine.core_client.CoreClient`).
         tokenizer: the model's tokenizer.
         limits: token limits.
         default_backend: backend name used when a request names none.
@@ -143,7 +146,8 @@ class GenerationService:
             ``cache_salt`` would do nothing, and is refused.
     """
 
-    def __init__(self, engine: Engine, tokenizer, limits: Limits, default_backend: str, prefix_caching: bool = True):
+    def __init__(self, engine: CoreClient, tokenizer, limits: Limits, default_backend: str,
+                 prefix_caching: bool = True):
         self.engine = engine
         self.tokenizer = tokenizer
         self.limits = limits
@@ -294,15 +298,17 @@ class GenerationService:
                   ) -> tuple[Sequence, AsyncIterator[TokenEvent]]:
         """Submit ``req``; return its sequence and an async iterator over its events.
 
-        The iterator ends after the event that carries ``finish_reason``. The sequence is cancelled (the
-        engine drops it, and frees its KV, at the end of the decode step under way) as soon as the
-        client leaves: when ``receive`` (the request's ASGI receive channel, read after the body) yields
+        The returned sequence is the HTTP side's record of the request (tokens, times, the core's per-request
+        stats once it finished); the engine core holds its own. The iterator ends after the event that carries
+        ``finish_reason``. The request is aborted (the engine core drops it, and frees its KV, at its next step)
+        as soon as the client leaves: when ``receive`` (the request's ASGI receive channel, read after the body) yields
         ``http.disconnect``, whether or not anyone is iterating the events at that moment, or when the
         consumer stops iterating early.
 
         Raises:
             InvalidRequest: see :meth:`build_sequence`, or the request can never fit the KV budget.
             server.engine.engine.Overloaded: the queue is full.
+            server.engine.core_client.CoreDied: the engine core has ended.
         """
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
@@ -323,9 +329,7 @@ class GenerationService:
         with self._live_lock:
             self._live[seq.request_id] = seq
         try:
-            taken = self.engine.submit(seq)  # the engine core process (ENGINE_PROCESS) answers asynchronously
-            if taken is not None:
-                await taken
+            await self.engine.submit(seq)  # the engine core answers whether it took the request
         except BaseException as exc:
             with self._live_lock:
                 self._live.pop(seq.request_id, None)

@@ -96,21 +96,55 @@ def value_model(precision):
     return _model_in(precision)
 
 
+@pytest.fixture
+def held_pricing(monkeypatch):
+    """``(entered, release)``: the engine core's loading waits where the KV backends are calibrated and priced
+    (:func:`server.engine_loading.prepare_backends`) until ``release`` is set; ``entered`` is set when it gets
+    there. A core in a thread of this process (``ENGINE_PROCESS=false``) loads through the patch."""
+    import threading
+
+    import server.engine_loading
+
+    entered, release = threading.Event(), threading.Event()
+    prepare = server.engine_loading.prepare_backends
+
+    def held(*args, **kwargs):
+        entered.set()
+        release.wait(120)
+        return prepare(*args, **kwargs)
+
+    monkeypatch.setattr(server.engine_loading, "prepare_backends", held)
+    yield entered, release
+    release.set()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-class RunningServer:
-    """A real ``kvserve serve`` process on 127.0.0.1 (stopped by the fixture)."""
+SERVER_DEFAULTS = {"ENGINE_PROCESS": "false"}
+"""What a test's server runs with unless the environment or the test says otherwise: the engine core in a thread
+of the server's process (the same core and messages as in its own process, which costs seconds more per start;
+tests/test_engine_process_server.py, tests/test_shutdown.py and tests/test_engine_process.py run the process)."""
 
-    def __init__(self, env: dict[str, str]):
+
+class RunningServer:
+    """A real ``kvserve serve`` process on 127.0.0.1 (stopped by the fixture).
+
+    Args:
+        env: its settings, over :data:`SERVER_DEFAULTS` and this process's environment; ``None`` unsets one.
+        argv: the command (default ``python -m server.cli serve``).
+    """
+
+    def __init__(self, env: dict[str, str | None], argv: list[str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        full_env = {**os.environ, "HOST": "127.0.0.1", "PORT": str(self.port), "MODEL_ID": str(MODEL_DIR),
-                    "LOG_LEVEL": "warning", **env}
-        self.proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve"], env=full_env, cwd=REPO,
+        full_env = {**SERVER_DEFAULTS, **os.environ, "HOST": "127.0.0.1", "PORT": str(self.port),
+                    "MODEL_ID": str(MODEL_DIR), "LOG_LEVEL": "warning", **env}
+        full_env = {k: v for k, v in full_env.items() if v is not None}
+        self.proc = subprocess.Popen(argv or [sys.executable, "-m", "server.cli", "serve"], env=full_env, cwd=REPO,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         deadline = time.time() + 300  # calibration at start-up; slow when the machine is shared
         while time.time() < deadline:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from tokenizers.processors import TemplateProcessing
 from transformers import AutoTokenizer
@@ -35,7 +37,11 @@ def service_of(tok) -> GenerationService:
 
 def submitted_ids(service: GenerationService, reqs) -> list[int]:
     """The prompt ids the engine receives for the first request."""
-    service.engine.submit(service.build_sequence(reqs[0], lambda event: None))
+
+    async def submit():
+        await service.engine.submit(service.build_sequence(reqs[0], lambda event: None))
+
+    asyncio.run(submit())
     return service.engine.submitted[0].prompt_ids
 
 

@@ -74,6 +74,13 @@ def test_defaults_derive_token_limits_from_the_model():
     assert s.token_limits(1024) == (1023, 1024)
 
 
+def test_the_engine_core_runs_in_its_own_process_by_default(monkeypatch):
+    monkeypatch.delenv("ENGINE_PROCESS", raising=False)
+    assert load_settings().engine_process is True
+    monkeypatch.setenv("ENGINE_PROCESS", "false")  # the same engine core in a thread of the server's process
+    assert load_settings().engine_process is False
+
+
 def test_default_serves_full_and_int8_per_request(monkeypatch):
     """Out of the box a request (and the built-in page) can compare `full` and `int8`: neither needs
     calibration, so they are served besides KV_BACKEND while KV_BACKENDS is unset."""
@@ -91,7 +98,7 @@ def test_default_serves_full_and_int8_per_request(monkeypatch):
 def test_default_extras_the_model_cannot_take_are_left_out(monkeypatch):
     """On a native-MLA model int8 is refused: from the default it is dropped, asked for it stops start-up."""
     from cache_backends.base import ModelGeometry
-    from server.state import create_backends
+    from server.engine_loading import create_backends
 
     import transformers
 
@@ -187,17 +194,17 @@ def test_default_torch_threads_leave_one_usable_cpu_to_the_http_side(monkeypatch
     ``--cpus 2`` on a 64-CPU host is 2) less one, and never more than torch's own default."""
     import torch
 
-    import server.state as state
+    import server.engine_loading as loading
 
     path = tmp_path / "cpu.max"
     if cpu_max is not None:
         path.write_text(cpu_max + "\n")
-    monkeypatch.setattr(state, "CGROUP_CPU_MAX", path)
+    monkeypatch.setattr(loading, "CGROUP_CPU_MAX", path)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 64)
-    assert state.default_torch_threads() == want
+    assert loading.default_torch_threads() == want
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    assert state.default_torch_threads() == min(want, 2)
+    assert loading.default_torch_threads() == min(want, 2)
 
 
 @pytest.mark.parametrize("given,want", [({}, "PASSIVE"), ({"OMP_WAIT_POLICY": "ACTIVE"}, "ACTIVE"),

@@ -27,7 +27,7 @@ PROMPTS = ["In the beginning God created", "And the earth was without form"]
 def client():
     deaths = []
     c = CoreClient(Settings(model_id=str(MODEL_DIR), kv_backends="full", device="cpu", dtype="float32",
-                            log_level="warning"), on_death=deaths.append)
+                            log_level="warning", engine_process=True), on_death=deaths.append)
     c.stages = []
     c.start(on_stage=c.stages.append)
     c.deaths = deaths
@@ -56,8 +56,8 @@ def fields(events):
 
 
 def test_the_core_reports_its_start_up_stage_before_ready(client):
-    """``/health`` says, as in-process, that the model is loaded and the backends are being priced."""
-    from server.state import PRICING
+    """``/health`` says that the model is loaded and the backends are being priced."""
+    from server.engine_loading import PRICING
 
     assert client.stages == [PRICING]
 
@@ -152,7 +152,7 @@ def test_the_core_dying_ends_running_requests_with_an_error(client):  # last: it
         async for e in events:
             got.append(e)
             if len(got) == 2:
-                os.kill(client.proc.pid, signal.SIGKILL)
+                os.kill(client.host.proc.pid, signal.SIGKILL)
         return got
 
     got = asyncio.run(main())
@@ -189,9 +189,10 @@ PARENT = """
 import sys, time
 from server.config import Settings
 from server.engine.core_client import CoreClient
-c = CoreClient(Settings(model_id=sys.argv[1], kv_backends="full", device="cpu", dtype="float32", log_level="warning"))
+c = CoreClient(Settings(model_id=sys.argv[1], kv_backends="full", device="cpu", dtype="float32", log_level="warning",
+                        engine_process=True))
 c.start()
-print(c.proc.pid, flush=True)
+print(c.host.proc.pid, flush=True)
 time.sleep(600)
 """
 

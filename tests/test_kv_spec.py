@@ -162,7 +162,7 @@ def test_a_quantized_request_is_not_charged_its_generated_tokens_as_prompt_chunk
 def test_info_gives_elastics_size_as_a_range():
     """``/info`` showed ``elastic`` at its most (every token exact) only; its least is the estimator's minimum."""
     from cache_backends.estimate import elastic_min_bytes_per_token_per_layer
-    from server.state import kv_sizes
+    from server.engine_loading import kv_sizes
 
     backends = {name: create(name, GEOMETRY) for name in ("full", "int8", "elastic")}
     sizes = kv_sizes(backends, GEOMETRY.num_layers, 2048)

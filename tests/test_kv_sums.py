@@ -21,7 +21,7 @@ from cache_backends.registry import create
 from cache_backends.store_path import StorePath
 from server.estimate_cli import add_arguments
 from server.estimate_cli import main as estimate_main
-from server.state import kv_sizes
+from server.engine_loading import kv_sizes
 from tests.conftest import MODEL_DIR
 
 SPECS = [("full", {}), ("gqa", {"groups": 2, "method": "mean"}), ("gqa", {"groups": 2, "method": "pca"}),

@@ -151,7 +151,7 @@ def test_info_bytes_per_token_are_floats_for_every_backend():
 
     from cache_backends.base import ModelGeometry
     from cache_backends.registry import create
-    from server.state import kv_sizes
+    from server.engine_loading import kv_sizes
     from tests.conftest import MODEL_DIR
 
     geometry = ModelGeometry.from_config(transformers.AutoConfig.from_pretrained(MODEL_DIR), torch.float32)

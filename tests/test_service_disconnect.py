@@ -14,15 +14,19 @@ from tests.conftest import MODEL_DIR
 
 
 class FakeEngine:
-    """Records submissions and wake-ups; never runs anything."""
+    """The engine core's client as the service uses it (:class:`server.engine.core_client.CoreClient`): records
+    submissions, each taken at once (an answered future), and wake-ups; never runs anything."""
 
     backends = {"full": None, "dca": None}
 
     def __init__(self):
         self.submitted, self.wakes = [], 0
 
-    def submit(self, seq):
+    def submit(self, seq) -> asyncio.Future:
         self.submitted.append(seq)
+        taken = asyncio.get_running_loop().create_future()
+        taken.set_result(None)
+        return taken
 
     def wake(self):
         self.wakes += 1

@@ -18,6 +18,7 @@ def test_backend_that_cannot_calibrate_exits_1_with_one_line(tmp_path):
     assert proc.returncode == 1, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("kvserve: cannot serve: model failed to load:") and "missing.txt" in last, last
+    assert last.count("model failed to load") == 1, last  # the engine core's message, not wrapped twice
 
 
 def test_model_folder_without_calibration_slice_calibrates_on_the_packaged_text(tmp_path, ref_model):
@@ -59,26 +60,19 @@ def test_a_kv_budget_under_two_blocks_exits_1_with_no_traceback():
     assert "KV_CACHE_BUDGET_BYTES=600000 holds fewer than 2 KV blocks" in proc.stderr.strip().splitlines()[-1]
 
 
-def test_health_says_when_the_model_is_loaded_and_the_backends_are_being_priced(monkeypatch):
-    """/health said "model is loading" for the minutes of calibration and pricing after the model had loaded."""
+def test_health_says_when_the_model_is_loaded_and_the_backends_are_being_priced(held_pricing):
+    """/health said "model is loading" for the minutes of calibration and pricing after the model had loaded: the
+    engine core reports its stage (:class:`~server.engine.messages.Loading`) and /health says it."""
     import threading
 
     from fastapi.testclient import TestClient
 
-    import server.state
     from server.app import create_app
     from server.config import load_settings
 
-    entered, release = threading.Event(), threading.Event()
-    prepare = server.state.prepare_backends
-
-    def slow_prepare(*args, **kwargs):
-        entered.set()
-        release.wait(120)
-        return prepare(*args, **kwargs)
-
-    monkeypatch.setattr(server.state, "prepare_backends", slow_prepare)
-    # the in-process engine (its prepare_backends patched here); the engine core's stages: tests/test_engine_process.py
+    entered, release = held_pricing
+    # the engine core in a thread of this process, so that it loads through the held prepare_backends (the core
+    # process's stages: tests/test_engine_process.py)
     app = create_app(load_settings(model_id=str(MODEL_DIR), kv_backends="", kv_calibration_cache_dir="",
                                    engine_process=False))
     with TestClient(app) as client:

@@ -23,7 +23,8 @@ async def health(request: Request):
 
 @router.get("/info")
 async def info(request: Request):
-    """Model, KV backends and their parameters, KV bytes per token (:func:`server.state.kv_sizes`), limits, version."""
+    """Model, KV backends and their parameters, KV bytes per token (:func:`server.engine_loading.kv_sizes`),
+    limits, version."""
     state = request.app.state.kvserve
     if state.service is None:
         return error_response(503, state.load_error or state.loading, "unhealthy")

@@ -128,7 +128,7 @@ async def ui_generate(body: UIGenerateRequest, request: Request):
     full_peak = round(full_bytes_per_token(state) * cached)
     reason = None
     if seq.backend_name != "full" and seq.peak_kv_stored_bytes >= full_peak:
-        reason = uncompressed_reason(state.backends[seq.backend_name].sums_spec(), cached)
+        reason = uncompressed_reason(parse_spec(state.info["kv_estimate_spec"][seq.backend_name]), cached)
     return UIGenerateResponse(
         kv_backend=seq.backend_name, text=last.generated_text or "", tokens=tokens,
         finish_reason=last.finish_reason.value, prompt_tokens=len(seq.prompt_ids), kv_peak_bytes=seq.peak_kv_stored_bytes,

@@ -1,41 +1,45 @@
-"""The engine core: the :class:`~server.engine.engine.Engine` driven by plain messages, in its own process.
+"""The engine core: the :class:`~server.engine.engine.Engine` driven by plain messages, in its own process or in
+a thread of the HTTP process.
 
-Design (issue 30, item 1; the first part):
+Design (issue 30):
 
-* **Boundary.** The HTTP process sends :class:`~server.engine.messages.AddRequest` (token ids, the plain sampling
+* **Boundary.** The HTTP side sends :class:`~server.engine.messages.AddRequest` (token ids, the plain sampling
   fields, backend, group, cache salt, prompt log-probabilities wanted), :class:`~server.engine.messages.Abort`
   and :class:`~server.engine.messages.Drain` on one ZMQ PUSH socket; the core answers on another with
-  :class:`~server.engine.messages.Ready` (or ``Failed``) once loaded, then one
-  :class:`~server.engine.messages.StepOutput` per engine step (every request's new token id, log-probability
-  and top pairs; the requests finished, with their plain per-request stats; plain KV/queue numbers), and one
-  after the inputs read between two steps were accepted or refused. msgpack-encoded msgspec Structs
-  (:mod:`server.engine.messages`), as vLLM v1.
-* **Who decides what.** EOS and ``max_new_tokens`` are decided here. Detokenization, stop strings and streaming
-  stay in the HTTP process (:mod:`server.engine.core_client`): when a stop string matches there, it ends the
-  stream and sends ``Abort``; a token the core computed meanwhile is dropped. The core's sequences carry a
+  :class:`~server.engine.messages.Loading` stages, then :class:`~server.engine.messages.Ready` (or ``Failed``)
+  once loaded, then one :class:`~server.engine.messages.StepOutput` per engine step (every request's new token
+  id, log-probability and top pairs; the requests finished, with their plain per-request stats; plain KV/queue
+  numbers), and one after the inputs read between two steps were accepted or refused. msgpack-encoded msgspec
+  Structs (:mod:`server.engine.messages`), as vLLM v1. This is the only path between the HTTP side and the
+  engine: the HTTP side's request state (its :class:`~server.engine.sequence.Sequence` objects) and the core's are
+  different objects, and nothing mutable is shared between them.
+* **Where it runs** (``ENGINE_PROCESS``). ``true``, the default: ``python -m server.engine.core`` (:func:`main`),
+  over ``ipc://`` sockets; it exits when its parent process is gone (looked at before every step). ``false``: the
+  same :func:`load_and_serve` in a thread of the HTTP process, over ``inproc://`` sockets of the client's ZMQ
+  context. :class:`server.engine.core_client.CoreClient` starts either.
+* **Who decides what.** EOS and ``max_new_tokens`` are decided here; so is everything of a step: the scheduler
+  (:class:`~server.engine.scheduler.Scheduler`) admits, preempts, compresses and chooses the prompt chunks that
+  run beside the decode tokens in one forward (a mixed batch). Detokenization, stop strings and streaming stay
+  on the HTTP side (:mod:`server.engine.core_client`): when a stop string matches there, it ends the stream and
+  sends ``Abort``; a token the core computed meanwhile is dropped. The core's sequences carry a
   :class:`NullDetokenizer`, so no text is made here.
 * **The loop.** Between two steps the core reads every input waiting on its socket without blocking (it
   blocks, 100 ms at a time, only while it has nothing to run); an ``Abort`` marks its sequence cancelled, and the
-  next step frees its KV before it runs anything else. The core exits when its parent process is gone (looked at
-  before every step), and after a ``Drain`` once nothing is queued or running.
-* **In-process mode** stays exactly as before: :class:`Engine` with its thread and the ``Sequence.emit`` callback
-  (``ENGINE_PROCESS=false``, the default; tests and benchmarks step the engine directly).
-
-* **Metrics.** The HTTP process owns Prometheus. The core's engine records into a :class:`CoreRecorder`, which keeps
+  next step frees its KV before it runs anything else. It ends after a ``Drain`` once nothing is queued or
+  running. A step that raises is logged and the loop goes on; anything else that escapes the loop ends the core,
+  which the client reports as its death.
+* **Metrics.** The HTTP side owns Prometheus. The core's engine records into a :class:`CoreRecorder`, which keeps
   plain numbers: each step's output carries the counted events (prefix-cache lookups, compressions, preemptions),
   the requests whose prefill finished, and the live gauges' numbers (:class:`~server.engine.messages.CoreStats`);
   the client replays them into :class:`server.metrics.Recorder`, and counts each finished request from its
-  ``Finished`` and the times it saw (TTFT, ITL: when the tokens reached the HTTP process).
-
+  ``Finished`` and the times it saw (TTFT, ITL: when the tokens reached the HTTP side).
 * ``/info``: the core sends its part (model dtype and device, the backends' parameters, quality choices,
-  calibration events, KV sizes, the pool's shape) in ``Ready``; the HTTP process adds the settings and limits.
-
+  calibration events, KV sizes, the pool's shape) in ``Ready``; the HTTP side adds the settings and limits.
 * ``/ui``: the page's routes read the model's config from ``ServerState.model_config``, which ``Ready`` carries.
-* **Shutdown.** SIGTERM drains in the HTTP process as before; at the end the client aborts what is left, sends
-  ``Drain`` and waits for the core to exit.
+* **Shutdown.** SIGTERM drains on the HTTP side; at the end the client aborts what is left, sends ``Drain`` and
+  waits for the core to end.
 
-Not carried yet: restarting a core that died (the server exits 1 instead), and the other parts of issue 30 (the
-scheduler owning the step, mixed batches).
+Not carried yet: restarting a core that died (the server exits 1 instead).
 
 Run: ``python -m server.engine.core IN_ADDR OUT_ADDR`` with the settings as JSON in ``KVSERVE_CORE_SETTINGS``
 (the client, :class:`server.engine.core_client.CoreClient`, starts it so).
@@ -63,7 +67,7 @@ IDLE_POLL_MS = 100
 
 
 class NullDetokenizer:
-    """The detokenizer of a core-side sequence: no text, never a stop (both are the HTTP process's)."""
+    """The detokenizer of a core-side sequence: no text, never a stop (both are the HTTP side's)."""
 
     stopped = False
 
@@ -96,7 +100,7 @@ def finished(seq: Sequence, reason: FinishReason, error: str | None) -> m.Finish
 
 class CoreRecorder:
     """The core's engine recorder: what :class:`server.metrics.Recorder` would be told, kept as plain numbers for
-    the step's output (the HTTP process replays them into its own ``Recorder``, :mod:`server.engine.core_client`).
+    the step's output (the HTTP side replays them into its own ``Recorder``, :mod:`server.engine.core_client`).
     A finished request's own figures travel in its :class:`~server.engine.messages.Finished`."""
 
     def __init__(self):
@@ -123,7 +127,7 @@ class CoreRecorder:
         self.prefilled.append((seq.request_id, seq.times.prefill_start))
 
     def request_done(self, seq) -> None:
-        pass  # the HTTP process counts it from the Finished message
+        pass  # the HTTP side counts it from the Finished message
 
     def step_state(self, running: list, waiting: dict[str, int] | None, usage: float | None = None,
                    cached_blocks: int | None = None) -> None:
@@ -233,7 +237,7 @@ class EngineCore:
         return out
 
     def step(self) -> m.StepOutput:
-        """One engine step (a step that raises is logged, as the in-process loop does); its output."""
+        """One engine step (a step that raises is logged: the loop goes on); its output."""
         try:
             self.engine.step()
         except Exception:  # noqa: BLE001 - the loop must survive anything one step does
@@ -286,16 +290,16 @@ class EngineCore:
 
 
 def load_core(settings, progress=lambda stage: None) -> tuple[Engine, m.Ready]:
-    """Load the model and backends for ``settings`` (as the in-process server does) and build the engine;
-    ``progress(stage)`` is told when the model is loaded and the backends are being calibrated and priced.
+    """Load the model and backends for ``settings`` and build the engine; ``progress(stage)`` is told when the
+    model is loaded and the backends are being calibrated and priced.
 
     Raises:
         ValueError: a setting this model cannot take; others: the model or a backend failed to load.
     """
     from cache_backends.calibration_cache import CalibrationCache
     from server.engine.setup import build_engine
-    from server.state import (PRICING, create_backends, engine_info, engine_options, eos_token_ids, load_weights,
-                              prepare_backends)
+    from server.engine_loading import (PRICING, create_backends, engine_info, engine_options, eos_token_ids,
+                                       load_weights, prepare_backends)
 
     s = settings
     model, tokenizer, device, dtype, geometry = load_weights(s)
@@ -311,8 +315,37 @@ def load_core(settings, progress=lambda stage: None) -> tuple[Engine, m.Ready]:
                            json.loads(model.config.to_json_string(use_diff=False)))
 
 
+def load_and_serve(settings, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int | None = None) -> int:
+    """Load the engine (each :class:`~server.engine.messages.Loading` stage sent on ``outbox``), send ``Ready``
+    (or ``Failed``: then 1), and serve (:meth:`EngineCore.serve`) until drained (0) or ``parent_pid`` is gone (1).
+
+    Args:
+        settings: the server's :class:`~server.config.Settings`.
+        inbox: a connected PULL socket of encoded :data:`~server.engine.messages.CoreInput`.
+        outbox: a connected PUSH socket for the encoded outputs.
+        parent_pid: the HTTP process to watch (the core's own process); ``None``: none (a thread of it).
+
+    Raises:
+        whatever escapes the loop (a step that raises is logged, not raised).
+    """
+    try:
+        engine, ready = load_core(settings, lambda stage: outbox.send(m.encode(m.Loading(stage))))
+    except Exception as exc:  # noqa: BLE001 - told to the server, which says why and exits
+        error = " ".join(str(exc).split()) or type(exc).__name__  # the server says "model failed to load: " before
+        log.log(logging.ERROR if isinstance(exc, ValueError) else logging.CRITICAL, "model failed to load: %s", error,
+                exc_info=not isinstance(exc, ValueError))
+        outbox.send(m.encode(m.Failed(error, isinstance(exc, ValueError))))
+        return 1
+    outbox.send(m.encode(ready))
+    started = time.perf_counter()
+    code = EngineCore(engine).serve(inbox, outbox, parent_pid)
+    log.info("engine core ends after %.0f s", time.perf_counter() - started)
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m server.engine.core IN_ADDR OUT_ADDR``: connect, load, send ``Ready`` (or ``Failed``), serve."""
+    """``python -m server.engine.core IN_ADDR OUT_ADDR``: connect, then :func:`load_and_serve` (watching the parent
+    process); the exit status is its answer."""
     from server.config import Settings
 
     in_addr, out_addr = (argv if argv is not None else sys.argv[1:])[:2]
@@ -325,21 +358,10 @@ def main(argv: list[str] | None = None) -> int:
     outbox.connect(out_addr)
     outbox.setsockopt(zmq.LINGER, 2000)
     try:
-        engine, ready = load_core(settings, lambda stage: outbox.send(m.encode(m.Loading(stage))))
-    except Exception as exc:  # noqa: BLE001 - told to the server, which says why and exits
-        error = f"model failed to load: {' '.join(str(exc).split()) or type(exc).__name__}"
-        log.log(logging.ERROR if isinstance(exc, ValueError) else logging.CRITICAL, "%s", error,
-                exc_info=not isinstance(exc, ValueError))
-        outbox.send(m.encode(m.Failed(error, isinstance(exc, ValueError))))
+        return load_and_serve(settings, inbox, outbox, parent)
+    finally:
         outbox.close()
-        return 1
-    outbox.send(m.encode(ready))
-    started = time.perf_counter()
-    code = EngineCore(engine).serve(inbox, outbox, parent)
-    log.info("engine core exits after %.0f s", time.perf_counter() - started)
-    outbox.close()
-    inbox.close(0)
-    return code
+        inbox.close(0)
 
 
 if __name__ == "__main__":

@@ -1,34 +1,34 @@
-"""The HTTP process's side of the engine core process (:mod:`server.engine.core`).
+"""The HTTP side of the engine core (:mod:`server.engine.core`), the one path between the routes and the engine.
 
-:class:`CoreClient` starts ``python -m server.engine.core``, sends it :class:`~server.engine.messages.AddRequest`
-and :class:`~server.engine.messages.Abort`, and runs a reader thread that turns each
+:class:`CoreClient` starts the core (its own process, or a thread of this one with ``ENGINE_PROCESS=false``:
+:mod:`server.engine.core_host`), sends it :class:`~server.engine.messages.AddRequest` and
+:class:`~server.engine.messages.Abort`, and runs a reader thread that turns each
 :class:`~server.engine.messages.StepOutput` into the :class:`~server.engine.sequence.TokenEvent` stream of each
 request: it detokenizes (:class:`~server.engine.detokenize.IncrementalDetokenizer`), checks stop strings (a match
-ends the stream and aborts the request in the core) and calls the request's ``Sequence.emit``, the same
-thread-safe callback the in-process engine calls. It offers what :class:`server.service.GenerationService` uses of
-an :class:`~server.engine.engine.Engine`: ``backends``, ``special_ids``, ``submit`` (awaitable here: the core
-answers whether it took the request), ``wake`` (sends the aborts of cancelled sequences) and ``stop``.
+ends the stream and aborts the request in the core) and calls the request's thread-safe ``Sequence.emit``. It
+offers what :class:`server.service.GenerationService` uses of the engine: ``backends``, ``special_ids``,
+``submit`` (awaitable: the core answers whether it took the request), ``wake`` (sends the aborts of cancelled
+sequences), ``recorder`` and ``stop``.
 
-The HTTP process's ``Sequence`` objects are its own: the core holds others; only messages pass between them.
+The HTTP side's ``Sequence`` objects are its own: the core holds others; only messages pass between them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
 
 from server.engine import messages as m
+from server.engine.core_host import CoreProcess, CoreThread, start_core
 from server.engine.detokenize import IncrementalDetokenizer
 from server.engine.engine import Overloaded
 from server.engine.sampling import SamplingParams
@@ -39,7 +39,9 @@ log = logging.getLogger("kvserve.core_client")
 READY_TIMEOUT_S = 1800.0
 """Longest wait for the core's ``Ready`` (seconds): loading, calibrating and pricing the backends takes minutes."""
 POLL_MS = 100
-"""How often the reader looks whether the core process is still alive while it sends nothing (milliseconds)."""
+"""How often the reader looks whether the core is still alive while it sends nothing (milliseconds)."""
+STOPPED = "the server stopped before the engine core was ready"
+""":meth:`CoreClient.start`'s error when :meth:`CoreClient.stop` ended its wait."""
 
 
 def sampling_fields(p: SamplingParams) -> m.Sampling:
@@ -50,7 +52,7 @@ def sampling_fields(p: SamplingParams) -> m.Sampling:
 
 
 class CoreDied(RuntimeError):
-    """The engine core process exited while the server needed it."""
+    """The engine core (its process or its thread) ended while the server needed it."""
 
 
 @dataclass
@@ -81,11 +83,11 @@ def _resolve(fut: asyncio.Future, exc: BaseException | None) -> None:
 
 
 class CoreClient:
-    """The engine core process and the per-request streams fed from it.
+    """The engine core and the per-request streams fed from it.
 
     Args:
-        settings: the server's settings (sent to the core as JSON).
-        on_death: called once (from the reader thread) with a one-line reason when the core exits unasked.
+        settings: the server's settings (``engine_process``: where the core runs; the core loads from them).
+        on_death: called once (from the reader thread) with a one-line reason when the core ends unasked.
     """
 
     def __init__(self, settings, on_death: Callable[[str], None] | None = None):
@@ -100,50 +102,81 @@ class CoreClient:
         self.last_stats: m.CoreStats | None = None
         """The core's numbers after its latest step."""
         self.dead: str | None = None
-        self.proc: subprocess.Popen | None = None
+        self.host: CoreProcess | CoreThread | None = None
+        """Where the core runs, once started (:mod:`server.engine.core_host`)."""
         self._live: dict[str, _Live] = {}
         self._lock = threading.Lock()  # _live, and the send socket (ZMQ sockets are not thread-safe)
-        self._stopping = False
+        self._life = threading.Lock()  # _starting, _stopping, _shut: start() and stop() come from different threads
+        self._starting = False  # start() is under way: it owns the sockets, and stop() leaves the shutdown to it
+        self._stopping = False  # stop() was called (the core's end is then asked for, not a death)
+        self._shut = False
         self._closed = False
+        self._left_running = False  # stop() gave up waiting for a core thread: the reader ends without it
         self._reader: threading.Thread | None = None
-        self._dir = tempfile.mkdtemp(prefix="kvserve-core-")
+        # a process connects over ipc:// (a socket file in a folder of its own); a thread over inproc://, in
+        # this context, which both share
+        self._dir = tempfile.mkdtemp(prefix="kvserve-core-") if settings.engine_process else None
+        base = f"ipc://{self._dir}" if self._dir else f"inproc://kvserve-core-{uuid.uuid4().hex}"
+        self._in_addr, self._out_addr = f"{base}/in", f"{base}/out"
         self._ctx = zmq.Context()
         self._tx = self._ctx.socket(zmq.PUSH)
         self._rx = self._ctx.socket(zmq.PULL)
         for sock in (self._tx, self._rx):
             sock.setsockopt(zmq.LINGER, 0)  # never block the exit on messages a dead core will not read
-        self._tx.bind(f"ipc://{self._dir}/in")
-        self._rx.bind(f"ipc://{self._dir}/out")
+        self._tx.bind(self._in_addr)
+        self._rx.bind(self._out_addr)
 
     # ---- start-up -------------------------------------------------------------------------------
     def start(self, timeout: float = READY_TIMEOUT_S, on_stage=lambda stage: None) -> m.Ready:
-        """Start the core process, wait for its ``Ready`` and load the tokenizer (blocking); ``on_stage(text)`` is
-        called with each :class:`~server.engine.messages.Loading` stage the core reports before.
+        """Start the core, wait for its ``Ready`` and load the tokenizer (blocking); ``on_stage(text)`` is called
+        with each :class:`~server.engine.messages.Loading` stage the core reports before. A :meth:`stop` from
+        another thread meanwhile ends the wait; on any failure the client is stopped.
 
         Raises:
-            ValueError: the core refused a setting (its message); RuntimeError: it failed to load or exited.
+            ValueError: the core refused a setting (its message); RuntimeError: it failed to load or ended, was not
+                ready in ``timeout`` seconds, or the client was stopped meanwhile.
         """
+        with self._life:
+            if self._stopping:
+                raise RuntimeError(STOPPED)
+            self._starting = True
+        try:
+            ready = self._start(timeout, on_stage)
+        except BaseException:
+            self._started()
+            self._shut_down()
+            raise
+        if self._started():  # stop() came after the wait's last look
+            self._shut_down()
+            raise RuntimeError(STOPPED)
+        return ready
+
+    def _started(self) -> bool:
+        """End :meth:`start`'s hold on the sockets; whether :meth:`stop` was called meanwhile."""
+        with self._life:
+            self._starting = False
+            return self._stopping
+
+    def _start(self, timeout: float, on_stage) -> m.Ready:
         from transformers import AutoTokenizer
 
-        env = {**os.environ, m.SETTINGS_ENV: self.settings.model_dump_json()}
-        self.proc = subprocess.Popen([sys.executable, "-m", "server.engine.core", f"ipc://{self._dir}/in",
-                                      f"ipc://{self._dir}/out"], env=env)
+        self.host = start_core(self.settings, self._ctx, self._in_addr, self._out_addr)
         self.tokenizer = AutoTokenizer.from_pretrained(self.settings.model_id)
         deadline = time.monotonic() + timeout
         while True:
             while not self._rx.poll(POLL_MS):
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"the engine core process exited with status {self.proc.returncode} "
-                                       "before it was ready (its log says why)")
+                if self._stopping:
+                    raise RuntimeError(STOPPED)
+                if (ended := self.host.ended()) is not None:
+                    raise RuntimeError(f"{ended} before it was ready (its log says why)")
                 if time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(f"the engine core process was not ready in {timeout:.0f} s")
+                    raise RuntimeError(f"the engine core was not ready in {timeout:.0f} s")
             first = m.decode_output(self._rx.recv())
             if not isinstance(first, m.Loading):
                 break
             on_stage(first.stage)
         if isinstance(first, m.Failed):
-            self.proc.wait(30)
+            self.host.wait(30)
             raise (ValueError if first.invalid_setting else RuntimeError)(first.error)
         if not isinstance(first, m.Ready):
             raise RuntimeError(f"the engine core sent {type(first).__name__} before Ready")
@@ -198,30 +231,40 @@ class CoreClient:
                 self._send(m.Abort(ids))
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Abort every request, tell the core to drain and wait ``timeout`` seconds for it (then kill it); close
-        the sockets. Once only."""
-        if self._stopping:
-            return
-        self._stopping = True
-        if self.proc is not None and self.proc.poll() is None:
+        """Abort every request, tell the core to drain and wait ``timeout`` seconds for it to end (then kill a
+        process; a thread is left to end with this process); close the sockets. Once only; while :meth:`start`
+        is under way in another thread, that thread does it when its wait ends (within 0.1 s)."""
+        with self._life:
+            self._stopping = True
+            if self._starting:
+                return
+        self._shut_down(timeout)
+
+    def _shut_down(self, timeout: float = 5.0) -> None:
+        """:meth:`stop`'s work, once (the caller owns the sockets)."""
+        with self._life:
+            if self._shut:
+                return
+            self._shut = True
+        if self.host is not None and self.host.ended() is None:
             with self._lock:
                 ids = list(self._live)
                 if ids:
                     self._send(m.Abort(ids))
                 self._send(m.Drain())
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout)
+            if not self.host.wait(timeout):
+                self.host.kill(timeout)
+                self._left_running = self.host.ended() is None
         if self._reader is not None:
             self._reader.join(timeout)
         with self._lock:
             self._closed = True
             self._tx.close()
         self._rx.close()
-        self._ctx.term()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if not self._left_running:  # a core thread left running still holds its sockets in this context
+            self._ctx.term()
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
     # ---- the reader thread ----------------------------------------------------------------------
     def _read(self) -> None:
@@ -235,11 +278,10 @@ class CoreClient:
                 if isinstance(out, m.StepOutput):
                     self._dispatch(out)
                 continue
-            if self.proc.poll() is not None:
-                if not self._stopping:
-                    code = self.proc.returncode
-                    how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
-                    self._died(f"the engine core process {how}")
+            ended = self.host.ended()
+            if ended is not None and not self._stopping:
+                self._died(ended)
+            if ended is not None or self._left_running:
                 return
 
     def _died(self, reason: str) -> None:
@@ -259,8 +301,8 @@ class CoreClient:
             self._close(e, last, last.finish_reason)
 
     def _dispatch(self, out: m.StepOutput) -> None:
-        """One StepOutput: the metrics first (so that a finished request's KV is off the gauges before its last event
-        goes out, as in-process), answer the adds, then each request's token, then the finished requests."""
+        """One StepOutput: the metrics first (so that a finished request's KV is off the gauges before its last
+        event goes out), answer the adds, then each request's token, then the finished requests."""
         with self._lock:
             live = dict(self._live)
         if out.stats is not None:
@@ -318,7 +360,7 @@ class CoreClient:
 
     def _token(self, e: _Live, t: m.NewToken, fin: m.Finished | None) -> None:
         """Append, detokenize and emit one token; end the stream on the core's finish (EOS before a stop string,
-        a stop string before ``length``, as the in-process engine) or on a stop string (then abort in the core)."""
+        a stop string before ``length``) or on a stop string (then abort in the core)."""
         seq = e.seq
         now = time.perf_counter()
         seq.output_ids.append(t.token_id)

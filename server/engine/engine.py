@@ -1,14 +1,16 @@
-"""The engine loop: schedule → run → update → hand each new token to its request.
+"""The engine step: schedule → run → update → hand each new token to its request.
 
-One background thread owns the model. Each step the scheduler (:class:`~server.engine.scheduler.Scheduler`)
+Its caller steps it on one thread (the engine core's loop, :mod:`server.engine.core`; tests and benchmarks step
+it directly), which owns the model. Each step the scheduler (:class:`~server.engine.scheduler.Scheduler`)
 decides everything — it drops cancelled sequences (freeing their KV at once), admits waiting ones (continuous
 batching), preempts and compresses, and chooses the prompt chunks it prefills within its token budget
 (chunked prefill: a long prompt is spread over several steps) beside one decode token of every sequence whose
 context is cached — and returns plain rows (:class:`~server.engine.step_plan.SchedulerOutput`). The runner runs
 them in one forward (a mixed batch) and samples every row with a token to emit in one call
 (:class:`~server.engine.step_plan.RunnerOutput`); the scheduler commits the rows that ran. Each new token goes to
-its request through the sequence's thread-safe ``emit`` callback. A failed forward fails the sequences of its
-rows (a prompt prefilled in a forward of its own: that request only), and the loop goes on.
+its request through the sequence's ``emit`` callback (the engine core collects them into the step's output). A
+failed forward fails the sequences of its rows (a prompt prefilled in a forward of its own: that request only), and
+the engine goes on.
 
 An admitted sequence starts from the longest run of cached blocks its context begins with (the prefix cache,
 :mod:`server.engine.kv_cache`). When the pool has no page for a step, ``elastic`` sequences are compressed
@@ -19,14 +21,10 @@ preempted.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import deque
 
-import torch
-
 from cache_backends.base import KVBackend
-from server.engine import malloc_tuning
 from server.engine.detokenize import IncrementalDetokenizer
 from server.engine.runner import ModelRunner
 from server.engine.sampling import RowRequest, Sampled, new_generator
@@ -64,10 +62,6 @@ class Engine:
         self.kv = scheduler.kv
         self.max_concurrent_requests = max_concurrent_requests
         self.recorder = recorder
-        self._lock = scheduler.lock
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     @property
     def waiting(self) -> deque[Sequence]:
@@ -92,43 +86,9 @@ class Engine:
             raise ValueError(f"request needs {need} KV blocks ({need * self.kv.page_bytes} bytes) for "
                              f"{len(seq.prompt_ids) + seq.max_new_tokens} tokens; the KV pool has "
                              f"{self.kv.blocks.usable_pages} (KV_CACHE_BUDGET_BYTES, less the null page)")
-        with self._lock:
-            if len(self.waiting) + len(self.running) >= self.max_concurrent_requests:
-                raise Overloaded(f"{self.max_concurrent_requests} requests are already queued or running")
-            self.waiting.append(seq)
-        self._wake.set()
-
-    def wake(self) -> None:
-        """Make the loop look at its queues now (e.g. after a cancellation)."""
-        self._wake.set()
-
-    # ---- thread ---------------------------------------------------------------------------------
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="kvserve-engine", daemon=True)
-        self._thread.start()
-
-    def stop(self, timeout: float = 5.0) -> None:
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-
-    def _loop(self) -> None:
-        torch.set_grad_enabled(False)
-        busy = False
-        while not self._stop.is_set():
-            if not self.running and not self.waiting:
-                if busy:
-                    malloc_tuning.trim()
-                busy = False
-                self._wake.wait(0.1)
-                self._wake.clear()
-                continue
-            busy = True
-            try:
-                self.step()
-            except Exception:  # noqa: BLE001 - the loop must survive anything one step does
-                log.exception("engine step failed")
+        if len(self.waiting) + len(self.running) >= self.max_concurrent_requests:
+            raise Overloaded(f"{self.max_concurrent_requests} requests are already queued or running")
+        self.waiting.append(seq)
 
     # ---- one step -------------------------------------------------------------------------------
     def step(self) -> None:
@@ -265,16 +225,14 @@ class Engine:
         seq.emit(last)
 
     def _report(self, queue: bool = True) -> None:
-        """Refresh the live gauges from the running batch and, with ``queue``, the queue lengths
-        (which takes ``self._lock``: the caller must not hold it then)."""
+        """Refresh the live gauges from the running batch and, with ``queue``, the queue lengths."""
         if not self.recorder:
             return
         waiting: dict[str, int] | None = None
         if queue:
             waiting = {}
-            with self._lock:
-                for seq in self.waiting:
-                    waiting[seq.backend_name] = waiting.get(seq.backend_name, 0) + 1
+            for seq in self.waiting:
+                waiting[seq.backend_name] = waiting.get(seq.backend_name, 0) + 1
         self.recorder.step_state(self.running, waiting, self.kv.usage(), self.kv.blocks.num_evictable)
 
     # ---- introspection --------------------------------------------------------------------------

@@ -10,9 +10,11 @@ in 12 of 12 with the thresholds fixed). :func:`keep_step_memory` fixes both (wha
 ``GLIBC_TUNABLES=glibc.malloc.mmap_threshold=...:glibc.malloc.trim_threshold=...`` does, here at run time with
 ``mallopt``); the benchmarks that step an engine in-process call it (``bench.budget.new_engine``).
 
-The server does not: its engine runs in its own thread (another arena), where the slow state was not seen
-(16 short streams served at the same rate with and without the fixed thresholds), and a fixed trim threshold
-lets a busy server keep up to :data:`TRIM_THRESHOLD_BYTES` of freed heap until its next idle spell (:func:`trim`).
+The server does not. Its engine core steps on the main thread of its own process (the default), where the
+serving benchmark's rates were no lower than with the core in a thread of the server's process
+(``ENGINE_PROCESS=false``: another arena, where the slow state was not seen; 16 short streams served at the same
+rate with and without the fixed thresholds); and a fixed trim threshold lets a busy server keep up to
+:data:`TRIM_THRESHOLD_BYTES` of freed heap until its next idle spell (:func:`trim`).
 Elsewhere than glibc both functions are no-ops.
 """
 

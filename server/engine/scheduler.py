@@ -35,7 +35,6 @@ the most recently admitted sequence.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -91,9 +90,8 @@ class Scheduler:
         self.kv = kv
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.itl = itl if itl is not None else ChunkBudget(None)
-        self.waiting: deque[Sequence] = deque()  # taken under ``lock`` (requests arrive from other threads)
+        self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.lock = threading.Lock()
 
     def fits_alone(self, seq: Sequence) -> bool:
         """Whether ``seq`` could ever finish (all its tokens fit the pool on their own)."""
@@ -218,18 +216,15 @@ class Scheduler:
             each sequence's tables) and what the engine reports (:class:`StepEvents`).
         """
         out, ev = SchedulerOutput(), StepEvents()
-        with self.lock:
-            for seq in [s for s in self.waiting if s.cancelled]:
-                self.waiting.remove(seq)
-                self._end(ev, seq, FinishReason.CANCELLED)
+        for seq in [s for s in self.waiting if s.cancelled]:
+            self.waiting.remove(seq)
+            self._end(ev, seq, FinishReason.CANCELLED)
         for _ in range(len(self.running)):  # fair share: one preemption at a time, until the waiting request fits
-            with self.lock:
-                unfair = self.unfair(self.waiting, self.running)
+            unfair = self.unfair(self.waiting, self.running)
             if unfair is None:
                 break
             self._preempt(ev, unfair, at_head=False)
-        with self.lock:
-            admitted = self.admit(self.waiting, self.running)
+        admitted = self.admit(self.waiting, self.running)
         for seq in [s for s in self.running if s.cancelled]:
             self._end(ev, seq, FinishReason.CANCELLED)
         for seq in admitted:
@@ -369,11 +364,10 @@ class Scheduler:
         self.drop_kv(seq)
         seq.prefilled = 0
         seq.preemptions += 1
-        with self.lock:
-            if at_head:
-                self.waiting.appendleft(seq)
-            else:
-                self.waiting.append(seq)
+        if at_head:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
         ev.preempted.append(seq)
         log.info("preempted %s (%d tokens) to free KV pages", seq.request_id, seq.total_tokens)
 

@@ -42,7 +42,7 @@ def default_budget(backends: dict[str, KVBackend], layouts: dict, page_bytes: in
 def build_engine(model, tokenizer, backends: dict[str, KVBackend], eos_token_ids: set[int], *, max_batch_size: int,
                  budget_bytes: int | None, max_total_tokens: int, block_size: int = DEFAULT_BLOCK_SIZE,
                  prefill_chunk_tokens: int | None = 256, max_concurrent_requests: int = 128,
-                 recorder=None, prefix_caching: bool = True, prefill_itl_ratio: float | None = None) -> Engine:
+                 prefix_caching: bool = True, prefill_itl_ratio: float | None = None) -> Engine:
     """An engine over one KV pool of ``budget_bytes`` (default: :func:`default_budget`) for ``backends``; with
     ``prefill_itl_ratio``, a step that carries prefill chunks while sequences decode costs at most that many decode
     steps (:class:`ChunkBudget`).
@@ -64,4 +64,4 @@ def build_engine(model, tokenizer, backends: dict[str, KVBackend], eos_token_ids
     kv = KVCacheManager(backends, layouts, page_bytes, num_pages, prefill_chunk_tokens, prefix_caching)
     runner = ModelRunner(model, num_layers, pool)
     scheduler = Scheduler(max_batch_size, kv, prefill_chunk_tokens, ChunkBudget(prefill_itl_ratio))
-    return Engine(runner, backends, tokenizer, eos_token_ids, scheduler, max_concurrent_requests, recorder)
+    return Engine(runner, backends, tokenizer, eos_token_ids, scheduler, max_concurrent_requests)

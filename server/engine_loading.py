@@ -1,0 +1,182 @@
+"""What the engine core loads from the settings: torch's threads, the model, the served KV backends (each at the
+setting the quality budget chooses, priced), the engine's options, and ``/info``'s facts of them
+(:func:`server.engine.core.load_core` runs them, in the engine core's process or thread)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from pathlib import Path
+
+from cache_backends.base import KVBackend, ModelGeometry
+from cache_backends.calibration_cache import CalibrationCache
+from cache_backends.registry import create
+from cache_backends.spec import format_spec
+from server.config import Settings
+from server.model_loading import load_model, resolve_device, resolve_dtype
+from server.service import MAX_SEQUENCES_PER_REQUEST
+
+log = logging.getLogger("kvserve")
+
+REFERENCE_SEQ_LEN = 1024  # the length of /info's headline bytes per token (as the README's tables and the bench)
+SHORT_SEQ_LEN = 128
+
+
+def kv_sizes(backends: dict[str, KVBackend], num_layers: int, max_total_tokens: int) -> dict:
+    """``/info``'s KV sizes, each backend's bytes per token over all layers from its closed-form sums (the
+    function ``kvserve estimate`` prints):
+
+    * ``kv_bytes_per_token``: at :data:`REFERENCE_SEQ_LEN` tokens;
+    * ``kv_bytes_per_token_by_seq_len``: at 128 and 1024 tokens (those under ``max_total_tokens``) and at
+      ``max_total_tokens``, keyed by the length as a string. A sequence of n tokens holds n times the
+      figure at n: int8-family backends cost more per token on short sequences, whose newest 32-63 tokens
+      (the residual window and the forming group) are in full precision;
+    * ``kv_min_bytes_per_token``: for a backend whose size is a range (``elastic``, from every token exact to
+      every compressible group quantized), its least at :data:`REFERENCE_SEQ_LEN` tokens;
+    * ``kv_estimate_spec``: the ``kvserve estimate`` spec that gives the same numbers (``dca``: with its
+      calibrated reuse fraction; a live sequence's own reuse shows in ``kvserve_dca_reuse_layers``).
+    """
+    lengths = sorted({n for n in (SHORT_SEQ_LEN, REFERENCE_SEQ_LEN) if n < max_total_tokens} | {max_total_tokens})
+    sizes = {n: b.bytes_per_token_per_layer(REFERENCE_SEQ_LEN) for n, b in backends.items()}
+    return {
+        # floats for every backend (the sums of some backends are whole numbers, others' are not): one JSON type
+        "kv_bytes_per_token": {n: float(per * num_layers) for n, per in sizes.items()},
+        "kv_bytes_per_token_by_seq_len": {n: {str(t): float(b.bytes_per_token_per_layer(t) * num_layers)
+                                              for t in lengths} for n, b in backends.items()},
+        "kv_min_bytes_per_token": {n: float(least * num_layers) for n, least in (
+            (n, b.min_bytes_per_token_per_layer(REFERENCE_SEQ_LEN)) for n, b in backends.items())
+            if least < sizes[n]},
+        "kv_estimate_spec": {n: format_spec(*b.sums_spec()) for n, b in backends.items()},
+    }
+
+
+def torch_threads() -> int:
+    """torch's intra-op thread count now."""
+    import torch
+
+    return torch.get_num_threads()
+
+
+def create_backends(settings: Settings, geometry: ModelGeometry) -> dict[str, KVBackend]:
+    """The served backends (:meth:`Settings.served_backends`), built for ``geometry``; one that came from the
+    default of ``KV_BACKENDS`` and that this model cannot take is left out with a log line.
+
+    Raises:
+        ValueError: a backend that was asked for cannot serve this model (the backend's one-line message).
+    """
+    backends = {}
+    for name in settings.served_backends():
+        try:
+            backends[name] = create(name, geometry, **settings.backend_options(name))
+        except ValueError as exc:
+            if name not in settings.optional_backends():
+                raise
+            log.info("not serving %s besides KV_BACKEND (KV_BACKENDS unset): %s", name, exc)
+    return backends
+
+
+PRICING = "model loaded; calibrating and pricing the KV backends (cached for the next start)"
+"""``/health``'s 503 message once the model is loaded, while the KV backends are calibrated and priced."""
+
+
+CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+"""cgroup v2's CPU quota of this process's group: ``"<quota> <period>"`` in microseconds, or ``"max <period>"``."""
+
+
+def usable_cpus() -> int:
+    """CPUs this process may use: its affinity mask, capped by a cgroup v2 CPU quota (``cpu.max``, as a container's
+    ``--cpus`` sets it), at least 1."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        quota, period = CGROUP_CPU_MAX.read_text().split()[:2]
+        if quota != "max":
+            cpus = min(cpus, math.ceil(int(quota) / int(period)))
+    except (OSError, ValueError):
+        pass
+    return max(1, cpus)
+
+
+def default_torch_threads() -> int:
+    """``TORCH_NUM_THREADS=0``'s thread count: :func:`usable_cpus` less one, which the HTTP side (event loop,
+    detokenization, sockets) then has to itself, and no more than torch's own default; at least 1. Measured on 2
+    cores (``python -m bench.threads``, docs/benchmarks.md "Threads"): one thread had the best worst case of every
+    wait policy and thread count, quiet and beside a process busy on one core, where two threads were up to 4x
+    slower beside it."""
+    import torch
+
+    return max(1, min(usable_cpus() - 1, torch.get_num_threads()))
+
+
+def load_weights(settings: Settings):
+    """``TORCH_NUM_THREADS`` (0: :func:`default_torch_threads`), then the model on its device and dtype: ``(model,
+    tokenizer, device, dtype, geometry)`` (in the engine core)."""
+    import torch
+
+    torch.set_num_threads(settings.torch_num_threads or default_torch_threads())
+    device = resolve_device(settings.device)
+    dtype = resolve_dtype(settings.dtype, device)
+    model, tokenizer = load_model(settings.model_id, device, dtype)
+    return model, tokenizer, device, dtype, ModelGeometry.from_config(model.config, dtype)
+
+
+def eos_token_ids(model, tokenizer) -> set[int]:
+    """The ids that end generation: the generation config's end-of-text id(s), else the tokenizer's."""
+    eos = model.generation_config.eos_token_id
+    return set(eos if isinstance(eos, list) else [eos] if eos is not None else [tokenizer.eos_token_id])
+
+
+def engine_options(settings: Settings, max_total_tokens: int) -> dict:
+    """:func:`server.engine.setup.build_engine`'s options from the settings."""
+    s = settings
+    return dict(max_batch_size=s.max_batch_size, budget_bytes=s.kv_cache_budget_bytes,
+                max_total_tokens=max_total_tokens, block_size=s.kv_block_size,
+                prefill_chunk_tokens=s.max_num_batched_tokens or None,
+                # requests are counted at the HTTP edge (server.middleware.InFlight); the engine's own count is
+                # of sequences, and this many can never be exceeded by those requests
+                max_concurrent_requests=s.max_concurrent_requests * MAX_SEQUENCES_PER_REQUEST,
+                prefix_caching=s.kv_prefix_caching, prefill_itl_ratio=s.prefill_itl_ratio or None)
+
+
+def prepare_backends(settings: Settings, names: list[str], model, tokenizer, geometry: ModelGeometry,
+                     cache: CalibrationCache) -> tuple[dict[str, KVBackend], dict[str, dict]]:
+    """Build and prepare the served backends, each at the setting the quality budget chooses
+    (:mod:`server.quality_budget`; ``KV_QUALITY_BUDGET``), and price each.
+
+    Returns:
+        ``(backends by name, each one's choice and price as /info's kv_quality shows it)``.
+    """
+    from server.quality_budget import Scorer, choose
+
+    budget = settings.kv_quality_budget
+    calibration = None
+    calibrating = any(part in ("gqa", "mla", "dca") for name in names for part in name.split("+"))
+    if calibrating or (budget is not None and any(n != "full" for n in names)):
+        from cache_backends.calibration import calibration_ids
+
+        calibration = calibration_ids(model, tokenizer, path=settings.kv_calibration_file)
+    scorer = Scorer(model, geometry, calibration, cache) if budget is not None and calibration else None
+    backends, quality = {}, {}
+    for name in names:
+        backends[name], choice = choose(name, geometry, settings.backend_options(name),
+                                        settings.explicit_options(name), model, calibration, cache, scorer, budget)
+        quality[name] = choice.as_dict()
+    return backends, quality
+
+
+def engine_info(s: Settings, dtype, device, backends: dict[str, KVBackend], quality: dict[str, dict],
+                cache: CalibrationCache, geometry: ModelGeometry, max_total: int, kv_info: dict) -> dict:
+    """``/info``'s facts of the loaded model, its backends and the KV pool (``kv_info``:
+    :meth:`server.engine.kv_cache.KVCacheManager.info`), from where the engine runs (JSON-compatible)."""
+    return {
+        "model_dtype": str(dtype).removeprefix("torch."), "model_device_type": device.type,
+        "kv_backend_params": {n: b.params() for n, b in backends.items()},
+        "kv_backend_details": {n: b.details() for n, b in backends.items() if b.details()},
+        "kv_quality_budget_pct": s.kv_quality_budget, "kv_quality": quality,
+        "kv_calibration": [{k: v for k, v in e.as_dict().items() if k != "figures"} for e in cache.events
+                           if e.kind != "price"],  # prices: kv_quality
+        **kv_sizes(backends, geometry.num_layers, max_total), "num_layers": geometry.num_layers,
+        "num_attention_heads": geometry.num_attention_heads,
+        "num_key_value_heads": geometry.num_key_value_heads, "head_dim": geometry.head_dim,
+        "torch_num_threads": torch_threads(), **kv_info,
+    }

@@ -1,0 +1,136 @@
+"""``ENGINE_PROCESS=false``: the engine core (:mod:`server.engine.core`) runs in a thread of the server's process,
+fed by the same client over ZMQ ``inproc://`` sockets with the same messages as the core process. The HTTP side's
+request state is never the core's (before, the routes and the engine thread shared each ``Sequence``); a core
+thread that ends unasked is reported as a dead core process is: ``/health`` 503 with the reason, running streams
+end with an error event, and ``kvserve serve`` exits 1 saying why; stopping the server ends the thread."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+
+import httpx
+from fastapi.testclient import TestClient
+
+from server.app import create_app
+from server.config import Settings
+from server.engine.core import EngineCore
+from server.engine.engine import Engine
+from server.service import GenerationService
+from tests.conftest import MODEL_DIR, RunningServer
+
+SETTINGS = {"model_id": str(MODEL_DIR), "kv_backends": "full", "engine_process": False, "log_level": "warning"}
+REASON = "the engine core thread failed: RuntimeError: a failure that escapes the engine core's loop"
+
+
+def failing_at_the_third(step):
+    """:meth:`EngineCore.step` whose third call raises past the method's own guard (a step that raises inside is
+    only logged): the loop ends, and with it the core thread."""
+    calls = []
+
+    def failing_step(self):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("a failure that escapes the engine core's loop")
+        return step(self)
+
+    return failing_step
+
+
+FAILING_SERVE = """import sys
+from server.cli import main
+from server.engine.core import EngineCore
+from tests.test_engine_core_thread import failing_at_the_third
+EngineCore.step = failing_at_the_third(EngineCore.step)
+sys.exit(main(["serve"]))
+"""
+"""``kvserve serve`` with :func:`failing_at_the_third` in place of the core's step."""
+
+
+def test_the_http_sides_sequences_are_never_the_cores(monkeypatch):
+    http_side, core_side = [], []
+    build, submit = GenerationService.build_sequence, Engine.submit
+
+    def built(self, req, emit):
+        http_side.append(seq := build(self, req, emit))
+        return seq
+
+    def submitted(self, seq):  # in the core thread: the sequence the scheduler queues
+        core_side.append(seq)
+        return submit(self, seq)
+
+    monkeypatch.setattr(GenerationService, "build_sequence", built)
+    monkeypatch.setattr(Engine, "submit", submitted)
+    app = create_app(Settings(**SETTINGS), load_in_background=False)
+    with TestClient(app) as client:
+        r = client.post("/v1/completions", json={"model": str(MODEL_DIR), "prompt": "And God said", "max_tokens": 6,
+                                                 "n": 2, "seed": 7})
+        assert r.status_code == 200, r.text
+        assert [c["finish_reason"] for c in r.json()["choices"]] == ["length", "length"]
+    assert len(http_side) == len(core_side) == 2
+    assert sorted(s.request_id for s in http_side) == sorted(s.request_id for s in core_side)
+    for mine in http_side:
+        theirs = next(s for s in core_side if s.request_id == mine.request_id)
+        assert theirs is not mine
+        assert [f for f in ("prompt_ids", "output_ids", "params", "times", "kv_stats", "stop")
+                if getattr(theirs, f) is getattr(mine, f)] == []
+        assert theirs.output_ids == mine.output_ids and len(mine.output_ids) == 6  # the same tokens, each its own
+    assert not app.state.kvserve.core.host.thread.is_alive()  # the server's shutdown drained and ended the core
+    assert "kvserve-engine-core" not in {t.name for t in threading.enumerate()}
+
+
+def test_a_core_thread_that_fails_ends_the_stream_with_an_error_and_health_says_why(monkeypatch):
+    monkeypatch.setattr(EngineCore, "step", failing_at_the_third(EngineCore.step))
+    app = create_app(Settings(**SETTINGS), load_in_background=False)
+    with TestClient(app) as client:
+        assert client.get("/health").status_code == 200
+        r = client.post("/generate_stream", json={"inputs": "In the beginning", "parameters": {"max_new_tokens": 900}})
+        events = [json.loads(line[5:]) for line in r.text.splitlines() if line.startswith("data:")]
+        assert events[-1].get("error") == REASON, events[-1]
+        assert app.state.kvserve.load_error == REASON
+        health = client.get("/health")
+        assert health.status_code == 503 and health.json()["error"] == REASON
+        refused = client.post("/generate", json={"inputs": "a", "parameters": {"max_new_tokens": 1}})
+        assert refused.status_code == 503
+
+
+def test_a_core_thread_that_fails_makes_the_server_exit_1_saying_why():
+    srv = RunningServer({"KV_BACKENDS": "full", "ENGINE_PROCESS": "false"},
+                        argv=[sys.executable, "-c", FAILING_SERVE])
+    try:
+        events = []
+        with httpx.stream("POST", srv.url + "/generate_stream", timeout=60,
+                          json={"inputs": "In the beginning", "parameters": {"max_new_tokens": 900}}) as r:
+            events = [json.loads(line[5:]) for line in r.iter_lines() if line.startswith("data:")]
+        assert events[-1].get("error") == REASON, events[-1]
+        assert srv.proc.wait(30) == 1
+        assert f"kvserve: cannot serve: {REASON}" in srv.proc.stdout.read()
+    finally:
+        srv.stop()
+
+
+def test_a_stop_while_the_core_loads_ends_the_start_and_the_core(held_pricing):
+    """A server stopped while its core loads (Ctrl-C at start-up): the start gives up, and the core, once loaded,
+    drains and ends; the start's sockets are closed by its own thread, never under its wait by the stopping one
+    (before, stop() closed them beneath it, and a core that became ready meanwhile was served by a closed client)."""
+    from server.engine.core_client import STOPPED, CoreClient
+
+    entered, release = held_pricing
+    client = CoreClient(Settings(**SETTINGS))
+    result = {}
+
+    def start():
+        try:
+            result["ready"] = client.start()
+        except RuntimeError as exc:
+            result["error"] = str(exc)
+
+    starter = threading.Thread(target=start)
+    starter.start()
+    assert entered.wait(120)
+    client.stop()  # returns at once: the starting thread owns the sockets
+    release.set()
+    starter.join(60)
+    assert result == {"error": STOPPED}
+    assert not client.host.thread.is_alive()
