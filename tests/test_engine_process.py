@@ -225,3 +225,28 @@ def test_the_core_exits_when_the_server_process_is_killed():
         assert gone(core_pid), "the core outlived its server"
     finally:
         parent.kill()
+
+
+def test_the_core_process_fixes_glibcs_allocator_thresholds_before_it_loads(monkeypatch, tmp_path):
+    """The engine core steps on its process's main thread, where glibc can settle on unmapping a step's transients
+    at every free (server/engine/malloc_tuning.py): the process fixes the thresholds first thing."""
+    import zmq
+
+    from server.config import Settings
+    from server.engine import core, malloc_tuning
+    from server.engine import messages as m
+
+    calls = []
+    monkeypatch.setattr(malloc_tuning, "keep_step_memory", lambda: calls.append("keep") or True)
+    settings = Settings(model_id=str(tmp_path / "no-such-model"), kv_backends="full")
+    monkeypatch.setenv(m.SETTINGS_ENV, settings.model_dump_json())
+    ctx = zmq.Context()
+    out = ctx.socket(zmq.PULL)
+    out.bind(f"ipc://{tmp_path}/out")
+    try:
+        assert core.main([f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out"]) == 1  # no such model: Failed, status 1
+        assert isinstance(m.decode_output(out.recv()), (m.Loading, m.Failed))
+    finally:
+        out.close(0)
+        ctx.term()
+    assert calls == ["keep"]

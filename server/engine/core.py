@@ -348,8 +348,11 @@ def main(argv: list[str] | None = None) -> int:
     process); the exit status is its answer."""
     from server.config import Settings
 
+    from server.engine.malloc_tuning import keep_step_memory
+
     in_addr, out_addr = (argv if argv is not None else sys.argv[1:])[:2]
     settings = Settings.model_validate_json(os.environ[m.SETTINGS_ENV])
+    keep_step_memory()  # the engine steps on this process's main thread: glibc's thresholds fixed (malloc_tuning)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parent = os.getppid()
     ctx = zmq.Context()

@@ -1,4 +1,5 @@
-"""glibc's allocator, for an engine stepped on a process's main thread (the in-process benchmarks).
+"""glibc's allocator, for an engine stepped on a process's main thread (the engine core process, the in-process
+benchmarks).
 
 A decode step allocates tensors of a few MB (the gathered pages of a layer, attention scores, MLP activations)
 and frees them within the step. Left to itself, glibc sizes its mmap and trim thresholds dynamically, and on
@@ -10,11 +11,11 @@ in 12 of 12 with the thresholds fixed). :func:`keep_step_memory` fixes both (wha
 ``GLIBC_TUNABLES=glibc.malloc.mmap_threshold=...:glibc.malloc.trim_threshold=...`` does, here at run time with
 ``mallopt``); the benchmarks that step an engine in-process call it (``bench.budget.new_engine``).
 
-The server does not. Its engine core steps on the main thread of its own process (the default), where the
-serving benchmark's rates were no lower than with the core in a thread of the server's process
-(``ENGINE_PROCESS=false``: another arena, where the slow state was not seen; 16 short streams served at the same
-rate with and without the fixed thresholds); and a fixed trim threshold lets a busy server keep up to
-:data:`TRIM_THRESHOLD_BYTES` of freed heap until its next idle spell (:func:`trim`).
+The engine core process (``ENGINE_PROCESS=true``, the default) steps its engine on its main thread too, and calls
+it at start; its idle spells hand the kept heap back (:func:`trim`), so a busy core keeps up to
+:data:`TRIM_THRESHOLD_BYTES` of freed heap only while it is busy. A core in a thread of the server's process
+(``ENGINE_PROCESS=false``) steps on another arena, where the slow state was not seen, and leaves the server's
+allocator as it is.
 Elsewhere than glibc both functions are no-ops.
 """
 
