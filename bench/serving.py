@@ -47,6 +47,13 @@ REPO = Path(__file__).resolve().parents[1]
 PROMPT = "And it came to pass, when the king heard the words of the book of the law, that he"
 
 
+PREFILL_SETTINGS = {  # the long-prompt part's servers: whole prompts, chunks of 256 alone, and the default
+    "whole-prompt prefill": {"MAX_NUM_BATCHED_TOKENS": "0"},
+    "chunked prefill, 256 tokens/step": {"MAX_NUM_BATCHED_TOKENS": "256", "PREFILL_ITL_RATIO": "0"},
+    "chunked prefill, 256 tokens/step, PREFILL_ITL_RATIO=2 (the default)": {},
+}
+
+
 def free_port() -> int:
     import socket
 
@@ -55,10 +62,53 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used, all its threads (Linux ``/proc``); 0 once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: fields 14 and 15
+
+
+def child_pids(pid: int) -> list[int]:
+    """The child processes of ``pid`` (Linux ``/proc``)."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+class CpuMeter:
+    """CPU seconds spent, between :meth:`start` and :meth:`stop`, by a server's process, by its children (the
+    engine core process), and by this process (the benchmark's own HTTP client)."""
+
+    def __init__(self, server_pid: int):
+        self.pid = server_pid
+
+    def _now(self) -> dict[str, float]:
+        import resource
+
+        me = resource.getrusage(resource.RUSAGE_SELF)
+        return {"http_process_s": cpu_seconds(self.pid),
+                "engine_core_process_s": sum(cpu_seconds(c) for c in child_pids(self.pid)),
+                "client_s": me.ru_utime + me.ru_stime}
+
+    def start(self) -> None:
+        self._start = self._now()
+
+    def stop(self) -> dict[str, float]:
+        end = self._now()
+        return {k: round(end[k] - self._start[k], 3) for k in end}
+
+
 @contextmanager
 def running(cmd: list[str], env: dict[str, str], health_url: str, timeout: float = 180, inherit: bool = True):
     """Start a server process (its environment: this one's updated with ``env``, or with ``inherit=False``
-    ``env`` alone), wait for its health URL, yield, then stop it."""
+    ``env`` alone), wait for its health URL, yield the process, then stop it."""
     proc = subprocess.Popen(cmd, env={**os.environ, **env} if inherit else env, cwd=REPO, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:
@@ -74,7 +124,7 @@ def running(cmd: list[str], env: dict[str, str], health_url: str, timeout: float
             if time.time() > deadline:
                 raise RuntimeError(f"{cmd} not healthy after {timeout} s")
             time.sleep(0.5)
-        yield
+        yield proc
     finally:
         proc.terminate()
         try:
@@ -292,16 +342,16 @@ def main() -> None:
 
     prompts = long_prompts(args.model, 4, args.long_prompt_tokens)
     report["long_prompt_itl"] = {}
-    for chunk in () if args.skip_long_prompts else ("0", "256"):
+    for label, prefill in () if args.skip_long_prompts else PREFILL_SETTINGS.items():
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         env = {"MODEL_ID": args.model, "PORT": str(port), "HOST": "127.0.0.1", "LOG_LEVEL": "warning",
-               "MAX_BATCH_SIZE": "16", "MAX_NUM_BATCHED_TOKENS": chunk}
+               "MAX_BATCH_SIZE": "16", **prefill}
         with running([sys.executable, "-m", "server.cli", "serve"], kvserve_env(env), url + "/health", inherit=False):
             asyncio.run(concurrent(lambda c: _stream_kvserve(c, url, 8), 1))  # warm-up
-            report["long_prompt_itl"][chunk] = asyncio.run(_long_arrival(url, prompts, 8, max(128, args.tokens)))
-        print(f"ITL while long prompts arrive, MAX_NUM_BATCHED_TOKENS={chunk}:",
-              json.dumps(report["long_prompt_itl"][chunk]), flush=True)
+            report["long_prompt_itl"][label] = {**asyncio.run(_long_arrival(url, prompts, 8, max(128, args.tokens))),
+                                                "env": prefill}
+        print(f"ITL while long prompts arrive, {label}:", json.dumps(report["long_prompt_itl"][label]), flush=True)
 
     modes = ["true", "false"] if args.engine_process == "both" else [args.engine_process]  # the default first
     for mode in modes:
@@ -311,15 +361,20 @@ def main() -> None:
                "MAX_BATCH_SIZE": str(max(levels)), "ENGINE_PROCESS": mode}
         key = "kvserve" if mode == modes[0] else "kvserve_other_mode"
         report.setdefault("engine_process", {})[key] = mode == "true"
-        with running([sys.executable, "-m", "server.cli", "serve"], kvserve_env(env), url + "/health", inherit=False):
+        with running([sys.executable, "-m", "server.cli", "serve"], kvserve_env(env), url + "/health",
+                     inherit=False) as proc:
             asyncio.run(concurrent(lambda c: _stream_kvserve(c, url, 8), 1))  # warm-up
             if key == "kvserve":
                 single = [decode_rate(asyncio.run(_single(lambda c: _stream_kvserve(c, url, args.tokens))))
                           for _ in range(args.repeats)]
                 report["kvserve_decode_tokens_per_s"] = max(single)
                 print(f"kvserve single stream: {max(single):.1f} decode tokens/s", flush=True)
-            report[key] = {n: asyncio.run(concurrent(lambda c: _stream_kvserve(c, url, args.tokens), n))
-                           for n in levels}
+            report[key] = {}
+            for n in levels:
+                meter = CpuMeter(proc.pid)
+                meter.start()
+                row = asyncio.run(concurrent(lambda c: _stream_kvserve(c, url, args.tokens), n))
+                report[key][n] = {**row, "cpu": meter.stop()}
             print(f"kvserve ENGINE_PROCESS={mode}:", json.dumps(report[key]), flush=True)
 
     if not args.skip_transformers_serve:
@@ -381,11 +436,20 @@ def markdown(report: dict) -> str:
     for name, rate in report.get("llama_cpp_decode_tokens_per_s", {}).items():
         lines.append(f"| single-stream decode tokens/s (peer: llama.cpp, {name}) | {k:.1f} | {rate:.1f} | "
                      f"{k / rate:.2f}x |")
-    for chunk, r in report.get("long_prompt_itl", {}).items():
-        label = "whole-prompt prefill" if chunk == "0" else f"chunked prefill, {chunk} tokens/step"
-        lines.append(f"| ITL p50 / p95 / p99 / max s of 8 running streams while 4 long prompts arrive ({label}) | "
-                     f"{r['itl_p50_s']:.3f} / {r['itl_p95_s']:.3f} / {r['itl_p99_s']:.3f} / {r['itl_max_s']:.3f} | | "
+    for label, r in report.get("long_prompt_itl", {}).items():
+        lines.append(f"| ITL p50 / p95 / p99 / max s of 8 running streams while 4 long prompts arrive ({label}); "
+                     f"the long prompts' TTFT p50 / max s | "
+                     f"{r['itl_p50_s']:.3f} / {r['itl_p95_s']:.3f} / {r['itl_p99_s']:.3f} / {r['itl_max_s']:.3f}; "
+                     f"{r['long_ttft_p50_s']:.2f} / {r['long_ttft_max_s']:.2f} | | "
                      f"p95/p50 {r['itl_p95_s'] / r['itl_p50_s']:.1f} |")
+    for n, row in report["kvserve"].items():
+        cpu = row.get("cpu")
+        if cpu:
+            per = 1000 / row["tokens"]
+            lines.append(f"| {n} streams: CPU s per 1000 tokens, engine core process / HTTP process / the benchmark's "
+                         f"client (wall s per 1000 tokens: {row['wall_s'] * per:.2f}) | "
+                         f"{cpu['engine_core_process_s'] * per:.2f} / {cpu['http_process_s'] * per:.2f} / "
+                         f"{cpu['client_s'] * per:.2f} | | |")
     return "\n".join(lines)
 
 
