@@ -250,3 +250,34 @@ def test_the_core_process_fixes_glibcs_allocator_thresholds_before_it_loads(monk
         out.close(0)
         ctx.term()
     assert calls == ["keep"]
+
+
+def test_the_core_process_watches_its_server_from_before_it_loads(monkeypatch, tmp_path):
+    """The server process's pid comes in the core's environment, and the core watches it before it loads: a server
+    killed while its core loads and prices the backends (minutes on a real model) leaves no core behind."""
+    import zmq
+
+    from server.config import Settings
+    from server.engine import core
+    from server.engine import messages as m
+
+    watched = []
+    monkeypatch.setattr(core, "watch_parent", lambda pid: watched.append(pid))
+    monkeypatch.setattr(core, "load_and_serve", lambda *a: watched.append("load") or 1)
+    monkeypatch.setenv(m.SETTINGS_ENV, Settings(model_id=str(tmp_path), kv_backends="full").model_dump_json())
+    monkeypatch.setenv(m.PARENT_ENV, "4242")
+    ctx = zmq.Context()
+    try:
+        assert core.main([f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out"]) == 1
+    finally:
+        ctx.term()
+    assert watched == [4242, "load"]
+
+
+def test_a_core_whose_server_is_gone_exits():
+    import subprocess
+    import sys
+
+    code = "from server.engine.core import watch_parent; import time; watch_parent(1 << 22); time.sleep(60)"
+    proc = subprocess.run([sys.executable, "-c", code], timeout=30, capture_output=True, text=True)
+    assert proc.returncode == 1 and "the engine core exits" in proc.stderr

@@ -51,6 +51,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 
 import zmq
@@ -343,6 +344,26 @@ def load_and_serve(settings, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: 
     return code
 
 
+PARENT_POLL_S = 0.5
+"""How often the engine core process looks whether its server process is still there while it loads (seconds)."""
+
+
+def watch_parent(parent_pid: int) -> threading.Thread:
+    """End this process (status 1) once ``parent_pid`` is no longer its parent: the server process is gone, while the
+    core is still loading and pricing (minutes) or at any later time. A daemon thread; the serve loop also looks
+    before every step, and ends cleanly."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_POLL_S)
+        log.error("the server process (pid %d) is gone; the engine core exits", parent_pid)
+        os._exit(1)
+
+    thread = threading.Thread(target=watch, name="kvserve-core-parent", daemon=True)
+    thread.start()
+    return thread
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m server.engine.core IN_ADDR OUT_ADDR``: connect, then :func:`load_and_serve` (watching the parent
     process); the exit status is its answer."""
@@ -354,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = Settings.model_validate_json(os.environ[m.SETTINGS_ENV])
     keep_step_memory()  # the engine steps on this process's main thread: glibc's thresholds fixed (malloc_tuning)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    parent = os.getppid()
+    parent = int(os.environ.get(m.PARENT_ENV, os.getppid()))
+    watch_parent(parent)
     ctx = zmq.Context()
     inbox, outbox = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     inbox.connect(in_addr)

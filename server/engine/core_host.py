@@ -33,7 +33,7 @@ class CoreProcess:
     """
 
     def __init__(self, settings, in_addr: str, out_addr: str):
-        env = {**os.environ, m.SETTINGS_ENV: settings.model_dump_json()}
+        env = {**os.environ, m.SETTINGS_ENV: settings.model_dump_json(), m.PARENT_ENV: str(os.getpid())}
         self.proc = subprocess.Popen([sys.executable, "-m", "server.engine.core", in_addr, out_addr], env=env)
 
     def ended(self) -> str | None:

@@ -19,6 +19,8 @@ import msgspec
 
 
 SETTINGS_ENV = "KVSERVE_CORE_SETTINGS"
+PARENT_ENV = "KVSERVE_CORE_PARENT"
+"""The environment variable that names the server process (its pid) the engine core process serves."""
 """The environment variable that carries the server's settings (JSON) to a core process."""
 
 
