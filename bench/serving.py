@@ -308,6 +308,21 @@ def bench_llama_cpp(gguf: str, tokens: int, repeats: int) -> dict:
     return out
 
 
+def in_child(fn: str, *args, threads: int | None = None):
+    """``fn(*args)`` of this module run in a fresh Python process, with this process's environment, and its result
+    (JSON); ``threads``: torch's thread count there (every CPU when ``None``).
+
+    Every in-process measurement (``generate()``, the engine alone, llama.cpp) runs so: the threads a measurement
+    starts end with its process. Run in this process, they outlived it, and with ``OMP_WAIT_POLICY=ACTIVE`` (the
+    peers' setting) an idle OpenMP thread spins on a core for minutes, the servers measured next sharing the CPU
+    with it (3 s of CPU in 3 s of sleep, measured)."""
+    code = ("import json, sys, torch; import bench.serving as s; torch.set_num_threads(int(sys.argv[1])); "
+            f"print(json.dumps(s.{fn}(*json.loads(sys.argv[2]))))")
+    out = subprocess.run([sys.executable, "-c", code, str(threads or os.cpu_count() or 1), json.dumps(args)],
+                         cwd=REPO, check=True, stdout=subprocess.PIPE, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description="kvserve vs transformers generate() and transformers serve")
     p.add_argument("--model", default=str(REPO / "models" / "kjv-llama-mha"))
@@ -323,22 +338,32 @@ def main() -> None:
     p.add_argument("--skip-long-prompts", action="store_true", help="leave out the ITL-while-long-prompts-arrive part")
     args = p.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
-    torch.set_num_threads(os.cpu_count() or 1)
     report: dict = {"model": args.model, "tokens": args.tokens, "prompt": PROMPT, "cpu_count": os.cpu_count(),
                     "torch": torch.__version__, "peers_omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset")}
 
-    report["generate_decode_tokens_per_s"] = bench_generate(args.model, args.tokens, args.repeats)
+    report["generate_decode_tokens_per_s"] = in_child("bench_generate", args.model, args.tokens, args.repeats)
     print(f"generate(): {report['generate_decode_tokens_per_s']:.1f} decode tokens/s", flush=True)
 
-    report["generate_static"] = {n: bench_generate_static(args.model, n, args.tokens, args.repeats)
+    report["generate_static"] = {n: in_child("bench_generate_static", args.model, n, args.tokens, args.repeats)
                                  for n in levels if n > 1}
     print("generate() static batch:", json.dumps(report["generate_static"]), flush=True)
     if args.gguf:
-        report["llama_cpp_decode_tokens_per_s"] = bench_llama_cpp(args.gguf, args.tokens, args.repeats)
+        report["llama_cpp_decode_tokens_per_s"] = in_child("bench_llama_cpp", args.gguf, args.tokens, args.repeats)
         print("llama.cpp:", json.dumps(report["llama_cpp_decode_tokens_per_s"]), flush=True)
 
-    report["engine_alone"] = {n: bench_engine_alone(args.model, n, args.tokens, args.repeats) for n in levels}
-    print("engine alone:", json.dumps(report["engine_alone"]), flush=True)
+    # the engine alone: with the benchmark's thread setting (every CPU, the peers' wait policy), and with the
+    # server's own (one thread, as TORCH_NUM_THREADS=0 gives on 2 cores), so that HTTP's cost is seen apart
+    from server.engine_loading import default_torch_threads
+
+    server_threads = default_torch_threads()
+    report["engine_alone"] = {n: in_child("bench_engine_alone", args.model, n, args.tokens, args.repeats)
+                              for n in levels}
+    report["engine_alone_server_threads"] = {
+        "threads": server_threads,
+        **{n: in_child("bench_engine_alone", args.model, n, args.tokens, args.repeats, threads=server_threads)
+           for n in levels}}
+    print("engine alone:", json.dumps(report["engine_alone"]), "with the server's threads:",
+          json.dumps(report["engine_alone_server_threads"]), flush=True)
 
     prompts = long_prompts(args.model, 4, args.long_prompt_tokens)
     report["long_prompt_itl"] = {}
@@ -421,6 +446,7 @@ def markdown(report: dict) -> str:
         if not prow and not srow:
             lines.append(f"| {n} streams: aggregate tokens/s | {row['aggregate_tokens_per_s']:.1f} | - | |")
     alone = report.get("engine_alone", {})
+    alone_own = report.get("engine_alone_server_threads", {})
     other = report.get("kvserve_other_mode", {})
     mode = "true" if report.get("engine_process", {}).get("kvserve") else "false"
     other_mode = "false" if mode == "true" else "true"
@@ -429,6 +455,11 @@ def markdown(report: dict) -> str:
         if arow:
             lines.append(f"| {n} streams: server (ENGINE_PROCESS={mode}) vs the engine alone in-process, tokens/s | "
                          f"{row['aggregate_tokens_per_s']:.1f} | {arow:.1f} | {row['aggregate_tokens_per_s'] / arow:.2f}x |")
+        orow_own = alone_own.get(n) or alone_own.get(str(n))
+        if orow_own:
+            lines.append(f"| {n} streams: server vs the engine alone in-process at the server's thread count "
+                         f"({alone_own['threads']}), tokens/s | {row['aggregate_tokens_per_s']:.1f} | {orow_own:.1f} | "
+                         f"{row['aggregate_tokens_per_s'] / orow_own:.2f}x |")
         if orow:
             lines.append(f"| {n} streams: server, ENGINE_PROCESS={other_mode} vs {mode}, tokens/s | "
                          f"{orow['aggregate_tokens_per_s']:.1f} | {row['aggregate_tokens_per_s']:.1f} | "
