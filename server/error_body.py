@@ -12,7 +12,7 @@ OPENAI_ROOT_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
 OPENAI_TYPES = {"validation": "invalid_request_error", "overloaded": "overloaded_error",
                 "unhealthy": "service_unavailable_error", "authentication": "authentication_error",
                 "http": "invalid_request_error", "internal": "server_error",
-                "model_not_found": "invalid_request_error"}
+                "model_not_found": "invalid_request_error", "generation": "server_error"}
 
 
 def openai_path(path: str) -> bool:

@@ -55,6 +55,11 @@ class NotReady(Exception):
     """The model is still loading, or the server is shutting down (503)."""
 
 
+class GenerationFailed(Exception):
+    """A generation ended with an error (its forward failed, or the engine core died): 500 with its cause, in the
+    route's error form (TGI's answers say it in their own body)."""
+
+
 class ModelNotFound(Exception):
     """``model`` names no served model (404 ``model_not_found``, OpenAI's error object)."""
 
@@ -83,6 +88,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(CoreDied)
     async def _core_died(request: Request, exc: CoreDied):  # the engine core ended: the server is stopping
         return error_response(503, str(exc), "unhealthy", request)
+
+    @app.exception_handler(GenerationFailed)
+    async def _failed(request: Request, exc: GenerationFailed):
+        return error_response(500, str(exc), "generation", request)
 
     @app.exception_handler(ModelNotFound)
     async def _model_not_found(request: Request, exc: ModelNotFound):

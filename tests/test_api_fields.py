@@ -439,6 +439,26 @@ def test_non_finite_numbers_are_refused_naming_the_field(server, raw):
     assert r.status_code == 400 and "logit_bias" in r.json()["error"]["param"]
 
 
+HUGE = 2**70  # more than any integer the engine's messages carry (64 bits)
+
+
+def test_integers_too_large_for_the_engine_are_refused_naming_the_field(server):
+    """``top_k`` and ``min_tokens`` beyond 2^63 - 1 got a 500 (the engine core's message could not carry them) and the
+    connection was dropped; now 4xx naming the field, and the server answers next."""
+    for path in ("/generate", "/generate_stream"):
+        body = '{"inputs": "a", "parameters": {"top_k": %d}}' % HUGE
+        r = httpx.post(server.url + path, content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 422 and "top_k" in r.json()["error"], (path, r.text)
+    for field in ("top_k", "min_tokens"):
+        for path, base in (("/v1/completions", '"prompt": "a"'),
+                           ("/v1/chat/completions", '"messages": [{"role": "user", "content": "a"}]')):
+            body = '{%s, "%s": %d}' % (base, field, HUGE)
+            r = httpx.post(server.url + path, content=body, headers={"content-type": "application/json"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == field, (path, field, r.text)
+    r = httpx.post(server.url + "/generate", json={"inputs": "a", "parameters": {"max_new_tokens": 1, "top_k": 2**63 - 1}})
+    assert r.status_code == 200, r.text
+
+
 def test_post_root_answers_a_one_element_list(server):
     out = post(server, "/", {"inputs": PROMPT, "parameters": {"max_new_tokens": 4}})
     assert isinstance(out, list) and len(out) == 1

@@ -11,6 +11,7 @@ import sys
 import threading
 
 import httpx
+import pytest
 from fastapi.testclient import TestClient
 
 from server.app import create_app
@@ -134,3 +135,19 @@ def test_a_stop_while_the_core_loads_ends_the_start_and_the_core(held_pricing):
     starter.join(60)
     assert result == {"error": STOPPED}
     assert not client.host.thread.is_alive()
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"model": str(MODEL_DIR), "prompt": "In the beginning", "max_tokens": 900}),
+    ("/v1/chat/completions", {"model": str(MODEL_DIR), "messages": [{"role": "user", "content": "Hi"}],
+                              "max_tokens": 900}),
+    ("/v1/responses", {"model": str(MODEL_DIR), "input": "In the beginning", "max_output_tokens": 900})])
+def test_a_generation_the_core_ended_is_a_500_saying_why_on_the_openai_routes(monkeypatch, path, body):
+    """A non-streaming OpenAI answer whose generation ended with an error names the cause in OpenAI's error object
+    (it was ``internal error: RuntimeError``, the TGI routes naming it)."""
+    monkeypatch.setattr(EngineCore, "step", failing_at_the_third(EngineCore.step))
+    app = create_app(Settings(**SETTINGS), load_in_background=False)
+    with TestClient(app) as client:
+        r = client.post(path, json=body)
+    assert r.status_code == 500, r.text
+    assert r.json()["error"]["message"] == REASON and r.json()["error"]["type"] == "server_error", r.text

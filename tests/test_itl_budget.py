@@ -29,10 +29,20 @@ def test_it_never_goes_below_a_block():
 
 
 @pytest.mark.parametrize("budget", [None, 248])
-def test_without_decoding_rows_a_ratio_or_measurements_the_configured_budget_holds(budget):
+def test_without_decoding_rows_or_a_ratio_the_configured_budget_holds(budget):
     assert measured().tokens(0, budget) == budget  # nothing decodes: no stream to protect
     assert ChunkBudget(None).tokens(8, budget) == budget
-    assert ChunkBudget(2.0).tokens(8, budget) == budget  # nothing measured yet
+
+
+def test_before_both_costs_are_measured_a_chunk_beside_decoding_rows_is_one_block():
+    """The first long prompt after start-up stalled the running streams for a whole 256-token chunk (6-8 decode
+    steps on SmolLM2-135M) before anything was measured."""
+    b = ChunkBudget(2.0, weight=1.0)
+    assert b.tokens(8, 248) == MIN_ITL_CHUNK and b.tokens(0, 248) == 248
+    b.observe(0, 8, 0.010)
+    assert b.tokens(8, 248) == MIN_ITL_CHUNK  # a decode step measured, a prefilled token not yet
+    b.observe(MIN_ITL_CHUNK, 8, 0.010 + MIN_ITL_CHUNK * 0.0001)
+    assert b.tokens(8, 248) == 100
 
 
 def test_whole_prompt_prefill_is_left_whole():

@@ -78,3 +78,79 @@ def test_sigterm_drains_then_ends_streams_with_a_finish_reason(engine_process):
     assert last["details"]["finish_reason"] == "abort" and last["generated_text"]
     # the page's route was waited for as well, and ended as a non-streaming request is (it was a 500 after 5 s)
     assert out["ui"].status_code == 503 and out["ui"].json()["error_type"] == "unhealthy", out["ui"].text
+
+
+def _server_in_its_own_group(env: dict[str, str]) -> tuple:
+    """A real ``kvserve serve`` (the engine core in its own process, the default) as the leader of a process group of
+    its own, as a shell starts it in a terminal: ``(process, url)`` once healthy."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import MODEL_DIR, REPO, free_port
+
+    port = free_port()
+    full = {**os.environ, "HOST": "127.0.0.1", "PORT": str(port), "MODEL_ID": str(MODEL_DIR), "LOG_LEVEL": "warning",
+            "KV_BACKENDS": "full", "ENGINE_PROCESS": "true", **env}
+    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve"], env=full, cwd=REPO, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    proc.kill()
+    raise AssertionError("server did not become healthy")
+
+
+def _cores_of(pid: int) -> list[int]:
+    from pathlib import Path
+
+    return [int(c) for task in Path(f"/proc/{pid}/task").glob("*") for c in (task / "children").read_text().split()]
+
+
+def _gone(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("sig, code, finish", [(signal.SIGTERM, 0, "abort"), (signal.SIGINT, 130, None)])
+def test_a_signal_to_the_whole_process_group_stops_the_server_and_its_core(sig, code, finish):
+    """Ctrl-C in a terminal (SIGINT) and systemd's control-group stop (SIGTERM) signal every process of the group: the
+    engine core ignores them and the server stops it. SIGTERM drains (a running stream ends with ``abort`` after the
+    grace period, the server exits 0); SIGINT stops at once (exit 130, as kvserve documents). Before, the core died
+    of the signal: SIGTERM then ended the streams with an error and the server exited 1, and after SIGINT the server
+    hung for ever sending to the dead core."""
+    import os
+
+    proc, url = _server_in_its_own_group({"SHUTDOWN_GRACE_SECONDS": "2"})
+    out: dict = {}
+    try:
+        [core] = _cores_of(proc.pid)
+        stream = threading.Thread(target=read_stream, args=(url, "/generate_stream", {
+            "inputs": "And God said", "parameters": {"max_new_tokens": 1000}, "stream": True}, out, "tgi"))
+        stream.start()
+        time.sleep(1.0)
+        os.killpg(proc.pid, sig)
+        stream.join(60)
+        assert proc.wait(30) == code, proc.stdout.read()[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    deadline = time.time() + 10
+    while not _gone(core) and time.time() < deadline:
+        time.sleep(0.2)
+    assert _gone(core)
+    if finish is not None:
+        last = json.loads(out["tgi"][-1])
+        assert last["details"]["finish_reason"] == finish and "error" not in last

@@ -28,7 +28,7 @@ from server.api.openai_schemas import (ChatChoice, ChatChunk, ChatChunkChoice, C
                                        Usage)
 from server.api.types import sse_schema
 from server.engine.sequence import FinishReason, TokenEvent
-from server.errors import NotReady
+from server.errors import GenerationFailed, NotReady
 from server.service import SHUTDOWN_FINISH_REASON, InvalidRequest
 
 router = APIRouter(prefix="/v1", tags=["OpenAI"])
@@ -75,7 +75,7 @@ def _check(events: list[TokenEvent], service) -> TokenEvent:
     if last is None or last.finish_reason == FinishReason.CANCELLED:
         raise InvalidRequest("client closed request")
     if last.finish_reason == FinishReason.ERROR:
-        raise RuntimeError(last.error or "generation failed")
+        raise GenerationFailed(last.error or "generation failed")
     return last
 
 

@@ -37,8 +37,8 @@ class _Sampling(RequestModel):
     max_completion_tokens: Int | None = Field(None, ge=0, description="Alias of `max_tokens` (wins when both).")
     temperature: float | None = Field(None, ge=0.0, le=2.0, description="Default 1.0; 0 means greedy.")
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: Int | None = Field(None, ge=-1, description="vLLM extension: keep the k most likely tokens; 0 or -1 "
-                              "disables.")
+    top_k: Int | None = Field(None, ge=-1, le=2**63 - 1, description="vLLM extension: keep the k most likely "
+                              "tokens; 0 or -1 disables.")
     n: Int = Field(1, ge=1, le=MAX_CHOICES, description="Choices per prompt.")
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -49,7 +49,8 @@ class _Sampling(RequestModel):
     repetition_penalty: float | None = Field(None, gt=0.0, description="vLLM extension (CTRL-style).")
     logit_bias: dict[str, float] | None = Field(None, description="token id (as a string) -> bias in [-100, 100]")
     ignore_eos: bool = Field(False, description="vLLM extension: never stop at end-of-text.")
-    min_tokens: Int = Field(0, ge=0, description="vLLM extension: end-of-text is masked until this many tokens.")
+    min_tokens: Int = Field(0, ge=0, le=2**63 - 1, description="vLLM extension: end-of-text is masked until this "
+                            "many tokens.")
     user: str | None = Field(None, description="End-user id (informational only, as in OpenAI).")
     kv_backend: str | None = Field(None, min_length=1, description="KV backend for this request (one of KV_BACKENDS).")
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS, description=CACHE_SALT)

@@ -33,7 +33,7 @@ from server.api.request_model import RequestModel
 from server.api.types import KV_COMPRESSED_FRACTION, Int, drop_unset_extensions, sse_schema
 from server.api.validation import refuse_unimplemented
 from server.engine.sequence import FinishReason
-from server.errors import NotReady
+from server.errors import GenerationFailed, NotReady
 from server.service import MAX_CACHE_SALT_CHARS, InvalidRequest, utf8_error
 
 router = APIRouter(prefix="/v1", tags=["OpenAI"])
@@ -244,7 +244,7 @@ async def responses(body: ResponsesRequest, request: Request):
         if last.finish_reason == FinishReason.CANCELLED:
             raise InvalidRequest("client closed request")
         if last.finish_reason == FinishReason.ERROR:
-            raise RuntimeError(last.error or "generation failed")
+            raise GenerationFailed(last.error or "generation failed")
 
     if not body.stream:
         (events,) = await collect_all(started)

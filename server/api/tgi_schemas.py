@@ -24,7 +24,7 @@ class TGIParameters(RequestModel):
                                        "MAX_TOTAL_TOKENS - prompt tokens).")
     temperature: float | None = Field(None, ge=0.0, description="0 means greedy.")
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: Int | None = Field(None, ge=0, description="0 disables.")
+    top_k: Int | None = Field(None, ge=0, le=2**63 - 1, description="0 disables.")
     typical_p: float | None = Field(None, gt=0.0, le=1.0, description="Locally typical sampling; 1 disables.")
     do_sample: bool = Field(False, description="Sampling is also on whenever temperature != 1, top_k > 0, "
                             "top_p < 1 or typical_p < 1 (TGI's rule); temperature 0 is greedy.")

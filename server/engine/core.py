@@ -50,6 +50,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -377,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parent = int(os.environ.get(m.PARENT_ENV, os.getppid()))
     watch_parent(parent)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # the server drains, then sends Drain (or is gone: watch_parent)
+        signal.signal(sig, signal.SIG_IGN)
     ctx = zmq.Context()
     inbox, outbox = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     inbox.connect(in_addr)

@@ -16,6 +16,7 @@ The HTTP side's ``Sequence`` objects are its own: the core holds others; only me
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import shutil
 import tempfile
@@ -123,8 +124,10 @@ class CoreClient:
         self._rx = self._ctx.socket(zmq.PULL)
         for sock in (self._tx, self._rx):
             sock.setsockopt(zmq.LINGER, 0)  # never block the exit on messages a dead core will not read
+        self._tx.setsockopt(zmq.SNDHWM, 0)  # no limit while the core reads: a send waits only for a missing core
         self._tx.bind(self._in_addr)
         self._rx.bind(self._out_addr)
+        atexit.register(self._at_exit)
 
     # ---- start-up -------------------------------------------------------------------------------
     def start(self, timeout: float = READY_TIMEOUT_S, on_stage=lambda stage: None) -> m.Ready:
@@ -216,9 +219,13 @@ class CoreClient:
         self.wake()
 
     def _send(self, msg: m.CoreInput) -> None:
-        """Send ``msg`` to the core (the caller holds ``self._lock``); nothing once the sockets are closed."""
+        """Send ``msg`` to the core (the caller holds ``self._lock``); nothing once the sockets are closed, or when
+        no core is connected (it died: a send would wait for ever; the reader reports its death)."""
         if not self._closed:
-            self._tx.send(m.encode(msg))
+            try:
+                self._tx.send(m.encode(msg), zmq.NOBLOCK)
+            except zmq.Again:
+                log.warning("the engine core is not connected: %s not sent", type(msg).__name__)
 
     def wake(self) -> None:
         """Send an ``Abort`` for every sequence cancelled since the last call (the core frees their KV at its next
@@ -263,6 +270,15 @@ class CoreClient:
         self._rx.close()
         if not self._left_running:  # a core thread left running still holds its sockets in this context
             self._ctx.term()
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+    def _at_exit(self) -> None:
+        """At this process's exit without :meth:`stop` (a port already taken, an error before the server ran): end a
+        core process still running (it would end with this process within a second all the same) and remove the
+        sockets' folder."""
+        if isinstance(self.host, CoreProcess) and self.host.ended() is None:
+            self.host.kill(5.0)
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
 

@@ -34,7 +34,11 @@ class CoreProcess:
 
     def __init__(self, settings, in_addr: str, out_addr: str):
         env = {**os.environ, m.SETTINGS_ENV: settings.model_dump_json(), m.PARENT_ENV: str(os.getpid())}
-        self.proc = subprocess.Popen([sys.executable, "-m", "server.engine.core", in_addr, out_addr], env=env)
+        # a session of its own: a terminal's Ctrl-C (SIGINT to the foreground process group) reaches the server,
+        # which drains and then ends the core; the core ignores SIGINT and SIGTERM sent to it all the same
+        # (systemd's control-group kill), and ends with its server (server.engine.core.main)
+        self.proc = subprocess.Popen([sys.executable, "-m", "server.engine.core", in_addr, out_addr], env=env,
+                                     start_new_session=True)
 
     def ended(self) -> str | None:
         """``None`` while the process runs; once it has exited, why, in one line."""

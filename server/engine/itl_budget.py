@@ -52,11 +52,13 @@ class ChunkBudget:
 
     def tokens(self, decoding: int, budget: int | None) -> int | None:
         """Prefill tokens for a step beside ``decoding`` decode tokens, within the configured ``budget`` (``None``:
-        whole prompts): the tokens that cost ``ratio - 1`` decode steps, at least :data:`MIN_ITL_CHUNK`; the
-        configured budget when it is ``None`` (whole prompts), nothing decodes, no ratio is set, or nothing is measured
-        yet."""
-        if budget is None or not (self.ratio and decoding and self.decode_s and self.token_s):
+        whole prompts): the tokens that cost ``ratio - 1`` decode steps, at least :data:`MIN_ITL_CHUNK` (and that many
+        until both costs are measured: the first chunk beside decoding sequences is small, and measures); the
+        configured budget when it is ``None`` (whole prompts), nothing decodes, or no ratio is set."""
+        if budget is None or not (self.ratio and decoding):
             return budget
+        if not (self.decode_s and self.token_s):  # not measured yet: a block, whose step measures a prefilled token
+            return min(budget, MIN_ITL_CHUNK)
         return min(budget, max(MIN_ITL_CHUNK, round((self.ratio - 1) * self.decode_s / self.token_s)))
 
     def _mix(self, old: float | None, new: float) -> float:
