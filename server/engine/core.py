@@ -310,6 +310,10 @@ def load_core(settings, progress=lambda stage: None) -> tuple[Engine, m.Ready]:
     progress(PRICING)
     backends, quality = prepare_backends(s, names, model, tokenizer, geometry, cache)
     max_input, max_total = s.token_limits(model.config.max_position_embeddings)
+    if max_total > model.config.max_position_embeddings:  # served (RoPE tables grow), as vLLM's opt-in long length
+        log.warning("MAX_TOTAL_TOKENS=%d is more than the model's max_position_embeddings (%d): positions past it were "
+                    "not trained, and the model's answers there may be poor", max_total,
+                    model.config.max_position_embeddings)
     eos_ids = eos_token_ids(model, tokenizer)
     engine = build_engine(model, tokenizer, backends, eos_ids, **engine_options(s, max_total))
     info = engine_info(s, dtype, device, backends, quality, cache, geometry, max_total, engine.kv.info())
