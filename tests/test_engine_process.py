@@ -281,3 +281,14 @@ def test_a_core_whose_server_is_gone_exits():
     code = "from server.engine.core import watch_parent; import time; watch_parent(1 << 22); time.sleep(60)"
     proc = subprocess.run([sys.executable, "-c", code], timeout=30, capture_output=True, text=True)
     assert proc.returncode == 1 and "the engine core exits" in proc.stderr
+
+
+def test_a_total_length_past_the_models_positions_is_served_with_a_warning(caplog):
+    from server.config import Settings
+    from server.engine.core import load_core
+    from tests.conftest import MODEL_DIR
+
+    engine, ready = load_core(Settings(model_id=str(MODEL_DIR), kv_backends="full", max_total_tokens=2048,
+                                       log_level="warning"))
+    assert any("MAX_TOTAL_TOKENS=2048 is more than the model's max_position_embeddings (1024)" in r.getMessage()
+               for r in caplog.records if r.levelname == "WARNING")
