@@ -9,9 +9,8 @@ STAMP  := $(VENV)/.kvserve-installed
 # Where torch comes from when set (e.g. https://download.pytorch.org/whl/cpu: the CPU-only build; PyPI's Linux
 # torch is the CUDA build): torch alone is installed from it first, pinned by constraints.txt, as in the Dockerfile.
 TORCH_INDEX_URL ?=
-# torch's idle OpenMP threads sleep instead of spinning: on a shared CPU spinning threads made decoding 5-50x
-# slower beside one busy process (README, Configuration: TORCH_NUM_THREADS)
-export OMP_WAIT_POLICY ?= PASSIVE
+# Thread settings: `kvserve` sets its own (idle OpenMP threads sleep: docs/configuration.md, TORCH_NUM_THREADS), the
+# tests theirs (tests/conftest.py); the benchmarks run each peer with its own (docs/benchmarks.md).
 
 .PHONY: install install-test serve test browser real-model docs docs-serve test-gpu bench bench-quick bench-serving bench-budget bench-prefix bench-mla-routes bench-dca load-test clean
 
