@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 
 
@@ -35,16 +36,19 @@ def serve(args: argparse.Namespace) -> int:
     http = bounded_h11(settings.request_head_timeout, settings.max_connections)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level, http=http,
                             h11_max_incomplete_event_size=settings.max_header_bytes, timeout_graceful_shutdown=5)
+    server = DrainingServer(config, app.state.kvserve, settings.shutdown_grace_seconds)
     try:
-        DrainingServer(config, app.state.kvserve, settings.shutdown_grace_seconds).run()
-    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it stopped on; a failed load sends one itself
-        if not app.state.kvserve.load_error:
-            return 130  # Ctrl-C: uvicorn has already said "Finished server process"; no traceback (as vLLM)
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it stopped on (when SIGINT was not ignored at start)
+        pass
     error = app.state.kvserve.load_error
-    if error:  # the server stopped because it could never serve: say why, in one line, and fail
+    if error:  # the server stopped because it could never serve (a failed load sends SIGINT): say why, and fail
         print(f"kvserve: cannot serve: {error}", file=sys.stderr)
         return 1
-    return 0
+    # Ctrl-C: 130 (uvicorn has already said "Finished server process"; no traceback, as vLLM). Read from the signals
+    # uvicorn caught, not from its re-raise: a server started with SIGINT ignored (a background job of a
+    # non-interactive shell, as CI runs) gets no KeyboardInterrupt, and exited 0 after a SIGINT.
+    return 130 if signal.SIGINT in server.stop_signals else 0
 
 
 def check_host(host: str, port: int) -> None:

@@ -38,12 +38,15 @@ class DrainingServer(uvicorn.Server):
         self.state = state
         self.grace_seconds = grace_seconds
         self.drainer: threading.Thread | None = None
+        self.stop_signals: list[int] = []
+        """The signals that stopped (or force-stopped) this server, in order; not the first SIGTERM, which drains."""
 
     def handle_exit(self, sig: int, frame) -> None:
         if sig == signal.SIGTERM and self.drainer is None and self.state.service is not None:
             self.drainer = threading.Thread(target=self.drain, name="kvserve-drain", daemon=True)
             self.drainer.start()
             return
+        self.stop_signals.append(sig)
         super().handle_exit(sig, frame)
 
     def drain(self) -> None:

@@ -80,9 +80,10 @@ def test_sigterm_drains_then_ends_streams_with_a_finish_reason(engine_process):
     assert out["ui"].status_code == 503 and out["ui"].json()["error_type"] == "unhealthy", out["ui"].text
 
 
-def _server_in_its_own_group(env: dict[str, str]) -> tuple:
+def _server_in_its_own_group(env: dict[str, str], sigint_ignored: bool = False) -> tuple:
     """A real ``kvserve serve`` (the engine core in its own process, the default) as the leader of a process group of
-    its own, as a shell starts it in a terminal: ``(process, url)`` once healthy."""
+    its own, as a shell starts it in a terminal: ``(process, url)`` once healthy. ``sigint_ignored``: started with
+    SIGINT ignored, as a non-interactive shell starts a background job (``kvserve serve &`` in a script, CI)."""
     import os
     import subprocess
     import sys
@@ -92,8 +93,9 @@ def _server_in_its_own_group(env: dict[str, str]) -> tuple:
     port = free_port()
     full = {**os.environ, "HOST": "127.0.0.1", "PORT": str(port), "MODEL_ID": str(MODEL_DIR), "LOG_LEVEL": "warning",
             "KV_BACKENDS": "full", "ENGINE_PROCESS": "true", **env}
+    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None
     proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve"], env=full, cwd=REPO, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=ignore)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 300
     while time.time() < deadline:
@@ -124,8 +126,9 @@ def _gone(pid: int) -> bool:
     return False
 
 
-@pytest.mark.parametrize("sig, code, finish", [(signal.SIGTERM, 0, "abort"), (signal.SIGINT, 130, None)])
-def test_a_signal_to_the_whole_process_group_stops_the_server_and_its_core(sig, code, finish):
+@pytest.mark.parametrize("sig, code, finish, sigint_ignored", [
+    (signal.SIGTERM, 0, "abort", False), (signal.SIGINT, 130, None, False), (signal.SIGINT, 130, None, True)])
+def test_a_signal_to_the_whole_process_group_stops_the_server_and_its_core(sig, code, finish, sigint_ignored):
     """Ctrl-C in a terminal (SIGINT) and systemd's control-group stop (SIGTERM) signal every process of the group: the
     engine core ignores them and the server stops it. SIGTERM drains (a running stream ends with ``abort`` after the
     grace period, the server exits 0); SIGINT stops at once (exit 130, as kvserve documents). Before, the core died
@@ -133,7 +136,7 @@ def test_a_signal_to_the_whole_process_group_stops_the_server_and_its_core(sig, 
     hung for ever sending to the dead core."""
     import os
 
-    proc, url = _server_in_its_own_group({"SHUTDOWN_GRACE_SECONDS": "2"})
+    proc, url = _server_in_its_own_group({"SHUTDOWN_GRACE_SECONDS": "2"}, sigint_ignored)
     out: dict = {}
     try:
         [core] = _cores_of(proc.pid)
