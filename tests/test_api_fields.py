@@ -324,6 +324,9 @@ def oa_chat_messages(srv, tok):
     assert text(chat(srv, messages=[{"role": "user", "content": "In the beginning"}])) != text(chat(srv))
     refused(srv, "/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages[0].content[0].type", 400)
+    for part in ({"type": "text"}, {"type": "text", "text": None}):  # OpenAI's schema requires a text part's text
+        refused(srv, "/v1/chat/completions", {"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "Hi"}, part]}]}, "messages[0].content[1].text", 400)
 
 
 def oa_chat_logprobs(srv, tok):

@@ -99,7 +99,8 @@ def test_responses_api_text_in_text_out(server):
 
 @pytest.mark.parametrize("field,value", [("tools", [{"type": "function", "name": "f"}]), ("previous_response_id", "r"),
                                          ("reasoning", {"effort": "low"}), ("include", ["x"]),
-                                         ("input", [{"type": "function_call_output", "call_id": "c", "output": "o"}])])
+                                         ("input", [{"type": "function_call_output", "call_id": "c", "output": "o"}]),
+                                         ("input", [{"role": "user", "content": [{"type": "input_text"}]}])])
 def test_responses_api_refuses_what_it_does_not_serve(server, field, value):
     body = {"input": "Who made light?", field: value}
     r = httpx.post(server.url + "/v1/responses", json=body, timeout=60)

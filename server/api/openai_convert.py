@@ -134,16 +134,20 @@ def completion_requests(body: CompletionRequest, service: GenerationService
 
 
 def check_parts(messages: list[ChatMessage], field: str = "messages") -> None:
-    """Refuse content parts other than text, naming the part.
+    """Refuse content parts other than text, and text parts without their text, naming the part.
 
     Raises:
-        InvalidRequest: ``messages[i].content[j].type`` not ``text``.
+        InvalidRequest: ``messages[i].content[j].type`` not ``text``, or its ``text`` missing or null (required
+            in OpenAI's schema).
     """
     for i, m in enumerate(messages):
         for j, part in enumerate(m.content if isinstance(m.content, list) else []):
             if part.type != "text":
                 raise InvalidRequest(f"`{field}[{i}].content[{j}].type` {part.type!r} is not supported; only "
                                      "'text'", f"{field}[{i}].content[{j}].type")
+            if part.text is None:
+                raise InvalidRequest(f"`{field}[{i}].content[{j}].text` is required in a 'text' part",
+                                     f"{field}[{i}].content[{j}].text")
 
 
 def chat_prompt(tokenizer, body: ChatRequest | list[ChatMessage], add_generation_prompt: bool = True

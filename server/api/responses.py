@@ -196,6 +196,9 @@ def _messages(body: ResponsesRequest) -> list[dict]:
                 if part.type not in ("input_text", "output_text"):
                     raise InvalidRequest(f"`input[{i}].content[{j}].type` {part.type!r} is not supported; only "
                                          "'input_text' and 'output_text'", f"input[{i}].content[{j}].type")
+                if part.text is None:
+                    raise InvalidRequest(f"`input[{i}].content[{j}].text` is required in an {part.type!r} part",
+                                         f"input[{i}].content[{j}].text")
             content = "".join(part.text or "" for part in content)
         if (err := utf8_error(content, f"input[{i}].content")) is not None:
             raise err
