@@ -40,6 +40,8 @@ def check_backend(settings, model_source: str = "MODEL_ID") -> None:
     from server.engine_loading import create_backends
 
     check_model_folder(settings.model_id, model_source)
+    if settings.kv_calibration_file is not None and not Path(settings.kv_calibration_file).expanduser().is_file():
+        raise ConfigError(f"invalid KV_CALIBRATION_FILE={settings.kv_calibration_file!r}: no such file")
     try:
         config = AutoConfig.from_pretrained(settings.model_id)
     except Exception as exc:  # noqa: BLE001 - any failure to read the config is a bad MODEL_ID
@@ -47,6 +49,27 @@ def check_backend(settings, model_source: str = "MODEL_ID") -> None:
     dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(settings.dtype, torch.float32)
     geometry = ModelGeometry.from_config(config, dtype)
     try:
-        create_backends(settings, geometry)
+        backends = create_backends(settings, geometry)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    if settings.kv_cache_budget_bytes is not None:
+        check_budget(backends, dtype, settings.kv_block_size, settings.kv_cache_budget_bytes)
+
+
+def check_budget(backends: dict, dtype, block_size: int, budget_bytes: int) -> None:
+    """Refuse a ``KV_CACHE_BUDGET_BYTES`` that holds fewer than two KV pages (the engine's own check, made before
+    the weights load so that it exits 2 as every other setting does, not 1 after the load).
+
+    Raises:
+        ConfigError: naming ``KV_CACHE_BUDGET_BYTES``, the page's bytes and the least budget that serves.
+    """
+    from server.config import ConfigError
+    from server.engine.kv_cache import page_layouts
+
+    try:
+        page_bytes, _ = page_layouts(backends, dtype, block_size)
+    except Exception:  # noqa: BLE001 - a backend that knows its layout only once loaded: the engine checks then
+        return
+    if budget_bytes // page_bytes < 2:
+        raise ConfigError(f"KV_CACHE_BUDGET_BYTES={budget_bytes} holds fewer than 2 KV blocks of {page_bytes} bytes "
+                          f"(at least {2 * page_bytes} for the served backends)")

@@ -11,14 +11,30 @@ from tests.conftest import MODEL_DIR, free_port
 
 
 def test_backend_that_cannot_calibrate_exits_1_with_one_line(tmp_path):
+    (tmp_path / "empty.txt").write_text("")
     env = {**os.environ, "MODEL_ID": str(MODEL_DIR), "KV_BACKEND": "gqa", "PORT": str(free_port()),
-           "LOG_LEVEL": "error", "KV_CALIBRATION_FILE": str(tmp_path / "missing.txt")}
+           "LOG_LEVEL": "error", "KV_CALIBRATION_FILE": str(tmp_path / "empty.txt"), "KV_CALIBRATION_CACHE_DIR": ""}
     proc = subprocess.run([sys.executable, "-m", "server.cli", "serve"], env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 1, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("kvserve: cannot serve: model failed to load:") and "missing.txt" in last, last
+    assert last.startswith("kvserve: cannot serve: model failed to load:") and "empty.txt" in last, last
     assert last.count("model failed to load") == 1, last  # the engine core's message, not wrapped twice
+
+
+def test_settings_found_wrong_before_the_load_exit_2_with_one_line(tmp_path):
+    """A missing KV_CALIBRATION_FILE and a KV_CACHE_BUDGET_BYTES under two KV pages are known from the settings and
+    the model's config: exit 2 before the weights load, one line and no traceback, as every other bad setting
+    (before: exit 1 after the load, a missing file with two tracebacks)."""
+    for extra, said in [({"KV_BACKEND": "gqa", "KV_CALIBRATION_FILE": str(tmp_path / "missing.txt")},
+                         f"invalid KV_CALIBRATION_FILE={str(tmp_path / 'missing.txt')!r}: no such file"),
+                        ({"KV_CACHE_BUDGET_BYTES": "600000"}, "KV_CACHE_BUDGET_BYTES=600000 holds fewer than 2 KV")]:
+        env = {**os.environ, "MODEL_ID": str(MODEL_DIR), "PORT": str(free_port()), **extra}
+        proc = subprocess.run([sys.executable, "-m", "server.cli", "serve"], env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert "Traceback" not in proc.stderr and "Loading weights" not in proc.stderr, proc.stderr[-2000:]
+        assert said in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
 
 
 def test_model_folder_without_calibration_slice_calibrates_on_the_packaged_text(tmp_path, ref_model):
@@ -48,16 +64,6 @@ def test_model_folder_without_calibration_slice_calibrates_on_the_packaged_text(
     jsonl.write_text("\n".join(json.dumps({"text": t}) for t in ["And God said", "Let there be light"]))
     assert calibration_ids(model, tok, path=jsonl) == tok.encode("And God said") + [tok.eos_token_id] + \
         tok.encode("Let there be light") + [tok.eos_token_id]
-
-
-def test_a_kv_budget_under_two_blocks_exits_1_with_no_traceback():
-    """A setting the model cannot take (found only once the page size is known) is one line, not a traceback."""
-    env = {**os.environ, "MODEL_ID": str(MODEL_DIR), "PORT": str(free_port()), "KV_CACHE_BUDGET_BYTES": "600000"}
-    proc = subprocess.run([sys.executable, "-m", "server.cli", "serve"], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 1, proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert "KV_CACHE_BUDGET_BYTES=600000 holds fewer than 2 KV blocks" in proc.stderr.strip().splitlines()[-1]
 
 
 def test_health_says_when_the_model_is_loaded_and_the_backends_are_being_priced(held_pricing):
