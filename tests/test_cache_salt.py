@@ -145,17 +145,23 @@ def test_a_salt_for_a_backend_that_is_never_cached_is_taken():
     assert seq.cache_salt == SALT and seq.backend_name == "dca"
 
 
-@pytest.mark.parametrize("route", ROUTES)
-def test_server_without_prefix_cache_refuses_a_salt(route):
-    make, code = ROUTES[route]
+@pytest.fixture(scope="module")
+def uncached():
+    """An in-process server with KV_PREFIX_CACHING off (one for every route below)."""
     with TestClient(_app(kv_prefix_caching=False)) as c:
-        r = c.post(route, json=make(SALT))
-        assert r.status_code == code, r.text
-        err = r.json()["error"]
-        assert "cache_salt" in (err if isinstance(err, str) else err["message"])
-        body = make(SALT)
-        (body["parameters"] if "parameters" in body else body).pop("cache_salt")
-        assert _post(c, route, body)[0] == 200
+        yield c
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_server_without_prefix_cache_refuses_a_salt(route, uncached):
+    make, code = ROUTES[route]
+    r = uncached.post(route, json=make(SALT))
+    assert r.status_code == code, r.text
+    err = r.json()["error"]
+    assert "cache_salt" in (err if isinstance(err, str) else err["message"])
+    body = make(SALT)
+    (body["parameters"] if "parameters" in body else body).pop("cache_salt")
+    assert _post(uncached, route, body)[0] == 200
 
 
 def test_usage_reports_cached_prompt_tokens():

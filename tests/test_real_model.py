@@ -191,7 +191,7 @@ def test_gqa_on_the_mha_twin_finds_the_models_own_head_sharing(twin):
 def test_a_backend_that_saves_nothing_says_so(real, calib):
     model, _ = real
     geometry = ModelGeometry.from_config(model.config, torch.float32)
-    scorer = Scorer(model, geometry, calib, windows=2, window=256, prefix=128)  # dca is scored by decode steps
+    scorer = Scorer(model, geometry, calib, windows=1, window=192, prefix=128)  # dca is scored by decode steps: 64
     backend, choice = choose("dca", geometry, {}, set(), model, calib, None, scorer, BUDGET)
     assert choice.saves_nothing and "saves nothing" in choice.message
     assert choice.as_dict()["saves_nothing"] is True

@@ -211,7 +211,7 @@ def test_generate_counts_against_max_concurrent_requests(single):
     page = {}
 
     def page_run():  # retried while one of the probes below holds the one slot
-        while (r := _generate(single, kv_backend="full", max_new_tokens=1000)).status_code == 429:
+        while (r := _generate(single, kv_backend="full", max_new_tokens=300)).status_code == 429:
             time.sleep(0.05)
         page["r"] = r
 
