@@ -52,24 +52,24 @@ def check_backend(settings, model_source: str = "MODEL_ID") -> None:
         backends = create_backends(settings, geometry)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    if settings.kv_cache_budget_bytes is not None:
+    if settings.kv_cache_budget_bytes is not None:  # the engine's own check, before the weights load (exit 2)
         check_budget(backends, dtype, settings.kv_block_size, settings.kv_cache_budget_bytes)
 
 
 def check_budget(backends: dict, dtype, block_size: int, budget_bytes: int) -> None:
-    """Refuse a ``KV_CACHE_BUDGET_BYTES`` that holds fewer than two KV pages (the engine's own check, made before
-    the weights load so that it exits 2 as every other setting does, not 1 after the load).
+    """Refuse a ``KV_CACHE_BUDGET_BYTES`` that holds fewer than two KV pages of ``backends``
+    (:func:`server.engine.setup.pages_in_budget`), from the model's config alone.
 
     Raises:
         ConfigError: naming ``KV_CACHE_BUDGET_BYTES``, the page's bytes and the least budget that serves.
     """
     from server.config import ConfigError
     from server.engine.kv_cache import page_layouts
+    from server.engine.setup import pages_in_budget
 
     try:
-        page_bytes, _ = page_layouts(backends, dtype, block_size)
-    except Exception:  # noqa: BLE001 - a backend that knows its layout only once loaded: the engine checks then
+        pages_in_budget(budget_bytes, page_layouts(backends, dtype, block_size)[0])
+    except RuntimeError:  # dca knows its layout only once calibrated: the engine checks the budget then
         return
-    if budget_bytes // page_bytes < 2:
-        raise ConfigError(f"KV_CACHE_BUDGET_BYTES={budget_bytes} holds fewer than 2 KV blocks of {page_bytes} bytes "
-                          f"(at least {2 * page_bytes} for the served backends)")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None

@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.serving import child_pids
 from tests.conftest import MODEL_DIR, RunningServer, server_with
 
 ENV = {"KV_BACKENDS": "full", "MAX_BATCH_SIZE": "4"}
@@ -75,20 +76,16 @@ def test_stop_sequence_the_same_in_both(thread, process):
     assert without_times(a) == without_times(b)
 
 
-def children(pid: int) -> list[int]:
-    return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-
-
 def test_the_default_runs_the_engine_core_in_a_process_of_its_own(thread, process):
-    (core_pid,) = children(process.proc.pid)
+    (core_pid,) = child_pids(process.proc.pid)
     assert Path(f"/proc/{core_pid}/cmdline").read_bytes().split(b"\0")[1:3] == [b"-m", b"server.engine.core"]
-    assert children(thread.proc.pid) == []  # ENGINE_PROCESS=false: the same core in a thread
+    assert child_pids(thread.proc.pid) == []  # ENGINE_PROCESS=false: the same core in a thread
 
 
 def test_zz_the_core_dying_ends_the_stream_with_an_error_and_the_server_exits_1():
     srv = RunningServer({**ENV, "ENGINE_PROCESS": "true"})
     try:
-        (core_pid,) = children(srv.proc.pid)
+        (core_pid,) = child_pids(srv.proc.pid)
         body = {"inputs": "In the beginning", "parameters": {"max_new_tokens": 900}}
         events = []
         with httpx.stream("POST", srv.url + "/generate_stream", json=body, timeout=60) as r:

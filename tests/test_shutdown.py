@@ -11,6 +11,7 @@ import time
 import httpx
 import pytest
 
+from bench.serving import child_pids
 from tests.conftest import RunningServer
 
 GRACE = 4.0
@@ -110,12 +111,6 @@ def _server_in_its_own_group(env: dict[str, str], sigint_ignored: bool = False) 
     raise AssertionError("server did not become healthy")
 
 
-def _cores_of(pid: int) -> list[int]:
-    from pathlib import Path
-
-    return [int(c) for task in Path(f"/proc/{pid}/task").glob("*") for c in (task / "children").read_text().split()]
-
-
 def _gone(pid: int) -> bool:
     import os
 
@@ -139,7 +134,7 @@ def test_a_signal_to_the_whole_process_group_stops_the_server_and_its_core(sig, 
     proc, url = _server_in_its_own_group({"SHUTDOWN_GRACE_SECONDS": "2"}, sigint_ignored)
     out: dict = {}
     try:
-        [core] = _cores_of(proc.pid)
+        [core] = child_pids(proc.pid)
         stream = threading.Thread(target=read_stream, args=(url, "/generate_stream", {
             "inputs": "And God said", "parameters": {"max_new_tokens": 1000}, "stream": True}, out, "tgi"))
         stream.start()

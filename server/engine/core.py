@@ -14,7 +14,7 @@ Design (issue 30):
   engine: the HTTP side's request state (its :class:`~server.engine.sequence.Sequence` objects) and the core's are
   different objects, and nothing mutable is shared between them.
 * **Where it runs** (``ENGINE_PROCESS``). ``true``, the default: ``python -m server.engine.core`` (:func:`main`),
-  over ``ipc://`` sockets; it exits when its parent process is gone (looked at before every step). ``false``: the
+  over ``ipc://`` sockets; it exits when its parent process is gone (:func:`watch_parent`). ``false``: the
   same :func:`load_and_serve` in a thread of the HTTP process, over ``inproc://`` sockets of the client's ZMQ
   context. :class:`server.engine.core_client.CoreClient` starts either.
 * **Who decides what.** EOS and ``max_new_tokens`` are decided here; so is everything of a step: the scheduler
@@ -246,14 +246,13 @@ class EngineCore:
             log.exception("engine step failed")
         return self.take_output()
 
-    def serve(self, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int | None = None) -> int:
-        """Run until drained (0) or the parent process ``parent_pid`` is gone (1): read every waiting input,
-        answer the adds, step, send the step's output.
+    def serve(self, inbox: zmq.Socket, outbox: zmq.Socket) -> int:
+        """Run until drained (0): read every waiting input, answer the adds, step, send the step's output. (A core
+        process whose server is gone is ended by :func:`watch_parent`.)
 
         Args:
             inbox: a PULL socket of encoded :data:`~server.engine.messages.CoreInput`.
             outbox: a PUSH socket for the encoded outputs.
-            parent_pid: the HTTP process; ``None``: do not watch it.
         """
         import torch
 
@@ -264,9 +263,6 @@ class EngineCore:
         poller.register(inbox, zmq.POLLIN)
         busy = False
         while True:
-            if parent_pid is not None and os.getppid() != parent_pid:  # every step: a send to nobody blocks at last
-                log.error("the server process is gone; the engine core exits")
-                return 1
             if self.idle:
                 if busy:
                     malloc_tuning.trim()
@@ -321,15 +317,14 @@ def load_core(settings, progress=lambda stage: None) -> tuple[Engine, m.Ready]:
                            json.loads(model.config.to_json_string(use_diff=False)))
 
 
-def load_and_serve(settings, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int | None = None) -> int:
+def load_and_serve(settings, inbox: zmq.Socket, outbox: zmq.Socket) -> int:
     """Load the engine (each :class:`~server.engine.messages.Loading` stage sent on ``outbox``), send ``Ready``
-    (or ``Failed``: then 1), and serve (:meth:`EngineCore.serve`) until drained (0) or ``parent_pid`` is gone (1).
+    (or ``Failed``: then 1), and serve (:meth:`EngineCore.serve`) until drained (0).
 
     Args:
         settings: the server's :class:`~server.config.Settings`.
         inbox: a connected PULL socket of encoded :data:`~server.engine.messages.CoreInput`.
         outbox: a connected PUSH socket for the encoded outputs.
-        parent_pid: the HTTP process to watch (the core's own process); ``None``: none (a thread of it).
 
     Raises:
         whatever escapes the loop (a step that raises is logged, not raised).
@@ -344,7 +339,7 @@ def load_and_serve(settings, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: 
         return 1
     outbox.send(m.encode(ready))
     started = time.perf_counter()
-    code = EngineCore(engine).serve(inbox, outbox, parent_pid)
+    code = EngineCore(engine).serve(inbox, outbox)
     log.info("engine core ends after %.0f s", time.perf_counter() - started)
     return code
 
@@ -355,8 +350,8 @@ PARENT_POLL_S = 0.5
 
 def watch_parent(parent_pid: int) -> threading.Thread:
     """End this process (status 1) once ``parent_pid`` is no longer its parent: the server process is gone, while the
-    core is still loading and pricing (minutes) or at any later time. A daemon thread; the serve loop also looks
-    before every step, and ends cleanly."""
+    core is still loading and pricing (minutes) or at any later time (a send to nobody would block at last). A
+    daemon thread, started before the load; nothing in the step loop looks."""
 
     def watch() -> None:
         while os.getppid() == parent_pid:
@@ -380,8 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = Settings.model_validate_json(os.environ[m.SETTINGS_ENV])
     keep_step_memory()  # the engine steps on this process's main thread: glibc's thresholds fixed (malloc_tuning)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    parent = int(os.environ.get(m.PARENT_ENV, os.getppid()))
-    watch_parent(parent)
+    watch_parent(int(os.environ.get(m.PARENT_ENV, os.getppid())))
     for sig in (signal.SIGINT, signal.SIGTERM):  # the server drains, then sends Drain (or is gone: watch_parent)
         signal.signal(sig, signal.SIG_IGN)
     ctx = zmq.Context()
@@ -390,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     outbox.connect(out_addr)
     outbox.setsockopt(zmq.LINGER, 2000)
     try:
-        return load_and_serve(settings, inbox, outbox, parent)
+        return load_and_serve(settings, inbox, outbox)
     finally:
         outbox.close()
         inbox.close(0)

@@ -253,6 +253,7 @@ class CoreClient:
             if self._shut:
                 return
             self._shut = True
+        atexit.unregister(self._at_exit)  # stopped: nothing left for the exit to do (and the client is not kept)
         if self.host is not None and self.host.ended() is None:
             with self._lock:
                 ids = list(self._live)

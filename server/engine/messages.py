@@ -19,9 +19,9 @@ import msgspec
 
 
 SETTINGS_ENV = "KVSERVE_CORE_SETTINGS"
+"""The environment variable that carries the server's settings (JSON) to a core process."""
 PARENT_ENV = "KVSERVE_CORE_PARENT"
 """The environment variable that names the server process (its pid) the engine core process serves."""
-"""The environment variable that carries the server's settings (JSON) to a core process."""
 
 
 class Sampling(msgspec.Struct, frozen=True):

@@ -39,6 +39,19 @@ def default_budget(backends: dict[str, KVBackend], layouts: dict, page_bytes: in
     return int(min(need, MEMORY_FRACTION * free_memory_bytes(device)))
 
 
+def pages_in_budget(budget_bytes: int, page_bytes: int) -> int:
+    """The KV pages ``budget_bytes`` holds (pages of ``page_bytes`` bytes).
+
+    Raises:
+        ValueError: naming ``KV_CACHE_BUDGET_BYTES``, if it holds fewer than two pages (the null page and one).
+    """
+    num_pages = budget_bytes // page_bytes
+    if num_pages < 2:
+        raise ValueError(f"KV_CACHE_BUDGET_BYTES={budget_bytes} holds fewer than 2 KV blocks of {page_bytes} bytes "
+                         f"(at least {2 * page_bytes} for the served backends)")
+    return num_pages
+
+
 def build_engine(model, tokenizer, backends: dict[str, KVBackend], eos_token_ids: set[int], *, max_batch_size: int,
                  budget_bytes: int | None, max_total_tokens: int, block_size: int = DEFAULT_BLOCK_SIZE,
                  prefill_chunk_tokens: int | None = 256, max_concurrent_requests: int = 128,
@@ -56,9 +69,7 @@ def build_engine(model, tokenizer, backends: dict[str, KVBackend], eos_token_ids
     if budget_bytes is None:
         budget_bytes = default_budget(backends, layouts, page_bytes, max_batch_size, max_total_tokens,
                                       prefill_chunk_tokens, device)
-    num_pages = budget_bytes // page_bytes
-    if num_pages < 2:
-        raise ValueError(f"KV_CACHE_BUDGET_BYTES={budget_bytes} holds fewer than 2 KV blocks of {page_bytes} bytes")
+    num_pages = pages_in_budget(budget_bytes, page_bytes)
     num_layers = next(iter(backends.values())).geometry.num_layers
     pool = KVPool(num_pages, page_bytes, layouts, device)
     kv = KVCacheManager(backends, layouts, page_bytes, num_pages, prefill_chunk_tokens, prefix_caching)
