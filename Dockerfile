@@ -35,9 +35,16 @@ COPY README.md ./
 COPY server ./server
 COPY cache_backends ./cache_backends
 COPY bench ./bench
-# torch's C++ headers and test binaries serve only to compile extensions and test torch itself; the image
-# has no compiler, so they go (about 190 MB of the CPU wheel).
+# kvserve's attention kernel (cache_backends/kernels) is compiled here, with this stage's g++, into
+# /opt/kvserve/kernels, which the runtime stage loads without a compiler; if it cannot be built, the torch path
+# serves and /info's kv_attention says why. torch's C++ headers and test binaries serve only to compile
+# extensions and test torch itself; the runtime image has no compiler, so they go after the build (about 190 MB
+# of the CPU wheel).
+ENV KVSERVE_KERNELS_DIR=/opt/kvserve/kernels
 RUN pip install --no-deps . \
+ && { { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends g++ \
+        >/dev/null && python -m cache_backends.kernels build; } \
+      || echo "kvserve: the attention kernel was not built; the torch path will serve"; } \
  && T="$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/torch" \
  && rm -rf "$T/include" "$T/test" \
  && find "$T/bin" -maxdepth 1 -type f \( -name '*Test' -o -name 'test_*' -o -name 'protoc*' \) -delete \
@@ -45,7 +52,7 @@ RUN pip install --no-deps . \
 
 # ---- runtime stage: the venv and the model; no pip caches, no build tools, no sources ----
 FROM ${PYTHON_IMAGE}
-ENV PATH=/opt/kvserve/bin:$PATH PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 \
+ENV PATH=/opt/kvserve/bin:$PATH PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 KVSERVE_KERNELS_DIR=/opt/kvserve/kernels \
     HOST=0.0.0.0 PORT=8000 KV_BACKEND=full DEVICE=auto MODEL_ID=/app/models/kjv-llama-mha \
     KV_CALIBRATION_CACHE_DIR=/app/calibration
 RUN useradd --create-home --uid 10001 --user-group kvserve \

@@ -12,10 +12,18 @@ TORCH_INDEX_URL ?=
 # Thread settings: `kvserve` sets its own (idle OpenMP threads sleep: docs/configuration.md, TORCH_NUM_THREADS), the
 # tests theirs (tests/conftest.py); the benchmarks run each peer with its own (docs/benchmarks.md).
 
-.PHONY: install install-test serve test browser real-model docs docs-serve test-gpu bench bench-quick bench-serving bench-budget bench-prefix bench-mla-routes bench-dca load-test clean
+.PHONY: install install-test kernels serve test browser real-model docs docs-serve test-gpu bench bench-quick bench-serving bench-budget bench-prefix bench-mla-routes bench-dca load-test clean
+
+# kvserve's C++ attention kernel (cache_backends/kernels), compiled once per source and torch version into
+# ~/.cache/kvserve/kernels (KVSERVE_KERNELS_DIR) with the machine's g++; where it cannot build, the torch path serves
+# (KV_ATTENTION=auto) and the start-up log and /info say so. `make kernels` rebuilds it after an edit of csrc/.
+KERNELS = $(BIN)/python -m cache_backends.kernels build || echo "kvserve: the attention kernel did not build; the torch path will serve"
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
+
+kernels: $(RUNTIME_STAMP)
+	$(BIN)/python -m cache_backends.kernels build
 
 # Reinstall when the project's dependency files change. pip shows its progress (the first install downloads
 # torch and transformers: a few minutes).
@@ -23,12 +31,14 @@ $(RUNTIME_STAMP): $(BIN)/python pyproject.toml constraints.txt
 	@echo "installing kvserve and its runtime dependencies into $(VENV)"
 	$(if $(TORCH_INDEX_URL),$(BIN)/python -m pip install -c constraints.txt --index-url "$(TORCH_INDEX_URL)" torch)
 	$(BIN)/python -m pip install -c constraints.txt -e ".[real]"
+	$(KERNELS)
 	touch $(RUNTIME_STAMP)
 
 $(STAMP): $(BIN)/python pyproject.toml constraints.txt
 	@echo "installing kvserve with its test dependencies into $(VENV)"
 	$(if $(TORCH_INDEX_URL),$(BIN)/python -m pip install -c constraints.txt --index-url "$(TORCH_INDEX_URL)" torch)
 	$(BIN)/python -m pip install -c constraints.txt -e ".[test]"
+	$(KERNELS)
 	touch $(STAMP) $(RUNTIME_STAMP)
 
 install: $(RUNTIME_STAMP)

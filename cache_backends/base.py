@@ -22,7 +22,7 @@ from cache_backends.buffer import TokenBuffer
 from cache_backends.estimate import Shape
 from cache_backends.kv_spec import KVSpec, Quantization, StreamSpec
 from cache_backends.page_layout import PageLayout
-from cache_backends.paged import read_layer, write_layer
+from cache_backends.paged import in_place_layer, read_layer, write_layer
 from cache_backends.step_meta import StepMeta
 
 
@@ -367,15 +367,24 @@ class KVBackend(ABC):
         StepMeta`), built once before the forward."""
         return StepMeta(layout, rows, device)
 
+    #: Whether :meth:`attend_paged` attends a K/V pair of streams through :func:`cache_backends.paged_attention.
+    #: attend_pair`, so that the attention kernel may read them in place (:mod:`cache_backends.kernels`).
+    attends_in_place = False
+
     def paged_layer(self, views, layer: int, meta, key_states: torch.Tensor, value_states: torch.Tensor) -> list:
         """Write layer ``layer``'s new K/V of the step's rows into their pages (:meth:`encode_paged`, then the
-        groups the step drains quantized) and gather every row's stored form: the reads :meth:`attend_paged`
-        takes.
+        groups the step drains quantized) and return the reads :meth:`attend_paged` takes: the streams to be read in
+        place by the attention kernel (:attr:`attends_in_place`, where the kernel is active and reads this layout),
+        else every row's stored form gathered.
 
         Args:
             key_states, value_states: (B, num_key_value_heads, n, head_dim), after RoPE.
         """
         write_layer(views, layer, meta, self.encode_paged(layer, key_states, value_states, meta))
+        if self.attends_in_place:
+            reads = in_place_layer(views, layer)
+            if reads is not None:
+                return reads
         return read_layer(views, layer, meta)
 
     def stored_kv(self, layer: int, reads: list, meta) -> tuple:

@@ -42,6 +42,7 @@ class ElasticBackend(KVBackend):
     """
 
     name = "elastic"
+    attends_in_place = True
 
     def __init__(self, geometry: ModelGeometry, group_size: int = 32, window: int = 32, bits: int = 8):
         if group_size < 1:

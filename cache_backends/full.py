@@ -43,6 +43,11 @@ class FullBackend(KVBackend):
 
     name = "full"
 
+    @property
+    def attends_in_place(self) -> bool:
+        """K/V pairs go through the attention kernel; a native-MLA model's latent does not (absorbed attention)."""
+        return not self.geometry.kv_lora_rank
+
     def prepare(self, model, calibration_ids: list[int] | None = None, cache=None) -> None:
         """Nothing to fit; on a native-MLA model, switch its attention to absorbed attention over the cached latent
         (the model's own entries, exactly)."""

@@ -194,6 +194,7 @@ class GQABackend(KVBackend):
     """
 
     name = "gqa"
+    attends_in_place = True
 
     def __init__(self, geometry: ModelGeometry, groups: int | None = None, method: str = "pca",
                  quantization: Quantization | None = None):

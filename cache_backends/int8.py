@@ -301,6 +301,7 @@ class Int8Backend(KVBackend):
     """
 
     name = "int8"
+    attends_in_place = True
     BITS_DEFAULT = 8
 
     def __init__(self, geometry: ModelGeometry, group_size: int = 32, residual: int = 32, key_bits: int | None = None,

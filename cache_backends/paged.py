@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from cache_backends import kernels
 from cache_backends.page_layout import PageLayout, Slab
 from cache_backends.quant import codes_dot, codes_weighted_sum, dequantize_codes, pack, quantize, rotate
 from cache_backends.step_meta import Drain, StepMeta
@@ -19,6 +20,7 @@ class PoolViews:
     """Typed views of one backend's slabs into the pool's byte arena (no copies).
 
     Attributes:
+        arena: the pool's (num_pages, page_bytes) uint8 arena (what the attention kernel reads in place).
         exact: ``exact[layer][stream]`` (heads, num_pages, exact_tokens, width), model dtype.
         exact_joint: per layer, every exact stream's heads as one view (streams x heads, num_pages, exact_tokens,
             width) when the layer's slabs lie end to end with one shape (``full``'s and ``int8``'s K and V), so that
@@ -36,7 +38,7 @@ class PoolViews:
             view.runs = _RunRows(typed, slab.offset // e, slab.units * slab.width, slab.heads)
             return view
 
-        self.layout = layout
+        self.layout, self.arena = layout, arena
         self.exact = [[view(s) for s in row] for row in layout.exact_slabs]
         self.exact_joint = [None if joint is None else view(joint) for joint in map(_joint, layout.exact_slabs)]
         self.q = [[tuple(view(s) for s in parts) for parts in row] for row in layout.q_slabs] if layout.quantization \
@@ -215,3 +217,24 @@ def read_layer(views: PoolViews, layer: int, meta: StepMeta) -> list[StreamRead]
         bits = q_tier.bits(spec.axis) if q_tier else 8
         out.append(StreamRead(exact, q, spec.axis, g, bits, bool(q_tier and q_tier.rotate)))
     return out
+
+
+class InPlaceRead:
+    """One layer's stream of a step, not gathered: the attention kernel reads its pages in place through the step's
+    block tables (:func:`cache_backends.kernels.paged_attention`). ``stream``: 0 for keys, 1 for values."""
+
+    def __init__(self, views: PoolViews, layer: int, stream: int):
+        self.views, self.layer, self.stream = views, layer, stream
+
+    def gather(self, meta: StepMeta) -> StreamRead:
+        """The same stream gathered into a padded batch (the torch path), :func:`read_layer`'s."""
+        return read_layer(self.views, self.layer, meta)[self.stream]
+
+
+def in_place_layer(views: PoolViews, layer: int) -> list[InPlaceRead] | None:
+    """``layer``'s K and V for the attention kernel to read in place, or ``None`` when the kernel is not active for
+    this pool (:func:`cache_backends.kernels.active`) or cannot read this layout (:func:`cache_backends.kernels.fits`):
+    then the caller gathers (:func:`read_layer`)."""
+    if not kernels.active(views.arena.device) or not kernels.fits(views.layout):
+        return None
+    return [InPlaceRead(views, layer, 0), InPlaceRead(views, layer, 1)]

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import torch
 
+from cache_backends import kernels
+from cache_backends.paged import InPlaceRead
+
 def masked_softmax(scores: torch.Tensor, mask: torch.Tensor, scaling: float) -> torch.Tensor:
     """Softmax of ``scores * scaling`` over the last axis where ``mask`` is True (0 elsewhere)."""
     return torch.softmax((scores * scaling).masked_fill(~mask, float("-inf")), dim=-1)
@@ -33,8 +36,10 @@ def attend_pair(query: torch.Tensor, keys, values, meta,
                 scaling: float) -> torch.Tensor:
     """Attention of a step's queries over a key stream and a value stream in their stored form.
 
-    Exact streams go through ``scaled_dot_product_attention`` with the step's mask; quantized tiers are scored on
-    their codes (scales and rotation folded into the query and the weights; no dequantized copy of the context).
+    Streams read in place (:class:`cache_backends.paged.InPlaceRead`) go through the attention kernel in one op
+    (:func:`cache_backends.kernels.paged_attention`). Gathered exact streams go through
+    ``scaled_dot_product_attention`` with the step's mask; gathered quantized tiers are scored on their codes
+    (scales and rotation folded into the query and the weights; no dequantized copy of the context).
 
     Args:
         query: (B, Hq, R, d) after RoPE; Hq a multiple of the streams' heads H.
@@ -42,6 +47,8 @@ def attend_pair(query: torch.Tensor, keys, values, meta,
     Returns:
         (B, Hq, R, dv).
     """
+    if isinstance(keys, InPlaceRead):  # the kernel reads the pool in place: one op
+        return kernels.paged_attention(query, keys, values, meta, scaling)
     hq, h = query.shape[1], keys.exact.shape[0]
     rep = hq // h
     q = grouped_rows(query, h).transpose(0, 1)  # (H, B, rep * R, d): the gathered streams' order

@@ -72,6 +72,9 @@ class StepMeta:
         gather_index: the row indices of the page gathers (:class:`_RunRows`), filled by the first layer.
         query_positions: (B, n) positions of the new tokens.
         mask: (B, n, Tq + Te) bool, True where a new token attends to a cached token (causal, live only).
+        ranges: (B, n, 3) int32, the mask as intervals of each row's tiers (what the attention kernel reads,
+            :mod:`cache_backends.kernels`): a new token sees the quantized tokens ``[0, q)`` and the exact slots
+            ``[lo, hi)`` of its row's exact pages.
 
     Quantized layouts: the new token at position ``p`` reads the tokens before ``quantized_before(p)`` as codes
     and the later ones exact, as it would decoding alone (the drained tokens' exact slots are still in their
@@ -127,9 +130,17 @@ class StepMeta:
             quantized = iq[None, None] < split
             exact = (ie[None] >= old_start[:, None])[:, None] & (pos_e[:, None] >= split)
             self.mask = torch.cat([quantized, exact], dim=2) & causal
+            # the same mask as intervals: codes [0, q), exact slots [lo, hi) (pos_e = q_len + ie - start)
+            split, shift = split[..., 0], (start - q_len)[:, None]
+            self.ranges = (torch.minimum(split, self.query_positions + 1).clamp(0, t_q),
+                           torch.maximum(old_start[:, None], split + shift).clamp(0, t_e),
+                           (self.query_positions + 1 + shift).clamp(0, t_e))
         else:
             live = (ie[None] >= start[:, None]) & (pos_e < (q_len + e_len)[:, None])
             self.mask = live[:, None, :] & causal
+            shift = (start - q_len)[:, None]
+            self.ranges = (torch.zeros_like(self.query_positions), start[:, None].expand_as(self.query_positions),
+                           torch.minimum(self.query_positions + 1 + shift, (start + e_len)[:, None]).clamp(0, t_e))
             if n == 1 and all(s == 0 for s in starts) and len(set(e_lens)) == 1:
                 # one new token each, every row as long: the first e_lens[0] gathered tokens, all visible
                 self._unmasked, self.unmasked_len = self.mask, e_lens[0]
@@ -137,6 +148,7 @@ class StepMeta:
         if any(firsts):  # positions above were counted from each row's first token (a dca layer's own tokens)
             first = as_long(firsts)[:, None]
             self.positions, self.query_positions = self.positions + first, self.query_positions + first
+        self.ranges = torch.stack(self.ranges, dim=-1).to(torch.int32)  # (B, n, 3)
         self.q_width = t_q
         self.gather_index: dict = {}  # the page gathers' row indices, built by the first layer that reads them
         self._grouped: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -94,6 +94,11 @@ class Settings(BaseSettings):
                                    "default); idle threads "
                                    "wait passively (OMP_WAIT_POLICY=PASSIVE, set by `kvserve` unless it or "
                                    "GOMP_SPINCOUNT is given).")
+    kv_attention: Literal["auto", "kernel", "torch"] = Field("auto", description="What attends a step over the KV "
+                                                             "pool: kernel (kvserve's C++ op, reading every stored "
+                                                             "form in place; CPU), torch (the torch reference path, "
+                                                             "gathering the pages), auto (the kernel where it builds "
+                                                             "and the device is the CPU, else torch).")
     kv_cache_budget_bytes: int | None = Field(None, ge=1, description="Bytes of the KV pool, preallocated at "
                                               "start-up (default: the pages MAX_BATCH_SIZE sequences of "
                                               "MAX_TOTAL_TOKENS tokens of the costliest served backend hold, at "

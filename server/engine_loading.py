@@ -113,9 +113,15 @@ def load_weights(settings: Settings):
     tokenizer, device, dtype, geometry)`` (in the engine core)."""
     import torch
 
+    from cache_backends import kernels
+
     torch.set_num_threads(settings.torch_num_threads or default_torch_threads())
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)
+    kernels.configure(settings.kv_attention)  # KV_ATTENTION=kernel and no kernel: RuntimeError, before the weights
+    attention = kernels.status(device)
+    log.info("attention over the KV pool: %s%s", attention["path"],
+             f" ({attention['isa']})" if attention["isa"] else f" ({attention['reason']})")
     model, tokenizer = load_model(settings.model_id, device, dtype)
     return model, tokenizer, device, dtype, ModelGeometry.from_config(model.config, dtype)
 
@@ -164,6 +170,13 @@ def prepare_backends(settings: Settings, names: list[str], model, tokenizer, geo
     return backends, quality
 
 
+def kernels_status(device) -> dict:
+    """What attends a step over the pool on ``device`` (:func:`cache_backends.kernels.status`)."""
+    from cache_backends import kernels
+
+    return kernels.status(device)
+
+
 def engine_info(s: Settings, dtype, device, backends: dict[str, KVBackend], quality: dict[str, dict],
                 cache: CalibrationCache, geometry: ModelGeometry, max_total: int, kv_info: dict) -> dict:
     """``/info``'s facts of the loaded model, its backends and the KV pool (``kv_info``:
@@ -178,5 +191,5 @@ def engine_info(s: Settings, dtype, device, backends: dict[str, KVBackend], qual
         **kv_sizes(backends, geometry.num_layers, max_total), "num_layers": geometry.num_layers,
         "num_attention_heads": geometry.num_attention_heads,
         "num_key_value_heads": geometry.num_key_value_heads, "head_dim": geometry.head_dim,
-        "torch_num_threads": torch_threads(), **kv_info,
+        "torch_num_threads": torch_threads(), "kv_attention": kernels_status(device), **kv_info,
     }

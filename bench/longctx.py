@@ -1,0 +1,113 @@
+"""One stream at long context: TTFT and TPOT per backend, the attention kernel beside the torch path.
+
+For each context (prompt tokens) and backend, the server's engine in-process (:func:`bench.budget.new_engine`, one
+sequence, prompts prefilled in chunks of ``--chunk`` tokens as ``MAX_NUM_BATCHED_TOKENS`` does) measures the time to
+the first token (the whole chunked prefill) and the median decode step over ``--decode-steps`` steps, once with
+each attention path (``KV_ATTENTION``: ``kernel``, ``torch``). Each figure is also given as a ratio to ``full``'s
+on the same path, beside the *byte-bound ratio*: (weights + the backend's KV bytes at that context) / (weights +
+``full``'s), what a decode step bound by the bytes it reads would cost. The backends of one context run in the
+same minute, so the ratios compare peers on one machine state.
+
+    python -m bench.longctx --model models/smollm2-135m-instruct --contexts 1024 4096 8000 \\
+        --backends full int8 int4 --out docs/bench/longctx.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+
+def run_one(model, tok, backend, ids: list[int], chunk: int, steps: int) -> dict:
+    """TTFT (s) and median TPOT (s) of one stream of prompt ``ids`` on ``backend``."""
+    from bench.budget import new_engine
+    from server.engine.sampling import SamplingParams
+    from server.engine.sequence import Sequence
+
+    engine = new_engine(model, tok, backend, 1, None, chunk=chunk, prefix_caching=False)
+    seq = Sequence(request_id="0", prompt_ids=ids, max_new_tokens=steps + 2, params=SamplingParams(), stop=[],
+                   emit=lambda e: None, backend_name=backend.name)
+    engine.submit(seq)
+    t0 = time.perf_counter()
+    while not seq.output_ids:
+        engine.step()
+    ttft = time.perf_counter() - t0
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+    seq.cancel()
+    engine.step()
+    return {"ttft_s": round(ttft, 3), "tpot_ms": round(statistics.median(times) * 1000, 2)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench.budget import load_reference, make_backend
+    from cache_backends import kernels
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="models/smollm2-135m-instruct")
+    p.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 8000])
+    p.add_argument("--backends", nargs="+", default=["full", "int8", "int4"])
+    p.add_argument("--paths", nargs="+", default=["kernel", "torch"], choices=["kernel", "torch"])
+    p.add_argument("--chunk", type=int, default=256, help="prefill tokens per step (MAX_NUM_BATCHED_TOKENS)")
+    p.add_argument("--decode-steps", type=int, default=16)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (1: the server's default on 2 cores)")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model, tok, _ = load_reference(args.model)
+    text_ids = tok.encode(Path("README.md").read_text() * 20)
+    weights = sum(t.numel() * t.element_size() for t in model.parameters())
+    rows = []
+    for context in args.contexts:
+        ids = text_ids[:context]
+        for spec in args.backends:
+            backend = make_backend(spec, model, tok)
+            spec_bytes = backend.kv_spec().bytes_at(context)
+            for path in args.paths:
+                with kernels.using(path):
+                    r = run_one(model, tok, backend, ids, args.chunk, args.decode_steps)
+                row = {"context": context, "backend": spec, "path": path, **r, "weights_bytes": weights,
+                       "kv_bytes_at_context": spec_bytes}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    _ratios(rows)
+    print(markdown(rows))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=1))
+    return 0
+
+
+def _ratios(rows: list[dict]) -> None:
+    """Each row's TTFT and TPOT over ``full``'s at the same context on the same path, and the byte-bound ratio."""
+    full = {(r["context"], r["path"]): r for r in rows if r["backend"] == "full"}
+    for r in rows:
+        f = full.get((r["context"], r["path"]))
+        if f is None:
+            continue
+        r["ttft_vs_full"] = round(r["ttft_s"] / f["ttft_s"], 3)
+        r["tpot_vs_full"] = round(r["tpot_ms"] / f["tpot_ms"], 3)
+        if r["kv_bytes_at_context"] and f["kv_bytes_at_context"]:
+            r["byte_bound_vs_full"] = round((r["weights_bytes"] + r["kv_bytes_at_context"])
+                                            / (f["weights_bytes"] + f["kv_bytes_at_context"]), 3)
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| context | backend | path | TTFT s | TPOT ms | TTFT vs full | TPOT vs full | byte-bound |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['context']} | {r['backend']} | {r['path']} | {r['ttft_s']} | {r['tpot_ms']} | "
+                     f"{r.get('ttft_vs_full', '')} | {r.get('tpot_vs_full', '')} | {r.get('byte_bound_vs_full', '')} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

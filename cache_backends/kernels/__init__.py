@@ -1,0 +1,225 @@
+"""kvserve's C++ attention kernel: one op per layer that reads a step's K/V in place from the paged pool.
+
+``torch.ops.kvserve.paged_attention`` (``csrc/ops.cpp``) attends a step's queries over one layer's pages through
+the block tables, in every stored form a K/V pair of streams takes: exact pages (fp32, bf16, fp16), the int8
+family (int8 keys per channel over token groups and values per token, int4 two codes a byte, k8v4, a
+Hadamard-rotated tier scored with the query rotated instead of the keys) with the exact residual window in the same
+call. All query heads of one KV head are scored together (GQA), the softmax is computed online (FlashAttention,
+arXiv 2205.14135), decode rows of different lengths and the tokens of a prefill chunk go through the same call (each
+query token's visible tokens are intervals, :attr:`cache_backends.step_meta.StepMeta.ranges`), and the work (row,
+KV head, query tile) is split over the engine's threads. It copies no page: vLLM's paged attention (Kwon et al.,
+arXiv 2309.06180) on the CPU, with llama.cpp's and onnxruntime's habit of reading quantized K/V without a
+dequantized copy of the context.
+
+It is compiled from ``csrc/`` with ``torch.utils.cpp_extension`` once per source version and torch version, into
+``KVSERVE_KERNELS_DIR`` (default ``~/.cache/kvserve/kernels``), by ``make install`` / ``make test``, the Docker
+image's build stage, or the first server that needs it; a build found there is loaded without a compiler. The
+instruction set is chosen when it loads: AVX2 + FMA + F16C where the CPU reports them, portable C++ elsewhere.
+Where it cannot be built or loaded, or the device is not the CPU, the torch path (:mod:`cache_backends.paged`'s
+gathers and :mod:`cache_backends.paged_attention`) serves; :func:`status` says which, and why.
+
+``KV_ATTENTION`` chooses: ``auto`` (the kernel where it loads, else torch), ``kernel`` (the kernel or a start-up
+error), ``torch`` (today's reference path).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = ("ops.cpp", "attention_avx2.cpp", "attention_portable.cpp")
+HEADERS = ("paged_args.h", "attention_impl.h")
+CFLAGS = ("-O3", "-std=c++17", "-fopenmp", "-fno-math-errno")
+MODES = ("auto", "kernel", "torch")
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+_lock = threading.Lock()
+_state: dict = {"loaded": None, "error": None, "mode": os.environ.get("KV_ATTENTION", "auto")}
+
+
+def build_dir() -> Path:
+    """Where builds are kept: ``$KVSERVE_KERNELS_DIR`` or ``~/.cache/kvserve/kernels``, one folder per version of
+    the sources, compiler flags and torch (:func:`build_key`)."""
+    root = os.environ.get("KVSERVE_KERNELS_DIR") or Path.home() / ".cache" / "kvserve" / "kernels"
+    return Path(root) / build_key()
+
+
+def build_key() -> str:
+    """A short hash of the sources, the flags and torch's version: a build is reused only by the same three."""
+    h = hashlib.sha256()
+    for name in SOURCES + HEADERS:
+        h.update((CSRC / name).read_bytes())
+    h.update(" ".join(CFLAGS).encode())
+    h.update(torch.__version__.encode())
+    return f"torch{torch.__version__.split('+')[0]}-{h.hexdigest()[:16]}"
+
+
+def _library(folder: Path) -> Path:
+    return folder / "kvserve_kernels.so"
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile the kernels into :func:`build_dir` (nothing to do when a build is there) and return the library.
+
+    Raises:
+        RuntimeError: when the compiler or ninja is missing or the build fails (its output in the message).
+    """
+    folder = build_dir()
+    lib = _library(folder)
+    if lib.exists():
+        return lib
+    from torch.utils import cpp_extension  # noqa: PLC0415 - only a build needs it
+
+    folder.mkdir(parents=True, exist_ok=True)
+    bin_dir = str(Path(sys.executable).parent)  # ninja from the environment's own `ninja` package
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    try:
+        cpp_extension.load(name="kvserve_kernels", sources=[str(CSRC / s) for s in SOURCES],
+                           extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"], build_directory=str(folder),
+                           is_python_module=False, verbose=verbose)
+    except Exception as exc:  # the compiler's output is in the exception: the caller reports it
+        raise RuntimeError(f"building kvserve's attention kernel failed: {exc}") from exc
+    if not lib.exists():
+        raise RuntimeError(f"building kvserve's attention kernel left no {lib.name} in {folder}")
+    return lib
+
+
+def load() -> bool:
+    """Load the kernels (building them first when no build matches), once per process; ``True`` when loaded. A
+    failure is remembered and reported by :func:`status`, never raised."""
+    with _lock:
+        if _state["loaded"] is None:
+            try:
+                lib = build()
+                if not hasattr(torch.ops.kvserve, "paged_attention"):
+                    torch.ops.load_library(str(lib))
+                _register_fake()
+                _state["loaded"] = True
+            except Exception as exc:  # noqa: BLE001 - any failure means the torch path serves
+                _state["loaded"], _state["error"] = False, str(exc).strip().splitlines()[0][:300]
+                log.warning("kvserve's attention kernel is not available (%s): the torch path serves",
+                            _state["error"])
+        return _state["loaded"]
+
+
+def _register_fake() -> None:
+    """Shapes for tracing (``torch.compile``, meta tensors): (B, Hq, n, v_width) in the query's dtype."""
+    if getattr(_register_fake, "done", False):
+        return
+
+    @torch.library.register_fake("kvserve::paged_attention")
+    def _(query, arena, exact_table, q_table, ranges, layout, rotation, scaling):
+        return query.new_empty(*query.shape[:-1], layout[3])
+
+    _register_fake.done = True
+
+
+def configure(mode: str) -> None:
+    """Set ``KV_ATTENTION``: ``auto``, ``kernel`` or ``torch``.
+
+    Raises:
+        ValueError: for another value.
+        RuntimeError: for ``kernel`` when the kernels cannot be loaded (the reason in the message).
+    """
+    if mode not in MODES:
+        raise ValueError(f"KV_ATTENTION={mode!r} must be one of {', '.join(MODES)}")
+    _state["mode"] = mode
+    if mode == "kernel" and not load():
+        raise RuntimeError(f"KV_ATTENTION=kernel, but the attention kernel cannot be loaded: {_state['error']}")
+
+
+@contextlib.contextmanager
+def using(mode: str):
+    """Run a block with ``KV_ATTENTION`` set to ``mode`` (:func:`configure`), then restore the previous mode (the
+    tests compare the two paths with it)."""
+    before = _state["mode"]
+    configure(mode)
+    try:
+        yield
+    finally:
+        _state["mode"] = before
+
+
+def active(device) -> bool:
+    """Whether steps on ``device`` attend through the kernel (loading it on first use)."""
+    if _state["mode"] == "torch" or torch.device(device).type != "cpu":
+        return False
+    return load()
+
+
+def status(device="cpu") -> dict:
+    """What attends a step on ``device``, for the start-up log and ``/info``: ``{"path": "cpu-kernel" | "torch",
+    "isa": "avx2" | "portable" | None, "reason": str | None}``."""
+    if _state["mode"] == "torch":
+        return {"path": "torch", "isa": None, "reason": "KV_ATTENTION=torch"}
+    if torch.device(device).type != "cpu":
+        return {"path": "torch", "isa": None, "reason": f"the kernel is CPU-only; the device is {device}"}
+    if not load():
+        return {"path": "torch", "isa": None, "reason": _state["error"]}
+    return {"path": "cpu-kernel", "isa": torch.ops.kvserve.kernel_isa(), "reason": None}
+
+
+def layout_args(layout, layer: int) -> list[int]:
+    """The op's ``layout`` argument for one layer of a K/V :class:`cache_backends.page_layout.PageLayout`: page
+    bytes, heads, key and value widths, the exact tier's dtype, tokens per page and slab offsets, and the quantized
+    tier's (tokens per page, group size, bits, scale dtypes, slab offsets; zeros when there is none)."""
+    k, v = layout.exact_slabs[layer]
+    args = [layout.page_bytes, k.heads, k.width, v.width, _DTYPES[layout.dtype], layout.exact_tokens, k.offset,
+            v.offset]
+    q = layout.quantization
+    if not q:
+        return args + [0] * 12
+    (kc, ks, kz), (vc, vs, vz) = layout.q_slabs[layer]
+    return args + [layout.q_tokens, q.group_size, q.bits("channel"), q.bits("token"), _DTYPES[ks.dtype],
+                   _DTYPES[vs.dtype], kc.offset, ks.offset, kz.offset, vc.offset, vs.offset, vz.offset]
+
+
+def fits(layout) -> bool:
+    """Whether a page layout is one the kernel reads: two streams, keys per channel and values per token with as
+    many heads, in fp32/bf16/fp16, a rotated tier only with keys and values as wide."""
+    streams = layout.streams
+    if len(streams) != 2 or layout.dtype not in _DTYPES:
+        return False
+    k, v = streams
+    if k.axis != "channel" or v.axis != "token" or k.heads != v.heads:
+        return False
+    q = layout.quantization
+    return not (q and q.rotate and k.width != v.width)
+
+
+def paged_attention(query: torch.Tensor, keys, values, meta, scaling: float) -> torch.Tensor:
+    """Attention of a step's queries over one layer's K/V read in place from the pool, in one op.
+
+    Args:
+        query: (B, Hq, n, d) after RoPE, Hq a multiple of the layer's KV heads.
+        keys, values: the layer's :class:`cache_backends.paged.InPlaceRead` (the pool's views and the layer).
+        meta: the step's :class:`cache_backends.step_meta.StepMeta` (block tables, :attr:`ranges`).
+        scaling: the softmax scale.
+
+    Returns:
+        (B, Hq, n, dv) in the query's dtype.
+    """
+    views, layer = keys.views, keys.layer
+    cache = views.__dict__.setdefault("kernel_layout", {})
+    args = cache.get(layer)
+    if args is None:
+        args = cache[layer] = layout_args(views.layout, layer)
+    q = views.layout.quantization
+    rotation = None
+    if q and q.rotate and meta.q_width:
+        from cache_backends.quant import hadamard  # noqa: PLC0415 - a leaf; only rotated tiers need it
+
+        rotation = hadamard(args[2], torch.float32, query.device)
+    return torch.ops.kvserve.paged_attention(query, views.arena, meta.exact_table, meta.q_table, meta.ranges, args,
+                                             rotation, scaling)

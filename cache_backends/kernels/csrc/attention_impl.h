@@ -1,0 +1,511 @@
+// Paged attention over the KV pool in place: the body compiled once per instruction set. Included inside a
+// namespace by attention_avx2.cpp (KVK_AVX2 defined, under `#pragma GCC target("avx2,fma,f16c")`) and by
+// attention_portable.cpp; it includes nothing itself (the including file brings <cmath>, <cstring>, <vector>,
+// <algorithm>, <limits> and, for AVX2, <immintrin.h>).
+//
+// One work item is (row b, KV head h, a tile of query tokens): the tile's query heads of KV head h (GQA: the
+// rep = Hq / H heads that share it) are scored together against the row's tokens, read straight from its pages
+// through the block tables, in blocks of at most BN tokens (across pages): the quantized tier first (keys per
+// channel over groups of `group` tokens, values per token; 8-bit codes or two 4-bit codes a byte), then the
+// exact tier. A chunk's keys and values are used in place when they are fp32 exact tokens, else widened into
+// an fp32 scratch of BN tokens; the softmax is computed online (FlashAttention, arXiv 2205.14135), so nothing
+// the size of the context is allocated. Each query token sees the quantized tokens [0, q) and the exact tokens
+// [lo, hi) of its `ranges` entry: the step's mask (cache_backends/step_meta.py) as intervals.
+
+constexpr int64_t BN = 64;  // tokens per block (across pages)
+
+// ---------------------------------------------------------------------------------------------- scalars
+inline float bf16_to_f32(uint16_t x) {
+  uint32_t u = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline float f16_to_f32(uint16_t h) {
+  uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ffu, u;
+  if (exp == 0) {
+    if (mant == 0) {
+      u = sign;
+    } else {  // subnormal: normalize
+      exp = 127 - 15 + 1;
+      while (!(mant & 0x400u)) { mant <<= 1; --exp; }
+      u = sign | (exp << 23) | ((mant & 0x3ffu) << 13);
+    }
+  } else if (exp == 31) {
+    u = sign | 0x7f800000u | (mant << 13);
+  } else {
+    u = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline float load_one(const uint8_t* p, int dtype, int64_t i) {
+  switch (dtype) {
+    case F32: { float f; std::memcpy(&f, p + 4 * i, 4); return f; }
+    case BF16: { uint16_t x; std::memcpy(&x, p + 2 * i, 2); return bf16_to_f32(x); }
+    default: { uint16_t x; std::memcpy(&x, p + 2 * i, 2); return f16_to_f32(x); }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------- vectors
+#ifdef KVK_AVX2
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// The 8 horizontal sums of a0..a7, in order, as one vector.
+inline __m256 hsum8x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6, __m256 a7) {
+  __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
+}
+
+// e^x for x <= 0 (the softmax's shifted scores), 0 below -87; relative error about 2e-7 (Cephes' polynomial).
+inline __m256 exp8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.3f);
+  __m256 keep = _mm256_cmp_ps(x, lo, _CMP_GE_OQ);
+  x = _mm256_max_ps(x, lo);
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep);
+}
+
+inline __m256 load8(const uint8_t* p, int dtype) {  // 8 elements of an exact tier or scale row → fp32
+  switch (dtype) {
+    case F32: return _mm256_loadu_ps(reinterpret_cast<const float*>(p));
+    case BF16: return _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+    default: return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+}
+#endif
+
+inline float dot(const float* a, const float* b, int64_t d) {
+  int64_t c = 0;
+  float s = 0.f;
+#ifdef KVK_AVX2
+  __m256 acc = _mm256_setzero_ps();
+  for (; c + 8 <= d; c += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + c), _mm256_loadu_ps(b + c), acc);
+  s = hsum8(acc);
+#endif
+  for (; c < d; ++c) s += a[c] * b[c];
+  return s;
+}
+
+// s0[j] = q0 · k_j (and s1[j] = q1 · k_j when q1 is given) for the keys j in [j0, j1), key j at kp[j].
+inline void scores(const float* q0, const float* q1, const float* const* kp, int64_t j0, int64_t j1, int64_t d,
+                   float* s0, float* s1) {
+  int64_t j = j0;
+#ifdef KVK_AVX2
+  if (d % 8 == 0) {
+    if (q1 != nullptr) {  // two rows: each key's loads serve both
+      for (; j + 4 <= j1; j += 4) {
+        const float *k0 = kp[j], *k1 = kp[j + 1], *k2 = kp[j + 2], *k3 = kp[j + 3];
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+        for (int64_t c = 0; c < d; c += 8) {
+          const __m256 x = _mm256_loadu_ps(q0 + c), y = _mm256_loadu_ps(q1 + c);
+          __m256 k = _mm256_loadu_ps(k0 + c);
+          a0 = _mm256_fmadd_ps(x, k, a0);
+          b0 = _mm256_fmadd_ps(y, k, b0);
+          k = _mm256_loadu_ps(k1 + c);
+          a1 = _mm256_fmadd_ps(x, k, a1);
+          b1 = _mm256_fmadd_ps(y, k, b1);
+          k = _mm256_loadu_ps(k2 + c);
+          a2 = _mm256_fmadd_ps(x, k, a2);
+          b2 = _mm256_fmadd_ps(y, k, b2);
+          k = _mm256_loadu_ps(k3 + c);
+          a3 = _mm256_fmadd_ps(x, k, a3);
+          b3 = _mm256_fmadd_ps(y, k, b3);
+        }
+        const __m256 r = hsum8x8(a0, a1, a2, a3, b0, b1, b2, b3);
+        _mm_storeu_ps(s0 + j, _mm256_castps256_ps128(r));
+        _mm_storeu_ps(s1 + j, _mm256_extractf128_ps(r, 1));
+      }
+    } else {
+      for (; j + 8 <= j1; j += 8) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+        for (int64_t c = 0; c < d; c += 8) {
+          const __m256 x = _mm256_loadu_ps(q0 + c);
+          a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(kp[j] + c), a0);
+          a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(kp[j + 1] + c), a1);
+          a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(kp[j + 2] + c), a2);
+          a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(kp[j + 3] + c), a3);
+          a4 = _mm256_fmadd_ps(x, _mm256_loadu_ps(kp[j + 4] + c), a4);
+          a5 = _mm256_fmadd_ps(x, _mm256_loadu_ps(kp[j + 5] + c), a5);
+          a6 = _mm256_fmadd_ps(x, _mm256_loadu_ps(kp[j + 6] + c), a6);
+          a7 = _mm256_fmadd_ps(x, _mm256_loadu_ps(kp[j + 7] + c), a7);
+        }
+        _mm256_storeu_ps(s0 + j, hsum8x8(a0, a1, a2, a3, a4, a5, a6, a7));
+      }
+    }
+  }
+#endif
+  for (; j < j1; ++j) {
+    s0[j] = dot(q0, kp[j], d);
+    if (q1 != nullptr) s1[j] = dot(q1, kp[j], d);
+  }
+}
+
+// acc0[c] = acc0[c] * alpha0 + Σ_j p0[j] v_j[c] over j in [j0, j1), value j at vp[j]; the same for a second row
+// (acc1, p1, alpha1) when acc1 is given, each value's loads serving both.
+inline void weighted_values(float* acc0, float alpha0, const float* p0, float* acc1, float alpha1, const float* p1,
+                            const float* const* vp, int64_t j0, int64_t j1, int64_t dv) {
+  int64_t c = 0;
+#ifdef KVK_AVX2
+  const __m256 al0 = _mm256_set1_ps(alpha0), al1 = _mm256_set1_ps(alpha1);
+  if (acc1 != nullptr) {
+    for (; c + 32 <= dv; c += 32) {
+      __m256 o0 = _mm256_mul_ps(_mm256_loadu_ps(acc0 + c), al0), o1 = _mm256_mul_ps(_mm256_loadu_ps(acc0 + c + 8), al0);
+      __m256 o2 = _mm256_mul_ps(_mm256_loadu_ps(acc0 + c + 16), al0);
+      __m256 o3 = _mm256_mul_ps(_mm256_loadu_ps(acc0 + c + 24), al0);
+      __m256 u0 = _mm256_mul_ps(_mm256_loadu_ps(acc1 + c), al1), u1 = _mm256_mul_ps(_mm256_loadu_ps(acc1 + c + 8), al1);
+      __m256 u2 = _mm256_mul_ps(_mm256_loadu_ps(acc1 + c + 16), al1);
+      __m256 u3 = _mm256_mul_ps(_mm256_loadu_ps(acc1 + c + 24), al1);
+      for (int64_t j = j0; j < j1; ++j) {
+        const float* v = vp[j] + c;
+        const __m256 x = _mm256_set1_ps(p0[j]), y = _mm256_set1_ps(p1[j]);
+        __m256 t = _mm256_loadu_ps(v);
+        o0 = _mm256_fmadd_ps(x, t, o0);
+        u0 = _mm256_fmadd_ps(y, t, u0);
+        t = _mm256_loadu_ps(v + 8);
+        o1 = _mm256_fmadd_ps(x, t, o1);
+        u1 = _mm256_fmadd_ps(y, t, u1);
+        t = _mm256_loadu_ps(v + 16);
+        o2 = _mm256_fmadd_ps(x, t, o2);
+        u2 = _mm256_fmadd_ps(y, t, u2);
+        t = _mm256_loadu_ps(v + 24);
+        o3 = _mm256_fmadd_ps(x, t, o3);
+        u3 = _mm256_fmadd_ps(y, t, u3);
+      }
+      _mm256_storeu_ps(acc0 + c, o0);
+      _mm256_storeu_ps(acc0 + c + 8, o1);
+      _mm256_storeu_ps(acc0 + c + 16, o2);
+      _mm256_storeu_ps(acc0 + c + 24, o3);
+      _mm256_storeu_ps(acc1 + c, u0);
+      _mm256_storeu_ps(acc1 + c + 8, u1);
+      _mm256_storeu_ps(acc1 + c + 16, u2);
+      _mm256_storeu_ps(acc1 + c + 24, u3);
+    }
+  } else {
+    for (; c + 32 <= dv; c += 32) {
+      __m256 o0 = _mm256_mul_ps(_mm256_loadu_ps(acc0 + c), al0), o1 = _mm256_mul_ps(_mm256_loadu_ps(acc0 + c + 8), al0);
+      __m256 o2 = _mm256_mul_ps(_mm256_loadu_ps(acc0 + c + 16), al0);
+      __m256 o3 = _mm256_mul_ps(_mm256_loadu_ps(acc0 + c + 24), al0);
+      for (int64_t j = j0; j < j1; ++j) {
+        const float* v = vp[j] + c;
+        const __m256 x = _mm256_set1_ps(p0[j]);
+        o0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(v), o0);
+        o1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(v + 8), o1);
+        o2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(v + 16), o2);
+        o3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(v + 24), o3);
+      }
+      _mm256_storeu_ps(acc0 + c, o0);
+      _mm256_storeu_ps(acc0 + c + 8, o1);
+      _mm256_storeu_ps(acc0 + c + 16, o2);
+      _mm256_storeu_ps(acc0 + c + 24, o3);
+    }
+  }
+#endif
+  for (; c < dv; ++c) {
+    float o = acc0[c] * alpha0;
+    for (int64_t j = j0; j < j1; ++j) o += p0[j] * vp[j][c];
+    acc0[c] = o;
+    if (acc1 != nullptr) {
+      float u = acc1[c] * alpha1;
+      for (int64_t j = j0; j < j1; ++j) u += p1[j] * vp[j][c];
+      acc1[c] = u;
+    }
+  }
+}
+
+// The largest of s[j0..j1) (j1 > j0).
+inline float max_of(const float* s, int64_t j0, int64_t j1) {
+  int64_t j = j0;
+  float mx = -std::numeric_limits<float>::infinity();
+#ifdef KVK_AVX2
+  if (j + 8 <= j1) {
+    __m256 m = _mm256_loadu_ps(s + j);
+    for (j += 8; j + 8 <= j1; j += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + j));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    mx = _mm_cvtss_f32(h);
+  }
+#endif
+  for (; j < j1; ++j) mx = std::max(mx, s[j]);
+  return mx;
+}
+
+// p[j] = exp(s[j] - m) for j in [j0, j1); returns their sum.
+inline float exp_row(const float* s, float m, int64_t j0, int64_t j1, float* p) {
+  int64_t j = j0;
+  float sum = 0.f;
+#ifdef KVK_AVX2
+  __m256 mv = _mm256_set1_ps(m), acc = _mm256_setzero_ps();
+  for (; j + 8 <= j1; j += 8) {
+    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+    _mm256_storeu_ps(p + j, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  sum = hsum8(acc);
+#endif
+  for (; j < j1; ++j) {
+    p[j] = std::exp(s[j] - m);
+    sum += p[j];
+  }
+  return sum;
+}
+
+// ---------------------------------------------------------------------------------------------- widening
+// One token of an exact tier (width elements of `dtype`) → fp32.
+inline void widen_exact(const uint8_t* src, int dtype, int64_t width, float* dst) {
+  int64_t c = 0;
+#ifdef KVK_AVX2
+  const int64_t es = dtype == F32 ? 4 : 2;
+  for (; c + 8 <= width; c += 8) _mm256_storeu_ps(dst + c, load8(src + c * es, dtype));
+#endif
+  for (; c < width; ++c) dst[c] = load_one(src, dtype, c);
+}
+
+// One token of a per-channel stream (a key): code[c] * scale[c] + zero[c]. 8-bit codes are int8; 4-bit codes
+// are nibbles, channel c < width/2 in the low nibble of byte c, channel c + width/2 in its high nibble.
+inline void widen_channel(const uint8_t* codes, int bits, const uint8_t* scale, const uint8_t* zero, int sdtype,
+                          int64_t width, float* dst) {
+  const int64_t es = sdtype == F32 ? 4 : 2;
+  if (bits == 8) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(codes);
+    int64_t c = 0;
+#ifdef KVK_AVX2
+    for (; c + 8 <= width; c += 8) {
+      __m256 cv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + c))));
+      _mm256_storeu_ps(dst + c, _mm256_fmadd_ps(cv, load8(scale + c * es, sdtype), load8(zero + c * es, sdtype)));
+    }
+#endif
+    for (; c < width; ++c) dst[c] = q[c] * load_one(scale, sdtype, c) + load_one(zero, sdtype, c);
+    return;
+  }
+  const int64_t half = width / 2;
+  int64_t c = 0;
+#ifdef KVK_AVX2
+  const __m256i low = _mm256_set1_epi32(15);
+  for (; c + 8 <= half; c += 8) {
+    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + c)));
+    __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, low)), hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+    _mm256_storeu_ps(dst + c, _mm256_fmadd_ps(lo, load8(scale + c * es, sdtype), load8(zero + c * es, sdtype)));
+    _mm256_storeu_ps(dst + half + c, _mm256_fmadd_ps(hi, load8(scale + (half + c) * es, sdtype),
+                                                     load8(zero + (half + c) * es, sdtype)));
+  }
+#endif
+  for (; c < half; ++c) {
+    dst[c] = (codes[c] & 15) * load_one(scale, sdtype, c) + load_one(zero, sdtype, c);
+    dst[half + c] = (codes[c] >> 4) * load_one(scale, sdtype, half + c) + load_one(zero, sdtype, half + c);
+  }
+}
+
+// One token of a per-token stream (a value): code[c] * s + z.
+inline void widen_token(const uint8_t* codes, int bits, float s, float z, int64_t width, float* dst) {
+  if (bits == 8) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(codes);
+    int64_t c = 0;
+#ifdef KVK_AVX2
+    const __m256 sv = _mm256_set1_ps(s), zv = _mm256_set1_ps(z);
+    for (; c + 8 <= width; c += 8) {
+      __m256 cv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + c))));
+      _mm256_storeu_ps(dst + c, _mm256_fmadd_ps(cv, sv, zv));
+    }
+#endif
+    for (; c < width; ++c) dst[c] = q[c] * s + z;
+    return;
+  }
+  const int64_t half = width / 2;
+  int64_t c = 0;
+#ifdef KVK_AVX2
+  const __m256 sv = _mm256_set1_ps(s), zv = _mm256_set1_ps(z);
+  const __m256i low = _mm256_set1_epi32(15);
+  for (; c + 8 <= half; c += 8) {
+    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + c)));
+    _mm256_storeu_ps(dst + c, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, low)), sv, zv));
+    _mm256_storeu_ps(dst + half + c, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), sv, zv));
+  }
+#endif
+  for (; c < half; ++c) {
+    dst[c] = (codes[c] & 15) * s + z;
+    dst[half + c] = (codes[c] >> 4) * s + z;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------- the work item
+struct Scratch {
+  std::vector<float> q, qr, acc_q, acc_e, m, l, s, p, k, v;
+  std::vector<const float*> kp, vp;
+};
+
+// One block of nj tokens of a tier, key j at kp[j] and value j at vp[j] (fp32), token t0 of the tier its first;
+// row r sees the tier's tokens [lo[r], hi[r]). Scores with `qs` (M x d), weighted values into `acc` (M x dv);
+// `other`: the other tier's accumulator when the tiers sum apart (a rotated quantized tier), else nullptr. Two
+// neighbouring rows that see the same tokens (the query heads of one KV head) are scored and summed together.
+inline void attend_block(int64_t M, int64_t d, int64_t dv, const float* qs, const float* const* kp,
+                         const float* const* vp, int64_t t0, int64_t nj, const int64_t* lo, const int64_t* hi,
+                         Scratch& w, float* acc, float* other) {
+  constexpr float NEG = -std::numeric_limits<float>::infinity();
+  float* s = w.s.data();
+  float* p = w.p.data();
+  for (int64_t r = 0; r < M;) {
+    const int64_t j0 = std::max<int64_t>(lo[r] - t0, 0), j1 = std::min<int64_t>(hi[r] - t0, nj);
+    if (j0 >= j1) {
+      ++r;
+      continue;
+    }
+    const bool pair = r + 1 < M && std::max<int64_t>(lo[r + 1] - t0, 0) == j0 &&
+                      std::min<int64_t>(hi[r + 1] - t0, nj) == j1;  // the same tokens of this block
+    const int rows = pair ? 2 : 1;
+    scores(qs + r * d, pair ? qs + (r + 1) * d : nullptr, kp, j0, j1, d, s, s + BN);
+    float alpha[2] = {1.f, 1.f};
+    for (int k = 0; k < rows; ++k) {
+      const int64_t row = r + k;
+      const float* sk = s + k * BN;
+      const float mx = max_of(sk, j0, j1);
+      const float m_new = std::max(w.m[row], mx);
+      alpha[k] = w.m[row] == NEG ? 0.f : std::exp(w.m[row] - m_new);
+      w.l[row] = w.l[row] * alpha[k] + exp_row(sk, m_new, j0, j1, p + k * BN);
+      w.m[row] = m_new;
+      if (other != nullptr && alpha[k] != 1.f)  // the other tier's accumulator (rotated codes) rescales too
+        for (int64_t c = 0; c < dv; ++c) other[row * dv + c] *= alpha[k];
+    }
+    weighted_values(acc + r * dv, alpha[0], p, pair ? acc + (r + 1) * dv : nullptr, alpha[1], p + BN, vp, j0, j1, dv);
+    r += rows;
+  }
+}
+
+inline void run_item(const PagedArgs& a, int64_t item, Scratch& w) {
+  const int64_t tile = item % a.tiles, h = (item / a.tiles) % a.H, b = item / (a.tiles * a.H);
+  const int64_t rep = a.Hq / a.H, d = a.d, dv = a.dv;
+  const int64_t i0 = tile * a.tile_tokens, i1 = std::min(a.n, i0 + a.tile_tokens), M = (i1 - i0) * rep;
+  // rows: token-major within the tile, the rep query heads of KV head h together
+  std::vector<int64_t> qc(M), elo(M), ehi(M), zero(M, 0);
+  int64_t q_max = 0, e_min = INT64_MAX, e_max = 0;
+  for (int64_t i = i0; i < i1; ++i) {
+    const int32_t* rg = a.ranges + (b * a.n + i) * 3;
+    for (int64_t r = 0; r < rep; ++r) {
+      const int64_t row = (i - i0) * rep + r;
+      qc[row] = rg[0];
+      elo[row] = rg[1];
+      ehi[row] = rg[2];
+      const float* src = a.query + ((b * a.Hq + h * rep + r) * a.n + i) * d;
+      for (int64_t c = 0; c < d; ++c) w.q[row * d + c] = src[c] * a.scaling;
+    }
+    q_max = std::max<int64_t>(q_max, rg[0]);
+    if (rg[2] > rg[1]) {
+      e_min = std::min<int64_t>(e_min, rg[1]);
+      e_max = std::max<int64_t>(e_max, rg[2]);
+    }
+  }
+  const bool rotated = a.rotation != nullptr && q_max > 0;
+  std::fill(w.m.begin(), w.m.begin() + M, -std::numeric_limits<float>::infinity());
+  std::fill(w.l.begin(), w.l.begin() + M, 0.f);
+  std::fill(w.acc_e.begin(), w.acc_e.begin() + M * dv, 0.f);
+  float* acc_e = w.acc_e.data();
+  float* acc_q = acc_e;
+  if (rotated) {
+    std::fill(w.acc_q.begin(), w.acc_q.begin() + M * dv, 0.f);
+    acc_q = w.acc_q.data();
+    for (int64_t r = 0; r < M; ++r)  // q R (R symmetric): scores against rotated codes
+      for (int64_t c = 0; c < d; ++c) w.qr[r * d + c] = dot(w.q.data() + r * d, a.rotation + c * d, d);
+  }
+  const float** kp = w.kp.data();
+  const float** vp = w.vp.data();
+  // the quantized tier: keys per channel over groups, values per token, widened into the scratch
+  if (q_max > 0) {
+    const int64_t kcw = d * a.k_bits / 8, vcw = dv * a.v_bits / 8, groups = a.tq / a.group;
+    const int64_t kse = a.ks_dtype == F32 ? 4 : 2;
+    for (int64_t t0 = 0; t0 < q_max; t0 += BN) {
+      const int64_t nj = std::min(BN, q_max - t0);
+      for (int64_t j = 0; j < nj; ++j) {
+        const int64_t t = t0 + j, u = t % a.tq, g = u / a.group;
+        const uint8_t* base = a.arena + a.q_table[b * a.pq + t / a.tq] * a.page_bytes;
+        float* kj = w.k.data() + j * d;
+        float* vj = w.v.data() + j * dv;
+        widen_channel(base + a.kc_off + (h * a.tq + u) * kcw, a.k_bits,
+                      base + a.ks_off + (h * groups + g) * d * kse, base + a.kz_off + (h * groups + g) * d * kse,
+                      a.ks_dtype, d, kj);
+        widen_token(base + a.vc_off + (h * a.tq + u) * vcw, a.v_bits, load_one(base + a.vs_off, a.vs_dtype, h * a.tq + u),
+                    load_one(base + a.vz_off, a.vs_dtype, h * a.tq + u), dv, vj);
+        kp[j] = kj;
+        vp[j] = vj;
+      }
+      attend_block(M, d, dv, rotated ? w.qr.data() : w.q.data(), kp, vp, t0, nj, zero.data(), qc.data(), w, acc_q,
+                   rotated ? acc_e : nullptr);
+    }
+  }
+  // the exact tier: fp32 tokens read where they lie, others widened into the scratch
+  if (e_max > e_min) {
+    const int64_t es = a.kv_dtype == F32 ? 4 : 2;
+    for (int64_t t0 = e_min; t0 < e_max; t0 += BN) {
+      const int64_t nj = std::min(BN, e_max - t0);
+      for (int64_t j = 0; j < nj; ++j) {
+        const int64_t t = t0 + j, u = t % a.te;
+        const uint8_t* base = a.arena + a.exact_table[b * a.pe + t / a.te] * a.page_bytes;
+        const uint8_t* kb = base + a.k_off + (h * a.te + u) * d * es;
+        const uint8_t* vb = base + a.v_off + (h * a.te + u) * dv * es;
+        if (a.kv_dtype == F32) {
+          kp[j] = reinterpret_cast<const float*>(kb);
+          vp[j] = reinterpret_cast<const float*>(vb);
+        } else {
+          widen_exact(kb, a.kv_dtype, d, w.k.data() + j * d);
+          widen_exact(vb, a.kv_dtype, dv, w.v.data() + j * dv);
+          kp[j] = w.k.data() + j * d;
+          vp[j] = w.v.data() + j * dv;
+        }
+      }
+      attend_block(M, d, dv, w.q.data(), kp, vp, t0, nj, elo.data(), ehi.data(), w, acc_e,
+                   rotated ? acc_q : nullptr);
+    }
+  }
+  // out = (acc_q R + acc_e) / l, rows back to (b, h * rep + r, i)
+  for (int64_t i = i0; i < i1; ++i) {
+    for (int64_t r = 0; r < rep; ++r) {
+      const int64_t row = (i - i0) * rep + r;
+      float* dst = a.out + ((b * a.Hq + h * rep + r) * a.n + i) * dv;
+      const float inv = w.l[row] > 0.f ? 1.f / w.l[row] : 0.f;
+      for (int64_t c = 0; c < dv; ++c) {
+        float o = acc_e[row * dv + c];
+        if (rotated) o += dot(acc_q + row * dv, a.rotation + c * dv, dv);
+        dst[c] = o * inv;
+      }
+    }
+  }
+}
+
+inline void run_items(const PagedArgs& a, int64_t begin, int64_t end) {
+  const int64_t rows = a.tile_tokens * (a.Hq / a.H);
+  Scratch w;
+  w.m.resize(rows);
+  w.l.resize(rows);
+  w.s.resize(2 * BN);
+  w.p.resize(2 * BN);
+  w.k.resize(BN * a.d);
+  w.v.resize(BN * a.dv);
+  w.kp.resize(BN);
+  w.vp.resize(BN);
+  w.q.resize(rows * a.d);
+  w.qr.resize(a.rotation ? rows * a.d : 0);
+  w.acc_e.resize(rows * a.dv);
+  w.acc_q.resize(a.rotation ? rows * a.dv : 0);
+  for (int64_t item = begin; item < end; ++item) run_item(a, item, w);
+}

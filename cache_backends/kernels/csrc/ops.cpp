@@ -1,0 +1,121 @@
+// kvserve's custom ops (torch.library): `kvserve::paged_attention`, attention of a step's queries over one layer's
+// K/V read in place from the paged pool, every stored form (exact fp32/bf16/fp16 pages, int8/int4/k8v4 codes with
+// their scales, a Hadamard-rotated tier, the exact residual window) in one call. The kernel is chosen once per
+// process from what the CPU reports (AVX2 + FMA + F16C, else portable C++) and split over the work items
+// (row, KV head, query tile) with at::parallel_for.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <torch/types.h>
+
+#include "paged_args.h"
+
+namespace kvserve {
+namespace {
+
+bool cpu_has_avx2() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#else
+  return false;
+#endif
+}
+
+bool use_avx2() {
+  static const bool yes = cpu_has_avx2() && std::getenv("KVSERVE_KERNEL_PORTABLE") == nullptr;
+  return yes;
+}
+
+// layout: page_bytes, heads, k_width, v_width, kv_dtype, te, k_off, v_off, tq, group, k_bits, v_bits, ks_dtype,
+// vs_dtype, kc_off, ks_off, kz_off, vc_off, vs_off, vz_off
+constexpr int64_t LAYOUT_LEN = 20;
+
+torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& arena, const torch::Tensor& exact_table,
+                              const torch::Tensor& q_table, const torch::Tensor& ranges, at::IntArrayRef layout,
+                              const std::optional<torch::Tensor>& rotation, double scaling) {
+  TORCH_CHECK(query.device().is_cpu(), "kvserve::paged_attention runs on the CPU");
+  TORCH_CHECK(query.dim() == 4, "query must be (B, Hq, n, d)");
+  TORCH_CHECK(layout.size() == LAYOUT_LEN, "layout must have ", LAYOUT_LEN, " entries");
+  TORCH_CHECK(arena.scalar_type() == torch::kUInt8 && arena.dim() == 2 && arena.is_contiguous(),
+              "arena must be a contiguous (num_pages, page_bytes) uint8 tensor");
+  TORCH_CHECK(exact_table.scalar_type() == torch::kLong && q_table.scalar_type() == torch::kLong,
+              "block tables must be int64");
+  TORCH_CHECK(ranges.scalar_type() == torch::kInt && ranges.dim() == 3 && ranges.size(2) == 3,
+              "ranges must be (B, n, 3) int32");
+  auto q = query.to(torch::kFloat).contiguous();
+  auto et = exact_table.contiguous(), qt = q_table.contiguous(), rg = ranges.contiguous();
+  PagedArgs a{};
+  a.B = q.size(0);
+  a.Hq = q.size(1);
+  a.n = q.size(2);
+  a.d = q.size(3);
+  a.page_bytes = layout[0];
+  a.H = layout[1];
+  TORCH_CHECK(layout[2] == a.d, "the query's head_dim must be the keys' width");
+  a.dv = layout[3];
+  TORCH_CHECK(a.H > 0 && a.Hq % a.H == 0, "query heads must be a multiple of the KV heads");
+  TORCH_CHECK(arena.size(1) == a.page_bytes, "the arena's pages are not page_bytes long");
+  TORCH_CHECK(et.size(0) == a.B && qt.size(0) == a.B && rg.size(0) == a.B && rg.size(1) == a.n,
+              "block tables and ranges must have one row per query row");
+  a.kv_dtype = static_cast<int>(layout[4]);
+  a.te = layout[5];
+  a.k_off = layout[6];
+  a.v_off = layout[7];
+  a.tq = layout[8];
+  a.group = layout[9];
+  a.k_bits = static_cast<int>(layout[10]);
+  a.v_bits = static_cast<int>(layout[11]);
+  a.ks_dtype = static_cast<int>(layout[12]);
+  a.vs_dtype = static_cast<int>(layout[13]);
+  a.kc_off = layout[14];
+  a.ks_off = layout[15];
+  a.kz_off = layout[16];
+  a.vc_off = layout[17];
+  a.vs_off = layout[18];
+  a.vz_off = layout[19];
+  TORCH_CHECK(a.te > 0, "an exact page must hold a token");
+  TORCH_CHECK(a.tq == 0 || (a.group > 0 && a.tq % a.group == 0), "quantized pages hold whole groups");
+  auto out = torch::empty({a.B, a.Hq, a.n, a.dv}, q.options());
+  torch::Tensor rot;
+  if (rotation.has_value() && rotation->defined()) {
+    rot = rotation->to(torch::kFloat).contiguous();
+    TORCH_CHECK(rot.size(0) == a.d && rot.size(1) == a.d && a.d == a.dv, "rotation must be (d, d), d == dv");
+    a.rotation = rot.data_ptr<float>();
+  }
+  a.query = q.data_ptr<float>();
+  a.out = out.data_ptr<float>();
+  a.arena = arena.data_ptr<uint8_t>();
+  a.exact_table = et.data_ptr<int64_t>();
+  a.pe = et.size(1);
+  a.q_table = qt.data_ptr<int64_t>();
+  a.pq = qt.size(1);
+  a.ranges = rg.data_ptr<int32_t>();
+  a.scaling = static_cast<float>(scaling);
+  const int64_t rep = a.Hq / a.H;
+  a.tile_tokens = std::max<int64_t>(1, 32 / rep);
+  a.tiles = (a.n + a.tile_tokens - 1) / a.tile_tokens;
+  const int64_t items = a.B * a.H * a.tiles;
+  const bool avx2 = use_avx2();
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    if (avx2) {
+      paged_attention_avx2(a, begin, end);
+    } else {
+      paged_attention_portable(a, begin, end);
+    }
+  });
+  return query.scalar_type() == torch::kFloat ? out : out.to(query.scalar_type());
+}
+
+}  // namespace
+
+std::string isa() { return use_avx2() ? "avx2" : "portable"; }
+
+TORCH_LIBRARY(kvserve, m) {
+  m.def("paged_attention(Tensor query, Tensor arena, Tensor exact_table, Tensor q_table, Tensor ranges, "
+        "int[] layout, Tensor? rotation, float scaling) -> Tensor");
+  m.def("kernel_isa() -> str", &isa);
+}
+
+TORCH_LIBRARY_IMPL(kvserve, CPU, m) { m.impl("paged_attention", &paged_attention); }
+
+}  // namespace kvserve

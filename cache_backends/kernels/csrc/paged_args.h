@@ -1,0 +1,39 @@
+// The arguments of one paged-attention call, as plain pointers and sizes (no torch types), shared by the op's
+// registration (ops.cpp) and the kernels compiled once per instruction set (attention_avx2.cpp,
+// attention_portable.cpp).
+#pragma once
+#include <cstdint>
+
+namespace kvserve {
+
+// Element types of the pool's exact tokens and of the quantized tiers' scales and zero points.
+enum DType : int { F32 = 0, BF16 = 1, F16 = 2 };
+
+struct PagedArgs {
+  const float* query;       // (B, Hq, n, d) fp32, contiguous
+  float* out;               // (B, Hq, n, dv) fp32, contiguous
+  const uint8_t* arena;     // (num_pages, page_bytes)
+  int64_t page_bytes;
+  const int64_t* exact_table;  // (B, pe): each row's exact pages, oldest first
+  int64_t pe;
+  const int64_t* q_table;      // (B, pq): each row's quantized pages
+  int64_t pq;
+  const int32_t* ranges;    // (B, n, 3): per query token, quantized tokens seen [0, q) and exact tokens [lo, hi)
+  const float* rotation;    // (d, d) Hadamard rotation of the quantized tier, or nullptr
+  int64_t B, Hq, H, n, d, dv;
+  int kv_dtype;             // DType of the exact tier
+  int64_t te, k_off, v_off; // exact tokens per page, byte offsets of layer's K and V slabs (heads, te, width)
+  int64_t tq, group;        // quantized tokens per page (0: none), key group size (tokens)
+  int k_bits, v_bits;       // 8 or 4
+  int ks_dtype, vs_dtype;   // DType of the scales and zero points
+  int64_t kc_off, ks_off, kz_off, vc_off, vs_off, vz_off;  // byte offsets of the quantized slabs
+  float scaling;            // softmax scale
+  int64_t tile_tokens;      // query tokens per work item
+  int64_t tiles;            // ceil(n / tile_tokens)
+};
+
+// Work items [begin, end) of (row b, KV head h, query tile), b-major.
+void paged_attention_avx2(const PagedArgs& a, int64_t begin, int64_t end);
+void paged_attention_portable(const PagedArgs& a, int64_t begin, int64_t end);
+
+}  // namespace kvserve

@@ -1,0 +1,182 @@
+"""The attention kernel (``torch.ops.kvserve.paged_attention``) against the torch path it replaces: the same pool, the
+same step, the same queries, read in place by the kernel or gathered and attended by
+:func:`cache_backends.paged_attention.attend_pair`, for every stored form a K/V pair takes (exact fp32/bf16/fp16,
+int8, int4, k8v4, a rotated tier, an on-demand tier), GQA ratios 1/3/8, head_dim 64/128/256, page sizes that leave
+rows ending on and off a page boundary, shuffled block tables, ragged decode batches and prefill chunks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from cache_backends import kernels
+from cache_backends.kv_spec import KVSpec, Quantization, kv_streams
+from cache_backends.page_layout import PageLayout
+from cache_backends.paged import InPlaceRead, in_place_layer, read_layer, write_layer
+from cache_backends.paged_attention import attend_pair
+from cache_backends.page_plan import SeqBlocks
+from cache_backends.pool import KVPool
+from cache_backends.step_meta import StepMeta
+
+pytestmark = pytest.mark.skipif(not kernels.load(), reason=f"the attention kernel is not available: "
+                                                           f"{kernels.status()['reason']}")
+
+TIERS = {
+    "exact": None,
+    "int8": Quantization(8, 8),
+    "int4": Quantization(8, 8, 4, 4),
+    "int4-rotated": Quantization(8, 8, 4, 4, rotate=True),
+    "k8v4": Quantization(8, 8, 8, 4),
+    "on-demand": Quantization(8, None, window=4),
+}
+# (KV heads, GQA ratio, head_dim)
+SHAPES = [(2, 1, 64), (1, 3, 128), (1, 8, 256), (3, 3, 64)]
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 8e-3, torch.float16: 1e-3}  # about 2 roundings of the output
+
+
+def _fp32(read):
+    """A gathered stream with its exact tokens, scales and zero points in fp32 (its codes as they are)."""
+    from cache_backends.paged import StreamRead
+
+    q = None if read.codes is None else (read.codes, read.scale.float(), read.zero.float())
+    return StreamRead(read.exact.float(), q, read.axis, read.group_size, read.bits, read.rotate)
+
+
+class Pool:
+    """A pool of one K/V layout over two layers, written with random K/V through the serving path's own planning
+    (:meth:`PageLayout.plan`, ``extend``, :func:`write_layer`, ``commit``), pages handed out in a shuffled order."""
+
+    def __init__(self, tier: str, heads: int, width: int, dtype: torch.dtype, tokens_per_page: int, seed: int):
+        spec = KVSpec(tuple(kv_streams(heads, width)), 2, dtype.itemsize, TIERS[tier])
+        page = -(-spec.exact_bytes(tokens_per_page, aligned=True) // 64) * 64
+        self.layout = PageLayout(spec, dtype, page)
+        self.pool = KVPool(400, self.layout.page_bytes, {"b": self.layout}, "cpu")
+        self.views = self.pool.views["b"]
+        self.gen = torch.Generator().manual_seed(seed)
+        self.free = list(range(1, 400))
+        random.Random(seed).shuffle(self.free)
+        self.heads, self.width, self.dtype = heads, width, dtype
+
+    def write(self, rows: list[SeqBlocks], lengths: list[int], commit: bool = True) -> StepMeta:
+        """Write ``lengths[i]`` random tokens into row ``i`` (one step) and return the step's metadata; ``commit``:
+        apply the step to the tables now (else :meth:`commit` does, after a comparison)."""
+        n = lengths[0]
+        plans = []
+        for blocks in rows:
+            plan = self.layout.plan(blocks, n)
+            pages = [self.free.pop() for _ in range(plan.pages_needed)]
+            self.pool.zero(pages)
+            self.layout.extend(blocks, plan, pages[: plan.new_exact_pages], pages[plan.new_exact_pages:])
+            plans.append(plan)
+        meta = StepMeta(self.layout, list(zip(rows, plans)), "cpu")
+        for layer in range(2):
+            new = [torch.randn(len(rows), self.heads, n, self.width, generator=self.gen).to(self.dtype) * 2
+                   for _ in range(2)]
+            write_layer(self.views, layer, meta, new)
+        self.pending = list(zip(rows, plans))
+        if commit:
+            self.commit()
+        return meta
+
+    def commit(self) -> None:
+        for blocks, plan in self.pending:
+            self.free.extend(self.layout.commit(blocks, plan))
+        self.pending = []
+
+    def compare(self, meta: StepMeta, rep: int) -> None:
+        """Both paths over every layer with random queries: equal within the dtype's tolerance."""
+        for layer in range(2):
+            query = torch.randn(meta.batch, self.heads * rep, meta.n, self.width, generator=self.gen).to(self.dtype)
+            with kernels.using("torch"):
+                reads = read_layer(self.views, layer, meta)
+                ref = attend_pair(query, reads[0], reads[1], meta, self.width ** -0.5)
+                gold = attend_pair(query.float(), *map(_fp32, reads), meta, self.width ** -0.5)
+            with kernels.using("kernel"):
+                got = attend_pair(query, *in_place_layer(self.views, layer), meta, self.width ** -0.5)
+            assert got.shape == ref.shape and got.dtype == ref.dtype
+            # the kernel computes in fp32 whatever the dtype: within the output's rounding of the torch path run in
+            # fp32 on the same stored K/V, and no further from it than the torch path in the model dtype
+            tol = TOLERANCE[self.dtype]
+            torch.testing.assert_close(got.float(), gold, rtol=tol, atol=tol)
+            assert (got.float() - gold).abs().max() <= max((ref.float() - gold).abs().max(), tol)
+
+
+def _grow(pool: Pool, rows: list[SeqBlocks], lengths: list[int], chunk: int) -> None:
+    """Prefill each row to its length in chunks of ``chunk`` tokens (one row a step)."""
+    for blocks, length in zip(rows, lengths):
+        while blocks.tokens < length:
+            pool.write([blocks], [min(chunk, length - blocks.tokens)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("tier", list(TIERS))
+@pytest.mark.parametrize("heads,rep,width", SHAPES, ids=[f"h{h}x{r}-d{w}" for h, r, w in SHAPES])
+def test_decode_of_a_ragged_batch_matches_the_torch_path(tier, heads, rep, width, dtype):
+    """Rows of 1, 7, 16 (a page boundary), 45 and 130 tokens, then a decode step of all of them (int8 tiers drain a
+    group inside it): each row's output equals the torch path's."""
+    pool = Pool(tier, heads, width, dtype, tokens_per_page=16, seed=width + heads + rep)
+    lengths = [1, 7, 16, 45, 130]
+    rows = [SeqBlocks() for _ in lengths]
+    _grow(pool, rows, lengths, chunk=24)
+    for _ in range(3):
+        pool.compare(pool.write(rows, [1] * len(rows), commit=False), rep)
+        pool.commit()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("tier", list(TIERS))
+@pytest.mark.parametrize("heads,rep,width", SHAPES[:3], ids=[f"h{h}x{r}-d{w}" for h, r, w in SHAPES[:3]])
+def test_a_prefill_chunk_over_stored_history_matches_the_torch_path(tier, heads, rep, width, dtype):
+    """A 37-token chunk (causal within it; int8 groups drain inside it) after 70 stored tokens, and the first chunk of
+    an empty row: the torch path's output."""
+    pool = Pool(tier, heads, width, dtype, tokens_per_page=16, seed=3 * width + rep)
+    rows = [SeqBlocks()]
+    _grow(pool, rows, [70], chunk=32)
+    pool.compare(pool.write(rows, [37], commit=False), rep)
+    fresh = [SeqBlocks()]
+    pool.compare(pool.write(fresh, [37], commit=False), rep)
+
+
+@pytest.mark.parametrize("tokens_per_page", [8, 13, 64])
+def test_page_sizes_and_shuffled_tables(tokens_per_page):
+    """Pages of 8, 13 (rows never end on a boundary with the same phase) and 64 tokens, a shuffled free list: the
+    torch path's output for a ragged decode and a chunk."""
+    pool = Pool("int8", 2, 64, torch.float32, tokens_per_page=tokens_per_page, seed=tokens_per_page)
+    rows = [SeqBlocks() for _ in range(3)]
+    _grow(pool, rows, [9, 40, 77], chunk=16)
+    pages = [p for b in rows for p in b.q + b.exact]
+    assert pages != sorted(pages)  # the tables are not in page order
+    pool.compare(pool.write(rows, [1, 1, 1], commit=False), rep=2)
+    pool.compare(pool.write([SeqBlocks()], [29], commit=False), rep=2)
+
+
+def test_the_portable_kernel_gives_what_the_avx2_one_gives(monkeypatch):
+    """The portable C++ path (what runs without AVX2) against the torch path, in a child process (the instruction
+    set is chosen once per process)."""
+    import subprocess
+    import sys
+
+    code = ("import torch, tests.test_kernels as t; from cache_backends import kernels; "
+            "assert torch.ops.kvserve.kernel_isa() == 'portable' if kernels.load() else False; "
+            "t.test_decode_of_a_ragged_batch_matches_the_torch_path('int4-rotated', 1, 3, 128, torch.float16); "
+            "t.test_a_prefill_chunk_over_stored_history_matches_the_torch_path('int8', 2, 1, 64, torch.float32)")
+    env = {**__import__("os").environ, "KVSERVE_KERNEL_PORTABLE": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_reads_are_in_place_only_where_the_kernel_is_active():
+    """``KV_ATTENTION=torch`` gathers; the kernel path hands attention the pool's views, no copy of a page."""
+    pool = Pool("exact", 1, 64, torch.float32, tokens_per_page=16, seed=0)
+    with kernels.using("torch"):
+        assert in_place_layer(pool.views, 0) is None
+    with kernels.using("kernel"):
+        reads = in_place_layer(pool.views, 0)
+        assert all(isinstance(r, InPlaceRead) and r.views.arena is pool.pool.arena for r in reads)
+
+
+def test_a_bad_mode_is_refused():
+    with pytest.raises(ValueError, match="KV_ATTENTION"):
+        kernels.configure("fast")
