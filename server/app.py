@@ -18,8 +18,8 @@ from server.api import openai, responses, system, tgi, tokenize, ui
 from server.api.request_model import json_schema_keywords
 from server.config import Settings
 from server.errors import install_error_handlers
-from server.middleware import (BearerAuth, BodyBounds, BodyTimeout, HeaderLimit, InFlight, JsonContentType,
-                               PayloadLimit)
+from server.middleware import (BearerAuth, BodyBounds, BodyTimeout, HeadAsGet, HeaderLimit, InFlight,
+                               JsonContentType, PayloadLimit)
 from server.state import ServerState
 
 log = logging.getLogger("kvserve")
@@ -72,6 +72,7 @@ def create_app(settings: Settings, load_in_background: bool = True, exit_on_load
     app.add_middleware(HeaderLimit, max_headers=settings.max_headers)
     if settings.api_key:
         app.add_middleware(BearerAuth, api_key=settings.api_key, static_paths=ui.PUBLIC_PATHS)
+    app.add_middleware(HeadAsGet)  # outermost: every check within sees the GET it answers as
     app.include_router(system.router)
     app.include_router(ui.router)
     app.include_router(tgi.router)

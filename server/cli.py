@@ -87,10 +87,20 @@ def passive_threads() -> None:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose errors (an unknown flag, a bad value, a missing argument) are one line on stderr,
+    naming the problem and where the flags are listed, with exit status 2: the usage printed above the error was
+    29 lines for ``kvserve serve``, with the error on the last."""
+
+    def error(self, message: str):
+        """Print ``PROG: error: MESSAGE (see PROG --help)`` and exit with status 2 (SystemExit)."""
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``kvserve`` parser: one subcommand each, its function in ``func``."""
-    parser = argparse.ArgumentParser(prog="kvserve", description="LLM inference server with pluggable KV caches.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = OneLineParser(prog="kvserve", description="LLM inference server with pluggable KV caches.")
+    sub = parser.add_subparsers(dest="command", required=True)  # the subcommands' parsers are OneLineParsers too
     p_serve = sub.add_parser("serve", help="serve the model over HTTP (settings: flags or environment variables)",
                              description="Serve the model over HTTP. Every setting is a flag or an environment "
                              "variable (--port 8080 or PORT=8080); a flag wins.", allow_abbrev=False)
@@ -129,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(p_bench)
     p_bench.set_defaults(func=bench)
-    for subparser in sub.choices.values():  # main() reports an unknown flag with the subcommand's own usage
+    for subparser in sub.choices.values():  # main() reports an unknown flag with the subcommand's name
         subparser.set_defaults(subparser=subparser)
     return parser
 
@@ -140,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     passive_threads()
     args, unknown = build_parser().parse_known_args(argv)
     subparser = args.__dict__.pop("subparser")
-    if unknown:  # `kvserve serve --bogus 1`: serve's usage and the flag (exit 2), not the top-level usage
+    if unknown:  # `kvserve serve --bogus 1`: one line naming serve and the flag (exit 2), not the top-level parser
         subparser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         status = args.func(args)

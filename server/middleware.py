@@ -1,6 +1,6 @@
-"""ASGI middleware at the HTTP edge: JSON content type, body-read timeout, body-size limit, bounds on a JSON
-body's shape, header count, optional bearer-token authentication, and the count of generation requests in flight
-(``MAX_CONCURRENT_REQUESTS``, and refusal while draining).
+"""ASGI middleware at the HTTP edge: HEAD answered as GET, JSON content type, body-read timeout, body-size limit,
+bounds on a JSON body's shape, header count, optional bearer-token authentication, and the count of generation
+requests in flight (``MAX_CONCURRENT_REQUESTS``, and refusal while draining).
 
 Each answers with the same JSON error bodies as the routes (TGI's form, OpenAI's on ``/v1``) and never
 lets a refused request reach a route.
@@ -47,6 +47,29 @@ def _replay(body: bytes, receive):
 
 def _invalid_status(scope) -> int:
     return 400 if openai_path(scope["path"]) else 422
+
+
+class HeadAsGet:
+    """Answer ``HEAD`` as ``GET`` without the body (RFC 9110 section 9.3.2): the GET's status and headers
+    (``Content-Length`` the GET's), for every path, so a path without a GET route answers HEAD as it answers GET
+    (404, or 405 naming its methods). FastAPI's routes take only the methods they name: ``HEAD /metrics`` was 405,
+    and aiperf probes ``/metrics`` with HEAD before it starts."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("method") != "HEAD":
+            return await self.app(scope, receive, send)
+
+        async def headers_only(message):
+            if message["type"] == "http.response.body":
+                if message.get("more_body", False):
+                    return  # a streamed body's parts: none is sent
+                message = {"type": "http.response.body", "body": b"", "more_body": False}
+            await send(message)
+
+        return await self.app({**scope, "method": "GET"}, receive, headers_only)
 
 
 class HeaderLimit:

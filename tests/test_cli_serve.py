@@ -7,6 +7,8 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import MODEL_DIR, REPO, RunningServer, free_port
 
 
@@ -31,13 +33,22 @@ def test_ctrl_c_exits_130_with_no_traceback():
     assert "Finished server process" in log, log[-3000:]
 
 
-def test_an_unknown_serve_flag_prints_the_serve_usage():
-    """It printed the top-level ``usage: kvserve [-h] {serve,calibrate,...}``, not serve's flags."""
-    proc = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--bogus-flag", "1"], capture_output=True,
-                          text=True, timeout=120)
+@pytest.mark.parametrize("args,line", [
+    (["serve", "--nosuch"], "kvserve serve: error: unrecognized arguments: --nosuch (see kvserve serve --help)"),
+    (["serve", "--bogus-flag", "1"], "kvserve serve: error: unrecognized arguments: --bogus-flag 1 (see kvserve "
+     "serve --help)"),
+    (["estimate", "--nosuch"], "kvserve estimate: error: unrecognized arguments: --nosuch (see kvserve estimate "
+     "--help)"),
+    (["serve", "--port"], "kvserve serve: error: argument --port: expected one argument (see kvserve serve --help)"),
+    (["nosuch"], "kvserve: error: argument command: invalid choice: 'nosuch' (choose from 'serve', 'calibrate', "
+     "'estimate', 'advise', 'fetch-model', 'bench') (see kvserve --help)"),
+])
+def test_an_unknown_flag_is_one_line_naming_it(args, line):
+    """``kvserve serve --nosuch`` printed serve's usage, 29 lines, above the error (before that the top-level
+    usage): one line names the subcommand and the flag, and where the flags are listed."""
+    proc = subprocess.run([sys.executable, "-m", "server.cli", *args], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.startswith("usage: kvserve serve "), proc.stderr[:500]
-    assert proc.stderr.strip().splitlines()[-1] == "kvserve serve: error: unrecognized arguments: --bogus-flag 1"
+    assert proc.stderr.splitlines() == [line] and proc.stdout == ""
 
 
 def test_a_host_that_does_not_resolve_exits_2_naming_host():

@@ -274,6 +274,36 @@ def test_the_core_process_watches_its_server_from_before_it_loads(monkeypatch, t
     assert watched == [4242, "load"]
 
 
+@pytest.mark.parametrize("given", [{}, {"KV_MLA_RANK": "32", "KV_INT4_ROTATE": "false", "KV_DCA_WINDOW": "64"}])
+def test_the_core_process_tells_a_given_option_from_a_default(monkeypatch, tmp_path, given):
+    """The quality budget searches only the options left at their defaults (``Settings.explicit_options``). The
+    core process rebuilt its settings from every field, so every option read as given there (``mla``: ``set()``
+    in the server, ``{'rank'}`` in the core) and the budget never searched in the default mode."""
+    import types
+
+    from server.config import BACKEND_OPTIONS, load_settings
+    from server.engine import core, core_host
+    from server.engine import messages as m
+
+    for name, value in given.items():
+        monkeypatch.setenv(name, value)
+    settings = load_settings(model_id=str(tmp_path), kv_backends="full", port=8123)
+    env = {}
+    popen = lambda argv, **kw: env.update(kw["env"])  # noqa: E731 - the core's environment, no process
+    monkeypatch.setattr(core_host, "subprocess", types.SimpleNamespace(Popen=popen))
+    core_host.CoreProcess(settings, f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out")
+    rebuilt = []
+    monkeypatch.setattr(core, "watch_parent", lambda pid: None)
+    monkeypatch.setattr(core, "load_and_serve", lambda s, *a: rebuilt.append(s) or 1)
+    monkeypatch.setenv(m.SETTINGS_ENV, env[m.SETTINGS_ENV])
+    assert core.main([f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out"]) == 1
+    (core_settings,) = rebuilt
+    assert core_settings == settings  # the same values, defaults included
+    for name in [*BACKEND_OPTIONS, "mla+int4", "gqa+int8", "dca+mla"]:
+        assert core_settings.explicit_options(name) == settings.explicit_options(name), name
+    assert settings.explicit_options("mla") == ({"rank"} if given else set())
+
+
 def test_a_core_whose_server_is_gone_exits():
     import subprocess
     import sys

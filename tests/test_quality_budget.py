@@ -111,16 +111,23 @@ def test_only_explicit_options_are_kept_from_the_search(monkeypatch):
     assert s.explicit_options("gqa") == set()
 
 
-def test_the_server_reports_its_choice_and_a_setting_over_the_budget():
-    server = RunningServer({"KV_BACKEND": "gqa", "KV_BACKENDS": "full,int8", "KV_GQA_GROUPS": "1",
-                            "KV_GQA_METHOD": "mean"})
+@pytest.mark.parametrize("engine_process", ["true", "false"])
+def test_the_server_reports_its_choice_and_a_setting_over_the_budget(engine_process):
+    """In both engine modes: the core in its own process (the default) rebuilt its settings with every option
+    given, so it searched nothing (mla's rank and int4's rotation here; gqa's groups at +424% on SmolLM2)."""
+    server = RunningServer({"KV_BACKEND": "gqa", "KV_BACKENDS": "full,int8,int4,mla", "KV_GQA_GROUPS": "1",
+                            "KV_GQA_METHOD": "mean", "ENGINE_PROCESS": engine_process, "LOG_LEVEL": "info"})
     try:
         info = httpx.get(server.url + "/info", timeout=10).json()
     finally:
         server.stop()
     log = server.proc.stdout.read()
     quality = info["kv_quality"]
-    assert info["kv_quality_budget_pct"] == 1.0 and set(quality) == {"gqa", "full", "int8"}
+    assert info["kv_quality_budget_pct"] == 1.0 and set(quality) == {"gqa", "full", "int8", "int4", "mla"}
+    for name, axis in [("int4", "rotate"), ("mla", "rank")]:
+        assert quality[name]["searched"] == axis and not quality[name]["explicit"], quality[name]
+        assert quality[name]["within_budget"] is True
+        assert f"kvserve.budget: {name}: {quality[name]['spec']}: chosen by the quality budget of +1%" in log
     assert quality["gqa"]["explicit"] and quality["gqa"]["within_budget"] is False
     assert "over the quality budget" in quality["gqa"]["message"]
     assert quality["int8"]["within_budget"] is True and quality["int8"]["price"]["kl"] < 1e-3

@@ -28,12 +28,16 @@ class CoreProcess:
     client's ``ipc://`` sockets and exits when the HTTP process is gone.
 
     Args:
-        settings: the server's :class:`~server.config.Settings` (sent as JSON).
+        settings: the server's :class:`~server.config.Settings` (sent as JSON: the fields that were given alone,
+            so that the core's rebuilt settings tell a given option from a default as this process's do; the
+            quality budget searches only options left at their defaults, ``Settings.explicit_options``).
         in_addr, out_addr: the client's bound addresses, for the core's inputs and its outputs.
     """
 
     def __init__(self, settings, in_addr: str, out_addr: str):
-        env = {**os.environ, m.SETTINGS_ENV: settings.model_dump_json(), m.PARENT_ENV: str(os.getpid())}
+        # every field dumped would be a field set in the core: explicit_options would name every option there
+        given = settings.model_dump_json(exclude_unset=True)  # the rest are the defaults (the same environment)
+        env = {**os.environ, m.SETTINGS_ENV: given, m.PARENT_ENV: str(os.getpid())}
         # a session of its own: a terminal's Ctrl-C (SIGINT to the foreground process group) reaches the server,
         # which drains and then ends the core; the core ignores SIGINT and SIGTERM sent to it all the same
         # (systemd's control-group kill), and ends with its server (server.engine.core.main)

@@ -11,6 +11,12 @@ moving averages over the engine's own steps; it then sizes a step's prefill toke
 streams keep their pace: the trade vLLM's chunked prefill makes by scheduling decode tokens first, made here
 with a measured bound.
 
+A prefilled token's cost is pooled over the steps with a chunk (the moving average of their time over a decode
+step, over the moving average of their prefilled tokens), not averaged step by step: a decode step measured slower
+than a later step with a chunk (a machine shared with other jobs) made that step's share 0, and pulled the average
+towards it. The pool can still be 0 or less where chunks cost nothing measurable (a GPU), so the cost is floored at
+a decode step's share of :data:`MAX_TOKENS_PER_DECODE_STEP` tokens: it stays positive, and the bound finite.
+
 Plain Python (no torch).
 """
 
@@ -18,6 +24,9 @@ from __future__ import annotations
 
 MIN_ITL_CHUNK = 16
 """The fewest prompt tokens a step with decode tokens prefills under the bound (while that many are left): one block."""
+MAX_TOKENS_PER_DECODE_STEP = 4096
+"""The most prompt tokens taken to cost one decode step: a prefilled token costs at least ``decode_s / 4096`` (a
+bound of ``(ratio - 1) * 4096`` tokens, past any configured ``MAX_NUM_BATCHED_TOKENS`` but finite)."""
 
 
 class ChunkBudget:
@@ -30,8 +39,10 @@ class ChunkBudget:
 
     Attributes:
         decode_s: the moving average of a decode-only step's seconds, or ``None`` before one ran.
-        token_s: the moving average of what one prefilled token adds to a step (seconds), or ``None`` before a
-            step with a prefill chunk ran after a decode-only one.
+        token_s: what one prefilled token adds to a step (seconds, > 0): the moving average of the steps with a
+            prefill chunk's time over ``decode_s`` over the moving average of their prefilled tokens, at least
+            ``decode_s /`` :data:`MAX_TOKENS_PER_DECODE_STEP`; ``None`` before a step with a prefill chunk ran after
+            a decode-only one.
     """
 
     def __init__(self, ratio: float | None, weight: float = 0.2):
@@ -40,6 +51,8 @@ class ChunkBudget:
         self.ratio, self.weight = ratio, weight
         self.decode_s: float | None = None
         self.token_s: float | None = None
+        self._over_s: float | None = None  # moving average of a chunk's step time over decode_s (may be < 0)
+        self._tokens: float | None = None  # moving average of a chunk's prefilled tokens
 
     def observe(self, prefill_tokens: int, decode_rows: int, seconds: float) -> None:
         """Account a step that ran ``prefill_tokens`` prompt tokens beside ``decode_rows`` decode tokens in
@@ -48,7 +61,9 @@ class ChunkBudget:
             if decode_rows:
                 self.decode_s = self._mix(self.decode_s, seconds)
         elif decode_rows and self.decode_s is not None:
-            self.token_s = self._mix(self.token_s, max(0.0, seconds - self.decode_s) / prefill_tokens)
+            self._over_s = self._mix(self._over_s, seconds - self.decode_s)  # not clamped: noise either way cancels
+            self._tokens = self._mix(self._tokens, prefill_tokens)
+            self.token_s = max(self._over_s / self._tokens, self.decode_s / MAX_TOKENS_PER_DECODE_STEP)
 
     def tokens(self, decoding: int, budget: int | None) -> int | None:
         """Prefill tokens for a step beside ``decoding`` decode tokens, within the configured ``budget`` (``None``:

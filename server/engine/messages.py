@@ -19,7 +19,8 @@ import msgspec
 
 
 SETTINGS_ENV = "KVSERVE_CORE_SETTINGS"
-"""The environment variable that carries the server's settings (JSON) to a core process."""
+"""The environment variable that carries the server's settings to a core process: JSON of the fields that were
+given (environment, flags, arguments), so that the core tells a given option from a default as the server does."""
 PARENT_ENV = "KVSERVE_CORE_PARENT"
 """The environment variable that names the server process (its pid) the engine core process serves."""
 
