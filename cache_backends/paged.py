@@ -156,10 +156,13 @@ def write_layer(views: PoolViews, layer: int, meta: StepMeta, new: list[torch.Te
     Args:
         new: per stream, (B, heads, n, width) in batch order.
     """
-    for s, x in enumerate(new):
-        pool = views.exact[layer][s]
-        h, w = x.shape[1], x.shape[-1]
-        pool[:, meta.write_pages, meta.write_slots] = x.transpose(0, 1).reshape(h, -1, w).to(pool.dtype)  # (h, B*n, w)
+    if len(new) == 2 and kernels.active(views.arena.device) and kernels.fits(views.layout):
+        kernels.paged_write(views, layer, meta, new[0], new[1])  # K and V in one op
+    else:
+        for s, x in enumerate(new):
+            pool = views.exact[layer][s]
+            h, w = x.shape[1], x.shape[-1]
+            pool[:, meta.write_pages, meta.write_slots] = x.transpose(0, 1).reshape(h, -1, w).to(pool.dtype)
     drain_layer(views, layer, meta.drain)
 
 

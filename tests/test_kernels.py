@@ -53,6 +53,7 @@ class Pool:
         page = -(-spec.exact_bytes(tokens_per_page, aligned=True) // 64) * 64
         self.layout = PageLayout(spec, dtype, page)
         self.pool = KVPool(400, self.layout.page_bytes, {"b": self.layout}, "cpu")
+        self.pool.arena.zero_()  # pages never handed out are compared too (test_the_fused_write_...)
         self.views = self.pool.views["b"]
         self.gen = torch.Generator().manual_seed(seed)
         self.free = list(range(1, 400))
@@ -180,3 +181,54 @@ def test_reads_are_in_place_only_where_the_kernel_is_active():
 def test_a_bad_mode_is_refused():
     with pytest.raises(ValueError, match="KV_ATTENTION"):
         kernels.configure("fast")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("tier", ["exact", "int8", "int4-rotated"])
+def test_the_fused_write_stores_what_the_torch_write_stores(tier, dtype):
+    """The same steps (prefill chunks and decode steps of a ragged batch; int8 groups drain) written by
+    ``kvserve::paged_write`` and by the torch path's indexed copies leave the same bytes in the pool."""
+    arenas = []
+    for mode in ("kernel", "torch"):
+        with kernels.using(mode):
+            pool = Pool(tier, 2, 64, dtype, tokens_per_page=16, seed=11)
+            rows = [SeqBlocks() for _ in range(3)]
+            _grow(pool, rows, [5, 33, 70], chunk=20)
+            for _ in range(4):
+                pool.write(rows, [1, 1, 1])
+            arenas.append(pool.pool.arena.clone())
+    assert torch.equal(arenas[0], arenas[1])
+
+
+def test_a_decode_steps_kv_path_is_two_ops_per_layer():
+    """With the kernel, a decode step writes a layer's K and V in one op and attends in one: two ops per layer
+    (the torch path: indexed copies per stream, a gather and the attention's ops)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view:
+                self.ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    pool = Pool("int8", 3, 64, torch.float32, tokens_per_page=16, seed=5)
+    rows = [SeqBlocks() for _ in range(4)]
+    _grow(pool, rows, [50, 60, 70, 80], chunk=64)
+    counts = {}
+    for mode in ("kernel", "torch"):
+        with kernels.using(mode):
+            meta = pool.write(rows, [1] * 4, commit=False)  # builds the step's metadata (once per step, not per layer)
+            query = torch.randn(4, 9, 1, 64)
+            new = [torch.randn(4, 3, 1, 64) for _ in range(2)]
+            with Count() as counter:
+                write_layer(pool.views, 0, meta, new)
+                reads = in_place_layer(pool.views, 0) or read_layer(pool.views, 0, meta)
+                attend_pair(query, reads[0], reads[1], meta, 0.125)
+            pool.commit()
+            counts[mode] = counter.ops
+    assert counts["kernel"] == ["paged_write", "paged_attention"], counts["kernel"]
+    assert len(counts["torch"]) > 10

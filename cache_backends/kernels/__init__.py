@@ -122,6 +122,10 @@ def _register_fake() -> None:
     def _(query, arena, exact_table, q_table, ranges, layout, rotation, scaling):
         return query.new_empty(*query.shape[:-1], layout[3])
 
+    @torch.library.register_fake("kvserve::paged_write")
+    def _(arena, key, value, write_pages, write_slots, layout):
+        return None
+
     _register_fake.done = True
 
 
@@ -211,10 +215,7 @@ def paged_attention(query: torch.Tensor, keys, values, meta, scaling: float) -> 
         (B, Hq, n, dv) in the query's dtype.
     """
     views, layer = keys.views, keys.layer
-    cache = views.__dict__.setdefault("kernel_layout", {})
-    args = cache.get(layer)
-    if args is None:
-        args = cache[layer] = layout_args(views.layout, layer)
+    args = _layer_args(views, layer)
     q = views.layout.quantization
     rotation = None
     if q and q.rotate and meta.q_width:
@@ -223,3 +224,20 @@ def paged_attention(query: torch.Tensor, keys, values, meta, scaling: float) -> 
         rotation = hadamard(args[2], torch.float32, query.device)
     return torch.ops.kvserve.paged_attention(query, views.arena, meta.exact_table, meta.q_table, meta.ranges, args,
                                              rotation, scaling)
+
+
+def _layer_args(views, layer: int) -> list[int]:
+    """:func:`layout_args` of ``views``' layout, computed once per layer."""
+    cache = views.__dict__.setdefault("kernel_layout", {})
+    args = cache.get(layer)
+    if args is None:
+        args = cache[layer] = layout_args(views.layout, layer)
+    return args
+
+
+def paged_write(views, layer: int, meta, key: torch.Tensor, value: torch.Tensor) -> None:
+    """Write a step's new K/V, (B, heads, n, width) each, into their exact slots (``meta.write_pages`` and
+    ``write_slots``) of ``layer``, in one op; cast to the pool's dtype first when they are in another."""
+    dtype = views.layout.dtype
+    torch.ops.kvserve.paged_write(views.arena, key.to(dtype), value.to(dtype), meta.write_pages, meta.write_slots,
+                                  _layer_args(views, layer))

@@ -1,4 +1,5 @@
-// kvserve's custom ops (torch.library): `kvserve::paged_attention`, attention of a step's queries over one layer's
+// kvserve's custom ops (torch.library): `kvserve::paged_write`, a step's new K/V copied into their exact slots, and
+// `kvserve::paged_attention`, attention of a step's queries over one layer's
 // K/V read in place from the paged pool, every stored form (exact fp32/bf16/fp16 pages, int8/int4/k8v4 codes with
 // their scales, a Hadamard-rotated tier, the exact residual window) in one call. The kernel is chosen once per
 // process from what the CPU reports (AVX2 + FMA + F16C, else portable C++) and split over the work items
@@ -6,6 +7,9 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <torch/types.h>
+
+#include <cstring>
+#include <utility>
 
 #include "paged_args.h"
 
@@ -106,6 +110,43 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& a
   return query.scalar_type() == torch::kFloat ? out : out.to(query.scalar_type());
 }
 
+// Write a step's new K/V (B, H, n, width each, the pool's dtype) into their exact slots: token (b, i) of head h at
+// slot write_slots[b * n + i] of page write_pages[b * n + i], in the layer's K and V slabs.
+void paged_write(torch::Tensor arena, const torch::Tensor& key, const torch::Tensor& value,
+                 const torch::Tensor& write_pages, const torch::Tensor& write_slots, at::IntArrayRef layout) {
+  TORCH_CHECK(layout.size() == LAYOUT_LEN, "layout must have ", LAYOUT_LEN, " entries");
+  TORCH_CHECK(arena.scalar_type() == torch::kUInt8 && arena.dim() == 2 && arena.is_contiguous(),
+              "arena must be a contiguous (num_pages, page_bytes) uint8 tensor");
+  TORCH_CHECK(key.dim() == 4 && value.dim() == 4 && key.size(0) == value.size(0) && key.size(2) == value.size(2),
+              "key and value must be (B, H, n, width)");
+  const int64_t page_bytes = layout[0], heads = layout[1], te = layout[5], k_off = layout[6], v_off = layout[7];
+  const int64_t num_pages = arena.size(0);
+  TORCH_CHECK(key.size(1) == heads && value.size(1) == heads && key.size(3) == layout[2] && value.size(3) == layout[3],
+              "key and value do not have the layout's heads and widths");
+  const int64_t B = key.size(0), n = key.size(2);
+  auto pages = write_pages.contiguous(), slots = write_slots.contiguous();
+  TORCH_CHECK(pages.scalar_type() == torch::kLong && slots.scalar_type() == torch::kLong &&
+              pages.numel() == B * n && slots.numel() == B * n, "write_pages and write_slots must be (B * n,) int64");
+  const int64_t* pg = pages.data_ptr<int64_t>();
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < B * n; ++t)
+    TORCH_CHECK(pg[t] >= 0 && pg[t] < num_pages && sl[t] >= 0 && sl[t] < te, "a write slot is outside the pool");
+  uint8_t* base = arena.data_ptr<uint8_t>();
+  for (const auto& [x, off] : {std::pair<const torch::Tensor&, int64_t>{key, k_off}, {value, v_off}}) {
+    auto src = x.stride(3) == 1 ? x : x.contiguous();
+    const int64_t width = src.size(3), es = src.element_size(), row = width * es;
+    const auto* data = static_cast<const uint8_t*>(src.data_ptr());
+    const int64_t sb = src.stride(0) * es, sh = src.stride(1) * es, si = src.stride(2) * es;
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t t = b * n + i;
+        uint8_t* page = base + pg[t] * page_bytes + off;
+        for (int64_t h = 0; h < heads; ++h)
+          std::memcpy(page + (h * te + sl[t]) * row, data + b * sb + h * sh + i * si, row);
+      }
+  }
+}
+
 }  // namespace
 
 std::string isa() { return use_avx2() ? "avx2" : "portable"; }
@@ -113,9 +154,14 @@ std::string isa() { return use_avx2() ? "avx2" : "portable"; }
 TORCH_LIBRARY(kvserve, m) {
   m.def("paged_attention(Tensor query, Tensor arena, Tensor exact_table, Tensor q_table, Tensor ranges, "
         "int[] layout, Tensor? rotation, float scaling) -> Tensor");
+  m.def("paged_write(Tensor(a!) arena, Tensor key, Tensor value, Tensor write_pages, Tensor write_slots, "
+        "int[] layout) -> ()");
   m.def("kernel_isa() -> str", &isa);
 }
 
-TORCH_LIBRARY_IMPL(kvserve, CPU, m) { m.impl("paged_attention", &paged_attention); }
+TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("paged_write", &paged_write);
+}
 
 }  // namespace kvserve
