@@ -283,17 +283,21 @@ inline void widen_exact(const uint8_t* src, int dtype, int64_t width, float* dst
   for (; c < width; ++c) dst[c] = load_one(src, dtype, c);
 }
 
-// One token's codes as they are (no scale): int8, or 4-bit nibbles (channel c < width/2 low, c + width/2 high).
-inline void widen_codes(const uint8_t* codes, int bits, int64_t width, float* dst) {
+// One token of a per-channel stream (a key): code[c] * scale[c] + zero[c]. 8-bit codes are int8; 4-bit codes
+// are nibbles, channel c < width/2 in the low nibble of byte c, channel c + width/2 in its high nibble.
+inline void widen_channel(const uint8_t* codes, int bits, const uint8_t* scale, const uint8_t* zero, int sdtype,
+                          int64_t width, float* dst) {
+  const int64_t es = sdtype == F32 ? 4 : 2;
   if (bits == 8) {
     const int8_t* q = reinterpret_cast<const int8_t*>(codes);
     int64_t c = 0;
 #ifdef KVK_AVX2
-    for (; c + 8 <= width; c += 8)
-      _mm256_storeu_ps(dst + c, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                    _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + c)))));
+    for (; c + 8 <= width; c += 8) {
+      __m256 cv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + c))));
+      _mm256_storeu_ps(dst + c, _mm256_fmadd_ps(cv, load8(scale + c * es, sdtype), load8(zero + c * es, sdtype)));
+    }
 #endif
-    for (; c < width; ++c) dst[c] = q[c];
+    for (; c < width; ++c) dst[c] = q[c] * load_one(scale, sdtype, c) + load_one(zero, sdtype, c);
     return;
   }
   const int64_t half = width / 2;
@@ -302,19 +306,53 @@ inline void widen_codes(const uint8_t* codes, int bits, int64_t width, float* ds
   const __m256i low = _mm256_set1_epi32(15);
   for (; c + 8 <= half; c += 8) {
     __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + c)));
-    _mm256_storeu_ps(dst + c, _mm256_cvtepi32_ps(_mm256_and_si256(b, low)));
-    _mm256_storeu_ps(dst + half + c, _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)));
+    __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, low)), hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+    _mm256_storeu_ps(dst + c, _mm256_fmadd_ps(lo, load8(scale + c * es, sdtype), load8(zero + c * es, sdtype)));
+    _mm256_storeu_ps(dst + half + c, _mm256_fmadd_ps(hi, load8(scale + (half + c) * es, sdtype),
+                                                     load8(zero + (half + c) * es, sdtype)));
   }
 #endif
   for (; c < half; ++c) {
-    dst[c] = codes[c] & 15;
-    dst[half + c] = codes[c] >> 4;
+    dst[c] = (codes[c] & 15) * load_one(scale, sdtype, c) + load_one(zero, sdtype, c);
+    dst[half + c] = (codes[c] >> 4) * load_one(scale, sdtype, half + c) + load_one(zero, sdtype, half + c);
+  }
+}
+
+// One token of a per-token stream (a value): code[c] * s + z.
+inline void widen_token(const uint8_t* codes, int bits, float s, float z, int64_t width, float* dst) {
+  if (bits == 8) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(codes);
+    int64_t c = 0;
+#ifdef KVK_AVX2
+    const __m256 sv = _mm256_set1_ps(s), zv = _mm256_set1_ps(z);
+    for (; c + 8 <= width; c += 8) {
+      __m256 cv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + c))));
+      _mm256_storeu_ps(dst + c, _mm256_fmadd_ps(cv, sv, zv));
+    }
+#endif
+    for (; c < width; ++c) dst[c] = q[c] * s + z;
+    return;
+  }
+  const int64_t half = width / 2;
+  int64_t c = 0;
+#ifdef KVK_AVX2
+  const __m256 sv = _mm256_set1_ps(s), zv = _mm256_set1_ps(z);
+  const __m256i low = _mm256_set1_epi32(15);
+  for (; c + 8 <= half; c += 8) {
+    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + c)));
+    _mm256_storeu_ps(dst + c, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, low)), sv, zv));
+    _mm256_storeu_ps(dst + half + c, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), sv, zv));
+  }
+#endif
+  for (; c < half; ++c) {
+    dst[c] = (codes[c] & 15) * s + z;
+    dst[half + c] = (codes[c] >> 4) * s + z;
   }
 }
 
 // ---------------------------------------------------------------------------------------------- the work item
 struct Scratch {
-  std::vector<float> q, qr, qs, bias, sg, zg, vs, vz, acc_q, acc_e, m, l, s, p, k, v;
+  std::vector<float> q, qr, acc_q, acc_e, m, l, s, p, k, v;
   std::vector<const float*> kp, vp;
 };
 
@@ -322,9 +360,9 @@ struct Scratch {
 // row r sees the tier's tokens [lo[r], hi[r]). Scores with `qs` (M x d), weighted values into `acc` (M x dv);
 // `other`: the other tier's accumulator when the tiers sum apart (a rotated quantized tier), else nullptr. Two
 // neighbouring rows that see the same tokens (the query heads of one KV head) are scored and summed together.
-inline void attend_block(int64_t M, int64_t d, int64_t dv, const float* qs, const float* bias, const float* const* kp,
-                         const float* const* vp, const float* vs, const float* vz, int64_t t0, int64_t nj,
-                         const int64_t* lo, const int64_t* hi, Scratch& w, float* acc, float* other) {
+inline void attend_block(int64_t M, int64_t d, int64_t dv, const float* qs, const float* const* kp,
+                         const float* const* vp, int64_t t0, int64_t nj, const int64_t* lo, const int64_t* hi,
+                         Scratch& w, float* acc, float* other) {
   constexpr float NEG = -std::numeric_limits<float>::infinity();
   float* s = w.s.data();
   float* p = w.p.data();
@@ -341,9 +379,7 @@ inline void attend_block(int64_t M, int64_t d, int64_t dv, const float* qs, cons
     float alpha[2] = {1.f, 1.f};
     for (int k = 0; k < rows; ++k) {
       const int64_t row = r + k;
-      float* sk = s + k * BN;
-      if (bias != nullptr)
-        for (int64_t j = j0; j < j1; ++j) sk[j] += bias[row];
+      const float* sk = s + k * BN;
       const float mx = max_of(sk, j0, j1);
       const float m_new = std::max(w.m[row], mx);
       alpha[k] = w.m[row] == NEG ? 0.f : std::exp(w.m[row] - m_new);
@@ -352,20 +388,7 @@ inline void attend_block(int64_t M, int64_t d, int64_t dv, const float* qs, cons
       if (other != nullptr && alpha[k] != 1.f)  // the other tier's accumulator (rotated codes) rescales too
         for (int64_t c = 0; c < dv; ++c) other[row * dv + c] *= alpha[k];
     }
-    float zsum[2] = {0.f, 0.f};
-    if (vs != nullptr) {  // codes: Σ p_t (c_t s_t + z_t) = Σ (p_t s_t) c_t + Σ p_t z_t
-      for (int k = 0; k < rows; ++k) {
-        float* pk = p + k * BN;
-        for (int64_t j = j0; j < j1; ++j) {
-          zsum[k] += pk[j] * vz[j];
-          pk[j] *= vs[j];
-        }
-      }
-    }
     weighted_values(acc + r * dv, alpha[0], p, pair ? acc + (r + 1) * dv : nullptr, alpha[1], p + BN, vp, j0, j1, dv);
-    if (vs != nullptr)
-      for (int k = 0; k < rows; ++k)
-        for (int64_t c = 0; c < dv; ++c) acc[(r + k) * dv + c] += zsum[k];
     r += rows;
   }
 }
@@ -407,60 +430,37 @@ inline void run_item(const PagedArgs& a, int64_t item, Scratch& w) {
   }
   const float** kp = w.kp.data();
   const float** vp = w.vp.data();
-  // the quantized tier, a block per key group: q . (c s_g + z_g) = (q s_g) . c + q . z_g, the group's scales
-  // folded into the queries and the values' into the weights; only the codes are widened (into the scratch)
+  // the quantized tier: keys per channel over groups, values per token, widened into the scratch
   if (q_max > 0) {
     const int64_t kcw = d * a.k_bits / 8, vcw = dv * a.v_bits / 8, groups = a.tq / a.group;
     const int64_t kse = a.ks_dtype == F32 ? 4 : 2;
-    const int64_t* table = a.q_table + b * a.pq;
-    const float* qsrc = rotated ? w.qr.data() : w.q.data();
-    float* qs = w.qs.data();
-    float* bias = w.bias.data();
-    float* sg = w.sg.data();
-    float* zg = w.zg.data();
-    int64_t pi = 0, u = 0;  // the next token's page and slot
-    for (int64_t t0 = 0; t0 < q_max;) {
-      const int64_t nj = std::min({BN, a.group - u % a.group, q_max - t0});
-      const uint8_t* base = a.arena + table[pi] * a.page_bytes;
-      const int64_t g = u / a.group;
-      widen_exact(base + a.ks_off + (h * groups + g) * d * kse, a.ks_dtype, d, sg);
-      widen_exact(base + a.kz_off + (h * groups + g) * d * kse, a.ks_dtype, d, zg);
-      for (int64_t r = 0; r < M; ++r) {
-        for (int64_t c = 0; c < d; ++c) qs[r * d + c] = qsrc[r * d + c] * sg[c];
-        bias[r] = dot(qsrc + r * d, zg, d);
-      }
-      for (int64_t j = 0; j < nj; ++j, ++u) {
+    for (int64_t t0 = 0; t0 < q_max; t0 += BN) {
+      const int64_t nj = std::min(BN, q_max - t0);
+      for (int64_t j = 0; j < nj; ++j) {
+        const int64_t t = t0 + j, u = t % a.tq, g = u / a.group;
+        const uint8_t* base = a.arena + a.q_table[b * a.pq + t / a.tq] * a.page_bytes;
         float* kj = w.k.data() + j * d;
         float* vj = w.v.data() + j * dv;
-        widen_codes(base + a.kc_off + (h * a.tq + u) * kcw, a.k_bits, d, kj);
-        widen_codes(base + a.vc_off + (h * a.tq + u) * vcw, a.v_bits, dv, vj);
-        w.vs[j] = load_one(base + a.vs_off, a.vs_dtype, h * a.tq + u);
-        w.vz[j] = load_one(base + a.vz_off, a.vs_dtype, h * a.tq + u);
+        widen_channel(base + a.kc_off + (h * a.tq + u) * kcw, a.k_bits,
+                      base + a.ks_off + (h * groups + g) * d * kse, base + a.kz_off + (h * groups + g) * d * kse,
+                      a.ks_dtype, d, kj);
+        widen_token(base + a.vc_off + (h * a.tq + u) * vcw, a.v_bits, load_one(base + a.vs_off, a.vs_dtype, h * a.tq + u),
+                    load_one(base + a.vz_off, a.vs_dtype, h * a.tq + u), dv, vj);
         kp[j] = kj;
         vp[j] = vj;
       }
-      attend_block(M, d, dv, qs, bias, kp, vp, w.vs.data(), w.vz.data(), t0, nj, zero.data(), qc.data(), w, acc_q,
+      attend_block(M, d, dv, rotated ? w.qr.data() : w.q.data(), kp, vp, t0, nj, zero.data(), qc.data(), w, acc_q,
                    rotated ? acc_e : nullptr);
-      t0 += nj;
-      if (u == a.tq) {
-        u = 0;
-        ++pi;
-      }
     }
   }
   // the exact tier: fp32 tokens read where they lie, others widened into the scratch
   if (e_max > e_min) {
     const int64_t es = a.kv_dtype == F32 ? 4 : 2;
-    const int64_t* table = a.exact_table + b * a.pe;
-    int64_t pi = e_min / a.te, u = e_min % a.te;  // the next token's page and slot
     for (int64_t t0 = e_min; t0 < e_max; t0 += BN) {
       const int64_t nj = std::min(BN, e_max - t0);
-      for (int64_t j = 0; j < nj; ++j, ++u) {
-        if (u == a.te) {
-          u = 0;
-          ++pi;
-        }
-        const uint8_t* base = a.arena + table[pi] * a.page_bytes;
+      for (int64_t j = 0; j < nj; ++j) {
+        const int64_t t = t0 + j, u = t % a.te;
+        const uint8_t* base = a.arena + a.exact_table[b * a.pe + t / a.te] * a.page_bytes;
         const uint8_t* kb = base + a.k_off + (h * a.te + u) * d * es;
         const uint8_t* vb = base + a.v_off + (h * a.te + u) * dv * es;
         if (a.kv_dtype == F32) {
@@ -473,7 +473,7 @@ inline void run_item(const PagedArgs& a, int64_t item, Scratch& w) {
           vp[j] = w.v.data() + j * dv;
         }
       }
-      attend_block(M, d, dv, w.q.data(), nullptr, kp, vp, nullptr, nullptr, t0, nj, elo.data(), ehi.data(), w, acc_e,
+      attend_block(M, d, dv, w.q.data(), kp, vp, t0, nj, elo.data(), ehi.data(), w, acc_e,
                    rotated ? acc_q : nullptr);
     }
   }
@@ -501,12 +501,6 @@ inline void run_items(const PagedArgs& a, int64_t begin, int64_t end) {
   w.p.resize(2 * BN);
   w.k.resize(BN * a.d);
   w.v.resize(BN * a.dv);
-  w.qs.resize(rows * a.d);
-  w.bias.resize(rows);
-  w.sg.resize(a.d);
-  w.zg.resize(a.d);
-  w.vs.resize(BN);
-  w.vz.resize(BN);
   w.kp.resize(BN);
   w.vp.resize(BN);
   w.q.resize(rows * a.d);
