@@ -301,10 +301,11 @@ class RunningServer:
         return out
 
 
-def server_with(env: dict[str, str]):
-    """A module-scoped fixture running ``kvserve serve`` with ``env`` (stopped after the module)."""
+def server_with(env: dict[str, str], scope: str = "module"):
+    """A fixture running ``kvserve serve`` with ``env``, stopped at the end of its ``scope`` (the module: a server
+    with settings of its own, or one whose tests change what later tests would see)."""
 
-    @pytest.fixture(scope="module")
+    @pytest.fixture(scope=scope)
     def fixture(starts_server):
         srv = RunningServer(env)
         yield srv
@@ -313,4 +314,7 @@ def server_with(env: dict[str, str]):
     return fixture
 
 
-server = server_with({"MAX_BATCH_SIZE": "8"})
+server = server_with({"MAX_BATCH_SIZE": "8"}, scope="session")
+"""The default server, one for the whole run: every module that uses it sends requests that leave it as it found
+them (measured as differences of its metrics); a test that stops it, fills its KV or needs other settings takes a
+:func:`server_with` fixture of its own."""

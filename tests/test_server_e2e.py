@@ -190,7 +190,7 @@ def test_prefix_cache_hits_show_in_info_and_metrics(server):
     assert config == ['kvserve_cache_config_info{backend="full",block_size="%d",model="%s",num_blocks="%d",'
                       'num_gpu_blocks="%d",prefix_caching="true"}' % (block, MODEL_DIR, info["num_blocks"],
                                                                       info["num_blocks"])]
-    prompt = " ".join(["And the LORD spake unto Moses, saying,"] * 12)
+    prompt = "Prefix cache: " + " ".join(["And the LORD spake unto Moses, saying,"] * 12)  # sent by no other test
     before = server.metrics()
     body = {"inputs": prompt, "parameters": {"max_new_tokens": 4, "details": True}}
     first, second = (httpx.post(server.url + "/generate", json=body, timeout=60).json() for _ in range(2))
