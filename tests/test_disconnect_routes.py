@@ -13,9 +13,8 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import MODEL_DIR, server_with
+from tests.conftest import MODEL_DIR
 
-server = server_with({"MAX_BATCH_SIZE": "8"})
 PROMPT = "And the LORD spake unto Moses, saying"
 LABELS = '{backend="full",model="%s"}' % MODEL_DIR
 TGI = {"inputs": PROMPT, "parameters": {"max_new_tokens": 500}}

@@ -16,14 +16,12 @@ import httpx
 import pytest
 
 from tests.client_venv import client_script, subprocess_env
-from tests.conftest import MODEL_DIR, server_with
+from tests.conftest import MODEL_DIR
 
 INFERENCE_PERF = "inference-perf==0.7.0"
 OUTPUT_TOKENS = 16
 RETOKENIZED = 4  # tokens the client's re-tokenization of 16 sampled tokens may differ by (15..18 seen)
 RUN_TIMEOUT = 170  # seconds: inference-perf's whole run (load ~10 s, report, tokenizer load)
-
-server = server_with({"MAX_BATCH_SIZE": "8"})
 
 
 CONFIG = """\

@@ -1,10 +1,13 @@
 """The Makefile's installs: `make serve` installs the runtime dependencies only, with pip's progress shown;
 `make test` installs the test extras, also after `make serve` (each has its stamp); `TORCH_INDEX_URL` picks
-where torch comes from. Checked with `make -n` (what make would run) on a stand-in virtual environment."""
+where torch comes from; `make test-fast`'s selection (docs/development.md#test-tiers). Checked with `make -n`
+(what make would run) on a stand-in virtual environment."""
 
 import os
+import shlex
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -51,3 +54,46 @@ def test_torch_index_url_installs_torch_from_it_first(venv):
     url = "https://download.pytorch.org/whl/cpu"
     pip = pip_lines(dry_run("serve", venv, TORCH_INDEX_URL=url))
     assert len(pip) == 2 and f'--index-url "{url}" torch' in pip[0] and "-c constraints.txt" in pip[0]
+
+
+TIER_CHECK = '''
+import inspect
+
+
+def _source(obj):
+    try:
+        return inspect.getsource(obj)
+    except (OSError, TypeError):
+        return ""
+
+
+def pytest_collection_finish(session):
+    for item in session.items:
+        defs = [d for ds in item._fixtureinfo.name2fixturedefs.values() for d in ds]
+        code = [_source(getattr(item, "function", None))] + [_source(d.func) for d in defs]
+        if any("RunningServer(" in text for text in code):
+            print("STARTS-A-SERVER", item.nodeid)
+        if "bfloat16" in item.nodeid or "float16" in item.nodeid:
+            print("NOT-FP32", item.nodeid)
+'''
+
+
+def test_fast_tier_starts_no_server_and_runs_fp32_only(venv, tmp_path):
+    """`make test-fast`'s own pytest command, collected (not run): no test in it starts a server, itself or through
+    any fixture (found in the code, not by the marker the selection uses), and its value tests are fp32 only."""
+    (venv / ".kvserve-installed").touch()
+    (venv / ".kvserve-runtime").touch()
+    (line,) = [line for line in dry_run("test-fast", venv) if "-m pytest" in line]
+    args = [a for a in shlex.split(line.split("-m pytest", 1)[1]) if a != "-q"]  # one -q below: one id a line
+    env_part = line.split("-m pytest", 1)[0].split()
+    assert env_part[0] == "DTYPE=${DTYPE:-float32}", line
+    (tmp_path / "tier_check.py").write_text(TIER_CHECK)
+    env = {**os.environ, "DTYPE": "float32", "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
+    env.pop("DEVICE", None)
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "tier_check", *args],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    flagged = [line for line in out.stdout.splitlines() if line.startswith(("STARTS-A-SERVER", "NOT-FP32"))]
+    assert flagged == []
+    selected = [line for line in out.stdout.splitlines() if "::" in line]
+    assert len(selected) > 300 and not any("test_real_model.py" in s or "test_docker.py" in s for s in selected)

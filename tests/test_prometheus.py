@@ -75,7 +75,7 @@ def test_promtool_checks_the_shipped_config():
 
 
 @pytest.fixture(scope="module")
-def stack():
+def stack(starts_server):
     prometheus = find_or_install("prometheus")
     kv = RunningServer({"KV_BACKEND": "full", "KV_BACKENDS": "full,dca", "KV_DCA_THRESHOLD": "0.5",
                         "KV_DCA_PROBE_INTERVAL": "4"})

@@ -20,7 +20,7 @@ plain = server_with({})  # the reference model
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(starts_server):
     """The Quickstart's server: `make serve`'s model, the real SmolLM2-135M-Instruct (fetched when missing)."""
     from server.model_fetch import DEFAULT_DIR, fetch, is_current
     from tests.conftest import RunningServer
