@@ -71,7 +71,7 @@ def count_ops(engine, regions: _Regions) -> dict[str, int]:
 
     class Mode(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not func.is_view:
+            if not func.is_view and func.namespace != "profiler":  # not the regions' own record_function ops
                 part = regions.stack[-1]
                 if part == "model other ops" and func.__name__.split(".")[0] in ("linear", "mm", "addmm"):
                     part = "model matmuls"
