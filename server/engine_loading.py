@@ -118,7 +118,7 @@ def load_weights(settings: Settings):
     torch.set_num_threads(settings.torch_num_threads or default_torch_threads())
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)
-    kernels.configure(settings.kv_attention)  # KV_ATTENTION=kernel and no kernel: RuntimeError, before the weights
+    kernels.configure(settings.kv_attention)  # KV_ATTENTION=kernel and no kernel: ValueError, before the weights
     attention = kernels.status(device)
     log.info("attention over the KV pool: %s%s", attention["path"],
              f" ({attention['isa']})" if attention["isa"] else f" ({attention['reason']})")

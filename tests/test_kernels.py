@@ -232,3 +232,21 @@ def test_a_decode_steps_kv_path_is_two_ops_per_layer():
             counts[mode] = counter.ops
     assert counts["kernel"] == ["paged_write", "paged_attention"], counts["kernel"]
     assert len(counts["torch"]) > 10
+
+
+def test_a_kernel_that_cannot_load_is_said_and_the_torch_path_serves(tmp_path):
+    """Where no build can be made (here: the build folder is a file), ``auto`` reports the torch path and why, and
+    ``kernel`` is refused naming the setting (in a child process: loading is once per process)."""
+    import os
+    import subprocess
+    import sys
+
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    code = ("import json; from cache_backends import kernels; print(json.dumps(kernels.status('cpu')));"
+            "kernels.configure('kernel')")
+    env = {**os.environ, "KVSERVE_KERNELS_DIR": str(blocker), "KV_ATTENTION": "auto"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    status = __import__("json").loads(done.stdout.splitlines()[0])
+    assert status["path"] == "torch" and "Not a directory" in status["reason"], status
+    assert done.returncode != 0 and "ValueError: KV_ATTENTION=kernel" in done.stderr, done.stderr[-2000:]

@@ -40,6 +40,10 @@ def test_health_and_info(server):
     assert info["kv_backend"] == "full" and info["model_id"] == str(MODEL_DIR)
     assert info["num_key_value_heads"] == info["num_attention_heads"] == 8
     assert info["max_total_tokens"] == 1024 and info["version"]
+    from cache_backends import kernels
+
+    # what attends over the pool, as this machine allows (the server's default, KV_ATTENTION=auto)
+    assert info["kv_attention"] == kernels.status("cpu")
 
 
 def test_stream_tgi_format_and_metrics_move(server):

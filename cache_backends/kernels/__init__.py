@@ -108,8 +108,8 @@ def load() -> bool:
                 _state["loaded"] = True
             except Exception as exc:  # noqa: BLE001 - any failure means the torch path serves
                 _state["loaded"], _state["error"] = False, str(exc).strip().splitlines()[0][:300]
-                log.warning("kvserve's attention kernel is not available (%s): the torch path serves",
-                            _state["error"])
+                log.warning("kvserve's attention kernel is not available (%s)%s", _state["error"],
+                            "" if _state["mode"] == "kernel" else ": the torch path serves")
         return _state["loaded"]
 
 
@@ -133,14 +133,15 @@ def configure(mode: str) -> None:
     """Set ``KV_ATTENTION``: ``auto``, ``kernel`` or ``torch``.
 
     Raises:
-        ValueError: for another value.
-        RuntimeError: for ``kernel`` when the kernels cannot be loaded (the reason in the message).
+        ValueError: for another value, or for ``kernel`` when the kernel cannot be loaded here (the reason in the
+            message): a setting this machine cannot take.
     """
     if mode not in MODES:
         raise ValueError(f"KV_ATTENTION={mode!r} must be one of {', '.join(MODES)}")
     _state["mode"] = mode
     if mode == "kernel" and not load():
-        raise RuntimeError(f"KV_ATTENTION=kernel, but the attention kernel cannot be loaded: {_state['error']}")
+        raise ValueError(f"KV_ATTENTION=kernel, but the attention kernel cannot be loaded here ({_state['error']}); "
+                         f"KV_ATTENTION=auto serves through the torch path instead")
 
 
 @contextlib.contextmanager
