@@ -100,6 +100,10 @@ class InvalidRequest(ValueError):
         self.param = param
 
 
+class ClientGone(Exception):
+    """The client disconnected before its request was wholly submitted (499 ``cancelled``; nobody reads it)."""
+
+
 @dataclass(frozen=True)
 class Limits:
     """Token limits (tokens) and stop-sequence count in force."""
