@@ -83,13 +83,17 @@ def test_openai_invalid_input_is_400_with_openai_error_naming_the_field(strict_s
 
 @pytest.mark.parametrize("path", ["/generate", "/generate_stream"])
 def test_a_parameter_beside_inputs_is_refused_saying_it_goes_in_parameters(strict_server, path):
-    """``{"inputs": ..., "kv_backend": "int8"}`` was "`kv_backend` is not supported by this server"."""
-    r = post(strict_server, path, {"inputs": "a", "kv_backend": "int8"})
-    assert r.status_code == 422 and r.json() == {
-        "error": '`kv_backend` goes in `parameters`: {..., "parameters": {"kv_backend": ...}}',
-        "error_type": "validation"}, r.text
+    """``{"inputs": ..., "kv_backend": "int8"}`` was "`kv_backend` is not supported by this server"; the refusal
+    names the field's place, ``parameters.kv_backend`` (an empty one too: it is not served as the default)."""
+    for value in ("int8", ""):
+        r = post(strict_server, path, {"inputs": "a", "kv_backend": value})
+        assert r.status_code == 422 and r.json() == {
+            "error": '`kv_backend` goes in `parameters`, as `parameters.kv_backend`: '
+                     '{..., "parameters": {"kv_backend": ...}}',
+            "error_type": "validation"}, (value, r.text)
     r = post(strict_server, path, {"inputs": "a", "max_new_tokens": 3})
-    assert r.status_code == 422 and r.json()["error"].startswith("`max_new_tokens` goes in `parameters`")
+    assert r.status_code == 422 and r.json()["error"].startswith(
+        "`max_new_tokens` goes in `parameters`, as `parameters.max_new_tokens`")
 
 
 def test_an_empty_kv_backend_is_refused_naming_it(strict_server):
@@ -159,3 +163,4 @@ def test_not_ready_is_503():
     assert r.status_code == 503 and r.json()["error_type"] == "unhealthy"
     r = client.post("/v1/completions", json={"prompt": "a"})
     assert r.status_code == 503 and r.json()["error"]["message"]
+
