@@ -164,3 +164,36 @@ def test_not_ready_is_503():
     r = client.post("/v1/completions", json={"prompt": "a"})
     assert r.status_code == 503 and r.json()["error"]["message"]
 
+
+def test_a_completion_without_max_tokens_is_not_refused_as_if_it_had_sent_one():
+    """``/v1/completions`` without ``max_tokens`` gets 16 new tokens (OpenAI's and vLLM's default). A prompt that
+    leaves fewer is refused, as vLLM does, but the refusal was "Given: 85 `prompt` tokens and 16 `max_tokens`"
+    with ``param`` ``max_tokens``, a value the client never sent: it names the prompt and the default as such."""
+    from transformers import AutoTokenizer
+
+    from server.api.openai_convert import completion_requests
+    from server.api.openai_schemas import CompletionRequest
+    from server.service import GenerationService, InvalidRequest, Limits
+    from tests.conftest import MODEL_DIR
+    from tests.test_service_disconnect import FakeEngine
+
+    tok = AutoTokenizer.from_pretrained(str(MODEL_DIR))
+    service = GenerationService(FakeEngine(), tok, Limits(90, 96, 4), "full")
+    prompt = "And God said " * 28
+    room = 96 - len(tok.encode(prompt))
+    assert 1 <= room < 16
+
+    def build(**fields):
+        _, reqs, _ = completion_requests(CompletionRequest(prompt=prompt, **fields), service)
+        return service.build_sequence(reqs[0], lambda event: None)
+
+    with pytest.raises(InvalidRequest) as unsent:
+        build()
+    assert unsent.value.param == "prompt", str(unsent.value)
+    assert str(unsent.value) == (f"`prompt` tokens + the default `max_tokens` (16; not sent) must be <= 96. "
+                                 f"Given: {96 - room} `prompt` tokens: send `max_tokens` <= {room} or a shorter "
+                                 f"`prompt`")
+    with pytest.raises(InvalidRequest) as sent:  # sent: named as before
+        build(max_tokens=16)
+    assert sent.value.param == "max_tokens" and "and 16 `max_tokens`" in str(sent.value)
+    assert build(max_tokens=room).max_new_tokens == room
