@@ -98,8 +98,9 @@ def test_a_parameter_beside_inputs_is_refused_saying_it_goes_in_parameters(stric
 
 def test_an_empty_kv_backend_is_refused_naming_it(strict_server):
     """``"kv_backend": ""`` was served by the default backend, as if unset: it is a 4xx naming the field."""
-    r = post(strict_server, "/generate", {"inputs": "a", "parameters": {"kv_backend": ""}})
-    assert r.status_code == 422 and "parameters.kv_backend" in r.json()["error"], r.text
+    for path in ("/generate", "/generate_stream"):
+        r = post(strict_server, path, {"inputs": "a", "parameters": {"kv_backend": ""}})
+        assert r.status_code == 422 and "parameters.kv_backend" in r.json()["error"], (path, r.text)
     for path, body in (("/v1/completions", {"prompt": "a", "max_tokens": 1}),
                        ("/v1/responses", {"input": "a", "max_output_tokens": 1}),
                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "max_tokens": 1})):
