@@ -10,7 +10,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from server.engine.core_client import CoreDied
 from server.engine.engine import Overloaded
 from server.error_body import error_body, openai_path
-from server.service import InvalidRequest
+from server.service import ClientGone, InvalidRequest
 
 
 def is_openai(request: Request | None) -> bool:
@@ -74,6 +74,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(InvalidRequest)
     async def _invalid(request: Request, exc: InvalidRequest):
         return validation_error(request, str(exc), getattr(exc, "param", None))
+
+    @app.exception_handler(ClientGone)
+    async def _gone(request: Request, exc: ClientGone):
+        return error_response(499, str(exc), "cancelled", request)
 
     @app.exception_handler(Overloaded)
     async def _overloaded(request: Request, exc: Overloaded):

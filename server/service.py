@@ -100,6 +100,10 @@ class InvalidRequest(ValueError):
         self.param = param
 
 
+class ClientGone(Exception):
+    """The client disconnected before its request was wholly submitted (499 ``cancelled``; nobody reads it)."""
+
+
 @dataclass(frozen=True)
 class Limits:
     """Token limits (tokens) and stop-sequence count in force."""
@@ -132,6 +136,10 @@ class GenerationRequest:
     a Llama-style prompt with two BOS tokens."""
     cache_salt: str | None = None
     """vLLM's ``cache_salt``: the prefix cache shares blocks only between requests with the same salt."""
+    max_new_tokens_sent: bool = True
+    """False when ``max_new_tokens`` is the route's default (16 on ``/v1/completions``, as OpenAI and vLLM), not a
+    value the client sent: a prompt that leaves no room for it is refused naming the prompt and the default as
+    such, never as if the client had asked for it."""
 
 
 class GenerationService:
@@ -237,7 +245,8 @@ class GenerationService:
             InvalidRequest: empty prompt, text that is not valid Unicode (a lone surrogate), token ids outside
                 the vocabulary, too many stop sequences, prompt (after ``truncate``) over MAX_INPUT_TOKENS
                 (refused from its byte length before tokenizing when that proves it), prompt +
-                max_new_tokens over MAX_TOTAL_TOKENS, or a ``cache_salt`` that is empty, too long, not valid
+                max_new_tokens over MAX_TOTAL_TOKENS (naming the prompt when max_new_tokens is a default the
+                client did not send), or a ``cache_salt`` that is empty, too long, not valid
                 Unicode, or sent to a server without its prefix cache; its ``param`` names the field in the
                 route's words.
         """
@@ -284,6 +293,10 @@ class GenerationService:
         max_new = req.max_new_tokens
         if max_new is None:
             max_new = min(DEFAULT_MAX_NEW_TOKENS, room)
+        elif len(ids) + max_new > lim.max_total_tokens and not req.max_new_tokens_sent:
+            fix = f"send `{max_field}` <= {room} or a shorter `{inputs}`" if room >= 1 else f"send a shorter `{inputs}`"
+            raise InvalidRequest(f"`{inputs}` tokens + the default `{max_field}` ({max_new}; not sent) must be <= "
+                                 f"{lim.max_total_tokens}. Given: {len(ids)} `{inputs}` tokens: {fix}", inputs)
         elif len(ids) + max_new > lim.max_total_tokens:
             raise InvalidRequest(f"`{inputs}` tokens + `{max_field}` must be <= {lim.max_total_tokens}. "
                                  f"Given: {len(ids)} `{inputs}` tokens and {max_new} `{max_field}`", max_field)

@@ -83,19 +83,24 @@ def test_openai_invalid_input_is_400_with_openai_error_naming_the_field(strict_s
 
 @pytest.mark.parametrize("path", ["/generate", "/generate_stream"])
 def test_a_parameter_beside_inputs_is_refused_saying_it_goes_in_parameters(strict_server, path):
-    """``{"inputs": ..., "kv_backend": "int8"}`` was "`kv_backend` is not supported by this server"."""
-    r = post(strict_server, path, {"inputs": "a", "kv_backend": "int8"})
-    assert r.status_code == 422 and r.json() == {
-        "error": '`kv_backend` goes in `parameters`: {..., "parameters": {"kv_backend": ...}}',
-        "error_type": "validation"}, r.text
+    """``{"inputs": ..., "kv_backend": "int8"}`` was "`kv_backend` is not supported by this server"; the refusal
+    names the field's place, ``parameters.kv_backend`` (an empty one too: it is not served as the default)."""
+    for value in ("int8", ""):
+        r = post(strict_server, path, {"inputs": "a", "kv_backend": value})
+        assert r.status_code == 422 and r.json() == {
+            "error": '`kv_backend` goes in `parameters`, as `parameters.kv_backend`: '
+                     '{..., "parameters": {"kv_backend": ...}}',
+            "error_type": "validation"}, (value, r.text)
     r = post(strict_server, path, {"inputs": "a", "max_new_tokens": 3})
-    assert r.status_code == 422 and r.json()["error"].startswith("`max_new_tokens` goes in `parameters`")
+    assert r.status_code == 422 and r.json()["error"].startswith(
+        "`max_new_tokens` goes in `parameters`, as `parameters.max_new_tokens`")
 
 
 def test_an_empty_kv_backend_is_refused_naming_it(strict_server):
     """``"kv_backend": ""`` was served by the default backend, as if unset: it is a 4xx naming the field."""
-    r = post(strict_server, "/generate", {"inputs": "a", "parameters": {"kv_backend": ""}})
-    assert r.status_code == 422 and "parameters.kv_backend" in r.json()["error"], r.text
+    for path in ("/generate", "/generate_stream"):
+        r = post(strict_server, path, {"inputs": "a", "parameters": {"kv_backend": ""}})
+        assert r.status_code == 422 and "parameters.kv_backend" in r.json()["error"], (path, r.text)
     for path, body in (("/v1/completions", {"prompt": "a", "max_tokens": 1}),
                        ("/v1/responses", {"input": "a", "max_output_tokens": 1}),
                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "max_tokens": 1})):
@@ -159,3 +164,37 @@ def test_not_ready_is_503():
     assert r.status_code == 503 and r.json()["error_type"] == "unhealthy"
     r = client.post("/v1/completions", json={"prompt": "a"})
     assert r.status_code == 503 and r.json()["error"]["message"]
+
+
+def test_a_completion_without_max_tokens_is_not_refused_as_if_it_had_sent_one():
+    """``/v1/completions`` without ``max_tokens`` gets 16 new tokens (OpenAI's and vLLM's default). A prompt that
+    leaves fewer is refused, as vLLM does, but the refusal was "Given: 85 `prompt` tokens and 16 `max_tokens`"
+    with ``param`` ``max_tokens``, a value the client never sent: it names the prompt and the default as such."""
+    from transformers import AutoTokenizer
+
+    from server.api.openai_convert import completion_requests
+    from server.api.openai_schemas import CompletionRequest
+    from server.service import GenerationService, InvalidRequest, Limits
+    from tests.conftest import MODEL_DIR
+    from tests.test_service_disconnect import FakeEngine
+
+    tok = AutoTokenizer.from_pretrained(str(MODEL_DIR))
+    service = GenerationService(FakeEngine(), tok, Limits(90, 96, 4), "full")
+    prompt = "And God said " * 28
+    room = 96 - len(tok.encode(prompt))
+    assert 1 <= room < 16
+
+    def build(**fields):
+        _, reqs, _ = completion_requests(CompletionRequest(prompt=prompt, **fields), service)
+        return service.build_sequence(reqs[0], lambda event: None)
+
+    with pytest.raises(InvalidRequest) as unsent:
+        build()
+    assert unsent.value.param == "prompt", str(unsent.value)
+    assert str(unsent.value) == (f"`prompt` tokens + the default `max_tokens` (16; not sent) must be <= 96. "
+                                 f"Given: {96 - room} `prompt` tokens: send `max_tokens` <= {room} or a shorter "
+                                 f"`prompt`")
+    with pytest.raises(InvalidRequest) as sent:  # sent: named as before
+        build(max_tokens=16)
+    assert sent.value.param == "max_tokens" and "and 16 `max_tokens`" in str(sent.value)
+    assert build(max_tokens=room).max_new_tokens == room

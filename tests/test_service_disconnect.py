@@ -1,4 +1,5 @@
-"""GenerationService.run: a client's ``http.disconnect`` cancels its sequence at once, iterated or not."""
+"""GenerationService.run and fanout.submit_all: a client's ``http.disconnect`` cancels its sequences at once,
+iterated or not, submitted or still to submit."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import asyncio
 import pytest
 from transformers import AutoTokenizer
 
+from server.api.fanout import submit_all
 from server.engine.sampling import SamplingParams
 from server.engine.sequence import FinishReason, TokenEvent
-from server.service import GenerationRequest, GenerationService, Limits
+from server.service import ClientGone, GenerationRequest, GenerationService, Limits
 from tests.conftest import MODEL_DIR
 
 
@@ -108,3 +110,75 @@ def test_a_consumer_that_stops_early_cancels(tok):
         assert seq.cancelled and service.engine.wakes == 1
 
     asyncio.run(scenario())
+
+
+class LeavingEngine(FakeEngine):
+    """A :class:`FakeEngine` whose client disconnects as its first submission is taken."""
+
+    def __init__(self, client: Channel):
+        super().__init__()
+        self.client = client
+
+    def submit(self, seq) -> asyncio.Future:
+        self.client.leave()
+        return super().submit(seq)
+
+
+def test_a_disconnect_while_prompts_are_submitted_stops_the_rest_and_cancels_the_submitted(tok):
+    """A prompt list (or ``n`` > 1) whose client leaves after its first prompt was submitted: the watcher runs
+    from before the first submit, so no more than the one in flight is submitted after the disconnect, every
+    submitted one is cancelled, and the route gets :class:`ClientGone` (499). Before, the watcher started after
+    the last submit: all 64 prompts reached the engine and were prefilled."""
+
+    async def scenario():
+        client = Channel()
+        service = GenerationService(LeavingEngine(client), tok, Limits(1023, 1024, 4), "full")
+        with pytest.raises(ClientGone):
+            await submit_all(service, [_request() for _ in range(64)], client.receive)
+        submitted = service.engine.submitted
+        assert 1 <= len(submitted) <= 2, len(submitted)
+        assert all(seq.cancelled for seq in submitted)
+        assert service.engine.wakes >= 1
+
+    asyncio.run(scenario())
+
+
+def test_a_request_whose_client_stays_is_submitted_whole_and_watched(tok):
+    """Without a disconnect every prompt is submitted; a disconnect afterwards still cancels them all."""
+
+    async def scenario():
+        service, client = _service(tok), Channel()
+        started = await submit_all(service, [_request() for _ in range(4)], client.receive)
+        assert len(started) == 4 and not any(seq.cancelled for seq, _ in started)
+        client.leave()
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert all(seq.cancelled for seq, _ in started)
+        for _, events in started:
+            await events.aclose()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("path", ["/generate", "/v1/completions"])
+def test_client_gone_is_499_in_the_route_s_error_form(path):
+    """:class:`ClientGone` reaches the route's error handler as 499 ``cancelled``, never the catch-all 500."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from server.errors import install_error_handlers
+
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.post(path)
+    async def gone():
+        raise ClientGone("client closed request")
+
+    r = TestClient(app).post(path)
+    assert r.status_code == 499, r.text
+    body = r.json()
+    if path.startswith("/v1"):
+        assert body["error"]["message"] == "client closed request" and body["error"]["code"] == "cancelled"
+    else:
+        assert body == {"error": "client closed request", "error_type": "cancelled"}

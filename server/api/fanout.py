@@ -7,7 +7,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from server.engine.sequence import Sequence, TokenEvent
-from server.service import GenerationRequest, GenerationService
+from server.service import ClientGone, GenerationRequest, GenerationService
 
 Started = list[tuple[Sequence, AsyncIterator[TokenEvent]]]
 
@@ -17,26 +17,36 @@ async def submit_all(service: GenerationService, requests: list[GenerationReques
     """Submit every request; if one is refused, cancel those already submitted and re-raise.
 
     Args:
-        receive: the HTTP request's ASGI receive channel: one watcher reads it and cancels every
-            generation of the request when the client disconnects (a channel has one reader).
+        receive: the HTTP request's ASGI receive channel: one watcher reads it, from before the first submit, and
+            cancels every generation of the request when the client disconnects (a channel has one reader). A
+            disconnect while the requests are being submitted cancels those submitted and submits no more.
 
     Returns:
         ``(sequence, events)`` per request, in order (see :meth:`GenerationService.run`).
+
+    Raises:
+        ClientGone: the client disconnected before every request was submitted.
     """
     started: Started = []
+    seqs: list[Sequence] = []  # the watcher's list: it cancels those in it when the client leaves
     group = uuid.uuid4().hex
+    watcher = asyncio.create_task(service.cancel_on_disconnect(seqs, receive)) if receive is not None else None
     try:
         for req in requests:
             req.group = group
             started.append(await service.run(req))
+            seqs.append(started[-1][0])
+            if watcher is not None and watcher.done():  # gone: this one was submitted after the watcher's cancel
+                raise ClientGone("client closed request")
     except BaseException:
+        if watcher is not None:
+            watcher.cancel()
         for seq, _ in started:
             seq.cancel()
         service.engine.wake()
         raise
-    if receive is not None:
-        seqs = [seq for seq, _ in started]
-        _WATCHERS[id(started)] = asyncio.create_task(service.cancel_on_disconnect(seqs, receive))
+    if watcher is not None:
+        _WATCHERS[id(started)] = watcher
     return started
 
 

@@ -108,7 +108,8 @@ def completion_requests(body: CompletionRequest, service: GenerationService
     max_tokens = body.new_tokens()
     _check_common(body, max_tokens)
     field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    if max_tokens is None:
+    sent = max_tokens is not None
+    if not sent:
         max_tokens = COMPLETION_DEFAULT_MAX_TOKENS
     echo_only = max_tokens == 0
     if echo_only and not body.echo:
@@ -128,7 +129,7 @@ def completion_requests(body: CompletionRequest, service: GenerationService
     reqs = [GenerationRequest(prompt=p, max_new_tokens=1 if echo_only else max_tokens, params=params[j],
                               stop=body.stop_list(), backend=backend,
                               want_prompt_logprobs=body.echo and body.logprobs is not None, fields=fields,
-                              cache_salt=body.cache_salt)
+                              cache_salt=body.cache_salt, max_new_tokens_sent=sent)
             for p in prompts for j in range(best_of)]
     return prompts, reqs, echo_only
 

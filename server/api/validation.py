@@ -15,7 +15,7 @@ def _is_set(value) -> bool:
 def refuse_unimplemented(model: BaseModel, path: str = "") -> None:
     """Raise for the first key of ``model`` (or of a model nested in it) that its schema does not define
     and that is set to something; a key that a nested model defines (TGI's ``kv_backend`` or ``max_new_tokens``
-    beside ``inputs`` instead of in ``parameters``) is refused saying where it goes.
+    beside ``inputs`` instead of in ``parameters``) is refused naming where it goes (``parameters.kv_backend``).
 
     Args:
         model: a parsed request body (its models must allow extra keys).
@@ -31,7 +31,7 @@ def refuse_unimplemented(model: BaseModel, path: str = "") -> None:
             continue
         home = next((name for name, cls in nested.items() if key in cls.model_fields), None)
         if home is not None:  # TGI's {"inputs": ..., "kv_backend": ...}: a field of `parameters`, one level up
-            raise InvalidRequest(f"`{path}{key}` goes in `{path}{home}`: "
+            raise InvalidRequest(f"`{path}{key}` goes in `{path}{home}`, as `{path}{home}.{key}`: "
                                  f"{{..., \"{home}\": {{\"{key}\": ...}}}}", f"{path}{key}")
         raise InvalidRequest(f"`{path}{key}` is not supported by this server", f"{path}{key}")
     for name in type(model).model_fields:
