@@ -6,6 +6,7 @@ rows ending on and off a page boundary, shuffled block tables, ragged decode bat
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -19,6 +20,7 @@ from cache_backends.paged_attention import attend_pair
 from cache_backends.page_plan import SeqBlocks
 from cache_backends.pool import KVPool
 from cache_backends.step_meta import StepMeta
+from server.model_loading import DTYPES
 
 pytestmark = pytest.mark.skipif(not kernels.load(), reason=f"the attention kernel is not available: "
                                                            f"{kernels.status()['reason']}")
@@ -33,6 +35,9 @@ TIERS = {
 }
 # (KV heads, GQA ratio, head_dim)
 SHAPES = [(2, 1, 64), (1, 3, 128), (1, 8, 256), (3, 3, 64)]
+# The dtypes the value tests run in (DTYPE; unset or auto: all three; the fast tier sets float32)
+KERNEL_DTYPES = [d for d in (torch.float32, torch.bfloat16, torch.float16)
+                 if os.environ.get("DTYPE", "auto") in ("", "auto") or DTYPES.get(os.environ["DTYPE"]) == d]
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 8e-3, torch.float16: 1e-3}  # about 2 roundings of the output
 
 
@@ -111,7 +116,7 @@ def _grow(pool: Pool, rows: list[SeqBlocks], lengths: list[int], chunk: int) -> 
             pool.write([blocks], [min(chunk, length - blocks.tokens)])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
 @pytest.mark.parametrize("tier", list(TIERS))
 @pytest.mark.parametrize("heads,rep,width", SHAPES, ids=[f"h{h}x{r}-d{w}" for h, r, w in SHAPES])
 def test_decode_of_a_ragged_batch_matches_the_torch_path(tier, heads, rep, width, dtype):
@@ -126,7 +131,7 @@ def test_decode_of_a_ragged_batch_matches_the_torch_path(tier, heads, rep, width
         pool.commit()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [d for d in KERNEL_DTYPES if d != torch.float16], ids=str)
 @pytest.mark.parametrize("tier", list(TIERS))
 @pytest.mark.parametrize("heads,rep,width", SHAPES[:3], ids=[f"h{h}x{r}-d{w}" for h, r, w in SHAPES[:3]])
 def test_a_prefill_chunk_over_stored_history_matches_the_torch_path(tier, heads, rep, width, dtype):
@@ -183,7 +188,7 @@ def test_a_bad_mode_is_refused():
         kernels.configure("fast")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [d for d in KERNEL_DTYPES if d != torch.float16], ids=str)
 @pytest.mark.parametrize("tier", ["exact", "int8", "int4-rotated"])
 def test_the_fused_write_stores_what_the_torch_write_stores(tier, dtype):
     """The same steps (prefill chunks and decode steps of a ragged batch; int8 groups drain) written by
