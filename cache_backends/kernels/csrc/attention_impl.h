@@ -439,13 +439,6 @@ inline void run_item(const PagedArgs& a, int64_t item, Scratch& w) {
       for (int64_t j = 0; j < nj; ++j) {
         const int64_t t = t0 + j, u = t % a.tq, g = u / a.group;
         const uint8_t* base = a.arena + a.q_table[b * a.pq + t / a.tq] * a.page_bytes;
-        const int64_t ahead = t + BN;  // the next block's token: its codes (into L2) meanwhile
-        if (ahead < q_max) {
-          const uint8_t* nb = a.arena + a.q_table[b * a.pq + ahead / a.tq] * a.page_bytes;
-          const int64_t nu = ahead % a.tq;
-          for (int64_t off = 0; off < kcw; off += 64) __builtin_prefetch(nb + a.kc_off + (h * a.tq + nu) * kcw + off, 0, 2);
-          for (int64_t off = 0; off < vcw; off += 64) __builtin_prefetch(nb + a.vc_off + (h * a.tq + nu) * vcw + off, 0, 2);
-        }
         float* kj = w.k.data() + j * d;
         float* vj = w.v.data() + j * dv;
         widen_channel(base + a.kc_off + (h * a.tq + u) * kcw, a.k_bits,
