@@ -36,6 +36,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -108,21 +109,30 @@ class CpuMeter:
 @contextmanager
 def running(cmd: list[str], env: dict[str, str], health_url: str, timeout: float = 180, inherit: bool = True):
     """Start a server process (its environment: this one's updated with ``env``, or with ``inherit=False``
-    ``env`` alone), wait for its health URL, yield the process, then stop it."""
+    ``env`` alone), wait for its health URL, yield the process, then stop it.
+
+    Raises:
+        RuntimeError: the process exited or was not healthy within ``timeout`` s (with the end of its stderr)."""
+    log = tempfile.TemporaryFile()
     proc = subprocess.Popen(cmd, env={**os.environ, **env} if inherit else env, cwd=REPO, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+                            stderr=log)
+
+    def tail() -> str:
+        log.seek(0)
+        return "\n".join(log.read().decode(errors="replace").splitlines()[-20:])
+
     try:
         deadline = time.time() + timeout
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"{cmd[0]} exited with {proc.returncode}")
+                raise RuntimeError(f"{cmd[0]} exited with {proc.returncode}; its stderr ended:\n{tail()}")
             try:
                 if httpx.get(health_url, timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
             if time.time() > deadline:
-                raise RuntimeError(f"{cmd} not healthy after {timeout} s")
+                raise RuntimeError(f"{cmd} not healthy after {timeout} s; its stderr ended:\n{tail()}")
             time.sleep(0.5)
         yield proc
     finally:
@@ -131,6 +141,7 @@ def running(cmd: list[str], env: dict[str, str], health_url: str, timeout: float
             proc.wait(20)
         except subprocess.TimeoutExpired:
             proc.kill()
+        log.close()
 
 
 def kvserve_env(env: dict[str, str]) -> dict[str, str]:
@@ -188,19 +199,26 @@ def decode_rate(times: list[float]) -> float:
     return (len(times) - 1) / (times[-1] - times[0])
 
 
-def bench_generate(model_dir: str, tokens: int, repeats: int) -> float:
-    """transformers generate(): decode tokens/s (greedy), best of ``repeats``."""
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def bench_generate(model_dir: str, tokens: int, repeats: int, device: str = "cpu") -> float:
+    """transformers generate() on ``device`` (cpu or cuda): decode tokens/s (greedy), best of ``repeats``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = tok(PROMPT, return_tensors="pt").input_ids
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, use_kernels=False).to(device).eval()
+    ids = tok(PROMPT, return_tensors="pt").input_ids.to(device)
 
     def timed(n: int) -> float:
+        _sync(device)
         t = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
                                  pad_token_id=tok.eos_token_id)
+        _sync(device)
         assert out.shape[1] - ids.shape[1] == n
         return time.perf_counter() - t
 
@@ -211,24 +229,26 @@ def bench_generate(model_dir: str, tokens: int, repeats: int) -> float:
     return best
 
 
-def bench_generate_static(model_dir: str, streams: int, tokens: int, repeats: int) -> float:
+def bench_generate_static(model_dir: str, streams: int, tokens: int, repeats: int, device: str = "cpu") -> float:
     """transformers generate() on a static batch of ``streams`` copies of the prompt: aggregate tokens/s."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = tok([PROMPT] * streams, return_tensors="pt").input_ids
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, use_kernels=False).to(device).eval()
+    ids = tok([PROMPT] * streams, return_tensors="pt").input_ids.to(device)
     best = 0.0
-    for _ in range(repeats):
+    for _ in range(repeats + (device == "cuda")):  # on CUDA the first run also warms up
+        _sync(device)
         t = time.perf_counter()
         with torch.inference_mode():
             model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
                            pad_token_id=tok.eos_token_id)
+        _sync(device)
         best = max(best, streams * tokens / (time.perf_counter() - t))
     return best
 
 
-def bench_engine_alone(model_dir: str, streams: int, tokens: int, repeats: int) -> float:
+def bench_engine_alone(model_dir: str, streams: int, tokens: int, repeats: int, device: str = "cpu") -> float:
     """kvserve's engine in-process, ``full`` KV: aggregate tokens/s of ``streams`` greedy sequences of the prompt
     (``tokens`` each), best of ``repeats`` + 1 runs (the first also warms up)."""
     from bench.budget import make_backend, new_engine
@@ -236,7 +256,7 @@ def bench_engine_alone(model_dir: str, streams: int, tokens: int, repeats: int) 
     from server.engine.sequence import Sequence
     from server.model_loading import load_model
 
-    model, tok = load_model(model_dir, torch.device("cpu"), torch.float32)
+    model, tok = load_model(model_dir, torch.device(device), torch.float32)
     backend = make_backend("full", model, tok)
     ids = tok(PROMPT).input_ids
     best = 0.0
@@ -336,15 +356,18 @@ def main() -> None:
     p.add_argument("--engine-process", choices=["false", "true", "both"], default="both",
                    help="the server's ENGINE_PROCESS setting(s) measured at each concurrency (both: two servers)")
     p.add_argument("--skip-long-prompts", action="store_true", help="leave out the ITL-while-long-prompts-arrive part")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="where kvserve, generate() and the engine alone run (transformers serve: skip it on cuda)")
     args = p.parse_args()
+    dev = args.device
     levels = [int(x) for x in args.concurrency.split(",")]
     report: dict = {"model": args.model, "tokens": args.tokens, "prompt": PROMPT, "cpu_count": os.cpu_count(),
-                    "torch": torch.__version__, "peers_omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset")}
+                    "device": dev, "torch": torch.__version__, "peers_omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset")}
 
-    report["generate_decode_tokens_per_s"] = in_child("bench_generate", args.model, args.tokens, args.repeats)
+    report["generate_decode_tokens_per_s"] = in_child("bench_generate", args.model, args.tokens, args.repeats, dev)
     print(f"generate(): {report['generate_decode_tokens_per_s']:.1f} decode tokens/s", flush=True)
 
-    report["generate_static"] = {n: in_child("bench_generate_static", args.model, n, args.tokens, args.repeats)
+    report["generate_static"] = {n: in_child("bench_generate_static", args.model, n, args.tokens, args.repeats, dev)
                                  for n in levels if n > 1}
     print("generate() static batch:", json.dumps(report["generate_static"]), flush=True)
     if args.gguf:
@@ -356,11 +379,12 @@ def main() -> None:
     from server.engine_loading import default_torch_threads
 
     server_threads = default_torch_threads()
-    report["engine_alone"] = {n: in_child("bench_engine_alone", args.model, n, args.tokens, args.repeats)
+    report["engine_alone"] = {n: in_child("bench_engine_alone", args.model, n, args.tokens, args.repeats, dev)
                               for n in levels}
     report["engine_alone_server_threads"] = {
         "threads": server_threads,
-        **{n: in_child("bench_engine_alone", args.model, n, args.tokens, args.repeats, threads=server_threads)
+        **{n: in_child("bench_engine_alone", args.model, n, args.tokens, args.repeats, dev,
+                         threads=server_threads)
            for n in levels}}
     print("engine alone:", json.dumps(report["engine_alone"]), "with the server's threads:",
           json.dumps(report["engine_alone_server_threads"]), flush=True)
@@ -371,7 +395,7 @@ def main() -> None:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         env = {"MODEL_ID": args.model, "PORT": str(port), "HOST": "127.0.0.1", "LOG_LEVEL": "warning",
-               "MAX_BATCH_SIZE": "16", **prefill}
+               "MAX_BATCH_SIZE": "16", "DEVICE": dev, **prefill}
         with running([sys.executable, "-m", "server.cli", "serve"], kvserve_env(env), url + "/health", inherit=False):
             asyncio.run(concurrent(lambda c: _stream_kvserve(c, url, 8), 1))  # warm-up
             report["long_prompt_itl"][label] = {**asyncio.run(_long_arrival(url, prompts, 8, max(128, args.tokens))),
@@ -383,7 +407,7 @@ def main() -> None:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         env = {"MODEL_ID": args.model, "PORT": str(port), "HOST": "127.0.0.1", "LOG_LEVEL": "warning",
-               "MAX_BATCH_SIZE": str(max(levels)), "ENGINE_PROCESS": mode}
+               "MAX_BATCH_SIZE": str(max(levels)), "ENGINE_PROCESS": mode, "DEVICE": dev}
         key = "kvserve" if mode == modes[0] else "kvserve_other_mode"
         report.setdefault("engine_process", {})[key] = mode == "true"
         with running([sys.executable, "-m", "server.cli", "serve"], kvserve_env(env), url + "/health",
@@ -402,7 +426,7 @@ def main() -> None:
                 report[key][n] = {**row, "cpu": meter.stop()}
             print(f"kvserve ENGINE_PROCESS={mode}:", json.dumps(report[key]), flush=True)
 
-    if not args.skip_transformers_serve:
+    if not args.skip_transformers_serve and dev == "cpu":
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         cmd = [str(Path(sys.executable).with_name("transformers")), "serve", "--continuous-batching",

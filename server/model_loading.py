@@ -36,9 +36,12 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 def load_model(model_id: str, device: torch.device, dtype: torch.dtype):
     """Load ``(model, tokenizer)`` in eval mode on ``device`` with ``dtype`` and kvserve's attention function
-    (SDPA for plain K/V, in-place reads for kvserve's caches: :mod:`cache_backends.attention`)."""
+    (SDPA for plain K/V, in-place reads for kvserve's caches: :mod:`cache_backends.attention`).
+
+    transformers' hub kernels stay off (``use_kernels=False``): they replace layers with code fetched from the Hub
+    on first use, which an offline server cannot do, and kvserve's attention path is its own."""
     tokenizer = AutoTokenizer.from_pretrained(model_id)
-    model = AutoModelForCausalLM.from_pretrained(model_id, dtype=dtype, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(model_id, dtype=dtype, attn_implementation="sdpa", use_kernels=False)
     model.to(device).eval()
     install_attention(model)
     log.info("loaded %s on %s (%s)", model_id, device, dtype)

@@ -68,3 +68,18 @@ def test_training_script_is_shipped():
     assert (REPO / "scripts" / "train_reference_model.py").exists()
     summary = json.loads((MODEL_DIR / "training_summary.json").read_text())
     assert summary["command"].startswith("python scripts/train_reference_model.py")
+
+
+def test_load_model_leaves_hub_kernels_off(monkeypatch):
+    """kvserve loads its model with transformers' hub kernels off: where the ``kernels`` package is missing or of
+    another version (a CUDA image's own), ``from_pretrained``'s default asks for them and raises; and they would
+    replace layers with code fetched from the Hub, which an offline server cannot do."""
+    import torch
+    from transformers import modeling_utils
+
+    from server.model_loading import load_model
+
+    monkeypatch.delenv("USE_HUB_KERNELS", raising=False)
+    monkeypatch.setattr(modeling_utils, "is_kernels_available", lambda *a, **k: False)
+    model, _ = load_model(str(MODEL_DIR), torch.device("cpu"), torch.float32)
+    assert model.use_kernels is False
