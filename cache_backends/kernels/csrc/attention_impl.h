@@ -350,10 +350,118 @@ inline void widen_token(const uint8_t* codes, int bits, float s, float z, int64_
   }
 }
 
+// ---------------------------------------------------------------------------------------------- quantized, fused
+#ifdef KVK_AVX2
+// The quantized tier attended straight from its codes (AVX2, head_dim a multiple of 16): a key group's scales fold
+// into the query (q·(code*s + z) = (q*s)·code + q·z), a token's value scale into its softmax weight and its zero
+// point into one sum per row, so each code is converted once in registers and used by every query row at once; no
+// widened copy is written. The same sums as the widening path, in another order (fp32 throughout).
+
+inline __m256 cvt8_i8(const uint8_t* p) {  // 8 int8 codes → fp32
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+inline void cvt8_u4(const uint8_t* p, __m256& lo, __m256& hi) {  // 8 bytes of nibbles → low and high nibbles, fp32
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
+  hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+}
+
+inline float code_at(const uint8_t* codes, int bits, int64_t width, int64_t c) {  // channel c of one token's codes
+  if (bits == 8) return static_cast<float>(reinterpret_cast<const int8_t*>(codes)[c]);
+  const int64_t half = width / 2;
+  return static_cast<float>(c < half ? (codes[c] & 15) : (codes[c - half] >> 4));
+}
+
+// s[r * BN + j] = qg_r · code_j + bias_r for the R rows of qg (R x d, the group's scales folded in) and the tokens j
+// in [ja, jb) of one key group, token j's key codes at kc[j]. Two tokens at a time, R x 2 sums in one hsum8x8.
+template <int R>
+inline void q_scores(const float* qg, const float* bias, int64_t d, int bits, const uint8_t* const* kc, int64_t ja,
+                     int64_t jb, float* s) {
+  int64_t j = ja;
+  for (; j + 2 <= jb; j += 2) {
+    __m256 acc[8];
+    for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+    const uint8_t *c0 = kc[j], *c1 = kc[j + 1];
+    if (bits == 8) {
+      for (int64_t c = 0; c < d; c += 8) {
+        const __m256 x0 = cvt8_i8(c0 + c), x1 = cvt8_i8(c1 + c);
+        for (int r = 0; r < R; ++r) {
+          const __m256 qv = _mm256_loadu_ps(qg + r * d + c);
+          acc[r] = _mm256_fmadd_ps(qv, x0, acc[r]);
+          acc[4 + r] = _mm256_fmadd_ps(qv, x1, acc[4 + r]);
+        }
+      }
+    } else {
+      const int64_t half = d / 2;
+      for (int64_t c = 0; c < half; c += 8) {
+        __m256 l0, h0, l1, h1;
+        cvt8_u4(c0 + c, l0, h0);
+        cvt8_u4(c1 + c, l1, h1);
+        for (int r = 0; r < R; ++r) {
+          const __m256 ql = _mm256_loadu_ps(qg + r * d + c), qh = _mm256_loadu_ps(qg + r * d + half + c);
+          acc[r] = _mm256_fmadd_ps(qh, h0, _mm256_fmadd_ps(ql, l0, acc[r]));
+          acc[4 + r] = _mm256_fmadd_ps(qh, h1, _mm256_fmadd_ps(ql, l1, acc[4 + r]));
+        }
+      }
+    }
+    alignas(32) float out[8];
+    _mm256_store_ps(out, hsum8x8(acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7]));
+    for (int r = 0; r < R; ++r) {
+      s[r * BN + j] = out[r] + bias[r];
+      s[r * BN + j + 1] = out[4 + r] + bias[r];
+    }
+  }
+  for (; j < jb; ++j)
+    for (int r = 0; r < R; ++r) {
+      float sum = bias[r];
+      for (int64_t c = 0; c < d; ++c) sum += qg[r * d + c] * code_at(kc[j], bits, d, c);
+      s[r * BN + j] = sum;
+    }
+}
+
+// acc_r += zs_r + Σ_j p[r * BN + j] code_j (every channel) for R rows, token j's value codes at vc[j], j < nj.
+template <int R>
+inline void q_values(const float* p, const float* zs, float* acc, int64_t dv, int bits, const uint8_t* const* vc,
+                     int64_t nj) {
+  const int64_t half = dv / 2;
+  const int64_t step = bits == 8 ? 16 : 8, end = bits == 8 ? dv : half;
+  for (int64_t c = 0; c < end; c += step) {
+    const int64_t c2 = bits == 8 ? c + 8 : half + c;  // the unit's second 8 channels
+    __m256 o[8];
+    for (int r = 0; r < R; ++r) {
+      const __m256 z = _mm256_set1_ps(zs[r]);
+      o[2 * r] = _mm256_add_ps(_mm256_loadu_ps(acc + r * dv + c), z);
+      o[2 * r + 1] = _mm256_add_ps(_mm256_loadu_ps(acc + r * dv + c2), z);
+    }
+    for (int64_t j = 0; j < nj; ++j) {
+      __m256 x0, x1;
+      if (bits == 8) {
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(vc[j] + c));
+        x0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
+        x1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw, 8)));
+      } else {
+        cvt8_u4(vc[j] + c, x0, x1);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256 wv = _mm256_broadcast_ss(p + r * BN + j);
+        o[2 * r] = _mm256_fmadd_ps(wv, x0, o[2 * r]);
+        o[2 * r + 1] = _mm256_fmadd_ps(wv, x1, o[2 * r + 1]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(acc + r * dv + c, o[2 * r]);
+      _mm256_storeu_ps(acc + r * dv + c2, o[2 * r + 1]);
+    }
+  }
+}
+#endif
+
 // ---------------------------------------------------------------------------------------------- the work item
 struct Scratch {
-  std::vector<float> q, qr, acc_q, acc_e, m, l, s, p, k, v;
+  std::vector<float> q, qr, acc_q, acc_e, m, l, s, p, k, v, qg, bias, vs, vz, zs;
   std::vector<const float*> kp, vp;
+  std::vector<const uint8_t*> kc, vc;
 };
 
 // One block of nj tokens of a tier, key j at kp[j] and value j at vp[j] (fp32), token t0 of the tier its first;
@@ -393,6 +501,98 @@ inline void attend_block(int64_t M, int64_t d, int64_t dv, const float* qs, cons
   }
 }
 
+#ifdef KVK_AVX2
+// Rows [0, M) of one (row b, KV head h) item over the quantized tokens [0, q_max), row r seeing [0, qc[r]): scores
+// with `qs` (M x d; rotated when the tier is), weighted values into `acc` (M x dv); `other`: the exact tier's
+// accumulator when the tiers sum apart (a rotated tier), rescaled with this one.
+inline void attend_quant(const PagedArgs& a, int64_t b, int64_t h, int64_t M, const float* qs, const int64_t* qc,
+                         int64_t q_max, Scratch& w, float* acc, float* other) {
+  constexpr float NEG = -std::numeric_limits<float>::infinity();
+  const int64_t d = a.d, dv = a.dv, kcw = d * a.k_bits / 8, vcw = dv * a.v_bits / 8, groups = a.tq / a.group;
+  const int64_t kse = a.ks_dtype == F32 ? 4 : 2;
+  float *s = w.s.data(), *p = w.p.data(), *qg = w.qg.data(), *bias = w.bias.data(), *zs = w.zs.data();
+  const uint8_t** kc = w.kc.data();
+  const uint8_t** vc = w.vc.data();
+  for (int64_t t0 = 0; t0 < q_max; t0 += BN) {
+    const int64_t nj = std::min(BN, q_max - t0);
+    int64_t page = t0 / a.tq, u = t0 % a.tq;  // walked token by token: no division per token
+    const uint8_t* base = a.arena + a.q_table[b * a.pq + page] * a.page_bytes;
+    for (int64_t j = 0; j < nj; ++j, ++u) {
+      if (u == a.tq) {
+        u = 0;
+        base = a.arena + a.q_table[b * a.pq + ++page] * a.page_bytes;
+      }
+      kc[j] = base + a.kc_off + (h * a.tq + u) * kcw;
+      vc[j] = base + a.vc_off + (h * a.tq + u) * vcw;
+      w.vs[j] = load_one(base + a.vs_off, a.vs_dtype, h * a.tq + u);
+      w.vz[j] = load_one(base + a.vz_off, a.vs_dtype, h * a.tq + u);
+    }
+    for (int64_t ja = 0; ja < nj;) {  // one key group at a time: its scales folded into the query rows
+      const int64_t t = t0 + ja, u = t % a.tq, g = u / a.group;
+      const int64_t jb = std::min(nj, ja + a.group - u % a.group);
+      const uint8_t* base = a.arena + a.q_table[b * a.pq + t / a.tq] * a.page_bytes;
+      const uint8_t* sc = base + a.ks_off + (h * groups + g) * d * kse;
+      const uint8_t* zr = base + a.kz_off + (h * groups + g) * d * kse;
+      for (int64_t r = 0; r < M; ++r) {
+        __m256 bv = _mm256_setzero_ps();
+        for (int64_t c = 0; c < d; c += 8) {
+          const __m256 qv = _mm256_loadu_ps(qs + r * d + c);
+          _mm256_storeu_ps(qg + r * d + c, _mm256_mul_ps(qv, load8(sc + c * kse, a.ks_dtype)));
+          bv = _mm256_fmadd_ps(qv, load8(zr + c * kse, a.ks_dtype), bv);
+        }
+        bias[r] = hsum8(bv);
+      }
+      for (int64_t r0 = 0; r0 < M; r0 += 4) {
+        const float *qr = qg + r0 * d, *br = bias + r0;
+        switch (std::min<int64_t>(4, M - r0)) {
+          case 4: q_scores<4>(qr, br, d, a.k_bits, kc, ja, jb, s + r0 * BN); break;
+          case 3: q_scores<3>(qr, br, d, a.k_bits, kc, ja, jb, s + r0 * BN); break;
+          case 2: q_scores<2>(qr, br, d, a.k_bits, kc, ja, jb, s + r0 * BN); break;
+          default: q_scores<1>(qr, br, d, a.k_bits, kc, ja, jb, s + r0 * BN); break;
+        }
+      }
+      ja = jb;
+    }
+    // online softmax per row; the weights then carry each token's value scale, zs each row's zero-point sum
+    for (int64_t r = 0; r < M; ++r) {
+      const int64_t j1 = std::min<int64_t>(qc[r] - t0, nj);
+      float* pr = p + r * BN;
+      zs[r] = 0.f;
+      if (j1 <= 0) {
+        std::fill(pr, pr + nj, 0.f);
+        continue;
+      }
+      const float mx = max_of(s + r * BN, 0, j1), m_new = std::max(w.m[r], mx);
+      const float alpha = w.m[r] == NEG ? 0.f : std::exp(w.m[r] - m_new);
+      w.l[r] = w.l[r] * alpha + exp_row(s + r * BN, m_new, 0, j1, pr);
+      w.m[r] = m_new;
+      std::fill(pr + j1, pr + nj, 0.f);
+      if (alpha != 1.f) {
+        for (int64_t c = 0; c < dv; ++c) acc[r * dv + c] *= alpha;
+        if (other != nullptr)
+          for (int64_t c = 0; c < dv; ++c) other[r * dv + c] *= alpha;
+      }
+      float z = 0.f;
+      for (int64_t j = 0; j < j1; ++j) {
+        z += pr[j] * w.vz[j];
+        pr[j] *= w.vs[j];
+      }
+      zs[r] = z;
+    }
+    for (int64_t r0 = 0; r0 < M; r0 += 4) {
+      const float* pr = p + r0 * BN;
+      float* ar = acc + r0 * dv;
+      switch (std::min<int64_t>(4, M - r0)) {
+        case 4: q_values<4>(pr, zs + r0, ar, dv, a.v_bits, vc, nj); break;
+        case 3: q_values<3>(pr, zs + r0, ar, dv, a.v_bits, vc, nj); break;
+        case 2: q_values<2>(pr, zs + r0, ar, dv, a.v_bits, vc, nj); break;
+        default: q_values<1>(pr, zs + r0, ar, dv, a.v_bits, vc, nj); break;
+      }
+    }
+  }
+}
+#endif
+
 inline void run_item(const PagedArgs& a, int64_t item, Scratch& w) {
   const int64_t tile = item % a.tiles, h = (item / a.tiles) % a.H, b = item / (a.tiles * a.H);
   const int64_t rep = a.Hq / a.H, d = a.d, dv = a.dv;
@@ -430,8 +630,16 @@ inline void run_item(const PagedArgs& a, int64_t item, Scratch& w) {
   }
   const float** kp = w.kp.data();
   const float** vp = w.vp.data();
-  // the quantized tier: keys per channel over groups, values per token, widened into the scratch
-  if (q_max > 0) {
+  // the quantized tier: keys per channel over groups, values per token; read from the codes where it can be
+  // (attend_quant), else widened into the scratch
+#ifdef KVK_AVX2
+  const bool fused = d % 16 == 0 && dv % 16 == 0;
+  if (q_max > 0 && fused)
+    attend_quant(a, b, h, M, rotated ? w.qr.data() : w.q.data(), qc.data(), q_max, w, acc_q, rotated ? acc_e : nullptr);
+#else
+  const bool fused = false;
+#endif
+  if (q_max > 0 && !fused) {
     const int64_t kcw = d * a.k_bits / 8, vcw = dv * a.v_bits / 8, groups = a.tq / a.group;
     const int64_t kse = a.ks_dtype == F32 ? 4 : 2;
     for (int64_t t0 = 0; t0 < q_max; t0 += BN) {
@@ -458,16 +666,25 @@ inline void run_item(const PagedArgs& a, int64_t item, Scratch& w) {
     const int64_t es = a.kv_dtype == F32 ? 4 : 2;
     for (int64_t t0 = e_min; t0 < e_max; t0 += BN) {
       const int64_t nj = std::min(BN, e_max - t0);
-      for (int64_t j = 0; j < nj; ++j) {
-        const int64_t t = t0 + j, u = t % a.te;
-        const uint8_t* base = a.arena + a.exact_table[b * a.pe + t / a.te] * a.page_bytes;
+      // pages walked token by token (no division per token), this block's and the next block's at once
+      int64_t page = t0 / a.te, u = t0 % a.te, npage = (t0 + BN) / a.te, nu = (t0 + BN) % a.te;
+      const uint8_t* base = a.arena + a.exact_table[b * a.pe + page] * a.page_bytes;
+      for (int64_t j = 0; j < nj; ++j, ++u, ++nu) {
+        if (u == a.te) {
+          u = 0;
+          base = a.arena + a.exact_table[b * a.pe + ++page] * a.page_bytes;
+        }
+        if (nu == a.te) {
+          nu = 0;
+          ++npage;
+        }
+        const int64_t t = t0 + j;
         const uint8_t* kb = base + a.k_off + (h * a.te + u) * d * es;
         const uint8_t* vb = base + a.v_off + (h * a.te + u) * dv * es;
-        const int64_t ahead = t + BN;  // the next block's token: its K and V lines (into L2) meanwhile
-        if (ahead < e_max) {
-          const uint8_t* nb = a.arena + a.exact_table[b * a.pe + ahead / a.te] * a.page_bytes;
-          const uint8_t* nk = nb + a.k_off + (h * a.te + ahead % a.te) * d * es;
-          const uint8_t* nv = nb + a.v_off + (h * a.te + ahead % a.te) * dv * es;
+        if (t + BN < e_max) {  // the next block's token: its K and V lines (into L2) meanwhile
+          const uint8_t* nb = a.arena + a.exact_table[b * a.pe + npage] * a.page_bytes;
+          const uint8_t* nk = nb + a.k_off + (h * a.te + nu) * d * es;
+          const uint8_t* nv = nb + a.v_off + (h * a.te + nu) * dv * es;
           for (int64_t off = 0; off < d * es; off += 64) __builtin_prefetch(nk + off, 0, 2);
           for (int64_t off = 0; off < dv * es; off += 64) __builtin_prefetch(nv + off, 0, 2);
         }
@@ -505,8 +722,15 @@ inline void run_items(const PagedArgs& a, int64_t begin, int64_t end) {
   Scratch w;
   w.m.resize(rows);
   w.l.resize(rows);
-  w.s.resize(2 * BN);
-  w.p.resize(2 * BN);
+  w.s.resize(std::max<int64_t>(rows, 2) * BN);
+  w.p.resize(std::max<int64_t>(rows, 2) * BN);
+  w.qg.resize(rows * a.d);
+  w.bias.resize(rows);
+  w.zs.resize(rows);
+  w.vs.resize(BN);
+  w.vz.resize(BN);
+  w.kc.resize(BN);
+  w.vc.resize(BN);
   w.k.resize(BN * a.d);
   w.v.resize(BN * a.dv);
   w.kp.resize(BN);
