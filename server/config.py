@@ -112,6 +112,11 @@ class Settings(BaseSettings):
                                  "process; false: in a thread of the server's process. Either way it is fed over ZMQ "
                                  "with plain messages, detokenization, stop sequences and streaming stay in the "
                                  "server's process, and if the core ends unasked the server exits 1.")
+    engine_step_timeout_s: float = Field(120.0, ge=0, allow_inf_nan=False, description="A busy engine core that "
+                                         "sends nothing for this many seconds (no step finished) is hung: it is "
+                                         "killed, its requests end with an error, /health answers 503 and the server "
+                                         "exits 1, as when the core dies. A core process stopped by a signal "
+                                         "(SIGSTOP) is so after 5 s whatever this is. 0: never.")
     max_num_batched_tokens: int = Field(256, ge=0, description="Tokens one engine step processes: each decoding "
                                         "sequence's one, prompt chunks the rest (chunked prefill); 0 prefills "
                                         "whole prompts.")

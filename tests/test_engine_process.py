@@ -322,3 +322,35 @@ def test_a_total_length_past_the_models_positions_is_served_with_a_warning(caplo
                                        log_level="warning"))
     assert any("MAX_TOTAL_TOKENS=2048 is more than the model's max_position_embeddings (1024)" in r.getMessage()
                for r in caplog.records if r.levelname == "WARNING")
+
+
+@pytest.mark.parametrize("timeout,why", [(120.0, "stopped by a signal"), (2.0, "finished no step in")])
+def test_a_hung_core_is_ended_and_its_requests_end_with_an_error(timeout, why):
+    """A core that sends nothing while requests wait (here stopped with SIGSTOP) is hung: after
+    ENGINE_STEP_TIMEOUT_S (or 5 s once its process is seen stopped) it is killed, its requests end with an error
+    saying so, and the server is told (``on_death``: /health 503, then exit 1), not left waiting for ever."""
+    import time
+
+    deaths = []
+    c = CoreClient(Settings(model_id=str(MODEL_DIR), kv_backends="full", device="cpu", dtype="float32",
+                            log_level="warning", engine_process=True, engine_step_timeout_s=timeout),
+                   on_death=deaths.append)
+    c.start()
+    try:
+        async def main():
+            seq, events = await service(c).run(GenerationRequest(PROMPTS[0], 900, SamplingParams(ignore_eos=True),
+                                                                 [], "full"))
+            got = []
+            async for e in events:
+                got.append(e)
+                if len(got) == 2:
+                    os.kill(c.host.proc.pid, signal.SIGSTOP)
+            return got
+
+        t0 = time.monotonic()
+        got = asyncio.run(asyncio.wait_for(main(), 60))
+        assert got[-1].finish_reason == FinishReason.ERROR and why in got[-1].error, got[-1].error
+        assert deaths == [got[-1].error] and time.monotonic() - t0 < 30
+        assert c.host.proc.wait(10) == -signal.SIGKILL
+    finally:
+        c.stop()

@@ -41,6 +41,8 @@ READY_TIMEOUT_S = 1800.0
 """Longest wait for the core's ``Ready`` (seconds): loading, calibrating and pricing the backends takes minutes."""
 POLL_MS = 100
 """How often the reader looks whether the core is still alive while it sends nothing (milliseconds)."""
+STOPPED_GRACE_S = 5.0
+"""How long a busy core process may stay stopped by a signal before it counts as hung (seconds)."""
 STOPPED = "the server stopped before the engine core was ready"
 """:meth:`CoreClient.start`'s error when :meth:`CoreClient.stop` ended its wait."""
 
@@ -114,6 +116,8 @@ class CoreClient:
         self._closed = False
         self._left_running = False  # stop() gave up waiting for a core thread: the reader ends without it
         self._reader: threading.Thread | None = None
+        self._heard = time.monotonic()  # when the core last sent something (the reader thread's)
+        self._busy_since: float | None = None  # since when requests have been live without a pause
         # a process connects over ipc:// (a socket file in a folder of its own); a thread over inproc://, in
         # this context, which both share
         self._dir = tempfile.mkdtemp(prefix="kvserve-core-") if settings.engine_process else None
@@ -287,6 +291,7 @@ class CoreClient:
     def _read(self) -> None:
         while True:
             if self._rx.poll(POLL_MS):
+                self._heard = time.monotonic()
                 try:
                     out = m.decode_output(self._rx.recv())
                 except Exception:  # noqa: BLE001 - a bad message is the core's bug; the stream goes on
@@ -300,6 +305,33 @@ class CoreClient:
                 self._died(ended)
             if ended is not None or self._left_running:
                 return
+            hung = None if self._stopping else self._hung()
+            if hung is not None:
+                log.error("%s: ending it", hung)
+                if isinstance(self.host, CoreProcess):
+                    self.host.kill(5.0)  # SIGKILL ends a stopped process too
+                self._died(hung)
+                return
+
+    def _hung(self) -> str | None:
+        """Why the core counts as hung, or ``None``: requests are live and it has sent nothing for
+        ``ENGINE_STEP_TIMEOUT_S`` seconds, or for :data:`STOPPED_GRACE_S` while its process is stopped."""
+        now = time.monotonic()
+        with self._lock:
+            busy = bool(self._live)
+        if not busy:
+            self._busy_since = None
+            return None
+        if self._busy_since is None:
+            self._busy_since = now
+        silent = now - max(self._heard, self._busy_since)
+        if silent >= STOPPED_GRACE_S and isinstance(self.host, CoreProcess) and self.host.stopped():
+            return f"the engine core process is stopped by a signal and has sent nothing for {silent:.0f} s"
+        limit = self.settings.engine_step_timeout_s
+        if limit and silent >= limit:
+            return (f"the engine core finished no step in {silent:.0f} s with requests waiting "
+                    f"(ENGINE_STEP_TIMEOUT_S={limit:g}): it is hung")
+        return None
 
     def _died(self, reason: str) -> None:
         """Report ``reason``, then end every live request with an ``error`` event."""

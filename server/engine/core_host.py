@@ -52,6 +52,15 @@ class CoreProcess:
         how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
         return f"the engine core process {how}"
 
+    def stopped(self) -> bool:
+        """Whether the process is stopped by a signal (SIGSTOP, SIGTSTP) or a tracer: state ``T`` or ``t`` in
+        ``/proc/<pid>/stat`` (Linux; ``False`` where that cannot be read)."""
+        try:
+            with open(f"/proc/{self.proc.pid}/stat", "rb") as f:
+                return f.read().rsplit(b")", 1)[1].split()[0] in (b"T", b"t")
+        except (OSError, IndexError):
+            return False
+
     def wait(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for the process to exit; whether it has."""
         try:
