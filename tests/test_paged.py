@@ -544,3 +544,13 @@ def test_decode_rows_of_one_length_give_the_same_logits_without_the_mask(ref_mod
         driver.step(rows, [ids[:37], ids[3:40], ids[5:42]])
         logits.append(driver.step(rows, [[ids[37]], [ids[40]], [ids[42]]]))
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
+
+
+def test_zero_clears_exactly_the_pages_given():
+    """``KVPool.zero`` (over the arena's words) clears the listed pages, every byte, and no other."""
+    from cache_backends.pool import KVPool
+
+    pool = KVPool(6, 128, {}, "cpu")
+    pool.arena.fill_(7)
+    pool.zero([2, 4])
+    assert pool.arena[[2, 4]].eq(0).all() and pool.arena[[1, 3, 5]].eq(7).all()
