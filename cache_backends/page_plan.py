@@ -28,7 +28,7 @@ class SeqBlocks:
         q: pages of the quantized tier, oldest first.
         q_len: quantized tokens.
         first: the position of the first token they hold (0 but for a ``dca`` layer that keeps only some of a
-            sequence's tokens: :mod:`cache_backends.dca_plan`).
+            sequence's tokens: :mod:`cache_backends.dca.plan`).
     """
 
     exact: list[int] = field(default_factory=list)

@@ -26,7 +26,7 @@ class KVPool:
         num_pages: pages (the null page included).
         page_bytes: bytes per page (a multiple of 64).
         layouts: each paged backend's :class:`PageLayout` (or a layout of several groups of pages, ``groups``: dca's
-            :class:`cache_backends.dca_plan.DCALayout`), by backend name.
+            :class:`cache_backends.dca.plan.DCALayout`), by backend name.
         device: where the arena lives.
 
     Attributes:

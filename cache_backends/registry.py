@@ -15,7 +15,7 @@ from __future__ import annotations
 import inspect
 
 from cache_backends.base import KVBackend, ModelGeometry
-from cache_backends.dca import DCABackend
+from cache_backends.dca.backend import DCABackend
 from cache_backends.elastic import ElasticBackend
 from cache_backends.full import FullBackend
 from cache_backends.gqa import GQABackend

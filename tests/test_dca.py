@@ -92,7 +92,7 @@ def test_residual_window_holds_the_newest_tokens_and_slides(setup):
     """A reuse layer keeps its own K/V for the newest ``window + length % window`` tokens (36 of 100 after the
     prompt), drops the oldest 32 at once when it reaches 64, and the store's bytes are those tokens' bytes; after
     a fall-back the window stops sliding."""
-    from cache_backends.dca import window_start
+    from cache_backends.dca.plan import window_start
 
     model, _, geometry, calib = setup
     backend = make(setup, threshold=-1.0, probe_interval=1000, window=32)
@@ -174,7 +174,7 @@ def test_calibration_similarity_reported(setup):
 def test_similarity_averages_every_token_in_either_layout():
     """Calibration passes (tokens, H, d); serving (1, H, n, d). Both average every token and head (#26: the
     calibration figures were token 0's, e.g. 0.026 for layer 1 against 0.856 served)."""
-    from cache_backends.dca import similarity, token_similarity
+    from cache_backends.dca.similarity import similarity, token_similarity
 
     gen = torch.Generator().manual_seed(0)
     own_k, own_v = torch.randn(12, 4, 16, generator=gen), torch.randn(12, 4, 16, generator=gen)

@@ -28,7 +28,7 @@ TORCH_FREE = (
     "cache_backends.kv_spec",  # what a backend stores and every byte count
     "cache_backends.estimate",  # the estimator's sums (kvserve estimate, advise)
     "cache_backends.page_plan",  # tier planning: block tables, plans, pages a sequence needs
-    "cache_backends.dca_plan",  # dca's groups of pages and its per-sequence reuse decisions
+    "cache_backends.dca.plan",  # dca's groups of pages and its per-sequence reuse decisions
     "server.engine.step_plan",  # the scheduler's and the runner's plain step records
     "server.engine.sequence",  # a request's state in the engine
     "server.engine.messages",  # the engine core's messages (the HTTP process reads them)

@@ -35,7 +35,7 @@ class RowPlan:
         token_ids: the tokens it writes: a prefill chunk, or its newest token (decode).
         blocks: its block tables for the step (this step's pages added; read only: the scheduler changes them only
             when it commits the row): :class:`~cache_backends.page_plan.SeqBlocks`, or ``dca``'s
-            :class:`~cache_backends.dca_plan.DCABlocks`.
+            :class:`~cache_backends.dca.plan.DCABlocks`.
         plan: what writing the tokens does to ``blocks`` (committed after the step).
         decode: a decode row (one generated token), not a prefill chunk.
         sample: its last token's logits are sampled (a decode row, or a prompt's last chunk).
@@ -104,7 +104,7 @@ class RunnerOutput:
             prompt is complete).
         failed: ``seq_id`` → why its forward failed (its pages are not committed).
         feedback: ``seq_id`` → what the forward measured for the row's commit (plain data: ``dca``'s similarities,
-            :class:`cache_backends.dca_plan.Feedback`).
+            :class:`cache_backends.dca.plan.Feedback`).
     """
 
     sampled: dict = field(default_factory=dict)
