@@ -131,6 +131,21 @@ def test_decode_of_a_ragged_batch_matches_the_torch_path(tier, heads, rep, width
         pool.commit()
 
 
+@pytest.mark.parametrize("splits", [2, 5])
+@pytest.mark.parametrize("tier", list(TIERS))
+def test_a_decode_split_over_kv_blocks_matches_the_torch_path(tier, splits, monkeypatch):
+    """Each (row, KV head) item's blocks split between work units (as a decode of a few rows is, so that every
+    thread has work), then merged: the same output as the torch path, for rows shorter than a split and longer."""
+    monkeypatch.setenv("KVSERVE_KERNEL_SPLITS", str(splits))
+    pool = Pool(tier, 3, 64, torch.float32, tokens_per_page=16, seed=splits)
+    lengths = [3, 200, 700]
+    rows = [SeqBlocks() for _ in lengths]
+    _grow(pool, rows, lengths, chunk=128)
+    for _ in range(2):
+        pool.compare(pool.write(rows, [1] * len(rows), commit=False), 3)
+        pool.commit()
+
+
 @pytest.mark.parametrize("dtype", [d for d in KERNEL_DTYPES if d != torch.float16], ids=str)
 @pytest.mark.parametrize("tier", list(TIERS))
 @pytest.mark.parametrize("heads,rep,width", SHAPES[:3], ids=[f"h{h}x{r}-d{w}" for h, r, w in SHAPES[:3]])

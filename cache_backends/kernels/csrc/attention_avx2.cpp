@@ -20,5 +20,6 @@ namespace avx2 {
 }  // namespace avx2
 
 void paged_attention_avx2(const PagedArgs& a, int64_t begin, int64_t end) { avx2::run_items(a, begin, end); }
+void paged_merge_avx2(const PagedArgs& a, int64_t begin, int64_t end) { avx2::merge_items(a, begin, end); }
 }  // namespace kvserve
 #pragma GCC pop_options

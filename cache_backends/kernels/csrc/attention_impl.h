@@ -502,19 +502,19 @@ inline void attend_block(int64_t M, int64_t d, int64_t dv, const float* qs, cons
 }
 
 #ifdef KVK_AVX2
-// Rows [0, M) of one (row b, KV head h) item over the quantized tokens [0, q_max), row r seeing [0, qc[r]): scores
+// Rows [0, M) of one (row b, KV head h) item over the quantized tokens [qa, qb), row r seeing [0, qc[r]): scores
 // with `qs` (M x d; rotated when the tier is), weighted values into `acc` (M x dv); `other`: the exact tier's
 // accumulator when the tiers sum apart (a rotated tier), rescaled with this one.
 inline void attend_quant(const PagedArgs& a, int64_t b, int64_t h, int64_t M, const float* qs, const int64_t* qc,
-                         int64_t q_max, Scratch& w, float* acc, float* other) {
+                         int64_t qa, int64_t qb, Scratch& w, float* acc, float* other) {
   constexpr float NEG = -std::numeric_limits<float>::infinity();
   const int64_t d = a.d, dv = a.dv, kcw = d * a.k_bits / 8, vcw = dv * a.v_bits / 8, groups = a.tq / a.group;
   const int64_t kse = a.ks_dtype == F32 ? 4 : 2;
   float *s = w.s.data(), *p = w.p.data(), *qg = w.qg.data(), *bias = w.bias.data(), *zs = w.zs.data();
   const uint8_t** kc = w.kc.data();
   const uint8_t** vc = w.vc.data();
-  for (int64_t t0 = 0; t0 < q_max; t0 += BN) {
-    const int64_t nj = std::min(BN, q_max - t0);
+  for (int64_t t0 = qa; t0 < qb; t0 += BN) {
+    const int64_t nj = std::min(BN, qb - t0);
     int64_t page = t0 / a.tq, u = t0 % a.tq;  // walked token by token: no division per token
     const uint8_t* base = a.arena + a.q_table[b * a.pq + page] * a.page_bytes;
     for (int64_t j = 0; j < nj; ++j, ++u) {
@@ -593,7 +593,55 @@ inline void attend_quant(const PagedArgs& a, int64_t b, int64_t h, int64_t M, co
 }
 #endif
 
-inline void run_item(const PagedArgs& a, int64_t item, Scratch& w) {
+// The query rows of one item's tile, their ranges, and what they see of each tier.
+struct Rows {
+  int64_t b, h, i0, i1, rep, M, q_max = 0, e_min = INT64_MAX, e_max = 0;
+  bool rotated;
+};
+
+inline Rows rows_of(const PagedArgs& a, int64_t item) {
+  Rows x;
+  const int64_t tile = item % a.tiles;
+  x.h = (item / a.tiles) % a.H;
+  x.b = item / (a.tiles * a.H);
+  x.rep = a.Hq / a.H;
+  x.i0 = tile * a.tile_tokens;
+  x.i1 = std::min(a.n, x.i0 + a.tile_tokens);
+  x.M = (x.i1 - x.i0) * x.rep;
+  for (int64_t i = x.i0; i < x.i1; ++i) {
+    const int32_t* rg = a.ranges + (x.b * a.n + i) * 3;
+    x.q_max = std::max<int64_t>(x.q_max, rg[0]);
+    if (rg[2] > rg[1]) {
+      x.e_min = std::min<int64_t>(x.e_min, rg[1]);
+      x.e_max = std::max<int64_t>(x.e_max, rg[2]);
+    }
+  }
+  x.rotated = a.rotation != nullptr && x.q_max > 0;
+  return x;
+}
+
+// out = (acc_q R + acc_e) / l for the rows of `x`, back to (b, h * rep + r, i); acc_q: nullptr unless rotated.
+inline void finalize(const PagedArgs& a, const Rows& x, const float* acc_e, const float* acc_q, const float* l) {
+  const int64_t dv = a.dv;
+  for (int64_t i = x.i0; i < x.i1; ++i) {
+    for (int64_t r = 0; r < x.rep; ++r) {
+      const int64_t row = (i - x.i0) * x.rep + r;
+      float* dst = a.out + ((x.b * a.Hq + x.h * x.rep + r) * a.n + i) * dv;
+      const float inv = l[row] > 0.f ? 1.f / l[row] : 0.f;
+      for (int64_t c = 0; c < dv; ++c) {
+        float o = acc_e[row * dv + c];
+        if (acc_q != nullptr) o += dot(acc_q + row * dv, a.rotation + c * dv, dv);
+        dst[c] = o * inv;
+      }
+    }
+  }
+}
+
+// One work unit: split `unit % splits` of item `unit / splits` (row b, KV head h, query tile), i.e. its share of
+// the item's blocks of BN tokens (the quantized tier's, then the exact tier's). With one split it writes the
+// output; with more, its running max, sum and accumulators go to a.partial for merge_item.
+inline void run_item(const PagedArgs& a, int64_t unit, Scratch& w) {
+  const int64_t item = unit / a.splits, split = unit % a.splits;
   const int64_t tile = item % a.tiles, h = (item / a.tiles) % a.H, b = item / (a.tiles * a.H);
   const int64_t rep = a.Hq / a.H, d = a.d, dv = a.dv;
   const int64_t i0 = tile * a.tile_tokens, i1 = std::min(a.n, i0 + a.tile_tokens), M = (i1 - i0) * rep;
@@ -617,6 +665,12 @@ inline void run_item(const PagedArgs& a, int64_t item, Scratch& w) {
     }
   }
   const bool rotated = a.rotation != nullptr && q_max > 0;
+  // this split's blocks: [k0, k1) of the nbq quantized blocks then the exact ones
+  const int64_t nbq = (q_max + BN - 1) / BN, nbe = e_max > e_min ? (e_max - e_min + BN - 1) / BN : 0;
+  const int64_t k0 = split * (nbq + nbe) / a.splits, k1 = (split + 1) * (nbq + nbe) / a.splits;
+  const int64_t qa = std::min(k0, nbq) * BN, qb = std::min(std::min(k1, nbq) * BN, q_max);
+  const int64_t ea = e_min + std::max<int64_t>(k0 - nbq, 0) * BN;
+  const int64_t eb = std::min(e_min + std::max<int64_t>(k1 - nbq, 0) * BN, e_max);
   std::fill(w.m.begin(), w.m.begin() + M, -std::numeric_limits<float>::infinity());
   std::fill(w.l.begin(), w.l.begin() + M, 0.f);
   std::fill(w.acc_e.begin(), w.acc_e.begin() + M * dv, 0.f);
@@ -633,17 +687,19 @@ inline void run_item(const PagedArgs& a, int64_t item, Scratch& w) {
   // the quantized tier: keys per channel over groups, values per token; read from the codes where it can be
   // (attend_quant), else widened into the scratch
 #ifdef KVK_AVX2
-  const bool fused = d % 16 == 0 && dv % 16 == 0;
-  if (q_max > 0 && fused)
-    attend_quant(a, b, h, M, rotated ? w.qr.data() : w.q.data(), qc.data(), q_max, w, acc_q, rotated ? acc_e : nullptr);
+  // fused for a few rows (a decode: the query heads of one KV head); many rows (a prefill tile) amortize one
+  // widening of each token over all of them instead
+  const bool fused = d % 16 == 0 && dv % 16 == 0 && M <= 8;
+  if (qb > qa && fused)
+    attend_quant(a, b, h, M, rotated ? w.qr.data() : w.q.data(), qc.data(), qa, qb, w, acc_q, rotated ? acc_e : nullptr);
 #else
   const bool fused = false;
 #endif
-  if (q_max > 0 && !fused) {
+  if (qb > qa && !fused) {
     const int64_t kcw = d * a.k_bits / 8, vcw = dv * a.v_bits / 8, groups = a.tq / a.group;
     const int64_t kse = a.ks_dtype == F32 ? 4 : 2;
-    for (int64_t t0 = 0; t0 < q_max; t0 += BN) {
-      const int64_t nj = std::min(BN, q_max - t0);
+    for (int64_t t0 = qa; t0 < qb; t0 += BN) {
+      const int64_t nj = std::min(BN, qb - t0);
       for (int64_t j = 0; j < nj; ++j) {
         const int64_t t = t0 + j, u = t % a.tq, g = u / a.group;
         const uint8_t* base = a.arena + a.q_table[b * a.pq + t / a.tq] * a.page_bytes;
@@ -662,10 +718,10 @@ inline void run_item(const PagedArgs& a, int64_t item, Scratch& w) {
     }
   }
   // the exact tier: fp32 tokens read where they lie, others widened into the scratch
-  if (e_max > e_min) {
+  if (eb > ea) {
     const int64_t es = a.kv_dtype == F32 ? 4 : 2;
-    for (int64_t t0 = e_min; t0 < e_max; t0 += BN) {
-      const int64_t nj = std::min(BN, e_max - t0);
+    for (int64_t t0 = ea; t0 < eb; t0 += BN) {
+      const int64_t nj = std::min(BN, eb - t0);
       // pages walked token by token (no division per token), this block's and the next block's at once
       int64_t page = t0 / a.te, u = t0 % a.te, npage = (t0 + BN) / a.te, nu = (t0 + BN) % a.te;
       const uint8_t* base = a.arena + a.exact_table[b * a.pe + page] * a.page_bytes;
@@ -681,7 +737,7 @@ inline void run_item(const PagedArgs& a, int64_t item, Scratch& w) {
         const int64_t t = t0 + j;
         const uint8_t* kb = base + a.k_off + (h * a.te + u) * d * es;
         const uint8_t* vb = base + a.v_off + (h * a.te + u) * dv * es;
-        if (t + BN < e_max) {  // the next block's token: its K and V lines (into L2) meanwhile
+        if (t + BN < eb) {  // the next block's token: its K and V lines (into L2) meanwhile
           const uint8_t* nb = a.arena + a.exact_table[b * a.pe + npage] * a.page_bytes;
           const uint8_t* nk = nb + a.k_off + (h * a.te + nu) * d * es;
           const uint8_t* nv = nb + a.v_off + (h * a.te + nu) * dv * es;
@@ -702,22 +758,56 @@ inline void run_item(const PagedArgs& a, int64_t item, Scratch& w) {
                    rotated ? acc_q : nullptr);
     }
   }
-  // out = (acc_q R + acc_e) / l, rows back to (b, h * rep + r, i)
-  for (int64_t i = i0; i < i1; ++i) {
-    for (int64_t r = 0; r < rep; ++r) {
-      const int64_t row = (i - i0) * rep + r;
-      float* dst = a.out + ((b * a.Hq + h * rep + r) * a.n + i) * dv;
-      const float inv = w.l[row] > 0.f ? 1.f / w.l[row] : 0.f;
-      for (int64_t c = 0; c < dv; ++c) {
-        float o = acc_e[row * dv + c];
-        if (rotated) o += dot(acc_q + row * dv, a.rotation + c * dv, dv);
-        dst[c] = o * inv;
-      }
-    }
+  if (a.splits == 1) {
+    finalize(a, rows_of(a, item), acc_e, rotated ? acc_q : nullptr, w.l.data());
+    return;
+  }
+  const int64_t R = a.tile_tokens * rep;  // the partial's rows: m, l, acc_e, then acc_q (with a rotation)
+  float* part = a.partial + unit * a.part_stride;
+  std::copy(w.m.begin(), w.m.begin() + M, part);
+  std::copy(w.l.begin(), w.l.begin() + M, part + R);
+  std::copy(acc_e, acc_e + M * dv, part + 2 * R);
+  if (a.rotation != nullptr) {
+    if (rotated)
+      std::copy(acc_q, acc_q + M * dv, part + 2 * R + R * dv);
+    else
+      std::fill(part + 2 * R + R * dv, part + 2 * R + 2 * R * dv, 0.f);
   }
 }
 
-inline void run_items(const PagedArgs& a, int64_t begin, int64_t end) {
+// Item `item`'s splits combined (FlashDecoding, https://crfm.stanford.edu/2023/10/12/flashdecoding.html): each
+// split's sums rescaled to the largest running max, added, then the output written as with one split.
+inline void merge_item(const PagedArgs& a, int64_t item, Scratch& w) {
+  constexpr float NEG = -std::numeric_limits<float>::infinity();
+  const Rows x = rows_of(a, item);
+  const int64_t R = a.tile_tokens * x.rep, dv = a.dv;
+  const float* first = a.partial + item * a.splits * a.part_stride;
+  for (int64_t r = 0; r < x.M; ++r) {
+    float m = NEG;
+    for (int64_t sp = 0; sp < a.splits; ++sp) m = std::max(m, first[sp * a.part_stride + r]);
+    float l = 0.f;
+    float* acc_e = w.acc_e.data() + r * dv;
+    float* acc_q = x.rotated ? w.acc_q.data() + r * dv : nullptr;
+    std::fill(acc_e, acc_e + dv, 0.f);
+    if (acc_q != nullptr) std::fill(acc_q, acc_q + dv, 0.f);
+    for (int64_t sp = 0; sp < a.splits; ++sp) {
+      const float* part = first + sp * a.part_stride;
+      if (part[r] == NEG) continue;  // this split saw none of the row's tokens
+      const float f = std::exp(part[r] - m);
+      l += f * part[R + r];
+      const float* pe = part + 2 * R + r * dv;
+      for (int64_t c = 0; c < dv; ++c) acc_e[c] += f * pe[c];
+      if (acc_q != nullptr) {
+        const float* pq = part + 2 * R + R * dv + r * dv;
+        for (int64_t c = 0; c < dv; ++c) acc_q[c] += f * pq[c];
+      }
+    }
+    w.l[r] = l;
+  }
+  finalize(a, x, w.acc_e.data(), x.rotated ? w.acc_q.data() : nullptr, w.l.data());
+}
+
+inline Scratch scratch(const PagedArgs& a) {
   const int64_t rows = a.tile_tokens * (a.Hq / a.H);
   Scratch w;
   w.m.resize(rows);
@@ -739,5 +829,15 @@ inline void run_items(const PagedArgs& a, int64_t begin, int64_t end) {
   w.qr.resize(a.rotation ? rows * a.d : 0);
   w.acc_e.resize(rows * a.dv);
   w.acc_q.resize(a.rotation ? rows * a.dv : 0);
-  for (int64_t item = begin; item < end; ++item) run_item(a, item, w);
+  return w;
+}
+
+inline void run_items(const PagedArgs& a, int64_t begin, int64_t end) {
+  Scratch w = scratch(a);
+  for (int64_t unit = begin; unit < end; ++unit) run_item(a, unit, w);
+}
+
+inline void merge_items(const PagedArgs& a, int64_t begin, int64_t end) {
+  Scratch w = scratch(a);
+  for (int64_t item = begin; item < end; ++item) merge_item(a, item, w);
 }

@@ -14,4 +14,5 @@ namespace portable {
 }  // namespace portable
 
 void paged_attention_portable(const PagedArgs& a, int64_t begin, int64_t end) { portable::run_items(a, begin, end); }
+void paged_merge_portable(const PagedArgs& a, int64_t begin, int64_t end) { portable::merge_items(a, begin, end); }
 }  // namespace kvserve

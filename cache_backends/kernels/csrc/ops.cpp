@@ -8,8 +8,11 @@
 #include <torch/library.h>
 #include <torch/types.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <utility>
+#include <vector>
 
 #include "paged_args.h"
 
@@ -28,6 +31,27 @@ bool cpu_has_avx2() {
 bool use_avx2() {
   static const bool yes = cpu_has_avx2() && std::getenv("KVSERVE_KERNEL_PORTABLE") == nullptr;
   return yes;
+}
+
+// Work units per item: with fewer items (rows x KV heads x query tiles) than twice the threads, as in a decode of
+// one or a few rows, each item's KV blocks are split between units so that every thread has work (at least 512
+// tokens a unit). KVSERVE_KERNEL_SPLITS=<n> sets the count instead (the tests use it to cover the merge).
+#ifndef KVK_TILE_ROWS
+// Query rows of one work item (a tile of prompt tokens times the query heads of one KV head): every stored token
+// a prefill tile reads that is not fp32 is widened once per tile, so larger tiles widen less often.
+#define KVK_TILE_ROWS 96
+#endif
+
+int64_t splits_for(const PagedArgs& a, int64_t items) {
+  if (const char* forced = std::getenv("KVSERVE_KERNEL_SPLITS")) return std::max<int64_t>(1, std::atoll(forced));
+  const int64_t threads = at::get_num_threads();
+  if (items >= 2 * threads) return 1;
+  int64_t longest = 0;
+  for (int64_t t = 0; t < a.B * a.n; ++t) {
+    const int32_t* rg = a.ranges + t * 3;
+    longest = std::max<int64_t>(longest, rg[0] + std::max(rg[2] - rg[1], 0));
+  }
+  return std::max<int64_t>(1, std::min<int64_t>((2 * threads + items - 1) / items, longest / 512));
 }
 
 // layout: page_bytes, heads, k_width, v_width, kv_dtype, te, k_off, v_off, tq, group, k_bits, v_bits, ks_dtype,
@@ -96,17 +120,33 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& a
   a.ranges = rg.data_ptr<int32_t>();
   a.scaling = static_cast<float>(scaling);
   const int64_t rep = a.Hq / a.H;
-  a.tile_tokens = std::max<int64_t>(1, 32 / rep);
+  a.tile_tokens = std::max<int64_t>(1, KVK_TILE_ROWS / rep);
   a.tiles = (a.n + a.tile_tokens - 1) / a.tile_tokens;
   const int64_t items = a.B * a.H * a.tiles;
+  a.splits = splits_for(a, items);
+  std::vector<float> partial;
+  if (a.splits > 1) {
+    const int64_t R = a.tile_tokens * rep;
+    a.part_stride = R * (2 + a.dv * (a.rotation != nullptr ? 2 : 1));
+    partial.resize(items * a.splits * a.part_stride);
+    a.partial = partial.data();
+  }
   const bool avx2 = use_avx2();
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, items * a.splits, 1, [&](int64_t begin, int64_t end) {
     if (avx2) {
       paged_attention_avx2(a, begin, end);
     } else {
       paged_attention_portable(a, begin, end);
     }
   });
+  if (a.splits > 1)
+    at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+      if (avx2) {
+        paged_merge_avx2(a, begin, end);
+      } else {
+        paged_merge_portable(a, begin, end);
+      }
+    });
   return query.scalar_type() == torch::kFloat ? out : out.to(query.scalar_type());
 }
 

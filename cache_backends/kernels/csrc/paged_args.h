@@ -30,10 +30,16 @@ struct PagedArgs {
   float scaling;            // softmax scale
   int64_t tile_tokens;      // query tokens per work item
   int64_t tiles;            // ceil(n / tile_tokens)
+  int64_t splits;           // work units per item (its KV blocks split between them), 1: none
+  float* partial;           // splits > 1: (items * splits, part_stride) running max, sum and accumulators
+  int64_t part_stride;
 };
 
-// Work items [begin, end) of (row b, KV head h, query tile), b-major.
+// Work units [begin, end): split u % splits of item u / splits (row b, KV head h, query tile), b-major.
 void paged_attention_avx2(const PagedArgs& a, int64_t begin, int64_t end);
 void paged_attention_portable(const PagedArgs& a, int64_t begin, int64_t end);
+// Items [begin, end) with splits > 1: their units' partial results combined into the output.
+void paged_merge_avx2(const PagedArgs& a, int64_t begin, int64_t end);
+void paged_merge_portable(const PagedArgs& a, int64_t begin, int64_t end);
 
 }  // namespace kvserve
