@@ -304,6 +304,64 @@ def test_the_core_process_tells_a_given_option_from_a_default(monkeypatch, tmp_p
     assert settings.explicit_options("mla") == ({"rank"} if given else set())
 
 
+BLOCKED_CORE = r"""
+import os, sys
+from server.engine.core import watch_parent
+from safetensors import safe_open
+
+watch_parent(os.getppid())
+print(os.getpid(), flush=True)
+safe_open(sys.argv[1], framework="pt")  # waits for a writer to the pipe, keeping the interpreter's lock
+"""
+SERVER_OF_A_BLOCKED_CORE = r"""
+import subprocess, sys, time
+subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]])
+time.sleep(600)
+"""
+
+
+def test_a_core_blocked_holding_the_interpreters_lock_ends_with_its_server(tmp_path):
+    """The watcher thread cannot run while the core's main thread keeps the interpreter's lock (safetensors opening a
+    named pipe did, for ever): the core outlived its server, ignoring SIGTERM. Its guard process kills it."""
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import REPO
+
+    fifo = tmp_path / "entry.safetensors"
+    os.mkfifo(fifo)
+    parent = subprocess.Popen([sys.executable, "-c", SERVER_OF_A_BLOCKED_CORE, BLOCKED_CORE, str(fifo)], cwd=REPO,
+                              stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    core_pid = None
+    try:
+        core_pid = int(parent.stdout.readline())
+        time.sleep(1.0)  # into the open
+        assert not gone(core_pid)
+        parent.kill()
+        parent.wait(10)
+        deadline = time.time() + 10  # the guard's grace (2 s) and a loaded machine's delays
+        while not gone(core_pid) and time.time() < deadline:
+            time.sleep(0.1)
+        assert gone(core_pid), "the blocked core outlived its server"
+        time.sleep(1.0)
+        guards = [p for p in os.listdir("/proc") if p.isdigit() and _cmdline(int(p)).startswith(
+            f"{sys.executable} -m server.engine.core_guard {core_pid} ")]
+        assert not guards, "the guard outlived its core"
+    finally:
+        parent.kill()
+        if core_pid is not None and not gone(core_pid):
+            os.kill(core_pid, signal.SIGKILL)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def test_a_core_whose_server_is_gone_exits():
     import subprocess
     import sys
@@ -354,3 +412,4 @@ def test_a_hung_core_is_ended_and_its_requests_end_with_an_error(timeout, why):
         assert c.host.proc.wait(10) == -signal.SIGKILL
     finally:
         c.stop()
+
