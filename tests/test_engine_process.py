@@ -413,3 +413,27 @@ def test_a_hung_core_is_ended_and_its_requests_end_with_an_error(timeout, why):
     finally:
         c.stop()
 
+
+def test_socket_folders_of_servers_that_are_gone_are_swept_at_the_next_start(tmp_path, monkeypatch):
+    """A server killed with SIGKILL cannot remove its sockets' folder: the next one does, and only those whose server
+    pid is gone (the pid is in the folder's name)."""
+    import subprocess
+    import sys
+    import tempfile
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    gone_dir = tmp_path / f"kvserve-core-{dead.pid}-abc123_x"
+    live_dir = tmp_path / f"kvserve-core-{os.getpid()}-def456"
+    other = [tmp_path / "kvserve-core-q1w2e3r4", tmp_path / f"kvserve-core-{dead.pid}"]  # not this naming: left
+    for d in [gone_dir, live_dir, *other]:
+        d.mkdir()
+    (gone_dir / "in").write_text("")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    c = CoreClient(Settings(model_id=str(MODEL_DIR), kv_backends="full", engine_process=True))
+    try:
+        assert not gone_dir.exists() and live_dir.exists() and all(d.exists() for d in other)
+        [own] = [d for d in tmp_path.glob(f"kvserve-core-{os.getpid()}-*") if d != live_dir]
+    finally:
+        c.stop()
+    assert not own.exists()  # stopped before it started: its folder goes too
