@@ -437,3 +437,34 @@ def test_socket_folders_of_servers_that_are_gone_are_swept_at_the_next_start(tmp
     finally:
         c.stop()
     assert not own.exists()  # stopped before it started: its folder goes too
+
+
+@pytest.mark.parametrize("how", ["environment", "file", "flag"])
+def test_the_core_process_is_not_given_the_api_key(monkeypatch, tmp_path, how):
+    """The core's ``KVSERVE_CORE_SETTINGS`` carried the key in plain text (and its environment ``API_KEY``); it never
+    needs it: only the HTTP side checks it."""
+    import types
+
+    from server.config import load_settings
+    from server.engine import core_host
+    from server.engine import messages as m
+
+    key = tmp_path / "key"
+    key.write_text("s3cret-key\n")
+    monkeypatch.delenv("API_KEY", raising=False)
+    monkeypatch.delenv("API_KEY_FILE", raising=False)
+    if how == "environment":
+        monkeypatch.setenv("api_key", "s3cret-key")  # any case, as the settings read it
+        settings = load_settings(model_id=str(tmp_path), kv_backends="full")
+    elif how == "file":
+        monkeypatch.setenv("API_KEY_FILE", str(key))
+        settings = load_settings(model_id=str(tmp_path), kv_backends="full")
+    else:
+        settings = load_settings(model_id=str(tmp_path), kv_backends="full", api_key="s3cret-key")
+    assert settings.api_key == "s3cret-key"
+    env = {}
+    popen = lambda argv, **kw: env.update(kw["env"])  # noqa: E731 - the core's environment, no process
+    monkeypatch.setattr(core_host, "subprocess", types.SimpleNamespace(Popen=popen))
+    core_host.CoreProcess(settings, f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out")
+    assert not [name for name, value in env.items() if "s3cret-key" in value or name.lower().startswith("api_key")]
+    assert '"model_id"' in env[m.SETTINGS_ENV] and "api_key" not in env[m.SETTINGS_ENV]
