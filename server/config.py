@@ -177,19 +177,21 @@ class Settings(BaseSettings):
     @classmethod
     def _known_backend(cls, v: str) -> str:
         from cache_backends.registry import available  # torch: imported when a value is checked, not for --help
+        from cache_backends.spec import budget_hint
 
         if v not in available():
-            raise ValueError(f"unknown backend {v!r}; allowed: {', '.join(available())}")
+            raise ValueError(f"unknown backend {v!r}; allowed: {', '.join(available())}{budget_hint(v)}")
         return v
 
     @field_validator("kv_backends")
     @classmethod
     def _known_backends(cls, v: str | None) -> str | None:
         from cache_backends.registry import available
+        from cache_backends.spec import budget_hint
 
         for name in filter(None, (x.strip() for x in (v or "").split(","))):
             if name not in available():
-                raise ValueError(f"unknown backend {name!r}; allowed: {', '.join(available())}")
+                raise ValueError(f"unknown backend {name!r}; allowed: {', '.join(available())}{budget_hint(name)}")
         return v
 
     @field_validator("kv_int8_key_bits", "kv_int8_value_bits", "kv_int4_key_bits", "kv_int4_value_bits", "kv_elastic_bits")

@@ -33,6 +33,13 @@ def test_unknown_backend_lists_allowed_values(monkeypatch):
         load_settings()
 
 
+def test_a_bench_budget_name_as_a_served_backend_says_whose_it_is(monkeypatch):
+    monkeypatch.setenv("KV_BACKENDS", "full,gqa@budget")
+    with pytest.raises(ConfigError, match="unknown backend 'gqa@budget'.*'@budget' is kvserve bench's alone.*give "
+                                          "the backend, 'gqa', whose setting the budget chooses at start-up"):
+        load_settings()
+
+
 def test_serve_exits_nonzero_with_one_line():
     env = {**os.environ, "KV_BACKEND": "nope"}
     p = subprocess.run([sys.executable, "-m", "server.cli", "serve"], env=env, cwd=REPO, capture_output=True,
