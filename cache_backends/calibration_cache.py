@@ -24,8 +24,11 @@ Writes are atomic (a temporary file in the same directory, then ``os.replace``):
 entry or none, and processes fitting the same entry at once each leave a valid one. An entry that
 cannot be read or does not match what the backend expects (truncated, corrupt, edited) is fitted again
 with a warning, and a directory that cannot be written costs only the reuse (a warning); neither stops
-a start. A temporary file a killed write left behind (unchanged for :data:`STALE_TMP_SECONDS`) is removed
-when the next cache is opened.
+a start. An entry is opened only if it is a regular file, and only if it opens within
+:data:`OPEN_TIMEOUT_S`: anything else in its place (a named pipe, whose open would wait for a writer for ever;
+a directory; a device) or a file system that does not answer is passed over with a warning and fitted
+again, so no entry can hold a start. A temporary file a killed write left behind (unchanged for
+:data:`STALE_TMP_SECONDS`) is removed when the next cache is opened.
 """
 
 from __future__ import annotations
@@ -35,7 +38,9 @@ import json
 import logging
 import os
 import re
+import stat
 import tempfile
+import threading
 import time
 from array import array
 from dataclasses import asdict, dataclass, field
@@ -53,6 +58,8 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 _CONFIG_VOLATILE = ("dtype", "torch_dtype", "transformers_version")
 STALE_TMP_SECONDS = 60.0
 """A ``.tmp`` file not modified for this long is a killed write's (a live write modifies its file as it goes)."""
+OPEN_TIMEOUT_S = 10.0
+"""Longest wait for an entry to open (seconds); a file system that does not answer costs a fit, not the start."""
 
 
 def model_folder(model) -> Path | None:
@@ -257,13 +264,26 @@ class CalibrationCache:
 
     @staticmethod
     def _read(path: Path, key: str) -> tuple[dict[str, torch.Tensor], dict]:
+        """The entry's tensors and figures.
+
+        Raises:
+            ValueError: not a regular file, not opened in time, or its key does not match; OSError, and
+                safetensors' errors for a file that is not one.
+        """
         from safetensors import safe_open
 
-        with safe_open(str(path), framework="pt") as f:
-            meta = json.loads((f.metadata() or {}).get("kvserve", "{}"))
-            if meta.get("key") != key:
-                raise ValueError("its key does not match")
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
+        fd = open_regular(path, OPEN_TIMEOUT_S)
+        try:
+            # safetensors opens a path itself, holding the interpreter lock while it does: it is given the file
+            # just checked (Linux: its descriptor's /proc entry names that very file, whatever is at the path now)
+            proc = Path(f"/proc/self/fd/{fd}")
+            with safe_open(str(proc if proc.exists() else path), framework="pt") as f:
+                meta = json.loads((f.metadata() or {}).get("kvserve", "{}"))
+                if meta.get("key") != key:
+                    raise ValueError("its key does not match")
+                tensors = {name: f.get_tensor(name) for name in f.keys()}
+        finally:
+            os.close(fd)
         return tensors, meta["figures"]
 
     def _write(self, path, key, kind, params, model, calibration_ids, tensors, figures, seconds) -> Path | None:
@@ -284,6 +304,62 @@ class CalibrationCache:
                         kind, path, exc)
             return None
         return path
+
+
+def _file_kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISFIFO, "a named pipe"), (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return kind
+    return "not a regular file"
+
+
+def open_regular(path: Path, timeout: float) -> int:
+    """A descriptor of ``path`` open for reading, if it is a regular file and opens within ``timeout`` seconds.
+
+    The open does not wait for a writer (``O_NONBLOCK``: a named pipe opens at once, and is then refused), and it
+    runs in a thread of its own, so that a file system that does not answer costs ``timeout``, not the start (the
+    thread, left waiting, closes what it opens later).
+
+    Raises:
+        ValueError: naming what is there instead of a regular file, or that it did not open in time; OSError.
+    """
+    done = threading.Event()
+    lock = threading.Lock()
+    box: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        except OSError as exc:
+            outcome: Any = exc
+        else:
+            try:
+                mode = os.fstat(fd).st_mode
+                outcome = fd if stat.S_ISREG(mode) else ValueError(f"it is {_file_kind(mode)}, not a regular file")
+            except OSError as exc:
+                outcome = exc
+            if not isinstance(outcome, int):
+                os.close(fd)
+        with lock:
+            if box.get("abandoned"):
+                if isinstance(outcome, int):
+                    os.close(outcome)
+                return
+            box["outcome"] = outcome
+        done.set()
+
+    threading.Thread(target=work, name="kvserve-calibration-open", daemon=True).start()
+    done.wait(timeout)
+    with lock:
+        if "outcome" not in box:
+            box["abandoned"] = True
+            raise ValueError(f"it did not open within {timeout:g} s")
+        outcome = box["outcome"]
+    if isinstance(outcome, BaseException):
+        raise outcome
+    os.set_blocking(outcome, True)
+    return outcome
 
 
 def _version() -> str:

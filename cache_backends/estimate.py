@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from cache_backends.kv_spec import Axis, KVSpec, Quantization, StreamSpec
-from cache_backends.spec import check_composition, default_gqa_groups
+from cache_backends.spec import budget_hint, check_composition, default_gqa_groups
 
 
 def dca_window_tokens(seq_len: int, window: int) -> int:
@@ -163,13 +163,17 @@ def kv_spec(shape: Shape, backend: str, params: dict, dtype_bytes: int) -> KVSpe
             raise ValueError(f"gqa groups={groups} must divide num_key_value_heads={h}")
         h = groups
     if outer == "mla":  # the latent; on native MLA the model's latent and its rope key, each per channel
+        width = shape.num_key_value_heads * (shape.k_head_dim + shape.v_head_dim)  # full's K and V per token
+        if not 1 <= params["rank"] <= width:  # as the served backend refuses it: a latent as wide saves nothing
+            raise ValueError(f"mla rank={params['rank']} must be between 1 and full's width per token, "
+                             f"num_key_value_heads*(k_head_dim+v_head_dim)={width}")
         rope = params["rope_dim"]
         streams = [StreamSpec(1, params["rank"])] + ([StreamSpec(1, rope)] if rope else [])
     elif outer in ("full", "gqa", "int8", "int4", "elastic"):  # keys per channel, values per token
         streams = [StreamSpec(h, dk, Axis.CHANNEL), StreamSpec(h, dv, Axis.TOKEN)]
     else:
         raise ValueError(f"unknown backend {backend!r}; allowed: full, gqa, mla, int8, int4, dca, elastic, gqa+int8, "
-                         "mla+int8, dca+int8, dca+mla, gqa+int4, mla+int4, dca+int4")
+                         "mla+int8, dca+int8, dca+mla, gqa+int4, mla+int4, dca+int4" + budget_hint(backend, served=False))
     return KVSpec(tuple(streams), shape.num_layers, dtype_bytes, _quantization(backend, params))
 
 

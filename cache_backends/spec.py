@@ -70,8 +70,9 @@ def parse_spec(spec: str) -> tuple[str, dict]:
     """Split a spec into ``(name, options)``, each known option converted to its type and bound-checked.
 
     Raises:
-        ValueError: on an option without ``=``, a value of the wrong type (``rank=abc``, ``groups=1.5``) or
-            below its bound (``groups=0``, ``residual=-1``), naming the spec.
+        ValueError: on an option without ``=``, one given twice (``rank=8,rank=16``: the last silently won), a
+            value of the wrong type (``rank=abc``, ``groups=1.5``) or below its bound (``groups=0``,
+            ``residual=-1``), naming the spec.
     """
     name, _, rest = spec.partition(":")
     options = {}
@@ -79,6 +80,8 @@ def parse_spec(spec: str) -> tuple[str, dict]:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise ValueError(f"bad option {item!r} in {spec!r}: expected key=value")
+        if key.strip() in options:
+            raise ValueError(f"{spec}: {key.strip()} is given twice")
         options[key.strip()] = _value(key.strip(), value.strip(), spec)
     return name.strip(), options
 
@@ -112,6 +115,18 @@ def check_composition(name: str) -> None:
         raise ValueError(f"unsupported combination {name!r}; supported: {', '.join(COMPOSITIONS)}")
 
 
+def budget_hint(name: str, served: bool = True) -> str:
+    """What to say beside "unknown backend" for a name carrying ``kvserve bench``'s ``@budget`` (``mla@budget``,
+    ``mla@budget:rank=3``), which only bench takes; ``""`` for any other name. ``served``: the name is a backend to
+    serve or calibrate (the budget chooses its setting at start-up), else a spec to size (``estimate``, ``advise``)."""
+    if "@" not in name:
+        return ""
+    base = name.split("@", 1)[0] or "mla"
+    then = (f"give the backend, {base!r}, whose setting the budget chooses at start-up when its options are left "
+            "unset" if served else f"give a setting to size, {base!r} (the estimator's default) or {base}:key=value")
+    return f" ('@budget' is kvserve bench's alone: it measures the setting the quality budget chooses; here {then})"
+
+
 def check_options(name: str, options: dict) -> None:
     """Refuse a name that is neither a backend nor a supported composition, and options that backend ``name`` (or
     each part of a composition like ``mla+int8``) does not take.
@@ -122,7 +137,8 @@ def check_options(name: str, options: dict) -> None:
     parts = name.split("+")
     unknown_parts = [p for p in parts if p not in BACKEND_OPTIONS]
     if unknown_parts:
-        raise ValueError(f"unknown backend {unknown_parts[0]!r}; allowed: {', '.join(BACKEND_OPTIONS)}")
+        raise ValueError(f"unknown backend {unknown_parts[0]!r}; allowed: {', '.join(BACKEND_OPTIONS)}"
+                         + budget_hint(name, served=False))
     check_composition(name)
     unknown = set(options) - set().union(*(BACKEND_OPTIONS[p] for p in parts))
     if unknown:

@@ -50,7 +50,7 @@ def _positive(kind):
             value = kind(text)
         except ValueError:
             value = 0
-        if value <= 0:
+        if not 0 < value < float("inf"):  # nan and inf too (nan compared false with every TPOT: no target at all)
             raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
         return value
 

@@ -39,8 +39,12 @@ def create_app(settings: Settings, load_in_background: bool = True, exit_on_load
     state = ServerState(settings, exit_on_fatal=exit_on_load_error)
 
     def load() -> None:
+        from server.engine.core_client import StartStopped
+
         try:
             state.load()
+        except StartStopped:  # SIGTERM or Ctrl-C while loading: the stop ended the core, no failure to report
+            log.info("stopped before the engine core was ready")
         except Exception as exc:  # noqa: BLE001 - reported through /health, and logged
             state.load_error = f"model failed to load: {' '.join(str(exc).split()) or type(exc).__name__}"
             if isinstance(exc, ValueError):  # a setting this model cannot take (e.g. a KV budget under 2 blocks)

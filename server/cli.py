@@ -17,6 +17,9 @@ def serve(args: argparse.Namespace) -> int:
     given = overrides(args)
     try:
         settings = load_settings(flags={name: flag(name) for name in given}, **given)
+        if "api_key" in given:  # served (vLLM and TGI take --api-key too), but said: the key is out in the open
+            print("kvserve: warning: --api-key puts the key in the process list, where every local user can read "
+                  "it; give it with --api-key-file PATH or the API_KEY environment variable", file=sys.stderr)
         check_backend(settings, flag("model_id") if "model_id" in given else "MODEL_ID")
         check_host(settings.host, settings.port)
     except ConfigError as exc:

@@ -129,7 +129,12 @@ class Settings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log and access-log level.")
     payload_limit: int = Field(2_000_000, ge=1, description="Largest request body (bytes); larger gets 422 (400 on "
                                "the OpenAI routes).")
-    api_key: str | None = Field(None, description="When set, routes but /health and /metrics need a Bearer token.")
+    api_key: str | None = Field(None, description="When set, routes but /health and /metrics need a Bearer token. "
+                                "Given as a flag, the key is readable in the process list by every local user: "
+                                "prefer API_KEY_FILE (--api-key-file) or this variable.")
+    api_key_file: str | None = Field(None, description="A file holding the API key (its one line; surrounding "
+                                     "white space is dropped), e.g. a mounted secret: the key is then neither on "
+                                     "the command line nor in the environment. Not with API_KEY.")
     # backend parameters (see each backend's module docstring)
     kv_calibration_file: str | None = Field(None, description="gqa/mla/dca: calibration text (plain, chapters "
                                             "split by blank lines, or .jsonl of {\"text\": ...}); default: the "
@@ -172,19 +177,21 @@ class Settings(BaseSettings):
     @classmethod
     def _known_backend(cls, v: str) -> str:
         from cache_backends.registry import available  # torch: imported when a value is checked, not for --help
+        from cache_backends.spec import budget_hint
 
         if v not in available():
-            raise ValueError(f"unknown backend {v!r}; allowed: {', '.join(available())}")
+            raise ValueError(f"unknown backend {v!r}; allowed: {', '.join(available())}{budget_hint(v)}")
         return v
 
     @field_validator("kv_backends")
     @classmethod
     def _known_backends(cls, v: str | None) -> str | None:
         from cache_backends.registry import available
+        from cache_backends.spec import budget_hint
 
         for name in filter(None, (x.strip() for x in (v or "").split(","))):
             if name not in available():
-                raise ValueError(f"unknown backend {name!r}; allowed: {', '.join(available())}")
+                raise ValueError(f"unknown backend {name!r}; allowed: {', '.join(available())}{budget_hint(name)}")
         return v
 
     @field_validator("kv_int8_key_bits", "kv_int8_value_bits", "kv_int4_key_bits", "kv_int4_value_bits", "kv_elastic_bits")
@@ -205,6 +212,21 @@ class Settings(BaseSettings):
     @classmethod
     def _empty_is_none(cls, v):
         return None if v == "" else v
+
+    @field_validator("api_key_file")
+    @classmethod
+    def _key_file_readable(cls, v: str | None) -> str | None:
+        if v:
+            read_api_key(v)
+        return v
+
+    @model_validator(mode="after")
+    def _key_from_file(self) -> "Settings":
+        if self.api_key_file:
+            if self.api_key:
+                raise ValueError("API_KEY and API_KEY_FILE are both set: set one")
+            self.api_key = read_api_key(self.api_key_file)
+        return self
 
     @model_validator(mode="after")
     def _limits(self) -> "Settings":
@@ -264,6 +286,34 @@ class Settings(BaseSettings):
         """``(max_input_tokens, max_total_tokens)`` with unset values derived from the model's context."""
         total = self.max_total_tokens or model_max_positions
         return self.max_input_tokens or total - 1, total
+
+
+API_KEY_FILE_MAX_BYTES = 4096
+"""Longest API key file read (bytes)."""
+
+
+def read_api_key(path: str) -> str:
+    """The key ``path`` holds: its one line, without the white space around it.
+
+    Raises:
+        ValueError: it cannot be read, is empty, longer than :data:`API_KEY_FILE_MAX_BYTES` or more than one line.
+    """
+    try:
+        with open(path, "rb") as f:
+            data = f.read(API_KEY_FILE_MAX_BYTES + 1)
+    except OSError as exc:
+        raise ValueError(f"cannot be read ({exc.strerror or exc})") from None
+    if len(data) > API_KEY_FILE_MAX_BYTES:
+        raise ValueError(f"is longer than {API_KEY_FILE_MAX_BYTES} bytes; it should hold the key alone")
+    try:
+        key = data.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise ValueError("is not UTF-8 text") from None
+    if not key:
+        raise ValueError("is empty")
+    if "\n" in key or "\r" in key:
+        raise ValueError("holds more than one line; it should hold the key alone")
+    return key
 
 
 def load_settings(flags: dict[str, str] | None = None, **overrides) -> Settings:

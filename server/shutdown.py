@@ -6,7 +6,8 @@
 3. Those still running then end: each stream gets a last event whose finish reason is ``abort`` (and
    ``data: [DONE]`` on the OpenAI routes); a non-streaming request gets 503. Then uvicorn shuts down.
 
-A second SIGTERM, or SIGINT (Ctrl-C), stops at once (uvicorn's own shutdown).
+A second SIGTERM, or SIGINT (Ctrl-C), stops at once (uvicorn's own shutdown). A SIGTERM before the model is served
+stops at once too (nothing to drain), exiting 0.
 """
 
 from __future__ import annotations
@@ -47,6 +48,12 @@ class DrainingServer(uvicorn.Server):
             self.drainer.start()
             return
         self.stop_signals.append(sig)
+        if sig == signal.SIGTERM and self.drainer is None:
+            # before the model is served there is nothing to drain: stop now (the engine core is ended and its
+            # sockets' folder removed on the way out) and exit 0, as after a drain, not killed by the SIGTERM uvicorn
+            # would raise again once stopped
+            self.should_exit = True
+            return
         super().handle_exit(sig, frame)
 
     def drain(self) -> None:

@@ -79,3 +79,15 @@ def test_settings_outside_the_quality_bound_rank_after_those_within():
 def test_unmeasured_quality_is_not_held_against_a_setting():
     rows = rows_from_estimate("llama-2-7b", "fp16", 4096, ["full", "int8"])
     assert all(r["quality_ok"] for r in advise(rows, context=4096, concurrency=1, budget=2**31, tpot_target=None))
+
+
+@pytest.mark.parametrize("text", ["nan", "inf", "-inf", "0", "-1", "abc"])
+def test_a_tpot_target_that_is_not_a_finite_positive_number_is_refused(text):
+    """``--tpot-target nan`` was taken: nan compares false with every TPOT, so no setting was ever over it."""
+    from server.cli import build_parser
+
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["advise", "--context", "512", "--memory-budget", "1GiB", "--tpot-target", text])
+    assert exit_.value.code == 2
+    args = build_parser().parse_args(["advise", "--context", "512", "--memory-budget", "1GiB", "--tpot-target", "0.05"])
+    assert args.tpot_target == 0.05

@@ -547,6 +547,31 @@ def test_chat_answers_carry_a_system_fingerprint(server):
     assert chunks and {c["system_fingerprint"] for c in chunks} == {want}
 
 
+def _chat_stream_lines(server, model: str | None) -> list[str]:
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "stream": True, "ignore_eos": True,
+            **({"model": model} if model else {})}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        return [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+
+
+def test_chat_stream_deltas_are_openais_and_tgis_for_tgis_client(server):
+    """OpenAI's and vLLM's deltas (``role`` once: a client adding up deltas would read ``assistantassistant``), and
+    TGI's for ``model: "tgi"``, what TGI's ``text-generation`` client sends: it needs ``role`` and ``tool_calls`` on
+    every delta and reads every ``data:`` line as JSON (no ``[DONE]``)."""
+    lines = _chat_stream_lines(server, None)
+    assert lines[-1] == "[DONE]"
+    deltas = [json.loads(x)["choices"][0]["delta"] for x in lines[:-1]]
+    assert deltas[0] == {"role": "assistant", "content": ""} and deltas[-1] == {}
+    assert all(set(d) == {"content"} for d in deltas[1:-1]) and len(deltas) == 5
+    lines = _chat_stream_lines(server, "tgi")
+    chunks = [json.loads(x) for x in lines]  # every line is JSON
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert all(set(d) == {"role", "content", "tool_calls"} and d["role"] == "assistant" and d["tool_calls"] is None
+               and isinstance(d["content"], str) for d in deltas) and len(deltas) == 5
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
 def test_a_tiny_top_p_keeps_the_most_likely_token(server):
     """top_p 1e-46 (0.0 in float32) is greedy, not an empty answer, on the OpenAI and the TGI routes."""
     greedy = text(cmpl(server))

@@ -210,6 +210,65 @@ def test_an_unusable_entry_is_fitted_again_with_a_warning(ref_model, geometry, c
     assert reread.events[0].source == "cache"  # the refit replaced the bad entry
 
 
+IN_PLACE_OF_AN_ENTRY = r"""
+import logging, os, sys, types
+from pathlib import Path
+import torch
+from cache_backends.calibration_cache import CalibrationCache
+
+logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+root, what = Path(sys.argv[1]), sys.argv[2]
+(root / "model").mkdir()
+(root / "model" / "model.safetensors").write_bytes(b"weights")
+model = types.SimpleNamespace(name_or_path=str(root / "model"), config=types.SimpleNamespace(to_dict=lambda: {"x": 1}))
+cache = CalibrationCache(root / "cache")
+entry = cache.path("mla", cache.key("mla", model, [1, 2, 3], {"rank": 2}))
+entry.parent.mkdir()
+os.mkfifo(entry) if what == "fifo" else entry.mkdir()
+fit = lambda: ({"basis": torch.ones(2, 2)}, {"price": 0.5})
+out = cache.fetch("mla", model, [1, 2, 3], {"rank": 2}, fit, lambda tensors, figures: tensors["basis"])
+print(cache.events[0].source, out.sum().item(), entry.is_file())
+"""
+
+
+@pytest.mark.parametrize("what", ["fifo", "directory"])
+def test_a_named_pipe_or_a_directory_in_place_of_an_entry_is_fitted_again(tmp_path, what):
+    """Only a regular file is opened: a named pipe in place of an entry held the start, silently, until the ready
+    timeout (30 minutes), and its core could not end with its server (the open held the interpreter's lock)."""
+    run = subprocess.run([sys.executable, "-c", IN_PLACE_OF_AN_ENTRY, str(tmp_path), what], capture_output=True,
+                         text=True, timeout=120, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    kind = "a named pipe" if what == "fifo" else "a directory"
+    assert f"is unusable (it is {kind}, not a regular file); fitting again" in run.stderr
+    # a refit replaces a pipe with the entry; a directory cannot be replaced, and costs only the reuse
+    assert run.stdout.split() == ["fitted", "4.0", "True" if what == "fifo" else "False"]
+    assert what == "fifo" or "cannot write the calibration cache entry" in run.stderr
+
+
+def test_an_entry_that_does_not_open_in_time_is_fitted_again(tmp_path, monkeypatch):
+    """A file system that does not answer costs the open's time bound, not the start."""
+    import threading
+
+    import cache_backends.calibration_cache as cc
+
+    release = threading.Event()
+    real_open = os.open
+
+    def stuck(path, *args, **kwargs):
+        if str(path).endswith(".safetensors"):
+            release.wait(30)
+        return real_open(path, *args, **kwargs)
+
+    entry = tmp_path / "mla-entry.safetensors"
+    entry.write_bytes(b"x")
+    monkeypatch.setattr(cc.os, "open", stuck)
+    try:
+        with pytest.raises(ValueError, match="did not open within 0.2 s"):
+            cc.open_regular(entry, 0.2)
+    finally:
+        release.set()
+
+
 def test_an_unwritable_cache_costs_only_the_reuse(ref_model, geometry, calib, tmp_path, caplog):
     model, _ = ref_model
     blocker = tmp_path / "file"

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from server.config import ConfigError, load_settings
-from tests.conftest import REPO
+from tests.conftest import MODEL_DIR, REPO
 
 
 @pytest.mark.parametrize("env,var", [({"KV_BACKEND": "nope"}, "KV_BACKEND"), ({"DEVICE": "tpu"}, "DEVICE"),
@@ -30,6 +30,13 @@ def test_bad_value_names_the_variable(monkeypatch, env, var):
 def test_unknown_backend_lists_allowed_values(monkeypatch):
     monkeypatch.setenv("KV_BACKEND", "nope")
     with pytest.raises(ConfigError, match="allowed: .*full"):
+        load_settings()
+
+
+def test_a_bench_budget_name_as_a_served_backend_says_whose_it_is(monkeypatch):
+    monkeypatch.setenv("KV_BACKENDS", "full,gqa@budget")
+    with pytest.raises(ConfigError, match="unknown backend 'gqa@budget'.*'@budget' is kvserve bench's alone.*give "
+                                          "the backend, 'gqa', whose setting the budget chooses at start-up"):
         load_settings()
 
 
@@ -220,3 +227,56 @@ def test_kvserve_makes_idle_threads_sleep_unless_told_how_they_wait(monkeypatch,
         monkeypatch.setenv(name, value)
     passive_threads()
     assert os.environ.get("OMP_WAIT_POLICY") == want
+
+
+def test_the_api_key_comes_from_a_file(tmp_path, monkeypatch):
+    """``--api-key K`` is readable in the process list by every local user: ``--api-key-file`` (``API_KEY_FILE``)
+    reads it from a file (a mounted secret), its one line without the white space around it."""
+    from fastapi.testclient import TestClient
+
+    from server.app import create_app
+
+    monkeypatch.delenv("API_KEY", raising=False)
+    key = tmp_path / "key"
+    key.write_text("  s3cret \n")
+    s = serve_settings("--api-key-file", str(key))
+    assert s.api_key == "s3cret"
+    client = TestClient(create_app(s))  # no lifespan: the model never loads
+    assert client.get("/info").status_code == 401
+    assert client.get("/info", headers={"Authorization": "Bearer s3cret"}).status_code == 503  # past the key: loading
+    monkeypatch.setenv("API_KEY_FILE", str(key))
+    assert load_settings().api_key == "s3cret"
+
+
+@pytest.mark.parametrize("content, why", [(None, "cannot be read (No such file or directory)"), ("\n", "is empty"),
+                                          ("a\nb\n", "holds more than one line"), ("k" * 5000, "is longer than 4096")])
+def test_a_key_file_that_holds_no_key_names_the_flag_and_why(tmp_path, content, why):
+    key = tmp_path / "key"
+    if content is not None:
+        key.write_text(content)
+    with pytest.raises(ConfigError) as err:
+        serve_settings("--api-key-file", str(key))
+    assert str(err.value).startswith(f"invalid --api-key-file='{key}': {why}")
+
+
+def test_a_key_and_a_key_file_are_refused_together(tmp_path, monkeypatch):
+    key = tmp_path / "key"
+    key.write_text("s3cret")
+    monkeypatch.setenv("API_KEY", "other")
+    with pytest.raises(ConfigError, match="API_KEY and API_KEY_FILE are both set: set one") as err:
+        serve_settings("--api-key-file", str(key))
+    assert "s3cret" not in str(err.value) and "other" not in str(err.value)
+
+
+def test_a_key_on_the_command_line_is_served_with_a_warning():
+    """vLLM and TGI take ``--api-key`` too: refusing it would break their users' commands, so it is served, and the
+    warning says where the key is better given (the key itself is never printed)."""
+    env = {**os.environ, "MODEL_ID": str(MODEL_DIR)}
+    env.pop("API_KEY", None)
+    p = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--api-key", "s3cret", "--host", "256.1.1.1"],
+                       cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 2  # the host stops it before the model loads
+    warning, host = p.stderr.strip().splitlines()
+    assert warning == ("kvserve: warning: --api-key puts the key in the process list, where every local user can read "
+                       "it; give it with --api-key-file PATH or the API_KEY environment variable")
+    assert "HOST (--host)" in host and "s3cret" not in p.stderr

@@ -304,6 +304,64 @@ def test_the_core_process_tells_a_given_option_from_a_default(monkeypatch, tmp_p
     assert settings.explicit_options("mla") == ({"rank"} if given else set())
 
 
+BLOCKED_CORE = r"""
+import os, sys
+from server.engine.core import watch_parent
+from safetensors import safe_open
+
+watch_parent(os.getppid())
+print(os.getpid(), flush=True)
+safe_open(sys.argv[1], framework="pt")  # waits for a writer to the pipe, keeping the interpreter's lock
+"""
+SERVER_OF_A_BLOCKED_CORE = r"""
+import subprocess, sys, time
+subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]])
+time.sleep(600)
+"""
+
+
+def test_a_core_blocked_holding_the_interpreters_lock_ends_with_its_server(tmp_path):
+    """The watcher thread cannot run while the core's main thread keeps the interpreter's lock (safetensors opening a
+    named pipe did, for ever): the core outlived its server, ignoring SIGTERM. Its guard process kills it."""
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import REPO
+
+    fifo = tmp_path / "entry.safetensors"
+    os.mkfifo(fifo)
+    parent = subprocess.Popen([sys.executable, "-c", SERVER_OF_A_BLOCKED_CORE, BLOCKED_CORE, str(fifo)], cwd=REPO,
+                              stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    core_pid = None
+    try:
+        core_pid = int(parent.stdout.readline())
+        time.sleep(1.0)  # into the open
+        assert not gone(core_pid)
+        parent.kill()
+        parent.wait(10)
+        deadline = time.time() + 10  # the guard's grace (2 s) and a loaded machine's delays
+        while not gone(core_pid) and time.time() < deadline:
+            time.sleep(0.1)
+        assert gone(core_pid), "the blocked core outlived its server"
+        time.sleep(1.0)
+        guards = [p for p in os.listdir("/proc") if p.isdigit() and _cmdline(int(p)).startswith(
+            f"{sys.executable} -m server.engine.core_guard {core_pid} ")]
+        assert not guards, "the guard outlived its core"
+    finally:
+        parent.kill()
+        if core_pid is not None and not gone(core_pid):
+            os.kill(core_pid, signal.SIGKILL)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def test_a_core_whose_server_is_gone_exits():
     import subprocess
     import sys
@@ -354,3 +412,59 @@ def test_a_hung_core_is_ended_and_its_requests_end_with_an_error(timeout, why):
         assert c.host.proc.wait(10) == -signal.SIGKILL
     finally:
         c.stop()
+
+
+def test_socket_folders_of_servers_that_are_gone_are_swept_at_the_next_start(tmp_path, monkeypatch):
+    """A server killed with SIGKILL cannot remove its sockets' folder: the next one does, and only those whose server
+    pid is gone (the pid is in the folder's name)."""
+    import subprocess
+    import sys
+    import tempfile
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    gone_dir = tmp_path / f"kvserve-core-{dead.pid}-abc123_x"
+    live_dir = tmp_path / f"kvserve-core-{os.getpid()}-def456"
+    other = [tmp_path / "kvserve-core-q1w2e3r4", tmp_path / f"kvserve-core-{dead.pid}"]  # not this naming: left
+    for d in [gone_dir, live_dir, *other]:
+        d.mkdir()
+    (gone_dir / "in").write_text("")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    c = CoreClient(Settings(model_id=str(MODEL_DIR), kv_backends="full", engine_process=True))
+    try:
+        assert not gone_dir.exists() and live_dir.exists() and all(d.exists() for d in other)
+        [own] = [d for d in tmp_path.glob(f"kvserve-core-{os.getpid()}-*") if d != live_dir]
+    finally:
+        c.stop()
+    assert not own.exists()  # stopped before it started: its folder goes too
+
+
+@pytest.mark.parametrize("how", ["environment", "file", "flag"])
+def test_the_core_process_is_not_given_the_api_key(monkeypatch, tmp_path, how):
+    """The core's ``KVSERVE_CORE_SETTINGS`` carried the key in plain text (and its environment ``API_KEY``); it never
+    needs it: only the HTTP side checks it."""
+    import types
+
+    from server.config import load_settings
+    from server.engine import core_host
+    from server.engine import messages as m
+
+    key = tmp_path / "key"
+    key.write_text("s3cret-key\n")
+    monkeypatch.delenv("API_KEY", raising=False)
+    monkeypatch.delenv("API_KEY_FILE", raising=False)
+    if how == "environment":
+        monkeypatch.setenv("api_key", "s3cret-key")  # any case, as the settings read it
+        settings = load_settings(model_id=str(tmp_path), kv_backends="full")
+    elif how == "file":
+        monkeypatch.setenv("API_KEY_FILE", str(key))
+        settings = load_settings(model_id=str(tmp_path), kv_backends="full")
+    else:
+        settings = load_settings(model_id=str(tmp_path), kv_backends="full", api_key="s3cret-key")
+    assert settings.api_key == "s3cret-key"
+    env = {}
+    popen = lambda argv, **kw: env.update(kw["env"])  # noqa: E731 - the core's environment, no process
+    monkeypatch.setattr(core_host, "subprocess", types.SimpleNamespace(Popen=popen))
+    core_host.CoreProcess(settings, f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out")
+    assert not [name for name, value in env.items() if "s3cret-key" in value or name.lower().startswith("api_key")]
+    assert '"model_id"' in env[m.SETTINGS_ENV] and "api_key" not in env[m.SETTINGS_ENV]

@@ -119,3 +119,56 @@ def test_a_combination_kvserve_does_not_serve_is_refused(name):
     out = subprocess.run([sys.executable, "-m", "server.cli", "estimate", name], cwd=REPO, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 2 and "unsupported combination" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_an_option_given_twice_is_refused():
+    """``mla:rank=8,rank=16`` was sized at rank 16, the last one silently winning."""
+    from cache_backends.spec import parse_spec
+
+    with pytest.raises(ValueError, match="mla:rank=8,rank=16: rank is given twice"):
+        parse_spec("mla:rank=8,rank=16")
+    assert parse_spec("mla:rank=8,rope_dim=0") == ("mla", {"rank": 8, "rope_dim": 0})
+
+
+@pytest.mark.parametrize("name, options", [("mla", {"rank": 100000}), ("mla", {"rank": 513}), ("mla", {"rank": 512}),
+                                           ("mla", {"rank": 1}), ("int4", {"group_size": 3}),
+                                           ("int8", {"group_size": 3, "residual": 5}), ("gqa", {"groups": 3}),
+                                           ("mla+int8", {"rank": 600})])
+def test_estimate_takes_a_setting_exactly_when_the_server_does(model_dir, name, options):
+    """An ``mla`` rank above full's width per token (2 x heads x head_dim: a latent that wide saves nothing) was
+    sized, where the server refuses it. ``int4:group_size=3`` is served (its groups of 3 tokens give full's greedy
+    text on the reference model), so it is sized too."""
+    import torch
+    from transformers import AutoConfig
+
+    from cache_backends.base import ModelGeometry
+    from cache_backends.estimate import Shape, bytes_per_token_per_layer
+    from cache_backends.registry import create
+
+    def served() -> bool:
+        try:
+            create(name, ModelGeometry.from_config(AutoConfig.from_pretrained(model_dir), torch.float32), **options)
+        except ValueError:
+            return False
+        return True
+
+    def sized() -> bool:
+        try:
+            bytes_per_token_per_layer(Shape.from_config(json.loads((model_dir / "config.json").read_text())), name,
+                                      options, 4, 512)
+        except ValueError:
+            return False
+        return True
+
+    assert sized() == served()
+
+
+def test_a_bench_budget_spec_is_named_as_benchs(capsys):
+    """``mla@budget:rank=3`` (the README's bench command has ``mla@budget``) was only "unknown backend"."""
+    from server.cli import build_parser
+
+    args = build_parser().parse_args(["estimate", "mla@budget:rank=3"])
+    assert args.func(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvserve estimate: unknown backend 'mla@budget'") and "'@budget' is kvserve bench's alone" \
+        in err and "give a setting to size, 'mla'" in err

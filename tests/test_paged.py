@@ -120,6 +120,15 @@ def test_blocks_are_taken_on_demand_and_given_back(ref_model):
     assert engine.kv_held_bytes() == 0 and engine.kv.blocks.num_free == engine.kv.blocks.usable_pages
 
 
+def test_info_says_the_pool_counts_its_null_page(ref_model):
+    """``/info``'s ``pool_bytes`` was one page more than ``num_blocks`` pages, without saying why: the null page
+    (zeros) that pads block tables is part of the pool and holds no tokens."""
+    model, tok = ref_model
+    info = make_engine(model, tok, "full", budget=40 * 262144).kv.info()  # 40 blocks of 16 full tokens
+    assert info["null_pages"] == 1
+    assert info["pool_bytes"] == (info["num_blocks"] + info["null_pages"]) * info["page_bytes"]
+
+
 def test_int8_window_pages_are_returned_as_groups_quantize(ref_model):
     """An int8 sequence holds its quantized pages plus only the exact pages of its residual window."""
     model, tok = ref_model

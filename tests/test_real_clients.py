@@ -95,6 +95,7 @@ def test_litellm_openai_and_text_completion_providers(server, oai):
 TGI_CLIENT_SCRIPT = r"""
 import asyncio, json, sys
 from text_generation import AsyncClient, Client
+from text_generation.types import Message
 
 url = sys.argv[1]
 client, aclient = Client(url, timeout=120), AsyncClient(url, timeout=120)
@@ -115,6 +116,22 @@ async def run_async():
     return [r.generated_text, pieces]
 
 out["async"] = asyncio.run(run_async())
+
+# chat() always sends model "tgi"; its ChatCompletionChunk wants role and tool_calls on every delta, and it reads
+# every data line as JSON (it ends with the last chunk, as TGI 2.0's streams did, not at a `[DONE]`)
+messages = [Message(role="user", content="Who made light?")]
+c = client.chat(messages, max_tokens=8, temperature=0)
+out["chat"] = [c.choices[0].message.content, c.choices[0].finish_reason, c.usage["completion_tokens"]]
+chunks = list(client.chat(messages, max_tokens=8, temperature=0, stream=True))
+out["chat_stream"] = ["".join(ch.choices[0].delta.content or "" for ch in chunks),
+                      sorted({ch.choices[0].delta.role for ch in chunks}), chunks[-1].choices[0].finish_reason]
+
+async def run_async_chat():
+    pieces = [ch.choices[0].delta.content async for ch in
+              await aclient.chat(messages, max_tokens=8, temperature=0, stream=True)]
+    return ["".join(pieces)]
+
+out["async_chat_stream"] = asyncio.run(run_async_chat())
 print(json.dumps(out))
 """
 
@@ -144,6 +161,24 @@ def test_text_generation_client_and_async_client(server, text_generation_path):
     assert out["top_tokens"] == [[t["id"] for t in top] for top in ref["details"]["top_tokens"][:4]]
     assert out["prefill"] == [t["id"] for t in ref["details"]["prefill"]]
     assert out["async"] == [text, out["stream"]]
+    want = httpx.post(server.url + "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 8, "temperature": 0},
+                      timeout=60).json()
+    reply = want["choices"][0]["message"]["content"]
+    assert reply and out["chat"] == [reply, want["choices"][0]["finish_reason"], want["usage"]["completion_tokens"]]
+    assert out["chat_stream"] == [reply, ["assistant"], want["choices"][0]["finish_reason"]]
+    assert out["async_chat_stream"] == [reply]
+
+
+def test_openai_stream_helper_accumulates_one_role(server, oai):
+    """The ``openai`` package's ``chat.completions.stream`` adds up every string a delta carries: a ``role`` on every
+    delta (TGI's shape, kept for ``model: "tgi"``) would make the final message's role ``assistantassistant...``."""
+    with oai.chat.completions.stream(model="kjv-llama-mha", messages=MESSAGES, max_tokens=6, temperature=0,
+                                     extra_body={"ignore_eos": True}) as stream:
+        for _ in stream:
+            pass
+        snapshot = stream.current_completion_snapshot  # get_final_completion() refuses finish_reason "length"
+    assert snapshot.choices[0].message.role == "assistant"
+    assert snapshot.choices[0].message.content == reference_chat(oai, 6)
 
 
 def test_inference_client_text_generation_and_chat(server, oai):

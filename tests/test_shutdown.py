@@ -152,3 +152,41 @@ def test_a_signal_to_the_whole_process_group_stops_the_server_and_its_core(sig, 
     if finish is not None:
         last = json.loads(out["tgi"][-1])
         assert last["details"]["finish_reason"] == finish and "error" not in last
+
+
+def test_sigterm_while_the_core_loads_ends_the_core_and_removes_the_socket_folder(tmp_path):
+    """SIGTERM (a rollout, systemd) while the core still calibrates: the server waited for nothing, its exit left the
+    core to find out by itself and the sockets' folder (``kvserve-core-<pid>-*``) behind."""
+    import glob
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    from server.engine_loading import PRICING
+    from tests.conftest import MODEL_DIR, REPO, free_port
+
+    port = free_port()
+    env = {**os.environ, "HOST": "127.0.0.1", "PORT": str(port), "MODEL_ID": str(MODEL_DIR), "LOG_LEVEL": "info",
+           "ENGINE_PROCESS": "true", "KV_BACKENDS": "mla,gqa,dca", "KV_CALIBRATION_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve"], env=env, cwd=REPO, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline:  # until the core calibrates (fits of three backends: seconds)
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).json().get("error") == PRICING:
+                    break
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.1)
+        [core] = child_pids(proc.pid)
+        [folder] = glob.glob(os.path.join(tempfile.gettempdir(), f"kvserve-core-{proc.pid}-*"))
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, proc.stdout.read()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert _gone(core), "the core outlived its server"
+    assert not os.path.exists(folder), "the socket folder was left behind"

@@ -15,6 +15,9 @@ PLACEHOLDER_MODELS = ("tgi", "dummy")
 """``model`` values accepted besides the served names: huggingface_hub's InferenceClient, given an endpoint URL
 rather than a model, sends a placeholder (``"dummy"`` in huggingface_hub 1.x, ``"tgi"`` before) since TGI ignores
 ``model``, and kvserve serves TGI's clients as well."""
+TGI_CLIENT_MODEL = "tgi"
+"""The ``model`` TGI's own Python client (``text-generation``) always sends: a chat stream asked for with it is sent in
+TGI's chunk shape (:func:`server.api.openai.chat_completions`)."""
 
 
 def event_stream(events: AsyncIterator[dict]) -> EventSourceResponse:

@@ -18,7 +18,7 @@ import uuid
 from fastapi import APIRouter, Request
 
 from server import __version__
-from server.api.common import SHUTDOWN_MESSAGE, check_model, event_stream, get_service
+from server.api.common import SHUTDOWN_MESSAGE, TGI_CLIENT_MODEL, check_model, event_stream, get_service
 from server.api.fanout import collect_all, merged, submit_all
 from server.api.openai_convert import (TokenText, chat_logprobs, chat_requests, completion_logprobs,
                                        completion_requests, finish, prompt_entries, token_entries)
@@ -186,7 +186,16 @@ async def completions(body: CompletionRequest, request: Request):
 
 @router.post("/chat/completions", response_model=ChatResponse, responses=_sse(ChatChunk))
 async def chat_completions(body: ChatRequest, request: Request):
-    """Chat completion; ``stream: true`` answers ``chat.completion.chunk`` events ending with ``[DONE]``."""
+    """Chat completion; ``stream: true`` answers ``chat.completion.chunk`` events ending with ``[DONE]``.
+
+    The stream's deltas are OpenAI's and vLLM's: ``role`` on each choice's first delta only (a client that
+    accumulates deltas, as the ``openai`` package's ``chat.completions.stream``, adds up every string it gets, and
+    would read ``assistantassistant...``), ``content`` where there is text, ``{}`` with the finish reason. A request
+    whose ``model`` is ``"tgi"`` (what TGI's own client, ``text-generation``, always sends) gets TGI's shape, which
+    that client needs: every delta carries ``role``, ``content`` (a string) and ``tool_calls`` (null), and the stream
+    ends with its last chunk, without ``[DONE]`` (text-generation 0.7 reads every ``data:`` line as JSON; TGI 2.0
+    sent none).
+    """
     service = get_service(request)
     check_model(request, body.model)
     reqs = chat_requests(body, service)
@@ -206,7 +215,11 @@ async def chat_completions(body: ChatRequest, request: Request):
         return ChatResponse(id=rid, created=created, model=model, system_fingerprint=fingerprint,
                             usage=_usage(seqs, seqs[:1]), choices=choices)
 
+    tgi_shape = body.model == TGI_CLIENT_MODEL
+
     def chunk(k: int, delta: ChatDelta, reason: str | None = None, entries=None) -> dict:
+        if tgi_shape:
+            delta = ChatDelta(role="assistant", content=delta.content or "", tool_calls=None)
         logprobs = chat_logprobs(entries, text) if body.logprobs and entries else None
         usage = _usage(seqs, seqs[:1]) if _continuous_usage(body) else None
         choice = ChatChunkChoice(index=k, delta=delta, finish_reason=reason, logprobs=logprobs)
@@ -235,6 +248,7 @@ async def chat_completions(body: ChatRequest, request: Request):
         if _wants_usage(body):
             yield {"data": ChatChunk(id=rid, created=created, model=model, system_fingerprint=fingerprint, choices=[],
                                      usage=_usage(seqs, seqs[:1])).model_dump_json()}
-        yield {"data": "[DONE]"}
+        if not tgi_shape:
+            yield {"data": "[DONE]"}
 
     return event_stream(stream())

@@ -197,14 +197,16 @@ class ChatResponse(BaseModel):
 
 
 class ChatDelta(BaseModel):
-    """A stream chunk's delta; unset keys are left out (the last chunk's delta is ``{}``)."""
+    """A stream chunk's delta; keys not set are left out (the last chunk's delta is ``{}``)."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: None = Field(None, description="Only in a stream asked for with `model: \"tgi\"` (TGI's client "
+                             "needs the key, null, on every delta).")
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler):
-        return {k: v for k, v in handler(self).items() if v is not None}
+        return {k: v for k, v in handler(self).items() if k in self.model_fields_set}
 
 
 class ChatChunkChoice(BaseModel):

@@ -51,6 +51,7 @@ import json
 import logging
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -346,12 +347,20 @@ def load_and_serve(settings, inbox: zmq.Socket, outbox: zmq.Socket) -> int:
 
 PARENT_POLL_S = 0.5
 """How often the engine core process looks whether its server process is still there while it loads (seconds)."""
+GUARD_GRACE_S = 2.0
+"""How long after its server is gone the core's guard process kills a core that has not ended itself (seconds)."""
+_guards: list = []  # the guard processes started here (kept: a Popen collected while its process runs warns)
 
 
 def watch_parent(parent_pid: int) -> threading.Thread:
     """End this process (status 1) once ``parent_pid`` is no longer its parent: the server process is gone, while the
     core is still loading and pricing (minutes) or at any later time (a send to nobody would block at last). A
-    daemon thread, started before the load; nothing in the step loop looks."""
+    daemon thread, started before the load; nothing in the step loop looks.
+
+    A thread runs only while the interpreter lets it: a main thread blocked in a call that keeps the interpreter's
+    lock (safetensors opening a named pipe held it until a writer came) stops the watcher too. So a guard process
+    (:mod:`server.engine.core_guard`) watches as well, and kills (SIGKILL) a core still there
+    :data:`GUARD_GRACE_S` seconds after its server is gone, whatever it is blocked in; it ends with the core."""
 
     def watch() -> None:
         while os.getppid() == parent_pid:
@@ -361,6 +370,12 @@ def watch_parent(parent_pid: int) -> threading.Thread:
 
     thread = threading.Thread(target=watch, name="kvserve-core-parent", daemon=True)
     thread.start()
+    try:
+        _guards.append(subprocess.Popen([sys.executable, "-m", "server.engine.core_guard", str(os.getpid()),
+                                         str(parent_pid), str(GUARD_GRACE_S)], stdin=subprocess.DEVNULL))
+    except OSError as exc:  # the thread alone still ends the core whenever it can run
+        log.warning("cannot start the engine core's guard process (%s); the core ends with its server only when "
+                    "it is not blocked", exc)
     return thread
 
 

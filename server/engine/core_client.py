@@ -18,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import atexit
 import logging
+import os
+import re
 import shutil
 import tempfile
 import threading
@@ -45,6 +47,46 @@ STOPPED_GRACE_S = 5.0
 """How long a busy core process may stay stopped by a signal before it counts as hung (seconds)."""
 STOPPED = "the server stopped before the engine core was ready"
 """:meth:`CoreClient.start`'s error when :meth:`CoreClient.stop` ended its wait."""
+SOCKET_DIR_PREFIX = "kvserve-core-"
+"""The sockets' folder of a core process: ``kvserve-core-<server pid>-<random>`` in the temporary directory."""
+_SOCKET_DIR = re.compile(re.escape(SOCKET_DIR_PREFIX) + r"(\d+)-[A-Za-z0-9_]+")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process
+        return True
+    return True
+
+
+def sweep_socket_dirs(parent: str | None = None) -> list[str]:
+    """Remove the sockets' folders (``kvserve-core-<pid>-*``) that servers now gone left in ``parent`` (the temporary
+    directory): a server killed with SIGKILL cannot remove its own. Only this user's folders whose server pid no
+    longer exists are removed (a folder whose pid was reused stays until that process is gone); the paths removed.
+    """
+    parent = parent or tempfile.gettempdir()
+    removed = []
+    try:
+        entries = list(os.scandir(parent))
+    except OSError:
+        return removed
+    for entry in entries:
+        match = _SOCKET_DIR.fullmatch(entry.name)
+        try:
+            if not match or not entry.is_dir(follow_symlinks=False) or entry.stat(follow_symlinks=False).st_uid != \
+                    os.getuid() or _pid_alive(int(match.group(1))):
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)
+        removed.append(entry.path)
+    if removed:
+        log.info("removed %d engine core socket folder(s) left by servers that are gone: %s", len(removed),
+                 ", ".join(removed))
+    return removed
 
 
 def sampling_fields(p: SamplingParams) -> m.Sampling:
@@ -56,6 +98,10 @@ def sampling_fields(p: SamplingParams) -> m.Sampling:
 
 class CoreDied(RuntimeError):
     """The engine core (its process or its thread) ended while the server needed it."""
+
+
+class StartStopped(RuntimeError):
+    """:meth:`CoreClient.start` ended because :meth:`CoreClient.stop` was called meanwhile (the server is stopping)."""
 
 
 @dataclass
@@ -120,7 +166,12 @@ class CoreClient:
         self._busy_since: float | None = None  # since when requests have been live without a pause
         # a process connects over ipc:// (a socket file in a folder of its own); a thread over inproc://, in
         # this context, which both share
-        self._dir = tempfile.mkdtemp(prefix="kvserve-core-") if settings.engine_process else None
+        self._down = threading.Event()  # set once _shut_down has run (stop() waits for start()'s own shutdown)
+        if settings.engine_process:
+            sweep_socket_dirs()
+            self._dir = tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{os.getpid()}-")
+        else:
+            self._dir = None
         base = f"ipc://{self._dir}" if self._dir else f"inproc://kvserve-core-{uuid.uuid4().hex}"
         self._in_addr, self._out_addr = f"{base}/in", f"{base}/out"
         self._ctx = zmq.Context()
@@ -145,7 +196,7 @@ class CoreClient:
         """
         with self._life:
             if self._stopping:
-                raise RuntimeError(STOPPED)
+                raise StartStopped(STOPPED)
             self._starting = True
         try:
             ready = self._start(timeout, on_stage)
@@ -155,7 +206,7 @@ class CoreClient:
             raise
         if self._started():  # stop() came after the wait's last look
             self._shut_down()
-            raise RuntimeError(STOPPED)
+            raise StartStopped(STOPPED)
         return ready
 
     def _started(self) -> bool:
@@ -173,7 +224,7 @@ class CoreClient:
         while True:
             while not self._rx.poll(POLL_MS):
                 if self._stopping:
-                    raise RuntimeError(STOPPED)
+                    raise StartStopped(STOPPED)
                 if (ended := self.host.ended()) is not None:
                     raise RuntimeError(f"{ended} before it was ready (its log says why)")
                 if time.monotonic() > deadline:
@@ -243,12 +294,17 @@ class CoreClient:
 
     def stop(self, timeout: float = 5.0) -> None:
         """Abort every request, tell the core to drain and wait ``timeout`` seconds for it to end (then kill a
-        process; a thread is left to end with this process); close the sockets. Once only; while :meth:`start`
-        is under way in another thread, that thread does it when its wait ends (within 0.1 s)."""
+        process; a thread is left to end with this process); close the sockets and remove their folder. Once only;
+        while :meth:`start` is under way in another thread, that thread does it when its wait ends (within 0.1 s).
+        For a core process this waits for it: a server stopped while its core loads (SIGTERM at start-up) ends only
+        once the core has, and leaves no socket folder behind (a core thread ends with the process all the same)."""
         with self._life:
             self._stopping = True
-            if self._starting:
-                return
+            starting = self._starting
+        if starting:
+            if self._dir is not None and not self._down.wait(2 * timeout + 5.0):
+                log.warning("the engine core's start-up did not end within %.0f s of the stop", 2 * timeout + 5.0)
+            return
         self._shut_down(timeout)
 
     def _shut_down(self, timeout: float = 5.0) -> None:
@@ -257,7 +313,15 @@ class CoreClient:
             if self._shut:
                 return
             self._shut = True
-        atexit.unregister(self._at_exit)  # stopped: nothing left for the exit to do (and the client is not kept)
+        try:
+            self._shut_down_once(timeout)
+        finally:
+            atexit.unregister(self._at_exit)  # stopped: nothing left for the exit to do (and the client is not kept)
+            self._down.set()
+
+    def _shut_down_once(self, timeout: float) -> None:
+        if self.ready is None and isinstance(self.host, CoreProcess) and self.host.ended() is None:
+            self.host.kill(timeout)  # still loading: it reads no Drain before it is ready
         if self.host is not None and self.host.ended() is None:
             with self._lock:
                 ids = list(self._live)
@@ -279,9 +343,9 @@ class CoreClient:
             shutil.rmtree(self._dir, ignore_errors=True)
 
     def _at_exit(self) -> None:
-        """At this process's exit without :meth:`stop` (a port already taken, an error before the server ran): end a
-        core process still running (it would end with this process within a second all the same) and remove the
-        sockets' folder."""
+        """At this process's exit without :meth:`stop` having ended (a port already taken, an error before the server
+        ran, a stop whose wait ran out): end a core process still running (it would end with this process within
+        seconds all the same) and remove the sockets' folder."""
         if isinstance(self.host, CoreProcess) and self.host.ended() is None:
             self.host.kill(5.0)
         if self._dir is not None:

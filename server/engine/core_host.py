@@ -21,6 +21,10 @@ log = logging.getLogger("kvserve.core_client")
 
 OUTBOX_LINGER_MS = 2000
 """How long the core's output socket may hold its last messages (its ``Failed``, its last step) at close (ms)."""
+SERVER_ONLY = ("api_key", "api_key_file")
+"""Settings a core process is not given, in its settings or its environment (``API_KEY``, ``API_KEY_FILE``, in
+any case): the HTTP side checks the key; the core, whose environment other tools read (``/proc/<pid>/environ``,
+crash reports), never needs it."""
 
 
 class CoreProcess:
@@ -30,14 +34,16 @@ class CoreProcess:
     Args:
         settings: the server's :class:`~server.config.Settings` (sent as JSON: the fields that were given alone,
             so that the core's rebuilt settings tell a given option from a default as this process's do; the
-            quality budget searches only options left at their defaults, ``Settings.explicit_options``).
+            quality budget searches only options left at their defaults, ``Settings.explicit_options``), less
+            :data:`SERVER_ONLY`.
         in_addr, out_addr: the client's bound addresses, for the core's inputs and its outputs.
     """
 
     def __init__(self, settings, in_addr: str, out_addr: str):
         # every field dumped would be a field set in the core: explicit_options would name every option there
-        given = settings.model_dump_json(exclude_unset=True)  # the rest are the defaults (the same environment)
-        env = {**os.environ, m.SETTINGS_ENV: given, m.PARENT_ENV: str(os.getpid())}
+        given = settings.model_dump_json(exclude_unset=True, exclude=set(SERVER_ONLY))  # the rest are the defaults
+        env = {name: value for name, value in os.environ.items() if name.lower() not in SERVER_ONLY}
+        env.update({m.SETTINGS_ENV: given, m.PARENT_ENV: str(os.getpid())})
         # a session of its own: a terminal's Ctrl-C (SIGINT to the foreground process group) reaches the server,
         # which drains and then ends the core; the core ignores SIGINT and SIGTERM sent to it all the same
         # (systemd's control-group kill), and ends with its server (server.engine.core.main)

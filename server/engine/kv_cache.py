@@ -439,8 +439,10 @@ class KVCacheManager:
 
     def info(self) -> dict:
         """The pool's shape for ``/info`` and the metrics (``block_size_tokens``: tokens of one block of each
-        paged backend, the unit the prefix cache shares)."""
+        paged backend, the unit the prefix cache shares; ``pool_bytes``: every page, the ``null_pages`` that pad block
+        tables and hold no tokens included: ``(num_blocks + null_pages) * page_bytes``)."""
+        null_pages = self.num_pages - self.blocks.usable_pages
         return {"block_size_tokens": {n: l.cache_block_tokens for n, l in self.layouts.items()},
-                "page_bytes": self.page_bytes, "num_blocks": self.blocks.usable_pages,
+                "page_bytes": self.page_bytes, "num_blocks": self.blocks.usable_pages, "null_pages": null_pages,
                 "pool_bytes": self.num_pages * self.page_bytes, "prefix_caching": self.prefix_caching,
                 "prefix_cached_backends": [n for n in self.backends if self.caches_backend(n)]}
