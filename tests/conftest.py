@@ -191,6 +191,35 @@ def calibration_cache_dir(tmp_path_factory) -> Path:
         os.environ["KV_CALIBRATION_CACHE_DIR"] = before
 
 
+FITS_DIR: list[Path] = []
+"""Where :func:`fits` keeps the run's calibration entries (set by :func:`in_process_fits`)."""
+
+
+@pytest.fixture(scope="session", autouse=True)
+def in_process_fits(tmp_path_factory) -> Path:
+    """The folder of :func:`fits`: one per run, shared by the xdist workers of a run (entries are written
+    atomically, so two workers fitting one entry at once each leave a valid one)."""
+    base = tmp_path_factory.getbasetemp()
+    path = base.parent / "fits" if os.environ.get("PYTEST_XDIST_WORKER") else base / "fits"
+    path.mkdir(exist_ok=True)
+    FITS_DIR[:] = [path]
+    yield path
+    FITS_DIR.clear()
+
+
+def fits(model):
+    """A calibration cache for a backend a test prepares in this process (``backend.prepare(model, ids,
+    fits(model))``): the gqa codecs, mla bases and dca maps of a model, parameters and calibration slice are
+    fitted once a run, not once a test (the same dca maps were fitted 46 times). A fit and its cached entry serve
+    bit-identical artefacts (tests/test_calibration_cache.py); one folder per dtype, since the key leaves the
+    dtype out (a bf16 test keeps its bf16 fit). Without a pytest session: no cache (every call fits)."""
+    from cache_backends.calibration_cache import CalibrationCache
+
+    if not FITS_DIR:
+        return CalibrationCache(None)
+    return CalibrationCache(FITS_DIR[0] / str(next(model.parameters()).dtype).removeprefix("torch."))
+
+
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
     return MODEL_DIR

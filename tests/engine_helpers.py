@@ -15,6 +15,7 @@ from server.engine.engine import Engine
 from server.engine.sampling import SamplingParams
 from server.engine.sequence import Sequence
 from server.engine.setup import build_engine
+from tests.conftest import fits
 
 
 def make_engine(model, tokenizer, backend: str = "full", max_batch_size: int = 8, budget=None,
@@ -27,7 +28,8 @@ def make_engine(model, tokenizer, backend: str = "full", max_batch_size: int = 8
     else:
         geometry = ModelGeometry.from_config(model.config, next(model.parameters()).dtype)
         be = create(backend, geometry, **options)
-        be.prepare(model, calibration_ids(model, tokenizer, max_tokens=4096))  # tests: a short calibration slice
+        # tests: a short calibration slice; fitted once a run (tests.conftest.fits)
+        be.prepare(model, calibration_ids(model, tokenizer, max_tokens=4096), fits(model))
     eos = model.generation_config.eos_token_id
     return build_engine(model, tokenizer, {backend: be}, set(eos if isinstance(eos, list) else [eos]),
                         max_batch_size=max_batch_size, budget_bytes=budget,

@@ -11,6 +11,7 @@ import torch
 from cache_backends.base import KVLayer, ModelGeometry
 from cache_backends.registry import create, get_backend_class
 from cache_backends.store_path import StorePath
+from tests.conftest import fits
 
 TEXT = ("And God said, Let there be light: and there was light. And God saw the light, that it was good: "
         "and God divided the light from the darkness.")
@@ -38,7 +39,7 @@ def calib(ref_model):
 
 def make(name, model, geometry, calib, **options):
     backend = create(name, geometry, **options)
-    backend.prepare(model, calib)
+    backend.prepare(model, calib, fits(model))
     return backend
 
 

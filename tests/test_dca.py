@@ -11,6 +11,7 @@ import torch
 from cache_backends.base import ModelGeometry
 from cache_backends.registry import get_backend_class
 from cache_backends.store_path import StorePath
+from tests.conftest import fits
 from tests.test_backends import TEXT, cache_path_logits
 
 
@@ -33,7 +34,7 @@ def typed(value_model, setup):
 def make(setup, **options):
     model, _, geometry, calib = setup
     backend = get_backend_class("dca")(geometry, **options)
-    backend.prepare(model, calib)
+    backend.prepare(model, calib, fits(model))
     return backend
 
 
@@ -149,7 +150,7 @@ def test_thresholds_are_calibrated_per_layer_and_span_on_what_the_inner_backend_
     model, _, geometry, calib = setup
     plain = make(setup, threshold=0.95)
     quantized = create("dca+int8", geometry, threshold=0.95)
-    quantized.prepare(model, calib)
+    quantized.prepare(model, calib, fits(model))
     assert plain.reuse_candidates and plain.reuse_candidates == quantized.reuse_candidates
     for layer in plain.reuse_candidates:
         spans = plain.layer_thresholds[layer]
@@ -212,7 +213,7 @@ def test_reuse_layer_attends_the_source_cache_through_folded_maps_exactly(typed,
     model, _, geometry, calib = typed
     name = "dca" if inner is None else f"dca+{inner}"
     backend = create(name, geometry, threshold=-1.0, window=window)  # every layer whose source is kept reuses it
-    backend.prepare(model, calib)
+    backend.prepare(model, calib, fits(model))
     store = backend.new_store()
     runner = StorePath(model, geometry.num_layers)
     runner.prefill(calib[:300], store)
@@ -302,7 +303,7 @@ def test_the_pool_serves_what_a_per_sequence_store_serves(setup, name, options):
 
     model, tok, geometry, calib = setup
     backend = create(name, geometry, **options)
-    backend.prepare(model, calib)
+    backend.prepare(model, calib, fits(model))
     prompts, n = [calib[:100], calib[300:345], calib[600:700]], 30
     refs = [_store_greedy(model, backend, geometry, p, n) for p in prompts]
     engine = make_engine(model, tok, name, prepared=backend)

@@ -22,7 +22,7 @@ from cache_backends.store_path import StorePath
 from server.estimate_cli import add_arguments
 from server.estimate_cli import main as estimate_main
 from server.engine_loading import kv_sizes
-from tests.conftest import MODEL_DIR
+from tests.conftest import MODEL_DIR, fits
 
 SPECS = [("full", {}), ("gqa", {"groups": 2, "method": "mean"}), ("gqa", {"groups": 2, "method": "pca"}),
          ("mla", {"rank": 64}), ("int8", {}), ("dca", {}), ("gqa+int8", {"groups": 2}), ("mla+int8", {"rank": 64}),
@@ -47,7 +47,7 @@ def backends(ref_model, calib) -> dict:
     out = {}
     for key, (name, options) in zip(IDS, SPECS):
         out[key] = create(name, geometry, **options)
-        out[key].prepare(model, calib)
+        out[key].prepare(model, calib, fits(model))
     return out
 
 

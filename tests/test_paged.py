@@ -17,6 +17,7 @@ from cache_backends.page_plan import SeqBlocks
 from cache_backends.registry import create
 from cache_backends.store_path import StorePath
 from server.engine.sampling import SamplingParams
+from tests.conftest import fits
 from tests.precision import LOGIT_FACTOR
 from tests.engine_helpers import PagedDriver, make_engine, make_seq, reference_greedy, run_all
 
@@ -32,7 +33,7 @@ TEXTS = ["And God said, Let there be light: and there was light. And God saw the
 def _backend(model, tok, name, options):
     geometry = ModelGeometry.from_config(model.config, next(model.parameters()).dtype)
     backend = create(name, geometry, **options)
-    backend.prepare(model, calibration_ids(model, tok, max_tokens=4096))
+    backend.prepare(model, calibration_ids(model, tok, max_tokens=4096), fits(model))
     return backend
 
 
@@ -202,7 +203,7 @@ def test_a_mixed_step_of_several_backends(ref_model):
     calib = calibration_ids(model, tok, max_tokens=4096)
     backends = {"full": create("full", g), "int8": create("int8", g), "dca+mla": create("dca+mla", g)}
     for backend in backends.values():
-        backend.prepare(model, calib)
+        backend.prepare(model, calib, fits(model))
     long = " ".join([TEXTS[0], TEXTS[1]] * 3)  # ~130 tokens: three chunks of 48
 
     def engine(names):

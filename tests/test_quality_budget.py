@@ -15,7 +15,7 @@ from cache_backends.base import ModelGeometry
 from cache_backends.registry import create
 from server.config import ConfigError, load_settings
 from server.quality_budget import SEARCH_HEADROOM, Choice, Price, Scorer, candidates, choose, ppl_increase
-from tests.conftest import RunningServer
+from tests.conftest import RunningServer, fits
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def test_full_costs_nothing_and_int8_almost_nothing(setup):
 
 def test_the_search_takes_the_most_compressive_rank_within_the_budget(setup):
     model, geometry, ids, scorer = setup
-    backend, choice = choose("mla", geometry, {}, set(), model, ids, None, scorer, 0.5)
+    backend, choice = choose("mla", geometry, {}, set(), model, ids, fits(model), scorer, 0.5)
     assert choice.searched == "rank" and choice.within_budget and not choice.explicit
     ranks = candidates("mla", "rank", geometry, {})
     chosen = backend.params()["rank"]
@@ -49,13 +49,13 @@ def test_the_search_takes_the_most_compressive_rank_within_the_budget(setup):
     if smaller:  # the next rank down was priced and is over the budget's searched share
         assert priced[smaller[-1]] > 0.5 * SEARCH_HEADROOM
     # a tighter budget never chooses fewer bytes
-    tight, tight_choice = choose("mla", geometry, {}, set(), model, ids, None, scorer, 0.01)
+    tight, tight_choice = choose("mla", geometry, {}, set(), model, ids, fits(model), scorer, 0.01)
     assert tight.params()["rank"] >= chosen and tight_choice.within_budget
 
 
 def test_dca_reuses_the_most_layers_its_budget_allows(setup):
     model, geometry, ids, scorer = setup
-    backend, choice = choose("dca", geometry, {}, set(), model, ids, None, scorer, 1.0)
+    backend, choice = choose("dca", geometry, {}, set(), model, ids, fits(model), scorer, 1.0)
     assert choice.searched == "threshold" and choice.within_budget
     assert backend.expected_reuse_layers() and backend.threshold in backend.served_similarity.values()
     lower = [t for t in choice.tried if float(t["spec"].split("threshold=")[1].split(",")[0]) < backend.threshold]
@@ -65,7 +65,7 @@ def test_dca_reuses_the_most_layers_its_budget_allows(setup):
 def test_an_explicit_setting_is_kept_and_warned_about_when_over(setup):
     model, geometry, ids, scorer = setup
     backend, choice = choose("gqa", geometry, {"groups": 1, "method": "mean"}, {"groups", "method"}, model, ids,
-                             None, scorer, 1.0)
+                             fits(model), scorer, 1.0)
     assert backend.params()["groups"] == 1 and choice.explicit and choice.searched is None
     assert not choice.within_budget and "over the quality budget of +1%" in choice.message
     assert f"+{choice.price.ppl_increase_pct:.2f}% perplexity" in choice.message
@@ -73,7 +73,7 @@ def test_an_explicit_setting_is_kept_and_warned_about_when_over(setup):
 
 def test_no_budget_prices_nothing_and_keeps_the_defaults(setup):
     model, geometry, ids, _ = setup
-    backend, choice = choose("mla", geometry, {}, set(), model, ids, None, None, None)
+    backend, choice = choose("mla", geometry, {}, set(), model, ids, fits(model), None, None)
     assert backend.params()["rank"] == 2 * geometry.num_key_value_heads * geometry.head_dim // 8  # the fixed default
     assert choice.price is None and choice.tried == [] and choice.within_budget
 

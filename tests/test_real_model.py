@@ -19,6 +19,7 @@ from cache_backends.base import ModelGeometry
 from cache_backends.registry import create
 from server.model_fetch import DEFAULT_DIR, fetch, is_current, mha_dir
 from server.quality_budget import SEARCH_HEADROOM, Scorer, choose
+from tests.conftest import fits
 from tests.engine_helpers import make_engine, make_seq, reference_greedy, run_all
 
 pytestmark = pytest.mark.real_model
@@ -115,7 +116,7 @@ def test_every_backend_holds_the_bytes_its_sums_report(real, calib, name, option
     model, _ = real
     geometry = ModelGeometry.from_config(model.config, torch.float32)
     backend = create(name, geometry, **options)
-    backend.prepare(model, calib)
+    backend.prepare(model, calib, fits(model))
     runner = StorePath(model, geometry.num_layers)
     for tokens in (100, 700):
         store = backend.new_store()
@@ -159,7 +160,7 @@ def test_the_budgeted_mla_keeps_held_out_perplexity_within_the_budget(real, cali
     model, _ = real
     geometry = ModelGeometry.from_config(model.config, torch.float32)
     scorer = small_scorer(model, geometry, calib)
-    backend, choice = choose("mla", geometry, {}, set(), model, calib, None, scorer, BUDGET)
+    backend, choice = choose("mla", geometry, {}, set(), model, calib, fits(model), scorer, BUDGET)
     assert choice.searched == "rank" and choice.within_budget
     assert len(choice.tried) >= 3  # a search, not one setting
     assert all(t["ppl_increase_pct"] > SEARCH_HEADROOM * BUDGET for t in choice.tried
@@ -171,7 +172,7 @@ def test_an_explicit_setting_over_the_budget_is_served_with_its_price(real, cali
     model, _ = real
     geometry = ModelGeometry.from_config(model.config, torch.float32)
     scorer = small_scorer(model, geometry, calib)
-    backend, choice = choose("gqa", geometry, {"groups": 1}, {"groups"}, model, calib, None, scorer, BUDGET)
+    backend, choice = choose("gqa", geometry, {"groups": 1}, {"groups"}, model, calib, fits(model), scorer, BUDGET)
     assert backend.params()["groups"] == 1 and choice.explicit and not choice.within_budget
     assert choice.price.ppl_increase_pct > 10 * BUDGET
     assert "over the quality budget" in choice.message and f"+{choice.price.ppl_increase_pct:.2f}%" in choice.message
@@ -183,7 +184,8 @@ def test_gqa_on_the_mha_twin_finds_the_models_own_head_sharing(twin):
     model, tok = twin
     calib = calibration_ids(model, tok, max_tokens=CALIB_TOKENS)
     geometry = ModelGeometry.from_config(model.config, torch.float32)
-    backend, choice = choose("gqa", geometry, {}, set(), model, calib, None, small_scorer(model, geometry, calib), BUDGET)
+    backend, choice = choose("gqa", geometry, {}, set(), model, calib, fits(model), small_scorer(model, geometry, calib),
+                             BUDGET)
     assert backend.params()["groups"] == 3  # the 3 K/V heads the twin repeats: exact
     assert choice.price.ppl_increase_pct < 0.01 and choice.compression == pytest.approx(3.0)
 
@@ -192,6 +194,6 @@ def test_a_backend_that_saves_nothing_says_so(real, calib):
     model, _ = real
     geometry = ModelGeometry.from_config(model.config, torch.float32)
     scorer = Scorer(model, geometry, calib, windows=1, window=192, prefix=128)  # dca is scored by decode steps: 64
-    backend, choice = choose("dca", geometry, {}, set(), model, calib, None, scorer, BUDGET)
+    backend, choice = choose("dca", geometry, {}, set(), model, calib, fits(model), scorer, BUDGET)
     assert choice.saves_nothing and "saves nothing" in choice.message
     assert choice.as_dict()["saves_nothing"] is True
