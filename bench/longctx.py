@@ -3,10 +3,10 @@
 For each context (prompt tokens) and backend, the server's engine in-process (:func:`bench.budget.new_engine`, one
 sequence, prompts prefilled in chunks of ``--chunk`` tokens as ``MAX_NUM_BATCHED_TOKENS`` does) measures the time to
 the first token (the whole chunked prefill) and the median decode step over ``--decode-steps`` steps, once with
-each attention path (``KV_ATTENTION``: ``kernel``, ``torch``). Each figure is also given as a ratio to ``full``'s
+each attention path (``KV_ATTENTION``: ``kernel``, ``torch``). The streams of one context (every backend on every
+path) take turns step by step (:func:`interleave`), so a drifting machine slows them alike. Each figure is also given as a ratio to ``full``'s
 on the same path, beside the *byte-bound ratio*: (weights + the backend's KV bytes at that context) / (weights +
-``full``'s), what a decode step bound by the bytes it reads would cost. The backends of one context run in the
-same minute, so the ratios compare peers on one machine state.
+``full``'s), what a decode step bound by the bytes it reads would cost.
 
     python -m bench.longctx --model models/smollm2-135m-instruct --contexts 1024 4096 8000 \\
         --backends full int8 int4 --out docs/bench/longctx.json
@@ -23,33 +23,58 @@ from pathlib import Path
 import torch
 
 
-def run_one(model, tok, backend, ids: list[int], chunk: int, steps: int) -> dict:
-    """TTFT (s) and median TPOT (s) of one stream of prompt ``ids`` on ``backend``."""
-    from bench.budget import new_engine
-    from server.engine.sampling import SamplingParams
-    from server.engine.sequence import Sequence
+class Stream:
+    """One stream of prompt ``ids`` on ``backend`` through one attention path, stepped by :func:`interleave`."""
 
-    engine = new_engine(model, tok, backend, 1, None, chunk=chunk, prefix_caching=False)
-    seq = Sequence(request_id="0", prompt_ids=ids, max_new_tokens=steps + 2, params=SamplingParams(), stop=[],
-                   emit=lambda e: None, backend_name=backend.name)
-    engine.submit(seq)
-    t0 = time.perf_counter()
-    while not seq.output_ids:
-        engine.step()
-    ttft = time.perf_counter() - t0
-    times = []
+    def __init__(self, model, tok, backend, path: str, ids: list[int], chunk: int, steps: int):
+        from bench.budget import new_engine
+        from server.engine.sampling import SamplingParams
+        from server.engine.sequence import Sequence
+
+        self.path = path
+        self.engine = new_engine(model, tok, backend, 1, None, chunk=chunk, prefix_caching=False)
+        self.seq = Sequence(request_id="0", prompt_ids=ids, max_new_tokens=steps + 2, params=SamplingParams(),
+                            stop=[], emit=lambda e: None, backend_name=backend.name)
+        self.engine.submit(self.seq)
+        self.prefill_s = 0.0
+        self.step_s: list[float] = []
+
+    def step(self) -> float:
+        """One engine step on this stream's path; its seconds."""
+        from cache_backends import kernels
+
+        with kernels.using(self.path):
+            t = time.perf_counter()
+            self.engine.step()
+            return time.perf_counter() - t
+
+    def close(self) -> None:
+        self.seq.cancel()
+        self.engine.step()
+
+
+def interleave(streams: list[Stream], steps: int) -> list[dict]:
+    """TTFT (s: the sum of a stream's own prefill steps) and median TPOT (ms) of each stream, stepped in turn.
+
+    The streams take turns step by step, prefill chunks and decode steps alike, so a machine whose speed drifts
+    (other load, frequency) slows every backend alike and the ratios compare peers at the same moments.
+    """
+    while any(not s.seq.output_ids for s in streams):
+        for s in streams:
+            if not s.seq.output_ids:
+                s.prefill_s += s.step()
     for _ in range(steps):
-        t = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t)
-    seq.cancel()
-    engine.step()
-    return {"ttft_s": round(ttft, 3), "tpot_ms": round(statistics.median(times) * 1000, 2)}
+        for s in streams:
+            s.step_s.append(s.step())
+    out = []
+    for s in streams:
+        s.close()
+        out.append({"ttft_s": round(s.prefill_s, 3), "tpot_ms": round(statistics.median(s.step_s) * 1000, 2)})
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     from bench.budget import load_reference, make_backend
-    from cache_backends import kernels
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="models/smollm2-135m-instruct")
@@ -68,16 +93,16 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for context in args.contexts:
         ids = text_ids[:context]
-        for spec in args.backends:
-            backend = make_backend(spec, model, tok)
-            spec_bytes = backend.kv_spec().bytes_at(context)
-            for path in args.paths:
-                with kernels.using(path):
-                    r = run_one(model, tok, backend, ids, args.chunk, args.decode_steps)
-                row = {"context": context, "backend": spec, "path": path, **r, "weights_bytes": weights,
-                       "kv_bytes_at_context": spec_bytes}
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+        runs = [(spec, path) for spec in args.backends for path in args.paths]
+        backends = {spec: make_backend(spec, model, tok) for spec in args.backends}
+        streams = [Stream(model, tok, backends[spec], path, ids, args.chunk, args.decode_steps)
+                   for spec, path in runs]
+        for (spec, path), r in zip(runs, interleave(streams, args.decode_steps)):
+            row = {"context": context, "backend": spec, "path": path, **r, "weights_bytes": weights,
+                   "kv_bytes_at_context": backends[spec].kv_spec().bytes_at(context)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del streams
     _ratios(rows)
     print(markdown(rows))
     if args.out:
