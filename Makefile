@@ -52,8 +52,11 @@ serve: $(RUNTIME_STAMP)
 	@[ -n "$$MODEL_ID" ] || $(BIN)/kvserve fetch-model --out $(REAL_MODEL)
 	MODEL_ID=$${MODEL_ID:-$(REAL_MODEL)} $(BIN)/kvserve serve
 
+# `make test` runs the suite in TEST_WORKERS pytest-xdist processes (`--dist loadfile`: a module's tests stay in one
+# process, so its fixtures start once); TEST_WORKERS=0 runs it in this process alone.
+TEST_WORKERS ?= 2
 test: $(STAMP) browser real-model
-	$(BIN)/python -m pytest -q --durations=25
+	$(BIN)/python -m pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadfile
 
 # Test tiers (docs/development.md#test-tiers), by the markers tests/conftest.py sets. `make test-fast`: no server
 # process, no third-party tool, no real model, no test over about 20 s, and the value tests in fp32 only (DTYPE=...

@@ -25,7 +25,9 @@ PRECISIONS: list[Precision] = []
 """The device and dtypes of the value tests (``DEVICE``, ``DTYPE``: :mod:`tests.precision`)."""
 
 if "OMP_NUM_THREADS" not in os.environ:  # an explicit thread count wins (1 on a shared machine: two spinning
-    torch.set_num_threads(2)             # intra-op threads on a loaded CPU ran the value tests 20x slower)
+    # intra-op threads on a loaded CPU ran the value tests 20x slower); at most 2, shared by the xdist workers
+    WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // WORKERS)))
 
 
 def pytest_configure(config):

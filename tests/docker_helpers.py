@@ -15,14 +15,17 @@ index); the base image is whatever `python:3.11-slim` the daemon has or pulls.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
 import shutil
 import subprocess
+import tempfile
 import time
 import uuid
 from functools import lru_cache
+from pathlib import Path
 
 import pytest
 
@@ -117,6 +120,9 @@ _BUILD: dict[str, object] = {}  # the one build's result, or its failure (not re
 def build_image() -> tuple[str, float]:
     """Build the repository's Dockerfile as IMAGE once per session; returns (image, build seconds).
 
+    Builds of pytest-xdist workers take turns (a lock file beside the run's temporary folders): the second finds
+    every layer in Docker's cache.
+
     Raises:
         RuntimeError / subprocess.TimeoutExpired: the build failed (the same error for every later call).
     """
@@ -127,12 +133,15 @@ def build_image() -> tuple[str, float]:
         args = ["build", "--network", "host", "-t", IMAGE, *(f"--build-arg={a}" for a in BUILD_ARGS)]
         if index:
             args += ["--build-arg", f"TORCH_INDEX_URL={index}"]
-        start = time.monotonic()
-        try:
-            docker(*args, str(REPO), timeout=BUILD_TIMEOUT_S)
-        except (RuntimeError, subprocess.TimeoutExpired) as exc:
-            _BUILD["error"] = exc
-            raise
+        lock = Path(tempfile.gettempdir()) / f"kvserve-test-build-{re.sub(r'[^A-Za-z0-9]', '_', IMAGE)}.lock"
+        with lock.open("a") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            start = time.monotonic()
+            try:
+                docker(*args, str(REPO), timeout=BUILD_TIMEOUT_S)
+            except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                _BUILD["error"] = exc
+                raise
         _BUILD["result"] = (IMAGE, time.monotonic() - start)
     return _BUILD["result"]
 

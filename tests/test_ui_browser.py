@@ -35,6 +35,7 @@ import pytest
 from tests.conftest import free_port, server_with
 
 webdriver = pytest.importorskip("selenium.webdriver")
+from selenium.common.exceptions import StaleElementReferenceException  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.common.keys import Keys  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
@@ -115,7 +116,10 @@ def browser():
 
 
 def wait(driver, condition, timeout=180):
-    return WebDriverWait(driver, timeout, poll_frequency=0.2).until(lambda d: condition(d))
+    """``condition`` polled until true; an element the page redrew between its lookup and its read (the live view
+    redraws every second) is looked up again on the next poll, not a failure."""
+    return WebDriverWait(driver, timeout, poll_frequency=0.2,
+                         ignored_exceptions=(StaleElementReferenceException,)).until(lambda d: condition(d))
 
 
 def shot(driver, name: str, height: int | None = None) -> None:
