@@ -11,8 +11,9 @@ from cache_backends.estimate import DTYPE_BYTES, PRESETS, Shape, bytes_per_token
 from cache_backends.spec import NATIVE_MLA_BACKENDS, parse_spec
 
 
-# Without specs: every backend and the two most useful compositions, at ``default_params`` for the model.
-DEFAULT_SPECS = ["full", "gqa", "mla", "int8", "dca", "mla+int8", "gqa+int8"]
+# Without specs: every backend (int8's k8v4 mix, 8-bit keys and 4-bit values, too) and the two most useful
+# compositions, at ``default_params`` for the model.
+DEFAULT_SPECS = ["full", "gqa", "mla", "int8", "int4", "int8:value_bits=4", "elastic", "dca", "mla+int8", "gqa+int8"]
 
 
 def applies(shape: Shape, spec: tuple[str, dict], dtype_bytes: int) -> bool:

@@ -79,6 +79,15 @@ def test_cli_without_specs_lists_every_backend_at_the_models_defaults():
     assert rows["full"]["total_bytes"] == 128 * (192 + 128) * 2 * 4096 * 61
 
 
+def test_cli_without_specs_lists_the_quantized_widths_and_elastic_too():
+    out = subprocess.run([sys.executable, "-m", "server.cli", "estimate", "--model", "llama-2-7b", "--seq-len", "4096",
+                          "--batch", "1", "--json"], cwd=REPO, capture_output=True, text=True, timeout=120, check=True)
+    rows = [(r["backend"], r["params"]) for r in json.loads(out.stdout)]
+    assert [name for name, _ in rows] == ["full", "gqa", "mla", "int8", "int4", "int8", "elastic", "dca", "mla+int8",
+                                          "gqa+int8"]
+    assert rows[5][1]["value_bits"] == 4 and rows[3][1].get("value_bits", 8) == 8
+
+
 def test_a_per_head_spec_named_on_deepseek_sizes_its_expanded_k_and_v_heads():
     """Named, int8 sizes the K (192) and V (128) heads DeepSeek's attention expands: keys per channel, values per
     token (the sums refused unequal widths)."""
