@@ -256,7 +256,8 @@ class GenerationService:
         inputs, max_field = f["inputs"], f["max_new_tokens"]
         if req.backend not in self.engine.backends:
             raise InvalidRequest(f"`{f['kv_backend']}` {req.backend!r} is not served here; allowed: "
-                                 f"{', '.join(self.engine.backends)}", f["kv_backend"])
+                                 f"{', '.join(self.engine.backends)} (a server started with KV_BACKENDS=... "
+                                 f"serves more)", f["kv_backend"])
         self.check_cache_salt(req.cache_salt, f["cache_salt"])
         if not req.prompt:
             raise InvalidRequest(f"`{inputs}` must not be empty", inputs)

@@ -127,7 +127,10 @@ def test_generate_seeded_sampling_repeats(server):
     assert a["tokens"] == b["tokens"]
 
 
-@pytest.mark.parametrize("body,words", [({"kv_backend": "mla"}, "not served here"),
+NOT_SERVED = "not served here; allowed: full, int8, elastic (a server started with KV_BACKENDS=... serves more)"
+
+
+@pytest.mark.parametrize("body,words", [({"kv_backend": "mla"}, NOT_SERVED),
                                         ({"kv_backend": "full", "max_new_tokens": 100000}, "must be <="),
                                         ({"kv_backend": "full", "prompt": ""}, "prompt"),
                                         ({"kv_backend": "full", "bogus": 1}, "bogus")])
