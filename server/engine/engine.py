@@ -26,6 +26,7 @@ from collections import deque
 
 from cache_backends.base import KVBackend
 from server.engine.detokenize import IncrementalDetokenizer
+from server.engine.grammar import GrammarError, Grammars
 from server.engine.runner import ModelRunner
 from server.engine.sampling import RowRequest, Sampled, new_generator
 from server.engine.scheduler import Scheduler
@@ -62,6 +63,8 @@ class Engine:
         self.kv = scheduler.kv
         self.max_concurrent_requests = max_concurrent_requests
         self.recorder = recorder
+        config = getattr(getattr(runner, "model", None), "config", None)
+        self.grammars = Grammars(tokenizer, getattr(config, "vocab_size", None) or len(tokenizer), eos_token_ids)
 
     @property
     def waiting(self) -> deque[Sequence]:
@@ -79,8 +82,14 @@ class Engine:
 
         Raises:
             Overloaded: when ``max_concurrent_requests`` sequences are already queued or running.
-            ValueError: when the sequence could never fit the KV budget.
+            ValueError: when the sequence could never fit the KV budget, or its grammar does not compile
+                (:class:`~server.engine.grammar.GrammarError`).
         """
+        if seq.params.grammar_kind and seq.grammar is None:
+            try:
+                seq.grammar = self.grammars.state(seq.params.grammar_kind, seq.params.grammar)
+            except GrammarError as exc:
+                raise ValueError(f"the grammar does not compile: {exc}") from None
         if not self.scheduler.fits_alone(seq):
             need = self.kv.pages_to_finish(seq)
             raise ValueError(f"request needs {need} KV blocks ({need * self.kv.page_bytes} bytes) for "
@@ -133,7 +142,8 @@ class Engine:
             if row.sample:
                 if seq.generator is None and not seq.params.greedy:
                     seq.generator = new_generator(seq.params.seed, self.runner.device)
-                sampling[seq.seq_id] = RowRequest(seq.params, seq.prompt_ids, seq.output_ids, seq.generator)
+                allowed = seq.grammar.words if seq.grammar is not None else None
+                sampling[seq.seq_id] = RowRequest(seq.params, seq.prompt_ids, seq.output_ids, seq.generator, allowed)
         started = time.perf_counter()
         result = self.runner.execute(out, self.backends, sampling, self.eos_token_ids)
         seconds = time.perf_counter() - started
@@ -185,8 +195,10 @@ class Engine:
         seq.times.last_token = now
         text = seq.detok.add(token)
         reason = None
-        if token in self.eos_token_ids:
-            reason = FinishReason.EOS
+        if seq.grammar is not None and not seq.grammar.accept(token):
+            raise ValueError(f"token {token} is outside the request's grammar")
+        if token in self.eos_token_ids or (seq.grammar is not None and seq.grammar.done):
+            reason = FinishReason.EOS  # a grammar that can only end ends the text as end-of-text would
         elif seq.detok.stopped:
             reason = FinishReason.STOP
         elif len(seq.output_ids) >= seq.max_new_tokens:
