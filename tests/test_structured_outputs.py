@@ -103,10 +103,31 @@ def test_the_grammar_survives_preemption(ref_model):
         assert tok.decode(a.output_ids).startswith('{"text": "')
 
 
-def test_a_grammar_that_does_not_compile_is_refused_at_submit(ref_model, engine):
+def test_a_grammar_that_does_not_compile_ends_its_request_only(ref_model, engine):
     model, tok = ref_model
-    with pytest.raises(ValueError, match="grammar"):
-        engine.submit(make_seq(tok, "x", 5, params=SamplingParams(grammar_kind="json_schema", grammar='{"type": 3}')))
+    events = []
+    bad = make_seq(tok, "x", 5, params=SamplingParams(grammar_kind="json_schema", grammar='{"type": 3}'), events=events)
+    good = make_seq(tok, "y", 5)
+    run_all(engine, [bad, good])
+    assert events[-1].finish_reason.value == "error" and "grammar" in events[-1].error
+    assert good.finish_reason.value == "length"
+
+
+def test_a_slow_grammar_compiles_beside_the_steps(ref_model, engine):
+    """A schema that takes long to compile does not hold the running streams: they step while it compiles."""
+    model, tok = ref_model
+    wide = {"type": "object", "properties": {f"k{i}": {"type": "string"} for i in range(600)}}
+    slow = make_seq(tok, "x", 3, params=SamplingParams(grammar_kind="json_schema", grammar=schema_text(wide)))
+    running = make_seq(tok, "y", 40)
+    engine.submit(running)
+    engine.submit(slow)
+    steps = 0
+    while engine.compiling:
+        engine.step()
+        steps += 1
+    assert steps > 1 and len(running.output_ids) > 1
+    run_all(engine, [])
+    assert slow.finish_reason is not None and slow.grammar is not None
 
 
 def test_grammars_share_one_compiler(ref_model):

@@ -164,8 +164,8 @@ class EngineCore:
 
     @property
     def idle(self) -> bool:
-        """Nothing is queued or running."""
-        return not self.engine.running and not self.engine.waiting
+        """Nothing is queued, running or waiting for its grammar."""
+        return not self.engine.running and not self.engine.waiting and not self.engine.compiling
 
     def handle(self, msg: m.CoreInput) -> None:
         """Apply one input: queue an :class:`AddRequest` (its answer goes in the next output), mark the sequences

@@ -2,8 +2,9 @@
 
 A request asks for a grammar through two plain fields of its :class:`~server.engine.sampling.SamplingParams`:
 ``grammar_kind`` (one of :data:`KINDS`) and ``grammar`` (the JSON schema as JSON text, or the regular expression).
-The engine compiles it once per distinct grammar (:class:`Grammars`, which caches) and gives each sequence its own
-:class:`GrammarState` (``n`` > 1: one per choice). Each step the state's ``mask`` — the next token's allowed ids as
+The engine compiles it once per distinct grammar (:class:`Grammars`, which caches; in a thread beside the steps,
+:meth:`server.engine.engine.Engine.submit`) and gives each sequence its own :class:`GrammarState` (``n`` > 1: one per
+choice). Each step the state's ``mask`` — the next token's allowed ids as
 xgrammar's int32 bitmask, (ceil(vocab / 32),) — goes to the sampler with the row
 (:func:`server.engine.sampling.apply_allowed`); the accepted token advances it (:meth:`GrammarState.accept`). The
 state depends only on the sequence's output tokens, which preemption and the prefix cache leave as they are (a
