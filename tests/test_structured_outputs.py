@@ -300,6 +300,9 @@ def test_auto_renders_the_tools_and_a_tool_conversation(server):
     assert out["usage"]["prompt_tokens"] > auto["usage"]["prompt_tokens"] + 10
 
 
+DEEP: dict = {"type": "string"}
+for _ in range(40):  # 81 levels of objects and arrays, past MAX_SCHEMA_DEPTH
+    DEEP = {"type": "object", "properties": {"a": DEEP}, "required": ["a"]}
 BAD = [
     ({"response_format": {"type": "xml"}}, "response_format.type"),
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
@@ -308,6 +311,8 @@ BAD = [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"properties": 3}}}},
      "response_format.json_schema.schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": PERSON}}}, "response_format.json_schema.name"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": DEEP}}},
+     "response_format.json_schema.schema"),
     ({"tools": [{"type": "function"}]}, "tools.0.function"),
     ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools.0.function.name"),
     ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools.0.type"),

@@ -18,7 +18,24 @@ MAX_GRAMMAR_CHARS = 65_536
 """Longest schema (as compact JSON text) or regular expression a request may send: compiling it runs on the
 engine's loop."""
 
+MAX_SCHEMA_DEPTH = 64
+"""Deepest nesting of objects and arrays in a schema: turning a schema into a grammar grows with the cube of its
+depth (a 400-deep one took 7 s here, on the event loop), and real schemas nest a few levels."""
+
 NO_GRAMMAR = ("", "")
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of objects and arrays in ``value`` (a scalar: 0), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def checked(kind: str, grammar: str, param: str) -> tuple[str, str]:
@@ -41,10 +58,13 @@ def json_schema_grammar(schema: Any, param: str) -> tuple[str, str]:
     """The grammar fields of a JSON schema (a dict) sent in ``param``.
 
     Raises:
-        InvalidRequest: naming ``param``, for a schema that is not an object or cannot be followed.
+        InvalidRequest: naming ``param``, for a schema that is not an object, nests deeper than
+            :data:`MAX_SCHEMA_DEPTH`, or cannot be followed.
     """
     if not isinstance(schema, dict):
         raise InvalidRequest(f"`{param}` must be a JSON schema (an object)", param)
+    if _depth(schema) > MAX_SCHEMA_DEPTH:
+        raise InvalidRequest(f"`{param}` nests objects and arrays more than {MAX_SCHEMA_DEPTH} deep", param)
     return checked("json_schema", schema_text(schema), param)
 
 
