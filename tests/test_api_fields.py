@@ -385,7 +385,15 @@ def oa_tools(srv, tok):
     assert len(one["message"]["tool_calls"]) == 1 and one["finish_reason"] == "tool_calls"
 
 
+def oa_guided(srv, tok):
+    """vLLM's structured outputs: the output is one of the choices (tests/test_structured_outputs.py)."""
+    for fields in ({"guided_choice": ["yea", "nay"]}, {"structured_outputs": {"choice": ["yea", "nay"]}},
+                   {"guided_regex": "yea|nay"}, {"guided_json": {"enum": ["yea", "nay"]}}):
+        assert text(cmpl(srv, **fields)).strip('"') in ("yea", "nay")
+
+
 OPENAI_CASES = {
+    "structured_outputs": oa_guided, "guided_json": oa_guided, "guided_regex": oa_guided, "guided_choice": oa_guided,
     "response_format": oa_response_format, "tools": oa_tools, "tool_choice": oa_tools, "parallel_tool_calls": oa_tools,
     "prompt": oa_prompt_forms, "max_tokens": oa_max_tokens, "max_completion_tokens": oa_max_tokens,
     "temperature": oa_temperature_seed_n, "seed": oa_temperature_seed_n, "n": oa_temperature_seed_n,

@@ -213,6 +213,23 @@ def test_completions_json_schema_and_json_object(server):
     assert json.loads(obj["text"]) == {} and obj["finish_reason"] == "stop"
 
 
+def test_vllm_structured_outputs_and_guided_fields(server):
+    """vLLM's extensions: ``structured_outputs`` (``json``, ``regex``, ``choice``, ``json_object``) and the older
+    ``guided_json`` / ``guided_regex`` / ``guided_choice``, on both routes."""
+    choices = ["Saul", "David (the king)", "none of them"]
+    for fields in ({"guided_choice": choices}, {"structured_outputs": {"choice": choices}}):
+        assert chat(server, temperature=0, **fields)["choices"][0]["message"]["content"] in choices
+        out = post(server, "/v1/completions", {"prompt": "And God said", "temperature": 0.9, "seed": 2, **fields})
+        assert out["choices"][0]["text"] in choices and out["choices"][0]["finish_reason"] == "stop"
+    for fields in ({"guided_json": PERSON}, {"guided_json": json.dumps(PERSON)}, {"structured_outputs": {"json": PERSON}}):
+        valid(chat(server, temperature=0, **fields)["choices"][0]["message"]["content"], PERSON)
+    for fields in ({"guided_regex": "[0-9]{3}-[0-9]{4}"}, {"structured_outputs": {"regex": "[0-9]{3}-[0-9]{4}"}}):
+        text = chat(server, temperature=0, **fields)["choices"][0]["message"]["content"]
+        assert len(text) == 8 and text[3] == "-" and text.replace("-", "").isdigit()
+    out = chat(server, temperature=0, structured_outputs={"json_object": True}, logit_bias={"93": 8})
+    assert json.loads(out["choices"][0]["message"]["content"]) == {}
+
+
 def test_text_format_and_unset_fields_change_nothing(server):
     base = chat(server, temperature=0, max_tokens=8)
     for extra in ({"response_format": {"type": "text"}}, {"tools": None, "tool_choice": None, "response_format": None}):
@@ -325,6 +342,12 @@ BAD = [
     ({"tool_choice": "required"}, "tool_choice"),
     ({"parallel_tool_calls": False}, "parallel_tool_calls"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"response_format": {"type": "json_object"}, "guided_json": PERSON}, "guided_json"),
+    ({"guided_choice": ["a"], "structured_outputs": {"regex": "b"}}, "structured_outputs.regex"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_regex": "(unclosed"}, "guided_regex"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"structured_outputs": {"json": {"type": "nosuch"}}}, "structured_outputs.json"),
 ]
 
 

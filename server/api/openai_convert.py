@@ -6,7 +6,7 @@ import secrets
 
 from server.api.openai_schemas import (ChatLogprobs, ChatMessage, ChatRequest, CompletionLogprobs, CompletionRequest,
                                        TokenLogprob, TopLogprob, _Sampling)
-from server.api.structured import NO_GRAMMAR, response_format_grammar
+from server.api.structured import NO_GRAMMAR, request_grammar
 from server.api.tools import ToolPlan, plan, tool_dicts, turns, with_tools_system
 from server.api.validation import refuse_unimplemented
 from server.engine.sampling import SamplingParams
@@ -127,8 +127,7 @@ def completion_requests(body: CompletionRequest, service: GenerationService
     if len(prompts) * best_of > MAX_SEQUENCES:
         raise InvalidRequest(f"{len(prompts)} prompts x {best_of} choices is over {MAX_SEQUENCES} generations "
                              "per request", "prompt")
-    params = sampling_params(body, len(service.tokenizer), body.logprobs or 0,
-                             response_format_grammar(body.response_format))
+    params = sampling_params(body, len(service.tokenizer), body.logprobs or 0, request_grammar(body))
     backend = body.kv_backend or service.default_backend
     fields = {**FIELDS, "max_new_tokens": field}
     reqs = [GenerationRequest(prompt=p, max_new_tokens=1 if echo_only else max_tokens, params=params[j],
@@ -203,7 +202,7 @@ def chat_requests(body: ChatRequest, service: GenerationService) -> tuple[list[G
         raise InvalidRequest(f"`{field}` must be at least 1", field)
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidRequest("`top_logprobs` needs `logprobs: true`", "top_logprobs")
-    grammar = response_format_grammar(body.response_format)
+    grammar = request_grammar(body)
     tools = plan(body, constrained=grammar != NO_GRAMMAR)
     prompt, special = chat_prompt(service.tokenizer, body, tools=tool_dicts(body) or None)
     params = sampling_params(body, len(service.tokenizer), (body.top_logprobs or 0) if body.logprobs else 0,

@@ -47,6 +47,18 @@ class ResponseFormat(RequestModel):
     json_schema: JsonSchemaFormat | None = Field(None, description="Required with `type: json_schema`.")
 
 
+class StructuredOutputs(RequestModel):
+    """vLLM's ``structured_outputs``: one constraint of ``json`` (a schema), ``regex``, ``choice`` or
+    ``json_object``."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json", description="A JSON schema (or its JSON text).")
+    regex: str | None = Field(None, min_length=1, description="A regular expression the output matches.")
+    choice: list[str] | None = Field(None, min_length=1, description="The output is one of these strings.")
+    json_object: bool | None = Field(None, description="The output is a JSON object.")
+
+
 class _Sampling(RequestModel):
     """Fields shared by both OpenAI routes. A key this server does not implement is refused (400, naming
     it) unless its value is ``null``, ``false``, ``[]`` or ``{}``; non-finite numbers are refused."""
@@ -77,6 +89,13 @@ class _Sampling(RequestModel):
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS, description=CACHE_SALT)
     response_format: ResponseFormat | None = Field(None, description="Constrain the output: a JSON object, or JSON "
                                                    "that validates against a schema (docs/http-api.md).")
+    structured_outputs: StructuredOutputs | None = Field(None, description="vLLM extension: constrain the output to "
+                                                         "a schema, a regular expression or a choice.")
+    guided_json: dict[str, Any] | str | None = Field(None, description="vLLM extension (older name of "
+                                                     "`structured_outputs.json`).")
+    guided_regex: str | None = Field(None, min_length=1, description="vLLM extension (`structured_outputs.regex`).")
+    guided_choice: list[str] | None = Field(None, min_length=1, description="vLLM extension "
+                                            "(`structured_outputs.choice`).")
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

@@ -1,4 +1,5 @@
-"""Structured outputs at the API edge: a request's ``response_format`` (OpenAI) or ``grammar`` (TGI) to the engine's
+"""Structured outputs at the API edge: a request's ``response_format`` (OpenAI; or vLLM's ``structured_outputs`` and
+``guided_*`` extensions) or ``grammar`` (TGI) to the engine's
 grammar fields (:attr:`server.engine.sampling.SamplingParams.grammar_kind` and ``grammar``), refusing a grammar that
 cannot be followed before it reaches the engine.
 
@@ -9,6 +10,7 @@ checked (compiled without a vocabulary: fast, and the same compiler as the engin
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from server.engine.grammar import GrammarError, check, schema_text
@@ -92,6 +94,61 @@ def response_format_grammar(response_format) -> tuple[str, str]:
     return json_schema_grammar(response_format.json_schema.schema_, "response_format.json_schema.schema")
 
 
+_METACHARACTERS = re.compile(r"([\\.^$|?*+()\[\]{}])")
+
+
+def choice_regex(choices: list[str]) -> str:
+    """A regular expression matching exactly one of ``choices`` (their metacharacters escaped; other characters,
+    spaces included, stand for themselves, as xgrammar reads them)."""
+    escaped = [_METACHARACTERS.sub(r"\\\1", c) for c in choices]
+    return "|".join(f"(?:{c})" for c in escaped)
+
+
+def _schema_value(value: Any, param: str) -> Any:
+    """A schema sent as an object or as its JSON text, as an object."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError:
+            raise InvalidRequest(f"`{param}` must be a JSON schema (an object, or its JSON text)", param) from None
+    return value
+
+
+def request_grammar(body) -> tuple[str, str]:
+    """The grammar fields of an OpenAI request (:class:`server.api.openai_schemas._Sampling`): its
+    ``response_format``, or vLLM's ``structured_outputs`` (``json``, ``regex``, ``choice``, ``json_object``) or
+    ``guided_json`` / ``guided_regex`` / ``guided_choice``; at most one of them constrains.
+
+    Raises:
+        InvalidRequest: two constraints at once (naming the second), or one that cannot be followed (naming it).
+    """
+    found: list[tuple[str, tuple[str, str]]] = []
+    grammar = response_format_grammar(body.response_format)
+    if grammar != NO_GRAMMAR:
+        found.append(("response_format", grammar))
+    so = body.structured_outputs
+    candidates = [("guided_json", body.guided_json, "json"), ("guided_regex", body.guided_regex, "regex"),
+                  ("guided_choice", body.guided_choice, "choice")]
+    if so is not None:
+        candidates += [("structured_outputs.json", so.json_, "json"), ("structured_outputs.regex", so.regex, "regex"),
+                       ("structured_outputs.choice", so.choice, "choice")]
+        if so.json_object:
+            found.append(("structured_outputs.json_object", ("json_object", "")))
+    for param, value, kind in candidates:
+        if value is None:
+            continue
+        if kind == "json":
+            found.append((param, json_schema_grammar(_schema_value(value, param), param)))
+        elif kind == "regex":
+            found.append((param, checked("regex", value, param)))
+        else:
+            found.append((param, checked("regex", choice_regex(value), param)))
+    if len(found) > 1:
+        raise InvalidRequest(f"`{found[1][0]}` and `{found[0][0]}` both constrain the output; send one",
+                             found[1][0])
+    return found[0][1] if found else NO_GRAMMAR
+
+
 def tgi_grammar(grammar) -> tuple[str, str]:
     """The grammar fields of TGI's ``parameters.grammar`` (a parsed :class:`server.api.tgi_schemas.TGIGrammar`, or
     ``None``): ``json`` takes a JSON schema (an object, or its JSON text), ``regex`` a regular expression.
@@ -106,10 +163,4 @@ def tgi_grammar(grammar) -> tuple[str, str]:
         if not isinstance(grammar.value, str) or not grammar.value:
             raise InvalidRequest(f"`{param}` must be a regular expression (a non-empty string)", param)
         return checked("regex", grammar.value, param)
-    value = grammar.value
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError:
-            raise InvalidRequest(f"`{param}` must be a JSON schema (an object, or its JSON text)", param) from None
-    return json_schema_grammar(value, param)
+    return json_schema_grammar(_schema_value(grammar.value, param), param)

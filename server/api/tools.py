@@ -101,7 +101,7 @@ def plan(body: ChatRequest, constrained: bool) -> ToolPlan:
         raise InvalidRequest(f"`tool_choice` {mode!r} needs `tools`", "tool_choice")
     if mode in ("required", "named") and constrained:
         raise InvalidRequest(f"`tool_choice` {mode!r} constrains the output; it cannot go with a `response_format` "
-                             "that does", "tool_choice")
+                             "(or vLLM's `structured_outputs`, `guided_*`) that does", "tool_choice")
     single = body.parallel_tool_calls is False
     if mode == "named":
         name = choice.function.name
