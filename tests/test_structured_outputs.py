@@ -320,6 +320,40 @@ def test_auto_renders_the_tools_and_a_tool_conversation(server):
 DEEP: dict = {"type": "string"}
 for _ in range(40):  # 81 levels of objects and arrays, past MAX_SCHEMA_DEPTH
     DEEP = {"type": "object", "properties": {"a": DEEP}, "required": ["a"]}
+def test_the_openai_sdk_parses_answers_and_tool_calls(server):
+    """The ``openai`` package's own helpers: ``parse`` with a pydantic ``response_format``, ``parse`` of a tool call
+    (``pydantic_function_tool``), a streamed named call added up by ``chat.completions.stream``, and the call and
+    its result sent back in the history."""
+    import openai
+    from pydantic import BaseModel, Field
+
+    class Person(BaseModel):
+        name: str = Field(max_length=12)
+        age: int = Field(ge=0, le=150)
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    ask = {"model": "tgi", "temperature": 0, "max_tokens": 150, "messages": [{"role": "user", "content": "A king"}]}
+    answer = client.chat.completions.parse(response_format=Person, **ask).choices[0]
+    assert isinstance(answer.message.parsed, Person) and answer.finish_reason == "stop"
+    tools = [openai.pydantic_function_tool(Person, name="add_person")]
+    called = client.chat.completions.parse(tools=tools, tool_choice="required", parallel_tool_calls=False, **ask)
+    (call,) = called.choices[0].message.tool_calls
+    assert call.function.name == "add_person" and isinstance(call.function.parsed_arguments, Person)
+    named = {"type": "function", "function": {"name": "add_person"}}
+    whole = client.chat.completions.parse(tools=tools, tool_choice=named, **ask).choices[0].message.tool_calls[0]
+    with client.chat.completions.stream(tools=tools, tool_choice=named, **ask) as stream:
+        for _ in stream:
+            pass
+        final = stream.get_final_completion().choices[0]
+    assert final.finish_reason == "tool_calls" and final.message.tool_calls[0].function.parsed_arguments == \
+        whole.function.parsed_arguments  # greedy: the same arguments, streamed in pieces
+    history = ask["messages"] + [
+        {"role": "assistant", "tool_calls": [{"id": call.id, "type": "function",
+                                              "function": {"name": "add_person", "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "added"}]
+    assert client.chat.completions.create(**{**ask, "messages": history, "max_tokens": 4}, tools=tools).choices
+
+
 BAD = [
     ({"response_format": {"type": "xml"}}, "response_format.type"),
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
