@@ -272,7 +272,7 @@ class Engine:
         waiting: dict[str, int] | None = None
         if queue:
             waiting = {}
-            for seq in self.waiting:
+            for seq in [*self.waiting, *(s for s, _ in self.compiling)]:  # a grammar's compile is waiting too
                 waiting[seq.backend_name] = waiting.get(seq.backend_name, 0) + 1
         self.recorder.step_state(self.running, waiting, self.kv.usage(), self.kv.blocks.num_evictable)
 
