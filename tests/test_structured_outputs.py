@@ -14,7 +14,7 @@ import torch
 
 from server.api.openai_schemas import ChatRequest
 from server.api.tools import ToolStream, parse, plan
-from server.engine.grammar import Grammars, schema_text
+from server.engine.grammar import Grammars, schema_text, strict_schema
 from server.engine.sampling import RowRequest, SamplingParams, allowed_tokens, sample_batch
 from tests.engine_helpers import make_engine, make_seq, run_all
 from tests.json_http import post, sse
@@ -41,16 +41,16 @@ def valid(text: str, schema: dict) -> dict:
 
 # ---- the sampler and the engine (no server) ---------------------------------------------------------
 
-def test_the_bitmask_unpacks_as_xgrammar_lays_it_out():
+def test_the_bitmask_unpacks_as_llguidance_lays_it_out():
     """Bit j of word i allows token 32 i + j, the sign bit included; bits past the vocabulary are dropped."""
-    import xgrammar
+    import llguidance.torch
 
     words = torch.tensor([[1 | (1 << 5), -2**31, 3]], dtype=torch.int32)  # tokens 0, 5, 63, 64, 65
     allowed = allowed_tokens(words, 66)
     assert allowed.shape == (1, 66) and allowed[0].nonzero().flatten().tolist() == [0, 5, 63, 64, 65]
     assert allowed_tokens(words, 65)[0].nonzero().flatten().tolist() == [0, 5, 63, 64]
     theirs = torch.zeros(1, 66)
-    xgrammar.apply_token_bitmask_inplace(theirs, words)
+    llguidance.torch.apply_token_bitmask_inplace(theirs, words)
     assert torch.equal(torch.isfinite(theirs), allowed)
 
 
@@ -442,3 +442,20 @@ def test_smollm2_answers_a_schema_and_a_required_tool_call():
             valid(arguments, {"get_weather": WEATHER, "get_time": TIME}[name]["function"]["parameters"])
     for seq in seqs[2:]:
         valid(tok.decode(seq.output_ids, skip_special_tokens=True), PERSON)
+
+
+def test_a_schema_is_read_strictly_unless_it_allows_more():
+    """Every object schema that does not say otherwise closes after its own properties (OpenAI's strict mode), in
+    properties, items, anyOf and $defs; a schema that allows more keeps it; json_object stays any object."""
+    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "integer"}}},
+                                               "c": {"type": "array", "items": {"properties": {}}},
+                                               "d": {"anyOf": [{"type": "object"}, {"type": "null"}]},
+                                               "e": {"type": "object", "additionalProperties": True}},
+              "$defs": {"x": {"type": "object"}}}
+    out = strict_schema(schema)
+    assert out["additionalProperties"] is False
+    props = out["properties"]
+    assert props["a"]["additionalProperties"] is False and props["c"]["items"]["additionalProperties"] is False
+    assert props["d"]["anyOf"][0]["additionalProperties"] is False and "additionalProperties" not in props["d"]["anyOf"][1]
+    assert props["e"]["additionalProperties"] is True and out["$defs"]["x"]["additionalProperties"] is False
+    assert "additionalProperties" not in schema  # the caller's schema is left as it was

@@ -44,7 +44,7 @@ def checked(kind: str, grammar: str, param: str) -> tuple[str, str]:
     """``(kind, grammar)`` once it compiles.
 
     Raises:
-        InvalidRequest: naming ``param``: longer than :data:`MAX_GRAMMAR_CHARS`, or not a grammar xgrammar can
+        InvalidRequest: naming ``param``: longer than :data:`MAX_GRAMMAR_CHARS`, or not a grammar llguidance can
             follow (with its reason).
     """
     if len(grammar) > MAX_GRAMMAR_CHARS:
@@ -99,7 +99,7 @@ _METACHARACTERS = re.compile(r"([\\.^$|?*+()\[\]{}])")
 
 def choice_regex(choices: list[str]) -> str:
     """A regular expression matching exactly one of ``choices`` (their metacharacters escaped; other characters,
-    spaces included, stand for themselves, as xgrammar reads them)."""
+    spaces included, stand for themselves, as llguidance reads them)."""
     escaped = [_METACHARACTERS.sub(r"\\\1", c) for c in choices]
     return "|".join(f"(?:{c})" for c in escaped)
 

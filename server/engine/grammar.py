@@ -1,11 +1,13 @@
-"""Structured outputs in the engine: one grammar matcher per sequence, built with xgrammar (vLLM's default).
+"""Structured outputs in the engine: one grammar matcher per sequence, built with llguidance (the engine vLLM and
+SGLang offer beside xgrammar; a 3 MB wheel with no dependencies, where xgrammar pulls in triton, about 1 GB, on every
+Linux install).
 
 A request asks for a grammar through two plain fields of its :class:`~server.engine.sampling.SamplingParams`:
 ``grammar_kind`` (one of :data:`KINDS`) and ``grammar`` (the JSON schema as JSON text, or the regular expression).
 The engine compiles it once per distinct grammar (:class:`Grammars`, which caches; in a thread beside the steps,
 :meth:`server.engine.engine.Engine.submit`) and gives each sequence its own :class:`GrammarState` (``n`` > 1: one per
-choice). Each step the state's ``mask`` — the next token's allowed ids as
-xgrammar's int32 bitmask, (ceil(vocab / 32),) — goes to the sampler with the row
+choice). Each step the state's ``mask`` — the next token's allowed ids as an int32 bitmask, (ceil(vocab / 32),), the
+layout llguidance and xgrammar share — goes to the sampler with the row
 (:func:`server.engine.sampling.apply_allowed`); the accepted token advances it (:meth:`GrammarState.accept`). The
 state depends only on the sequence's output tokens, which preemption and the prefix cache leave as they are (a
 recomputed context is prefilled, never sampled again), so it lives on the sequence across both.
@@ -14,7 +16,7 @@ When the grammar can only end (a JSON value closed, nothing but end-of-text allo
 set and the engine ends the sequence at once, as end-of-text would (``finish_reason`` ``stop``), without a step to
 sample the end-of-text token.
 
-xgrammar is imported on the first grammar only: a server that never gets one never loads it.
+llguidance is imported on the first grammar only: a server that never gets one never loads it.
 """
 
 from __future__ import annotations
@@ -31,14 +33,73 @@ JSON_OBJECT = '{"type": "object"}'
 """The schema of ``json_object``: any JSON object (not any JSON value)."""
 
 
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+"""No free whitespace between tokens (vLLM's disable_any_whitespace): a small model given the choice writes newlines
+until its budget ends; the JSON keeps the usual ", " and ": " separators."""
+
+
 class GrammarError(ValueError):
-    """A grammar that cannot be compiled (the message says why, as xgrammar reports it)."""
+    """A grammar that cannot be compiled (the message says why, as llguidance reports it)."""
 
 
-def _xgrammar():
-    import xgrammar  # noqa: PLC0415 - lazy: seconds to import, and only grammar requests need it
+def _llguidance():
+    import llguidance  # noqa: PLC0415 - lazy: only grammar requests need it
+    import llguidance.hf  # noqa: PLC0415
+    import llguidance.torch  # noqa: PLC0415
 
-    return xgrammar
+    return llguidance
+
+
+_SUBSCHEMAS = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames")
+_SCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def strict_schema(schema: Any) -> Any:
+    """``schema`` with ``"additionalProperties": false`` on every object schema that does not say otherwise, as
+    OpenAI's strict structured outputs and xgrammar's strict mode read a schema: an object holds the properties its
+    schema names and no others (a small model otherwise keeps adding keys instead of closing the object)."""
+    if isinstance(schema, list):
+        return [strict_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMAS:
+        if isinstance(out.get(key), (dict, list)):
+            out[key] = strict_schema(out[key])
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [strict_schema(s) for s in out[key]]
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: strict_schema(s) for name, s in out[key].items()}
+    if isinstance(out.get("additionalProperties"), dict):
+        out["additionalProperties"] = strict_schema(out["additionalProperties"])
+    typ = out.get("type")
+    is_object = typ == "object" or (isinstance(typ, list) and "object" in typ) or "properties" in out
+    if is_object and "additionalProperties" not in out and "patternProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def _grammar_text(kind: str, grammar: str) -> str:
+    """llguidance's grammar for ``kind`` and ``grammar`` (unchecked: :func:`_validate` says what is wrong).
+    A ``json_schema`` is read strictly (:func:`strict_schema`); ``json_object`` is any object."""
+    matcher = _llguidance().LLMatcher
+    if kind in ("json_object", "json_schema"):
+        schema = json.loads(grammar) if kind == "json_schema" else json.loads(JSON_OBJECT)  # not JSON: ValueError
+        if kind == "json_schema":
+            schema = strict_schema(schema)
+        return matcher.grammar_from_json_schema(schema_text(schema), defaults=JSON_OPTIONS)
+    if kind == "regex":
+        return matcher.grammar_from_regex(grammar)
+    raise GrammarError(f"unknown grammar kind {kind!r}; one of {', '.join(KINDS)}")
+
+
+def _validate(text: str, tokenizer=None) -> None:
+    error = _llguidance().LLMatcher.validate_grammar(text, tokenizer)
+    if error:
+        raise GrammarError(_reason(error))
 
 
 def check(kind: str, grammar: str) -> None:
@@ -49,36 +110,30 @@ def check(kind: str, grammar: str) -> None:
         grammar: the JSON schema as JSON text (``json_schema``), the regular expression (``regex``), or ``""``.
 
     Raises:
-        GrammarError: an unknown kind, a schema that is not JSON or not a schema xgrammar can follow (an unknown
+        GrammarError: an unknown kind, a schema that is not JSON or not a schema llguidance can follow (an unknown
             ``type``, ``properties`` that is not an object, ...), or a regular expression that does not parse.
     """
-    xgr = _xgrammar()
+    if kind == "json_object":
+        return
     try:
-        if kind == "json_object":
-            return
-        if kind == "json_schema":
-            xgr.Grammar.from_json_schema(grammar, strict_mode=True, any_whitespace=False)
-        elif kind == "regex":
-            xgr.Grammar.from_regex(grammar)
-        else:
-            raise GrammarError(f"unknown grammar kind {kind!r}; one of {', '.join(KINDS)}")
+        _validate(_grammar_text(kind, grammar))
     except GrammarError:
         raise
-    except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError with its reason
-        raise GrammarError(_reason(exc)) from None
+    except Exception as exc:  # noqa: BLE001 - llguidance and json raise ValueError/RuntimeError with the reason
+        raise GrammarError(_reason(str(exc) or type(exc).__name__)) from None
 
 
-def _reason(exc: Exception) -> str:
-    """xgrammar's message without its source location prefix (``[hh:mm:ss] /project/cpp/x.cc:123: ``)."""
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    if text.startswith("[") and ": " in text:
-        text = text.split(": ", 1)[1]
+def _reason(text: str) -> str:
+    """The first line of llguidance's message, without its position prefix (``at 1(8): ``)."""
+    text = text.strip().splitlines()[0] if text.strip() else "invalid grammar"
+    if text.startswith("at ") and "): " in text:
+        text = text.split("): ", 1)[1]
     return text
 
 
 class Grammars:
-    """The engine's grammar compiler: the tokenizer's vocabulary for xgrammar, built on first use, and compiled
-    grammars (xgrammar caches each distinct one).
+    """The engine's grammar compiler: the tokenizer's vocabulary for llguidance, built on first use, and each
+    distinct grammar checked once against it (cached).
 
     Args:
         tokenizer: the model's Hugging Face tokenizer.
@@ -90,30 +145,28 @@ class Grammars:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_ids = sorted(stop_ids)
-        self._compiler = None
+        self._vocab = None
         self._stop_words: torch.Tensor | None = None
+        self._compiled: dict[tuple[str, str], str] = {}
         self._lock = threading.Lock()
 
-    def _compile(self, kind: str, grammar: str):
-        xgr = _xgrammar()
+    def _compile(self, kind: str, grammar: str) -> str:
+        llg = _llguidance()
         with self._lock:
-            if self._compiler is None:
-                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                          stop_token_ids=self.stop_ids)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+            if self._vocab is None:
+                self._vocab = llg.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size,
+                                                    eos_token=self.stop_ids or None)
                 stop = torch.zeros(_words(self.vocab_size), dtype=torch.int32)
                 for t in self.stop_ids:
                     if t < self.vocab_size:
                         stop[t // 32] |= _bit(t % 32)
                 self._stop_words = stop
-        if kind in ("json_object", "json_schema"):
-            # No free whitespace between tokens (vLLM's disable_any_whitespace): a small model given the choice
-            # writes newlines until its budget ends; the JSON keeps the usual ", " and ": " separators.
-            schema = grammar if kind == "json_schema" else JSON_OBJECT
-            return self._compiler.compile_json_schema(schema, strict_mode=True, any_whitespace=False)
-        if kind == "regex":
-            return self._compiler.compile_regex(grammar)
-        raise GrammarError(f"unknown grammar kind {kind!r}; one of {', '.join(KINDS)}")
+            key = (kind, grammar)
+            if key not in self._compiled:
+                text = _grammar_text(kind, grammar)
+                _validate(text, self._vocab)
+                self._compiled[key] = text
+            return self._compiled[key]
 
     def state(self, kind: str, grammar: str) -> "GrammarState":
         """A new matcher at the grammar's start, its first mask filled.
@@ -122,12 +175,15 @@ class Grammars:
             GrammarError: the grammar does not compile.
         """
         try:
-            compiled = self._compile(kind, grammar)
+            text = self._compile(kind, grammar)
+            matcher = _llguidance().LLMatcher(self._vocab, text)
         except GrammarError:
             raise
         except Exception as exc:  # noqa: BLE001
-            raise GrammarError(_reason(exc)) from None
-        return GrammarState(_xgrammar().GrammarMatcher(compiled), self.vocab_size, self._stop_words)
+            raise GrammarError(_reason(str(exc) or type(exc).__name__)) from None
+        if matcher.is_error():
+            raise GrammarError(_reason(matcher.get_error()))
+        return GrammarState(matcher, self.vocab_size, self._stop_words)
 
 
 def _words(vocab_size: int) -> int:
@@ -155,10 +211,10 @@ class GrammarState:
         self._fill()
 
     def _fill(self) -> None:
-        self.matcher.fill_next_token_bitmask(self.mask)
+        _llguidance().torch.fill_next_token_bitmask(self.matcher, self.mask, 0)
         # Done when the grammar is complete and allows nothing but the stop ids: one AND over the words.
-        self.done = self.matcher.is_terminated() or (
-            self.matcher.is_completed() and not bool((self.mask[0] & ~self.stop_words).any()))
+        self.done = self.matcher.is_stopped() or (
+            self.matcher.is_accepting() and not bool((self.mask[0] & ~self.stop_words).any()))
 
     @property
     def words(self) -> torch.Tensor:
@@ -167,12 +223,12 @@ class GrammarState:
 
     def accept(self, token: int) -> bool:
         """Advance over ``token`` and fill the next mask; False when the grammar does not allow it."""
-        if not self.matcher.accept_token(int(token)):
+        if not self.matcher.consume_token(int(token)) or self.matcher.is_error():
             return False
-        if not self.matcher.is_terminated():
-            self._fill()
-        else:
+        if self.matcher.is_stopped():
             self.done = True
+        else:
+            self._fill()
         return True
 
 

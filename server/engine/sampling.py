@@ -88,7 +88,7 @@ class RowRequest:
         output_ids: the tokens generated so far.
         generator: the request's seeded generator, on the logits' device (used only when sampling).
         allowed: a structured output's next-token mask, (ceil(vocab / 32),) int32 words: bit ``j`` of word ``i``
-            allows token ``32 * i + j`` (xgrammar's bitmask layout); ``None``: every token.
+            allows token ``32 * i + j`` (llguidance's and xgrammar's bitmask layout); ``None``: every token.
     """
 
     params: SamplingParams
