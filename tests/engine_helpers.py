@@ -49,7 +49,7 @@ def run_all(engine: Engine, seqs: list[Sequence], max_steps: int = 10_000) -> No
     for s in seqs:
         engine.submit(s)
     for _ in range(max_steps):
-        if not engine.running and not engine.waiting:
+        if not engine.running and not engine.waiting and not engine.compiling:
             return
         engine.step()
     raise AssertionError("engine did not finish")

@@ -14,6 +14,7 @@ from transformers import AutoTokenizer
 from server.api.openai_schemas import ChatRequest, CompletionRequest
 from server.api.tgi_schemas import TGIParameters, TGIRequest
 from tests.conftest import MODEL_DIR
+from tests.json_http import post, sse
 
 PROMPT = "And God said"
 EOS = 0
@@ -22,19 +23,6 @@ EOS = 0
 @pytest.fixture(scope="module")
 def tok():
     return AutoTokenizer.from_pretrained(str(MODEL_DIR))
-
-
-def post(srv, path, body, status=200):
-    r = httpx.post(srv.url + path, json=body, timeout=120)
-    assert r.status_code == status, (path, body, r.status_code, r.text)
-    return r.json()
-
-
-def sse(srv, path, body) -> list:
-    with httpx.stream("POST", srv.url + path, json=body, timeout=120) as r:
-        assert r.status_code == 200, r.read()
-        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
-    return [json.loads(x) for x in lines if x != "[DONE]"]
 
 
 _BASELINES: dict = {}
@@ -192,8 +180,13 @@ def tgi_inputs(srv, tok):
     assert gen(srv, inputs="In the beginning")["generated_text"] != gen(srv)["generated_text"]
 
 
+def tgi_grammar(srv, tok):
+    """The output follows the regular expression (the JSON cases: tests/test_structured_outputs.py)."""
+    assert gen(srv, grammar={"type": "regex", "value": "(yea|nay)\\."})["generated_text"] in ("yea.", "nay.")
+
+
 TGI_CASES = {
-    "inputs": tgi_inputs, "stream": tgi_stream, "max_new_tokens": tgi_max_new_tokens, "temperature": tgi_sampling_rule,
+    "grammar": tgi_grammar, "inputs": tgi_inputs, "stream": tgi_stream, "max_new_tokens": tgi_max_new_tokens, "temperature": tgi_sampling_rule,
     "top_p": tgi_sampling_rule, "top_k": tgi_top_k_one_is_greedy, "typical_p": tgi_sampling_rule,
     "do_sample": tgi_sampling_rule, "seed": tgi_seed, "stop": tgi_stop, "repetition_penalty": tgi_repetition_penalty,
     "frequency_penalty": tgi_frequency_penalty, "truncate": tgi_truncate, "top_n_tokens": tgi_top_n_tokens,
@@ -370,7 +363,38 @@ def oa_model_user(srv, tok):
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
+def oa_response_format(srv, tok):
+    """`}` pushed up: alone it is not JSON; with `json_object` it is `{}` (tests/test_structured_outputs.py)."""
+    assert not text(cmpl(srv, max_tokens=20, logit_bias={"93": 8})).startswith("{")
+    assert text(cmpl(srv, max_tokens=20, logit_bias={"93": 8}, response_format={"type": "json_object"})) == "{}"
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}}}
+
+
+def oa_tools(srv, tok):
+    """`tools` reach the prompt; `tool_choice` none gives content, a named function a call of it; with
+    `parallel_tool_calls: false`, `required` gives one call (tests/test_structured_outputs.py)."""
+    none = chat(srv, tools=[WEATHER], tool_choice="none")
+    assert none["usage"]["prompt_tokens"] > chat(srv)["usage"]["prompt_tokens"] and text(none) is not None
+    named = chat(srv, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                 max_tokens=30)["choices"][0]
+    assert named["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    one = chat(srv, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False, max_tokens=60)["choices"][0]
+    assert len(one["message"]["tool_calls"]) == 1 and one["finish_reason"] == "tool_calls"
+
+
+def oa_guided(srv, tok):
+    """vLLM's structured outputs: the output is one of the choices (tests/test_structured_outputs.py)."""
+    for fields in ({"guided_choice": ["yea", "nay"]}, {"structured_outputs": {"choice": ["yea", "nay"]}},
+                   {"guided_regex": "yea|nay"}, {"guided_json": {"enum": ["yea", "nay"]}}):
+        assert text(cmpl(srv, **fields)).strip('"') in ("yea", "nay")
+
+
 OPENAI_CASES = {
+    "structured_outputs": oa_guided, "guided_json": oa_guided, "guided_regex": oa_guided, "guided_choice": oa_guided,
+    "response_format": oa_response_format, "tools": oa_tools, "tool_choice": oa_tools, "parallel_tool_calls": oa_tools,
     "prompt": oa_prompt_forms, "max_tokens": oa_max_tokens, "max_completion_tokens": oa_max_tokens,
     "temperature": oa_temperature_seed_n, "seed": oa_temperature_seed_n, "n": oa_temperature_seed_n,
     "top_p": oa_top_p, "top_k": oa_top_k, "stop": oa_stop, "frequency_penalty": oa_penalties,
@@ -399,16 +423,21 @@ def test_chat_logprobs_field(server, tok):
     oa_chat_logprobs(server, tok)  # `logprobs` on chat (a bool there)
 
 
-REFUSED_OPENAI = {"suffix": "x", "response_format": {"type": "json_object"}, "tools": [{"type": "function"}],
-                  "tool_choice": "auto", "functions": [{"name": "f"}], "parallel_tool_calls": True,
-                  "audio": {"voice": "x"}, "made_up_field": 1}
-REFUSED_TGI = {"grammar": {"type": "json", "value": {}}, "watermark": True, "adapter_id": "x", "made_up": 1}
+REFUSED_OPENAI = {"suffix": "x", "functions": [{"name": "f"}], "audio": {"voice": "x"}, "made_up_field": 1}
+REFUSED_COMPLETIONS = {"tools": [{"type": "function"}], "tool_choice": "auto", "parallel_tool_calls": True}
+"""Chat's tool fields (tests/test_structured_outputs.py) mean nothing to a completion."""
+REFUSED_TGI = {"watermark": True, "adapter_id": "x", "made_up": 1}
 
 
 @pytest.mark.parametrize("field,value", REFUSED_OPENAI.items(), ids=list(REFUSED_OPENAI))
 def test_unimplemented_openai_fields_are_400_naming_them(server, field, value):
     refused(server, "/v1/completions", {"prompt": PROMPT, field: value}, field, 400)
     refused(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], field: value}, field, 400)
+
+
+@pytest.mark.parametrize("field,value", REFUSED_COMPLETIONS.items(), ids=list(REFUSED_COMPLETIONS))
+def test_chat_only_fields_are_400_on_completions(server, field, value):
+    refused(server, "/v1/completions", {"prompt": PROMPT, field: value}, field, 400)
 
 
 @pytest.mark.parametrize("field,value", REFUSED_TGI.items(), ids=list(REFUSED_TGI))

@@ -1,5 +1,6 @@
-"""Real client libraries, unchanged, against a real server on 127.0.0.1: langchain-openai, LiteLLM,
-text-generation (Client and AsyncClient) and huggingface_hub's InferenceClient. Results checked by value.
+"""Real client libraries, unchanged, against a real server on 127.0.0.1: langchain-openai (text, structured output
+and tool calls), LiteLLM, text-generation (Client and AsyncClient) and huggingface_hub's InferenceClient. Results
+checked by value.
 
 text-generation 0.7.0 pins ``huggingface_hub<1``, which transformers 5 cannot use; it is installed
 without its dependencies into ``.venv-clients/text-generation`` (once) and run in a subprocess with that
@@ -248,3 +249,25 @@ def test_guidellm_synchronous_run(server, route, tmp_path):
         assert body["model"] == served == str(MODEL_DIR)
         assert body["ignore_eos"] is True and body.get("max_completion_tokens", body.get("max_tokens")) == 8
         assert r["output_tokens"] == 8 and r["output"]
+
+
+def test_langchain_structured_output_and_tool_calls(server):
+    """langchain-openai's ``with_structured_output`` (a JSON schema, and a function call) and ``bind_tools`` with a
+    forced tool: what agent code built on it sends, answered with valid objects (tests/test_structured_outputs.py)."""
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
+
+    class Person(BaseModel):
+        """A person."""
+
+        name: str = Field(max_length=12)
+        age: int = Field(ge=0, le=150)
+
+    llm = ChatOpenAI(base_url=server.url + "/v1", api_key="unused", model="kjv-llama-mha", max_tokens=150,
+                     temperature=0, max_retries=0)
+    for method in ("json_schema", "function_calling"):
+        assert isinstance(llm.with_structured_output(Person, method=method).invoke(MESSAGES), Person)
+    message = llm.bind_tools([Person], tool_choice="Person").invoke(MESSAGES)
+    (call,) = message.tool_calls
+    assert call["name"] == "Person" and Person(**call["args"])
+    assert message.response_metadata["finish_reason"] == "tool_calls"

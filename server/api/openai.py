@@ -4,7 +4,8 @@
 default) and, for chat, to 100 capped by the context (as ``/generate``). ``temperature`` defaults to 1.0
 (sampling); 0 means greedy. A completion ``prompt`` may be a string, strings, token ids or token-id lists;
 each prompt gets ``n`` choices (index ``prompt * n + j``, seed ``seed + j``). ``finish_reason`` is
-``length`` or ``stop`` (end-of-text token or a stop sequence). Validation errors are 400 with OpenAI's
+``length``, ``stop`` (end-of-text token, a stop sequence, or the end of a ``response_format`` grammar) or, on chat,
+``tool_calls`` (:mod:`server.api.tools`). Validation errors are 400 with OpenAI's
 error object, its ``param`` naming the field. Chat messages become a prompt through the tokenizer's chat
 template (encoded without adding special tokens again: the template writes its own BOS) or, when the model
 has none, the plain template documented in the README (``System: …\nUser: …\nAssistant:``).
@@ -26,6 +27,7 @@ from server.api.openai_schemas import (ChatChoice, ChatChunk, ChatChunkChoice, C
                                        ChatResponse, ChatResponseMessage, CompletionChoice, CompletionRequest,
                                        CompletionResponse, ModelCard, ModelList, OpenAIError, PromptTokensDetails,
                                        Usage)
+from server.api.tools import ToolStream, parse as parse_tool_calls, response_calls
 from server.api.types import sse_schema
 from server.engine.sequence import FinishReason, TokenEvent
 from server.errors import GenerationFailed, NotReady
@@ -198,7 +200,7 @@ async def chat_completions(body: ChatRequest, request: Request):
     """
     service = get_service(request)
     check_model(request, body.model)
-    reqs = chat_requests(body, service)
+    reqs, tools = chat_requests(body, service)
     started = await submit_all(service, reqs, request.receive)
     seqs = [seq for seq, _ in started]
     rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), request.app.state.kvserve.model_name
@@ -210,8 +212,13 @@ async def chat_completions(body: ChatRequest, request: Request):
         for k, events in enumerate(results):
             last = _check(events, service)
             logprobs = chat_logprobs(token_entries(events), text) if body.logprobs else None
-            choices.append(ChatChoice(index=k, message=ChatResponseMessage(content=last.generated_text or ""),
-                                      finish_reason=finish(last.finish_reason), logprobs=logprobs))
+            content, calls = parse_tool_calls(last.generated_text or "", tools)
+            reason = finish(last.finish_reason)
+            message = ChatResponseMessage(content=content)
+            if calls:
+                message = ChatResponseMessage(content=content, tool_calls=response_calls(calls))
+                reason = reason if reason == "length" else "tool_calls"
+            choices.append(ChatChoice(index=k, message=message, finish_reason=reason, logprobs=logprobs))
         return ChatResponse(id=rid, created=created, model=model, system_fingerprint=fingerprint,
                             usage=_usage(seqs, seqs[:1]), choices=choices)
 
@@ -219,7 +226,7 @@ async def chat_completions(body: ChatRequest, request: Request):
 
     def chunk(k: int, delta: ChatDelta, reason: str | None = None, entries=None) -> dict:
         if tgi_shape:
-            delta = ChatDelta(role="assistant", content=delta.content or "", tool_calls=None)
+            delta = ChatDelta(role="assistant", content=delta.content or "", tool_calls=delta.tool_calls)
         logprobs = chat_logprobs(entries, text) if body.logprobs and entries else None
         usage = _usage(seqs, seqs[:1]) if _continuous_usage(body) else None
         choice = ChatChunkChoice(index=k, delta=delta, finish_reason=reason, logprobs=logprobs)
@@ -228,6 +235,7 @@ async def chat_completions(body: ChatRequest, request: Request):
 
     async def stream():
         pending = [[] for _ in seqs]
+        streams = [ToolStream(tools) for _ in seqs]
         for k in range(len(seqs)):
             yield chunk(k, ChatDelta(role="assistant", content=""))
         async for k, ev in merged(started):
@@ -240,11 +248,21 @@ async def chat_completions(body: ChatRequest, request: Request):
                 yield _error_event(ev)
                 return
             pending[k] += token_entries([ev])
-            if ev.text:
-                yield chunk(k, ChatDelta(content=ev.text), entries=pending[k])
-                pending[k] = []
+            pieces = [streams[k].feed(ev.text)]
             if ev.finish_reason is not None:
-                yield chunk(k, ChatDelta(), finish(ev.finish_reason), entries=pending[k])
+                pieces.append(streams[k].end())
+            for content, calls in pieces:
+                if content:
+                    yield chunk(k, ChatDelta(content=content), entries=pending[k])
+                    pending[k] = []
+                if calls:
+                    yield chunk(k, ChatDelta(tool_calls=calls), entries=pending[k])
+                    pending[k] = []
+            if ev.finish_reason is not None:
+                reason = finish(ev.finish_reason)
+                if streams[k].called and reason != "length":
+                    reason = "tool_calls"
+                yield chunk(k, ChatDelta(), reason, entries=pending[k])
         if _wants_usage(body):
             yield {"data": ChatChunk(id=rid, created=created, model=model, system_fingerprint=fingerprint, choices=[],
                                      usage=_usage(seqs, seqs[:1])).model_dump_json()}

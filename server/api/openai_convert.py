@@ -6,6 +6,8 @@ import secrets
 
 from server.api.openai_schemas import (ChatLogprobs, ChatMessage, ChatRequest, CompletionLogprobs, CompletionRequest,
                                        TokenLogprob, TopLogprob, _Sampling)
+from server.api.structured import NO_GRAMMAR, request_grammar
+from server.api.tools import ToolPlan, plan, tool_dicts, turns, with_tools_system
 from server.api.validation import refuse_unimplemented
 from server.engine.sampling import SamplingParams
 from server.engine.sequence import FinishReason, Sequence, TokenEvent
@@ -56,8 +58,10 @@ def _logit_bias(body: _Sampling, vocab: int) -> tuple[tuple[int, float], ...]:
     return tuple(out.items())
 
 
-def sampling_params(body: _Sampling, vocab: int, top_n: int) -> list[SamplingParams]:
-    """One :class:`SamplingParams` per choice (``n``, or ``best_of`` when larger): choice j gets seed + j."""
+def sampling_params(body: _Sampling, vocab: int, top_n: int, grammar: tuple[str, str] = NO_GRAMMAR
+                    ) -> list[SamplingParams]:
+    """One :class:`SamplingParams` per choice (``n``, or ``best_of`` when larger): choice j gets seed + j; each
+    with ``grammar`` (``(kind, grammar)``: :mod:`server.api.structured`), which the engine follows per choice."""
     temperature = 1.0 if body.temperature is None else body.temperature
     seed = body.seed if body.seed is not None else secrets.randbits(63)
     count = max(body.n, getattr(body, "best_of", None) or 0)
@@ -67,7 +71,7 @@ def sampling_params(body: _Sampling, vocab: int, top_n: int) -> list[SamplingPar
                   repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
                   frequency_penalty=body.frequency_penalty or 0.0, presence_penalty=body.presence_penalty or 0.0,
                   logit_bias=_logit_bias(body, vocab), min_tokens=body.min_tokens, ignore_eos=body.ignore_eos,
-                  top_n=top_n)
+                  top_n=top_n, grammar_kind=grammar[0], grammar=grammar[1])
     return [SamplingParams(**common, seed=(seed + j) % 2**63) for j in range(count)]
 
 
@@ -123,7 +127,7 @@ def completion_requests(body: CompletionRequest, service: GenerationService
     if len(prompts) * best_of > MAX_SEQUENCES:
         raise InvalidRequest(f"{len(prompts)} prompts x {best_of} choices is over {MAX_SEQUENCES} generations "
                              "per request", "prompt")
-    params = sampling_params(body, len(service.tokenizer), body.logprobs or 0)
+    params = sampling_params(body, len(service.tokenizer), body.logprobs or 0, request_grammar(body))
     backend = body.kv_backend or service.default_backend
     fields = {**FIELDS, "max_new_tokens": field}
     reqs = [GenerationRequest(prompt=p, max_new_tokens=1 if echo_only else max_tokens, params=params[j],
@@ -151,8 +155,8 @@ def check_parts(messages: list[ChatMessage], field: str = "messages") -> None:
                                      f"{field}[{i}].content[{j}].text")
 
 
-def chat_prompt(tokenizer, body: ChatRequest | list[ChatMessage], add_generation_prompt: bool = True
-                ) -> tuple[str, bool]:
+def chat_prompt(tokenizer, body: ChatRequest | list[ChatMessage], add_generation_prompt: bool = True,
+                tools: list[dict] | None = None) -> tuple[str, bool]:
     """The prompt for a chat (a request or its messages) and whether the tokenizer should add its special tokens
     when encoding it.
 
@@ -161,17 +165,31 @@ def chat_prompt(tokenizer, body: ChatRequest | list[ChatMessage], add_generation
     ``System: ...\nUser: ...\nAssistant:``, ``True`` (it writes none, so it is encoded as a completion is).
     The bundled models carry that plain template as their chat template (their tokenizer adds no BOS, and the
     template writes none), so both ways, and a client applying the template itself, give the same token ids.
+
+    ``tools`` (OpenAI's tool objects) go to the template (``apply_chat_template(tools=...)``); a template that does not
+    render them (the same text without them), and the plain template, get them as a system turn and earlier calls
+    as ``<tool_call>`` text (:mod:`server.api.tools`).
     """
     messages = body.messages if isinstance(body, ChatRequest) else body
-    turns = [{"role": m.role, "content": m.text()} for m in messages]
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=add_generation_prompt), False
-    text = "".join(f"{ROLE_NAMES[t['role']]}: {t['content']}\n" for t in turns)
+        def render(chat: list[dict], with_tools: list[dict] | None) -> str:
+            return tokenizer.apply_chat_template(chat, tools=with_tools, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt)
+
+        if not tools:
+            return render(turns(messages), None), False
+        text = render(turns(messages), tools)
+        if text != render(turns(messages), None):
+            return text, False
+        return render(with_tools_system(turns(messages, calls_as_text=True), tools), None), False
+    chat = turns(messages, calls_as_text=True)
+    chat = with_tools_system(chat, tools) if tools else chat
+    text = "".join(f"{ROLE_NAMES[t['role']]}: {t['content']}\n" for t in chat)
     return text + ("Assistant:" if add_generation_prompt else ""), True
 
 
-def chat_requests(body: ChatRequest, service: GenerationService) -> list[GenerationRequest]:
-    """The engine requests for a chat body, one per choice.
+def chat_requests(body: ChatRequest, service: GenerationService) -> tuple[list[GenerationRequest], ToolPlan]:
+    """The engine requests for a chat body, one per choice, and what its tools ask for (the answer's parsing).
 
     Raises:
         InvalidRequest: naming the field.
@@ -184,12 +202,16 @@ def chat_requests(body: ChatRequest, service: GenerationService) -> list[Generat
         raise InvalidRequest(f"`{field}` must be at least 1", field)
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidRequest("`top_logprobs` needs `logprobs: true`", "top_logprobs")
-    prompt, special = chat_prompt(service.tokenizer, body)
-    params = sampling_params(body, len(service.tokenizer), (body.top_logprobs or 0) if body.logprobs else 0)
+    grammar = request_grammar(body)
+    tools = plan(body, constrained=grammar != NO_GRAMMAR)
+    prompt, special = chat_prompt(service.tokenizer, body, tools=tool_dicts(body) or None)
+    params = sampling_params(body, len(service.tokenizer), (body.top_logprobs or 0) if body.logprobs else 0,
+                             tools.grammar if tools.grammar != NO_GRAMMAR else grammar)
     backend = body.kv_backend or service.default_backend
-    return [GenerationRequest(prompt=prompt, max_new_tokens=max_tokens, params=p, stop=body.stop_list(),
+    reqs = [GenerationRequest(prompt=prompt, max_new_tokens=max_tokens, params=p, stop=body.stop_list(),
                               backend=backend, fields={**CHAT_FIELDS, "max_new_tokens": field},
                               add_special_tokens=special, cache_salt=body.cache_salt) for p in params]
+    return reqs, tools
 
 
 class TokenText:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_serializer, model_validator
 
 from server.api.request_model import RequestModel
 from server.api.types import KV_COMPRESSED_FRACTION, Int, drop_unset_extensions
@@ -24,6 +24,39 @@ class StreamOptions(RequestModel):
 
     include_usage: bool = Field(False, description="End the stream with a chunk carrying `usage`.")
     continuous_usage_stats: bool = Field(False, description="vLLM extension: every chunk carries the usage so far.")
+
+
+class JsonSchemaFormat(RequestModel):
+    """``response_format.json_schema``: the schema the output follows."""
+
+    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64, description="The schema's name (informational, as in OpenAI).")
+    description: str | None = Field(None, description="What the output is for (informational, as in OpenAI).")
+    schema_: dict[str, Any] = Field(alias="schema", description="A JSON schema; the output validates against it.")
+    strict: bool | None = Field(None, description="Accepted for OpenAI's clients; the output always follows the "
+                                "schema exactly (as `strict: true` asks).")
+
+
+class ResponseFormat(RequestModel):
+    """``response_format``: ``text`` (no constraint), ``json_object`` (a JSON object) or ``json_schema``."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = Field(None, description="Required with `type: json_schema`.")
+
+
+class StructuredOutputs(RequestModel):
+    """vLLM's ``structured_outputs``: one constraint of ``json`` (a schema), ``regex``, ``choice`` or
+    ``json_object``."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json", description="A JSON schema (or its JSON text).")
+    regex: str | None = Field(None, min_length=1, description="A regular expression the output matches.")
+    choice: list[str] | None = Field(None, min_length=1, description="The output is one of these strings.")
+    json_object: bool | None = Field(None, description="The output is a JSON object.")
 
 
 class _Sampling(RequestModel):
@@ -54,6 +87,15 @@ class _Sampling(RequestModel):
     user: str | None = Field(None, description="End-user id (informational only, as in OpenAI).")
     kv_backend: str | None = Field(None, min_length=1, description="KV backend for this request (one of KV_BACKENDS).")
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS, description=CACHE_SALT)
+    response_format: ResponseFormat | None = Field(None, description="Constrain the output: a JSON object, or JSON "
+                                                   "that validates against a schema (docs/http-api.md).")
+    structured_outputs: StructuredOutputs | None = Field(None, description="vLLM extension: constrain the output to "
+                                                         "a schema, a regular expression or a choice.")
+    guided_json: dict[str, Any] | str | None = Field(None, description="vLLM extension (older name of "
+                                                     "`structured_outputs.json`).")
+    guided_regex: str | None = Field(None, min_length=1, description="vLLM extension (`structured_outputs.regex`).")
+    guided_choice: list[str] | None = Field(None, min_length=1, description="vLLM extension "
+                                            "(`structured_outputs.choice`).")
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -84,6 +126,23 @@ class TextPart(RequestModel):
     text: str | None = None
 
 
+class FunctionCall(RequestModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    name: str = Field(min_length=1)
+    arguments: str = Field(description="The arguments as JSON text (an object).")
+
+
+class ToolCall(RequestModel):
+    """A tool call of an assistant turn (as the server answered it)."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(RequestModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
@@ -92,6 +151,18 @@ class ChatMessage(RequestModel):
     # reads it): a client replaying a history sends one.
     content: str | list[TextPart] | None = Field(description="The turn's text (or its text parts); null (empty) "
                                                  "only for an assistant turn.")
+
+    tool_calls: list[ToolCall] | None = Field(None, description="An assistant turn's tool calls (its `content` may "
+                                              "then be left out).")
+    tool_call_id: str | None = Field(None, description="A `tool` turn: the call it answers.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _content_optional_with_tool_calls(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("role") == "assistant" and data.get("tool_calls") \
+                and "content" not in data:
+            return {**data, "content": None}
+        return data
 
     @field_validator("content")
     @classmethod
@@ -109,8 +180,45 @@ class ChatMessage(RequestModel):
         return "".join(part.text or "" for part in self.content)
 
 
+class FunctionDefinition(RequestModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = Field(None, description="Rendered into the prompt with the tool.")
+    parameters: dict[str, Any] | None = Field(None, description="The arguments' JSON schema (default: any object).")
+    strict: bool | None = Field(None, description="Accepted for OpenAI's clients; constrained calls always follow "
+                                "the schema.")
+
+
+class Tool(RequestModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(RequestModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    name: str = Field(min_length=1)
+
+
+class NamedToolChoice(RequestModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = Field(None, description="Functions the model may call: rendered into the prompt by "
+                                     "the chat template (docs/http-api.md, Tool calls).")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="`auto` (the default with tools): the output is parsed for calls; `required` or a named "
+        "function: the output is constrained to a call; `none`: no call.")
+    parallel_tool_calls: bool | None = Field(None, description="With `tool_choice: required`: false allows one "
+                                             "call only (default: one or more).")
     logprobs: bool = Field(False, description="Return each generated token's log-probability.")
     top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="With `logprobs`: this many most "
                                      "likely tokens at each position.")
@@ -156,9 +264,31 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str
+
+
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatResponseMessage(BaseModel):
+    """An answer's message: ``tool_calls`` only when the model called a tool (``content`` is then null, or the
+    text beside the calls)."""
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ResponseToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        out = handler(self)
+        if "tool_calls" not in self.model_fields_set:
+            out.pop("tool_calls", None)
+        return out
 
 
 class TopLogprob(BaseModel):
@@ -196,13 +326,38 @@ class ChatResponse(BaseModel):
     usage: Usage
 
 
+class DeltaFunction(BaseModel):
+    """A part of a streamed call: ``name`` in its first delta, ``arguments`` text in pieces (they add up)."""
+
+    name: str | None = None
+    arguments: str = ""
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        return {k: v for k, v in handler(self).items() if k != "name" or v is not None}
+
+
+class DeltaToolCall(BaseModel):
+    """OpenAI's streamed tool call: ``index`` names the call; ``id`` and ``type`` come in its first delta."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunction
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
 class ChatDelta(BaseModel):
     """A stream chunk's delta; keys not set are left out (the last chunk's delta is ``{}``)."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
-    tool_calls: None = Field(None, description="Only in a stream asked for with `model: \"tgi\"` (TGI's client "
-                             "needs the key, null, on every delta).")
+    tool_calls: list[DeltaToolCall] | None = Field(None, description="Tool calls in pieces (OpenAI's stream shape); "
+                                                   "null on every delta in a stream asked for with `model: \"tgi\"` "
+                                                   "(TGI's client needs the key).")
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler):

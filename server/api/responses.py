@@ -215,7 +215,7 @@ async def responses(body: ResponsesRequest, request: Request):
     refuse_unimplemented(body)
     chat = ChatRequest(messages=_messages(body), max_tokens=body.max_output_tokens, temperature=body.temperature,
                        top_p=body.top_p, user=body.user, kv_backend=body.kv_backend, cache_salt=body.cache_salt)
-    reqs = chat_requests(chat, service)
+    reqs, _ = chat_requests(chat, service)
     for req in reqs:
         req.fields = FIELDS
     started = await submit_all(service, reqs, request.receive)

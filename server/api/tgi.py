@@ -16,6 +16,7 @@ from sse_starlette.sse import EventSourceResponse
 
 from server.api.common import SHUTDOWN_MESSAGE, event_stream, get_service
 from server.api.fanout import collect_all, submit_all
+from server.api.structured import NO_GRAMMAR, tgi_grammar
 from server.api.tgi_schemas import (ErrorBody, TGIBestOfSequence, TGIDetails, TGIParameters, TGIPrefillToken,
                                     TGIRequest, TGIResponse, TGIStreamDetails, TGIStreamEvent, TGIToken)
 from server.api.types import sse_schema
@@ -39,7 +40,7 @@ def samples(p: TGIParameters) -> bool:
             or (p.top_p is not None and p.top_p < 1.0) or (p.typical_p is not None and p.typical_p < 1.0))
 
 
-def sampling_params(p: TGIParameters, seed: int | None) -> SamplingParams:
+def sampling_params(p: TGIParameters, seed: int | None, grammar: tuple[str, str] = NO_GRAMMAR) -> SamplingParams:
     do_sample = samples(p)
     return SamplingParams(
         do_sample=do_sample, temperature=p.temperature if do_sample and p.temperature else 1.0,
@@ -47,7 +48,7 @@ def sampling_params(p: TGIParameters, seed: int | None) -> SamplingParams:
         typical_p=1.0 if p.typical_p is None else p.typical_p,
         repetition_penalty=1.0 if p.repetition_penalty is None else p.repetition_penalty,
         frequency_penalty=p.frequency_penalty or 0.0, frequency_over_all=True, top_n=p.top_n_tokens or 0,
-        seed=seed if seed is not None else secrets.randbits(63))
+        seed=seed if seed is not None else secrets.randbits(63), grammar_kind=grammar[0], grammar=grammar[1])
 
 
 def to_generation_requests(body: TGIRequest, service: GenerationService) -> list[GenerationRequest]:
@@ -67,7 +68,9 @@ def to_generation_requests(body: TGIRequest, service: GenerationService) -> list
                                  "typical_p set)", "best_of")
         if p.seed is not None:
             raise InvalidRequest("`seed` must not be set when `best_of` > 1", "seed")
-    return [GenerationRequest(prompt=body.inputs, max_new_tokens=p.max_new_tokens, params=sampling_params(p, p.seed),
+    grammar = tgi_grammar(p.grammar)
+    return [GenerationRequest(prompt=body.inputs, max_new_tokens=p.max_new_tokens,
+                              params=sampling_params(p, p.seed, grammar),
                               stop=p.stop, backend=p.kv_backend or service.default_backend,
                               want_prompt_logprobs=p.decoder_input_details, truncate=p.truncate,
                               cache_salt=p.cache_salt)

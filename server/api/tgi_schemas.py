@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, Literal
+
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from server.api.request_model import RequestModel
@@ -13,9 +15,18 @@ MAX_BEST_OF = 4
 MAX_TOP_N_TOKENS = 10
 
 
+class TGIGrammar(RequestModel):
+    """TGI's ``parameters.grammar``: ``json`` with a JSON schema (an object or its JSON text) or ``regex`` with a
+    regular expression; the output follows it."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    type: Literal["json", "regex"]
+    value: dict[str, Any] | str
+
+
 class TGIParameters(RequestModel):
-    """``parameters`` of a TGI request. A key this server does not implement (e.g. ``grammar``,
-    ``watermark``, ``adapter_id``) is refused (422, naming it) unless it is ``null``, ``false``, ``[]`` or
+    """``parameters`` of a TGI request. A key this server does not implement (e.g. ``watermark``, ``adapter_id``) is refused (422, naming it) unless it is ``null``, ``false``, ``[]`` or
     ``{}``, since TGI's clients send many of those; non-finite numbers are refused."""
 
     model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
@@ -43,6 +54,8 @@ class TGIParameters(RequestModel):
     return_full_text: bool = False
     kv_backend: str | None = Field(None, min_length=1, description="KV backend for this request (one of KV_BACKENDS).")
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS, description=CACHE_SALT)
+    grammar: TGIGrammar | None = Field(None, description="Constrain the output to a JSON schema or a regular "
+                                       "expression (docs/http-api.md).")
 
 
 class TGIRequest(RequestModel):

@@ -164,8 +164,8 @@ class EngineCore:
 
     @property
     def idle(self) -> bool:
-        """Nothing is queued or running."""
-        return not self.engine.running and not self.engine.waiting
+        """Nothing is queued, running or waiting for its grammar."""
+        return not self.engine.running and not self.engine.waiting and not self.engine.compiling
 
     def handle(self, msg: m.CoreInput) -> None:
         """Apply one input: queue an :class:`AddRequest` (its answer goes in the next output), mark the sequences
@@ -221,7 +221,8 @@ class EngineCore:
 
         e, r = self.engine, self.recorder
         rows, tiers, generated = r.state if r.state is not None else live_rows(e.running)
-        return m.CoreStats(running=len(e.running), waiting=len(e.waiting), kv_held_bytes=e.kv_held_bytes(),
+        waiting = len(e.waiting) + len(e.compiling)  # a grammar's compile is waiting too
+        return m.CoreStats(running=len(e.running), waiting=waiting, kv_held_bytes=e.kv_held_bytes(),
                            kv_stored_bytes=e.kv_stored_bytes(), kv_usage=e.kv.usage(),
                            evictable_blocks=e.kv.blocks.num_evictable, rows=rows,
                            tiers=[(b, t, n) for (b, t), n in tiers.items()], generated=generated,

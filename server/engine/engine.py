@@ -23,9 +23,11 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 from cache_backends.base import KVBackend
 from server.engine.detokenize import IncrementalDetokenizer
+from server.engine.grammar import GrammarError, Grammars
 from server.engine.runner import ModelRunner
 from server.engine.sampling import RowRequest, Sampled, new_generator
 from server.engine.scheduler import Scheduler
@@ -62,6 +64,10 @@ class Engine:
         self.kv = scheduler.kv
         self.max_concurrent_requests = max_concurrent_requests
         self.recorder = recorder
+        config = getattr(getattr(runner, "model", None), "config", None)
+        self.grammars = Grammars(tokenizer, getattr(config, "vocab_size", None) or len(tokenizer), eos_token_ids)
+        self.compiling: list[tuple[Sequence, Future]] = []  # sequences whose grammar compiles, not yet queued
+        self._compiler: ThreadPoolExecutor | None = None
 
     @property
     def waiting(self) -> deque[Sequence]:
@@ -80,21 +86,53 @@ class Engine:
         Raises:
             Overloaded: when ``max_concurrent_requests`` sequences are already queued or running.
             ValueError: when the sequence could never fit the KV budget.
+
+        A sequence with a grammar is queued once its grammar is compiled, in a thread beside the steps (a large
+        schema takes seconds, which would stall every stream); one whose grammar does not compile ends with
+        ``error`` at the next step.
         """
         if not self.scheduler.fits_alone(seq):
             need = self.kv.pages_to_finish(seq)
             raise ValueError(f"request needs {need} KV blocks ({need * self.kv.page_bytes} bytes) for "
                              f"{len(seq.prompt_ids) + seq.max_new_tokens} tokens; the KV pool has "
                              f"{self.kv.blocks.usable_pages} (KV_CACHE_BUDGET_BYTES, less the null page)")
-        if len(self.waiting) + len(self.running) >= self.max_concurrent_requests:
+        if len(self.waiting) + len(self.running) + len(self.compiling) >= self.max_concurrent_requests:
             raise Overloaded(f"{self.max_concurrent_requests} requests are already queued or running")
+        if seq.params.grammar_kind and seq.grammar is None:
+            if self._compiler is None:
+                self._compiler = ThreadPoolExecutor(1, thread_name_prefix="kvserve-grammar")
+            kind, grammar = seq.params.grammar_kind, seq.params.grammar
+            self.compiling.append((seq, self._compiler.submit(self.grammars.state, kind, grammar)))
+            return
         self.waiting.append(seq)
+
+    def _queue_compiled(self) -> None:
+        """Queue the sequences whose grammar is compiled (ending those whose grammar failed); with nothing else to
+        do, wait for the first compile a moment rather than spin."""
+        if not self.compiling:
+            return
+        if not self.waiting and not self.running:
+            wait([f for _, f in self.compiling], timeout=0.05, return_when=FIRST_COMPLETED)
+        still = []
+        for seq, future in self.compiling:
+            if not future.done():
+                still.append((seq, future))
+                continue
+            try:
+                seq.grammar = future.result()
+            except Exception as exc:  # noqa: BLE001 - GrammarError, or anything the compiler raised: this request
+                reason = exc if isinstance(exc, GrammarError) else repr(exc)
+                self._closed(seq, FinishReason.ERROR, False, error=f"the grammar does not compile: {reason}")
+                continue
+            self.waiting.append(seq)
+        self.compiling = still
 
     # ---- one step -------------------------------------------------------------------------------
     def step(self) -> None:
         """One step: the scheduler decides it (:meth:`Scheduler.schedule`), the runner runs it
         (:meth:`ModelRunner.execute`: one forward for the prefill chunks and decode tokens, a mixed batch), the
         scheduler commits the rows that ran, and each sampled token goes to its request."""
+        self._queue_compiled()
         out, ev = self.scheduler.schedule()
         try:
             self._report_events(ev)
@@ -133,7 +171,8 @@ class Engine:
             if row.sample:
                 if seq.generator is None and not seq.params.greedy:
                     seq.generator = new_generator(seq.params.seed, self.runner.device)
-                sampling[seq.seq_id] = RowRequest(seq.params, seq.prompt_ids, seq.output_ids, seq.generator)
+                allowed = seq.grammar.words if seq.grammar is not None else None
+                sampling[seq.seq_id] = RowRequest(seq.params, seq.prompt_ids, seq.output_ids, seq.generator, allowed)
         started = time.perf_counter()
         result = self.runner.execute(out, self.backends, sampling, self.eos_token_ids)
         seconds = time.perf_counter() - started
@@ -185,8 +224,10 @@ class Engine:
         seq.times.last_token = now
         text = seq.detok.add(token)
         reason = None
-        if token in self.eos_token_ids:
-            reason = FinishReason.EOS
+        if seq.grammar is not None and not seq.grammar.accept(token):
+            raise ValueError(f"token {token} is outside the request's grammar")
+        if token in self.eos_token_ids or (seq.grammar is not None and seq.grammar.done):
+            reason = FinishReason.EOS  # a grammar that can only end ends the text as end-of-text would
         elif seq.detok.stopped:
             reason = FinishReason.STOP
         elif len(seq.output_ids) >= seq.max_new_tokens:
@@ -231,7 +272,7 @@ class Engine:
         waiting: dict[str, int] | None = None
         if queue:
             waiting = {}
-            for seq in self.waiting:
+            for seq in [*self.waiting, *(s for s, _ in self.compiling)]:  # a grammar's compile is waiting too
                 waiting[seq.backend_name] = waiting.get(seq.backend_name, 0) + 1
         self.recorder.step_state(self.running, waiting, self.kv.usage(), self.kv.blocks.num_evictable)
 

@@ -43,6 +43,8 @@ class Sampling(msgspec.Struct, frozen=True):
     ignore_eos: bool = False
     top_n: int = 0
     seed: int = 0
+    grammar_kind: str = ""
+    grammar: str = ""
 
 
 class AddRequest(msgspec.Struct, tag=True, frozen=True):

@@ -1,7 +1,8 @@
 """Sampling: one batched step from a decode batch's logits to each row's next token.
 
 :func:`sample_batch` takes ``logits`` (batch, vocab) and one :class:`RowRequest` per row and applies
-each row's processors as tensor operations over the rows that need them, in the order of
+each row's processors as tensor operations over the rows that need them: first a structured output's grammar mask
+(the tokens its grammar does not allow next become -inf: :func:`apply_allowed`), then, in the order of
 transformers' ``generate()`` and TGI: repetition penalty, frequency/presence penalty, ``logit_bias``,
 end-of-text masking (``min_tokens``, ``ignore_eos``); then, for sampled rows only, temperature, top-k,
 top-p and typical-p. Greedy rows take one batched arg-max of their processed scores; each sampled row
@@ -51,6 +52,8 @@ class SamplingParams:
         ignore_eos: end-of-text ids are always masked (generation runs to its length or a stop).
         top_n: how many most likely tokens (with log-probabilities) to report per step; 0: none.
         seed: the generator's seed.
+        grammar_kind: a structured output's grammar (:data:`server.engine.grammar.KINDS`), or ``""`` for none.
+        grammar: its JSON schema (JSON text) or regular expression; ``""`` for ``json_object``.
     """
 
     do_sample: bool = False
@@ -67,6 +70,8 @@ class SamplingParams:
     ignore_eos: bool = False
     top_n: int = 0
     seed: int = 0
+    grammar_kind: str = ""
+    grammar: str = ""
 
     @property
     def greedy(self) -> bool:
@@ -82,12 +87,15 @@ class RowRequest:
         prompt_ids: the prompt's token ids.
         output_ids: the tokens generated so far.
         generator: the request's seeded generator, on the logits' device (used only when sampling).
+        allowed: a structured output's next-token mask, (ceil(vocab / 32),) int32 words: bit ``j`` of word ``i``
+            allows token ``32 * i + j`` (llguidance's and xgrammar's bitmask layout); ``None``: every token.
     """
 
     params: SamplingParams
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]
     generator: torch.Generator | None = None
+    allowed: torch.Tensor | None = None
 
 
 @dataclass
@@ -117,6 +125,39 @@ def _padded(lists: list[Sequence[int]], device) -> tuple[torch.Tensor, torch.Ten
             ids[r, : len(row)] = torch.as_tensor(list(row), dtype=torch.long)
             mask[r, : len(row)] = 1.0
     return ids.to(device), mask.to(device)
+
+
+_BYTE_BITS: dict[torch.device, torch.Tensor] = {}
+
+
+def _byte_bits(device: torch.device) -> torch.Tensor:
+    """(256, 8) bool: the bits of each byte value, lowest first (one table per device)."""
+    if device not in _BYTE_BITS:
+        values = torch.arange(256, device=device).unsqueeze(1)
+        _BYTE_BITS[device] = ((values >> torch.arange(8, device=device)) & 1).bool()
+    return _BYTE_BITS[device]
+
+
+def allowed_tokens(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Unpack bitmask rows into booleans: each int32 word read as its four bytes (little-endian, as x86, ARM and
+    CUDA store it), each byte looked up in a 256-entry table; one gather, no loop over the vocabulary.
+
+    Args:
+        words: (rows, ceil(vocab / 32)) int32 bitmask (bit ``j`` of word ``i``: token ``32 * i + j``).
+        vocab: the logits' width (the words' bits past it are dropped).
+
+    Returns:
+        (rows, vocab) bool: True where the token is allowed.
+    """
+    data = words.contiguous().view(torch.uint8).reshape(-1).int()  # byte 4 i + k holds tokens 32 i + 8 k ...
+    return _byte_bits(words.device).index_select(0, data).reshape(words.shape[0], -1)[:, :vocab]
+
+
+def apply_allowed(scores: torch.Tensor, rows: list[RowRequest]) -> torch.Tensor:
+    """Set every token a row's grammar does not allow next (its ``allowed`` bitmask) to -inf: one batched unpack
+    and fill over the rows, no loop over the vocabulary."""
+    words = torch.stack([r.allowed for r in rows]).to(scores.device)
+    return scores.masked_fill(~allowed_tokens(words, scores.shape[-1]), NEG_INF)
 
 
 def apply_repetition_penalty(scores: torch.Tensor, rows: list[RowRequest]) -> torch.Tensor:
@@ -251,6 +292,7 @@ def process(logits: torch.Tensor, rows: list[RowRequest], eos_ids: Iterable[int]
     """
     eos_ids = list(eos_ids)
     s = logits
+    s = _on(s, rows, lambda r: r.allowed is not None, apply_allowed)
     s = _on(s, rows, lambda r: r.params.repetition_penalty != 1.0, apply_repetition_penalty)
     s = _on(s, rows, lambda r: r.params.frequency_penalty != 0.0 or r.params.presence_penalty != 0.0,
             apply_frequency_presence)

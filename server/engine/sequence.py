@@ -109,6 +109,7 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # chained keys of its full blocks so far
     registered_blocks: int = 0  # of its blocks, those registered in the prefix cache
     kv_tiers: dict = field(default_factory=dict)  # tokens it holds per tier (exact, int8) at the last measurement
+    grammar: Any = None  # server.engine.grammar.GrammarState of a structured output: advanced by each accepted token
     seq_id: int = field(default_factory=lambda: next(_ids))  # unique in the process (request ids may repeat)
 
     @property

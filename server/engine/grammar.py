@@ -1,0 +1,237 @@
+"""Structured outputs in the engine: one grammar matcher per sequence, built with llguidance (the engine vLLM and
+SGLang offer beside xgrammar; a 3 MB wheel with no dependencies, where xgrammar pulls in triton, about 1 GB, on every
+Linux install).
+
+A request asks for a grammar through two plain fields of its :class:`~server.engine.sampling.SamplingParams`:
+``grammar_kind`` (one of :data:`KINDS`) and ``grammar`` (the JSON schema as JSON text, or the regular expression).
+The engine compiles it once per distinct grammar (:class:`Grammars`, which caches; in a thread beside the steps,
+:meth:`server.engine.engine.Engine.submit`) and gives each sequence its own :class:`GrammarState` (``n`` > 1: one per
+choice). Each step the state's ``mask`` — the next token's allowed ids as an int32 bitmask, (ceil(vocab / 32),), the
+layout llguidance and xgrammar share — goes to the sampler with the row
+(:func:`server.engine.sampling.apply_allowed`); the accepted token advances it (:meth:`GrammarState.accept`). The
+state depends only on the sequence's output tokens, which preemption and the prefix cache leave as they are (a
+recomputed context is prefilled, never sampled again), so it lives on the sequence across both.
+
+When the grammar can only end (a JSON value closed, nothing but end-of-text allowed), :attr:`GrammarState.done` is
+set and the engine ends the sequence at once, as end-of-text would (``finish_reason`` ``stop``), without a step to
+sample the end-of-text token.
+
+llguidance is imported on the first grammar only: a server that never gets one never loads it.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+import torch
+
+KINDS = ("json_object", "json_schema", "regex")
+"""``grammar_kind`` values: any JSON object; a JSON schema (``grammar`` is its JSON text); a regular expression."""
+JSON_OBJECT = '{"type": "object"}'
+"""The schema of ``json_object``: any JSON object (not any JSON value)."""
+
+
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+"""No free whitespace between tokens (vLLM's disable_any_whitespace): a small model given the choice writes newlines
+until its budget ends; the JSON keeps the usual ", " and ": " separators."""
+
+
+class GrammarError(ValueError):
+    """A grammar that cannot be compiled (the message says why, as llguidance reports it)."""
+
+
+def _llguidance():
+    import llguidance  # noqa: PLC0415 - lazy: only grammar requests need it
+    import llguidance.hf  # noqa: PLC0415
+    import llguidance.torch  # noqa: PLC0415
+
+    return llguidance
+
+
+_SUBSCHEMAS = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames")
+_SCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def strict_schema(schema: Any) -> Any:
+    """``schema`` with ``"additionalProperties": false`` on every object schema that does not say otherwise, as
+    OpenAI's strict structured outputs and xgrammar's strict mode read a schema: an object holds the properties its
+    schema names and no others (a small model otherwise keeps adding keys instead of closing the object)."""
+    if isinstance(schema, list):
+        return [strict_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMAS:
+        if isinstance(out.get(key), (dict, list)):
+            out[key] = strict_schema(out[key])
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [strict_schema(s) for s in out[key]]
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: strict_schema(s) for name, s in out[key].items()}
+    if isinstance(out.get("additionalProperties"), dict):
+        out["additionalProperties"] = strict_schema(out["additionalProperties"])
+    typ = out.get("type")
+    is_object = typ == "object" or (isinstance(typ, list) and "object" in typ) or "properties" in out
+    if is_object and "additionalProperties" not in out and "patternProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def _grammar_text(kind: str, grammar: str) -> str:
+    """llguidance's grammar for ``kind`` and ``grammar`` (unchecked: :func:`_validate` says what is wrong).
+    A ``json_schema`` is read strictly (:func:`strict_schema`); ``json_object`` is any object."""
+    matcher = _llguidance().LLMatcher
+    if kind in ("json_object", "json_schema"):
+        schema = json.loads(grammar) if kind == "json_schema" else json.loads(JSON_OBJECT)  # not JSON: ValueError
+        if kind == "json_schema":
+            schema = strict_schema(schema)
+        return matcher.grammar_from_json_schema(schema_text(schema), defaults=JSON_OPTIONS)
+    if kind == "regex":
+        return matcher.grammar_from_regex(grammar)
+    raise GrammarError(f"unknown grammar kind {kind!r}; one of {', '.join(KINDS)}")
+
+
+def _validate(text: str, tokenizer=None) -> None:
+    error = _llguidance().LLMatcher.validate_grammar(text, tokenizer)
+    if error:
+        raise GrammarError(_reason(error))
+
+
+def check(kind: str, grammar: str) -> None:
+    """Compile ``grammar`` without a vocabulary, to refuse a bad one before it reaches the engine.
+
+    Args:
+        kind: one of :data:`KINDS`.
+        grammar: the JSON schema as JSON text (``json_schema``), the regular expression (``regex``), or ``""``.
+
+    Raises:
+        GrammarError: an unknown kind, a schema that is not JSON or not a schema llguidance can follow (an unknown
+            ``type``, ``properties`` that is not an object, ...), or a regular expression that does not parse.
+    """
+    if kind == "json_object":
+        return
+    try:
+        _validate(_grammar_text(kind, grammar))
+    except GrammarError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - llguidance and json raise ValueError/RuntimeError with the reason
+        raise GrammarError(_reason(str(exc) or type(exc).__name__)) from None
+
+
+def _reason(text: str) -> str:
+    """The first line of llguidance's message, without its position prefix (``at 1(8): ``)."""
+    text = text.strip().splitlines()[0] if text.strip() else "invalid grammar"
+    if text.startswith("at ") and "): " in text:
+        text = text.split("): ", 1)[1]
+    return text
+
+
+class Grammars:
+    """The engine's grammar compiler: the tokenizer's vocabulary for llguidance, built on first use, and each
+    distinct grammar checked once against it (cached).
+
+    Args:
+        tokenizer: the model's Hugging Face tokenizer.
+        vocab_size: width of the model's logits (may exceed the tokenizer's length: padding ids are never allowed).
+        stop_ids: the ids that end a sequence (the engine's end-of-text ids); allowed where the grammar may end.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, stop_ids):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_ids = sorted(stop_ids)
+        self._vocab = None
+        self._stop_words: torch.Tensor | None = None
+        self._compiled: dict[tuple[str, str], str] = {}
+        self._lock = threading.Lock()
+
+    def _compile(self, kind: str, grammar: str) -> str:
+        llg = _llguidance()
+        with self._lock:
+            if self._vocab is None:
+                self._vocab = llg.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size,
+                                                    eos_token=self.stop_ids or None)
+                stop = torch.zeros(_words(self.vocab_size), dtype=torch.int32)
+                for t in self.stop_ids:
+                    if t < self.vocab_size:
+                        stop[t // 32] |= _bit(t % 32)
+                self._stop_words = stop
+            key = (kind, grammar)
+            if key not in self._compiled:
+                text = _grammar_text(kind, grammar)
+                _validate(text, self._vocab)
+                self._compiled[key] = text
+            return self._compiled[key]
+
+    def state(self, kind: str, grammar: str) -> "GrammarState":
+        """A new matcher at the grammar's start, its first mask filled.
+
+        Raises:
+            GrammarError: the grammar does not compile.
+        """
+        try:
+            text = self._compile(kind, grammar)
+            matcher = _llguidance().LLMatcher(self._vocab, text)
+        except GrammarError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise GrammarError(_reason(str(exc) or type(exc).__name__)) from None
+        if matcher.is_error():
+            raise GrammarError(_reason(matcher.get_error()))
+        return GrammarState(matcher, self.vocab_size, self._stop_words)
+
+
+def _words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+def _bit(j: int) -> int:
+    """Bit ``j`` of an int32 word, as a signed int32 value (bit 31 is the sign)."""
+    return (1 << j) - (1 << 32) if j == 31 else 1 << j
+
+
+class GrammarState:
+    """One sequence's position in its grammar.
+
+    Attributes:
+        mask: (ceil(vocab / 32),) int32: bit ``j`` of word ``i`` allows token ``32 * i + j`` at the next step.
+        done: the grammar can only end now (the engine ends the sequence).
+    """
+
+    def __init__(self, matcher: Any, vocab_size: int, stop_words: torch.Tensor):
+        self.matcher = matcher
+        self.stop_words = stop_words
+        self.mask = torch.zeros(1, _words(vocab_size), dtype=torch.int32)
+        self.done = False
+        self._fill()
+
+    def _fill(self) -> None:
+        _llguidance().torch.fill_next_token_bitmask(self.matcher, self.mask, 0)
+        # Done when the grammar is complete and allows nothing but the stop ids: one AND over the words.
+        self.done = self.matcher.is_stopped() or (
+            self.matcher.is_accepting() and not bool((self.mask[0] & ~self.stop_words).any()))
+
+    @property
+    def words(self) -> torch.Tensor:
+        """The next step's mask as one (words,) row."""
+        return self.mask[0]
+
+    def accept(self, token: int) -> bool:
+        """Advance over ``token`` and fill the next mask; False when the grammar does not allow it."""
+        if not self.matcher.consume_token(int(token)) or self.matcher.is_error():
+            return False
+        if self.matcher.is_stopped():
+            self.done = True
+        else:
+            self._fill()
+        return True
+
+
+def schema_text(schema: Any) -> str:
+    """``schema`` as the compact JSON text that :class:`Grammars` and :func:`check` take."""
+    return json.dumps(schema, separators=(",", ":"))

@@ -1,0 +1,461 @@
+"""Structured outputs and tool calls: ``response_format`` (``json_object``, ``json_schema``) on both OpenAI routes,
+TGI's ``grammar``, and ``tools`` with every ``tool_choice``, checked by value (the output parses and validates
+against its schema: greedy and seeded sampling, streamed and not, ``n`` = 2), through preemption and the prefix
+cache; bad schemas and bad tools are 400 naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import pytest
+import torch
+
+from server.api.openai_schemas import ChatRequest
+from server.api.tools import ToolStream, parse, plan
+from server.engine.grammar import Grammars, schema_text, strict_schema
+from server.engine.sampling import RowRequest, SamplingParams, allowed_tokens, sample_batch
+from tests.engine_helpers import make_engine, make_seq, run_all
+from tests.json_http import post, sse
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+          "required": ["name", "age"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}},
+                   "required": ["city"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+                                       "required": ["zone"], "additionalProperties": False}}}
+MESSAGES = [{"role": "user", "content": "Who was the first king of Israel? Answer as JSON."}]
+SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+
+
+def valid(text: str, schema: dict) -> dict:
+    value = json.loads(text)
+    jsonschema.validate(value, schema)
+    return value
+
+
+# ---- the sampler and the engine (no server) ---------------------------------------------------------
+
+def test_the_bitmask_unpacks_as_llguidance_lays_it_out():
+    """Bit j of word i allows token 32 i + j, the sign bit included; bits past the vocabulary are dropped."""
+    import llguidance.torch
+
+    words = torch.tensor([[1 | (1 << 5), -2**31, 3]], dtype=torch.int32)  # tokens 0, 5, 63, 64, 65
+    allowed = allowed_tokens(words, 66)
+    assert allowed.shape == (1, 66) and allowed[0].nonzero().flatten().tolist() == [0, 5, 63, 64, 65]
+    assert allowed_tokens(words, 65)[0].nonzero().flatten().tolist() == [0, 5, 63, 64]
+    theirs = torch.zeros(1, 66)
+    llguidance.torch.apply_token_bitmask_inplace(theirs, words)
+    assert torch.equal(torch.isfinite(theirs), allowed)
+
+
+def test_the_mask_binds_greedy_and_sampled_rows_alike():
+    """The best token is masked out: greedy takes the best allowed one, a sampled row draws only allowed ones."""
+    logits = torch.tensor([[5.0, 4.0, 3.0, 0.0], [5.0, 4.0, 3.0, 0.0]])
+    allowed = torch.tensor([0b1100], dtype=torch.int32)  # tokens 2 and 3
+    rows = [RowRequest(SamplingParams(), [1], [], allowed=allowed),
+            RowRequest(SamplingParams(do_sample=True, seed=1), [1], [], torch.Generator().manual_seed(1), allowed)]
+    for _ in range(20):
+        greedy, sampled = sample_batch(logits, rows)
+        assert greedy.token == 2 and sampled.token in (2, 3)
+
+
+@pytest.fixture(scope="module")
+def engine(ref_model):
+    model, tok = ref_model
+    return make_engine(model, tok)
+
+
+def _grammar_run(engine, tok, params_list, **kw):
+    seqs = [make_seq(tok, f"And God said {i}", 60, params=p) for i, p in enumerate(params_list)]
+    run_all(engine, seqs, **kw)
+    return seqs
+
+
+def test_the_engine_follows_a_schema_greedy_and_sampled(ref_model, engine):
+    model, tok = ref_model
+    grammar = dict(grammar_kind="json_schema", grammar=schema_text(PERSON))
+    seqs = _grammar_run(engine, tok, [SamplingParams(**grammar), SamplingParams(do_sample=True, seed=7, **grammar),
+                                      SamplingParams(do_sample=True, seed=8, **grammar)])
+    for seq in seqs:
+        valid(tok.decode(seq.output_ids), PERSON)
+        assert seq.finish_reason.value == "eos_token" and seq.output_ids[-1] != 0  # ended at the grammar's end
+
+
+def test_the_grammar_survives_preemption(ref_model):
+    """Four grammar streams on a pool too small for them: preempted and recomputed (the matcher is kept, the
+    recomputed tokens are not sampled again), each answer is the one it gets unpreempted."""
+    model, tok = ref_model
+    long_text = {"type": "object", "properties": {"text": {"type": "string", "minLength": 400}}, "required": ["text"]}
+    grammar = dict(grammar_kind="json_schema", grammar=schema_text(long_text))
+    params = [SamplingParams(do_sample=True, seed=s, **grammar) for s in range(4)]
+    tight = make_engine(model, tok, budget=12 * 262144, max_batch_size=4, block_size=16)
+    seqs = _grammar_run(tight, tok, params)
+    assert sum(s.preemptions for s in seqs) > 0
+    alone = _grammar_run(make_engine(model, tok), tok, params)
+    for a, b in zip(seqs, alone):
+        assert a.output_ids == b.output_ids and len(a.output_ids) == 60
+        assert tok.decode(a.output_ids).startswith('{"text": "')
+
+
+def test_a_grammar_that_does_not_compile_ends_its_request_only(ref_model, engine):
+    model, tok = ref_model
+    events = []
+    bad = make_seq(tok, "x", 5, params=SamplingParams(grammar_kind="json_schema", grammar='{"type": 3}'), events=events)
+    good = make_seq(tok, "y", 5)
+    run_all(engine, [bad, good])
+    assert events[-1].finish_reason.value == "error" and "grammar" in events[-1].error
+    assert good.finish_reason.value == "length"
+
+
+def test_a_slow_grammar_compiles_beside_the_steps(ref_model, engine):
+    """A schema that takes long to compile does not hold the running streams: they step while it compiles."""
+    model, tok = ref_model
+    wide = {"type": "object", "properties": {f"k{i}": {"type": "string"} for i in range(600)}}
+    slow = make_seq(tok, "x", 3, params=SamplingParams(grammar_kind="json_schema", grammar=schema_text(wide)))
+    running = make_seq(tok, "y", 40)
+    engine.submit(running)
+    engine.submit(slow)
+    steps = 0
+    while engine.compiling:
+        engine.step()
+        steps += 1
+    assert steps > 1 and len(running.output_ids) > 1
+    run_all(engine, [])
+    assert slow.finish_reason is not None and slow.grammar is not None
+
+
+def test_grammars_share_one_compiler(ref_model):
+    model, tok = ref_model
+    grammars = Grammars(tok, model.config.vocab_size, {0})
+    a, b = grammars.state("json_object", ""), grammars.state("json_object", "")
+    assert a.matcher is not b.matcher and torch.equal(a.mask, b.mask)
+    assert allowed_tokens(a.mask, model.config.vocab_size)[0].nonzero().flatten().tolist() == tok.encode("{")
+
+
+# ---- the tool-call parser (no server) ---------------------------------------------------------------
+
+def _plan(choice="auto", **kw):
+    return plan(ChatRequest.model_validate({"messages": MESSAGES, "tools": [WEATHER, TIME], "tool_choice": choice,
+                                            **kw}), constrained=False)
+
+
+@pytest.mark.parametrize("text,content,calls", [
+    ('<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>', None,
+     [("get_weather", '{"city": "Rome"}')]),
+    ('Let me see.\n<tool_call>\n[{"name": "get_time", "arguments": {"zone": "UTC"}}, '
+     '{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}]\n</tool_call>', "Let me see.",
+     [("get_time", '{"zone": "UTC"}'), ("get_weather", '{"city": "Oslo"}')]),
+    ('{"name": "get_weather", "parameters": {"city": "Rome"}}', None, [("get_weather", '{"city": "Rome"}')]),
+    ('<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}', None, [("get_weather", '{"city": "Rome"}')]),
+    ('<tool_call>{"name": "launch", "arguments": {}}</tool_call>', '<tool_call>{"name": "launch", "arguments": {}}'
+     '</tool_call>', []),
+    ("In the beginning {was} the word", "In the beginning {was} the word", []),
+])
+def test_auto_parses_hermes_and_bare_calls_of_known_tools(text, content, calls):
+    assert parse(text, _plan()) == (content, calls)
+    stream, got, deltas = ToolStream(_plan()), "", []
+    for i in range(0, len(text), 3):  # three characters a piece
+        piece, d = stream.feed(text[i:i + 3])
+        got, deltas = got + piece, deltas + d
+    piece, d = stream.end()
+    got, deltas = got + piece, deltas + d
+    assert [(d.function.name, d.function.arguments) for d in deltas] == calls and stream.called == bool(calls)
+    if calls:
+        assert got.strip() == (content or "")
+    else:
+        assert got == text
+
+
+def test_parallel_tool_calls_false_keeps_one_call():
+    text = '<tool_call>[{"name": "get_time", "arguments": {"zone": "UTC"}}, {"name": "get_time", "arguments": {"zone": "CET"}}]</tool_call>'
+    assert parse(text, _plan(parallel_tool_calls=False))[1] == [("get_time", '{"zone": "UTC"}')]
+
+
+# ---- the routes -------------------------------------------------------------------------------------
+
+def chat(server, **fields):
+    return post(server, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 60, **fields})
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 11}], ids=["greedy", "seeded"])
+def test_chat_json_schema_validates_streamed_or_not_for_each_choice(server, sampling):
+    body = {"response_format": SCHEMA_FORMAT, "n": 2, **sampling}
+    out = chat(server, **body)
+    texts = [c["message"]["content"] for c in out["choices"]]
+    for choice, text in zip(out["choices"], texts):
+        valid(text, PERSON)
+        assert choice["finish_reason"] == "stop"
+    chunks = sse(server, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 60, "stream": True, **body})
+    streamed = ["".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"][0]["index"] == k)
+                for k in range(2)]
+    assert streamed == texts  # same seed, same answer; each choice its own matcher
+    if "seed" in sampling:
+        assert texts[0] != texts[1]
+
+
+def test_completions_json_schema_and_json_object(server):
+    out = post(server, "/v1/completions", {"prompt": "And God said", "max_tokens": 60, "temperature": 0,
+                                           "response_format": SCHEMA_FORMAT})
+    valid(out["choices"][0]["text"], PERSON)
+    chunks = sse(server, "/v1/completions", {"prompt": "And God said", "max_tokens": 60, "temperature": 0.8,
+                                             "seed": 3, "stream": True, "response_format": SCHEMA_FORMAT})
+    valid("".join(c["choices"][0]["text"] for c in chunks if c["choices"]), PERSON)
+    # json_object: `}` pushed up (the output alone does not start as JSON), the grammar makes it one JSON object
+    bias = {"logit_bias": {"93": 8}, "max_tokens": 40, "temperature": 0, "prompt": "And God said"}
+    assert not post(server, "/v1/completions", bias)["choices"][0]["text"].startswith("{")
+    obj = post(server, "/v1/completions", {**bias, "response_format": {"type": "json_object"}})["choices"][0]
+    assert json.loads(obj["text"]) == {} and obj["finish_reason"] == "stop"
+
+
+def test_vllm_structured_outputs_and_guided_fields(server):
+    """vLLM's extensions: ``structured_outputs`` (``json``, ``regex``, ``choice``, ``json_object``) and the older
+    ``guided_json`` / ``guided_regex`` / ``guided_choice``, on both routes."""
+    choices = ["Saul", "David (the king)", "none of them"]
+    for fields in ({"guided_choice": choices}, {"structured_outputs": {"choice": choices}}):
+        assert chat(server, temperature=0, **fields)["choices"][0]["message"]["content"] in choices
+        out = post(server, "/v1/completions", {"prompt": "And God said", "temperature": 0.9, "seed": 2, **fields})
+        assert out["choices"][0]["text"] in choices and out["choices"][0]["finish_reason"] == "stop"
+    for fields in ({"guided_json": PERSON}, {"guided_json": json.dumps(PERSON)}, {"structured_outputs": {"json": PERSON}}):
+        valid(chat(server, temperature=0, **fields)["choices"][0]["message"]["content"], PERSON)
+    for fields in ({"guided_regex": "[0-9]{3}-[0-9]{4}"}, {"structured_outputs": {"regex": "[0-9]{3}-[0-9]{4}"}}):
+        text = chat(server, temperature=0, **fields)["choices"][0]["message"]["content"]
+        assert len(text) == 8 and text[3] == "-" and text.replace("-", "").isdigit()
+    out = chat(server, temperature=0, structured_outputs={"json_object": True}, logit_bias={"93": 8})
+    assert json.loads(out["choices"][0]["message"]["content"]) == {}
+
+
+def test_text_format_and_unset_fields_change_nothing(server):
+    base = chat(server, temperature=0, max_tokens=8)
+    for extra in ({"response_format": {"type": "text"}}, {"tools": None, "tool_choice": None, "response_format": None}):
+        assert chat(server, temperature=0, max_tokens=8, **extra)["choices"] == base["choices"]
+
+
+def test_the_prefix_cache_serves_a_grammar_request_the_same_answer(server):
+    long = [{"role": "system", "content": "Answer with a name and an age. " * 8}] + MESSAGES
+    body = {"temperature": 0, "response_format": SCHEMA_FORMAT, "messages": long, "max_tokens": 60}
+    first, second = (post(server, "/v1/chat/completions", body) for _ in range(2))
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert first["choices"] == second["choices"]
+
+
+def test_tgi_grammar_json_and_regex(server):
+    out = post(server, "/generate", {"inputs": "And God said", "parameters": {
+        "max_new_tokens": 60, "grammar": {"type": "json", "value": PERSON}, "details": True}})
+    valid(out["generated_text"], PERSON)
+    out = post(server, "/generate", {"inputs": "And God said", "parameters": {
+        "max_new_tokens": 20, "grammar": {"type": "regex", "value": "(yea|nay), [a-z]{1,8}\\."}}})
+    assert out["generated_text"].split(", ")[0] in ("yea", "nay") and out["generated_text"].endswith(".")
+
+
+def _calls(chunks: list, k: int = 0) -> list[dict]:
+    """Tool-call deltas of choice ``k`` added up by ``index``, as OpenAI's clients do."""
+    calls: dict[int, dict] = {}
+    for c in chunks:
+        for ch in c["choices"]:
+            for d in (ch["delta"].get("tool_calls") or []) if ch["index"] == k else []:
+                call = calls.setdefault(d["index"], {"id": None, "name": None, "arguments": ""})
+                call["id"] = d.get("id") or call["id"]
+                call["name"] = d["function"].get("name") or call["name"]
+                call["arguments"] += d["function"].get("arguments", "")
+    return [calls[i] for i in sorted(calls)]
+
+
+def test_a_named_tool_choice_answers_one_call_of_it(server):
+    body = {"tools": [WEATHER, TIME], "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+            "temperature": 0}
+    out = chat(server, **body)
+    choice = out["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    (call,) = choice["message"]["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_") and call["function"]["name"] == "get_weather"
+    valid(call["function"]["arguments"], WEATHER["function"]["parameters"])
+    chunks = sse(server, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 60, "stream": True, **body})
+    (streamed,) = _calls(chunks)
+    assert streamed["name"] == "get_weather" and streamed["arguments"] == call["function"]["arguments"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert not any(c["choices"][0]["delta"].get("content") for c in chunks)
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0, "parallel_tool_calls": False},
+                                      {"temperature": 1.0, "seed": 5}], ids=["greedy-one-call", "seeded"])
+def test_required_answers_calls_that_follow_their_schemas(server, sampling):
+    """``required``: calls of the tools, each valid; one with ``parallel_tool_calls: false`` (finished by the
+    grammar), else those complete when ``max_tokens`` ends a list the reference model keeps adding to."""
+    tools = {"get_weather": WEATHER, "get_time": TIME}
+    body = {"tools": list(tools.values()), "tool_choice": "required", "n": 2, **sampling}
+    out = chat(server, **body)
+    chunks = sse(server, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 60, "stream": True, **body})
+    for k, choice in enumerate(out["choices"]):
+        assert choice["message"]["tool_calls"] and choice["message"]["content"] is None
+        if "parallel_tool_calls" in sampling:
+            assert choice["finish_reason"] == "tool_calls" and len(choice["message"]["tool_calls"]) == 1
+        for call in choice["message"]["tool_calls"]:
+            valid(call["function"]["arguments"], tools[call["function"]["name"]]["function"]["parameters"])
+        assert [(c["name"], c["arguments"]) for c in _calls(chunks, k)] == [
+            (c["function"]["name"], c["function"]["arguments"]) for c in choice["message"]["tool_calls"]]
+
+
+def test_auto_renders_the_tools_and_a_tool_conversation(server):
+    """``auto`` on a model that answers in prose: content, finish ``stop``/``length``; the tools and an earlier
+    call and its result are in the prompt (more prompt tokens)."""
+    plain = chat(server, temperature=0, max_tokens=4)
+    auto = chat(server, temperature=0, max_tokens=4, tools=[WEATHER])
+    assert auto["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"] + 20
+    assert auto["choices"][0]["finish_reason"] in ("stop", "length") and "tool_calls" not in auto["choices"][0]["message"]
+    history = MESSAGES + [
+        {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function",
+                                              "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 25 C"}]
+    out = post(server, "/v1/chat/completions", {"messages": history, "tools": [WEATHER], "max_tokens": 4,
+                                                "temperature": 0})
+    assert out["usage"]["prompt_tokens"] > auto["usage"]["prompt_tokens"] + 10
+
+
+DEEP: dict = {"type": "string"}
+for _ in range(40):  # 81 levels of objects and arrays, past MAX_SCHEMA_DEPTH
+    DEEP = {"type": "object", "properties": {"a": DEEP}, "required": ["a"]}
+def test_the_openai_sdk_parses_answers_and_tool_calls(server):
+    """The ``openai`` package's own helpers: ``parse`` with a pydantic ``response_format``, ``parse`` of a tool call
+    (``pydantic_function_tool``), a streamed named call added up by ``chat.completions.stream``, and the call and
+    its result sent back in the history."""
+    import openai
+    from pydantic import BaseModel, Field
+
+    class Person(BaseModel):
+        name: str = Field(max_length=12)
+        age: int = Field(ge=0, le=150)
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    ask = {"model": "tgi", "temperature": 0, "max_tokens": 150, "messages": [{"role": "user", "content": "A king"}]}
+    answer = client.chat.completions.parse(response_format=Person, **ask).choices[0]
+    assert isinstance(answer.message.parsed, Person) and answer.finish_reason == "stop"
+    tools = [openai.pydantic_function_tool(Person, name="add_person")]
+    called = client.chat.completions.parse(tools=tools, tool_choice="required", parallel_tool_calls=False, **ask)
+    (call,) = called.choices[0].message.tool_calls
+    assert call.function.name == "add_person" and isinstance(call.function.parsed_arguments, Person)
+    named = {"type": "function", "function": {"name": "add_person"}}
+    whole = client.chat.completions.parse(tools=tools, tool_choice=named, **ask).choices[0].message.tool_calls[0]
+    with client.chat.completions.stream(tools=tools, tool_choice=named, **ask) as stream:
+        for _ in stream:
+            pass
+        final = stream.get_final_completion().choices[0]
+    assert final.finish_reason == "tool_calls" and final.message.tool_calls[0].function.parsed_arguments == \
+        whole.function.parsed_arguments  # greedy: the same arguments, streamed in pieces
+    history = ask["messages"] + [
+        {"role": "assistant", "tool_calls": [{"id": call.id, "type": "function",
+                                              "function": {"name": "add_person", "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "added"}]
+    assert client.chat.completions.create(**{**ask, "messages": history, "max_tokens": 4}, tools=tools).choices
+
+
+BAD = [
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "nosuch"}}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"properties": 3}}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": PERSON}}}, "response_format.json_schema.name"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": DEEP}}},
+     "response_format.json_schema.schema"),
+    ({"tools": [{"type": "function"}]}, "tools.0.function"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools.0.function.name"),
+    ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools.0.type"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nosuch"}}}]},
+     "tools[0].function.parameters"),
+    ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice.function.name"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"parallel_tool_calls": False}, "parallel_tool_calls"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"response_format": {"type": "json_object"}, "guided_json": PERSON}, "guided_json"),
+    ({"guided_choice": ["a"], "structured_outputs": {"regex": "b"}}, "structured_outputs.regex"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_regex": "(unclosed"}, "guided_regex"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"structured_outputs": {"json": {"type": "nosuch"}}}, "structured_outputs.json"),
+]
+
+
+@pytest.mark.parametrize("fields,param", BAD, ids=[p for _, p in BAD])
+def test_bad_schemas_and_tools_are_400_naming_the_field(server, fields, param):
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 4, **fields},
+                   timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and r.json()["error"]["type"] == "invalid_request_error", r.text
+
+
+def test_bad_grammars_on_completions_and_tgi(server):
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "a", "response_format": {"type": "json_schema",
+                   "json_schema": {"name": "p", "schema": {"type": "nosuch"}}}}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format.json_schema.schema", r.text
+    for grammar, field in [({"type": "json", "value": {"type": "nosuch"}}, "parameters.grammar.value"),
+                           ({"type": "json", "value": "not json"}, "parameters.grammar.value"),
+                           ({"type": "regex", "value": "(unclosed"}, "parameters.grammar.value"),
+                           ({"type": "xml", "value": "x"}, "grammar")]:
+        r = httpx.post(server.url + "/generate", json={"inputs": "a", "parameters": {"grammar": grammar}}, timeout=60)
+        assert r.status_code == 422 and field in r.json()["error"], r.text
+
+
+# ---- the real model ---------------------------------------------------------------------------------
+
+@pytest.mark.real_model
+def test_smollm2_answers_a_schema_and_a_required_tool_call():
+    """SmolLM2-135M-Instruct (when fetched): its chat template does not render tools, so they reach the prompt as a
+    hermes system turn; a ``required`` call and a ``json_schema`` answer both validate, greedy and sampled."""
+    from server.api.openai_convert import chat_prompt
+    from server.model_fetch import DEFAULT_DIR, is_current
+    from server.model_loading import load_model
+
+    if not is_current(DEFAULT_DIR):
+        pytest.skip("the real model is not fetched (kvserve fetch-model)")
+    model, tok = load_model(str(DEFAULT_DIR), torch.device("cpu"), torch.float32)
+    engine = make_engine(model, tok)
+    body = ChatRequest.model_validate({"messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+                                       "tools": [WEATHER, TIME], "tool_choice": "required"})
+    tools = plan(body, constrained=False)
+    prompt, _ = chat_prompt(tok, body, tools=[WEATHER, TIME])
+    assert "<tools>" in prompt and "get_weather" in prompt
+    person, _ = chat_prompt(tok, [m for m in ChatRequest.model_validate(
+        {"messages": [{"role": "user", "content": "Describe a famous scientist as JSON with name and age."}]}).messages])
+    runs = [(prompt, tools.grammar), (person, ("json_schema", schema_text(PERSON)))]
+    seqs = []
+    for text, (kind, grammar) in runs:
+        for params in (SamplingParams(), SamplingParams(do_sample=True, temperature=0.7, seed=1)):
+            seq = make_seq(tok, "", 80, params=SamplingParams(**{**params.__dict__, "grammar_kind": kind,
+                                                                  "grammar": grammar}))
+            seq.prompt_ids, seq.request_id = tok.encode(text, add_special_tokens=False), f"{len(seqs)}"
+            seqs.append(seq)
+    run_all(engine, seqs)
+    for seq in seqs[:2]:
+        content, calls = parse(tok.decode(seq.output_ids, skip_special_tokens=True), tools)
+        assert calls, content
+        for name, arguments in calls:
+            valid(arguments, {"get_weather": WEATHER, "get_time": TIME}[name]["function"]["parameters"])
+    for seq in seqs[2:]:
+        valid(tok.decode(seq.output_ids, skip_special_tokens=True), PERSON)
+
+
+def test_a_schema_is_read_strictly_unless_it_allows_more():
+    """Every object schema that does not say otherwise closes after its own properties (OpenAI's strict mode), in
+    properties, items, anyOf and $defs; a schema that allows more keeps it; json_object stays any object."""
+    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "integer"}}},
+                                               "c": {"type": "array", "items": {"properties": {}}},
+                                               "d": {"anyOf": [{"type": "object"}, {"type": "null"}]},
+                                               "e": {"type": "object", "additionalProperties": True}},
+              "$defs": {"x": {"type": "object"}}}
+    out = strict_schema(schema)
+    assert out["additionalProperties"] is False
+    props = out["properties"]
+    assert props["a"]["additionalProperties"] is False and props["c"]["items"]["additionalProperties"] is False
+    assert props["d"]["anyOf"][0]["additionalProperties"] is False and "additionalProperties" not in props["d"]["anyOf"][1]
+    assert props["e"]["additionalProperties"] is True and out["$defs"]["x"]["additionalProperties"] is False
+    assert "additionalProperties" not in schema  # the caller's schema is left as it was
