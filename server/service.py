@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from server.engine.grammar import use_vocabulary
 from server.engine.sampling import SamplingParams
 from server.engine.sequence import FinishReason, Sequence, TokenEvent
 from server.prompt_tail import tail_ids
@@ -162,6 +163,8 @@ class GenerationService:
         self.default_backend = default_backend
         self.prefix_caching = prefix_caching
         self.max_token_bytes = max_bytes_per_token(tokenizer)
+        eos = getattr(tokenizer, "eos_token_id", None)
+        use_vocabulary(tokenizer, len(tokenizer), [] if eos is None else [eos])  # grammars checked on its tokens
         self.tokenize_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="kvserve-tokenize")
         self.shut_down = False
         """Set by :meth:`abort_all`: a cancelled generation was ended by the shutdown, not by its client."""

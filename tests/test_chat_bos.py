@@ -53,7 +53,7 @@ def test_chat_template_with_bos_gives_one_bos(bos_tokenizer):
     tok, bos_id = bos_tokenizer
     body = ChatRequest(model="m", messages=[{"role": "user", "content": "Who made the light?"}], max_tokens=4)
     service = service_of(tok)
-    ids = submitted_ids(service, chat_requests(body, service))
+    ids = submitted_ids(service, chat_requests(body, service)[0])
     assert leading_bos(ids, bos_id) == 1, ids
     rendered = tok.apply_chat_template([{"role": "user", "content": "Who made the light?"}], tokenize=False,
                                        add_generation_prompt=True)
@@ -75,5 +75,5 @@ def test_plain_chat_template_is_encoded_as_a_completion(bos_tokenizer):
     tok.chat_template = None
     body = ChatRequest(model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
     service = service_of(tok)
-    ids = submitted_ids(service, chat_requests(body, service))
+    ids = submitted_ids(service, chat_requests(body, service)[0])
     assert ids == tok.encode("User: Hi\nAssistant:") and leading_bos(ids, bos_id) == 1

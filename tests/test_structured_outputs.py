@@ -382,6 +382,23 @@ BAD = [
     ({"guided_regex": "(unclosed"}, "guided_regex"),
     ({"guided_choice": []}, "guided_choice"),
     ({"structured_outputs": {"json": {"type": "nosuch"}}}, "structured_outputs.json"),
+    # found by an attack: each compiled alone but failed at the first token, a 500 (token N outside the grammar)
+    ({"guided_json": {"$ref": "#"}}, "guided_json"),
+    ({"guided_json": {"type": "object", "properties": {"x": {"$ref": "#"}}, "required": ["x"]}}, "guided_json"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "many", "schema": {
+        "type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(600)}}}}},
+     "response_format.json_schema.schema"),
+    ({"guided_regex": "(a{1000}){1000}"}, "guided_regex"),
+    ({"guided_regex": "ab\\"}, "guided_regex"),  # a lone trailing backslash was dropped, not refused
+    ({"guided_json": "[" * 20000 + "]" * 20000}, "guided_json"),  # JSON text nested past Python's recursion: a 500
+    ({"guided_regex": "ab", "min_tokens": 3}, "min_tokens"),  # the grammar would end it before min_tokens
+    ({"guided_regex": "ab", "ignore_eos": True}, "ignore_eos"),
+    ({"messages": MESSAGES + [{"role": "tool", "content": "r"}]}, "messages[1].tool_call_id"),
+    ({"messages": MESSAGES + [{"role": "tool", "tool_call_id": "nosuch", "content": "r"}]},
+     "messages[1].tool_call_id"),
+    ({"messages": MESSAGES + [{"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{not json"}}]}]},
+     "messages[1].tool_calls[0].function.arguments"),
 ]
 
 
@@ -393,6 +410,22 @@ def test_bad_schemas_and_tools_are_400_naming_the_field(server, fields, param):
     assert r.json()["error"]["param"] == param and r.json()["error"]["type"] == "invalid_request_error", r.text
 
 
+def test_a_required_call_follows_a_tool_whose_parameters_hold_local_refs(server):
+    """pydantic writes nested models as ``$defs`` and ``#/$defs/...``: inside ``required``'s list of calls they
+    must still point at the tool's own parameters (they were refused: "Pointer '/$defs/Item' does not exist")."""
+    order = {"type": "function", "function": {"name": "order", "parameters": {
+        "type": "object", "properties": {"item": {"$ref": "#/$defs/Item"}}, "required": ["item"],
+        "$defs": {"Item": {"type": "object", "properties": {"kind": {"enum": ["a", "b"]}}, "required": ["kind"]}}}}}
+    out = post(server, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 120, "temperature": 0,
+                                                "tools": [order], "tool_choice": "required",
+                                                "parallel_tool_calls": False})
+    choice = out["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "order"
+    valid(call["function"]["arguments"], order["function"]["parameters"])
+
+
 def test_bad_grammars_on_completions_and_tgi(server):
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "a", "response_format": {"type": "json_schema",
                    "json_schema": {"name": "p", "schema": {"type": "nosuch"}}}}, timeout=60)
@@ -400,6 +433,8 @@ def test_bad_grammars_on_completions_and_tgi(server):
     for grammar, field in [({"type": "json", "value": {"type": "nosuch"}}, "parameters.grammar.value"),
                            ({"type": "json", "value": "not json"}, "parameters.grammar.value"),
                            ({"type": "regex", "value": "(unclosed"}, "parameters.grammar.value"),
+                           ({"type": "json", "value": {"$ref": "#"}}, "parameters.grammar.value"),
+                           ({"type": "json", "value": "[" * 20000 + "]" * 20000}, "parameters.grammar.value"),
                            ({"type": "xml", "value": "x"}, "grammar")]:
         r = httpx.post(server.url + "/generate", json={"inputs": "a", "parameters": {"grammar": grammar}}, timeout=60)
         assert r.status_code == 422 and field in r.json()["error"], r.text

@@ -7,7 +7,7 @@ import secrets
 from server.api.openai_schemas import (ChatLogprobs, ChatMessage, ChatRequest, CompletionLogprobs, CompletionRequest,
                                        TokenLogprob, TopLogprob, _Sampling)
 from server.api.structured import NO_GRAMMAR, request_grammar
-from server.api.tools import ToolPlan, plan, tool_dicts, turns, with_tools_system
+from server.api.tools import ToolPlan, check_turns, plan, tool_dicts, turns, with_tools_system
 from server.api.validation import refuse_unimplemented
 from server.engine.sampling import SamplingParams
 from server.engine.sequence import FinishReason, Sequence, TokenEvent
@@ -83,6 +83,21 @@ def _check_common(body: _Sampling, max_tokens: int | None) -> None:
                              "min_tokens")
 
 
+def _with_grammar(body: _Sampling, grammar: tuple[str, str]) -> tuple[str, str]:
+    """``grammar``, once the fields a grammar would override are not set: the grammar ends the output where it can
+    only end, so ``min_tokens`` and ``ignore_eos`` could not be honoured.
+
+    Raises:
+        InvalidRequest: naming ``min_tokens`` or ``ignore_eos``.
+    """
+    if grammar != NO_GRAMMAR:
+        for field, given in (("min_tokens", body.min_tokens > 0), ("ignore_eos", body.ignore_eos)):
+            if given:
+                raise InvalidRequest(f"`{field}` cannot go with a structured output or a required tool call: the "
+                                     "grammar ends the output where it can only end", field)
+    return grammar
+
+
 def prompts_of(body: CompletionRequest) -> list[str | list[int]]:
     """The prompts of a completion request: a string, strings, token ids, or lists of token ids."""
     p = body.prompt
@@ -127,7 +142,7 @@ def completion_requests(body: CompletionRequest, service: GenerationService
     if len(prompts) * best_of > MAX_SEQUENCES:
         raise InvalidRequest(f"{len(prompts)} prompts x {best_of} choices is over {MAX_SEQUENCES} generations "
                              "per request", "prompt")
-    params = sampling_params(body, len(service.tokenizer), body.logprobs or 0, request_grammar(body))
+    params = sampling_params(body, len(service.tokenizer), body.logprobs or 0, _with_grammar(body, request_grammar(body)))
     backend = body.kv_backend or service.default_backend
     fields = {**FIELDS, "max_new_tokens": field}
     reqs = [GenerationRequest(prompt=p, max_new_tokens=1 if echo_only else max_tokens, params=params[j],
@@ -202,8 +217,10 @@ def chat_requests(body: ChatRequest, service: GenerationService) -> tuple[list[G
         raise InvalidRequest(f"`{field}` must be at least 1", field)
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidRequest("`top_logprobs` needs `logprobs: true`", "top_logprobs")
+    check_turns(body.messages)
     grammar = request_grammar(body)
     tools = plan(body, constrained=grammar != NO_GRAMMAR)
+    _with_grammar(body, tools.grammar if tools.grammar != NO_GRAMMAR else grammar)
     prompt, special = chat_prompt(service.tokenizer, body, tools=tool_dicts(body) or None)
     params = sampling_params(body, len(service.tokenizer), (body.top_logprobs or 0) if body.logprobs else 0,
                              tools.grammar if tools.grammar != NO_GRAMMAR else grammar)

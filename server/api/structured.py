@@ -111,6 +111,9 @@ def _schema_value(value: Any, param: str) -> Any:
             return json.loads(value)
         except ValueError:
             raise InvalidRequest(f"`{param}` must be a JSON schema (an object, or its JSON text)", param) from None
+        except RecursionError:
+            raise InvalidRequest(f"`{param}` nests objects and arrays more than {MAX_SCHEMA_DEPTH} deep",
+                                 param) from None
     return value
 
 

@@ -110,13 +110,29 @@ def plan(body: ChatRequest, constrained: bool) -> ToolPlan:
                                  "tool_choice.function.name")
         return ToolPlan("named", names, name, True, checked("json_schema", schema_text(schemas[names.index(name)]),
                                                              "tool_choice.function.name"))
-    if mode == "required":
-        call = {"anyOf": [{"type": "object", "properties": {"name": {"const": n}, "arguments": s},
+    if mode == "required":  # each tool's parameters under $defs, their own local $refs rebased there
+        call = {"anyOf": [{"type": "object", "properties": {"name": {"const": n}, "arguments": {"$ref": f"#/$defs/t{i}"}},
                            "required": ["name", "arguments"], "additionalProperties": False}
-                          for n, s in zip(names, schemas)]}
-        array = {"type": "array", "items": call, "minItems": 1, **({"maxItems": 1} if single else {})}
+                          for i, n in enumerate(names)]}
+        array = {"$defs": {f"t{i}": rebased(s, f"#/$defs/t{i}") for i, s in enumerate(schemas)},
+                 "type": "array", "items": call, "minItems": 1, **({"maxItems": 1} if single else {})}
         return ToolPlan("required", names, None, single, checked("json_schema", schema_text(array), "tools"))
     return ToolPlan(mode, names, None, single)
+
+
+def rebased(schema: Any, root: str) -> Any:
+    """``schema`` with its local references (``#``, ``#/...``) pointing under ``root`` (a JSON pointer such as
+    ``#/$defs/t0``), for a schema placed inside a larger one: a tool's ``parameters`` with ``$defs`` of its own,
+    as pydantic writes them for nested models."""
+    if isinstance(schema, list):
+        return [rebased(s, root) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: rebased(v, root) for k, v in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        out["$ref"] = root + ref[1:]
+    return out
 
 
 # ---- the prompt -------------------------------------------------------------------------------------
@@ -131,6 +147,30 @@ def _arguments(text: str) -> Any:
         return json.loads(text)
     except ValueError:
         return text
+
+
+def check_turns(messages: list[ChatMessage]) -> None:
+    """Refuse a conversation's tool turns as OpenAI does: a ``tool`` turn without ``tool_call_id`` or answering no
+    earlier call, and an assistant call whose ``arguments`` is not JSON.
+
+    Raises:
+        InvalidRequest: naming the message's field (``messages[i].tool_call_id``, ...).
+    """
+    calls: set[str] = set()
+    for i, m in enumerate(messages):
+        for j, c in enumerate(m.tool_calls or []):
+            try:
+                json.loads(c.function.arguments)
+            except (TypeError, ValueError, RecursionError):
+                field = f"messages[{i}].tool_calls[{j}].function.arguments"
+                raise InvalidRequest(f"`{field}` must be JSON text", field) from None
+            calls.add(c.id)
+        if m.role == "tool":
+            field = f"messages[{i}].tool_call_id"
+            if m.tool_call_id is None:
+                raise InvalidRequest(f"`{field}` is required in a `tool` message", field)
+            if m.tool_call_id not in calls:
+                raise InvalidRequest(f"`{field}` {m.tool_call_id!r} answers no earlier assistant `tool_calls`", field)
 
 
 def turns(messages: list[ChatMessage], calls_as_text: bool = False) -> list[dict]:

@@ -225,7 +225,7 @@ class Engine:
         text = seq.detok.add(token)
         reason = None
         if seq.grammar is not None and not seq.grammar.accept(token):
-            raise ValueError(f"token {token} is outside the request's grammar")
+            raise ValueError(f"the request's grammar cannot go on: {seq.grammar.error or f'token {token} is outside it'}")
         if token in self.eos_token_ids or (seq.grammar is not None and seq.grammar.done):
             reason = FinishReason.EOS  # a grammar that can only end ends the text as end-of-text would
         elif seq.detok.stopped:

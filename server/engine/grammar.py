@@ -22,10 +22,13 @@ llguidance is imported on the first grammar only: a server that never gets one n
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from typing import Any
 
 import torch
+
+log = logging.getLogger(__name__)
 
 KINDS = ("json_object", "json_schema", "regex")
 """``grammar_kind`` values: any JSON object; a JSON schema (``grammar`` is its JSON text); a regular expression."""
@@ -102,8 +105,57 @@ def _validate(text: str, tokenizer=None) -> None:
         raise GrammarError(_reason(error))
 
 
+_CHECK_VOCAB: list = []
+"""The vocabulary :func:`check` walks a grammar's first tokens with (:func:`use_vocabulary`), once one is set."""
+FORCED_STEPS = 64
+"""Tokens :func:`check` follows where the grammar allows only one (a JSON schema's opening ``{"key": ``)."""
+
+
+def use_vocabulary(tokenizer, vocab_size: int, stop_ids) -> None:
+    """Let :func:`check` run each grammar on the served model's vocabulary (built on the first check), so a grammar
+    that compiles but cannot be followed (a recursive ``$ref``, an object of thousands of optional properties past
+    the matcher's limits, a regular expression past its lexer's) is refused before it reaches the engine."""
+    _CHECK_VOCAB[:] = [(tokenizer, vocab_size, sorted(stop_ids), [])]
+
+
+def _check_vocabulary():
+    if not _CHECK_VOCAB:
+        return None
+    tokenizer, vocab_size, stop_ids, built = _CHECK_VOCAB[0]
+    if not built:
+        try:
+            built.append(_llguidance().hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=stop_ids or None))
+        except Exception as exc:  # noqa: BLE001 - a tokenizer llguidance cannot read: the engine still checks
+            log.warning("grammars are checked without the model's vocabulary: %s", exc)
+            built.append(None)
+    return built[0]
+
+
+def _walk(text: str, vocab) -> None:
+    """Start a matcher on ``text``, follow its forced tokens (at most :data:`FORCED_STEPS`) and compute the next
+    mask; raises :class:`GrammarError` with the matcher's reason when it fails on the way."""
+    llg = _llguidance()
+    matcher = llg.LLMatcher(vocab, text)
+    mask = llg.torch.allocate_token_bitmask(1, vocab.vocab_size)
+    for _ in range(FORCED_STEPS):
+        if matcher.is_error():
+            break
+        forced = matcher.compute_ff_tokens()
+        if not forced:
+            break
+        if not matcher.consume_tokens(forced[:FORCED_STEPS]):
+            break
+    if not matcher.is_error() and not matcher.is_stopped():
+        llg.torch.fill_next_token_bitmask(matcher, mask, 0)
+        if not matcher.is_error() and not bool(mask.any()):
+            raise GrammarError("no token can continue the output")
+    if matcher.is_error():
+        raise GrammarError(_reason(matcher.get_error()))
+
+
 def check(kind: str, grammar: str) -> None:
-    """Compile ``grammar`` without a vocabulary, to refuse a bad one before it reaches the engine.
+    """Compile ``grammar`` to refuse a bad one before it reaches the engine: checked alone, then (once
+    :func:`use_vocabulary` set the served model's) followed through its first forced tokens on that vocabulary.
 
     Args:
         kind: one of :data:`KINDS`.
@@ -111,24 +163,37 @@ def check(kind: str, grammar: str) -> None:
 
     Raises:
         GrammarError: an unknown kind, a schema that is not JSON or not a schema llguidance can follow (an unknown
-            ``type``, ``properties`` that is not an object, ...), or a regular expression that does not parse.
+            ``type``, ``properties`` that is not an object, a ``$ref`` that only refers to itself, more optional
+            properties than the matcher holds, ...), or a regular expression that does not parse (one ending in a
+            lone backslash too) or is past the matcher's lexer.
     """
     if kind == "json_object":
         return
+    if kind == "regex" and (len(grammar) - len(grammar.rstrip("\\"))) % 2:
+        raise GrammarError("the regular expression ends in a lone backslash")
     try:
-        _validate(_grammar_text(kind, grammar))
+        text = _grammar_text(kind, grammar)
+        _validate(text)
+        vocab = _check_vocabulary()
+        if vocab is not None:
+            _walk(text, vocab)
     except GrammarError:
         raise
+    except RecursionError:
+        raise GrammarError("nested too deeply") from None
     except Exception as exc:  # noqa: BLE001 - llguidance and json raise ValueError/RuntimeError with the reason
         raise GrammarError(_reason(str(exc) or type(exc).__name__)) from None
 
 
 def _reason(text: str) -> str:
-    """The first line of llguidance's message, without its position prefix (``at 1(8): ``)."""
-    text = text.strip().splitlines()[0] if text.strip() else "invalid grammar"
-    if text.startswith("at ") and "): " in text:
-        text = text.split("): ", 1)[1]
-    return text
+    """llguidance's message in one line: its first, without the position prefix (``at 1(8): ``), and the
+    ``error: ...`` line a regular expression's parse error carries further down."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    first = lines[0] if lines else "invalid grammar"
+    if first.startswith("at ") and "): " in first:
+        first = first.split("): ", 1)[1]
+    detail = next((line for line in lines[1:] if line.startswith("error:")), None)
+    return f"{first} {detail}" if detail and detail not in first else first
 
 
 class Grammars:
@@ -183,7 +248,10 @@ class Grammars:
             raise GrammarError(_reason(str(exc) or type(exc).__name__)) from None
         if matcher.is_error():
             raise GrammarError(_reason(matcher.get_error()))
-        return GrammarState(matcher, self.vocab_size, self._stop_words)
+        state = GrammarState(matcher, self.vocab_size, self._stop_words)
+        if state.error is not None:
+            raise GrammarError(state.error)
+        return state
 
 
 def _words(vocab_size: int) -> int:
@@ -215,6 +283,15 @@ class GrammarState:
         # Done when the grammar is complete and allows nothing but the stop ids: one AND over the words.
         self.done = self.matcher.is_stopped() or (
             self.matcher.is_accepting() and not bool((self.mask[0] & ~self.stop_words).any()))
+
+    @property
+    def error(self) -> str | None:
+        """Why the matcher cannot go on (past one of its limits, or no token can continue), or ``None``."""
+        if self.matcher.is_error():
+            return _reason(self.matcher.get_error())
+        if not self.done and not bool(self.mask.any()):
+            return "no token can continue the output"
+        return None
 
     @property
     def words(self) -> torch.Tensor:
