@@ -191,5 +191,16 @@ def engine_info(s: Settings, dtype, device, backends: dict[str, KVBackend], qual
         **kv_sizes(backends, geometry.num_layers, max_total), "num_layers": geometry.num_layers,
         "num_attention_heads": geometry.num_attention_heads,
         "num_key_value_heads": geometry.num_key_value_heads, "head_dim": geometry.head_dim,
+        "sliding_window": sliding_window_info(geometry),
         "torch_num_threads": torch_threads(), "kv_attention": kernels_status(device), **kv_info,
     }
+
+
+def sliding_window_info(geometry: ModelGeometry) -> dict | None:
+    """``/info``'s ``sliding_window``: the model's windows and the layers that attend through each, or ``None`` when
+    no layer has a window shorter than the context."""
+    if not geometry.sliding_layers:
+        return None
+    windows = sorted({w for w in geometry.layer_windows if w is not None})
+    return {"tokens": windows[0] if len(windows) == 1 else windows,
+            "layers": [i for i, w in enumerate(geometry.layer_windows) if w is not None]}
