@@ -19,7 +19,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from cache_backends.attention import LayerRead, attend_kv
 from cache_backends.buffer import TokenBuffer
-from cache_backends.estimate import Shape, layer_windows_of, windowed_bytes_per_token_per_layer
+from cache_backends.estimate import (Shape, layer_windows_of, rope_per_layer_type_of,
+                                     windowed_bytes_per_token_per_layer)
 from cache_backends.hybrid import HybridLayout, HybridStepMeta, window_groups
 from cache_backends.kv_spec import KVSpec, Quantization, StreamSpec
 from cache_backends.page_layout import PageLayout
@@ -38,12 +39,9 @@ def layer_windows(config) -> tuple[int | None, ...]:
 
 
 def rope_per_layer_type(config) -> bool:
-    """Whether ``config`` gives its layer types different RoPE parameters (``rope_parameters`` keyed by the names in
-    ``layer_types``, with two or more distinct values)."""
-    params, types = getattr(config, "rope_parameters", None), getattr(config, "layer_types", None)
-    if not isinstance(params, dict) or not types or not all(t in params for t in set(types)):
-        return False
-    return len({repr(sorted(params[t].items())) for t in set(types)}) > 1
+    """Whether a transformers config rotates its layer types with different RoPE parameters
+    (:func:`cache_backends.estimate.rope_per_layer_type_of`)."""
+    return rope_per_layer_type_of(lambda name: getattr(config, name, None))
 
 
 @dataclass(frozen=True)
@@ -97,7 +95,7 @@ class ModelGeometry:
     def shape(self) -> Shape:
         """The same shape as the closed-form sums (and ``kvserve estimate``) take it."""
         return Shape(self.num_layers, self.num_key_value_heads, self.head_dim, self.head_dim, self.kv_lora_rank,
-                     self.rope_dim, layer_windows=self.layer_windows)
+                     self.rope_dim, layer_windows=self.layer_windows, rope_per_layer_type=self.rope_per_layer_type)
 
 
 class FullStorage:

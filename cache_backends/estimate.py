@@ -60,6 +60,17 @@ def layer_windows_of(get: Callable[[str], object], num_layers: int) -> tuple[int
     return windows if any(w is not None for w in windows) else ()
 
 
+def rope_per_layer_type_of(get: Callable[[str], object]) -> bool:
+    """Whether a model config (``get(name)``: a field or ``None``) rotates its layer types with different RoPE
+    parameters: ``rope_parameters`` keyed by the names in ``layer_types`` with two or more distinct values
+    (transformers 5), or a ``rope_local_base_freq`` other than ``rope_theta`` (Gemma 3's older configs)."""
+    params, types = get("rope_parameters"), get("layer_types")
+    if isinstance(params, dict) and types and all(t in params for t in set(types)):
+        return len({repr(sorted(params[t].items())) for t in set(types)}) > 1
+    local = get("rope_local_base_freq")
+    return local is not None and local != get("rope_theta")
+
+
 def windowed_bytes_per_token_per_layer(spec: KVSpec, groups: Sequence[tuple[int | None, int]], seq_len: int) -> float:
     """Bytes per token per layer of ``spec``'s streams when each group of layers ``(window, layers)`` holds only
     its window: a sliding layer at most ``window - 1`` tokens (what the next query sees besides itself), a global
@@ -88,6 +99,8 @@ class Shape:
             ``None`` (the presets: shapes, not one model's limit).
         layer_windows: each layer's sliding window or ``None`` (:func:`layer_windows_of`); empty without any.
             ``full`` keeps only the window of a sliding layer (:func:`windowed_bytes_per_token_per_layer`).
+        rope_per_layer_type: whether its layer types rotate with different RoPE parameters
+            (:func:`rope_per_layer_type_of`).
     """
 
     num_layers: int
@@ -98,6 +111,7 @@ class Shape:
     rope_dim: int = 0
     max_positions: int | None = None
     layer_windows: tuple[int | None, ...] = ()
+    rope_per_layer_type: bool = False
 
     def window_groups(self) -> list[tuple[int | None, int]]:
         """``(window, layers)``: the global layers, then each window's sliding layers (empty without windows)."""
@@ -130,7 +144,8 @@ class Shape:
                        cfg.get("v_head_dim", 128), cfg["kv_lora_rank"], rope, positions)
         d = cfg.get("head_dim") or cfg["hidden_size"] // heads
         return cls(cfg["num_hidden_layers"], kv_heads, d, d, max_positions=positions,
-                   layer_windows=layer_windows_of(cfg.get, cfg["num_hidden_layers"]))
+                   layer_windows=layer_windows_of(cfg.get, cfg["num_hidden_layers"]),
+                   rope_per_layer_type=rope_per_layer_type_of(cfg.get))
 
 
 PRESETS: dict[str, Shape] = {

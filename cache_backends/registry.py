@@ -51,6 +51,17 @@ def _accepts(cls: type, options: dict) -> dict:
     return {k: v for k, v in options.items() if k in params}
 
 
+def serves_layer_kinds(name: str, windowed: bool, rope_per_layer_type: bool) -> bool:
+    """Whether backend ``name`` (single or composition) serves a model with sliding-window layers (``windowed``) or
+    with RoPE parameters per layer type: none of its parts has the matching refusal (``kvserve estimate`` leaves
+    the others out of its default rows, as :func:`create` refuses them)."""
+    for part in name.split("+"):
+        cls = _BACKENDS.get(part)
+        if cls is not None and ((windowed and cls.window_refusal) or (rope_per_layer_type and cls.rope_refusal)):
+            return False
+    return True
+
+
 def _check_windows(name: str, cls: type[KVBackend], geometry: ModelGeometry) -> None:
     """Refuse ``cls`` (part of backend ``name``) on a model with sliding-window layers, or with RoPE parameters per
     layer type, when it cannot serve them.

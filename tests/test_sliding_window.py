@@ -80,6 +80,22 @@ def test_the_geometry_reads_each_layers_window(tiny):
     assert layer_windows(config) == ()
 
 
+def test_kvserve_estimate_reads_the_windows_from_config_json_and_leaves_out_what_is_refused(tiny):
+    """``kvserve estimate``'s shape from the config as saved: the same windows and RoPE facts as the served model's
+    geometry, ``full`` counted with its windows kept, and the default rows without ``gqa``, ``mla`` and ``dca``."""
+    from cache_backends.estimate import Shape, bytes_per_token_per_layer
+    from server.estimate_cli import resolve_specs
+
+    config = tiny[0].config
+    shape = Shape.from_config(config.to_dict())
+    geometry = ModelGeometry.from_config(config, torch.float32)
+    assert (shape.layer_windows, shape.rope_per_layer_type) == (geometry.layer_windows, True)
+    assert geometry.shape().layer_windows == shape.layer_windows and geometry.shape().rope_per_layer_type
+    assert bytes_per_token_per_layer(shape, "full", {}, 4, LENGTH) == create("full", geometry).bytes_per_token_per_layer(
+        LENGTH)
+    assert [name for name, _ in resolve_specs(shape, None, 4)] == ["full", "int8"]
+
+
 def _drive(driver: PagedDriver, ids: list[list[int]]) -> list[tuple[int, int, torch.Tensor]]:
     """A chunked prefill of row 0, a ragged step (row 0's next chunk beside row 1's whole prompt), then decodes of
     both rows to LENGTH: ``(row, position, logits)`` of every row's last token at every step."""
