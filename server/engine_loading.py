@@ -60,7 +60,8 @@ def torch_threads() -> int:
 
 def create_backends(settings: Settings, geometry: ModelGeometry) -> dict[str, KVBackend]:
     """The served backends (:meth:`Settings.served_backends`), built for ``geometry``; one that came from the
-    default of ``KV_BACKENDS`` and that this model cannot take is left out with a log line.
+    default of ``KV_BACKENDS`` and that this model cannot take is left out with a log line. ``KV_SLIDING_WINDOW_POOL
+    =false``: none keeps only a sliding layer's window in the pool.
 
     Raises:
         ValueError: a backend that was asked for cannot serve this model (the backend's one-line message).
@@ -73,6 +74,9 @@ def create_backends(settings: Settings, geometry: ModelGeometry) -> dict[str, KV
             if name not in settings.optional_backends():
                 raise
             log.info("not serving %s besides KV_BACKEND (KV_BACKENDS unset): %s", name, exc)
+            continue
+        if not settings.kv_sliding_window_pool:  # every layer keeps every token (a model's windows ignored)
+            backends[name].windowed_pool = False
     return backends
 
 

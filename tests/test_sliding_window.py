@@ -96,6 +96,17 @@ def test_kvserve_estimate_reads_the_windows_from_config_json_and_leaves_out_what
     assert [name for name, _ in resolve_specs(shape, None, 4)] == ["full", "int8"]
 
 
+def test_kv_sliding_window_pool_false_keeps_every_token_in_every_layer(tiny):
+    from server.config import Settings
+    from server.engine_loading import create_backends
+
+    geometry = ModelGeometry.from_config(tiny[0].config, torch.float32)
+    kept = create_backends(Settings(kv_backends=""), geometry)["full"]
+    every = create_backends(Settings(kv_backends="", kv_sliding_window_pool=False), geometry)["full"]
+    assert kept.window_groups() == [(None, [2]), (WINDOW, [0, 1, 3])] and every.window_groups() is None
+    assert every.bytes_per_token_per_layer(LENGTH) == 512 > kept.bytes_per_token_per_layer(LENGTH)
+
+
 def _drive(driver: PagedDriver, ids: list[list[int]]) -> list[tuple[int, int, torch.Tensor]]:
     """A chunked prefill of row 0, a ragged step (row 0's next chunk beside row 1's whole prompt), then decodes of
     both rows to LENGTH: ``(row, position, logits)`` of every row's last token at every step."""
