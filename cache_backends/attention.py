@@ -12,6 +12,11 @@ standard SDPA mask (registered for ``"kvserve"`` too).
 
 In a batched decode step (:class:`BatchRead`) each sequence's layer attends to its own cache with its
 own length: a ragged batch without padding, at the price of one small attention call per sequence.
+
+Sliding-window layers (Gemma 2/3, Mistral; Beltagy et al., Longformer, arXiv 2004.05150): transformers passes each
+layer's ``sliding_window`` with the call (``None`` on a global layer); a query at position ``p`` then sees the
+cached tokens at positions ``p - sliding_window < t <= p`` (transformers' ``sliding_window_overlay``), and every
+read object takes that ``window``.
 """
 
 from __future__ import annotations
@@ -37,15 +42,20 @@ def ungroup(out: torch.Tensor) -> torch.Tensor:
     return out.reshape(1, h * rep, 1, d)
 
 
-def causal_mask(q_len: int, kv_len: int, device) -> torch.Tensor | None:
-    """Bool mask (q_len, kv_len) for queries at the last ``q_len`` positions; ``None`` when q_len == 1."""
-    if q_len == 1:
+def causal_mask(q_len: int, kv_len: int, device, window: int | None = None) -> torch.Tensor | None:
+    """Bool mask (q_len, kv_len) for queries at the last ``q_len`` positions, each seeing only its last ``window``
+    tokens (itself included) when ``window`` is given; ``None`` when nothing is masked (q_len == 1 and no window
+    shorter than kv_len)."""
+    if q_len == 1 and (window is None or window >= kv_len):
         return None
     rows = torch.arange(q_len, device=device).unsqueeze(1) + (kv_len - q_len)
-    return torch.arange(kv_len, device=device).unsqueeze(0) <= rows
+    cols = torch.arange(kv_len, device=device).unsqueeze(0)
+    mask = cols <= rows
+    return mask if window is None else mask & (cols > rows - window)
 
 
-def attend_kv(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
+def attend_kv(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
+              window: int | None = None) -> torch.Tensor:
     """Causal attention of one sequence's new queries over its cached K/V (the queries are the newest tokens).
 
     Args:
@@ -53,16 +63,19 @@ def attend_kv(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sca
         keys: (1, H, T, d) with T >= q_len, H dividing Hq (GQA); views are fine.
         values: (1, H, T, dv).
         scaling: softmax scale (seconds-free: 1/sqrt(d) by default in the model).
+        window: a sliding window: each query sees only the last ``window`` tokens up to itself; ``None``: all.
 
     Returns:
         (1, Hq, q_len, dv).
     """
     h = keys.shape[1]
     q_len = query.shape[-2]
+    if window is not None and q_len == 1 and window < keys.shape[-2]:  # decode: the window is the last tokens
+        keys, values = keys[:, :, -window:], values[:, :, -window:]
     if q_len == 1:  # decode: one matrix product per K/V head, no repeat of K/V for GQA
         out = F.scaled_dot_product_attention(grouped_query(query, h), keys, values, scale=scaling)
         return ungroup(out)
-    mask = causal_mask(q_len, keys.shape[-2], query.device)
+    mask = causal_mask(q_len, keys.shape[-2], query.device, window)
     return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling,
                                           enable_gqa=query.shape[1] != h)
 
@@ -73,8 +86,8 @@ class TensorRead:
     def __init__(self, keys: torch.Tensor, values: torch.Tensor):
         self.keys, self.values = keys, values
 
-    def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        return attend_kv(query, self.keys, self.values, scaling)
+    def attend(self, query: torch.Tensor, scaling: float, window: int | None = None) -> torch.Tensor:
+        return attend_kv(query, self.keys, self.values, scaling, window)
 
 
 class LayerRead:
@@ -83,8 +96,13 @@ class LayerRead:
     def __init__(self, layer):
         self.layer = layer
 
-    def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """(1, Hq, q_len, d) queries → (1, Hq, q_len, dv) attention output."""
+    def attend(self, query: torch.Tensor, scaling: float, window: int | None = None) -> torch.Tensor:
+        """(1, Hq, q_len, d) queries → (1, Hq, q_len, dv) attention output. Under a ``window`` shorter than the
+        layer's tokens, the layer's K/V are rebuilt (:meth:`cache_backends.base.KVLayer.materialize`, a transient
+        copy) and attended under the window's mask: the per-sequence stores' reference path."""
+        if window is not None and window < self.layer.get_seq_length():
+            keys, values = self.layer.materialize()
+            return attend_kv(query, keys, values, scaling, window)
         return self.layer.attend(query, scaling)
 
 
@@ -94,11 +112,12 @@ class BatchRead:
     def __init__(self, reads: list):
         self.reads = reads
 
-    def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """(batch, Hq, q_len, d) → (batch, Hq, q_len, dv), each row against its own cache."""
+    def attend(self, query: torch.Tensor, scaling: float, window: int | None = None) -> torch.Tensor:
+        """(batch, Hq, q_len, d) → (batch, Hq, q_len, dv), each row against its own cache (under ``window``)."""
         out = None
         for row, read in enumerate(self.reads):
-            o = read.attend(query[row : row + 1], scaling)
+            q = query[row : row + 1]
+            o = read.attend(q, scaling) if window is None else read.attend(q, scaling, window=window)
             if out is None:
                 out = o.new_empty(len(self.reads), *o.shape[1:])
             out[row] = o[0]
@@ -113,8 +132,9 @@ def as_read(keys, values):
 def kvserve_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention-function signature; returns ``(output (batch, q_len, Hq, dv), None)``.
 
-    A ``sliding_window`` at least as long as the model's context is ignored (it masks nothing); models
-    whose window or soft-capping matters are refused by :func:`install`.
+    ``scaling`` (Gemma 3: ``query_pre_attn_scalar ** -0.5``) and ``sliding_window`` (the layer's window; ``None``
+    on a global layer) are the call's own, so every layer attends with its own. Plain K/V (transformers' caches) go
+    through SDPA with the mask transformers built for the layer (its window included).
 
     Raises:
         ValueError: for a read object on a layer that soft-caps logits (a guard: :func:`install` refuses
@@ -126,7 +146,8 @@ def kvserve_attention(module, query, key, value, attention_mask, scaling=None, d
     if kwargs.get("softcap"):
         raise ValueError("kvserve attention does not implement logit soft-capping")
     scaling = module.scaling if scaling is None else scaling
-    out = key.attend(query, scaling)
+    window = kwargs.get("sliding_window")
+    out = key.attend(query, scaling) if window is None else key.attend(query, scaling, window=window)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -136,13 +157,6 @@ def unsupported_features(config) -> list[str]:
     softcap = getattr(config, "attn_logit_softcapping", None)
     if softcap:
         features.append(f"attention logit soft-capping (attn_logit_softcapping={softcap})")
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None) or []
-    windowed = window is not None and getattr(config, "use_sliding_window", True) and (
-        not layer_types or "sliding_attention" in layer_types)
-    if windowed and window < config.max_position_embeddings:
-        features.append(f"sliding-window attention (sliding_window={window} < max_position_embeddings="
-                        f"{config.max_position_embeddings})")
     return features
 
 
@@ -151,7 +165,7 @@ def install(model) -> None:
 
     Raises:
         ValueError: one line naming the model type and the attention features kvserve does not implement
-            (logit soft-capping, a sliding window shorter than the context).
+            (logit soft-capping: Gemma 2's ``attn_logit_softcapping``; Gemma 3 has none).
     """
     features = unsupported_features(model.config)
     if features:

@@ -19,7 +19,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from cache_backends.attention import LayerRead, attend_kv
 from cache_backends.buffer import TokenBuffer
-from cache_backends.estimate import Shape
+from cache_backends.estimate import (Shape, layer_windows_of, rope_per_layer_type_of,
+                                     windowed_bytes_per_token_per_layer)
+from cache_backends.hybrid import HybridLayout, HybridStepMeta, window_groups
 from cache_backends.kv_spec import KVSpec, Quantization, StreamSpec
 from cache_backends.page_layout import PageLayout
 from cache_backends.paged import in_place_layer, read_layer, write_layer
@@ -29,6 +31,17 @@ from cache_backends.step_meta import StepMeta
 def tensor_bytes(*tensors: torch.Tensor | None) -> int:
     """Bytes held by ``tensors`` (``None`` counts as 0)."""
     return sum(t.nelement() * t.element_size() for t in tensors if t is not None)
+
+
+def layer_windows(config) -> tuple[int | None, ...]:
+    """Each layer's sliding window from a transformers config (:func:`cache_backends.estimate.layer_windows_of`)."""
+    return layer_windows_of(lambda name: getattr(config, name, None), config.num_hidden_layers)
+
+
+def rope_per_layer_type(config) -> bool:
+    """Whether a transformers config rotates its layer types with different RoPE parameters
+    (:func:`cache_backends.estimate.rope_per_layer_type_of`)."""
+    return rope_per_layer_type_of(lambda name: getattr(config, name, None))
 
 
 @dataclass(frozen=True)
@@ -43,6 +56,10 @@ class ModelGeometry:
         dtype_bytes: bytes per element of the K/V the model produces (4 for fp32, 2 for fp16/bf16).
         kv_lora_rank: on a native-MLA model (DeepSeek-V2/V3), the latent width it caches; else ``None``.
         rope_dim: on a native-MLA model, the width of its shared rope key (``qk_rope_head_dim``); else 0.
+        layer_windows: per layer, its sliding window (tokens a query sees, itself included) or ``None`` for a
+            global layer; empty when no layer has a window shorter than the context (:func:`layer_windows`).
+        rope_per_layer_type: whether layers of different types rotate with different RoPE parameters (Gemma 3's
+            ``rope_parameters`` per layer type: base 10,000 on sliding layers, 1,000,000 on global ones).
     """
 
     num_layers: int
@@ -52,6 +69,8 @@ class ModelGeometry:
     dtype_bytes: int
     kv_lora_rank: int | None = None
     rope_dim: int = 0
+    layer_windows: tuple[int | None, ...] = ()
+    rope_per_layer_type: bool = False
 
     @classmethod
     def from_config(cls, config, dtype: torch.dtype) -> "ModelGeometry":
@@ -64,12 +83,19 @@ class ModelGeometry:
             dtype_bytes=dtype.itemsize,
             kv_lora_rank=getattr(config, "kv_lora_rank", None),
             rope_dim=getattr(config, "qk_rope_head_dim", 0) if getattr(config, "kv_lora_rank", None) else 0,
+            layer_windows=layer_windows(config),
+            rope_per_layer_type=rope_per_layer_type(config),
         )
+
+    @property
+    def sliding_layers(self) -> int:
+        """Layers with a sliding window (0 on a model whose every layer sees its whole context)."""
+        return sum(w is not None for w in self.layer_windows)
 
     def shape(self) -> Shape:
         """The same shape as the closed-form sums (and ``kvserve estimate``) take it."""
         return Shape(self.num_layers, self.num_key_value_heads, self.head_dim, self.head_dim, self.kv_lora_rank,
-                     self.rope_dim)
+                     self.rope_dim, layer_windows=self.layer_windows, rope_per_layer_type=self.rope_per_layer_type)
 
 
 class FullStorage:
@@ -284,6 +310,19 @@ class KVBackend(ABC):
     chunked_prefill: ClassVar[bool] = True
     """Whether its per-sequence stores take a prompt in several forward passes (``dca`` decides once per prompt)."""
 
+    window_refusal: ClassVar[str | None] = None
+    """Why this backend cannot serve a model with sliding-window layers (``None``: it can; the windowed layers then
+    attend under :meth:`cache_backends.step_meta.StepMeta.windowed`). :func:`cache_backends.registry.create`
+    refuses it with this reason."""
+
+    rope_refusal: ClassVar[str | None] = None
+    """Why this backend cannot serve a model whose layer types rotate with different RoPE parameters
+    (:attr:`ModelGeometry.rope_per_layer_type`), or ``None``."""
+
+    windowed_pool: bool = False
+    """Whether, on a model with sliding-window layers, its pages keep only each sliding layer's window
+    (:mod:`cache_backends.hybrid`; exact layouts: ``full``). Else every layer keeps every token."""
+
     def __init__(self, geometry: ModelGeometry, **options: Any):
         self.geometry = geometry
         self.options = options
@@ -333,8 +372,20 @@ class KVBackend(ABC):
         """Bytes one token costs in one layer at the model's dtype, averaged over a sequence of ``seq_len``
         tokens (int8-family backends depend on it through their full-precision window): what :meth:`kv_spec`
         holds (:meth:`cache_backends.kv_spec.KVSpec.bytes_per_token_per_layer`), the same function
-        ``kvserve estimate`` prints for :meth:`sums_spec`. ``/info`` reports it."""
-        return self.kv_spec().bytes_per_token_per_layer(seq_len)
+        ``kvserve estimate`` prints for :meth:`sums_spec`. ``/info`` reports it. With windows kept per group
+        (:meth:`window_groups`), each sliding group's layers count the ``window - 1`` tokens they hold at most."""
+        groups = self.window_groups()
+        if groups is None:
+            return self.kv_spec().bytes_per_token_per_layer(seq_len)
+        return windowed_bytes_per_token_per_layer(self.kv_spec(), [(w, len(layers)) for w, layers in groups], seq_len)
+
+    def window_groups(self) -> list[tuple[int | None, list[int]]] | None:
+        """The model's layers by window (:func:`cache_backends.hybrid.window_groups`) when this backend's pages keep
+        only each sliding layer's window (:attr:`windowed_pool` on a model with sliding-window layers), else
+        ``None``."""
+        if not (self.windowed_pool and self.geometry.sliding_layers):
+            return None
+        return window_groups(self.geometry.layer_windows, self.geometry.num_layers)
 
     def min_bytes_per_token_per_layer(self, seq_len: int = 1024) -> float:
         """The least :meth:`bytes_per_token_per_layer` can be: the same but for a backend whose size depends on
@@ -354,17 +405,30 @@ class KVBackend(ABC):
 
     def block_bytes(self, block_size: int) -> int:
         """Bytes of one block of ``block_size`` tokens of every layer in this backend's stored form
-        (:meth:`cache_backends.kv_spec.KVSpec.block_bytes`): the page size a pool serving only it uses."""
-        return self.kv_spec().block_bytes(block_size)
+        (:meth:`cache_backends.kv_spec.KVSpec.block_bytes`): the page size a pool serving only it uses (with windows
+        kept per group, the largest group's block: a smaller group's page holds more of its tokens)."""
+        groups = self.window_groups()
+        if groups is None:
+            return self.kv_spec().block_bytes(block_size)
+        return max(self.kv_spec().with_layers(len(layers)).block_bytes(block_size) for _, layers in groups)
 
     def page_layout(self, dtype: torch.dtype, page_bytes: int):
         """How this backend's blocks fill a page of ``page_bytes`` (:class:`cache_backends.page_layout.PageLayout`; the
-        planning the KV cache manager reads: ``plan``, ``extend``, ``commit``, ``written``, ``pages_for``...)."""
-        return PageLayout(self.kv_spec(), dtype, page_bytes)
+        planning the KV cache manager reads: ``plan``, ``extend``, ``commit``, ``written``, ``pages_for``...); with
+        windows kept per group, a :class:`cache_backends.hybrid.HybridLayout` of one layout per group."""
+        groups = self.window_groups()
+        if groups is None:
+            return PageLayout(self.kv_spec(), dtype, page_bytes)
+        spec = self.kv_spec()
+        return HybridLayout([PageLayout(spec.with_layers(len(layers)), dtype, page_bytes) for _, layers in groups],
+                            [w for w, _ in groups], [layers for _, layers in groups])
 
     def step_meta(self, layout, rows: list, device):
         """One step's metadata for this backend's rows ``[(blocks, plan), ...]`` (:class:`cache_backends.paged.
-        StepMeta`), built once before the forward."""
+        StepMeta`, or a :class:`cache_backends.hybrid.HybridStepMeta` on a hybrid layout), built once before the
+        forward."""
+        if isinstance(layout, HybridLayout):
+            return HybridStepMeta(layout, rows, device)
         return StepMeta(layout, rows, device)
 
     #: Whether :meth:`attend_paged` attends a K/V pair of streams through :func:`cache_backends.paged_attention.
@@ -380,12 +444,16 @@ class KVBackend(ABC):
         Args:
             key_states, value_states: (B, num_key_value_heads, n, head_dim), after RoPE.
         """
-        write_layer(views, layer, meta, self.encode_paged(layer, key_states, value_states, meta))
+        index = layer
+        if isinstance(meta, HybridStepMeta):  # the layer's group: its views, its index there, its metadata
+            group, index = meta.layout.where[layer]
+            views, meta = views[group], meta.groups[group]
+        write_layer(views, index, meta, self.encode_paged(layer, key_states, value_states, meta))
         if self.attends_in_place:
-            reads = in_place_layer(views, layer)
+            reads = in_place_layer(views, index)
             if reads is not None:
                 return reads
-        return read_layer(views, layer, meta)
+        return read_layer(views, index, meta)
 
     def stored_kv(self, layer: int, reads: list, meta) -> tuple:
         """The keys and values layer ``layer``'s gathered ``reads`` stand for, as two

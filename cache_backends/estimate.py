@@ -43,6 +43,42 @@ def dca_store_bytes_per_token_per_layer(own_tokens: Sequence[int], seq_len: int,
     return sum(inner(n) * n for n in own_tokens if n) / (len(own_tokens) * max(seq_len, 1))
 
 
+def layer_windows_of(get: Callable[[str], object], num_layers: int) -> tuple[int | None, ...]:
+    """Each layer's sliding window from a model config's fields (``get(name)``: the field or ``None``), as
+    transformers' attention modules pass it (``None``: a global layer): ``sliding_window`` on the layers
+    ``layer_types`` calls ``"sliding_attention"`` (Gemma 2/3, Qwen 2.5), or on every layer without ``layer_types``
+    (Mistral) unless ``use_sliding_window`` is false. A window at least ``max_position_embeddings`` long masks
+    nothing and counts as none; empty when no layer has a window."""
+    window = get("sliding_window")
+    if not isinstance(window, int) or window < 1 or get("use_sliding_window") is False:
+        return ()
+    positions = get("max_position_embeddings")
+    if isinstance(positions, int) and window >= positions:
+        return ()
+    types = get("layer_types")
+    windows = tuple(window if t == "sliding_attention" else None for t in types) if types else (window,) * num_layers
+    return windows if any(w is not None for w in windows) else ()
+
+
+def rope_per_layer_type_of(get: Callable[[str], object]) -> bool:
+    """Whether a model config (``get(name)``: a field or ``None``) rotates its layer types with different RoPE
+    parameters: ``rope_parameters`` keyed by the names in ``layer_types`` with two or more distinct values
+    (transformers 5), or a ``rope_local_base_freq`` other than ``rope_theta`` (Gemma 3's older configs)."""
+    params, types = get("rope_parameters"), get("layer_types")
+    if isinstance(params, dict) and types and all(t in params for t in set(types)):
+        return len({repr(sorted(params[t].items())) for t in set(types)}) > 1
+    local = get("rope_local_base_freq")
+    return local is not None and local != get("rope_theta")
+
+
+def windowed_bytes_per_token_per_layer(spec: KVSpec, groups: Sequence[tuple[int | None, int]], seq_len: int) -> float:
+    """Bytes per token per layer of ``spec``'s streams when each group of layers ``(window, layers)`` holds only
+    its window: a sliding layer at most ``window - 1`` tokens (what the next query sees besides itself), a global
+    one (window ``None``) every token (:mod:`cache_backends.hybrid`)."""
+    total = sum(spec.with_layers(n).bytes_at(seq_len if w is None else min(seq_len, w - 1)) for w, n in groups if n)
+    return total / (sum(n for _, n in groups) * max(seq_len, 1))
+
+
 # ---- the estimator behind `kvserve estimate` -------------------------------------------------------
 
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "fp16": 2, "float16": 2, "bf16": 2, "bfloat16": 2, "fp8": 1, "int8": 1}
@@ -61,6 +97,10 @@ class Shape:
         rope_dim: the decoupled rope key width of native MLA, else 0.
         max_positions: the config's ``max_position_embeddings`` (the longest context the model holds), else
             ``None`` (the presets: shapes, not one model's limit).
+        layer_windows: each layer's sliding window or ``None`` (:func:`layer_windows_of`); empty without any.
+            ``full`` keeps only the window of a sliding layer (:func:`windowed_bytes_per_token_per_layer`).
+        rope_per_layer_type: whether its layer types rotate with different RoPE parameters
+            (:func:`rope_per_layer_type_of`).
     """
 
     num_layers: int
@@ -70,6 +110,14 @@ class Shape:
     kv_lora_rank: int | None = None
     rope_dim: int = 0
     max_positions: int | None = None
+    layer_windows: tuple[int | None, ...] = ()
+    rope_per_layer_type: bool = False
+
+    def window_groups(self) -> list[tuple[int | None, int]]:
+        """``(window, layers)``: the global layers, then each window's sliding layers (empty without windows)."""
+        if not self.layer_windows:
+            return []
+        return [(w, self.layer_windows.count(w)) for w in [None] + sorted({w for w in self.layer_windows if w})]
 
     @classmethod
     def from_config(cls, cfg: dict) -> "Shape":
@@ -95,7 +143,9 @@ class Shape:
             return cls(cfg["num_hidden_layers"], heads, cfg.get("qk_nope_head_dim", 128) + rope,
                        cfg.get("v_head_dim", 128), cfg["kv_lora_rank"], rope, positions)
         d = cfg.get("head_dim") or cfg["hidden_size"] // heads
-        return cls(cfg["num_hidden_layers"], kv_heads, d, d, max_positions=positions)
+        return cls(cfg["num_hidden_layers"], kv_heads, d, d, max_positions=positions,
+                   layer_windows=layer_windows_of(cfg.get, cfg["num_hidden_layers"]),
+                   rope_per_layer_type=rope_per_layer_type_of(cfg.get))
 
 
 PRESETS: dict[str, Shape] = {
@@ -192,12 +242,16 @@ def bytes_per_token_per_layer(shape: Shape, backend: str, params: dict, dtype_by
             backend options): a reuse fraction f costs (1 - f) x the inner backend's sum plus f x its window's
             tokens in the inner form.
         dtype_bytes: bytes per element (2 for fp16).
-        seq_len: context length (matters for int8's residual window).
+        seq_len: context length (matters for int8's residual window; and for ``full`` on a model with
+            sliding-window layers, each of which holds only its window: :func:`windowed_bytes_per_token_per_layer`).
 
     Raises:
         ValueError: for an unknown backend or a parameter the shape cannot take.
     """
     check_composition(backend)
+    if backend == "full" and shape.layer_windows:
+        return windowed_bytes_per_token_per_layer(kv_spec(shape, backend, params, dtype_bytes), shape.window_groups(),
+                                                  seq_len)
     if backend == "dca" or backend.startswith("dca+"):
         params = {**default_params(shape, "dca"), **params}
         f = params["reuse_fraction"]

@@ -42,6 +42,7 @@ class FullBackend(KVBackend):
     """Exact keys and values (no compression)."""
 
     name = "full"
+    windowed_pool = True  # on a hybrid model its sliding layers' pages keep only their windows
 
     @property
     def attends_in_place(self) -> bool:
@@ -64,7 +65,8 @@ class FullBackend(KVBackend):
         return "full", {}
 
     def reserved_bytes(self, max_tokens: int) -> int:
-        return int(self.bytes_per_token_per_layer() * max_tokens * self.geometry.num_layers)
+        """A per-sequence store keeps every token in every layer (windows are kept in the pool only)."""
+        return int(self.kv_spec().bytes_per_token_per_layer(max_tokens) * max_tokens * self.geometry.num_layers)
 
     def kv_spec(self) -> KVSpec:
         """A block holds keys and values, (num_key_value_heads, head_dim) each per token; on a native-MLA model the

@@ -194,6 +194,7 @@ class GQABackend(KVBackend):
     """
 
     name = "gqa"
+    rope_refusal = "gqa fits its key codecs on keys un-rotated through one RoPE table for every layer"
     attends_in_place = True
 
     def __init__(self, geometry: ModelGeometry, groups: int | None = None, method: str = "pca",

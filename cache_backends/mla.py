@@ -189,6 +189,7 @@ class MLABackend(KVBackend):
     """
 
     name = "mla"
+    rope_refusal = "mla un-rotates and re-rotates keys through one RoPE table for every layer"
 
     def __init__(self, geometry: ModelGeometry, rank: int | None = None, quantization: Quantization | None = None):
         self.native = bool(geometry.kv_lora_rank)

@@ -65,6 +65,25 @@ class Plan:
         return self.new_exact_pages + self.new_q_pages
 
 
+class GroupedPlan:
+    """A plan made of one :class:`Plan` per group of pages (``groups``: ``dca``'s layer groups, a hybrid model's
+    window groups): the pages of every group, added."""
+
+    groups: list[Plan]
+
+    @property
+    def new_exact_pages(self) -> int:
+        return sum(p.new_exact_pages for p in self.groups)
+
+    @property
+    def new_q_pages(self) -> int:
+        return sum(p.new_q_pages for p in self.groups)
+
+    @property
+    def pages_needed(self) -> int:
+        return self.new_exact_pages + self.new_q_pages
+
+
 class TierPlan:
     """How a sequence's tokens fill the pages of a layout's two tiers (plain Python).
 

@@ -51,6 +51,34 @@ def _accepts(cls: type, options: dict) -> dict:
     return {k: v for k, v in options.items() if k in params}
 
 
+def serves_layer_kinds(name: str, windowed: bool, rope_per_layer_type: bool) -> bool:
+    """Whether backend ``name`` (single or composition) serves a model with sliding-window layers (``windowed``) or
+    with RoPE parameters per layer type: none of its parts has the matching refusal (``kvserve estimate`` leaves
+    the others out of its default rows, as :func:`create` refuses them)."""
+    for part in name.split("+"):
+        cls = _BACKENDS.get(part)
+        if cls is not None and ((windowed and cls.window_refusal) or (rope_per_layer_type and cls.rope_refusal)):
+            return False
+    return True
+
+
+def _check_windows(name: str, cls: type[KVBackend], geometry: ModelGeometry) -> None:
+    """Refuse ``cls`` (part of backend ``name``) on a model with sliding-window layers, or with RoPE parameters per
+    layer type, when it cannot serve them.
+
+    Raises:
+        ValueError: one line naming the backend, what the model has and the reason.
+    """
+    if geometry.sliding_layers and cls.window_refusal:
+        windows = sorted({w for w in geometry.layer_windows if w is not None})
+        raise ValueError(f"{name} cannot serve this model: {geometry.sliding_layers} of its {geometry.num_layers} "
+                         f"layers attend through a sliding window ({', '.join(map(str, windows))} tokens), and "
+                         f"{cls.window_refusal}")
+    if geometry.rope_per_layer_type and cls.rope_refusal:
+        raise ValueError(f"{name} cannot serve this model: its layer types rotate with different RoPE parameters "
+                         f"(sliding-window and global layers), and {cls.rope_refusal}")
+
+
 def create(name: str, geometry: ModelGeometry, **options) -> KVBackend:
     """Build backend ``name`` (single or composition) with its options.
 
@@ -59,7 +87,9 @@ def create(name: str, geometry: ModelGeometry, **options) -> KVBackend:
 
     Raises:
         ValueError: for an unsupported name or combination (listing the supported ones), an unknown
-            option, or an option value a backend refuses.
+            option, an option value a backend refuses, or a backend that cannot serve the model's
+            sliding-window layers (``dca``: :attr:`KVBackend.window_refusal`) or its RoPE per layer type
+            (``mla``, ``gqa``: :attr:`KVBackend.rope_refusal`).
     """
     if geometry.kv_lora_rank and name not in NATIVE_MLA_BACKENDS:
         raise ValueError(f"{name} needs per-head K/V, but this model is natively MLA (kv_lora_rank="
@@ -68,12 +98,15 @@ def create(name: str, geometry: ModelGeometry, **options) -> KVBackend:
         if name not in _BACKENDS:
             raise ValueError(f"unknown KV backend {name!r}; allowed: {', '.join(available())}")
         cls = _BACKENDS[name]
+        _check_windows(name, cls, geometry)
         unknown = set(options) - set(_accepts(cls, options))
         if unknown:
             raise ValueError(f"{name} takes no option {', '.join(sorted(unknown))}")
         return cls(geometry, **options)
     check_composition(name)
     outer, inner = name.split("+")
+    for part in (outer, inner):
+        _check_windows(name, _BACKENDS[part], geometry)
     used = set()
     if inner in QUANTIZED:
         picked = {k: options[k] for k in INT8_OPTIONS if k in options}

@@ -1,8 +1,11 @@
 """One step's metadata for the rows of one backend, built once before the forward and read by every layer: block
 tables as tensors, write slots, the slots of the groups the step quantizes (:class:`Drain`), every gathered
-token's position and the attention mask (:class:`StepMeta`)."""
+token's position and the attention mask (:class:`StepMeta`), and the same for a sliding-window layer
+(:meth:`StepMeta.windowed`)."""
 
 from __future__ import annotations
+
+import copy
 
 import torch
 
@@ -74,7 +77,8 @@ class StepMeta:
         mask: (B, n, Tq + Te) bool, True where a new token attends to a cached token (causal, live only).
         ranges: (B, n, 3) int32, the mask as intervals of each row's tiers (what the attention kernel reads,
             :mod:`cache_backends.kernels`): a new token sees the quantized tokens ``[0, q)`` and the exact slots
-            ``[lo, hi)`` of its row's exact pages.
+            ``[lo, hi)`` of its row's exact pages; (B, n, 4) on a :meth:`windowed` copy with a quantized tier, the
+            fourth column the first code seen (codes ``[q0, q)``).
 
     Quantized layouts: the new token at position ``p`` reads the tokens before ``quantized_before(p)`` as codes
     and the later ones exact, as it would decoding alone (the drained tokens' exact slots are still in their
@@ -152,6 +156,47 @@ class StepMeta:
         self.q_width = t_q
         self.gather_index: dict = {}  # the page gathers' row indices, built by the first layer that reads them
         self._grouped: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # what windowed() needs: each row's first position, and slot = position + slot_shift in its exact pages
+        self._first = as_long(firsts)[:, None]  # (B, 1)
+        self._slot_shift = (start - q_len)[:, None] - self._first  # (B, 1)
+        self._windows: dict[int, "StepMeta"] = {}
+
+    def windowed(self, window: int) -> "StepMeta":
+        """This step's metadata for a sliding-window layer: a query at position ``p`` sees only the tokens at
+        ``p - window < t <= p`` (transformers' ``sliding_window_overlay``). Built once per step and window; the
+        block tables, write slots and gathers are this one's (shared), the :attr:`mask` and :attr:`ranges` narrowed.
+
+        The window raises each query's first exact slot in :attr:`ranges`, and on a layout with a quantized tier
+        adds a fourth column, each query's first code seen (:attr:`ranges` is then (B, n, 4)); the attention kernel
+        reads both and skips the blocks before them. A window that covers every query's tokens returns this
+        metadata itself.
+
+        Args:
+            window: tokens each query sees, itself included (``sliding_window``), > 0.
+        """
+        if window in self._windows:
+            return self._windows[window]
+        lower = self.query_positions + 1 - window  # (B, n): each query's first visible position
+        if not bool((lower > self._first).any()):
+            self._windows[window] = self
+            return self
+        meta = copy.copy(self)
+        meta._windows, meta._grouped, meta._unmasked, meta.unmasked_len = {}, {}, None, None
+        meta.mask = self.mask & (self.positions[:, None, :] >= lower[:, :, None])
+        meta.ranges = self._narrow(lower)
+        self._windows[window] = meta
+        return meta
+
+    def _narrow(self, lower: torch.Tensor) -> torch.Tensor:
+        """:attr:`ranges` under a window whose first visible position is ``lower`` (B, n): each query's first exact
+        slot raised to it; with a quantized tier, a fourth column: the first code it sees (codes ``[q0, q)``)."""
+        ranges = self.ranges.clone()
+        lo = (lower + self._slot_shift).clamp(min=0).to(torch.int32)
+        ranges[..., 1] = torch.maximum(ranges[..., 1], lo)
+        if not self.q_width:
+            return ranges
+        first_code = (lower - self._first).clamp(min=0).to(torch.int32)  # codes are held from position first on
+        return torch.cat([ranges, first_code[..., None]], dim=-1)
 
     _unmasked: torch.Tensor | None = None  # the mask, when it lets every new token see the first unmasked_len tokens
     unmasked_len: int | None = None

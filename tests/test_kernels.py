@@ -160,6 +160,25 @@ def test_a_prefill_chunk_over_stored_history_matches_the_torch_path(tier, heads,
     pool.compare(pool.write(fresh, [37], commit=False), rep)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("window", [5, 40])
+@pytest.mark.parametrize("tier", list(TIERS))
+def test_a_sliding_window_matches_the_torch_path(tier, window, splits, monkeypatch):
+    """A sliding-window layer's step (:meth:`StepMeta.windowed`: each query's first exact slot, and with codes its
+    first code, raised to its window's start): decode rows of 7, 45 and 130 tokens (the window inside the exact
+    tier, inside the codes, past them), whole or split over blocks, and a 37-token prefill chunk over 130 stored
+    tokens, as the torch path attends them under the window's mask."""
+    monkeypatch.setenv("KVSERVE_KERNEL_SPLITS", str(splits))
+    pool = Pool(tier, 1, 64, torch.float32, tokens_per_page=16, seed=window + splits)
+    lengths = [7, 45, 130]
+    rows = [SeqBlocks() for _ in lengths]
+    _grow(pool, rows, lengths, chunk=24)
+    for _ in range(2):
+        pool.compare(pool.write(rows, [1] * len(rows), commit=False).windowed(window), 3)
+        pool.commit()
+    pool.compare(pool.write([rows[2]], [37], commit=False).windowed(window), 3)
+
+
 @pytest.mark.parametrize("tokens_per_page", [8, 13, 64])
 def test_page_sizes_and_shuffled_tables(tokens_per_page):
     """Pages of 8, 13 (rows never end on a boundary with the same phase) and 64 tokens, a shuffled free list: the

@@ -46,6 +46,8 @@ class DCABackend(KVBackend):
     """
 
     name = "dca"
+    window_refusal = ("dca lets a layer reuse another layer's cache, which a sliding layer and a global layer do not "
+                      "see alike (their windows differ)")
     chunked_prefill = False  # each layer decides kept/reuse once, on the whole prompt
 
     def __init__(self, geometry: ModelGeometry, threshold: float = 0.95, probe_interval: int = 16,

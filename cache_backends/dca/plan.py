@@ -34,7 +34,7 @@ import math
 from dataclasses import dataclass, field
 
 from cache_backends.estimate import dca_window_tokens
-from cache_backends.page_plan import Plan, SeqBlocks, TierPlan
+from cache_backends.page_plan import GroupedPlan, Plan, SeqBlocks, TierPlan
 
 SPANS = (1, 4, 16, 64, 256, 1024)  # token counts at which each layer's runtime threshold is calibrated
 PROBE_WINDOW = 4  # a decode probe compares the mean of the last this-many probed tokens
@@ -119,7 +119,7 @@ class DCABlocks:
 
 
 @dataclass
-class DCAPlan:
+class DCAPlan(GroupedPlan):
     """What writing ``n`` tokens does to a :class:`DCABlocks`, per group; decided before the step.
 
     Attributes:
@@ -142,18 +142,6 @@ class DCAPlan:
     own_from_fallback: list[int]
     probe: list[bool]
     prefill: bool
-
-    @property
-    def new_exact_pages(self) -> int:
-        return sum(p.new_exact_pages for p in self.groups)
-
-    @property
-    def new_q_pages(self) -> int:
-        return sum(p.new_q_pages for p in self.groups)
-
-    @property
-    def pages_needed(self) -> int:
-        return self.new_exact_pages + self.new_q_pages
 
 
 @dataclass

@@ -229,9 +229,10 @@ class KVCacheManager:
         exact pages (``W``: the most exact tokens held between steps, ``residual + group_size - 1``, or an
         on-demand tier's ``window + group_size - 1``), never more than the exact pages of every token left, and
         its first step exactly what its plan says; at most the pool's usable pages. The bound less the stored
-        form; 0 once prefilled and for a layout without a quantized tier (it stores every token it writes). A
-        prompt written in one step (one that wants every position's log-probability; ``dca``'s) holds what that
-        step's plan says, less what it keeps."""
+        form; 0 once prefilled and for a layout without a quantized tier (it stores every token it writes), but a
+        hybrid model's sliding layers hold a step's tokens before they keep only their window
+        (:meth:`cache_backends.hybrid.HybridLayout.transient_pages`). A prompt written in one step (one that wants
+        every position's log-probability; ``dca``'s) holds what that step's plan says, less what it keeps."""
         if seq.prefilled >= len(seq.context_ids):
             return 0
         layout, start = self.layouts[seq.backend_name], self._prefill_start(seq)
@@ -241,6 +242,8 @@ class KVCacheManager:
         stored, te = self._stored(seq), layout.exact_tokens
         if self.min_step(seq) is None:  # one step: what it holds while it runs, less what it keeps
             return max(0, first - len(stored.pages()))
+        if hasattr(layout, "transient_pages"):  # a hybrid model's sliding layers: a step's tokens, then the window
+            return min(layout.transient_pages(stored, chunk), self.blocks.usable_pages)
         q = layout.quantization
         if not q:
             return 0

@@ -89,19 +89,30 @@ class PagedRead:
         """The same read with the model's attention module attached (native MLA's absorbed attention)."""
         return PagedRead(self.layer, self.parts, module)
 
-    def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    def attend(self, query: torch.Tensor, scaling: float, window: int | None = None) -> torch.Tensor:
         """(B, num_attention_heads, n, head_dim) queries → (B, num_attention_heads, n, v_head_dim); in a ragged
-        step (1, num_attention_heads, T, head_dim) → (1, num_attention_heads, T, v_head_dim)."""
+        step (1, num_attention_heads, T, head_dim) → (1, num_attention_heads, T, v_head_dim). ``window``: the
+        layer's sliding window (each group's metadata narrowed to it, :meth:`StepMeta.windowed`)."""
         if len(self.parts) == 1 and self.parts[0][0].whole:
             group, reads = self.parts[0]
-            return group.backend.attend_paged(self.layer, query, reads, group.meta, scaling, self.module)
+            return group.backend.attend_paged(self.layer, query, reads, self._meta(group, window), scaling,
+                                              self.module)
         out = None
         for group, reads in self.parts:
-            o = group.backend.attend_paged(self.layer, group.take(query), reads, group.meta, scaling, self.module)
+            o = group.backend.attend_paged(self.layer, group.take(query), reads, self._meta(group, window), scaling,
+                                           self.module)
             if out is None:
                 out = o.new_empty(*query.shape[:-1], o.shape[-1])
             group.put(out, o)
         return out
+
+    def _meta(self, group: "PagedGroup", window: int | None):
+        """The group's step metadata for this layer: its window group's (a hybrid layout,
+        :class:`cache_backends.hybrid.HybridStepMeta`), narrowed to ``window`` (:meth:`StepMeta.windowed`)."""
+        meta = group.meta
+        if hasattr(meta, "for_layer"):
+            meta = meta.for_layer(self.layer)
+        return meta if window is None else meta.windowed(window)
 
 
 class _StepLayer(CacheLayerMixin):

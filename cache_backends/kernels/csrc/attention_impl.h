@@ -9,8 +9,9 @@
 // channel over groups of `group` tokens, values per token; 8-bit codes or two 4-bit codes a byte), then the
 // exact tier. A chunk's keys and values are used in place when they are fp32 exact tokens, else widened into
 // an fp32 scratch of BN tokens; the softmax is computed online (FlashAttention, arXiv 2205.14135), so nothing
-// the size of the context is allocated. Each query token sees the quantized tokens [0, q) and the exact tokens
-// [lo, hi) of its `ranges` entry: the step's mask (cache_backends/step_meta.py) as intervals.
+// the size of the context is allocated. Each query token sees the quantized tokens [q0, q) and the exact tokens
+// [lo, hi) of its `ranges` entry (q, lo, hi[, q0]; q0 is 0 when absent, a sliding window's start otherwise): the
+// step's mask (cache_backends/step_meta.py) as intervals.
 
 constexpr int64_t BN = 64;  // tokens per block (across pages)
 
@@ -502,11 +503,11 @@ inline void attend_block(int64_t M, int64_t d, int64_t dv, const float* qs, cons
 }
 
 #ifdef KVK_AVX2
-// Rows [0, M) of one (row b, KV head h) item over the quantized tokens [qa, qb), row r seeing [0, qc[r]): scores
-// with `qs` (M x d; rotated when the tier is), weighted values into `acc` (M x dv); `other`: the exact tier's
-// accumulator when the tiers sum apart (a rotated tier), rescaled with this one.
-inline void attend_quant(const PagedArgs& a, int64_t b, int64_t h, int64_t M, const float* qs, const int64_t* qc,
-                         int64_t qa, int64_t qb, Scratch& w, float* acc, float* other) {
+// Rows [0, M) of one (row b, KV head h) item over the quantized tokens [qa, qb), row r seeing [q0[r], qc[r]):
+// scores with `qs` (M x d; rotated when the tier is), weighted values into `acc` (M x dv); `other`: the exact
+// tier's accumulator when the tiers sum apart (a rotated tier), rescaled with this one.
+inline void attend_quant(const PagedArgs& a, int64_t b, int64_t h, int64_t M, const float* qs, const int64_t* q0,
+                         const int64_t* qc, int64_t qa, int64_t qb, Scratch& w, float* acc, float* other) {
   constexpr float NEG = -std::numeric_limits<float>::infinity();
   const int64_t d = a.d, dv = a.dv, kcw = d * a.k_bits / 8, vcw = dv * a.v_bits / 8, groups = a.tq / a.group;
   const int64_t kse = a.ks_dtype == F32 ? 4 : 2;
@@ -555,17 +556,18 @@ inline void attend_quant(const PagedArgs& a, int64_t b, int64_t h, int64_t M, co
     }
     // online softmax per row; the weights then carry each token's value scale, zs each row's zero-point sum
     for (int64_t r = 0; r < M; ++r) {
-      const int64_t j1 = std::min<int64_t>(qc[r] - t0, nj);
+      const int64_t j0 = std::max<int64_t>(q0[r] - t0, 0), j1 = std::min<int64_t>(qc[r] - t0, nj);
       float* pr = p + r * BN;
       zs[r] = 0.f;
-      if (j1 <= 0) {
+      if (j1 <= j0) {
         std::fill(pr, pr + nj, 0.f);
         continue;
       }
-      const float mx = max_of(s + r * BN, 0, j1), m_new = std::max(w.m[r], mx);
+      const float mx = max_of(s + r * BN, j0, j1), m_new = std::max(w.m[r], mx);
       const float alpha = w.m[r] == NEG ? 0.f : std::exp(w.m[r] - m_new);
-      w.l[r] = w.l[r] * alpha + exp_row(s + r * BN, m_new, 0, j1, pr);
+      w.l[r] = w.l[r] * alpha + exp_row(s + r * BN, m_new, j0, j1, pr);
       w.m[r] = m_new;
+      std::fill(pr, pr + j0, 0.f);
       std::fill(pr + j1, pr + nj, 0.f);
       if (alpha != 1.f) {
         for (int64_t c = 0; c < dv; ++c) acc[r * dv + c] *= alpha;
@@ -573,7 +575,7 @@ inline void attend_quant(const PagedArgs& a, int64_t b, int64_t h, int64_t M, co
           for (int64_t c = 0; c < dv; ++c) other[r * dv + c] *= alpha;
       }
       float z = 0.f;
-      for (int64_t j = 0; j < j1; ++j) {
+      for (int64_t j = j0; j < j1; ++j) {
         z += pr[j] * w.vz[j];
         pr[j] *= w.vs[j];
       }
@@ -599,6 +601,12 @@ struct Rows {
   bool rotated;
 };
 
+// Query token i of row b's codes seen, [q0, q): `ranges`' first entry and, in a 4-column `ranges`, its fourth.
+inline void codes_seen(const PagedArgs& a, const int32_t* rg, int64_t& q0, int64_t& q) {
+  q = rg[0];
+  q0 = a.rstride > 3 ? std::min<int64_t>(rg[3], q) : 0;
+}
+
 inline Rows rows_of(const PagedArgs& a, int64_t item) {
   Rows x;
   const int64_t tile = item % a.tiles;
@@ -609,8 +617,10 @@ inline Rows rows_of(const PagedArgs& a, int64_t item) {
   x.i1 = std::min(a.n, x.i0 + a.tile_tokens);
   x.M = (x.i1 - x.i0) * x.rep;
   for (int64_t i = x.i0; i < x.i1; ++i) {
-    const int32_t* rg = a.ranges + (x.b * a.n + i) * 3;
-    x.q_max = std::max<int64_t>(x.q_max, rg[0]);
+    const int32_t* rg = a.ranges + (x.b * a.n + i) * a.rstride;
+    int64_t q0, q;
+    codes_seen(a, rg, q0, q);
+    if (q > q0) x.q_max = std::max<int64_t>(x.q_max, q);
     if (rg[2] > rg[1]) {
       x.e_min = std::min<int64_t>(x.e_min, rg[1]);
       x.e_max = std::max<int64_t>(x.e_max, rg[2]);
@@ -646,29 +656,36 @@ inline void run_item(const PagedArgs& a, int64_t unit, Scratch& w) {
   const int64_t rep = a.Hq / a.H, d = a.d, dv = a.dv;
   const int64_t i0 = tile * a.tile_tokens, i1 = std::min(a.n, i0 + a.tile_tokens), M = (i1 - i0) * rep;
   // rows: token-major within the tile, the rep query heads of KV head h together
-  std::vector<int64_t> qc(M), elo(M), ehi(M), zero(M, 0);
-  int64_t q_max = 0, e_min = INT64_MAX, e_max = 0;
+  std::vector<int64_t> qc(M), q0(M), elo(M), ehi(M);
+  int64_t q_min = INT64_MAX, q_max = 0, e_min = INT64_MAX, e_max = 0;
   for (int64_t i = i0; i < i1; ++i) {
-    const int32_t* rg = a.ranges + (b * a.n + i) * 3;
+    const int32_t* rg = a.ranges + (b * a.n + i) * a.rstride;
+    int64_t lo, q;
+    codes_seen(a, rg, lo, q);
     for (int64_t r = 0; r < rep; ++r) {
       const int64_t row = (i - i0) * rep + r;
-      qc[row] = rg[0];
+      qc[row] = q;
+      q0[row] = lo;
       elo[row] = rg[1];
       ehi[row] = rg[2];
       const float* src = a.query + ((b * a.Hq + h * rep + r) * a.n + i) * d;
       for (int64_t c = 0; c < d; ++c) w.q[row * d + c] = src[c] * a.scaling;
     }
-    q_max = std::max<int64_t>(q_max, rg[0]);
+    if (q > lo) {
+      q_min = std::min<int64_t>(q_min, lo);
+      q_max = std::max<int64_t>(q_max, q);
+    }
     if (rg[2] > rg[1]) {
       e_min = std::min<int64_t>(e_min, rg[1]);
       e_max = std::max<int64_t>(e_max, rg[2]);
     }
   }
   const bool rotated = a.rotation != nullptr && q_max > 0;
-  // this split's blocks: [k0, k1) of the nbq quantized blocks then the exact ones
-  const int64_t nbq = (q_max + BN - 1) / BN, nbe = e_max > e_min ? (e_max - e_min + BN - 1) / BN : 0;
+  // this split's blocks: [k0, k1) of the nbq quantized blocks (from the first code a row sees) then the exact ones
+  if (q_max == 0) q_min = 0;
+  const int64_t nbq = (q_max - q_min + BN - 1) / BN, nbe = e_max > e_min ? (e_max - e_min + BN - 1) / BN : 0;
   const int64_t k0 = split * (nbq + nbe) / a.splits, k1 = (split + 1) * (nbq + nbe) / a.splits;
-  const int64_t qa = std::min(k0, nbq) * BN, qb = std::min(std::min(k1, nbq) * BN, q_max);
+  const int64_t qa = q_min + std::min(k0, nbq) * BN, qb = std::min(q_min + std::min(k1, nbq) * BN, q_max);
   const int64_t ea = e_min + std::max<int64_t>(k0 - nbq, 0) * BN;
   const int64_t eb = std::min(e_min + std::max<int64_t>(k1 - nbq, 0) * BN, e_max);
   std::fill(w.m.begin(), w.m.begin() + M, -std::numeric_limits<float>::infinity());
@@ -691,7 +708,8 @@ inline void run_item(const PagedArgs& a, int64_t unit, Scratch& w) {
   // widening of each token over all of them instead
   const bool fused = d % 16 == 0 && dv % 16 == 0 && M <= 8;
   if (qb > qa && fused)
-    attend_quant(a, b, h, M, rotated ? w.qr.data() : w.q.data(), qc.data(), qa, qb, w, acc_q, rotated ? acc_e : nullptr);
+    attend_quant(a, b, h, M, rotated ? w.qr.data() : w.q.data(), q0.data(), qc.data(), qa, qb, w, acc_q,
+                 rotated ? acc_e : nullptr);
 #else
   const bool fused = false;
 #endif
@@ -713,7 +731,7 @@ inline void run_item(const PagedArgs& a, int64_t unit, Scratch& w) {
         kp[j] = kj;
         vp[j] = vj;
       }
-      attend_block(M, d, dv, rotated ? w.qr.data() : w.q.data(), kp, vp, t0, nj, zero.data(), qc.data(), w, acc_q,
+      attend_block(M, d, dv, rotated ? w.qr.data() : w.q.data(), kp, vp, t0, nj, q0.data(), qc.data(), w, acc_q,
                    rotated ? acc_e : nullptr);
     }
   }

@@ -48,8 +48,9 @@ int64_t splits_for(const PagedArgs& a, int64_t items) {
   if (items >= 2 * threads) return 1;
   int64_t longest = 0;
   for (int64_t t = 0; t < a.B * a.n; ++t) {
-    const int32_t* rg = a.ranges + t * 3;
-    longest = std::max<int64_t>(longest, rg[0] + std::max(rg[2] - rg[1], 0));
+    const int32_t* rg = a.ranges + t * a.rstride;
+    const int64_t q0 = a.rstride > 3 ? std::min(rg[3], rg[0]) : 0;
+    longest = std::max<int64_t>(longest, rg[0] - q0 + std::max(rg[2] - rg[1], 0));
   }
   return std::max<int64_t>(1, std::min<int64_t>((2 * threads + items - 1) / items, longest / 512));
 }
@@ -68,8 +69,8 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& a
               "arena must be a contiguous (num_pages, page_bytes) uint8 tensor");
   TORCH_CHECK(exact_table.scalar_type() == torch::kLong && q_table.scalar_type() == torch::kLong,
               "block tables must be int64");
-  TORCH_CHECK(ranges.scalar_type() == torch::kInt && ranges.dim() == 3 && ranges.size(2) == 3,
-              "ranges must be (B, n, 3) int32");
+  TORCH_CHECK(ranges.scalar_type() == torch::kInt && ranges.dim() == 3 && (ranges.size(2) == 3 || ranges.size(2) == 4),
+              "ranges must be (B, n, 3) or (B, n, 4) int32");
   auto q = query.to(torch::kFloat).contiguous();
   auto et = exact_table.contiguous(), qt = q_table.contiguous(), rg = ranges.contiguous();
   PagedArgs a{};
@@ -118,6 +119,7 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& a
   a.q_table = qt.data_ptr<int64_t>();
   a.pq = qt.size(1);
   a.ranges = rg.data_ptr<int32_t>();
+  a.rstride = rg.size(2);
   a.scaling = static_cast<float>(scaling);
   const int64_t rep = a.Hq / a.H;
   a.tile_tokens = std::max<int64_t>(1, KVK_TILE_ROWS / rep);

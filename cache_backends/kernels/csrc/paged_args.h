@@ -18,7 +18,9 @@ struct PagedArgs {
   int64_t pe;
   const int64_t* q_table;      // (B, pq): each row's quantized pages
   int64_t pq;
-  const int32_t* ranges;    // (B, n, 3): per query token, quantized tokens seen [0, q) and exact tokens [lo, hi)
+  const int32_t* ranges;    // (B, n, rstride): per query token q, lo, hi[, q0]: quantized tokens seen [q0, q)
+                            // (q0 = 0 without a fourth column) and exact tokens [lo, hi)
+  int64_t rstride;          // 3, or 4 with each token's first code seen (a sliding window's start)
   const float* rotation;    // (d, d) Hadamard rotation of the quantized tier, or nullptr
   int64_t B, Hq, H, n, d, dv;
   int kv_dtype;             // DType of the exact tier

@@ -1,0 +1,152 @@
+"""The ``real_model`` group on Gemma 3 270M (``kvserve fetch-model --gemma3``): 18 layers, 15 of them sliding-window
+layers of 512 tokens and 3 global, 4 query heads sharing 1 K/V head of head_dim 256, ``query_pre_attn_scalar`` 256,
+RoPE base 10,000 on sliding layers and 1,000,000 on global ones. Skipped when the model is not fetched.
+
+* the folder is the published model (its shape, and the hash its summary records);
+* ``full`` through the engine is token-identical to ``model.generate()`` (transformers' own cache and masks) on
+  prompts of 600-1500 tokens, longer than the window: in one batch with chunked prefills beside decodes, on the
+  attention kernel, and alone on the torch path;
+* ``full`` holds every token in the global layers and the newest 511 in the sliding ones, the bytes its sums say;
+* ``int8`` and ``int4`` serve it: greedy tokens read in ``full``'s context (teacher forcing) agree with ``full``'s;
+* ``dca``, ``mla`` and ``gqa`` are refused at start-up, saying why.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from cache_backends import kernels
+from cache_backends.base import ModelGeometry
+from cache_backends.registry import create
+from server.model_fetch import GEMMA3, GEMMA3_DIR, SUMMARY, is_current
+from tests.engine_helpers import make_engine, make_seq, run_all
+
+pytestmark = [pytest.mark.real_model, pytest.mark.skipif(
+    not is_current(GEMMA3_DIR, GEMMA3), reason=f"Gemma 3 270M is not fetched: kvserve fetch-model --gemma3 "
+                                               f"(writes {GEMMA3_DIR})")]
+
+LENGTHS = (600, 900, 1200, 1500)  # prompt tokens, each longer than the 512-token window
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    from server.model_loading import load_model
+
+    return load_model(str(GEMMA3_DIR), torch.device("cpu"), torch.float32)
+
+
+@pytest.fixture(scope="module")
+def prompts(gemma):
+    """Prompts of :data:`LENGTHS` tokens from different parts of the packaged text (as text: the engine encodes)."""
+    from cache_backends.calibration import calibration_ids
+
+    _, tok = gemma
+    ids = calibration_ids(gemma[0], tok, max_tokens=8192)
+    texts = []
+    for i, n in enumerate(LENGTHS):
+        start = 1 + 1500 * i  # past the BOS calibration_ids may begin with
+        texts.append(tok.decode(ids[start : start + n - 1]))  # the tokenizer adds BOS: n tokens
+    return texts
+
+
+@pytest.fixture(scope="module")
+def expected(gemma, prompts):
+    """``generate()``'s greedy tokens after each prompt (transformers' DynamicCache, its sliding-window masks)."""
+    model, tok = gemma
+    out = []
+    for text in prompts:
+        ids = torch.tensor([tok.encode(text)])
+        with torch.no_grad():
+            gen = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
+                                 pad_token_id=tok.pad_token_id)
+        out.append(gen[0, ids.shape[1]:].tolist())
+    return out
+
+
+def test_the_folder_is_the_published_model(gemma):
+    model, tok = gemma
+    c = model.config
+    assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (
+        18, 640, 4, 1, 256)
+    assert c.layer_types.count("sliding_attention") == 15 and c.sliding_window == 512
+    assert c.query_pre_attn_scalar == 256 and not c.attn_logit_softcapping
+    rope = c.rope_parameters
+    assert (rope["sliding_attention"]["rope_theta"], rope["full_attention"]["rope_theta"]) == (10_000.0, 1_000_000.0)
+    assert json.loads((GEMMA3_DIR / SUMMARY).read_text())["gguf_sha256"] == GEMMA3.sha256
+    geometry = ModelGeometry.from_config(c, torch.float32)
+    assert geometry.sliding_layers == 15 and set(geometry.layer_windows) == {512, None}
+
+
+def test_the_prompts_are_longer_than_the_window(gemma, prompts):
+    assert [len(gemma[1].encode(p)) for p in prompts] == list(LENGTHS)
+
+
+def test_full_is_token_identical_to_generate_in_one_batch(gemma, prompts, expected):
+    """The four prompts together: 256-token prefill chunks beside the decodes of the rows already prefilled."""
+    model, tok = gemma
+    engine = make_engine(model, tok, "full", prefill_chunk_tokens=256)
+    seqs = [make_seq(tok, p, NEW_TOKENS) for p in prompts]
+    run_all(engine, seqs)
+    assert [s.output_ids for s in seqs] == expected
+
+
+def test_full_is_token_identical_to_generate_on_the_torch_path(gemma, prompts, expected):
+    model, tok = gemma
+    with kernels.using("torch"):
+        engine = make_engine(model, tok, "full", prefill_chunk_tokens=512)
+        seq = make_seq(tok, prompts[-1], NEW_TOKENS)
+        run_all(engine, [seq])
+    assert seq.output_ids == expected[-1]
+
+
+def test_full_holds_the_global_layers_every_token_and_the_sliding_layers_their_window(gemma, prompts):
+    """A 1500-token prompt in 256-token chunks, then 8 decodes: the 3 global layers hold 1508 tokens, the 15 sliding
+    ones the newest 511; the bytes held are the sums' (6,144 B a token for the global layers plus 15 x 511 x 2,048
+    B), and the pages the sliding layers left are back in the pool."""
+    from tests.engine_helpers import PagedDriver
+
+    model, tok = gemma
+    backend = create("full", ModelGeometry.from_config(model.config, torch.float32))
+    driver = PagedDriver(model, backend, pages=200, block_size=16)
+    ids = tok.encode(prompts[-1])
+    blocks = driver.new_blocks()
+    for start in range(0, len(ids), 256):
+        driver.step([blocks], [ids[start : start + 256]])
+    for _ in range(8):
+        driver.step([blocks], [[ids[-1]]])
+    length = len(ids) + 8
+    glob, sliding = blocks.groups
+    assert (glob.exact_len, sliding.exact_len, sliding.first) == (length, 511, length - 511)
+    held = driver.layout.stored_bytes(blocks)
+    assert held == 6144 * length + 15 * 511 * 2048
+    assert held == pytest.approx(backend.bytes_per_token_per_layer(length) * length * 18, rel=1e-12)
+    assert driver.manager.num_free == 200 - 1 - len(blocks.pages())
+
+
+@pytest.mark.parametrize("name,least", [("int8", 0.95), ("int4", 0.85)])  # measured: 1.0, 0.92
+def test_quantized_backends_serve_it(gemma, prompts, expected, name, least):
+    """Teacher-forced greedy agreement with ``full`` (tests/test_real_model.py's measure) through the per-sequence
+    stores, and the same backend through the engine runs to the end."""
+    from bench.fidelity import forced_agreement
+
+    model, tok = gemma
+    geometry = ModelGeometry.from_config(model.config, torch.float32)
+    backend = create(name, geometry)
+    ids = [tok.encode(p) for p in prompts[:2]]
+    assert forced_agreement(model, backend, ids, expected[:2]) >= least
+    engine = make_engine(model, tok, name, prepared=backend)
+    seq = make_seq(tok, prompts[0], 8, backend=name)
+    run_all(engine, [seq])
+    assert len(seq.output_ids) == 8
+
+
+@pytest.mark.parametrize("name,says", [("dca", "15 of its 18 layers attend through a sliding window"),
+                                       ("mla", "different RoPE parameters"), ("gqa", "different RoPE parameters")])
+def test_backends_that_cannot_serve_it_are_refused(gemma, name, says):
+    geometry = ModelGeometry.from_config(gemma[0].config, torch.float32)
+    with pytest.raises(ValueError, match=says):
+        create(name, geometry)

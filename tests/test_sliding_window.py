@@ -1,0 +1,261 @@
+"""Sliding-window layers (Gemma 3's hybrid of sliding and global layers) on a tiny randomly initialised Gemma 3: no
+download, the fast tier.
+
+The model: 4 layers (sliding, sliding, global, sliding) of window 8, 4 query heads sharing 2 K/V heads, head_dim 32,
+``query_pre_attn_scalar`` 20 (a softmax scale that is not ``head_dim ** -0.5``), and the two RoPE bases of Gemma 3
+(10,000 on sliding layers, 1,000,000 on global ones). Pages of 4 tokens, so a window spans pages and starts inside
+one; prompts and prefill chunks longer than the window.
+
+* ``full`` through the paged pool, on the attention kernel and on the torch path, gives transformers' eager
+  attention's logits at every step (a chunked prefill, a ragged step of a prefill beside another row, decodes);
+* the per-sequence stores (the reference path the quality budget prices through) give them too;
+* ``int8``/``int4`` with small groups (the window then starts inside the codes) give through the pool what their
+  per-sequence stores give, on both attention paths;
+* ``dca`` (layers reusing others' caches) and ``mla``/``gqa`` (one RoPE table for every layer, while Gemma 3
+  rotates sliding and global layers with different bases) are refused with the reason.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from cache_backends import kernels
+from cache_backends.base import ModelGeometry, layer_windows
+from cache_backends.registry import create
+from cache_backends.store_path import StorePath
+from tests.engine_helpers import PagedDriver
+
+WINDOW = 8
+LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+LENGTH = 40
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """``(model, eager)``: the tiny Gemma 3 with kvserve's attention, and its copy on transformers' eager attention."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from cache_backends.attention import install
+
+    config = Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=20,
+                              sliding_window=WINDOW, layer_types=LAYER_TYPES, max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(config).eval()
+    with torch.no_grad():  # random weights at a scale where attention is far from uniform
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(4)
+            layer.self_attn.k_proj.weight.mul_(4)
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    install(model)
+    return model, eager
+
+
+@pytest.fixture(scope="module")
+def sequences(tiny):
+    """Two token sequences of LENGTH and eager attention's logits at each of their positions, (2, LENGTH, vocab)."""
+    torch.manual_seed(1)
+    ids = torch.randint(3, 128, (2, LENGTH))
+    with torch.no_grad():
+        logits = tiny[1](ids).logits
+    return ids.tolist(), logits
+
+
+def _attention_modes():
+    return ["torch", "kernel"] if kernels.load() else ["torch"]
+
+
+def test_the_geometry_reads_each_layers_window(tiny):
+    from server.engine_loading import sliding_window_info
+
+    geometry = ModelGeometry.from_config(tiny[0].config, torch.float32)
+    assert geometry.layer_windows == (WINDOW, WINDOW, None, WINDOW) and geometry.sliding_layers == 3
+    assert sliding_window_info(geometry) == {"tokens": WINDOW, "layers": [0, 1, 3]}  # /info
+    config = copy.deepcopy(tiny[0].config)
+    config.sliding_window = 4096  # longer than the context: masks nothing
+    assert layer_windows(config) == ()
+
+
+def test_kvserve_estimate_reads_the_windows_from_config_json_and_leaves_out_what_is_refused(tiny):
+    """``kvserve estimate``'s shape from the config as saved: the same windows and RoPE facts as the served model's
+    geometry, ``full`` counted with its windows kept, and the default rows without ``gqa``, ``mla`` and ``dca``."""
+    from cache_backends.estimate import Shape, bytes_per_token_per_layer
+    from server.estimate_cli import resolve_specs
+
+    config = tiny[0].config
+    shape = Shape.from_config(config.to_dict())
+    geometry = ModelGeometry.from_config(config, torch.float32)
+    assert (shape.layer_windows, shape.rope_per_layer_type) == (geometry.layer_windows, True)
+    assert geometry.shape().layer_windows == shape.layer_windows and geometry.shape().rope_per_layer_type
+    assert bytes_per_token_per_layer(shape, "full", {}, 4, LENGTH) == create("full", geometry).bytes_per_token_per_layer(
+        LENGTH)
+    assert [name for name, _ in resolve_specs(shape, None, 4)] == ["full", "int8"]
+
+
+def test_kv_sliding_window_pool_false_keeps_every_token_in_every_layer(tiny):
+    from server.config import Settings
+    from server.engine_loading import create_backends
+
+    geometry = ModelGeometry.from_config(tiny[0].config, torch.float32)
+    kept = create_backends(Settings(kv_backends=""), geometry)["full"]
+    every = create_backends(Settings(kv_backends="", kv_sliding_window_pool=False), geometry)["full"]
+    assert kept.window_groups() == [(None, [2]), (WINDOW, [0, 1, 3])] and every.window_groups() is None
+    assert every.bytes_per_token_per_layer(LENGTH) == 512 > kept.bytes_per_token_per_layer(LENGTH)
+
+
+def _drive(driver: PagedDriver, ids: list[list[int]]) -> list[tuple[int, int, torch.Tensor]]:
+    """A chunked prefill of row 0, a ragged step (row 0's next chunk beside row 1's whole prompt), then decodes of
+    both rows to LENGTH: ``(row, position, logits)`` of every row's last token at every step."""
+    a, b = driver.new_blocks(), driver.new_blocks()
+    seen = [(0, 4, driver.step([a], [ids[0][:5]])[0])]
+    out = driver.step([a, b], [ids[0][5:23], ids[1][:11]])
+    seen += [(0, 22, out[0]), (1, 10, out[1])]
+    for pa in range(23, LENGTH):
+        pb = pa - 12
+        out = driver.step([a, b], [[ids[0][pa]], [ids[1][pb]]])
+        seen += [(0, pa, out[0]), (1, pb, out[1])]
+    assert a.tokens == LENGTH
+    driver.rows = (a, b)
+    return seen
+
+
+@pytest.mark.parametrize("windowed_pool", [True, False], ids=["windows-kept", "every-token-kept"])
+@pytest.mark.parametrize("mode", _attention_modes())
+def test_full_through_the_pool_gives_eager_attentions_logits(tiny, sequences, mode, windowed_pool):
+    """With the sliding layers' pages keeping only their windows (:mod:`cache_backends.hybrid`), and with every layer
+    keeping every token: transformers' eager logits at every step."""
+    model, _ = tiny
+    ids, reference = sequences
+    backend = create("full", ModelGeometry.from_config(model.config, torch.float32))
+    backend.windowed_pool = windowed_pool
+    with kernels.using(mode):
+        driver = PagedDriver(model, backend, pages=64, block_size=4)
+        for row, pos, logits in _drive(driver, ids):
+            torch.testing.assert_close(logits, reference[row, pos], rtol=0, atol=2e-5, msg=f"row {row} at {pos}")
+
+
+def test_sliding_layers_give_back_the_pages_that_fall_out_of_their_window(tiny, sequences):
+    """After the steps of :func:`_drive` (rows of 40 and 28 tokens, window 8): the global layer's group holds every
+    token, the sliding layers' group only its last 7 (the next query sees them and itself), in at most
+    ceil((tokens_per_page - 1 + 8) / tokens_per_page) pages; the bytes held are what the backend's sums say, and
+    every other page is back in the pool."""
+    from cache_backends.hybrid import HybridLayout
+
+    model, _ = tiny
+    backend = create("full", ModelGeometry.from_config(model.config, torch.float32))
+    driver = PagedDriver(model, backend, pages=64, block_size=4)
+    with kernels.using("torch"):
+        _drive(driver, sequences[0])
+    layout = driver.layout
+    assert isinstance(layout, HybridLayout) and layout.windows == [None, WINDOW]
+    assert layout.layers == [[2], [0, 1, 3]]
+    held = 0
+    for blocks, length in zip(driver.rows, (LENGTH, LENGTH - 12)):
+        glob, sliding = blocks.groups
+        assert (glob.first, glob.exact_len) == (0, length)
+        assert (sliding.first, sliding.exact_len) == (length - (WINDOW - 1), WINDOW - 1)
+        te = layout.groups[1].exact_tokens
+        assert len(sliding.exact) <= -(-(te - 1 + WINDOW) // te)
+        assert layout.stored_bytes(blocks) == pytest.approx(
+            backend.bytes_per_token_per_layer(length) * length * 4, rel=1e-12)
+        held += len(blocks.pages())
+    assert driver.manager.num_free == 64 - 1 - held  # the null page, and the pages the rows hold
+    # 2 (K, V) x 2 heads x 32 x 4 bytes = 512 per token and layer: 1 global layer of 40 tokens, 3 of 7
+    assert backend.bytes_per_token_per_layer(LENGTH) * LENGTH * 4 == 512 * (LENGTH + 3 * 7)
+
+
+def test_full_per_sequence_stores_give_eager_attentions_logits(tiny, sequences):
+    model, _ = tiny
+    ids, reference = sequences
+    backend = create("full", ModelGeometry.from_config(model.config, torch.float32))
+    runner = StorePath(model, 4)
+    stores = [backend.new_store(), backend.new_store()]
+    logits = [runner.prefill(ids[r][:20], stores[r], all_logits=True) for r in range(2)]
+    for r in range(2):
+        torch.testing.assert_close(logits[r], reference[r, :20], rtol=0, atol=2e-5)
+    for pos in range(20, LENGTH):  # a batched decode of both stores
+        out = runner.decode([ids[0][pos], ids[1][pos]], stores)
+        torch.testing.assert_close(out, reference[:, pos], rtol=0, atol=2e-5, msg=f"decode at {pos}")
+
+
+QUANTIZED = [("int8", {"group_size": 4, "residual": 4}), ("int4", {"group_size": 4, "residual": 4})]
+
+
+@pytest.mark.parametrize("mode", _attention_modes())
+@pytest.mark.parametrize("name,options", QUANTIZED, ids=[n for n, _ in QUANTIZED])
+def test_quantized_tiers_through_the_pool_give_what_their_stores_give(tiny, sequences, mode, name, options):
+    """The window starts inside the codes once a row passes window + residual tokens (the kernel then reads codes
+    from the window's start); the stores (fed token by token, so that each token reads what the pool's chunked
+    prefill reads: tests/test_paged.py) rebuild K/V and mask them. The two agree."""
+    model, _ = tiny
+    ids, _ = sequences
+    backend = create(name, ModelGeometry.from_config(model.config, torch.float32), **options)
+    runner = StorePath(model, 4)
+    with kernels.using(mode):
+        driver = PagedDriver(model, backend, pages=64, block_size=4)
+        paged = _drive(driver, ids)
+    expected = {}
+    for r in range(2):  # token by token: every token reads the codes it reads decoding alone, as the pool's do
+        store = backend.new_store()
+        expected[(r, 0)] = runner.prefill(ids[r][:1], store)[-1]
+        for pos in range(1, LENGTH):
+            expected[(r, pos)] = runner.decode([ids[r][pos]], [store])[0]
+    # Each path quantizes the K/V its own forward produced; a value on a rounding boundary then gets codes one step
+    # apart (tests/test_paged.py). Measured on this model with the window and without it alike: up to 4e-4 (int8)
+    # and 9e-4 (int4); a window one token off moves these logits by about 1e-1.
+    tol = 1e-3 if name == "int8" else 3e-3
+    for row, pos, logits in paged:
+        torch.testing.assert_close(logits, expected[(row, pos)], rtol=0, atol=tol, msg=f"row {row} at {pos}")
+
+
+def _ranges_as_mask(meta) -> torch.Tensor:
+    """:attr:`StepMeta.ranges` as the (B, n, Tq + Te) mask they stand for: codes ``[q0, q)`` (``q0`` the fourth
+    column, else 0), exact slots ``[lo, hi)``."""
+    tq, te = meta.q_width, meta.positions.shape[1] - meta.q_width
+    r = meta.ranges.long()
+    iq, ie = torch.arange(tq), torch.arange(te)
+    q0 = r[..., 3:4] if r.shape[-1] == 4 else torch.zeros_like(r[..., 0:1])
+    codes = (iq[None, None] < r[..., 0:1]) & (iq[None, None] >= q0)
+    exact = (ie[None, None] >= r[..., 1:2]) & (ie[None, None] < r[..., 2:3])
+    return torch.cat([codes, exact], dim=-1)
+
+
+@pytest.mark.parametrize("name,options", [("full", {})] + QUANTIZED, ids=["full"] + [n for n, _ in QUANTIZED])
+def test_a_windowed_steps_mask_and_ranges_are_the_window(tiny, sequences, monkeypatch, name, options):
+    """Every step's windowed metadata: its mask is the step's mask and ``p - window < t``, and its ranges (what the
+    kernel reads) are that mask; a quantized layout's windows start inside the codes at some steps."""
+    from cache_backends.step_meta import StepMeta
+
+    model, _ = tiny
+    seen = {"steps": 0, "cut": 0}
+    windowed = StepMeta.windowed
+
+    def checked(self, window):
+        meta = windowed(self, window)
+        want = self.mask & (self.positions[:, None, :] > self.query_positions[:, :, None] - window)
+        assert torch.equal(meta.mask, want)
+        assert torch.equal(_ranges_as_mask(meta), want)
+        seen["steps"] += 1
+        if meta.ranges.shape[-1] == 4:  # the codes a query sees start inside the tier
+            seen["cut"] += bool(((meta.ranges[..., 3] > 0) & (meta.ranges[..., 3] < meta.ranges[..., 0])).any())
+        return meta
+
+    monkeypatch.setattr(StepMeta, "windowed", checked)
+    backend = create(name, ModelGeometry.from_config(model.config, torch.float32), **options)
+    with kernels.using("torch"):
+        _drive(PagedDriver(model, backend, pages=64, block_size=4), sequences[0])
+    assert seen["steps"] > 0 and (seen["cut"] > 0) == (name != "full")
+
+
+@pytest.mark.parametrize("name,says", [("dca", r"3 of its 4 layers attend through a sliding window \(8 tokens\)"),
+                                       ("dca+int8", "sliding window"), ("mla", "different RoPE parameters"),
+                                       ("mla+int8", "different RoPE parameters"), ("gqa", "different RoPE parameters")])
+def test_backends_that_cannot_serve_it_are_refused_saying_why(tiny, name, says):
+    geometry = ModelGeometry.from_config(tiny[0].config, torch.float32)
+    assert geometry.rope_per_layer_type
+    with pytest.raises(ValueError, match=says):
+        create(name, geometry)
