@@ -9,6 +9,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.engine.core_client import CoreDied
 from server.engine.engine import Overloaded
+from server.engine.grammar import GRAMMAR_FAILED
 from server.error_body import error_body, openai_path
 from server.service import ClientGone, InvalidRequest
 
@@ -95,6 +96,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(GenerationFailed)
     async def _failed(request: Request, exc: GenerationFailed):
+        if GRAMMAR_FAILED in str(exc):  # the request's grammar has no way on in this vocabulary: the client's input
+            return validation_error(request, str(exc), None)
         return error_response(500, str(exc), "generation", request)
 
     @app.exception_handler(ModelNotFound)

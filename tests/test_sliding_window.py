@@ -93,7 +93,7 @@ def test_kvserve_estimate_reads_the_windows_from_config_json_and_leaves_out_what
     assert geometry.shape().layer_windows == shape.layer_windows and geometry.shape().rope_per_layer_type
     assert bytes_per_token_per_layer(shape, "full", {}, 4, LENGTH) == create("full", geometry).bytes_per_token_per_layer(
         LENGTH)
-    assert [name for name, _ in resolve_specs(shape, None, 4)] == ["full", "int8"]
+    assert [name for name, _ in resolve_specs(shape, None, 4)] == ["full", "int8", "int4", "int8", "elastic"]
 
 
 def test_kv_sliding_window_pool_false_keeps_every_token_in_every_layer(tiny):

@@ -65,6 +65,20 @@ def test_the_mask_binds_greedy_and_sampled_rows_alike():
         assert greedy.token == 2 and sampled.token in (2, 3)
 
 
+def test_the_mask_holds_after_a_repetition_penalty_that_is_zero_in_float32():
+    """A penalty of 5.5e-269 (accepted: it is > 0) is 0 in float32; applied after the mask it made -inf * 0 = NaN
+    of the disallowed tokens and a disallowed token was drawn (found by schemathesis: a 500 "the request's grammar
+    cannot go on"). The mask now comes last."""
+    logits = torch.tensor([[5.0, -4.0, 3.0, -1.0], [5.0, -4.0, 3.0, -1.0]])
+    allowed = torch.tensor([0b1000], dtype=torch.int32)  # token 3 alone
+    params = dict(repetition_penalty=5.5e-269)
+    rows = [RowRequest(SamplingParams(**params), [0, 1, 3], [], allowed=allowed),
+            RowRequest(SamplingParams(do_sample=True, seed=1, temperature=0.5, **params), [0, 1, 3], [],
+                       torch.Generator().manual_seed(1), allowed)]
+    for _ in range(10):
+        assert [s.token for s in sample_batch(logits, rows)] == [3, 3]
+
+
 @pytest.fixture(scope="module")
 def engine(ref_model):
     model, tok = ref_model

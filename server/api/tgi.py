@@ -21,6 +21,7 @@ from server.api.tgi_schemas import (ErrorBody, TGIBestOfSequence, TGIDetails, TG
                                     TGIRequest, TGIResponse, TGIStreamDetails, TGIStreamEvent, TGIToken)
 from server.api.types import sse_schema
 from server.api.validation import refuse_unimplemented
+from server.engine.grammar import GRAMMAR_FAILED
 from server.engine.sampling import SamplingParams
 from server.engine.sequence import FinishReason, Sequence, TokenEvent
 from server.errors import NotReady, error_response
@@ -96,7 +97,8 @@ def _reported_seed(seq: Sequence) -> int | None:
 
 def _failure(ev: TokenEvent) -> dict | None:
     if ev.finish_reason == FinishReason.ERROR:
-        return {"error": ev.error or "generation failed", "error_type": "generation"}
+        error = ev.error or "generation failed"  # a grammar with no way on is the request's: TGI's validation
+        return {"error": error, "error_type": "validation" if GRAMMAR_FAILED in error else "generation"}
     return None
 
 
@@ -111,7 +113,8 @@ async def _generate(body: TGIRequest, request: Request):
         if not events or events[-1].finish_reason == FinishReason.CANCELLED:
             return error_response(499, "client closed request", "cancelled")
         if (failure := _failure(events[-1])) is not None:
-            return error_response(500, failure["error"], failure["error_type"])
+            return error_response(422 if failure["error_type"] == "validation" else 500, failure["error"],
+                                  failure["error_type"])
     p = body.parameters
     top = _TopTokens(service.tokenizer, service.engine.special_ids)
 

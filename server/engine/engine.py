@@ -27,7 +27,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 from cache_backends.base import KVBackend
 from server.engine.detokenize import IncrementalDetokenizer
-from server.engine.grammar import GrammarError, Grammars
+from server.engine.grammar import GRAMMAR_FAILED, GrammarError, Grammars
 from server.engine.runner import ModelRunner
 from server.engine.sampling import RowRequest, Sampled, new_generator
 from server.engine.scheduler import Scheduler
@@ -225,7 +225,7 @@ class Engine:
         text = seq.detok.add(token)
         reason = None
         if seq.grammar is not None and not seq.grammar.accept(token):
-            raise ValueError(f"the request's grammar cannot go on: {seq.grammar.error or f'token {token} is outside it'}")
+            raise ValueError(f"{GRAMMAR_FAILED}: {seq.grammar.error or f'token {token} is outside it'}")
         if token in self.eos_token_ids or (seq.grammar is not None and seq.grammar.done):
             reason = FinishReason.EOS  # a grammar that can only end ends the text as end-of-text would
         elif seq.detok.stopped:

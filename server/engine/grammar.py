@@ -36,6 +36,9 @@ JSON_OBJECT = '{"type": "object"}'
 """The schema of ``json_object``: any JSON object (not any JSON value)."""
 
 
+GRAMMAR_FAILED = "the request's grammar cannot go on"
+"""How the engine's error for a grammar that fails mid-output begins (the HTTP side answers it as the client's)."""
+
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 """No free whitespace between tokens (vLLM's disable_any_whitespace): a small model given the choice writes newlines
 until its budget ends; the JSON keeps the usual ", " and ": " separators."""

@@ -1,10 +1,10 @@
 """Sampling: one batched step from a decode batch's logits to each row's next token.
 
 :func:`sample_batch` takes ``logits`` (batch, vocab) and one :class:`RowRequest` per row and applies
-each row's processors as tensor operations over the rows that need them: first a structured output's grammar mask
-(the tokens its grammar does not allow next become -inf: :func:`apply_allowed`), then, in the order of
-transformers' ``generate()`` and TGI: repetition penalty, frequency/presence penalty, ``logit_bias``,
-end-of-text masking (``min_tokens``, ``ignore_eos``); then, for sampled rows only, temperature, top-k,
+each row's processors as tensor operations over the rows that need them, in the order of transformers'
+``generate()`` and TGI: repetition penalty, frequency/presence penalty, ``logit_bias``, end-of-text masking
+(``min_tokens``, ``ignore_eos``), then a structured output's grammar mask (the tokens its grammar does not allow
+next become -inf: :func:`apply_allowed`); then, for sampled rows only, temperature, top-k,
 top-p and typical-p. Greedy rows take one batched arg-max of their processed scores; each sampled row
 draws with its own ``torch.Generator`` seeded from its ``seed``, so a seed reproduces the output
 whatever else is in the batch.
@@ -292,13 +292,15 @@ def process(logits: torch.Tensor, rows: list[RowRequest], eos_ids: Iterable[int]
     """
     eos_ids = list(eos_ids)
     s = logits
-    s = _on(s, rows, lambda r: r.allowed is not None, apply_allowed)
     s = _on(s, rows, lambda r: r.params.repetition_penalty != 1.0, apply_repetition_penalty)
     s = _on(s, rows, lambda r: r.params.frequency_penalty != 0.0 or r.params.presence_penalty != 0.0,
             apply_frequency_presence)
     s = _on(s, rows, lambda r: bool(r.params.logit_bias), apply_logit_bias)
     if eos_ids:
         s = _on(s, rows, lambda r: r.params.ignore_eos or len(r.output_ids) < r.params.min_tokens, mask_eos, eos_ids)
+    # the grammar's mask last: whatever the processors before made of a score (a repetition penalty that is 0 in
+    # float32 turns -inf into NaN), a token the grammar does not allow ends at -inf
+    s = _on(s, rows, lambda r: r.allowed is not None, apply_allowed)
     sampled = lambda r: not r.params.greedy  # noqa: E731
     s = _on(s, rows, lambda r: sampled(r) and r.params.temperature != 1.0, apply_temperature)
     s = _on(s, rows, lambda r: sampled(r) and r.params.top_k > 0, apply_top_k)
