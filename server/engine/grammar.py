@@ -4,7 +4,7 @@ Linux install).
 
 A request asks for a grammar through two plain fields of its :class:`~server.engine.sampling.SamplingParams`:
 ``grammar_kind`` (one of :data:`KINDS`) and ``grammar`` (the JSON schema as JSON text, or the regular expression).
-The engine compiles it once per distinct grammar (:class:`Grammars`, which caches; in a thread beside the steps,
+The engine compiles each request's grammar (:class:`Grammars`, in a thread beside the steps,
 :meth:`server.engine.engine.Engine.submit`) and gives each sequence its own :class:`GrammarState` (``n`` > 1: one per
 choice). Each step the state's ``mask`` — the next token's allowed ids as an int32 bitmask, (ceil(vocab / 32),), the
 layout llguidance and xgrammar share — goes to the sampler with the row
@@ -89,7 +89,8 @@ def strict_schema(schema: Any) -> Any:
 
 
 def _grammar_text(kind: str, grammar: str) -> str:
-    """llguidance's grammar for ``kind`` and ``grammar`` (unchecked: :func:`_validate` says what is wrong).
+    """llguidance's grammar for ``kind`` and ``grammar`` (unchecked: a matcher or :func:`_validate` says what is
+    wrong).
     A ``json_schema`` is read strictly (:func:`strict_schema`); ``json_object`` is any object."""
     matcher = _llguidance().LLMatcher
     if kind in ("json_object", "json_schema"):
@@ -102,63 +103,29 @@ def _grammar_text(kind: str, grammar: str) -> str:
     raise GrammarError(f"unknown grammar kind {kind!r}; one of {', '.join(KINDS)}")
 
 
-def _validate(text: str, tokenizer=None) -> None:
-    error = _llguidance().LLMatcher.validate_grammar(text, tokenizer)
+def _validate(text: str) -> None:
+    """Check ``text`` alone, without a vocabulary (what :func:`check` does before :func:`use_vocabulary`)."""
+    error = _llguidance().LLMatcher.validate_grammar(text, None)
     if error:
         raise GrammarError(_reason(error))
 
 
-_CHECK_VOCAB: list = []
-"""The vocabulary :func:`check` walks a grammar's first tokens with (:func:`use_vocabulary`), once one is set."""
 FORCED_STEPS = 64
-"""Tokens :func:`check` follows where the grammar allows only one (a JSON schema's opening ``{"key": ``)."""
+"""Tokens :meth:`Grammars.check` follows where the grammar allows only one (a JSON schema's opening ``{"key": ``)."""
+_CHECKER: list["Grammars"] = []
+"""The served model's :class:`Grammars` that :func:`check` runs each grammar on (:func:`use_vocabulary`)."""
 
 
 def use_vocabulary(tokenizer, vocab_size: int, stop_ids) -> None:
     """Let :func:`check` run each grammar on the served model's vocabulary (built on the first check), so a grammar
     that compiles but cannot be followed (a recursive ``$ref``, an object of thousands of optional properties past
     the matcher's limits, a regular expression past its lexer's) is refused before it reaches the engine."""
-    _CHECK_VOCAB[:] = [(tokenizer, vocab_size, sorted(stop_ids), [])]
-
-
-def _check_vocabulary():
-    if not _CHECK_VOCAB:
-        return None
-    tokenizer, vocab_size, stop_ids, built = _CHECK_VOCAB[0]
-    if not built:
-        try:
-            built.append(_llguidance().hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=stop_ids or None))
-        except Exception as exc:  # noqa: BLE001 - a tokenizer llguidance cannot read: the engine still checks
-            log.warning("grammars are checked without the model's vocabulary: %s", exc)
-            built.append(None)
-    return built[0]
-
-
-def _walk(text: str, vocab) -> None:
-    """Start a matcher on ``text``, follow its forced tokens (at most :data:`FORCED_STEPS`) and compute the next
-    mask; raises :class:`GrammarError` with the matcher's reason when it fails on the way."""
-    llg = _llguidance()
-    matcher = llg.LLMatcher(vocab, text)
-    mask = llg.torch.allocate_token_bitmask(1, vocab.vocab_size)
-    for _ in range(FORCED_STEPS):
-        if matcher.is_error():
-            break
-        forced = matcher.compute_ff_tokens()
-        if not forced:
-            break
-        if not matcher.consume_tokens(forced[:FORCED_STEPS]):
-            break
-    if not matcher.is_error() and not matcher.is_stopped():
-        llg.torch.fill_next_token_bitmask(matcher, mask, 0)
-        if not matcher.is_error() and not bool(mask.any()):
-            raise GrammarError("no token can continue the output")
-    if matcher.is_error():
-        raise GrammarError(_reason(matcher.get_error()))
+    _CHECKER[:] = [Grammars(tokenizer, vocab_size, stop_ids)]
 
 
 def check(kind: str, grammar: str) -> None:
-    """Compile ``grammar`` to refuse a bad one before it reaches the engine: checked alone, then (once
-    :func:`use_vocabulary` set the served model's) followed through its first forced tokens on that vocabulary.
+    """Compile ``grammar`` to refuse a bad one before it reaches the engine: on the served model's vocabulary once
+    :func:`use_vocabulary` set it (:meth:`Grammars.check`), else alone.
 
     Args:
         kind: one of :data:`KINDS`.
@@ -174,12 +141,14 @@ def check(kind: str, grammar: str) -> None:
         return
     if kind == "regex" and (len(grammar) - len(grammar.rstrip("\\"))) % 2:
         raise GrammarError("the regular expression ends in a lone backslash")
+    checker = _CHECKER[0] if _CHECKER else None
+    if checker is not None and checker.vocab is None:  # a tokenizer llguidance cannot read: checked alone
+        checker = None
     try:
-        text = _grammar_text(kind, grammar)
-        _validate(text)
-        vocab = _check_vocabulary()
-        if vocab is not None:
-            _walk(text, vocab)
+        if checker is not None:
+            checker.check(kind, grammar)
+        else:
+            _validate(_grammar_text(kind, grammar))
     except GrammarError:
         raise
     except RecursionError:
@@ -200,8 +169,8 @@ def _reason(text: str) -> str:
 
 
 class Grammars:
-    """The engine's grammar compiler: the tokenizer's vocabulary for llguidance, built on first use, and each
-    distinct grammar checked once against it (cached).
+    """Grammar matchers on one model's vocabulary: the engine's (one :class:`GrammarState` per sequence) and the HTTP
+    side's check (:func:`use_vocabulary`). The vocabulary's llguidance tables are built on first use.
 
     Args:
         tokenizer: the model's Hugging Face tokenizer.
@@ -213,38 +182,40 @@ class Grammars:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_ids = sorted(stop_ids)
-        self._vocab = None
+        self._vocab: list = []  # [llguidance's tokenizer], or [None] when it cannot read this one
         self._stop_words: torch.Tensor | None = None
-        self._compiled: dict[tuple[str, str], str] = {}
         self._lock = threading.Lock()
 
-    def _compile(self, kind: str, grammar: str) -> str:
-        llg = _llguidance()
+    @property
+    def vocab(self):
+        """llguidance's tables of the vocabulary (built once), or ``None`` when llguidance cannot read the
+        tokenizer (logged)."""
         with self._lock:
-            if self._vocab is None:
-                self._vocab = llg.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size,
-                                                    eos_token=self.stop_ids or None)
+            if not self._vocab:
+                try:
+                    self._vocab.append(_llguidance().hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size,
+                                                                       eos_token=self.stop_ids or None))
+                except Exception as exc:  # noqa: BLE001 - the reason goes to the log; state() then fails with it
+                    log.warning("llguidance cannot read the tokenizer: %s", exc)
+                    self._vocab.append(None)
                 stop = torch.zeros(_words(self.vocab_size), dtype=torch.int32)
                 for t in self.stop_ids:
                     if t < self.vocab_size:
                         stop[t // 32] |= _bit(t % 32)
                 self._stop_words = stop
-            key = (kind, grammar)
-            if key not in self._compiled:
-                text = _grammar_text(kind, grammar)
-                _validate(text, self._vocab)
-                self._compiled[key] = text
-            return self._compiled[key]
+        return self._vocab[0]
 
     def state(self, kind: str, grammar: str) -> "GrammarState":
         """A new matcher at the grammar's start, its first mask filled.
 
         Raises:
-            GrammarError: the grammar does not compile.
+            GrammarError: the grammar does not compile, or no token can start it.
         """
+        vocab = self.vocab
+        if vocab is None:
+            raise GrammarError("llguidance cannot read this model's tokenizer")
         try:
-            text = self._compile(kind, grammar)
-            matcher = _llguidance().LLMatcher(self._vocab, text)
+            matcher = _llguidance().LLMatcher(vocab, _grammar_text(kind, grammar))
         except GrammarError:
             raise
         except Exception as exc:  # noqa: BLE001
@@ -255,6 +226,22 @@ class Grammars:
         if state.error is not None:
             raise GrammarError(state.error)
         return state
+
+    def check(self, kind: str, grammar: str) -> None:
+        """Start the grammar and follow its forced tokens (at most :data:`FORCED_STEPS`): a grammar that fails
+        there (past one of the matcher's limits, or with no token to go on) raises :class:`GrammarError`."""
+        state = self.state(kind, grammar)
+        for _ in range(FORCED_STEPS):
+            forced = [] if state.done else state.matcher.compute_ff_tokens()
+            if not forced:
+                break
+            for token in forced:
+                if not state.accept(token):
+                    raise GrammarError(state.error or "a forced token does not follow the grammar")
+                if state.done:
+                    break
+        if state.error is not None:
+            raise GrammarError(state.error)
 
 
 def _words(vocab_size: int) -> int:
