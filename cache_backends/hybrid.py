@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass
 
 from cache_backends.page_layout import PageLayout
-from cache_backends.page_plan import NULL_PAGE, GroupedPlan, Plan, SeqBlocks
+from cache_backends.page_plan import NULL_PAGE, GroupedBlocks, GroupedPlan, Plan, SeqBlocks
 from cache_backends.step_meta import StepMeta
 
 
@@ -40,7 +40,7 @@ def window_groups(layer_windows: tuple[int | None, ...], num_layers: int) -> lis
 
 
 @dataclass
-class HybridBlocks:
+class HybridBlocks(GroupedBlocks):
     """One sequence's block tables: ``groups[g]`` those of group ``g`` (its tokens from position ``first`` on).
 
     Attributes:
@@ -49,13 +49,6 @@ class HybridBlocks:
 
     groups: list[SeqBlocks]
     length: int = 0
-
-    @property
-    def tokens(self) -> int:
-        return self.length
-
-    def pages(self) -> list[int]:
-        return [p for g in self.groups for p in g.pages()]
 
     def copy(self) -> "HybridBlocks":
         return HybridBlocks([g.copy() for g in self.groups], self.length)

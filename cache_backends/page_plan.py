@@ -65,6 +65,21 @@ class Plan:
         return self.new_exact_pages + self.new_q_pages
 
 
+class GroupedBlocks:
+    """A sequence's block tables made of one :class:`SeqBlocks` per group of pages (``groups``: ``dca``'s layer
+    groups, a hybrid model's window groups) and its ``length`` in tokens: the pages of every group, in order."""
+
+    groups: list[SeqBlocks]
+    length: int
+
+    @property
+    def tokens(self) -> int:
+        return self.length
+
+    def pages(self) -> list[int]:
+        return [p for g in self.groups for p in g.pages()]
+
+
 class GroupedPlan:
     """A plan made of one :class:`Plan` per group of pages (``groups``: ``dca``'s layer groups, a hybrid model's
     window groups): the pages of every group, added."""

@@ -34,7 +34,7 @@ import math
 from dataclasses import dataclass, field
 
 from cache_backends.estimate import dca_window_tokens
-from cache_backends.page_plan import GroupedPlan, Plan, SeqBlocks, TierPlan
+from cache_backends.page_plan import GroupedBlocks, GroupedPlan, Plan, SeqBlocks, TierPlan
 
 SPANS = (1, 4, 16, 64, 256, 1024)  # token counts at which each layer's runtime threshold is calibrated
 PROBE_WINDOW = 4  # a decode probe compares the mean of the last this-many probed tokens
@@ -83,7 +83,7 @@ class LayerState:
 
 
 @dataclass
-class DCABlocks:
+class DCABlocks(GroupedBlocks):
     """One dca sequence's block tables: ``groups[0]`` the kept layers' (every token), ``groups[1 + i]`` candidate
     ``i``'s (its own tokens, from position ``groups[1 + i].first`` on), and each candidate's state.
 
@@ -100,13 +100,6 @@ class DCABlocks:
     decode_steps: int = 0
     decided: bool = False
     fallbacks: int = 0
-
-    @property
-    def tokens(self) -> int:
-        return self.length
-
-    def pages(self) -> list[int]:
-        return [p for g in self.groups for p in g.pages()]
 
     def copy(self) -> "DCABlocks":
         return DCABlocks([g.copy() for g in self.groups],
