@@ -30,8 +30,14 @@ class AbsorbedRead:
     def __init__(self, layer, attention):
         self.layer, self.attention = layer, attention
 
-    def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """query (1, H, q_len, nope + rope) → (1, H, q_len, v_head_dim)."""
+    def attend(self, query: torch.Tensor, scaling: float, window: int | None = None) -> torch.Tensor:
+        """query (1, H, q_len, nope + rope) → (1, H, q_len, v_head_dim).
+
+        Raises:
+            ValueError: for a sliding ``window`` (no native-MLA model has one).
+        """
+        if window is not None:
+            raise ValueError("absorbed MLA attention does not implement a sliding window")
         a = self.attention
         nope, h = a.qk_nope_head_dim, query.shape[1]
         w = a.kv_b_proj.weight.view(h, nope + a.v_head_dim, -1)  # (H, nope + v, r)

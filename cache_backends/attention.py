@@ -116,8 +116,7 @@ class BatchRead:
         """(batch, Hq, q_len, d) → (batch, Hq, q_len, dv), each row against its own cache (under ``window``)."""
         out = None
         for row, read in enumerate(self.reads):
-            q = query[row : row + 1]
-            o = read.attend(q, scaling) if window is None else read.attend(q, scaling, window=window)
+            o = read.attend(query[row : row + 1], scaling, window)
             if out is None:
                 out = o.new_empty(len(self.reads), *o.shape[1:])
             out[row] = o[0]
@@ -146,8 +145,7 @@ def kvserve_attention(module, query, key, value, attention_mask, scaling=None, d
     if kwargs.get("softcap"):
         raise ValueError("kvserve attention does not implement logit soft-capping")
     scaling = module.scaling if scaling is None else scaling
-    window = kwargs.get("sliding_window")
-    out = key.attend(query, scaling) if window is None else key.attend(query, scaling, window=window)
+    out = key.attend(query, scaling, kwargs.get("sliding_window"))
     return out.transpose(1, 2).contiguous(), None
 
 
