@@ -27,7 +27,7 @@ from server.api.openai_schemas import (ChatChoice, ChatChunk, ChatChunkChoice, C
                                        ChatResponse, ChatResponseMessage, CompletionChoice, CompletionRequest,
                                        CompletionResponse, ModelCard, ModelList, OpenAIError, PromptTokensDetails,
                                        Usage)
-from server.api.tools import ToolStream, parse as parse_tool_calls, response_calls
+from server.api.tools import ToolStream, finish_reason as tool_finish, parse as parse_tool_calls, response_calls
 from server.api.types import sse_schema
 from server.engine.sequence import FinishReason, TokenEvent
 from server.errors import GenerationFailed, NotReady
@@ -213,11 +213,10 @@ async def chat_completions(body: ChatRequest, request: Request):
             last = _check(events, service)
             logprobs = chat_logprobs(token_entries(events), text) if body.logprobs else None
             content, calls = parse_tool_calls(last.generated_text or "", tools)
-            reason = finish(last.finish_reason)
+            reason = tool_finish(finish(last.finish_reason), bool(calls))
             message = ChatResponseMessage(content=content)
             if calls:
                 message = ChatResponseMessage(content=content, tool_calls=response_calls(calls))
-                reason = reason if reason == "length" else "tool_calls"
             choices.append(ChatChoice(index=k, message=message, finish_reason=reason, logprobs=logprobs))
         return ChatResponse(id=rid, created=created, model=model, system_fingerprint=fingerprint,
                             usage=_usage(seqs, seqs[:1]), choices=choices)
@@ -259,10 +258,8 @@ async def chat_completions(body: ChatRequest, request: Request):
                     yield chunk(k, ChatDelta(tool_calls=calls), entries=pending[k])
                     pending[k] = []
             if ev.finish_reason is not None:
-                reason = finish(ev.finish_reason)
-                if streams[k].called and reason != "length":
-                    reason = "tool_calls"
-                yield chunk(k, ChatDelta(), reason, entries=pending[k])
+                yield chunk(k, ChatDelta(), tool_finish(finish(ev.finish_reason), streams[k].called),
+                            entries=pending[k])
         if _wants_usage(body):
             yield {"data": ChatChunk(id=rid, created=created, model=model, system_fingerprint=fingerprint, choices=[],
                                      usage=_usage(seqs, seqs[:1])).model_dump_json()}

@@ -297,6 +297,11 @@ def parse(text: str, tools: ToolPlan) -> tuple[str | None, list[tuple[str, str]]
     return content or None, calls[:1] if tools.single else calls
 
 
+def finish_reason(reason: str, called: bool) -> str:
+    """A choice's ``finish_reason``: ``tool_calls`` when it made calls, unless ``max_tokens`` cut it (``length``)."""
+    return "tool_calls" if called and reason != "length" else reason
+
+
 def response_calls(calls: list[tuple[str, str]]) -> list[ResponseToolCall]:
     return [ResponseToolCall(id=call_id(), function=ToolCallFunction(name=n, arguments=a)) for n, a in calls]
 
