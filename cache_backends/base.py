@@ -19,9 +19,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from cache_backends.attention import LayerRead, attend_kv
 from cache_backends.buffer import TokenBuffer
-from cache_backends.estimate import (Shape, layer_windows_of, rope_per_layer_type_of,
+from cache_backends.estimate import (Shape, layer_windows_of, rope_per_layer_type_of, window_groups,
                                      windowed_bytes_per_token_per_layer)
-from cache_backends.hybrid import HybridLayout, HybridStepMeta, window_groups
+from cache_backends.hybrid import HybridLayout, HybridStepMeta
 from cache_backends.kv_spec import KVSpec, Quantization, StreamSpec
 from cache_backends.page_layout import PageLayout
 from cache_backends.paged import in_place_layer, read_layer, write_layer
@@ -380,7 +380,7 @@ class KVBackend(ABC):
         return windowed_bytes_per_token_per_layer(self.kv_spec(), [(w, len(layers)) for w, layers in groups], seq_len)
 
     def window_groups(self) -> list[tuple[int | None, list[int]]] | None:
-        """The model's layers by window (:func:`cache_backends.hybrid.window_groups`) when this backend's pages keep
+        """The model's layers by window (:func:`cache_backends.estimate.window_groups`) when this backend's pages keep
         only each sliding layer's window (:attr:`windowed_pool` on a model with sliding-window layers), else
         ``None``."""
         if not (self.windowed_pool and self.geometry.sliding_layers):

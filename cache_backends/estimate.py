@@ -71,6 +71,16 @@ def rope_per_layer_type_of(get: Callable[[str], object]) -> bool:
     return local is not None and local != get("rope_theta")
 
 
+def window_groups(layer_windows: tuple[int | None, ...], num_layers: int) -> list[tuple[int | None, list[int]]]:
+    """The model's layers grouped by window: ``[(window, layers), ...]``, the global layers (window ``None``) first,
+    then one group per window, shortest first; groups without layers left out (:mod:`cache_backends.hybrid`'s
+    window groups, and what :class:`Shape` sums)."""
+    windows = layer_windows or (None,) * num_layers
+    keys = [None] + sorted({w for w in windows if w is not None})
+    groups = [(w, [i for i, lw in enumerate(windows) if lw == w]) for w in keys]
+    return [(w, layers) for w, layers in groups if layers]
+
+
 def windowed_bytes_per_token_per_layer(spec: KVSpec, groups: Sequence[tuple[int | None, int]], seq_len: int) -> float:
     """Bytes per token per layer of ``spec``'s streams when each group of layers ``(window, layers)`` holds only
     its window: a sliding layer at most ``window - 1`` tokens (what the next query sees besides itself), a global
@@ -114,10 +124,11 @@ class Shape:
     rope_per_layer_type: bool = False
 
     def window_groups(self) -> list[tuple[int | None, int]]:
-        """``(window, layers)``: the global layers, then each window's sliding layers (empty without windows)."""
+        """``(window, layers)``: the global layers, then each window's sliding layers (:func:`window_groups`;
+        empty without windows)."""
         if not self.layer_windows:
             return []
-        return [(w, self.layer_windows.count(w)) for w in [None] + sorted({w for w in self.layer_windows if w})]
+        return [(w, len(layers)) for w, layers in window_groups(self.layer_windows, self.num_layers)]
 
     @classmethod
     def from_config(cls, cfg: dict) -> "Shape":

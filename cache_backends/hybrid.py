@@ -30,15 +30,6 @@ from cache_backends.page_plan import NULL_PAGE, GroupedBlocks, GroupedPlan, Plan
 from cache_backends.step_meta import StepMeta
 
 
-def window_groups(layer_windows: tuple[int | None, ...], num_layers: int) -> list[tuple[int | None, list[int]]]:
-    """The model's layers grouped by window: ``[(window, layers), ...]``, the global layers (window ``None``) first,
-    then one group per window, shortest first; groups without layers left out."""
-    windows = layer_windows or (None,) * num_layers
-    keys = [None] + sorted({w for w in windows if w is not None})
-    groups = [(w, [i for i, lw in enumerate(windows) if lw == w]) for w in keys]
-    return [(w, layers) for w, layers in groups if layers]
-
-
 @dataclass
 class HybridBlocks(GroupedBlocks):
     """One sequence's block tables: ``groups[g]`` those of group ``g`` (its tokens from position ``first`` on).
