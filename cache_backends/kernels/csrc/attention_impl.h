@@ -273,6 +273,27 @@ inline float exp_row(const float* s, float m, int64_t j0, int64_t j1, float* p) 
   return sum;
 }
 
+// Σ_j p[j] z[j] over [j0, j1), returned, and p[j] *= s[j]: a row's softmax weights given each token's value scale
+// s and zero point z (its zero points' sum kept apart), eight tokens at a time.
+inline float fold_value_scales(float* p, const float* s, const float* z, int64_t j0, int64_t j1) {
+  int64_t j = j0;
+  float sum = 0.f;
+#ifdef KVK_AVX2
+  __m256 acc = _mm256_setzero_ps();
+  for (; j + 8 <= j1; j += 8) {
+    const __m256 pv = _mm256_loadu_ps(p + j);
+    acc = _mm256_fmadd_ps(pv, _mm256_loadu_ps(z + j), acc);
+    _mm256_storeu_ps(p + j, _mm256_mul_ps(pv, _mm256_loadu_ps(s + j)));
+  }
+  sum = hsum8(acc);
+#endif
+  for (; j < j1; ++j) {
+    sum += p[j] * z[j];
+    p[j] *= s[j];
+  }
+  return sum;
+}
+
 // ---------------------------------------------------------------------------------------------- widening
 // One token of an exact tier (width elements of `dtype`) → fp32.
 inline void widen_exact(const uint8_t* src, int dtype, int64_t width, float* dst) {
@@ -502,6 +523,48 @@ inline void attend_block(int64_t M, int64_t d, int64_t dv, const float* qs, cons
   }
 }
 
+// The bytes [from, to) into the cache (L2 and up), one line at a time.
+inline void prefetch_range(const uint8_t* from, const uint8_t* to) {
+  const int64_t n = to - from;
+  for (int64_t off = 0; off < n; off += 64) __builtin_prefetch(from + off, 0, 2);
+  // A loop of prefetches alone has no effect C++ can observe: GCC's -ffinite-loops (on from -O2) deletes the
+  // caller's page walk around it. The empty volatile statement is an effect it must keep (emits nothing).
+  asm volatile("");
+}
+
+// The quantized tokens [t0, t1) of row b, KV head h brought into the cache ahead of their block: their key and
+// value codes, value scales and zero points, and their key groups' scales and zero points. A quantized page's
+// slabs lie apart and its pages anywhere in the pool, so the hardware's stream prefetch does not see them coming.
+inline void prefetch_quant(const PagedArgs& a, int64_t b, int64_t h, int64_t t0, int64_t t1) {
+  const int64_t kcw = a.d * a.k_bits / 8, vcw = a.dv * a.v_bits / 8, groups = a.tq / a.group;
+  const int64_t kse = a.ks_dtype == F32 ? 4 : 2, vse = a.vs_dtype == F32 ? 4 : 2;
+  while (t0 < t1) {
+    const int64_t page = t0 / a.tq, u0 = t0 % a.tq, u1 = std::min(a.tq, u0 + t1 - t0);
+    const uint8_t* base = a.arena + a.q_table[b * a.pq + page] * a.page_bytes;
+    const int64_t s0 = h * a.tq + u0, s1 = h * a.tq + u1, g0 = h * groups + u0 / a.group,
+                  g1 = h * groups + (u1 - 1) / a.group + 1;
+    prefetch_range(base + a.kc_off + s0 * kcw, base + a.kc_off + s1 * kcw);
+    prefetch_range(base + a.vc_off + s0 * vcw, base + a.vc_off + s1 * vcw);
+    prefetch_range(base + a.vs_off + s0 * vse, base + a.vs_off + s1 * vse);
+    prefetch_range(base + a.vz_off + s0 * vse, base + a.vz_off + s1 * vse);
+    prefetch_range(base + a.ks_off + g0 * a.d * kse, base + a.ks_off + g1 * a.d * kse);
+    prefetch_range(base + a.kz_off + g0 * a.d * kse, base + a.kz_off + g1 * a.d * kse);
+    t0 += u1 - u0;
+  }
+}
+
+// The exact tokens [t0, t1) of row b, KV head h (their keys and values) brought into the cache ahead of their block.
+inline void prefetch_exact(const PagedArgs& a, int64_t b, int64_t h, int64_t t0, int64_t t1) {
+  const int64_t es = a.kv_dtype == F32 ? 4 : 2;
+  while (t0 < t1) {
+    const int64_t page = t0 / a.te, u0 = t0 % a.te, u1 = std::min(a.te, u0 + t1 - t0);
+    const uint8_t* base = a.arena + a.exact_table[b * a.pe + page] * a.page_bytes;
+    prefetch_range(base + a.k_off + (h * a.te + u0) * a.d * es, base + a.k_off + (h * a.te + u1) * a.d * es);
+    prefetch_range(base + a.v_off + (h * a.te + u0) * a.dv * es, base + a.v_off + (h * a.te + u1) * a.dv * es);
+    t0 += u1 - u0;
+  }
+}
+
 #ifdef KVK_AVX2
 // Rows [0, M) of one (row b, KV head h) item over the quantized tokens [qa, qb), row r seeing [q0[r], qc[r]):
 // scores with `qs` (M x d; rotated when the tier is), weighted values into `acc` (M x dv); `other`: the exact
@@ -514,8 +577,10 @@ inline void attend_quant(const PagedArgs& a, int64_t b, int64_t h, int64_t M, co
   float *s = w.s.data(), *p = w.p.data(), *qg = w.qg.data(), *bias = w.bias.data(), *zs = w.zs.data();
   const uint8_t** kc = w.kc.data();
   const uint8_t** vc = w.vc.data();
+  prefetch_quant(a, b, h, qa, std::min(qb, qa + BN));
   for (int64_t t0 = qa; t0 < qb; t0 += BN) {
     const int64_t nj = std::min(BN, qb - t0);
+    if (t0 + BN < qb) prefetch_quant(a, b, h, t0 + BN, std::min(qb, t0 + 2 * BN));  // the next block's, meanwhile
     int64_t page = t0 / a.tq, u = t0 % a.tq;  // walked token by token: no division per token
     const uint8_t* base = a.arena + a.q_table[b * a.pq + page] * a.page_bytes;
     for (int64_t j = 0; j < nj; ++j, ++u) {
@@ -525,8 +590,13 @@ inline void attend_quant(const PagedArgs& a, int64_t b, int64_t h, int64_t M, co
       }
       kc[j] = base + a.kc_off + (h * a.tq + u) * kcw;
       vc[j] = base + a.vc_off + (h * a.tq + u) * vcw;
-      w.vs[j] = load_one(base + a.vs_off, a.vs_dtype, h * a.tq + u);
-      w.vz[j] = load_one(base + a.vz_off, a.vs_dtype, h * a.tq + u);
+      if (a.vs_dtype == F32) {
+        std::memcpy(&w.vs[j], base + a.vs_off + 4 * (h * a.tq + u), 4);
+        std::memcpy(&w.vz[j], base + a.vz_off + 4 * (h * a.tq + u), 4);
+      } else {
+        w.vs[j] = load_one(base + a.vs_off, a.vs_dtype, h * a.tq + u);
+        w.vz[j] = load_one(base + a.vz_off, a.vs_dtype, h * a.tq + u);
+      }
     }
     for (int64_t ja = 0; ja < nj;) {  // one key group at a time: its scales folded into the query rows
       const int64_t t = t0 + ja, u = t % a.tq, g = u / a.group;
@@ -574,12 +644,7 @@ inline void attend_quant(const PagedArgs& a, int64_t b, int64_t h, int64_t M, co
         if (other != nullptr)
           for (int64_t c = 0; c < dv; ++c) other[r * dv + c] *= alpha;
       }
-      float z = 0.f;
-      for (int64_t j = j0; j < j1; ++j) {
-        z += pr[j] * w.vz[j];
-        pr[j] *= w.vs[j];
-      }
-      zs[r] = z;
+      zs[r] = fold_value_scales(pr, w.vs.data(), w.vz.data(), j0, j1);
     }
     for (int64_t r0 = 0; r0 < M; r0 += 4) {
       const float* pr = p + r0 * BN;
@@ -716,8 +781,10 @@ inline void run_item(const PagedArgs& a, int64_t unit, Scratch& w) {
   if (qb > qa && !fused) {
     const int64_t kcw = d * a.k_bits / 8, vcw = dv * a.v_bits / 8, groups = a.tq / a.group;
     const int64_t kse = a.ks_dtype == F32 ? 4 : 2;
+    prefetch_quant(a, b, h, qa, std::min(qb, qa + BN));
     for (int64_t t0 = qa; t0 < qb; t0 += BN) {
       const int64_t nj = std::min(BN, qb - t0);
+      if (t0 + BN < qb) prefetch_quant(a, b, h, t0 + BN, std::min(qb, t0 + 2 * BN));
       for (int64_t j = 0; j < nj; ++j) {
         const int64_t t = t0 + j, u = t % a.tq, g = u / a.group;
         const uint8_t* base = a.arena + a.q_table[b * a.pq + t / a.tq] * a.page_bytes;
@@ -738,30 +805,19 @@ inline void run_item(const PagedArgs& a, int64_t unit, Scratch& w) {
   // the exact tier: fp32 tokens read where they lie, others widened into the scratch
   if (eb > ea) {
     const int64_t es = a.kv_dtype == F32 ? 4 : 2;
+    prefetch_exact(a, b, h, ea, std::min(eb, ea + BN));
     for (int64_t t0 = ea; t0 < eb; t0 += BN) {
       const int64_t nj = std::min(BN, eb - t0);
-      // pages walked token by token (no division per token), this block's and the next block's at once
-      int64_t page = t0 / a.te, u = t0 % a.te, npage = (t0 + BN) / a.te, nu = (t0 + BN) % a.te;
+      if (t0 + BN < eb) prefetch_exact(a, b, h, t0 + BN, std::min(eb, t0 + 2 * BN));  // the next block's, meanwhile
+      int64_t page = t0 / a.te, u = t0 % a.te;  // pages walked token by token: no division per token
       const uint8_t* base = a.arena + a.exact_table[b * a.pe + page] * a.page_bytes;
-      for (int64_t j = 0; j < nj; ++j, ++u, ++nu) {
+      for (int64_t j = 0; j < nj; ++j, ++u) {
         if (u == a.te) {
           u = 0;
           base = a.arena + a.exact_table[b * a.pe + ++page] * a.page_bytes;
         }
-        if (nu == a.te) {
-          nu = 0;
-          ++npage;
-        }
-        const int64_t t = t0 + j;
         const uint8_t* kb = base + a.k_off + (h * a.te + u) * d * es;
         const uint8_t* vb = base + a.v_off + (h * a.te + u) * dv * es;
-        if (t + BN < eb) {  // the next block's token: its K and V lines (into L2) meanwhile
-          const uint8_t* nb = a.arena + a.exact_table[b * a.pe + npage] * a.page_bytes;
-          const uint8_t* nk = nb + a.k_off + (h * a.te + nu) * d * es;
-          const uint8_t* nv = nb + a.v_off + (h * a.te + nu) * dv * es;
-          for (int64_t off = 0; off < d * es; off += 64) __builtin_prefetch(nk + off, 0, 2);
-          for (int64_t off = 0; off < dv * es; off += 64) __builtin_prefetch(nv + off, 0, 2);
-        }
         if (a.kv_dtype == F32) {
           kp[j] = reinterpret_cast<const float*>(kb);
           vp[j] = reinterpret_cast<const float*>(vb);
