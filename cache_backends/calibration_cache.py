@@ -43,6 +43,7 @@ import tempfile
 import threading
 import time
 from array import array
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, TypeVar
@@ -270,20 +271,10 @@ class CalibrationCache:
             ValueError: not a regular file, not opened in time, or its key does not match; OSError, and
                 safetensors' errors for a file that is not one.
         """
-        from safetensors import safe_open
-
-        fd = open_regular(path, OPEN_TIMEOUT_S)
-        try:
-            # safetensors opens a path itself, holding the interpreter lock while it does: it is given the file
-            # just checked (Linux: its descriptor's /proc entry names that very file, whatever is at the path now)
-            proc = Path(f"/proc/self/fd/{fd}")
-            with safe_open(str(proc if proc.exists() else path), framework="pt") as f:
-                meta = json.loads((f.metadata() or {}).get("kvserve", "{}"))
-                if meta.get("key") != key:
-                    raise ValueError("its key does not match")
-                tensors = {name: f.get_tensor(name) for name in f.keys()}
-        finally:
-            os.close(fd)
+        with _open_entry(path) as (f, meta):
+            if meta.get("key") != key:
+                raise ValueError("its key does not match")
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
         return tensors, meta["figures"]
 
     def _write(self, path, key, kind, params, model, calibration_ids, tensors, figures, seconds) -> Path | None:
@@ -304,6 +295,42 @@ class CalibrationCache:
                         kind, path, exc)
             return None
         return path
+
+
+def entries(directory: str | Path, kind: str) -> list[dict]:
+    """The metadata of every readable entry of ``kind`` in ``directory`` (its key, params, figures, model and
+    fingerprint, as written), read from the entries' headers: no tensor is loaded, nothing is written or removed.
+    An entry that cannot be read (not a regular file, not opened in time, not an entry) is passed over."""
+    found = []
+    for path in sorted(Path(directory).expanduser().glob(f"{kind}-*.safetensors")):
+        try:
+            with _open_entry(path) as (_, meta):
+                if meta.get("kind") == kind:
+                    found.append(meta)
+        except Exception:  # noqa: BLE001 - any unreadable entry is passed over, as a fetch fits it again
+            continue
+    return found
+
+
+@contextmanager
+def _open_entry(path: Path):
+    """``(safetensors file, kvserve metadata)`` of the entry at ``path``, opened only if it is a regular file
+    and opens within :data:`OPEN_TIMEOUT_S` (:func:`open_regular`).
+
+    Raises:
+        ValueError, OSError, and safetensors' errors for a file that is not one.
+    """
+    from safetensors import safe_open
+
+    fd = open_regular(path, OPEN_TIMEOUT_S)
+    try:
+        # safetensors opens a path itself, holding the interpreter lock while it does: it is given the file
+        # just checked (Linux: its descriptor's /proc entry names that very file, whatever is at the path now)
+        proc = Path(f"/proc/self/fd/{fd}")
+        with safe_open(str(proc if proc.exists() else path), framework="pt") as f:
+            yield f, json.loads((f.metadata() or {}).get("kvserve", "{}"))
+    finally:
+        os.close(fd)
 
 
 def _file_kind(mode: int) -> str:

@@ -2,12 +2,15 @@
 
 Input: the workload (``--context`` tokens per sequence, ``--concurrency`` sequences, ``--memory-budget``
 for the KV cache, optional ``--tpot-target`` seconds) and a ``kvserve bench`` results JSON. Without a
-bench JSON it uses the estimator alone (memory only, quality unknown) for a model config or preset.
+bench JSON it uses the estimator alone for a model config or preset: memory only, with each setting's price from
+the quality budget where the calibration cache holds one for a model folder (:mod:`server.cached_prices`), else
+"not priced".
 
 A setting fits when bytes/token (measured by the bench at 1024 tokens, or the closed formula) ×
 context × concurrency is within the budget. A measured setting is within the quality bound when its
 held-out perplexity rises by at most ``--max-ppl-increase`` percent (default 1) and its greedy agreement
-with ``full`` is at least ``--min-agreement`` (default 0.9). Fitting settings are ranked: those over the
+with ``full`` is at least ``--min-agreement`` (default 0.9); an unmeasured one is outside it when its price is
+above ``--max-ppl-increase``. Fitting settings are ranked: those over the
 latency target after the others, and within each, those outside the quality bound after those within it;
 then by held-out perplexity change, then by TPOT at the nearest measured context. Each line says why, with the perplexity change and the agreement.
 """
@@ -21,6 +24,7 @@ from pathlib import Path
 
 from cache_backends.estimate import DTYPE_BYTES, estimate_rows
 from cache_backends.spec import format_spec
+from server.cached_prices import load_prices, price_text
 from server.estimate_cli import DEFAULT_SPECS as ESTIMATE_SPECS
 from server.estimate_cli import human, load_shape, over_positions, resolve_specs
 
@@ -137,7 +141,8 @@ def _rows_from_bench(data: dict) -> list[dict]:
 
 
 def rows_from_estimate(model: str, dtype: str, context: int, specs: list[str] | None) -> list[dict]:
-    """Rows from the closed-form sums (no quality or speed); without ``specs``, estimate's default list.
+    """Rows from the closed-form sums (no measured quality or speed; ``price_pct``, the quality budget's price from
+    the calibration cache, or ``None``); without ``specs``, estimate's default list.
 
     Raises:
         ValueError: for an unknown model, a malformed spec or one the model cannot take, or a ``context``
@@ -149,10 +154,12 @@ def rows_from_estimate(model: str, dtype: str, context: int, specs: list[str] | 
                          "(max_position_embeddings): the model cannot hold that context")
     parsed = resolve_specs(shape, specs, DTYPE_BYTES[dtype])
     sums = estimate_rows(shape, parsed, [context], [1], DTYPE_BYTES[dtype])
+    book = load_prices(model)
     # elastic fits where its fully compressed size does (its least; it is exact while the budget allows more)
     return [{"spec": format_spec(name, params), "backend": name,
              "bytes_per_token": row.get("min_bytes_per_token_per_layer", row["bytes_per_token_per_layer"])
-             * shape.num_layers, "ppl_change_pct": None, "tpot": {}, "agreement": None}
+             * shape.num_layers, "ppl_change_pct": None, "tpot": {}, "agreement": None,
+             "price_pct": book.row(row["backend"], row["params"])}
             for (name, params), row in zip(parsed, sums)]
 
 
@@ -166,8 +173,9 @@ def advise(rows: list[dict], context: int, concurrency: int, budget: int, tpot_t
     and ``reason``.
 
     ``quality_ok`` is False for a measured row whose perplexity change (percent) is above ``max_ppl_increase``
-    or whose greedy agreement (0-1) is below ``min_agreement``; unmeasured quality (None) is not held against
-    a row. Fitting rows come first, ranked by (over ``tpot_target`` seconds, outside the quality bound,
+    or whose greedy agreement (0-1) is below ``min_agreement``, and for an unmeasured one whose price
+    (``price_pct``, the quality budget's) is above ``max_ppl_increase``; unmeasured and unpriced quality is not
+    held against a row. Fitting rows come first, ranked by (over ``tpot_target`` seconds, outside the quality bound,
     perplexity change, TPOT); the others follow by the bytes they need.
     """
     long_context = context >= 4096
@@ -183,17 +191,22 @@ def advise(rows: list[dict], context: int, concurrency: int, budget: int, tpot_t
         agreement = r.get("agreement")
         ppl_over = r["ppl_change_pct"] is not None and r["ppl_change_pct"] > max_ppl_increase
         agreement_under = agreement is not None and agreement < min_agreement
+        price = r.get("price_pct") if r["ppl_change_pct"] is None else None  # measured quality stands in for it
+        price_over = price is not None and price > max_ppl_increase
         reason = why(r["backend"], context, concurrency, need / budget, long_context)
         facts = [f"{human(need)} for {concurrency} x {context} tokens ({100 * need / budget:.0f}% of budget)"]
         if r["ppl_change_pct"] is not None:
             facts.append(f"perplexity {r['ppl_change_pct']:+.2f}%"
                          + (f" (over the bound, +{max_ppl_increase:g}%)" if ppl_over else ""))
+        else:
+            facts.append(f"price {price_text(price)} perplexity" if price is not None else price_text(None))
+            facts[-1] += f" (over the bound, +{max_ppl_increase:g}%)" if price_over else ""
         if agreement is not None:
             facts.append(f"greedy agreement {agreement:.3f}"
                          + (f" (under the bound, {min_agreement:g})" if agreement_under else ""))
         if tpot is not None:
             facts.append(f"TPOT {1000 * tpot:.1f} ms" + (" (over target)" if slow else ""))
-        outside = ppl_over or agreement_under
+        outside = ppl_over or agreement_under or price_over
         out.append({**r, "need_bytes": need, "fits": need <= budget, "slow": slow, "tpot_at_context": tpot,
                     "quality_ok": not outside,
                     "rank_key": (slow, outside, quality if r["ppl_change_pct"] is not None else -r["bytes_per_token"],
@@ -245,8 +258,10 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([{k: v for k, v in r.items() if k != "rank_key"} for r in ranked], indent=2))
         return 0
+    priced = any(r.get("price_pct") is not None for r in rows)
     source = (f"measured by {args.bench} on {bench_model(args.bench)}" if args.bench
-              else f"estimated for {model} ({dtype}), quality unmeasured")
+              else f"estimated for {model} ({dtype}), quality "
+                   + ("priced from the calibration cache where it holds a price" if priced else "unmeasured"))
     print(f"Workload: {args.concurrency} x {args.context} tokens, KV budget {human(args.memory_budget)}"
           + (f", TPOT target {1000 * args.tpot_target:.0f} ms" if args.tpot_target else "") + f" — {source}")
     if args.bench:

@@ -1,4 +1,5 @@
-"""``kvserve estimate``: KV-cache size from a model's config, without loading weights."""
+"""``kvserve estimate``: KV-cache size from a model's config, without loading weights; for a model folder, each
+row's price from the quality budget where the calibration cache holds one (:mod:`server.cached_prices`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 
 from cache_backends.estimate import DTYPE_BYTES, PRESETS, Shape, bytes_per_token_per_layer, estimate_rows
 from cache_backends.spec import NATIVE_MLA_BACKENDS, parse_spec
+from server.cached_prices import load_prices, price_text
 
 
 # Without specs: every backend (int8's k8v4 mix, 8-bit keys and 4-bit values, too) and the two most useful
@@ -109,6 +111,9 @@ def main(args: argparse.Namespace) -> int:
         print(f"kvserve estimate: warning: --seq-len {','.join(map(str, over))} is more than {args.model}'s "
               f"{shape.max_positions} positions (max_position_embeddings): the model cannot hold that context; "
               "those rows show what the cache would cost if it could", file=sys.stderr)
+    book = load_prices(args.model)
+    for row in rows:
+        row["price_pct"] = book.row(row["backend"], row["params"])
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -116,13 +121,16 @@ def main(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     table = Table(title=f"KV cache for {args.model} ({args.dtype})")
-    for col in ("backend", "params", "seq_len", "batch", "bytes/token/layer", "total"):
-        table.add_column(col, justify="right" if col not in ("backend", "params") else "left")
+    for col in ("backend", "params", "seq_len", "batch", "bytes/token/layer", "total", "price"):
+        table.add_column(col, justify="right" if col not in ("backend", "params", "price") else "left",
+                         overflow="fold" if col == "params" else "ellipsis")  # params wrap, never cut off
     for r in rows:
-        params = ",".join(f"{k}={v}" for k, v in r["params"].items()) or "-"
+        params = ", ".join(f"{k}={v}" for k, v in r["params"].items()) or "-"
         per, total = f"{r['bytes_per_token_per_layer']:.0f}", human(r["total_bytes"])
         if "min_bytes_per_token_per_layer" in r:  # elastic: from every compressible group quantized to all exact
             per, total = f"{r['min_bytes_per_token_per_layer']:.0f}-{per}", f"{human(r['min_total_bytes'])}-{total}"
-        table.add_row(r["backend"], params, str(r["seq_len"]), str(r["batch"]), per, total)
+        table.add_row(r["backend"], params, str(r["seq_len"]), str(r["batch"]), per, total, price_text(r["price_pct"]))
     Console(width=120).print(table)
+    print("price: the perplexity increase the quality budget measured for a setting of that size on its calibration\n"
+          "text, from the calibration cache (KV_CALIBRATION_CACHE_DIR); not priced: no server priced one there")
     return 0

@@ -91,3 +91,28 @@ def test_a_tpot_target_that_is_not_a_finite_positive_number_is_refused(text):
     assert exit_.value.code == 2
     args = build_parser().parse_args(["advise", "--context", "512", "--memory-budget", "1GiB", "--tpot-target", "0.05"])
     assert args.tpot_target == 0.05
+
+
+def test_without_a_bench_each_setting_says_its_price_or_not_priced(model_dir, tmp_path, monkeypatch, capsys):
+    """Sizes alone made mla's 8x look attractive: without --bench each line gives the quality budget's price from
+    the calibration cache, or "not priced"; a price over --max-ppl-increase is outside the quality bound."""
+    from cache_backends.estimate import Shape, default_params
+    from server.cli import main
+    from tests.test_estimate import write_price
+
+    rank = default_params(Shape.from_config(json.loads((model_dir / "config.json").read_text())), "mla")["rank"]
+    write_price(tmp_path, model_dir, "int8:group_size=32,residual=32", 0.02)
+    write_price(tmp_path, model_dir, f"mla:rank={rank}", 240.0)
+    monkeypatch.setenv("KV_CALIBRATION_CACHE_DIR", str(tmp_path))
+    rows = rows_from_estimate(str(model_dir), "fp32", 512, ["full", "int8", "mla", "gqa"])
+    assert [r["price_pct"] for r in rows] == [0.0, 0.02, 240.0, None]
+    ranked = {r["spec"]: r for r in advise(rows, context=512, concurrency=1, budget=2**30, tpot_target=None)}
+    assert "price +0.02% perplexity" in ranked["int8"]["reason"]
+    assert not ranked["mla"]["quality_ok"]
+    assert "price +240.00% perplexity (over the bound, +1%)" in ranked["mla"]["reason"]
+    assert ranked["gqa"]["reason"].endswith("not priced") and ranked["gqa"]["quality_ok"]
+    assert main(["advise", "--model", str(model_dir), "--context", "512", "--memory-budget", "1GiB", "--backends",
+                 "int8", "mla"]) == 0
+    out = capsys.readouterr().out
+    assert "quality priced from the calibration cache" in out.splitlines()[0]
+    assert " mla (outside the quality bound): " in out

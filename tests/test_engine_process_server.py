@@ -132,6 +132,8 @@ def test_the_pages_routes_are_the_same_in_both(thread, process):
     sums = [httpx.get(srv.url + "/ui/api/sums", params={"seq_len": 4096, "batch": 8}, timeout=10).json()
             for srv in (thread, process)]
     assert sums[0] == sums[1]
+    defaults = [httpx.get(srv.url + "/ui/api/defaults", timeout=10).json() for srv in (thread, process)]
+    assert defaults[0] == defaults[1] and defaults[0]["presets"][0]["tokens"] == 110
 
 
 def test_info_is_the_same_in_both(thread, process):

@@ -1,12 +1,15 @@
 """`kvserve estimate` reproduces the known KV sums."""
 
 import json
+import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
 from cache_backends.estimate import PRESETS, estimate_rows
+from server.quality_budget import PRICE_VERSION
 from tests.conftest import REPO
 
 GiB, KiB = 2**30, 2**10
@@ -49,7 +52,8 @@ def test_cli_json_rows_and_config_path(model_dir):
                           "--seq-len", "1024", "--batch", "1", "--json", "full", "gqa:groups=2"],
                          cwd=REPO, capture_output=True, text=True, timeout=120, check=True).stdout
     rows = json.loads(out)
-    assert set(rows[0]) == {"backend", "params", "seq_len", "batch", "bytes_per_token_per_layer", "total_bytes"}
+    assert set(rows[0]) == {"backend", "params", "seq_len", "batch", "bytes_per_token_per_layer", "total_bytes",
+                            "price_pct"}
     assert rows[0]["bytes_per_token_per_layer"] == 2 * 8 * 32 * 4
     assert rows[1]["bytes_per_token_per_layer"] == 2 * 2 * 32 * 4
     assert rows[0]["total_bytes"] == 2 * 8 * 32 * 4 * 1024 * 8
@@ -181,3 +185,48 @@ def test_a_bench_budget_spec_is_named_as_benchs(capsys):
     err = capsys.readouterr().err
     assert err.startswith("kvserve estimate: unknown backend 'mla@budget'") and "'@budget' is kvserve bench's alone" \
         in err and "give a setting to size, 'mla'" in err
+
+
+def write_price(directory, folder, spec: str, pct: float) -> None:
+    """A price entry as a server leaves it in its calibration cache (kind ``price``) for the model in ``folder``."""
+    import torch
+    from transformers import AutoConfig
+
+    from cache_backends.calibration_cache import CalibrationCache
+
+    model = SimpleNamespace(name_or_path=str(folder), config=AutoConfig.from_pretrained(str(folder)))
+    price = {"kl": pct / 100, "ppl_increase_pct": pct, "ppl_change_pct": pct, "tokens": 768}
+    CalibrationCache(directory).fetch("price", model, [1, 2, 3], {"spec": spec, "prefix": 256},
+                                      fit=lambda: ({"kl": torch.tensor([pct / 100])}, {"price": price}),
+                                      load=lambda _, figures: figures, version=PRICE_VERSION)
+
+
+def test_each_row_carries_the_price_the_calibration_cache_holds(model_dir, tmp_path, monkeypatch, capsys):
+    """A size never stands alone: each row gets the quality budget's price of a setting of its size from the
+    calibration cache (int4's lowest, with or without rotation), full's is 0, and the rest say "not priced"; a
+    preset, or another cache, prices nothing but full."""
+    from cache_backends.estimate import Shape, default_params
+    from server.cli import main
+
+    rank = default_params(Shape.from_config(json.loads((model_dir / "config.json").read_text())), "mla")["rank"]
+    write_price(tmp_path, model_dir, "int8:group_size=32,residual=32", 0.02)
+    write_price(tmp_path, model_dir, "int4:group_size=32,residual=32", 0.9)
+    write_price(tmp_path, model_dir, "int4:group_size=32,residual=32,rotate=true", 0.5)
+    write_price(tmp_path, model_dir, f"mla:rank={rank}", 240.0)
+    write_price(tmp_path, model_dir, "int8:group_size=64,residual=64", 0.01)  # a size no default row has
+    os.mkfifo(tmp_path / "price-0.safetensors")  # passed over, never waited on
+    (tmp_path / "price-1.safetensors").write_text("not an entry")
+    monkeypatch.setenv("KV_CALIBRATION_CACHE_DIR", str(tmp_path))
+    assert main(["estimate", "--model", str(model_dir), "--seq-len", "1024", "--batch", "1", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    prices = {(r["backend"], r["params"].get("value_bits")): r["price_pct"] for r in rows}
+    assert prices[("full", None)] == 0.0 and prices[("int8", None)] == 0.02 and prices[("int4", 4)] == 0.5
+    assert prices[("mla", None)] == 240.0 and prices[("int8", 4)] is None and prices[("gqa", None)] is None
+    assert main(["estimate", "--model", str(model_dir), "--seq-len", "1024", "--batch", "1", "int8", "gqa"]) == 0
+    table = capsys.readouterr().out
+    assert "price" in table.splitlines()[2] and "+0.02%" in table and "not priced" in table
+    assert main(["estimate", "--model", "llama-2-7b", "--seq-len", "1024", "--batch", "1", "--json"]) == 0
+    assert {r["backend"]: r["price_pct"] for r in json.loads(capsys.readouterr().out)}["int8"] is None
+    monkeypatch.setenv("KV_CALIBRATION_CACHE_DIR", str(tmp_path / "empty"))
+    assert main(["estimate", "--model", str(model_dir), "--seq-len", "1024", "--batch", "1", "--json", "int8"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["price_pct"] is None

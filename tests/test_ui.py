@@ -1,7 +1,8 @@
 """The built-in page's routes over HTTP (the browser tests are in tests/test_ui_browser.py): the page and its
 assets are served from the package, ``POST /`` stays TGI's, the JSON routes answer the request's own KV bytes
-and latencies, the live counters and ``kvserve estimate``'s sums, and with ``API_KEY`` set nothing but the
-static page is reachable without the key."""
+and latencies (the prompt through the chat template when asked), the live counters, ``kvserve estimate``'s sums
+with each served backend's price, and the page's defaults for the served model (chat questions for a chat
+model); with ``API_KEY`` set nothing but the static page is reachable without the key."""
 
 from __future__ import annotations
 
@@ -14,14 +15,19 @@ import pytest
 
 from cache_backends.estimate import DTYPE_BYTES, Shape, estimate_rows
 from tests.closed_forms import int8_bytes_per_token_per_layer
-from server.api.ui import ASSETS, ASSET_TYPES, PUBLIC_PATHS, context_warnings
+from server.api.ui import ASSETS, ASSET_TYPES, PUBLIC_PATHS, context_warnings, served_price
 from server.api.ui_compression import uncompressed_reason
+from server.api.ui_presets import CHAT_PRESETS, TEXT_PRESETS, page_defaults
 from server.estimate_cli import resolve_specs
+from server.model_fetch import DEFAULT_DIR, is_current
 from tests.conftest import MODEL_DIR, server_with
 
 server = server_with({"KV_BACKEND": "full", "KV_BACKENDS": "full,int8,elastic"})
 keyed = server_with({"KV_BACKEND": "full", "API_KEY": "s3cret"})
 single = server_with({"KV_BACKEND": "full", "MAX_CONCURRENT_REQUESTS": "1"})
+# SmolLM2-135M-Instruct, a chat model (the quality budget off: nothing to price at start-up)
+chat_server = server_with({"MODEL_ID": str(DEFAULT_DIR), "KV_BACKEND": "full", "KV_BACKENDS": "full,int8",
+                           "KV_QUALITY_BUDGET": "off"})
 
 CFG = json.loads((MODEL_DIR / "config.json").read_text())
 LAYERS, HEADS = CFG["num_hidden_layers"], CFG.get("num_key_value_heads") or CFG["num_attention_heads"]
@@ -127,6 +133,81 @@ def test_generate_seeded_sampling_repeats(server):
     assert a["tokens"] == b["tokens"]
 
 
+def test_generate_applies_the_chat_template_when_asked(server):
+    """``chat``: the prompt as one user turn through the tokenizer's template (the reference model's plain one), as
+    /v1/chat/completions sends it; the answer names the text the model was given."""
+    plain = _generate(server, kv_backend="full", max_new_tokens=4).json()
+    assert plain["prompt_text"] == "And God said" and plain["prompt_tokens"] == 3
+    chat = _generate(server, kv_backend="full", max_new_tokens=4, chat=True).json()
+    assert chat["prompt_text"] == "User: And God said\nAssistant:" and chat["prompt_tokens"] > 3
+    body = {"model": str(MODEL_DIR), "messages": [{"role": "user", "content": "And God said"}], "max_tokens": 4,
+            "temperature": 0}
+    openai = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).json()
+    assert chat["text"] == openai["choices"][0]["message"]["content"]
+    assert chat["prompt_tokens"] == openai["usage"]["prompt_tokens"]
+
+
+def test_defaults_give_the_reference_model_text_to_continue(server):
+    """The reference model was trained on plain text: Genesis to continue, the penalty that keeps its greedy text
+    from looping, and the chat switch offered (its tokenizer has a plain template) but off."""
+    got = httpx.get(server.url + "/ui/api/defaults").json()
+    assert got["chat_template"] is True and got["chat"] is False and got["repetition_penalty"] == 1.3
+    assert [p["prompt"] for p in got["presets"]] == [prompt for _, prompt in TEXT_PRESETS]
+    assert got["presets"][0]["prompt"].startswith("In the beginning") and got["presets"][0]["tokens"] == 110
+    assert got["presets"][1]["tokens"] == 3
+
+
+def test_defaults_follow_the_tokenizers_chat_template():
+    """A template that marks turns with a special token is a chat model's: chat questions through it, a neutral
+    penalty; no template: no switch."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(MODEL_DIR))
+    tok.chat_template = ("{% for m in messages %}<|endoftext|>{{ m['role'] }}\n{{ m['content'] }}{% endfor %}"
+                         "<|endoftext|>assistant:")
+    chat = page_defaults(tok)
+    assert chat["chat"] and chat["chat_template"] and chat["repetition_penalty"] == 1.0
+    assert [p["prompt"] for p in chat["presets"]] == [prompt for _, prompt in CHAT_PRESETS]
+    turn = f"<|endoftext|>user\n{CHAT_PRESETS[0][1]}<|endoftext|>assistant:"
+    assert chat["presets"][0]["tokens"] == len(tok(turn, add_special_tokens=False)["input_ids"])
+    tok.chat_template = None
+    plain = page_defaults(tok)
+    assert not plain["chat"] and not plain["chat_template"] and plain["repetition_penalty"] == 1.3
+
+
+def test_generate_refuses_chat_without_a_template(server, monkeypatch):
+    """``chat`` on a model whose tokenizer has no template is a 422 naming it (checked in-process: every shipped
+    model has one)."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from server.api.ui import router
+    from server.errors import install_error_handlers
+
+    app = FastAPI()
+    install_error_handlers(app)
+    app.include_router(router)
+    tokenizer = type("NoTemplate", (), {"chat_template": None})()
+    monkeypatch.setattr("server.api.ui.get_service", lambda request: type("S", (), {"tokenizer": tokenizer})())
+    r = TestClient(app).post("/ui/api/generate", json={"prompt": "x", "kv_backend": "full", "chat": True})
+    assert r.status_code == 422 and "no chat template" in r.json()["error"]
+
+
+@pytest.mark.real_model
+def test_a_chat_model_answers_a_question_only_as_a_chat_turn(chat_server):
+    """SmolLM2-135M-Instruct: sent raw, a question gets end-of-text at once (what the page said "100.0%, 1 of 1
+    tokens" about); as a chat turn, an answer. The page's defaults for it: chat questions, on, penalty 1.0."""
+    got = httpx.get(chat_server.url + "/ui/api/defaults").json()
+    assert got["chat"] and got["repetition_penalty"] == 1.0
+    assert [p["prompt"] for p in got["presets"]] == [prompt for _, prompt in CHAT_PRESETS]
+    question = {"prompt": CHAT_PRESETS[2][1], "kv_backend": "full", "max_new_tokens": 16}
+    raw = httpx.post(chat_server.url + "/ui/api/generate", json=question, timeout=120).json()
+    assert raw["finish_reason"] == "eos_token" and len(raw["tokens"]) == 1 and raw["text"] == ""
+    chat = httpx.post(chat_server.url + "/ui/api/generate", json={**question, "chat": True}, timeout=120).json()
+    assert "Paris" in chat["text"] and chat["prompt_text"].startswith("<|im_start|>")
+    assert chat["prompt_tokens"] == got["presets"][2]["tokens"]
+
+
 NOT_SERVED = "not served here; allowed: full, int8, elastic (a server started with KV_BACKENDS=... serves more)"
 
 
@@ -173,6 +254,24 @@ def test_sums_are_kvserve_estimates_for_the_served_model(server):
     assert sums["max_position_embeddings"] == CFG["max_position_embeddings"] == 1024
     assert "4,096 tokens is more than this model's 1,024 positions" in sums["warnings"][0]
     assert httpx.get(server.url + "/ui/api/sums", params={"seq_len": 0}).status_code == 422
+
+
+def test_sums_price_each_served_backend_from_the_quality_budget(server):
+    """A served row carries the quality budget's price (/info's kv_quality), so a size never stands alone; full's
+    is 0 (the reference), and the rows the server does not serve are not priced."""
+    quality = httpx.get(server.url + "/info").json()["kv_quality"]
+    rows = httpx.get(server.url + "/ui/api/sums").json()["rows"]
+    by_served = {r["served_as"][0]: r for r in rows if r["served_as"]}
+    for name in ("int8", "elastic"):
+        assert by_served[name]["price"] == {"served_as": name,
+                                            "ppl_increase_pct": quality[name]["price"]["ppl_increase_pct"],
+                                            "within_budget": True, "budget_pct": 1.0}
+    assert by_served["full"]["price"] == {"served_as": "full", "ppl_increase_pct": 0.0, "within_budget": True,
+                                          "budget_pct": 1.0}
+    assert all(r["price"] is None for r in rows if not r["served_as"])
+    assert served_price(["gqa"], {"gqa": {"price": {"ppl_increase_pct": 7.5}, "within_budget": False,
+                                          "budget_pct": 1.0}}) == {
+        "served_as": "gqa", "ppl_increase_pct": 7.5, "within_budget": False, "budget_pct": 1.0}
 
 
 def test_sums_warn_past_the_models_positions(server):

@@ -50,32 +50,24 @@ server = server_with({"KV_BACKEND": "full", "KV_BACKENDS": "full,int8,int4,elast
 keyed = server_with({"KV_BACKEND": "full", "API_KEY": "s3cret"})
 
 
-@pytest.fixture
-def loading_server():
-    """The page's own routes on a stub that answers /health and /info 503 ("model is loading") until ``ready``
-    is set, as kvserve does while it loads and calibrates; counts the /health polls."""
+STUB_INFO = {"model_id": "stub-model", "model_dtype": "float32", "model_device_type": "cpu", "kv_backend": "full",
+             "kv_backends": ["full", "int8"]}
+STUB_DEFAULTS = {"chat_template": True, "chat": True, "repetition_penalty": 1.0,
+                 "presets": [{"label": "The capital of France", "prompt": "What is the capital of France?",
+                              "tokens": 37}]}
+
+
+def stub_page(stub: SimpleNamespace, routes):
+    """The page's own routes on a stub app on 127.0.0.1 (``stub.url``), after the routes ``routes(app)`` adds
+    (they answer first: /info, the page's defaults and any of its routes the stub fakes); yields ``stub``."""
     import uvicorn
     from fastapi import FastAPI
 
     from server.api.ui import router
-    from server.errors import error_response
 
-    app, ready = FastAPI(), threading.Event()
+    app = FastAPI()
+    routes(app)
     app.include_router(router)
-    stub = SimpleNamespace(ready=ready, health_polls=0)
-
-    @app.get("/health")
-    async def health():
-        stub.health_polls += 1
-        return {"status": "ok"} if ready.is_set() else error_response(503, "model is loading", "unhealthy")
-
-    @app.get("/info")
-    async def info():
-        if not ready.is_set():
-            return error_response(503, "model is loading", "unhealthy")
-        return {"model_id": "stub-model", "model_dtype": "float32", "model_device_type": "cpu", "kv_backend": "full",
-                "kv_backends": ["full", "int8"]}
-
     port = free_port()
     uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=uv.run, daemon=True)
@@ -87,6 +79,61 @@ def loading_server():
     yield stub
     uv.should_exit = True
     thread.join(10)
+
+
+@pytest.fixture
+def loading_server():
+    """A stub that answers /health and /info 503 ("model is loading") until ``ready`` is set, as kvserve does
+    while it loads and calibrates; counts the /health polls."""
+    from server.errors import error_response
+
+    stub = SimpleNamespace(ready=threading.Event(), health_polls=0)
+
+    def routes(app):
+        @app.get("/health")
+        async def health():
+            stub.health_polls += 1
+            return {"status": "ok"} if stub.ready.is_set() else error_response(503, "model is loading", "unhealthy")
+
+        @app.get("/info")
+        async def info():
+            return STUB_INFO if stub.ready.is_set() else error_response(503, "model is loading", "unhealthy")
+
+        @app.get("/ui/api/defaults")
+        async def defaults():
+            return STUB_DEFAULTS
+
+    yield from stub_page(stub, routes)
+
+
+@pytest.fixture
+def stopping_server():
+    """A stub of a chat model whose every backend answers end-of-text at once (SmolLM2 given a question as raw
+    text): one token, no TPOT; keeps the bodies the page sent."""
+    stub = SimpleNamespace(bodies=[])
+
+    def routes(app):
+        @app.get("/health")
+        async def health():
+            return {"status": "ok"}
+
+        @app.get("/info")
+        async def info():
+            return STUB_INFO
+
+        @app.get("/ui/api/defaults")
+        async def defaults():
+            return STUB_DEFAULTS
+
+        @app.post("/ui/api/generate")
+        async def generate(body: dict):
+            stub.bodies.append(body)
+            return {"kv_backend": body["kv_backend"], "text": "", "tokens": [{"id": 2, "text": "", "logprob": -0.4}],
+                    "finish_reason": "eos_token", "prompt_text": body["prompt"], "prompt_tokens": 7,
+                    "kv_peak_bytes": 322560, "kv_bytes_per_token": 46080.0, "kv_full_peak_bytes": 322560,
+                    "kv_uncompressed_reason": None, "ttft_s": 0.1, "tpot_s": None}
+
+    yield from stub_page(stub, routes)
 
 
 def _browser_paths() -> tuple[str, str]:
@@ -238,6 +285,12 @@ def test_shared_url_marks_the_first_diverging_token(browser, server):
 SUMMARY_CELLS = "#summary-table tbody th, #summary-table td"
 
 
+def size_text(r: float) -> str:
+    """A size against full's as the page (and the start-up log, and the README) writes it: N.NNx smaller."""
+    times = f"{1 / r if r < 1 else r:.2f}"
+    return "same size" if times == "1.00" else f"{times}x {'smaller' if r < 1 else 'larger'}"
+
+
 def test_summary_of_every_backend_on_the_default_prompt(browser, server):
     backends = ["full", "int8", "int4", "elastic", "gqa"]
     found = run_from_form(browser, server, backends, 40, prompt=None, runs=3)
@@ -253,9 +306,20 @@ def test_summary_of_every_backend_on_the_default_prompt(browser, server):
     for b in backends:  # KV as a ratio to full's, shown as such
         assert cell(b, "bytes-ratio") == pytest.approx(peak[b] / peak["full"])
         assert cell(b, "peak-ratio") == pytest.approx(peak[b] / peak["full"])
-        assert rows[b].find_element(By.CSS_SELECTOR, ".peak-ratio .key").text == f"{peak[b] / peak['full']:.2f}×"
+        assert rows[b].find_element(By.CSS_SELECTOR, ".peak-ratio .key").text == size_text(peak[b] / peak["full"])
         assert cell(b, "ttft-ratio") > 0 and cell(b, "tpot-ratio") > 0
-    assert rows["full"].find_element(By.CSS_SELECTOR, ".ttft-ratio .key").text == "1.00×"
+    assert rows["full"].find_element(By.CSS_SELECTOR, ".ttft-ratio .key").text == "same time"
+    assert rows["int8"].find_element(By.CSS_SELECTOR, ".peak-ratio .key").text.endswith("x smaller")
+    # gqa (2 groups by mean pooling, set explicitly) is over the quality budget: flagged with its price
+    quality = httpx.get(server.url + "/info", timeout=10).json()["kv_quality"]
+    flag = rows["gqa"].find_element(By.CSS_SELECTOR, "th .over-budget")
+    assert flag.text == f"⚠ over budget: +{quality['gqa']['price']['ppl_increase_pct']:.2f}%"
+    assert flag.get_attribute("title").endswith("% perplexity, over the quality budget of +1%")
+    assert all(not rows[b].find_elements(By.CSS_SELECTOR, ".over-budget") for b in backends if b != "gqa")
+    # the reference model's defaults: text to continue, penalty 1.3, the chat switch offered but off
+    assert browser.find_element(By.ID, "repetition-penalty").get_attribute("value") == "1.3"
+    assert browser.find_element(By.ID, "chat-switch").is_displayed()
+    assert not browser.find_element(By.ID, "chat").is_selected()
     # the default prompt is long enough for every quantizing backend to quantize at its defaults
     prompt_tokens = int(browser.find_element(By.ID, "shown-prompt-tokens").text.split()[0])
     assert prompt_tokens > 100 and 0 < cell("int4", "peak-ratio") < cell("int8", "peak-ratio") < 1
@@ -298,6 +362,37 @@ def test_the_page_waits_for_the_model_and_goes_on_by_itself(browser, loading_ser
     wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, '#backends input[value="int8"]'), 30)
     assert not browser.find_element(By.ID, "waiting").is_displayed()
     assert browser.find_element(By.ID, "run").is_enabled() and "stub-model" in browser.find_element(By.ID, "model").text
+
+
+def test_a_reference_that_stops_at_once_is_said_so(browser, stopping_server):
+    """A chat model given a question as raw text answers end-of-text at once: the summary says so and why, in place
+    of "100.0%, 1 of 1 tokens"; three runs of one token each are counted as three, with no TPOT."""
+    query = urlencode({"prompt": "What is the capital of France?", "backends": "full,int8", "runs": 3, "chat": 0})
+    browser.get(f"{stopping_server.url}/?{query}")
+    wait(browser, lambda d: len(cards(d)) == 2 and d.find_element(By.ID, "run").is_enabled(), 60)
+    assert all(body["chat"] is False for body in stopping_server.bodies) and len(stopping_server.bodies) == 8
+    notice = browser.find_element(By.ID, "summary-notice")
+    assert notice.is_displayed() and notice.text.startswith("full stopped at once: its only token was end-of-text")
+    assert "turn on “chat template”" in notice.text
+    row = browser.find_element(By.CSS_SELECTOR, '#summary-table tr[data-backend="int8"]')
+    assert row.find_element(By.CSS_SELECTOR, ".agreement .key").text == "–"
+    assert "nothing to compare" in row.find_element(By.CSS_SELECTOR, ".agreement").text
+    assert "stopped at once" in cards(browser)["full"].find_element(By.CSS_SELECTOR, ".verdict").text
+    tpot = cards(browser)["int8"].find_element(By.CSS_SELECTOR, ".tpot .detail").text
+    assert tpot == "3 runs, one token a run: TPOT needs two"
+    assert cards(browser)["int8"].find_element(By.CSS_SELECTOR, ".ttft .detail").text.startswith("warm, median of 3")
+    # a fresh page: the chat model's defaults, the template on
+    browser.get(stopping_server.url + "/")
+    wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, '#backends input[value="full"]'), 30)
+    assert browser.find_element(By.ID, "chat").is_selected()
+    assert browser.find_element(By.ID, "prompt").get_attribute("value") == "What is the capital of France?"
+    assert browser.find_element(By.ID, "repetition-penalty").get_attribute("value") == "1"
+    assert [o.text for o in browser.find_elements(By.CSS_SELECTOR, "#preset option")][1:] == [
+        "The capital of France (37 tokens as a chat turn)"]
+    browser.find_element(By.ID, "run").click()
+    wait(browser, lambda d: len(stopping_server.bodies) > 8 and d.find_element(By.ID, "run").is_enabled(), 60)
+    assert stopping_server.bodies[-1]["chat"] is True
+    assert "chat=1" in browser.current_url
 
 
 def test_a_server_error_shows_as_a_message(browser, server):
@@ -358,6 +453,17 @@ def test_sums_view_lists_every_backend(browser, server):
     assert k8v4.text == "int8 (k8v4)"
     elastic = browser.find_element(By.CSS_SELECTOR, '#sums-table tr[data-backend="elastic"] .total').text
     assert elastic.endswith("–512.00 MiB")  # from every compressible token quantized to every token exact
+    # one ratio convention; each served row priced by the quality budget (full: 0), gqa over it, the others not
+    vs = {r.find_element(By.CSS_SELECTOR, "th").text: r.find_element(By.CSS_SELECTOR, ".vs-full").text
+          for r in browser.find_elements(By.CSS_SELECTOR, "#sums-table tbody tr")}
+    assert vs["full"] == "same size" and vs["int8 (k8v4)"].endswith("x smaller")
+    assert vs["elastic"].startswith("same size to ") and vs["elastic"].endswith("x smaller")
+    quality = httpx.get(server.url + "/info", timeout=10).json()["kv_quality"]
+    price = {r.find_element(By.CSS_SELECTOR, ".served").text: r.find_element(By.CSS_SELECTOR, ".price")
+             for r in browser.find_elements(By.CSS_SELECTOR, "#sums-table tbody tr")}
+    assert price["full"].text == "+0.00% perplexity" and price["–"].text == "not priced"
+    assert price["int8"].text == f"+{quality['int8']['price']['ppl_increase_pct']:.2f}% perplexity"
+    assert price["gqa"].text.endswith("% perplexity, over the quality budget of +1%")
     assert not browser.find_element(By.ID, "sums-warning").is_displayed()
     assert cut_off(browser, SUMS_CELLS) == []  # the last column at 1280 px
     shot(browser, "ui-sums.png", 1100)

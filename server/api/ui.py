@@ -9,7 +9,10 @@
 * ``GET /ui/api/live``: the live counters by backend, read from the server's own metric objects (the
   recorder's, not a parse of ``/metrics``), plus the generated tokens of the running sequences.
 * ``GET /ui/api/sums``: ``kvserve estimate``'s table for the served model at one context and batch, every
-  backend the server knows, with a warning past the model's ``max_position_embeddings``.
+  backend the server knows, with a warning past the model's ``max_position_embeddings``, and each served
+  backend's price from the quality budget (``/info``'s ``kv_quality``).
+* ``GET /ui/api/defaults``: the page's presets, repetition penalty and chat-template switch for the served
+  model (:mod:`server.api.ui_presets`).
 
 The page itself and its assets are static files shipped in the package (``server/api/ui_assets``): they
 carry no server data, so with ``API_KEY`` set they load without the key, and the page asks for it once and
@@ -33,10 +36,11 @@ from cache_backends.spec import parse_spec
 from server.api.common import SHUTDOWN_MESSAGE, get_service
 from server.api.types import Int
 from server.api.ui_compression import uncompressed_reason
+from server.api.ui_presets import chat_turn, has_chat_template, page_defaults
 from server.engine.sequence import FinishReason
 from server.errors import NotReady, error_response
 from server.estimate_cli import applies
-from server.service import GenerationRequest
+from server.service import GenerationRequest, InvalidRequest
 
 ASSETS = Path(__file__).parent / "ui_assets"
 # The page's files, served by name only (no path from the request reaches the file system).
@@ -73,6 +77,7 @@ class UIGenerateRequest(BaseModel):
     seed: Int | None = Field(None, ge=0, le=2**63 - 1, description="null: greedy; else seeded sampling.")
     temperature: float = Field(1.0, gt=0.0, le=2.0, description="Sampling temperature (with a seed).")
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    chat: bool = Field(False, description="Send the prompt as one user turn through the model's chat template.")
 
 
 class UIToken(BaseModel):
@@ -86,6 +91,8 @@ class UIGenerateResponse(BaseModel):
     text: str
     tokens: list[UIToken]
     finish_reason: str
+    prompt_text: str = Field(description="The text the model was given: the prompt, through the chat template "
+                             "with ``chat``.")
     prompt_tokens: int
     kv_peak_bytes: int = Field(description="The request's KV store at its largest (bytes).")
     kv_bytes_per_token: float = Field(description="kv_peak_bytes / tokens cached at that size (all layers).")
@@ -104,13 +111,19 @@ async def ui_generate(body: UIGenerateRequest, request: Request):
     generation routes are: 429 past MAX_CONCURRENT_REQUESTS, 503 while draining for a shutdown, and 503 when the
     shutdown's grace period ends it."""
     service = get_service(request)
+    prompt, special = body.prompt, True
+    if body.chat:
+        if not has_chat_template(service.tokenizer):
+            raise InvalidRequest("`chat`: this model's tokenizer has no chat template", "chat")
+        prompt, special = chat_turn(service.tokenizer, body.prompt)
     params = service.sampling(do_sample=body.seed is not None, temperature=body.temperature, top_p=None,
                               top_k=None, repetition_penalty=body.repetition_penalty, seed=body.seed)
     # a salt of its own: every run computes its whole prompt (no prefix-cache hit from the run before), so
     # repeated runs time the same work
     salt = uuid.uuid4().hex if service.prefix_caching else None
-    req = GenerationRequest(prompt=body.prompt, max_new_tokens=body.max_new_tokens, params=params, stop=[],
-                            backend=body.kv_backend, fields={"inputs": "prompt"}, cache_salt=salt)
+    req = GenerationRequest(prompt=prompt, max_new_tokens=body.max_new_tokens, params=params, stop=[],
+                            backend=body.kv_backend, fields={"inputs": "prompt"}, add_special_tokens=special,
+                            cache_salt=salt)
     seq, events = await service.run(req, request.receive)
     collected = [ev async for ev in events]
     last = collected[-1]
@@ -131,11 +144,19 @@ async def ui_generate(body: UIGenerateRequest, request: Request):
         reason = uncompressed_reason(parse_spec(state.info["kv_estimate_spec"][seq.backend_name]), cached)
     return UIGenerateResponse(
         kv_backend=seq.backend_name, text=last.generated_text or "", tokens=tokens,
-        finish_reason=last.finish_reason.value, prompt_tokens=len(seq.prompt_ids), kv_peak_bytes=seq.peak_kv_stored_bytes,
+        finish_reason=last.finish_reason.value, prompt_text=prompt, prompt_tokens=len(seq.prompt_ids),
+        kv_peak_bytes=seq.peak_kv_stored_bytes,
         kv_bytes_per_token=seq.peak_kv_stored_bytes / max(cached, 1), kv_full_peak_bytes=full_peak,
         kv_uncompressed_reason=reason,
         ttft_s=t.first_token - t.arrival if t.first_token is not None else None,
         tpot_s=(t.last_token - t.first_token) / (n - 1) if n > 1 else None)
+
+
+@router.get("/ui/api/defaults", responses=ERRORS)
+async def ui_defaults(request: Request) -> dict:
+    """The page's presets, repetition penalty and chat-template switch for the served model
+    (:func:`server.api.ui_presets.page_defaults`)."""
+    return page_defaults(get_service(request).tokenizer)
 
 
 def model_shape(state) -> Shape:
@@ -190,6 +211,21 @@ def sums_specs(shape: Shape, dtype_bytes: int) -> list[str]:
     return [s for s in known if applies(shape, parse_spec(s), dtype_bytes)]
 
 
+def served_price(names: list[str], quality: dict) -> dict | None:
+    """The quality budget's price of the first of the served backends ``names`` that it priced (``/info``'s
+    ``kv_quality``): its perplexity increase (percent), whether it is within the budget, and the budget; ``full``'s
+    is 0 (the reference every price is measured against); ``None`` when none was priced (the budget off)."""
+    for name in names:
+        q = quality.get(name) or {}
+        if name == "full":
+            return {"served_as": name, "ppl_increase_pct": 0.0, "within_budget": True,
+                    "budget_pct": q.get("budget_pct")}
+        if q.get("price"):
+            return {"served_as": name, "ppl_increase_pct": q["price"]["ppl_increase_pct"],
+                    "within_budget": q["within_budget"], "budget_pct": q["budget_pct"]}
+    return None
+
+
 def context_warnings(seq_len: int, max_positions: int | None, max_total_tokens: int | None) -> list[str]:
     """What a context of ``seq_len`` tokens runs into on this server, in words (empty when nothing)."""
     if max_positions and seq_len > max_positions:
@@ -207,8 +243,9 @@ async def ui_sums(request: Request, seq_len: int = Query(1024, ge=1, le=10_000_0
                   batch: int = Query(1, ge=1, le=100_000, description="Sequences.")) -> dict:
     """``kvserve estimate`` for the served model and dtype at ``seq_len`` tokens and ``batch`` sequences: every
     backend this server knows at the estimator's defaults for the model (and the k8v4 mix), and each served
-    backend's own spec; ``aka`` names a row's common name (k8v4), ``warnings`` a context the model or the
-    server cannot hold."""
+    backend's own spec; ``aka`` names a row's common name (k8v4), ``price`` a served row's price from the
+    quality budget (:func:`served_price`; ``None``: not priced), ``warnings`` a context the model or the server
+    cannot hold."""
     state = request.app.state.kvserve
     get_service(request)
     info = state.info
@@ -227,10 +264,11 @@ async def ui_sums(request: Request, seq_len: int = Query(1024, ge=1, le=10_000_0
         per = row["bytes_per_token_per_layer"]
         params = row["params"]
         k8v4 = row["backend"] == "int8" and params.get("key_bits", 8) == 8 and params.get("value_bits", 8) == 4
+        served_as = [name for name, (backend, opts) in served.items()
+                     if backend == row["backend"] and {**default_params(shape, backend), **opts} == params]
         rows.append({**row, "bytes_per_token": per * shape.num_layers, "vs_full": full / per if per else None,
-                     "aka": "k8v4" if k8v4 else None,
-                     "served_as": [name for name, (backend, opts) in served.items() if backend == row["backend"]
-                                   and {**default_params(shape, backend), **opts} == params]})
+                     "aka": "k8v4" if k8v4 else None, "served_as": served_as,
+                     "price": served_price(served_as, info.get("kv_quality") or {})})
     max_positions = state.model_config.get("max_position_embeddings")
     return {"model": info["model_id"], "dtype": info["model_dtype"], "num_layers": shape.num_layers,
             "seq_len": seq_len, "batch": batch, "specs": names, "max_position_embeddings": max_positions,

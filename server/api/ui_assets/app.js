@@ -5,6 +5,7 @@
 const $ = (sel, root = document) => root.querySelector(sel);
 const KEY_STORE = "kvserve-api-key";
 let info = null;            // GET /info, once
+let defaults = null;        // GET /ui/api/defaults, once: the served model's presets, penalty, chat switch
 let liveTimer = null;       // the Live view's poll, while it is shown
 let lastLive = null;        // the previous /ui/api/live answer (for tokens/s)
 
@@ -83,7 +84,21 @@ function bytes(n) {
 }
 const ms = (s) => (s === null || s === undefined ? "–" : `${(s * 1000).toFixed(1)} ms`);
 const int = (n) => Math.round(n).toLocaleString("en-US");
-const ratio = (r) => (r === null || r === undefined || !isFinite(r) ? "–" : `${r.toFixed(2)}×`);
+// Every ratio to full (or the reference) in one convention, as the start-up log and the README write them: a size
+// "N.NNx smaller" (or larger), a time "N.NNx faster" (or slower); r is this / the reference.
+function versusText(r, less, more, same) {
+  if (r === null || r === undefined || !isFinite(r) || r <= 0) return "–";
+  const times = (r < 1 ? 1 / r : r).toFixed(2);
+  return times === "1.00" ? same : `${times}x ${r < 1 ? less : more}`;
+}
+const sizeRatio = (r) => versusText(r, "smaller", "larger", "same size");
+const timeRatio = (r) => versusText(r, "faster", "slower", "same time");
+// The quality budget's price of a served backend ({ppl_increase_pct, within_budget, budget_pct}), or "not priced".
+function priceText(p) {
+  if (!p) return "not priced";
+  const cost = `+${p.ppl_increase_pct.toFixed(2)}% perplexity`;
+  return p.within_budget ? cost : `${cost}, over the quality budget of +${p.budget_pct}%`;
+}
 const sleep = (t) => new Promise((resolve) => setTimeout(resolve, t));
 
 function median(values) {
@@ -154,6 +169,7 @@ function compareSettings() {
   const seeded = $('input[name="mode"]:checked').value === "seeded";
   return {
     prompt: $("#prompt").value,
+    chat: !$("#chat-switch").hidden && $("#chat").checked,
     backends: chosenBackends(),
     max_new_tokens: Number($("#max-new-tokens").value),
     repetition_penalty: Number($("#repetition-penalty").value),
@@ -166,6 +182,7 @@ function compareSettings() {
 function shareUrl(s) {
   const url = new URL(location.origin + location.pathname);
   url.searchParams.set("prompt", s.prompt);
+  if (!$("#chat-switch").hidden) url.searchParams.set("chat", s.chat ? "1" : "0");
   url.searchParams.set("backends", s.backends.join(","));
   url.searchParams.set("max_new_tokens", s.max_new_tokens);
   url.searchParams.set("repetition_penalty", s.repetition_penalty);
@@ -178,6 +195,7 @@ function shareUrl(s) {
 function applyQuery() {
   const q = new URLSearchParams(location.search);
   if (q.has("prompt")) $("#prompt").value = q.get("prompt");
+  if (q.has("chat")) $("#chat").checked = q.get("chat") === "1";
   if (q.has("max_new_tokens")) $("#max-new-tokens").value = q.get("max_new_tokens");
   if (q.has("repetition_penalty")) $("#repetition-penalty").value = q.get("repetition_penalty");
   if (q.has("runs")) $("#runs").value = q.get("runs");
@@ -191,6 +209,19 @@ function applyQuery() {
     for (const box of document.querySelectorAll('#backends input[type="checkbox"]')) box.checked = wanted.includes(box.value);
   }
   return q.has("prompt") && q.has("backends");
+}
+
+// The served model's presets, repetition penalty and chat-template switch (GET /ui/api/defaults): chat questions
+// through the template for a chat model, text to continue for any other; the first preset is the default prompt.
+function renderDefaults() {
+  const select = $("#preset");
+  select.querySelectorAll('option:not([value=""])').forEach((o) => o.remove());
+  const how = defaults.chat ? " as a chat turn" : "";
+  for (const p of defaults.presets) select.append(el("option", { value: p.prompt, text: `${p.label} (${p.tokens} tokens${how})` }));
+  $("#chat-switch").hidden = !defaults.chat_template;
+  $("#chat").checked = defaults.chat;
+  $("#repetition-penalty").value = String(defaults.repetition_penalty);
+  if (!$("#prompt").value && defaults.presets.length) $("#prompt").value = defaults.presets[0].prompt;
 }
 
 function renderBackends() {
@@ -208,6 +239,13 @@ function renderBackends() {
   Object.entries(info.kv_quality || {}).forEach(([name, q]) => {
     if (qualityWarning(name)) set.append(el("p", { class: "muted quality-warning", "data-backend": name, text: "⚠ " + q.message }));
   });
+}
+
+// A served backend's price from the quality budget, as /ui/api/sums gives a row's (null: not priced).
+function servedPrice(name) {
+  const q = (info.kv_quality || {})[name];
+  return q && q.price ? { served_as: name, ppl_increase_pct: q.price.ppl_increase_pct, within_budget: q.within_budget,
+                          budget_pct: q.budget_pct } : null;
 }
 
 // The quality budget's word on a served backend when the user should hear it: over the budget, or no saving.
@@ -285,19 +323,27 @@ function versus(result, ref, timing, refTiming) {
   };
 }
 
-function timingText(values) {
+// A run whose only token was end-of-text: the model stopped at once, leaving no text to compare.
+const stoppedAtOnce = (r) => r.finish_reason === "eos_token" && r.tokens.length <= 1;
+const TIMING_NONE = { ttft: "no token generated", tpot: "one token a run: TPOT needs two" };
+
+function timingText(values, none) {
   const m = median(values), v = values.filter((x) => x !== null && x !== undefined);
-  if (m === null) return "–";
+  if (m === null) return none;
   return v.length > 1 ? `${ms(m)} (${spread(v)})` : ms(m);
 }
 
 function spread(v) { return `${(Math.min(...v) * 1000).toFixed(1)}–${(Math.max(...v) * 1000).toFixed(1)} ms`; }
 
-// A card's timing: the median, then what it is (warm, median of N) and the spread, on a line of its own.
-function setTiming(dd, values) {
+// A card's timing: the median, then what it is (warm, median of N runs) and the spread, on a line of its own;
+// runs that measured nothing (a TPOT of one token) are counted as such.
+function setTiming(dd, values, none) {
   const v = values.filter((x) => x !== null && x !== undefined);
-  dd.replaceChildren(el("span", { class: "key", text: ms(median(v)) }),
-    el("span", { class: "detail muted", text: v.length > 1 ? `warm, median of ${v.length}: ${spread(v)}` : `warm, 1 run` }));
+  const of = v.length < values.length ? ` of ${values.length} runs` : "";
+  let detail = `warm, median of ${v.length}${of}: ${spread(v)}`;
+  if (!v.length) detail = `${values.length} run${values.length === 1 ? "" : "s"}, ${none}`;
+  else if (v.length === 1) detail = `warm, 1${of || " run"}`;
+  dd.replaceChildren(el("span", { class: "key", text: ms(median(v)) }), el("span", { class: "detail muted", text: detail }));
 }
 
 function timingLabel(n) { return `warm, median of ${n}` + (n > 1 ? " (min–max)" : ""); }
@@ -317,6 +363,7 @@ function renderCard(result, ref, timing) {
   if (vs.reference) verdict = "reference";
   else if (vs.diverge < 0) verdict = `identical to ${ref.kv_backend}`;
   else verdict = `differs from ${ref.kv_backend} at token ${vs.diverge}`;
+  if (stoppedAtOnce(result)) verdict += "; stopped at once: end-of-text only";
   const stats = el("dl", { class: "stats" },
     el("dt", { text: "KV peak" }), el("dd", { class: "kv-peak", "data-bytes": String(result.kv_peak_bytes), text: bytes(result.kv_peak_bytes) }),
     el("dt", { text: "KV bytes/token" }), el("dd", { class: "kv-per-token", text: int(result.kv_bytes_per_token) }),
@@ -342,8 +389,8 @@ function refreshCards(order, results, timings) {
   for (const b of order) {
     const card = $(`#results .result[data-backend="${CSS.escape(b)}"]`);
     if (!card) continue;
-    setTiming($(".ttft", card), timings[b].ttft);
-    setTiming($(".tpot", card), timings[b].tpot);
+    setTiming($(".ttft", card), timings[b].ttft, TIMING_NONE.ttft);
+    setTiming($(".tpot", card), timings[b].tpot, TIMING_NONE.tpot);
     if (results[b] === ref) continue;
     const old = $("figure", card);
     const plot = diffPlot(results[b], ref, firstDifference(results[b].tokens, ref.tokens), scale);
@@ -351,9 +398,18 @@ function refreshCards(order, results, timings) {
   }
 }
 
-// One row per backend: its measures as ratios to the reference's (full when chosen), agreement, first difference.
-function renderSummary(order, results, timings, greedy) {
-  const ref = results[order[0]];
+// What the summary says when the reference stopped at once: nothing to compare, and what to try.
+function stopNotice(name, chat) {
+  const hint = !chat && defaults && defaults.chat ? "this is a chat model: turn on “chat template” or try another prompt"
+                                                  : "try another prompt";
+  return `${name} stopped at once: its only token was end-of-text, so there is no text to compare the backends ` +
+    `on (agreement left out); ${hint}.`;
+}
+
+// One row per backend: its measures as ratios to the reference's (full when chosen), agreement, first difference;
+// a backend over the quality budget is flagged with its price.
+function renderSummary(order, results, timings, s) {
+  const ref = results[order[0]], greedy = s.seed === null, nothing = stoppedAtOnce(ref);
   const runsDone = Math.min(...order.filter((b) => results[b]).map((b) => timings[b].ttft.length));
   const table = $("#summary-table");
   const refName = ref.kv_backend;
@@ -363,6 +419,8 @@ function renderSummary(order, results, timings, greedy) {
   table.querySelector(".th-agree").textContent = greedy ? `greedy agreement with ${refName}` : `agreement with ${refName} (seeded)`;
   $("#summary-timing").textContent = `TTFT and TPOT: ${timingLabel(runsDone)} per backend, each after one untimed ` +
     `warm-up run; runs interleaved across backends, every run prefilling its whole prompt (no prefix-cache hit).`;
+  $("#summary-notice").textContent = nothing ? stopNotice(refName, s.chat) : "";
+  $("#summary-notice").hidden = !nothing;
   const body = table.querySelector("tbody");
   body.replaceChildren();
   for (const b of order) {
@@ -371,17 +429,24 @@ function renderSummary(order, results, timings, greedy) {
     const vs = versus(r, ref, timings[b], timings[order[0]]);
     const cell = (cls, main, detail, data = {}) =>
       el("td", Object.assign({ class: cls }, data), el("span", { class: "key", text: main }), detail ? el("span", { class: "detail muted", text: detail }) : "");
-    const agree = vs.reference ? "reference" : `${(vs.agree.share * 100).toFixed(1)}%`;
-    const first = vs.reference ? "reference" : vs.diverge < 0 ? "never" : `token ${vs.diverge}`;
+    const compared = !vs.reference && !nothing;
+    const agree = vs.reference ? "reference" : nothing ? "–" : `${(vs.agree.share * 100).toFixed(1)}%`;
+    const first = vs.reference ? "reference" : nothing ? "–" : vs.diverge < 0 ? "never" : `token ${vs.diverge}`;
+    const name = el("th", { scope: "row", text: b });
+    const price = servedPrice(b);
+    if (price && !price.within_budget) {
+      name.append(el("span", { class: "over-budget", title: priceText(price),
+                               text: `⚠ over budget: +${price.ppl_increase_pct.toFixed(2)}%` }));
+    }
     body.append(el("tr", { "data-backend": b },
-      el("th", { scope: "row", text: b }),
-      cell("bytes-ratio", ratio(vs.peak), `${int(r.kv_bytes_per_token)} B/token`, { "data-ratio": String(vs.peak) }),
-      cell("peak-ratio", ratio(vs.peak), bytes(r.kv_peak_bytes), { "data-ratio": String(vs.peak) }),
-      cell("ttft-ratio", ratio(vs.ttft), timingText(timings[b].ttft), { "data-ratio": String(vs.ttft) }),
-      cell("tpot-ratio", ratio(vs.tpot), timingText(timings[b].tpot), { "data-ratio": String(vs.tpot) }),
-      cell("agreement", agree, vs.reference ? "" : `${vs.agree.equal} of ${vs.agree.of} tokens`,
-           { "data-share": vs.reference ? "1" : String(vs.agree.share) }),
-      cell("first-diff", first, "", { "data-index": vs.reference ? "reference" : String(vs.diverge) }),
+      name,
+      cell("bytes-ratio", sizeRatio(vs.peak), `${int(r.kv_bytes_per_token)} B/token`, { "data-ratio": String(vs.peak) }),
+      cell("peak-ratio", sizeRatio(vs.peak), bytes(r.kv_peak_bytes), { "data-ratio": String(vs.peak) }),
+      cell("ttft-ratio", timeRatio(vs.ttft), timingText(timings[b].ttft, TIMING_NONE.ttft), { "data-ratio": String(vs.ttft) }),
+      cell("tpot-ratio", timeRatio(vs.tpot), timingText(timings[b].tpot, TIMING_NONE.tpot), { "data-ratio": String(vs.tpot) }),
+      cell("agreement", agree, compared ? `${vs.agree.equal} of ${vs.agree.of} tokens` : nothing && !vs.reference ? "nothing to compare" : "",
+           { "data-share": vs.reference ? "1" : nothing ? "" : String(vs.agree.share) }),
+      cell("first-diff", first, "", { "data-index": vs.reference ? "reference" : nothing ? "" : String(vs.diverge) }),
       el("td", { class: "note", text: r.kv_uncompressed_reason ? `not compressed yet: ${r.kv_uncompressed_reason}`
                                                             : vs.peak < 1 ? "compressed" : "" })));
   }
@@ -405,8 +470,8 @@ async function runCompare(ev) {
   $("#run").disabled = true;
   // the reference first, so that each card and row can be drawn against it as it arrives
   const order = s.backends.includes("full") ? ["full", ...s.backends.filter((b) => b !== "full")] : s.backends;
-  const body = (backend, tokens) => JSON.stringify({ prompt: s.prompt, kv_backend: backend, max_new_tokens: tokens,
-    repetition_penalty: s.repetition_penalty, seed: s.seed, temperature: s.temperature });
+  const body = (backend, tokens) => JSON.stringify({ prompt: s.prompt, chat: s.chat, kv_backend: backend,
+    max_new_tokens: tokens, repetition_penalty: s.repetition_penalty, seed: s.seed, temperature: s.temperature });
   const post = (backend, tokens) => api("/ui/api/generate", { method: "POST", headers: { "Content-Type": "application/json" },
                                                               body: body(backend, tokens) });
   const results = {}, timings = Object.fromEntries(order.map((b) => [b, { ttft: [], tpot: [] }]));
@@ -424,14 +489,15 @@ async function runCompare(ev) {
         if (run === 1) {
           results[backend] = result;
           if (backend === order[0]) {
-            $("#shown-prompt-text").textContent = s.prompt;
-            $("#shown-prompt-tokens").textContent = `${result.prompt_tokens} tokens`;
+            $("#shown-prompt-text").textContent = result.prompt_text;
+            $("#shown-prompt-tokens").textContent = `${result.prompt_tokens} tokens` +
+              (s.chat ? ", the prompt as a user turn through the model's chat template" : "");
             $("#shown-prompt").hidden = false;
           }
           cardsBox.append(renderCard(result, results[order[0]], timings[backend]));
         }
         refreshCards(order, results, timings);
-        renderSummary(order, results, timings, s.seed === null);
+        renderSummary(order, results, timings, s);
       }
     }
     $("#compare-status").textContent = `done: ${order.join(", ")}; ${s.runs} timed run${s.runs > 1 ? "s" : ""} each`;
@@ -514,15 +580,17 @@ async function loadSums(ev) {
                             : int(r.bytes_per_token);
     const total = ranged ? `${bytes(r.min_total_bytes)}–${bytes(r.total_bytes)}` : bytes(r.total_bytes);
     const fullPer = r.vs_full ? r.bytes_per_token_per_layer * r.vs_full : null;
-    const vs = ranged && fullPer ? `${ratio(1)}–${ratio(fullPer / r.min_bytes_per_token_per_layer)}`
-                                 : r.vs_full ? ratio(r.vs_full) : "–";
+    const vs = ranged && fullPer ? `${sizeRatio(1)} to ${sizeRatio(r.min_bytes_per_token_per_layer / fullPer)}`
+                                 : r.vs_full ? sizeRatio(1 / r.vs_full) : "–";
     body.append(el("tr", { "data-backend": r.backend, "data-aka": r.aka || "" },
       el("th", { scope: "row", text: r.aka ? `${r.backend} (${r.aka})` : r.backend }),
       el("td", { class: "params", text: params }),
       el("td", { text: perLayer }), el("td", { text: perToken }),
       el("td", { class: "total", text: total }),
       el("td", { class: "vs-full", text: vs }),
-      el("td", { class: "served", text: r.served_as.join(", ") || "–" })));
+      el("td", { class: "served", text: r.served_as.join(", ") || "–" }),
+      el("td", { class: r.price && !r.price.within_budget ? "price over-budget-price" : "price",
+                 "data-price": r.price ? String(r.price.ppl_increase_pct) : "", text: priceText(r.price) })));
   }
   labelCells($("#sums-table"));
 }
@@ -551,6 +619,13 @@ async function start() {
   if (q.has("view")) selectView(q.get("view"));
   if (!(await loadInfo())) return;
   $("#model").textContent = `${info.model_id} · ${info.model_dtype} on ${info.model_device_type} · default backend ${info.kv_backend}`;
+  try {
+    defaults = await api("/ui/api/defaults");
+  } catch (err) {
+    showError(err.message);
+    return;
+  }
+  renderDefaults();
   renderBackends();
   $("#run").disabled = false;
   const run = applyQuery();
