@@ -35,38 +35,49 @@ TIERS = {
 
 
 class Row:
-    """One sequence of ``context`` random tokens written through the serving path's planning into a pool of
-    ``layers`` layers of one stored form, and the metadata of its next decode step."""
+    """``batch`` sequences of ``context`` random tokens each, written through the serving path's planning into a pool
+    of ``layers`` layers of one stored form, and the metadata of their next decode step."""
 
     def __init__(self, tier: str, layers: int, heads: int, width: int, context: int, tokens_per_page: int,
-                 dtype: torch.dtype = torch.float32, seed: int = 0):
+                 batch: int = 1, dtype: torch.dtype = torch.float32, seed: int = 0):
         spec = KVSpec(tuple(kv_streams(heads, width)), layers, dtype.itemsize, TIERS[tier])
         page = -(-spec.exact_bytes(tokens_per_page, aligned=True) // 64) * 64
         self.layout = PageLayout(spec, dtype, page)
-        pages = 2 * (context // tokens_per_page + 8) + 8
+        pages = batch * 2 * (context // tokens_per_page + 8) + 8
         self.pool = KVPool(pages, self.layout.page_bytes, {"b": self.layout}, "cpu")
         self.views = self.pool.views["b"]
-        self.layers, self.heads, self.width, self.dtype = layers, heads, width, dtype
-        gen = torch.Generator().manual_seed(seed)
-        free = list(range(1, pages))
-        blocks = SeqBlocks()
-        for n in [min(512, context - t) for t in range(0, context, 512)] + [1]:
+        self.layers, self.heads, self.width, self.dtype, self.batch = layers, heads, width, dtype, batch
+        self.gen = torch.Generator().manual_seed(seed)
+        self.free = list(range(1, pages))
+        rows = [SeqBlocks() for _ in range(batch)]
+        for blocks in rows:
+            for n in [min(512, context - t) for t in range(0, context, 512)]:
+                self._write([blocks], n)
+                self._commit()
+        self.meta = self._write(rows, 1)  # the decode step, written, not committed: attended as the engine would
+        self.bytes = sum(self.layout.stored_bytes(b) for b in rows)
+
+    def _write(self, rows: list[SeqBlocks], n: int) -> StepMeta:
+        """Plan, extend and write ``n`` random tokens into each of ``rows`` (one step); :meth:`_commit` applies it."""
+        self.pending = []
+        for blocks in rows:
             plan = self.layout.plan(blocks, n)
-            got = [free.pop() for _ in range(plan.pages_needed)]
+            got = [self.free.pop() for _ in range(plan.pages_needed)]
             self.layout.extend(blocks, plan, got[: plan.new_exact_pages], got[plan.new_exact_pages:])
-            meta = StepMeta(self.layout, [(blocks, plan)], "cpu")
-            for layer in range(layers):
-                write_layer(self.views, layer, meta, [torch.randn(1, heads, n, width, generator=gen).to(dtype)
-                                                      for _ in range(2)])
-            if n == 1:
-                self.meta = meta  # the decode step, written, not committed: attended as the engine would
-            else:
-                free.extend(self.layout.commit(blocks, plan))
-        self.bytes = self.layout.stored_bytes(blocks)
+            self.pending.append((blocks, plan))
+        meta = StepMeta(self.layout, self.pending, "cpu")
+        for layer in range(self.layers):
+            write_layer(self.views, layer, meta, [torch.randn(len(rows), self.heads, n, self.width,
+                                                              generator=self.gen).to(self.dtype) for _ in range(2)])
+        return meta
+
+    def _commit(self) -> None:
+        for blocks, plan in self.pending:
+            self.free.extend(self.layout.commit(blocks, plan))
 
     def step(self, rep: int) -> float:
         """Seconds of one decode step's attention over every layer."""
-        query = torch.randn(1, self.heads * rep, 1, self.width).to(self.dtype)
+        query = torch.randn(self.batch, self.heads * rep, 1, self.width).to(self.dtype)
         reads = [in_place_layer(self.views, layer) for layer in range(self.layers)]
         t = time.perf_counter()
         for layer in range(self.layers):
@@ -83,20 +94,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rep", type=int, default=3, help="query heads per KV head")
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--page-tokens", type=int, default=16)
+    p.add_argument("--batch", type=int, default=1, help="rows decoded in the step, each --context tokens long")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--rounds", type=int, default=15)
     args = p.parse_args(argv)
     if not kernels.load():
         raise SystemExit(f"the attention kernel is not available: {kernels.status()['reason']}")
     torch.set_num_threads(args.threads)
-    rows = {t: Row(t, args.layers, args.heads, args.head_dim, args.context, args.page_tokens) for t in args.tiers}
+    rows = {t: Row(t, args.layers, args.heads, args.head_dim, args.context, args.page_tokens, args.batch)
+            for t in args.tiers}
     times: dict[str, list[float]] = {t: [] for t in args.tiers}
     with kernels.using("kernel"):
         for _ in range(args.rounds):
             for t, row in rows.items():
                 times[t].append(row.step(args.rep))
     base = statistics.median(times[args.tiers[0]])
-    print(f"{args.context} tokens, {args.layers} layers, {args.heads}x{args.rep} heads, head_dim {args.head_dim}, "
+    print(f"{args.batch} row(s) of {args.context} tokens, {args.layers} layers, {args.heads}x{args.rep} heads, head_dim {args.head_dim}, "
           f"{args.threads} thread(s), median of {args.rounds}")
     print(f"{'form':<14}{'ms/step':>10}{'vs ' + args.tiers[0]:>12}{'bytes vs':>10}")
     for t, row in rows.items():
