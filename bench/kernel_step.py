@@ -1,5 +1,5 @@
-"""The attention kernel alone: one decode step's KV path (``torch.ops.kvserve.paged_attention`` over every layer) of
-one row at a long context, per stored form, the forms timed in turn so that a drifting machine moves them alike.
+"""The attention kernel alone: one step's attention (``torch.ops.kvserve.paged_attention`` over every layer) of
+rows at a long context, a decode or a prefill chunk, per stored form, the forms timed in turn so that a drifting machine moves them alike.
 
     python -m bench.kernel_step --context 8000 --tiers exact int8 int4 --threads 1
 
@@ -39,7 +39,7 @@ class Row:
     of ``layers`` layers of one stored form, and the metadata of their next decode step."""
 
     def __init__(self, tier: str, layers: int, heads: int, width: int, context: int, tokens_per_page: int,
-                 batch: int = 1, dtype: torch.dtype = torch.float32, seed: int = 0):
+                 batch: int = 1, chunk: int = 1, dtype: torch.dtype = torch.float32, seed: int = 0):
         spec = KVSpec(tuple(kv_streams(heads, width)), layers, dtype.itemsize, TIERS[tier])
         page = -(-spec.exact_bytes(tokens_per_page, aligned=True) // 64) * 64
         self.layout = PageLayout(spec, dtype, page)
@@ -54,7 +54,8 @@ class Row:
             for n in [min(512, context - t) for t in range(0, context, 512)]:
                 self._write([blocks], n)
                 self._commit()
-        self.meta = self._write(rows, 1)  # the decode step, written, not committed: attended as the engine would
+        self.meta = self._write(rows, chunk)  # the step, written, not committed: attended as the engine would
+        self.chunk = chunk
         self.bytes = sum(self.layout.stored_bytes(b) for b in rows)
 
     def _write(self, rows: list[SeqBlocks], n: int) -> StepMeta:
@@ -76,8 +77,8 @@ class Row:
             self.free.extend(self.layout.commit(blocks, plan))
 
     def step(self, rep: int) -> float:
-        """Seconds of one decode step's attention over every layer."""
-        query = torch.randn(self.batch, self.heads * rep, 1, self.width).to(self.dtype)
+        """Seconds of one step's attention over every layer (a decode, or a prefill chunk of ``chunk`` tokens)."""
+        query = torch.randn(self.batch, self.heads * rep, self.chunk, self.width).to(self.dtype)
         reads = [in_place_layer(self.views, layer) for layer in range(self.layers)]
         t = time.perf_counter()
         for layer in range(self.layers):
@@ -95,13 +96,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--page-tokens", type=int, default=16)
     p.add_argument("--batch", type=int, default=1, help="rows decoded in the step, each --context tokens long")
+    p.add_argument("--chunk", type=int, default=1, help="new tokens a row (1: a decode step; more: a prefill chunk)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--rounds", type=int, default=15)
     args = p.parse_args(argv)
     if not kernels.load():
         raise SystemExit(f"the attention kernel is not available: {kernels.status()['reason']}")
     torch.set_num_threads(args.threads)
-    rows = {t: Row(t, args.layers, args.heads, args.head_dim, args.context, args.page_tokens, args.batch)
+    rows = {t: Row(t, args.layers, args.heads, args.head_dim, args.context, args.page_tokens, args.batch,
+                   args.chunk)
             for t in args.tiers}
     times: dict[str, list[float]] = {t: [] for t in args.tiers}
     with kernels.using("kernel"):
@@ -109,8 +112,8 @@ def main(argv: list[str] | None = None) -> int:
             for t, row in rows.items():
                 times[t].append(row.step(args.rep))
     base = statistics.median(times[args.tiers[0]])
-    print(f"{args.batch} row(s) of {args.context} tokens, {args.layers} layers, {args.heads}x{args.rep} heads, head_dim {args.head_dim}, "
-          f"{args.threads} thread(s), median of {args.rounds}")
+    print(f"{args.batch} row(s) of {args.context} tokens + {args.chunk} new, {args.layers} layers, "
+          f"{args.heads}x{args.rep} heads, head_dim {args.head_dim}, {args.threads} thread(s), median of {args.rounds}")
     print(f"{'form':<14}{'ms/step':>10}{'vs ' + args.tiers[0]:>12}{'bytes vs':>10}")
     for t, row in rows.items():
         med = statistics.median(times[t])
