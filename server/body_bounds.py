@@ -1,8 +1,9 @@
 """Bounds on the shape of a JSON request body, checked before it is parsed and validated.
 
-Parsing and validating a body are done on the event loop (by FastAPI), and take time in proportion to the
-number of JSON values in it: a 1.9 MB body of 474,985 one-token prompts held the loop (``/health`` and every
-stream) for 2.6 s before its 400. A body is therefore measured first, from its bytes (C-speed byte counts, no
+Parsing and validating a body take time in proportion to the number of JSON values in it: a 1.9 MB body of
+474,985 one-token prompts held the event loop (``/health`` and every stream) for 2.6 s before its 400, when FastAPI
+did both on the loop (a large body is now read in a worker thread: :mod:`server.api.threaded_body`; its time is
+still the server's). A body is therefore measured first, from its bytes (C-speed byte counts, no
 parse), and refused when it holds more values, more objects and arrays, or a longer array, than any request the
 server could serve. Objects and arrays cost the most to validate (a 676 KB chat body of 22k one-letter content
 parts, within the bound on values, held the loop for 1.2 s), and each one a servable request holds is a prompt,
@@ -59,13 +60,14 @@ def _long_array(node, max_items: int, path: str = "") -> tuple[str, int] | None:
     if isinstance(node, list):
         if len(node) > max_items:
             return path or "body", len(node)
-        children = ((f"{path}.{i}" if path else str(i), v) for i, v in enumerate(node))
+        children = enumerate(node)
     elif isinstance(node, dict):
-        children = ((f"{path}.{k}" if path else str(k), v) for k, v in node.items())
+        children = node.items()
     else:
         return None
-    for child_path, value in children:
-        if isinstance(value, (list, dict)) and (found := _long_array(value, max_items, child_path)) is not None:
+    for key, value in children:  # a path only for containers: a prompt's token ids are most of a large body
+        if isinstance(value, (list, dict)) and (
+                found := _long_array(value, max_items, f"{path}.{key}" if path else str(key))) is not None:
             return found
     return None
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import threading
 
 from server.error_body import error_body, openai_path
 
@@ -90,7 +91,7 @@ class HeaderLimit:
 BODY_METHODS = ("POST", "PUT", "PATCH")
 
 
-def _is_json(content_type: bytes) -> bool:
+def is_json(content_type: bytes) -> bool:
     """Whether a Content-Type value names JSON: ``application/json`` or ``application/<x>+json``, parameters
     (``; charset=utf-8``) allowed, case-insensitive."""
     media = content_type.split(b";", 1)[0].strip().lower()
@@ -112,7 +113,7 @@ class JsonContentType:
         headers = dict(scope.get("headers") or [])
         content_type = headers.get(b"content-type")
         has_body = headers.get(b"content-length", b"0").strip() != b"0" or b"transfer-encoding" in headers
-        if content_type is not None and has_body and not _is_json(content_type):
+        if content_type is not None and has_body and not is_json(content_type):
             received = content_type.decode("latin-1")[:100]
             return await _send_error(send, scope["path"], 415, f"Content-Type `{received}` is not supported: send "
                                      "the body as JSON, with `Content-Type: application/json`", "validation")
@@ -229,7 +230,8 @@ class PayloadLimit:
 
 
 SMALL_BODY_BYTES = 65536
-"""Bodies up to this size are parsed at once (too few values in them to hold the event loop)."""
+"""Bytes: bodies up to this size are parsed and validated on the event loop (too few values in them to hold it);
+larger ones are measured, parsed and validated in :func:`in_body_thread`."""
 UNLOADED_MAX_ITEMS = 4096
 """The array bound while the model loads (its MAX_TOTAL_TOKENS is not known yet; the routes answer 503)."""
 OTHER_VALUES = 1024
@@ -238,12 +240,32 @@ OTHER_CONTAINERS = 256
 """Objects and arrays a request may hold besides one a position of the model (the body, the prompts of a batch,
 stop lists, logit_bias, a response format)."""
 
+_BODY_THREAD = threading.Lock()
+
+
+async def in_body_thread(fn, *args):
+    """``fn(*args)`` in a worker thread, one large body at a time (the reading of a body over
+    :data:`SMALL_BODY_BYTES`: its shape check, its parse and validation), so that the event loop serves the other
+    requests meanwhile. One at a time: a C call holds Python's global lock until it returns (``json.loads`` of a
+    1.8 MB body about 25 ms), and with a thread per body the loop could wait for several such calls in turn.
+
+    Raises:
+        what ``fn`` raises.
+    """
+    import anyio
+
+    def run():
+        with _BODY_THREAD:
+            return fn(*args)
+
+    return await anyio.to_thread.run_sync(run)
+
 
 class BodyBounds:
     """Refuse a JSON body that holds more values, or a longer array, than a request the server can serve, before
-    FastAPI parses and validates it on the event loop (:func:`server.body_bounds.body_fault`, run in a worker
-    thread): no array longer than ``MAX_TOTAL_TOKENS`` (token ids, messages, input items: each costs a token at
-    least), no more values than ``MAX_SEQUENCES_PER_REQUEST`` prompts of that many token ids, plus
+    it is parsed and validated (:func:`server.body_bounds.body_fault`, in the worker thread of large bodies:
+    :func:`in_body_thread`): no array longer than ``MAX_TOTAL_TOKENS`` (token ids, messages, input items: each
+    costs a token at least), no more values than ``MAX_SEQUENCES_PER_REQUEST`` prompts of that many token ids, plus
     :data:`OTHER_VALUES`, and no more objects and arrays than ``MAX_TOTAL_TOKENS`` plus :data:`OTHER_CONTAINERS`:
     every message, content part or input item takes a position of the prompt at least, or is of no use (text cut
     into parts shorter than a token). 400 (``validation``, ``param`` naming the field) on the OpenAI routes, 422
@@ -260,7 +282,7 @@ class BodyBounds:
     async def __call__(self, scope, receive, send):
         content_type = dict(scope.get("headers") or []).get(b"content-type", b"") if scope["type"] == "http" else b""
         if scope["type"] != "http" or scope.get("method") not in BODY_METHODS or (
-                content_type and not _is_json(content_type)):
+                content_type and not is_json(content_type)):
             return await self.app(scope, receive, send)
         chunks, more = [], True
         while more:
@@ -271,14 +293,12 @@ class BodyBounds:
             more = message.get("more_body", False)
         body = b"".join(chunks)
         if len(body) > SMALL_BODY_BYTES:
-            import anyio
-
             from server.body_bounds import body_fault
             from server.service import MAX_SEQUENCES_PER_REQUEST
 
             max_items = self.state.info.get("max_total_tokens") or UNLOADED_MAX_ITEMS
-            fault = await anyio.to_thread.run_sync(body_fault, body, MAX_SEQUENCES_PER_REQUEST * max_items
-                                                   + OTHER_VALUES, max_items, max_items + OTHER_CONTAINERS)
+            fault = await in_body_thread(body_fault, body, MAX_SEQUENCES_PER_REQUEST * max_items + OTHER_VALUES,
+                                         max_items, max_items + OTHER_CONTAINERS)
             if fault is not None:
                 message, field = fault
                 return await _send_error(send, scope["path"], _invalid_status(scope), message, "validation", field)

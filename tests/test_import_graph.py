@@ -36,6 +36,7 @@ TORCH_FREE = (
     "server.engine.prefix_cache",  # block hashes
     "server.engine.scheduler",  # admission and preemption
     "server.engine.itl_budget",  # the prefill budget bounded by step cost
+    "server.engine.prefill_share",  # the prefill budget shared between prefills
 )
 
 

@@ -27,13 +27,14 @@ from server.api.openai_schemas import (ChatChoice, ChatChunk, ChatChunkChoice, C
                                        ChatResponse, ChatResponseMessage, CompletionChoice, CompletionRequest,
                                        CompletionResponse, ModelCard, ModelList, OpenAIError, PromptTokensDetails,
                                        Usage)
+from server.api.threaded_body import ThreadedBodyRoute
 from server.api.tools import ToolStream, finish_reason as tool_finish, parse as parse_tool_calls, response_calls
 from server.api.types import sse_schema
 from server.engine.sequence import FinishReason, TokenEvent
 from server.errors import GenerationFailed, NotReady
 from server.service import SHUTDOWN_FINISH_REASON, InvalidRequest
 
-router = APIRouter(prefix="/v1", tags=["OpenAI"])
+router = APIRouter(prefix="/v1", tags=["OpenAI"], route_class=ThreadedBodyRoute)
 ERRORS = {code: {"model": OpenAIError} for code in (400, 401, 404, 422, 429, 503)}
 DONE = {"type": "string", "enum": ["[DONE]"]}
 

@@ -30,13 +30,14 @@ from server.api.fanout import collect_all, merged, submit_all
 from server.api.openai_convert import chat_requests
 from server.api.openai_schemas import CACHE_SALT, ChatRequest, OpenAIError
 from server.api.request_model import RequestModel
+from server.api.threaded_body import ThreadedBodyRoute
 from server.api.types import KV_COMPRESSED_FRACTION, Int, drop_unset_extensions, sse_schema
 from server.api.validation import refuse_unimplemented
 from server.engine.sequence import FinishReason
 from server.errors import GenerationFailed, NotReady
 from server.service import MAX_CACHE_SALT_CHARS, InvalidRequest, utf8_error
 
-router = APIRouter(prefix="/v1", tags=["OpenAI"])
+router = APIRouter(prefix="/v1", tags=["OpenAI"], route_class=ThreadedBodyRoute)
 ERRORS = {code: {"model": OpenAIError} for code in (400, 401, 404, 422, 429, 503)}
 FIELDS = {"inputs": "input", "max_new_tokens": "max_output_tokens", "stop": "stop", "kv_backend": "kv_backend"}
 ROLES = ("user", "system", "developer", "assistant")

@@ -19,6 +19,7 @@ from server.api.fanout import collect_all, submit_all
 from server.api.structured import NO_GRAMMAR, tgi_grammar
 from server.api.tgi_schemas import (ErrorBody, TGIBestOfSequence, TGIDetails, TGIParameters, TGIPrefillToken,
                                     TGIRequest, TGIResponse, TGIStreamDetails, TGIStreamEvent, TGIToken)
+from server.api.threaded_body import ThreadedBodyRoute
 from server.api.types import sse_schema
 from server.api.validation import refuse_unimplemented
 from server.engine.grammar import GRAMMAR_FAILED
@@ -27,7 +28,7 @@ from server.engine.sequence import FinishReason, Sequence, TokenEvent
 from server.errors import NotReady, error_response
 from server.service import SHUTDOWN_FINISH_REASON, GenerationRequest, GenerationService, InvalidRequest
 
-router = APIRouter(tags=["TGI"])
+router = APIRouter(tags=["TGI"], route_class=ThreadedBodyRoute)
 
 ERRORS = {code: {"model": ErrorBody} for code in (401, 422, 429, 499, 503)}
 SSE = {"text/event-stream": {"schema": sse_schema(TGIStreamEvent, ErrorBody)}}

@@ -19,11 +19,12 @@ from server.api.common import check_model, get_service
 from server.api.openai_convert import chat_prompt, check_parts
 from server.api.openai_schemas import ChatMessage, OpenAIError
 from server.api.request_model import RequestModel
+from server.api.threaded_body import ThreadedBodyRoute
 from server.api.types import Int
 from server.api.validation import refuse_unimplemented
 from server.service import InvalidRequest, utf8_error
 
-router = APIRouter(tags=["tokenizer"])
+router = APIRouter(tags=["tokenizer"], route_class=ThreadedBodyRoute)
 ERRORS = {code: {"model": OpenAIError} for code in (400, 401, 404, 503)}
 
 

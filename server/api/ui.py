@@ -34,6 +34,7 @@ from cache_backends.estimate import DTYPE_BYTES, Shape, bytes_per_token_per_laye
 from cache_backends.registry import available
 from cache_backends.spec import parse_spec
 from server.api.common import SHUTDOWN_MESSAGE, get_service
+from server.api.threaded_body import ThreadedBodyRoute
 from server.api.types import Int
 from server.api.ui_compression import uncompressed_reason
 from server.api.ui_presets import chat_turn, has_chat_template, page_defaults
@@ -48,7 +49,7 @@ ASSET_TYPES = {"app.js": "text/javascript", "style.css": "text/css"}
 PUBLIC_PATHS = ("/", "/ui") + tuple(f"/ui/assets/{name}" for name in ASSET_TYPES)
 """Reachable without ``API_KEY`` on GET and HEAD: static files that hold no server data."""
 
-router = APIRouter(tags=["built-in page"])
+router = APIRouter(tags=["built-in page"], route_class=ThreadedBodyRoute)
 ERRORS = {code: {"description": "TGI-style error body {error, error_type}"} for code in (401, 422, 429, 503)}
 
 

@@ -29,7 +29,9 @@ or more generations on more than its share of the pool (the usable pages split e
 running or waiting) gives up its newest one (down to one generation: a single
 sequence is never preempted for another, so two long requests cannot evict each other in turn). When pages run
 out during a step, the victim is the newest generation of the wide request holding the most pages, or else
-the most recently admitted sequence.
+the most recently admitted sequence. A step's prefill tokens are shared the same way: the sequences still
+prefilling split the step's budget (:mod:`server.engine.prefill_share`), so a long prompt cannot hold a short one
+admitted after it for more than a step.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from server.engine.itl_budget import ChunkBudget
+from server.engine.prefill_share import prefill_shares
 from server.engine.sequence import FinishReason
 from server.engine.step_plan import MIN_PREFILL_CHUNK, CompressPlan, RowPlan, SchedulerOutput, snapshot
 
@@ -259,34 +262,41 @@ class Scheduler:
                        all_logits)
 
     def _prefill_rows(self, out: SchedulerOutput, ev: StepEvents, decoding: int) -> list[tuple]:
-        """Choose this step's prefill chunks, in admission order within its token budget, and reserve their pages:
+        """Choose this step's prefill chunks within its token budget, and reserve their pages, in admission order:
         ``(sequence, tokens, reservation, alone, all_logits)``. Prompts that want every position's log-probability
         run whole in a forward of their own (``alone``); ``dca`` prompts, whose layers decide once per prompt, are
         written whole, in the mixed forward.
 
         The budget is ``prefill_chunk_tokens`` less the ``decoding`` sequences' one token each (at least
-        :data:`MIN_PREFILL_CHUNK`), and while sequences decode at most what keeps the step within ``itl``'s ratio of a
-        decode step's cost (:meth:`ChunkBudget.tokens`): a long prompt is written over several steps, each carrying the running batch's
-        decode tokens in the same forward (chunked prefill in a mixed batch, as vLLM v1's scheduler), so it does
-        not stall running streams. A paged prompt's step is shortened, down to :data:`MIN_PREFILL_CHUNK` tokens,
-        when the pages of a whole one (a quantized prompt's: its exact pages) are not free (:meth:`KVCacheManager.
-        step_tokens`). The first chunk of the mixed batch may preempt (:meth:`_reserve`), and so may a prompt that
-        runs alone; a later chunk of the mixed batch whose pages are not free waits for the next step, and so does a
-        second prompt that runs alone (admission keeps one chunk's transient pages free, not two; a row's
-        drained pages go back only when the step is committed).
+        :data:`MIN_PREFILL_CHUNK`), and while sequences decode at most what keeps the step within ``itl``'s ratio of
+        a decode step's cost (:meth:`ChunkBudget.tokens`): a long prompt is written over several steps, each
+        carrying the running batch's decode tokens in the same forward (chunked prefill in a mixed batch, as vLLM
+        v1's scheduler), so it does not stall running streams. The budget is shared between the sequences still
+        prefilling (:func:`~server.engine.prefill_share.prefill_shares`: equal shares, a prompt that needs less
+        taking only what it needs), so a short prompt admitted behind a long one is written in its first step, not
+        after every chunk of the long one; a prompt written whole takes all its tokens when it is served. A paged
+        prompt's step is shortened, down to :data:`MIN_PREFILL_CHUNK` tokens, when the pages of a whole one (a
+        quantized prompt's: its exact pages) are not free (:meth:`KVCacheManager.step_tokens`). The first chunk of
+        the mixed batch may preempt (:meth:`_reserve`), and so may a prompt that runs alone; a later chunk of the
+        mixed batch whose pages are not free waits for the next step, and so does a second prompt that runs alone
+        (admission keeps one chunk's transient pages free, not two; a row's drained pages go back only when the
+        step is committed).
         """
         chunk = self.prefill_chunk_tokens
         budget = self.itl.tokens(decoding, None if not chunk else max(MIN_PREFILL_CHUNK, chunk - decoding))
+        prefilling = [s for s in self.running if s.prefilled < len(s.context_ids)]
+        shares = prefill_shares([len(s.context_ids) - s.prefilled for s in prefilling], budget) \
+            if budget is not None else [None] * len(prefilling)
         chunks: list[tuple] = []
-        for seq in [s for s in self.running if s.prefilled < len(s.context_ids)]:
+        for seq, share in zip(prefilling, shares):
             if budget is not None and budget <= 0:
                 break
-            if seq not in self.running:  # preempted by an earlier prefill of this step
+            if seq not in self.running or share == 0:  # preempted by an earlier prefill of this step; not served
                 continue
             left = len(seq.context_ids) - seq.prefilled
             logprobs = seq.want_prompt_logprobs and not seq.output_ids
             whole = budget is None or logprobs or not self.kv.chunked_prefill(seq)
-            n = left if whole else self.kv.step_tokens(seq, min(left, budget), self.running)
+            n = left if whole else self.kv.step_tokens(seq, min(left, budget, share), self.running)
             alone = logprobs
             if alone and any(c[3] for c in chunks):
                 break  # one prompt alone a step: its transient pages go back only once it is committed
