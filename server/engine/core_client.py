@@ -18,10 +18,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import logging
-import os
-import re
 import shutil
-import tempfile
 import threading
 import time
 import uuid
@@ -32,6 +29,7 @@ import zmq
 
 from server.engine import messages as m
 from server.engine.core_host import CoreProcess, CoreThread, start_core
+from server.engine.core_sockets import new_socket_dir
 from server.engine.detokenize import IncrementalDetokenizer
 from server.engine.engine import Overloaded
 from server.engine.sampling import SamplingParams
@@ -47,48 +45,6 @@ STOPPED_GRACE_S = 5.0
 """How long a busy core process may stay stopped by a signal before it counts as hung (seconds)."""
 STOPPED = "the server stopped before the engine core was ready"
 """:meth:`CoreClient.start`'s error when :meth:`CoreClient.stop` ended its wait."""
-SOCKET_DIR_PREFIX = "kvserve-core-"
-"""The sockets' folder of a core process: ``kvserve-core-<server pid>-<random>`` in the temporary directory."""
-_SOCKET_DIR = re.compile(re.escape(SOCKET_DIR_PREFIX) + r"(\d+)-[A-Za-z0-9_]+")
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # another user's process
-        return True
-    return True
-
-
-def sweep_socket_dirs(parent: str | None = None) -> list[str]:
-    """Remove the sockets' folders (``kvserve-core-<pid>-*``) that servers now gone left in ``parent`` (the temporary
-    directory): a server killed with SIGKILL cannot remove its own. Only this user's folders whose server pid no
-    longer exists are removed (a folder whose pid was reused stays until that process is gone); the paths removed.
-    """
-    parent = parent or tempfile.gettempdir()
-    removed = []
-    try:
-        entries = list(os.scandir(parent))
-    except OSError:
-        return removed
-    for entry in entries:
-        match = _SOCKET_DIR.fullmatch(entry.name)
-        try:
-            if not match or not entry.is_dir(follow_symlinks=False) or entry.stat(follow_symlinks=False).st_uid != \
-                    os.getuid() or _pid_alive(int(match.group(1))):
-                continue
-        except OSError:
-            continue
-        shutil.rmtree(entry.path, ignore_errors=True)
-        removed.append(entry.path)
-    if removed:
-        log.info("removed %d engine core socket folder(s) left by servers that are gone: %s", len(removed),
-                 ", ".join(removed))
-    return removed
-
-
 def sampling_fields(p: SamplingParams) -> m.Sampling:
     """The plain fields of ``p`` for an :class:`~server.engine.messages.AddRequest`."""
     fields = {name: getattr(p, name) for name in m.Sampling.__struct_fields__}
@@ -168,8 +124,7 @@ class CoreClient:
         # this context, which both share
         self._down = threading.Event()  # set once _shut_down has run (stop() waits for start()'s own shutdown)
         if settings.engine_process:
-            sweep_socket_dirs()
-            self._dir = tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{os.getpid()}-")
+            self._dir = new_socket_dir()
         else:
             self._dir = None
         base = f"ipc://{self._dir}" if self._dir else f"inproc://kvserve-core-{uuid.uuid4().hex}"
