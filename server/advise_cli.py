@@ -10,7 +10,8 @@ A setting fits when bytes/token (measured by the bench at 1024 tokens, or the cl
 context × concurrency is within the budget. A measured setting is within the quality bound when its
 held-out perplexity rises by at most ``--max-ppl-increase`` percent (default 1) and its greedy agreement
 with ``full`` is at least ``--min-agreement`` (default 0.9); an unmeasured one is outside it when its price is
-above ``--max-ppl-increase``. Fitting settings are ranked: those over the
+above ``--max-ppl-increase`` or the price's top-1 agreement with ``full`` (the quality budget's second figure,
+``KV_QUALITY_MIN_AGREEMENT``'s) is below ``--min-agreement``. Fitting settings are ranked: those over the
 latency target after the others, and within each, those outside the quality bound after those within it;
 then by held-out perplexity change, then by TPOT at the nearest measured context. Each line says why, with the perplexity change and the agreement.
 """
@@ -141,8 +142,9 @@ def _rows_from_bench(data: dict) -> list[dict]:
 
 
 def rows_from_estimate(model: str, dtype: str, context: int, specs: list[str] | None) -> list[dict]:
-    """Rows from the closed-form sums (no measured quality or speed; ``price_pct``, the quality budget's price from
-    the calibration cache, or ``None``); without ``specs``, estimate's default list.
+    """Rows from the closed-form sums (no measured quality or speed; ``price_pct`` and ``price_agreement``, the
+    quality budget's price and top-1 agreement from the calibration cache, or ``None``); without ``specs``,
+    estimate's default list.
 
     Raises:
         ValueError: for an unknown model, a malformed spec or one the model cannot take, or a ``context``
@@ -159,7 +161,7 @@ def rows_from_estimate(model: str, dtype: str, context: int, specs: list[str] | 
     return [{"spec": format_spec(name, params), "backend": name,
              "bytes_per_token": row.get("min_bytes_per_token_per_layer", row["bytes_per_token_per_layer"])
              * shape.num_layers, "ppl_change_pct": None, "tpot": {}, "agreement": None,
-             "price_pct": book.row(row["backend"], row["params"])}
+             **dict(zip(("price_pct", "price_agreement"), book.priced(row["backend"], row["params"])))}
             for (name, params), row in zip(parsed, sums)]
 
 
@@ -174,8 +176,9 @@ def advise(rows: list[dict], context: int, concurrency: int, budget: int, tpot_t
 
     ``quality_ok`` is False for a measured row whose perplexity change (percent) is above ``max_ppl_increase``
     or whose greedy agreement (0-1) is below ``min_agreement``, and for an unmeasured one whose price
-    (``price_pct``, the quality budget's) is above ``max_ppl_increase``; unmeasured and unpriced quality is not
-    held against a row. Fitting rows come first, ranked by (over ``tpot_target`` seconds, outside the quality bound,
+    (``price_pct``, the quality budget's) is above ``max_ppl_increase`` or whose price's top-1 agreement
+    (``price_agreement``, 0-1) is below ``min_agreement``; unmeasured and unpriced quality is not held against a
+    row. Fitting rows come first, ranked by (over ``tpot_target`` seconds, outside the quality bound,
     perplexity change, TPOT); the others follow by the bytes they need.
     """
     long_context = context >= 4096
@@ -193,6 +196,8 @@ def advise(rows: list[dict], context: int, concurrency: int, budget: int, tpot_t
         agreement_under = agreement is not None and agreement < min_agreement
         price = r.get("price_pct") if r["ppl_change_pct"] is None else None  # measured quality stands in for it
         price_over = price is not None and price > max_ppl_increase
+        top1 = r.get("price_agreement") if price is not None else None
+        top1_under = top1 is not None and top1 < min_agreement
         reason = why(r["backend"], context, concurrency, need / budget, long_context)
         facts = [f"{human(need)} for {concurrency} x {context} tokens ({100 * need / budget:.0f}% of budget)"]
         if r["ppl_change_pct"] is not None:
@@ -201,12 +206,15 @@ def advise(rows: list[dict], context: int, concurrency: int, budget: int, tpot_t
         else:
             facts.append(f"price {price_text(price)} perplexity" if price is not None else price_text(None))
             facts[-1] += f" (over the bound, +{max_ppl_increase:g}%)" if price_over else ""
+            if top1 is not None:
+                facts[-1] += (f", top-1 agreement {top1:.3f}"
+                              + (f" (under the bound, {min_agreement:g})" if top1_under else ""))
         if agreement is not None:
             facts.append(f"greedy agreement {agreement:.3f}"
                          + (f" (under the bound, {min_agreement:g})" if agreement_under else ""))
         if tpot is not None:
             facts.append(f"TPOT {1000 * tpot:.1f} ms" + (" (over target)" if slow else ""))
-        outside = ppl_over or agreement_under or price_over
+        outside = ppl_over or agreement_under or price_over or top1_under
         out.append({**r, "need_bytes": need, "fits": need <= budget, "slow": slow, "tpot_at_context": tpot,
                     "quality_ok": not outside,
                     "rank_key": (slow, outside, quality if r["ppl_change_pct"] is not None else -r["bytes_per_token"],
@@ -225,7 +233,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="quality bound: most held-out perplexity increase, percent; settings above it are ranked "
                         f"after those within and marked (default {MAX_PPL_INCREASE:g})")
     p.add_argument("--min-agreement", type=_fraction, default=MIN_AGREEMENT, metavar="FRACTION",
-                   help="quality bound: least greedy agreement with full, 0-1; settings below it are ranked after "
+                   help="quality bound: least greedy agreement with full, 0-1 (without --bench: the quality "
+                        "budget's top-1 agreement from the calibration cache); settings below it are ranked after "
                         f"those within and marked (default {MIN_AGREEMENT:g})")
     p.add_argument("--bench", help="results.json written by `kvserve bench` (measured quality and speed)")
     p.add_argument("--model", default=None, help="without --bench: preset, config.json or model folder "

@@ -6,8 +6,9 @@ of kind ``price``). For a model folder, the CLIs read the entries of that model 
 :func:`cache_backends.calibration_cache.model_fingerprint`, from its config and weight files: no weights are
 loaded) and give a sums row the price of a setting of the same size: its perplexity increase, percent. Settings
 that size alike (int4 with and without its rotation) give their lowest price, the one the budget's search would
-serve. ``full`` costs nothing (+0%, the reference); any other row no entry prices, and every other row of a
-preset, a config.json alone or a model with no entries, is not priced.
+serve, and that entry's top-1 agreement with ``full`` (0-1; ``None`` for an entry written before the agreement was
+measured). ``full`` costs nothing (+0%, agreement 1, the reference); any other row no entry prices, and every other
+row of a preset, a config.json alone or a model with no entries, is not priced.
 """
 
 from __future__ import annotations
@@ -45,15 +46,26 @@ class PriceBook:
 
     shape: Shape | None = None  # the model's, for the estimator's defaults
     geometry: ModelGeometry | None = None  # the model's, to size a spec as the sums do
-    prices: list[tuple[str, dict, float]] = field(default_factory=list)  # (sums name, sums params, percent)
+    # (sums name, sums params, percent, agreement or None)
+    prices: list[tuple[str, dict, float, float | None]] = field(default_factory=list)
 
     def row(self, backend: str, params: dict) -> float | None:
         """The lowest price of a setting that sizes as the sums row ``backend`` with ``params`` (the estimator's
         options, defaults included), or ``None``; ``full``'s is 0, the reference every price is measured against."""
+        return self.priced(backend, params)[0]
+
+    def priced(self, backend: str, params: dict) -> tuple[float | None, float | None]:
+        """``(price, agreement)`` of the lowest-priced setting that sizes as the sums row ``backend`` with
+        ``params`` (as :meth:`row`): percent perplexity increase and top-1 agreement with ``full`` (0-1), each
+        ``None`` when no entry gives it; ``full``'s ``(0, 1)``."""
         if backend == "full":
-            return 0.0
-        found = [pct for name, sized, pct in self.prices if name == backend and sized == params]
-        return min(found) if found else None
+            return 0.0, 1.0
+        found = [(pct, agreement is None, agreement) for name, sized, pct, agreement in self.prices
+                 if name == backend and sized == params]
+        if not found:
+            return None, None
+        pct, _, agreement = min(found)  # the lowest price; of equal ones, an entry that measured the agreement
+        return pct, agreement
 
     def spec(self, spec: str) -> float | None:
         """The price of a backend spec (``mla:rank=96``), or ``None`` (also for one the model cannot take)."""
@@ -104,8 +116,10 @@ def load_prices(model: str | None, directory: str | None = None) -> PriceBook:
         if fingerprint is None or meta.get("model_fingerprint") != fingerprint:
             continue
         try:
-            pct = float(meta["figures"]["price"]["ppl_increase_pct"])
-            book.prices.append((*book._sized(meta["params"]["spec"]), pct))
+            price = meta["figures"]["price"]
+            agreement = price.get("agreement")  # an entry of PRICE_VERSION 4 or before has none
+            book.prices.append((*book._sized(meta["params"]["spec"]), float(price["ppl_increase_pct"]),
+                                None if agreement is None else float(agreement)))
         except (KeyError, TypeError, ValueError):  # an entry of another version, or a spec this build refuses
             continue
     return book

@@ -116,7 +116,7 @@ def _calibrate(settings, names: list[str], refit: bool) -> int:
     for name in tqdm(names, desc="calibrate", unit="backend"):
         before, began = len(cache.events), time.perf_counter()
         backend, choice = choose(name, geometry, settings.backend_options(name), settings.explicit_options(name),
-                                 model, ids, cache, scorer, budget)
+                                 model, ids, cache, scorer, budget, settings.kv_quality_min_agreement)
         events = [e for e in cache.events[before:] if e.kind != "price"]
         lines += report(name, backend, events, time.perf_counter() - began)
         lines.append(f"  quality: {choice.message}")

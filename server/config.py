@@ -153,6 +153,13 @@ class Settings(BaseSettings):
                                             "dca and int4 left at their defaults choose their most compressive "
                                             "setting within it; an explicit setting over it is served with a "
                                             "warning. `off`: no pricing, no search (the fixed defaults).")
+    kv_quality_min_agreement: float | None = Field(None, gt=0, le=1, allow_inf_nan=False, description="A second "
+                                                   "bound of the quality budget: the least share (0-1] of the "
+                                                   "calibration text's positions where a backend's most likely next "
+                                                   "token is full's (teacher forced); the search keeps only settings "
+                                                   "within both bounds, and an explicit setting under it is served "
+                                                   "with a warning. Unset: no bound (the agreement is still "
+                                                   "reported). Needs KV_QUALITY_BUDGET.")
     kv_gqa_groups: int | None = Field(None, ge=1, description="gqa: K/V heads kept (default num_kv_heads/4).")
     kv_gqa_method: Literal["pca", "mean"] = Field("pca", description="gqa: calibrated (pca) or mean pooling.")
     kv_mla_rank: int | None = Field(None, ge=1, description="mla: latent width per token per layer.")
@@ -206,7 +213,7 @@ class Settings(BaseSettings):
             raise ValueError("must be 4 or 8")
         return v
 
-    @field_validator("kv_quality_budget", mode="before")
+    @field_validator("kv_quality_budget", "kv_quality_min_agreement", mode="before")
     @classmethod
     def _budget_off(cls, v):
         return None if isinstance(v, str) and v.strip().lower() in ("", "off", "none") else v
@@ -230,6 +237,13 @@ class Settings(BaseSettings):
             if self.api_key:
                 raise ValueError("API_KEY and API_KEY_FILE are both set: set one")
             self.api_key = read_api_key(self.api_key_file)
+        return self
+
+    @model_validator(mode="after")
+    def _agreement_needs_budget(self) -> "Settings":
+        if self.kv_quality_min_agreement is not None and self.kv_quality_budget is None:
+            raise ValueError("KV_QUALITY_MIN_AGREEMENT bounds the quality budget's prices, and KV_QUALITY_BUDGET "
+                             "is off: set a budget, or unset KV_QUALITY_MIN_AGREEMENT")
         return self
 
     @model_validator(mode="after")

@@ -169,7 +169,8 @@ def prepare_backends(settings: Settings, names: list[str], model, tokenizer, geo
     backends, quality = {}, {}
     for name in names:
         backends[name], choice = choose(name, geometry, settings.backend_options(name),
-                                        settings.explicit_options(name), model, calibration, cache, scorer, budget)
+                                        settings.explicit_options(name), model, calibration, cache, scorer, budget,
+                                        settings.kv_quality_min_agreement)
         quality[name] = choice.as_dict()
     return backends, quality
 
@@ -189,7 +190,8 @@ def engine_info(s: Settings, dtype, device, backends: dict[str, KVBackend], qual
         "model_dtype": str(dtype).removeprefix("torch."), "model_device_type": device.type,
         "kv_backend_params": {n: b.params() for n, b in backends.items()},
         "kv_backend_details": {n: b.details() for n, b in backends.items() if b.details()},
-        "kv_quality_budget_pct": s.kv_quality_budget, "kv_quality": quality,
+        "kv_quality_budget_pct": s.kv_quality_budget, "kv_quality_min_agreement": s.kv_quality_min_agreement,
+        "kv_quality": quality,
         "kv_calibration": [{k: v for k, v in e.as_dict().items() if k != "figures"} for e in cache.events
                            if e.kind != "price"],  # prices: kv_quality
         **kv_sizes(backends, geometry.num_layers, max_total), "num_layers": geometry.num_layers,

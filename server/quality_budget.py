@@ -13,6 +13,14 @@ under ``full``'s own distribution is the KL divergence). The realized perplexity
 reported beside it; the KL form is the one the budget is checked on because it is paired per position and never
 negative, so it separates a 1% price from noise on a few hundred tokens where the realized change does not.
 
+**The agreement** is measured in the same pass: the share of scored positions (0 to 1) where the backend's most
+likely next token is ``full``'s (teacher-forced top-1 agreement: both read the same text, so one difference does
+not move every later position). Perplexity is an average over the whole distribution; the agreement says how
+often greedy decoding would pick another token, so a setting within the price that flips greedy answers says
+so. ``KV_QUALITY_MIN_AGREEMENT`` (unset by default) bounds it: with it set, a setting is within the budget only
+when both hold, and the search applies it as given (no headroom: it is a share of tokens, not an average over
+them).
+
 **The search.** With a budget set (default 1%: int8 costs about 0.01% and 4-bit about 0.5-1% on real models,
 while every post-hoc setting that changed greedy text measurably cost more), a backend whose compressive
 parameter the settings leave unset gets the most compressive value within the budget:
@@ -35,8 +43,8 @@ both calibration and held-out text at any width.
 
 A setting that saves less than :data:`MIN_SAVING` of ``full``'s bytes within the budget is reported as saving
 nothing (logged as a warning, in ``/info``'s ``kv_quality`` and on the page); a setting given explicitly is kept
-and priced, and served with a warning naming its price when that exceeds the budget. Prices are kept in the
-calibration cache (kind ``price``), so a second start measures nothing.
+and priced, and served with a warning naming its price and agreement when it misses a bound. Prices are kept in
+the calibration cache (kind ``price``, with their agreement), so a second start measures nothing.
 """
 
 from __future__ import annotations
@@ -61,13 +69,20 @@ PRICE_PREFIX = 256  # of which prefilled (not scored): the rest are scored in ch
 SCORE_CHUNK = 16  # tokens per scoring chunk (each chunk's queries read the stored, compressed form)
 SEARCH_HEADROOM = 0.7  # the search keeps a chosen setting's calibration price within this share of the budget
 MIN_SAVING = 0.05  # a setting that saves less than this share of full's bytes "saves nothing"
-PRICE_VERSION = 4  # of the cached price entries
+PRICE_VERSION = 5  # of the cached price entries (5: the agreement beside the price; 4's are not read back)
 RANK_LADDER = 16  # mla's candidate ranks: 2 H d k / 16, k = 1 .. 16
 
 
 def ppl_increase(kl: float) -> float:
     """The perplexity increase (percent) a mean KL divergence of ``kl`` nats per token implies."""
     return 100.0 * math.expm1(kl)
+
+
+def top1_agreement(reference: torch.Tensor, scores: torch.Tensor) -> float:
+    """The share (0 to 1) of positions where ``scores``' most likely token is ``reference``'s: both of shape
+    (..., vocab_size), logits or log-probabilities alike (the argmax is the same)."""
+    same = reference.argmax(-1) == scores.argmax(-1)
+    return same.sum().item() / same.numel()
 
 
 @dataclass
@@ -78,6 +93,13 @@ class Price:
     ppl_increase_pct: float  # 100 * (exp(kl) - 1)
     ppl_change_pct: float  # realized perplexity change of the scored tokens vs full
     tokens: int  # scored tokens
+    agreement: float  # share (0-1) of the scored positions where the top-1 token is full's (teacher forcing)
+
+    def within(self, budget_pct: float | None, min_agreement: float | None = None) -> bool:
+        """Whether the price is at most ``budget_pct`` (percent) and the agreement at least ``min_agreement``
+        (each ``None``: no bound)."""
+        return ((budget_pct is None or self.ppl_increase_pct <= budget_pct)
+                and (min_agreement is None or self.agreement >= min_agreement))
 
 
 @dataclass
@@ -90,6 +112,7 @@ class Choice:
     price: Price | None
     bytes_per_token: float
     full_bytes_per_token: float
+    min_agreement: float | None = None  # the bound on the price's agreement (KV_QUALITY_MIN_AGREEMENT), or None
     searched: str | None = None  # the option the search chose ("rank", "groups", "threshold", "rotate")
     explicit: bool = False  # the searched option was set explicitly (kept as given)
     tried: list[dict] = field(default_factory=list)
@@ -101,7 +124,9 @@ class Choice:
 
     @property
     def within_budget(self) -> bool:
-        return self.price is None or self.budget_pct is None or self.price.ppl_increase_pct <= self.budget_pct
+        """Both bounds hold: the price within ``budget_pct`` and the agreement at least ``min_agreement`` (no
+        budget: nothing is bounded)."""
+        return self.price is None or self.budget_pct is None or self.price.within(self.budget_pct, self.min_agreement)
 
     @property
     def saves_nothing(self) -> bool:
@@ -206,7 +231,8 @@ class Scorer:
         kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1).clamp_min(0).mean().item()
         nll = -logp.gather(-1, self._targets().unsqueeze(-1).to(logp.device)).squeeze(-1)
         change = 100.0 * math.expm1((nll.mean() - ref_nll.mean()).item())
-        return Price(kl=kl, ppl_increase_pct=ppl_increase(kl), ppl_change_pct=change, tokens=nll.numel())
+        return Price(kl=kl, ppl_increase_pct=ppl_increase(kl), ppl_change_pct=change, tokens=nll.numel(),
+                     agreement=top1_agreement(ref_logp, logp))
 
 
 def bytes_per_token(backend: KVBackend, seq_len: int = 1024) -> float:
@@ -238,7 +264,8 @@ def candidates(name: str, axis: str, geometry: ModelGeometry, options: dict) -> 
 
 
 def choose(name: str, geometry: ModelGeometry, options: dict, explicit: set[str], model, calibration_ids,
-           cache, scorer: Scorer | None, budget_pct: float | None) -> tuple[KVBackend, Choice]:
+           cache, scorer: Scorer | None, budget_pct: float | None,
+           min_agreement: float | None = None) -> tuple[KVBackend, Choice]:
     """Build and prepare backend ``name``: the setting the budget chooses, or the one ``options`` gives.
 
     Args:
@@ -246,6 +273,7 @@ def choose(name: str, geometry: ModelGeometry, options: dict, explicit: set[str]
         explicit: the options the user set explicitly (kept, never searched).
         scorer: prices settings; ``None`` (no budget): nothing is priced.
         budget_pct: the bound on the price, percent perplexity increase; ``None``: no search.
+        min_agreement: the bound on the agreement with ``full`` (0-1]; ``None``: none. Bounds only with a budget.
 
     Returns:
         The prepared backend and its :class:`Choice`.
@@ -264,7 +292,11 @@ def choose(name: str, geometry: ModelGeometry, options: dict, explicit: set[str]
 
     def record(backend: KVBackend, price: Price | None, tried: list) -> None:
         tried.append({"spec": format_spec(backend.name, backend.params()), "bytes_per_token": bytes_per_token(backend),
-                      **({"ppl_increase_pct": round(price.ppl_increase_pct, 4), "kl": price.kl} if price else {})})
+                      **({"ppl_increase_pct": round(price.ppl_increase_pct, 4), "kl": price.kl,
+                          "agreement": price.agreement} if price else {})})
+
+    def fits(price: Price) -> bool:  # what the search keeps: the price within its headroom, the agreement bound
+        return price.within(SEARCH_HEADROOM * budget_pct, min_agreement)
 
     tried: list[dict] = []
     began = time.perf_counter()
@@ -272,21 +304,21 @@ def choose(name: str, geometry: ModelGeometry, options: dict, explicit: set[str]
         backend = build()
         price = scorer.price(backend) if scorer is not None and name != "full" else None
     elif axis == "threshold":
-        backend, price = _search_dca(build, scorer, SEARCH_HEADROOM * budget_pct, tried, record)
+        backend, price = _search_dca(build, scorer, fits, tried, record)
     elif axis == "rotate":
         priced = []
         for value in candidates(name, axis, geometry, options):
             b = build(rotate=value)
             p = scorer.price(b)
             record(b, p, tried)
-            priced.append((p.ppl_increase_pct > SEARCH_HEADROOM * budget_pct, p.kl, value, b, p))
+            priced.append((not fits(p), p.kl, value, b, p))
         _, _, _, backend, price = min(priced, key=lambda x: x[:2])
     else:
         values = candidates(name, axis, geometry, options)
-        backend, price = _bisect(values, lambda v: build(**{axis: v}), scorer, SEARCH_HEADROOM * budget_pct, tried,
-                                 record)
+        backend, price = _bisect(values, lambda v: build(**{axis: v}), scorer, fits, tried, record)
     choice = Choice(backend=name, spec=format_spec(backend.name, backend.params()), budget_pct=budget_pct,
                     price=price, bytes_per_token=bytes_per_token(backend), full_bytes_per_token=full_bytes,
+                    min_agreement=min_agreement if budget_pct is not None else None,
                     searched=axis if search else None, explicit=axis in explicit if axis else False, tried=tried)
     choice.message = _message(choice, axis)
     level = logging.WARNING if (not choice.within_budget or (choice.saves_nothing and name != "full")) else logging.INFO
@@ -294,10 +326,10 @@ def choose(name: str, geometry: ModelGeometry, options: dict, explicit: set[str]
     return backend, choice
 
 
-def _bisect(values: list, build, scorer: Scorer, budget: float, tried: list, record):
-    """The first of ``values`` (most compressive first, price falling along them) whose price is within
-    ``budget``, by bisection; the last value when none is (the bisection's last step prices it: every step
-    before it moved up)."""
+def _bisect(values: list, build, scorer: Scorer, fits, tried: list, record):
+    """The first of ``values`` (most compressive first, price falling and agreement rising along them) whose price
+    ``fits`` (a predicate on :class:`Price`), by bisection; the last value when none does (the bisection's last
+    step prices it: every step before it moved up)."""
     lo, hi = 0, len(values) - 1
     found, last = None, None
     while lo <= hi:
@@ -305,15 +337,16 @@ def _bisect(values: list, build, scorer: Scorer, budget: float, tried: list, rec
         backend = build(values[mid])
         last = (backend, scorer.price(backend))
         record(*last, tried)
-        if last[1].ppl_increase_pct <= budget:
+        if fits(last[1]):
             found, hi = last, mid - 1
         else:
             lo = mid + 1
     return found or last
 
 
-def _search_dca(build, scorer: Scorer, budget: float, tried: list, record):
-    """dca: the lowest threshold among the layers' calibrated similarities whose reuse stays within the budget."""
+def _search_dca(build, scorer: Scorer, fits, tried: list, record):
+    """dca: the lowest threshold among the layers' calibrated similarities whose reuse ``fits`` (a predicate on
+    :class:`Price`: within the budget)."""
     backend = build(threshold=1.01)  # prepared once: the similarities; no layer reused at this threshold
     levels = sorted(set(backend.served_similarity.values()), reverse=True)  # each admits one more layer or more
     best: tuple[float, Price] | None = None
@@ -323,7 +356,7 @@ def _search_dca(build, scorer: Scorer, budget: float, tried: list, record):
         backend.set_threshold(levels[mid])
         price = scorer.price(backend)
         record(backend, price, tried)
-        if price.ppl_increase_pct <= budget:
+        if fits(price):
             best, lo = (levels[mid], price), mid + 1
         else:
             hi = mid - 1
@@ -342,21 +375,38 @@ def _message(choice: Choice, axis: str | None) -> str:
         return "full: exact K/V, the reference every price is measured against"
     if choice.price is None:
         return f"{head}: {choice.compression:.2f}x smaller than full (not priced: no quality budget)"
-    cost = (f"{choice.compression:.2f}x smaller than full for +{choice.price.ppl_increase_pct:.2f}% perplexity "
-            f"(KL {choice.price.kl:.4f} nats/token on {choice.price.tokens} calibration tokens)")
+    price = choice.price
+    cost = (f"{choice.compression:.2f}x smaller than full for +{price.ppl_increase_pct:.2f}% perplexity, top-1 "
+            f"agreement {price.agreement:.3f} (KL {price.kl:.4f} nats/token on {price.tokens} calibration tokens)")
     if choice.budget_pct is None:
         return f"{head}: {cost}"
+    bounds = f"the quality budget of +{choice.budget_pct:g}%" + (
+        f" and top-1 agreement {choice.min_agreement:g}" if choice.min_agreement is not None else "")
     if choice.searched and choice.saves_nothing:
-        return (f"{head}: saves nothing within the quality budget of +{choice.budget_pct:g}% "
+        return (f"{head}: saves nothing within {bounds} "
                 f"(every more compressive {axis} costs more: {_tried(choice)}); {cost}")
     if not choice.within_budget:
         why = "explicit setting" if choice.explicit or not choice.searched else "no setting within it"
-        return f"{head}: over the quality budget of +{choice.budget_pct:g}% ({why}): {cost}"
+        return f"{head}: {_missed(choice)} ({why}): {cost}"
     if choice.saves_nothing and choice.backend != "full":
         return f"{head}: saves nothing (under {100 * MIN_SAVING:.0f}% of full's bytes): {cost}"
-    chosen = f"chosen by the quality budget of +{choice.budget_pct:g}%" if choice.searched else "within the budget"
+    chosen = f"chosen by {bounds}" if choice.searched else "within the budget"
     return f"{head}: {chosen}: {cost}"
 
 
+def _missed(choice: Choice) -> str:
+    """The bounds ``choice``'s price misses, in words."""
+    over = f"over the quality budget of +{choice.budget_pct:g}%"
+    if choice.price.within(None, choice.min_agreement):
+        return over
+    under = f"top-1 agreement of {choice.min_agreement:g}"
+    if choice.price.within(choice.budget_pct):
+        return f"under the quality budget's {under}"
+    return f"{over} and under its {under}"
+
+
 def _tried(choice: Choice) -> str:
-    return ", ".join(f"{t['spec']} +{t['ppl_increase_pct']:.1f}%" for t in choice.tried if "ppl_increase_pct" in t)
+    bounded = choice.min_agreement is not None
+    return ", ".join(f"{t['spec']} +{t['ppl_increase_pct']:.1f}%" + (f" (agreement {t['agreement']:.3f})" if bounded
+                                                                     else "")
+                     for t in choice.tried if "ppl_increase_pct" in t)

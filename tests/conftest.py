@@ -128,6 +128,7 @@ SLOW_TESTS = (
     "tests/test_paged.py::test_two_wide_requests_on_a_full_pool_cannot_make_a_later_one_wait",
     "tests/test_precision.py::test_cuda_without_a_device_stops_pytest_with_one_line",
     "tests/test_quality_budget.py::test_dca_reuses_the_most_layers_its_budget_allows",
+    "tests/test_quality_budget.py::test_the_agreement_bound_rejects_a_rank_and_the_search_takes_a_larger_one",
     "tests/test_quality_budget.py::test_the_search_takes_the_most_compressive_rank_within_the_budget",
     "tests/test_reference_model.py::test_heldout_perplexity_reproduces_the_model_card",
     "tests/test_robustness.py::test_tokenizing_runs_off_the_event_loop",

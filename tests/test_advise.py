@@ -116,3 +116,28 @@ def test_without_a_bench_each_setting_says_its_price_or_not_priced(model_dir, tm
     out = capsys.readouterr().out
     assert "quality priced from the calibration cache" in out.splitlines()[0]
     assert " mla (outside the quality bound): " in out
+
+
+def test_without_a_bench_the_budgets_agreement_is_held_to_min_agreement(model_dir, tmp_path, monkeypatch):
+    """The quality budget's second figure, its top-1 agreement with full, comes from the calibration cache with
+    the price and is held to --min-agreement as the price is to --max-ppl-increase: int4 within the price but
+    under the agreement bound is outside the quality bound; an entry written before the agreement was measured
+    gives none, and nothing is held against it."""
+    from tests.test_estimate import write_price
+
+    write_price(tmp_path, model_dir, "int8:group_size=32,residual=32", 0.02, agreement=0.998)
+    write_price(tmp_path, model_dir, "int4:group_size=32,residual=32", 0.4, agreement=0.85)
+    write_price(tmp_path, model_dir, "int8:group_size=32,residual=32,value_bits=4", 0.2)  # no agreement
+    monkeypatch.setenv("KV_CALIBRATION_CACHE_DIR", str(tmp_path))
+    rows = rows_from_estimate(str(model_dir), "fp32", 512, ["full", "int8", "int4", "int8:value_bits=4"])
+    assert [(r["price_pct"], r["price_agreement"]) for r in rows] == [(0.0, 1.0), (0.02, 0.998), (0.4, 0.85),
+                                                                        (0.2, None)]
+    ranked = {r["spec"]: r for r in advise(rows, context=512, concurrency=1, budget=2**30, tpot_target=None)}
+    assert ranked["int8"]["reason"].endswith("price +0.02% perplexity, top-1 agreement 0.998")
+    assert ranked["int8"]["quality_ok"]
+    assert not ranked["int4"]["quality_ok"]
+    assert "price +0.40% perplexity, top-1 agreement 0.850 (under the bound, 0.9)" in ranked["int4"]["reason"]
+    k8v4 = next(r for s, r in ranked.items() if s.startswith("int8:") and "value_bits=4" in s)
+    assert k8v4["quality_ok"] and "agreement" not in k8v4["reason"]
+    looser = {r["spec"]: r for r in advise(rows, 512, 1, 2**30, None, min_agreement=0.8)}
+    assert looser["int4"]["quality_ok"] and "bound" not in looser["int4"]["reason"]

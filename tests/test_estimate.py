@@ -187,8 +187,9 @@ def test_a_bench_budget_spec_is_named_as_benchs(capsys):
         in err and "give a setting to size, 'mla'" in err
 
 
-def write_price(directory, folder, spec: str, pct: float) -> None:
-    """A price entry as a server leaves it in its calibration cache (kind ``price``) for the model in ``folder``."""
+def write_price(directory, folder, spec: str, pct: float, agreement: float | None = None) -> None:
+    """A price entry as a server leaves it in its calibration cache (kind ``price``) for the model in ``folder``;
+    without ``agreement``, as a server before :data:`PRICE_VERSION` 5 left it (no agreement measured)."""
     import torch
     from transformers import AutoConfig
 
@@ -196,9 +197,12 @@ def write_price(directory, folder, spec: str, pct: float) -> None:
 
     model = SimpleNamespace(name_or_path=str(folder), config=AutoConfig.from_pretrained(str(folder)))
     price = {"kl": pct / 100, "ppl_increase_pct": pct, "ppl_change_pct": pct, "tokens": 768}
+    if agreement is not None:
+        price["agreement"] = agreement
     CalibrationCache(directory).fetch("price", model, [1, 2, 3], {"spec": spec, "prefix": 256},
                                       fit=lambda: ({"kl": torch.tensor([pct / 100])}, {"price": price}),
-                                      load=lambda _, figures: figures, version=PRICE_VERSION)
+                                      load=lambda _, figures: figures,
+                                      version=PRICE_VERSION if agreement is not None else 4)
 
 
 def test_each_row_carries_the_price_the_calibration_cache_holds(model_dir, tmp_path, monkeypatch, capsys):

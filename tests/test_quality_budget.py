@@ -1,7 +1,8 @@
 """The quality budget (``KV_QUALITY_BUDGET``, :mod:`server.quality_budget`) on the reference model: the price is
-KL divergence against ``full`` through the backend's cache path, the search picks the most compressive setting
-within the budget, an explicit setting is kept and priced, and the server reports all of it in ``/info`` and its
-start-up log. (The same on the real pretrained model: tests/test_real_model.py.)"""
+KL divergence against ``full`` through the backend's cache path, with the top-1 agreement of the same pass beside
+it, the search picks the most compressive setting within the budget (and ``KV_QUALITY_MIN_AGREEMENT``, when set),
+an explicit setting is kept and priced, and the server reports all of it in ``/info`` and its start-up log. (The
+same on the real pretrained model: tests/test_real_model.py.)"""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ import torch
 
 from cache_backends.base import ModelGeometry
 from cache_backends.registry import create
+from cache_backends.spec import format_spec
 from server.config import ConfigError, load_settings
-from server.quality_budget import SEARCH_HEADROOM, Choice, Price, Scorer, candidates, choose, ppl_increase
+from server.quality_budget import (PRICE_VERSION, SEARCH_HEADROOM, Choice, Price, Scorer, candidates, choose,
+                                   ppl_increase, top1_agreement)
 from tests.conftest import RunningServer, fits
 
 
@@ -34,6 +37,96 @@ def test_full_costs_nothing_and_int8_almost_nothing(setup):
     int8 = scorer.price(create("int8", geometry))
     assert 0 < int8.kl < 1e-3 and int8.tokens == 2 * 256
     assert int8.ppl_increase_pct == pytest.approx(100 * math.expm1(int8.kl))
+
+
+def test_top1_agreement_is_the_share_of_positions_whose_argmax_is_the_references():
+    reference = torch.randn(3, 40, 50)
+    assert top1_agreement(reference, reference.clone()) == 1.0
+    assert top1_agreement(reference, torch.log_softmax(reference, -1)) == 1.0  # logits or log-probabilities alike
+    flipped = reference.clone()
+    top = reference.argmax(-1)
+    for w, pos in [(0, 0), (0, 39), (1, 7), (2, 20), (2, 21), (2, 22)]:  # 6 of 120 positions
+        flipped[w, pos, (top[w, pos] + 1) % 50] = reference[w, pos].max() + 1.0
+    assert top1_agreement(reference, flipped) == pytest.approx(1 - 6 / 120)
+    assert top1_agreement(reference, -reference) == 0.0  # every argmax moved to the least likely token
+
+
+def test_the_price_carries_the_agreement_of_its_own_pass(setup, monkeypatch):
+    """The scorer holds both distributions: the agreement is counted from the same log-probabilities as the KL
+    (no other forward pass), full agrees with itself, and a backend whose top token differs at known positions
+    agrees on the rest."""
+    model, geometry, ids, scorer = setup
+    assert scorer.price(create("full", geometry)).agreement == 1.0
+    int8 = scorer.price(create("int8", geometry))
+    assert 0.99 <= int8.agreement <= 1.0
+    ref_logp, _ = scorer.reference()
+    flipped = ref_logp.clone()
+    positions = [(0, 0), (0, 100), (1, 5), (1, 255)]
+    for w, pos in positions:
+        flipped[w, pos] = flipped[w, pos].roll(1)  # the top token moves one place along the vocabulary
+    calls = []
+    monkeypatch.setattr(scorer, "_logprobs", lambda backend: calls.append(backend) or flipped)
+    price = scorer.price(create("int8", geometry))
+    assert len(calls) == 1 and price.tokens == 2 * 256
+    assert price.agreement == pytest.approx(1 - len(positions) / price.tokens)
+    assert price.kl > 0
+
+
+def test_the_agreement_bound_rejects_a_rank_and_the_search_takes_a_larger_one(setup):
+    """At budget +0.5% the smallest rank within it flips some of full's top tokens (about 2% on this model); with
+    KV_QUALITY_MIN_AGREEMENT at 1 the search goes on to the first larger rank that flips none, and every rank
+    below it that it priced was within the price but under the agreement."""
+    model, geometry, ids, scorer = setup
+    loose, loose_choice = choose("mla", geometry, {}, set(), model, ids, fits(model), scorer, 0.5)
+    assert loose_choice.price.agreement < 1.0 and loose_choice.within_budget  # no bound: reported, not held
+    backend, choice = choose("mla", geometry, {}, set(), model, ids, fits(model), scorer, 0.5, min_agreement=1.0)
+    chosen = backend.params()["rank"]
+    assert chosen > loose.params()["rank"] and choice.price.agreement == 1.0
+    assert choice.within_budget and choice.min_agreement == 1.0 and choice.as_dict()["min_agreement"] == 1.0
+    tried = {int(t["spec"].split("rank=")[1]): t for t in choice.tried}
+    below = [t for r, t in tried.items() if r < chosen]
+    assert below and all(t["agreement"] < 1.0 for t in below)
+    assert any(t["ppl_increase_pct"] <= 0.5 * SEARCH_HEADROOM for t in below)  # the price alone would take it
+    assert "chosen by the quality budget of +0.5% and top-1 agreement 1:" in choice.message
+    assert "top-1 agreement 1.000" in choice.message
+
+
+@pytest.mark.parametrize("name,options,bound,missed", [
+    ("int4", {"rotate": False}, 0.9999, "under the quality budget's top-1 agreement of 0.9999 (explicit setting)"),
+    ("gqa", {"groups": 1, "method": "mean"}, 0.5,
+     "over the quality budget of +1% and under its top-1 agreement of 0.5 (explicit setting)")], ids=["int4", "gqa"])
+def test_an_explicit_setting_under_the_agreement_bound_is_warned_about(setup, caplog, name, options, bound, missed):
+    """int4 costs about +0.01% here but flips about 1% of full's top tokens: within the price, under the bound, it
+    gets the warning a price over the budget gets; gqa at 1 group by mean pooling misses both."""
+    model, geometry, ids, scorer = setup
+    with caplog.at_level("INFO", logger="kvserve.budget"):
+        backend, choice = choose(name, geometry, options, set(options), model, ids, fits(model), scorer, 1.0,
+                                 min_agreement=bound)
+    assert choice.explicit and choice.searched is None and not choice.within_budget
+    assert choice.price.agreement < bound and missed in choice.message
+    assert f"top-1 agreement {choice.price.agreement:.3f}" in choice.message
+    assert [r.levelname for r in caplog.records if r.name == "kvserve.budget"] == ["WARNING"]
+    if name == "int4":
+        assert choice.price.ppl_increase_pct <= 1.0 and choice.as_dict()["within_budget"] is False
+
+
+def test_prices_are_cached_with_their_agreement(setup, tmp_path):
+    """A cached price gives back the agreement it was measured with; an entry of the previous version, which has
+    none, is not read back (the price is measured again)."""
+    from cache_backends.calibration_cache import CalibrationCache
+
+    model, geometry, ids, scorer = setup
+    cached = Scorer(model, geometry, ids, CalibrationCache(tmp_path), windows=2, window=384, prefix=128)
+    int4 = create("int4", geometry)
+    old = {"kl": 9.0, "ppl_increase_pct": 900.0, "ppl_change_pct": 900.0, "tokens": 512}  # PRICE_VERSION 4's fields
+    CalibrationCache(tmp_path).fetch("price", model, cached.ids, {"spec": format_spec("int4", int4.params()),
+                                                                  "prefix": cached.prefix},
+                                     fit=lambda: ({"kl": torch.tensor([9.0])}, {"price": old}),
+                                     load=lambda _, figures: figures, version=PRICE_VERSION - 1)
+    first = cached.price(int4)
+    assert first.ppl_increase_pct < 900 and first.agreement == scorer.price(int4).agreement < 1
+    again = Scorer(model, geometry, ids, CalibrationCache(tmp_path), windows=2, window=384, prefix=128)
+    assert again.price(int4) == first and [e.source for e in again.cache.events] == ["cache"]
 
 
 def test_the_search_takes_the_most_compressive_rank_within_the_budget(setup):
@@ -79,7 +172,7 @@ def test_no_budget_prices_nothing_and_keeps_the_defaults(setup):
 
 
 def test_saves_nothing_is_a_share_of_full():
-    price = Price(kl=0.0, ppl_increase_pct=0.0, ppl_change_pct=0.0, tokens=1)
+    price = Price(kl=0.0, ppl_increase_pct=0.0, ppl_change_pct=0.0, tokens=1, agreement=1.0)
     assert Choice("gqa", "gqa:groups=8", 1.0, price, 16384, 16384, searched="groups").saves_nothing
     assert not Choice("mla", "mla:rank=448", 1.0, price, 14336, 16384, searched="rank").saves_nothing
     assert Choice("dca", "dca", 1.0, price, 16000, 16384).as_dict()["saves_nothing"] is True
@@ -103,6 +196,30 @@ def test_a_bad_budget_is_refused_naming_it(monkeypatch, value):
         load_settings()
 
 
+@pytest.mark.parametrize("value,expected", [(None, None), ("", None), ("off", None), ("0.95", 0.95), ("1", 1.0)])
+def test_the_agreement_bound_setting(monkeypatch, value, expected):
+    if value is None:
+        monkeypatch.delenv("KV_QUALITY_MIN_AGREEMENT", raising=False)
+    else:
+        monkeypatch.setenv("KV_QUALITY_MIN_AGREEMENT", value)
+    assert load_settings().kv_quality_min_agreement == expected
+
+
+@pytest.mark.parametrize("value", ["0", "1.01", "-0.5", "nan", "most"])
+def test_a_bad_agreement_bound_is_refused_naming_it(monkeypatch, value):
+    monkeypatch.setenv("KV_QUALITY_MIN_AGREEMENT", value)
+    with pytest.raises(ConfigError, match="invalid KV_QUALITY_MIN_AGREEMENT="):
+        load_settings()
+
+
+def test_an_agreement_bound_without_a_budget_is_refused(monkeypatch):
+    monkeypatch.setenv("KV_QUALITY_MIN_AGREEMENT", "0.9")
+    monkeypatch.setenv("KV_QUALITY_BUDGET", "off")
+    with pytest.raises(ConfigError, match="KV_QUALITY_MIN_AGREEMENT bounds the quality budget's prices, and "
+                                          "KV_QUALITY_BUDGET is off"):
+        load_settings()
+
+
 def test_only_explicit_options_are_kept_from_the_search(monkeypatch):
     monkeypatch.setenv("KV_MLA_RANK", "32")
     monkeypatch.setenv("KV_INT4_ROTATE", "false")
@@ -114,9 +231,11 @@ def test_only_explicit_options_are_kept_from_the_search(monkeypatch):
 @pytest.mark.parametrize("engine_process", ["true", "false"])
 def test_the_server_reports_its_choice_and_a_setting_over_the_budget(engine_process):
     """In both engine modes: the core in its own process (the default) rebuilt its settings with every option
-    given, so it searched nothing (mla's rank and int4's rotation here; gqa's groups at +424% on SmolLM2)."""
+    given, so it searched nothing (mla's rank and int4's rotation here; gqa's groups at +424% on SmolLM2). Each
+    price carries its top-1 agreement, and the agreement bound reaches the core: gqa misses both bounds."""
     server = RunningServer({"KV_BACKEND": "gqa", "KV_BACKENDS": "full,int8,int4,mla", "KV_GQA_GROUPS": "1",
-                            "KV_GQA_METHOD": "mean", "ENGINE_PROCESS": engine_process, "LOG_LEVEL": "info"})
+                            "KV_GQA_METHOD": "mean", "ENGINE_PROCESS": engine_process, "LOG_LEVEL": "info",
+                            "KV_QUALITY_MIN_AGREEMENT": "0.5"})
     try:
         info = httpx.get(server.url + "/info", timeout=10).json()
     finally:
@@ -132,4 +251,11 @@ def test_the_server_reports_its_choice_and_a_setting_over_the_budget(engine_proc
     assert "over the quality budget" in quality["gqa"]["message"]
     assert quality["int8"]["within_budget"] is True and quality["int8"]["price"]["kl"] < 1e-3
     assert quality["full"]["price"] is None
-    assert "WARNING kvserve.budget: gqa: gqa:groups=1,method=mean: over the quality budget of +1%" in log
+    assert "WARNING kvserve.budget: gqa: gqa:groups=1,method=mean: over the quality budget of +1% and under its " \
+           "top-1 agreement of 0.5 (explicit setting)" in log
+    assert info["kv_quality_min_agreement"] == 0.5
+    for name in ("gqa", "int8", "int4", "mla"):
+        price = quality[name]["price"]
+        assert quality[name]["min_agreement"] == 0.5 and 0 <= price["agreement"] <= 1
+        assert f"+{price['ppl_increase_pct']:.2f}% perplexity, top-1 agreement {price['agreement']:.3f}" in log
+        assert (price["agreement"] >= 0.5) == (name != "gqa")

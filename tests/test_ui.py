@@ -257,21 +257,24 @@ def test_sums_are_kvserve_estimates_for_the_served_model(server):
 
 
 def test_sums_price_each_served_backend_from_the_quality_budget(server):
-    """A served row carries the quality budget's price (/info's kv_quality), so a size never stands alone; full's
-    is 0 (the reference), and the rows the server does not serve are not priced."""
+    """A served row carries the quality budget's price and top-1 agreement (/info's kv_quality), so a size never
+    stands alone; full's are 0 and 1 (the reference), and the rows the server does not serve are not priced."""
     quality = httpx.get(server.url + "/info").json()["kv_quality"]
     rows = httpx.get(server.url + "/ui/api/sums").json()["rows"]
     by_served = {r["served_as"][0]: r for r in rows if r["served_as"]}
     for name in ("int8", "elastic"):
         assert by_served[name]["price"] == {"served_as": name,
                                             "ppl_increase_pct": quality[name]["price"]["ppl_increase_pct"],
-                                            "within_budget": True, "budget_pct": 1.0}
-    assert by_served["full"]["price"] == {"served_as": "full", "ppl_increase_pct": 0.0, "within_budget": True,
-                                          "budget_pct": 1.0}
+                                            "agreement": quality[name]["price"]["agreement"],
+                                            "within_budget": True, "budget_pct": 1.0, "min_agreement": None}
+        assert 0.9 <= by_served[name]["price"]["agreement"] <= 1
+    assert by_served["full"]["price"] == {"served_as": "full", "ppl_increase_pct": 0.0, "agreement": 1.0,
+                                          "within_budget": True, "budget_pct": 1.0, "min_agreement": None}
     assert all(r["price"] is None for r in rows if not r["served_as"])
-    assert served_price(["gqa"], {"gqa": {"price": {"ppl_increase_pct": 7.5}, "within_budget": False,
-                                          "budget_pct": 1.0}}) == {
-        "served_as": "gqa", "ppl_increase_pct": 7.5, "within_budget": False, "budget_pct": 1.0}
+    assert served_price(["gqa"], {"gqa": {"price": {"ppl_increase_pct": 7.5, "agreement": 0.61},
+                                          "within_budget": False, "budget_pct": 1.0, "min_agreement": 0.9}}) == {
+        "served_as": "gqa", "ppl_increase_pct": 7.5, "agreement": 0.61, "within_budget": False, "budget_pct": 1.0,
+        "min_agreement": 0.9}
 
 
 def test_sums_warn_past_the_models_positions(server):

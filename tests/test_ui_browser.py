@@ -106,10 +106,9 @@ def loading_server():
     yield from stub_page(stub, routes)
 
 
-@pytest.fixture
-def stopping_server():
-    """A stub of a chat model whose every backend answers end-of-text at once (SmolLM2 given a question as raw
-    text): one token, no TPOT; keeps the bodies the page sent."""
+def answering_stub(served_info: dict):
+    """A stub of a chat model serving ``served_info`` as /info, whose every backend answers end-of-text at once
+    (SmolLM2 given a question as raw text): one token, no TPOT; keeps the bodies the page sent."""
     stub = SimpleNamespace(bodies=[])
 
     def routes(app):
@@ -119,7 +118,7 @@ def stopping_server():
 
         @app.get("/info")
         async def info():
-            return STUB_INFO
+            return served_info
 
         @app.get("/ui/api/defaults")
         async def defaults():
@@ -134,6 +133,28 @@ def stopping_server():
                     "kv_uncompressed_reason": None, "ttft_s": 0.1, "tpot_s": None}
 
     yield from stub_page(stub, routes)
+
+
+@pytest.fixture
+def stopping_server():
+    """:func:`answering_stub` of the stub model."""
+    yield from answering_stub(STUB_INFO)
+
+
+BOUNDED_INT8 = {"backend": "int8", "spec": "int8:group_size=32,residual=32", "budget_pct": 1.0, "min_agreement": 0.9,
+                "price": {"kl": 0.004, "ppl_increase_pct": 0.4, "ppl_change_pct": 0.3, "tokens": 768,
+                          "agreement": 0.85},
+                "within_budget": False, "saves_nothing": False, "searched": None, "explicit": False,
+                "message": "int8: int8:group_size=32,residual=32: under the quality budget's top-1 agreement of 0.9 "
+                           "(explicit setting): 3.14x smaller than full for +0.40% perplexity, top-1 agreement 0.850"}
+
+
+@pytest.fixture
+def bounded_server():
+    """:func:`answering_stub` whose int8 is within the price (+1%) but under ``KV_QUALITY_MIN_AGREEMENT`` (0.9), as
+    /info's ``kv_quality`` gives it."""
+    yield from answering_stub({**STUB_INFO, "kv_quality_budget_pct": 1.0, "kv_quality_min_agreement": 0.9,
+                               "kv_quality": {"int8": BOUNDED_INT8}})
 
 
 def _browser_paths() -> tuple[str, str]:
@@ -266,6 +287,23 @@ def test_a_backend_over_the_quality_budget_is_flagged_on_the_page(browser, serve
     assert not cards(browser)["int8"].find_elements(By.CSS_SELECTOR, ".quality-warning")
 
 
+def test_a_backend_under_the_agreement_bound_is_flagged_with_its_agreement(browser, bounded_server):
+    """Within the price but flipping 15% of full's top tokens, under KV_QUALITY_MIN_AGREEMENT: the summary flags the
+    figure that misses, and its title gives both figures and the bound."""
+    query = urlencode({"prompt": "What is the capital of France?", "backends": "full,int8", "runs": 1, "chat": 0})
+    browser.get(f"{bounded_server.url}/?{query}")
+    wait(browser, lambda d: len(cards(d)) == 2 and d.find_element(By.ID, "run").is_enabled(), 60)
+    warnings = browser.find_elements(By.CSS_SELECTOR, "#backends .quality-warning")
+    assert [w.get_attribute("data-backend") for w in warnings] == ["int8"]
+    assert BOUNDED_INT8["message"] in warnings[0].text
+    row = browser.find_element(By.CSS_SELECTOR, '#summary-table tr[data-backend="int8"]')
+    flag = row.find_element(By.CSS_SELECTOR, "th .over-budget")
+    assert flag.text == "⚠ over budget: top-1 agreement 0.850"
+    assert flag.get_attribute("title") == ("+0.40% perplexity, top-1 agreement 0.850, under the quality budget's "
+                                           "top-1 agreement of 0.9")
+    assert not browser.find_elements(By.CSS_SELECTOR, '#summary-table tr[data-backend="full"] .over-budget')
+
+
 def test_shared_url_marks_the_first_diverging_token(browser, server):
     full = tgi_text(server, "full", 40, details=True)["details"]["tokens"]
     gqa = tgi_text(server, "gqa", 40, details=True)["details"]["tokens"]
@@ -314,7 +352,9 @@ def test_summary_of_every_backend_on_the_default_prompt(browser, server):
     quality = httpx.get(server.url + "/info", timeout=10).json()["kv_quality"]
     flag = rows["gqa"].find_element(By.CSS_SELECTOR, "th .over-budget")
     assert flag.text == f"⚠ over budget: +{quality['gqa']['price']['ppl_increase_pct']:.2f}%"
-    assert flag.get_attribute("title").endswith("% perplexity, over the quality budget of +1%")
+    assert flag.get_attribute("title") == (f"+{quality['gqa']['price']['ppl_increase_pct']:.2f}% perplexity, top-1 "
+                                           f"agreement {quality['gqa']['price']['agreement']:.3f}, over the quality "
+                                           "budget of +1%")
     assert all(not rows[b].find_elements(By.CSS_SELECTOR, ".over-budget") for b in backends if b != "gqa")
     # the reference model's defaults: text to continue, penalty 1.3, the chat switch offered but off
     assert browser.find_element(By.ID, "repetition-penalty").get_attribute("value") == "1.3"
@@ -461,9 +501,12 @@ def test_sums_view_lists_every_backend(browser, server):
     quality = httpx.get(server.url + "/info", timeout=10).json()["kv_quality"]
     price = {r.find_element(By.CSS_SELECTOR, ".served").text: r.find_element(By.CSS_SELECTOR, ".price")
              for r in browser.find_elements(By.CSS_SELECTOR, "#sums-table tbody tr")}
-    assert price["full"].text == "+0.00% perplexity" and price["–"].text == "not priced"
-    assert price["int8"].text == f"+{quality['int8']['price']['ppl_increase_pct']:.2f}% perplexity"
-    assert price["gqa"].text.endswith("% perplexity, over the quality budget of +1%")
+    assert price["full"].text == "+0.00% perplexity, top-1 agreement 1.000" and price["–"].text == "not priced"
+    int8 = quality["int8"]["price"]
+    assert price["int8"].text == f"+{int8['ppl_increase_pct']:.2f}% perplexity, top-1 agreement {int8['agreement']:.3f}"
+    assert float(price["int8"].get_attribute("data-agreement")) == int8["agreement"]
+    assert price["gqa"].text.endswith(f"top-1 agreement {quality['gqa']['price']['agreement']:.3f}, over the "
+                                      "quality budget of +1%")
     assert not browser.find_element(By.ID, "sums-warning").is_displayed()
     assert cut_off(browser, SUMS_CELLS) == []  # the last column at 1280 px
     shot(browser, "ui-sums.png", 1100)

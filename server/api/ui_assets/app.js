@@ -93,12 +93,22 @@ function versusText(r, less, more, same) {
 }
 const sizeRatio = (r) => versusText(r, "smaller", "larger", "same size");
 const timeRatio = (r) => versusText(r, "faster", "slower", "same time");
-// The quality budget's price of a served backend ({ppl_increase_pct, within_budget, budget_pct}), or "not priced".
+// The quality budget's price of a served backend ({ppl_increase_pct, agreement, within_budget, budget_pct,
+// min_agreement}): the perplexity increase, the top-1 agreement with full and the bounds it misses; or "not priced".
 function priceText(p) {
   if (!p) return "not priced";
-  const cost = `+${p.ppl_increase_pct.toFixed(2)}% perplexity`;
-  return p.within_budget ? cost : `${cost}, over the quality budget of +${p.budget_pct}%`;
+  const cost = `+${p.ppl_increase_pct.toFixed(2)}% perplexity, top-1 agreement ${p.agreement.toFixed(3)}`;
+  if (p.within_budget) return cost;
+  const over = `over the quality budget of +${p.budget_pct}%`, under = `top-1 agreement of ${p.min_agreement}`;
+  if (!missesAgreement(p)) return `${cost}, ${over}`;
+  return p.ppl_increase_pct > p.budget_pct ? `${cost}, ${over} and under its ${under}`
+                                           : `${cost}, under the quality budget's ${under}`;
 }
+const missesAgreement = (p) => p.min_agreement !== null && p.min_agreement !== undefined
+  && p.agreement < p.min_agreement;
+// The over-budget flag of a summary row: the figure that misses the budget (the price first).
+const budgetFlag = (p) => `⚠ over budget: ${p.ppl_increase_pct > p.budget_pct || !missesAgreement(p)
+  ? `+${p.ppl_increase_pct.toFixed(2)}%` : `top-1 agreement ${p.agreement.toFixed(3)}`}`;
 const sleep = (t) => new Promise((resolve) => setTimeout(resolve, t));
 
 function median(values) {
@@ -244,8 +254,9 @@ function renderBackends() {
 // A served backend's price from the quality budget, as /ui/api/sums gives a row's (null: not priced).
 function servedPrice(name) {
   const q = (info.kv_quality || {})[name];
-  return q && q.price ? { served_as: name, ppl_increase_pct: q.price.ppl_increase_pct, within_budget: q.within_budget,
-                          budget_pct: q.budget_pct } : null;
+  return q && q.price ? { served_as: name, ppl_increase_pct: q.price.ppl_increase_pct, agreement: q.price.agreement,
+                          within_budget: q.within_budget, budget_pct: q.budget_pct,
+                          min_agreement: q.min_agreement } : null;
 }
 
 // The quality budget's word on a served backend when the user should hear it: over the budget, or no saving.
@@ -435,8 +446,7 @@ function renderSummary(order, results, timings, s) {
     const name = el("th", { scope: "row", text: b });
     const price = servedPrice(b);
     if (price && !price.within_budget) {
-      name.append(el("span", { class: "over-budget", title: priceText(price),
-                               text: `⚠ over budget: +${price.ppl_increase_pct.toFixed(2)}%` }));
+      name.append(el("span", { class: "over-budget", title: priceText(price), text: budgetFlag(price) }));
     }
     body.append(el("tr", { "data-backend": b },
       name,
@@ -590,7 +600,8 @@ async function loadSums(ev) {
       el("td", { class: "vs-full", text: vs }),
       el("td", { class: "served", text: r.served_as.join(", ") || "–" }),
       el("td", { class: r.price && !r.price.within_budget ? "price over-budget-price" : "price",
-                 "data-price": r.price ? String(r.price.ppl_increase_pct) : "", text: priceText(r.price) })));
+                 "data-price": r.price ? String(r.price.ppl_increase_pct) : "",
+                 "data-agreement": r.price ? String(r.price.agreement) : "", text: priceText(r.price) })));
   }
   labelCells($("#sums-table"));
 }
