@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -65,6 +67,18 @@ class ModelNotFound(Exception):
     """``model`` names no served model (404 ``model_not_found``, OpenAI's error object)."""
 
 
+def _parse_failure(exc: StarletteHTTPException) -> str:
+    """Why FastAPI could not parse a body, from the exception behind its 400: JSON nested past Python's recursion
+    limit, an integer over Python's digit limit (``sys.get_int_max_str_digits``), or (anything else) not UTF-8
+    JSON."""
+    cause = exc.__cause__
+    if isinstance(cause, RecursionError):
+        return "JSON nested too deeply to parse"
+    if isinstance(cause, ValueError) and "integer string conversion" in str(cause):
+        return f"an integer has more than {sys.get_int_max_str_digits()} digits"
+    return f"{exc.detail} (expected UTF-8 JSON)"
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Map every exception a route can raise to a JSON error (never a bare 500 page)."""
 
@@ -107,7 +121,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
         if exc.status_code == 400:  # FastAPI could not decode the body (e.g. invalid UTF-8)
-            return validation_error(request, f"invalid request body: {exc.detail} (expected UTF-8 JSON)", None)
+            return validation_error(request, f"invalid request body: {_parse_failure(exc)}", None)
         return error_response(exc.status_code, str(exc.detail), "http", request)
 
     @app.exception_handler(Exception)

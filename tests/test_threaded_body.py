@@ -115,3 +115,18 @@ def test_the_answers_are_fastapis_own(body):
     want, got = plain.post("/echo", content=body, headers=headers), threaded.post("/echo", content=body,
                                                                                    headers=headers)
     assert (got.status_code, got.json()) == (want.status_code, want.json())
+
+
+@pytest.mark.parametrize("route_class", [APIRoute, ThreadedBodyRoute])
+@pytest.mark.parametrize("pad", [0, SMALL_BODY_BYTES], ids=["small", "large"])
+@pytest.mark.parametrize("body, reason", [
+    (b'{"prompt":[[1]],"max_tokens":' + b"9" * 5000 + b"}", "an integer has more than 4300 digits"),
+    (b'{"prompt":' + b"[" * 5000 + b"1" + b"]" * 5000 + b"}", "JSON nested too deeply to parse"),
+    (b'{"prompt":[["\xff"]]}', "There was an error parsing the body (expected UTF-8 JSON)"),
+], ids=["bignum", "deep", "utf8"])
+def test_a_body_that_cannot_be_parsed_is_answered_with_its_reason(route_class, pad, body, reason):
+    """UTF-8 JSON that Python's parser refuses (an integer past its 4,300-digit limit, nesting past its recursion
+    limit) is a 400 that says so, not "expected UTF-8 JSON"; bodies of either size, through either route class."""
+    body = body[:-1] + b',"pad":"' + b"x" * pad + b'"}' if pad else body
+    r = TestClient(_app(route_class)).post("/echo", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 422 and r.json()["error"] == f"invalid request body: {reason}", r.text
