@@ -4,7 +4,8 @@ For each backend setting it measures (see :mod:`bench.fidelity` for the definiti
 held at 1024 tokens, compression vs ``full``, held-out perplexity through the cache path and its
 change vs ``full``, greedy agreement with ``full``, TTFT (prefill of a 512-token prompt plus the first
 sampled token, in-process), TPOT at several context lengths, and aggregate decode tokens/s of the
-engine at 1 and 8 concurrent sequences. Quality is measured setting by setting; speed is measured in
+engine at 1 and 8 concurrent sequences; with ``--needle-context N``, key retrieval at N prompt tokens
+(:mod:`bench.needle`: one probe at each of five depths, found/asked). Quality is measured setting by setting; speed is measured in
 ``--rounds`` rounds over all settings and reported as the median over rounds, with the spread (min-max) over
 rounds beside it in the table (each round's value in ``speed_samples``). It writes ``report.md``,
 ``results.json`` (with each setting's wall time per phase) and three PNG plots (perplexity change vs
@@ -24,6 +25,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from bench import needle
 from bench.fidelity import (PagedSequence, agreement, cache_path_perplexity, greedy_tokens, measured_bytes_per_token,
                             tpot)
 from bench.quality import CALIB_SLICE, EVAL_SLICE, model_slice_ids
@@ -32,8 +34,8 @@ from cache_backends.registry import create
 from cache_backends.spec import format_spec, parse_spec
 from cache_backends.store_path import StorePath
 
-from bench.report_cli import (BUDGETED, DEFAULT, DEFAULT_SPECS, MAX_PROMPTS, QUICK, QUICK_SPECS, REPO,  # noqa: F401
-                              WINDOW, add_arguments, command_line)
+from bench.report_cli import (BUDGETED, DEFAULT, DEFAULT_SPECS, MAX_PROMPTS, NEEDLE_DEPTHS, QUICK,  # noqa: F401
+                              QUICK_SPECS, REPO, WINDOW, add_arguments, command_line)
 CHAT_PROMPT_TOKENS = 64  # tokens of held-out text in each chat-templated greedy prompt
 
 
@@ -93,6 +95,15 @@ class Phases:
         return out
 
 
+def retrieval(model, tokenizer, backend, probes: list[dict]) -> dict:
+    """Key retrieval of ``backend`` on :func:`bench.needle.probes` (one context): ``{"context", "found", "asked",
+    "depths_missed"}``."""
+    answers = needle.answer(model, tokenizer, backend, [p["ids"] for p in probes], 256)
+    missed = [p["depth"] for p, text in zip(probes, answers) if p["value"] not in text]
+    return {"context": probes[0]["context"], "found": len(probes) - len(missed), "asked": len(probes),
+            "depths_missed": missed}
+
+
 def bytes_vs_context(model, backend, token_ids: list[int], contexts=(128, 256, 512, 768, 1024)) -> dict[int, int]:
     """Bytes one sequence's store holds after a prefill of each context length (tokens -> bytes)."""
     runner, out = StorePath(model, backend.geometry.num_layers), {}
@@ -124,6 +135,7 @@ def run(args) -> dict:
     contexts = [512, 1024] if args.quick else [256, 512, 1024]
     rows, backends, reference = [], [], None
     specs = settings(args.backends or (QUICK_SPECS if args.quick else DEFAULT_SPECS))
+    needles = needle.probes(tokenizer, [args.needle_context], list(NEEDLE_DEPTHS), 1) if args.needle_context else []
     bar = tqdm(specs, desc="kvserve bench: quality")
     for spec in bar:
         bar.set_postfix_str(spec)
@@ -154,6 +166,8 @@ def run(args) -> dict:
         row["greedy_agreement"] = agreement(greedy, reference["greedy"])
         row["compression"] = reference["bytes"] / row["bytes_per_token"]
         row["perplexity_change_pct"] = 100 * (row["perplexity"] / reference["perplexity"] - 1)
+        if args.needle_context:
+            row["retrieval"] = timed("retrieval", retrieval, model, tokenizer, backend, needles)
         row["phase_s"] = timed.seconds
         rows.append(row)
         backends.append((backend, timed))
@@ -198,6 +212,9 @@ def markdown(result: dict) -> str:
     ctx = result["contexts"]
     head = ("| backend | settings | bytes/token | compression | held-out ppl | Δ ppl | greedy agreement | TTFT s | "
             + " | ".join(f"TPOT ms @{c}" for c in ctx) + " | tok/s 1 stream | tok/s 8 streams |")
+    needles = [r.get("retrieval") for r in result["rows"]]
+    if all(needles):
+        head += f" retrieval @{needles[0]['context']} |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in result["rows"]:
         params = ", ".join(f"{k}={v}" for k, v in r["params"].items()) or "-"
@@ -207,7 +224,8 @@ def markdown(result: dict) -> str:
         label = r["backend"] + (f" (budget +{r['budget']['budget_pct']:g}%)" if r.get("budget") else "")
         lines.append(f"| {label} | {params} | {r['bytes_per_token']:.0f} | {r['compression']:.2f}x | "
                      f"{r['perplexity']:.3f} | {r['perplexity_change_pct']:+.2f}% | {r['greedy_agreement']:.3f} | "
-                     f"{spread(r['ttft_s'], per_round.get('ttft_s'), digits=3)} | {tp} | {tps} |")
+                     f"{spread(r['ttft_s'], per_round.get('ttft_s'), digits=3)} | {tp} | {tps} |"
+                     + (f" {r['retrieval']['found']}/{r['retrieval']['asked']} |" if all(needles) else ""))
     rounds = result.get("rounds", 1)
     note = (f"TTFT, TPOT and tokens/s: median over {rounds} rounds, min-max over the rounds in brackets."
             if rounds > 1 else "TTFT, TPOT and tokens/s: one round.")
@@ -346,7 +364,13 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"--prompts must be at most {MAX_PROMPTS} (one per 1000 tokens of the eval slice)")
     if not (Path(args.model) / "config.json").is_file():
         raise ValueError(f"--model {args.model}: no config.json in that folder")
-    geometry = ModelGeometry.from_config(AutoConfig.from_pretrained(args.model), torch.float32)
+    config = AutoConfig.from_pretrained(args.model)
+    geometry = ModelGeometry.from_config(config, torch.float32)
+    most = config.max_position_embeddings - needle.ANSWER_TOKENS
+    if not 0 <= getattr(args, "needle_context", 0) <= most:
+        raise ValueError(f"--needle-context must be between 0 (off) and {most} (the model's "
+                         f"{config.max_position_embeddings} positions hold the prompt and the answer), "
+                         f"got {args.needle_context}")
     for spec in args.backends or []:
         name, options = parse_spec(spec.removesuffix(BUDGETED))  # its errors name the spec
         budgeted = spec.endswith(BUDGETED) or name.endswith(BUDGETED)  # mla:rank=3@budget, mla@budget:rank=3

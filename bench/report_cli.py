@@ -22,6 +22,7 @@ DEFAULT = {"windows": 6, "prefix": 768, "prompts": 16, "new_tokens": 64, "stream
 QUICK = {"windows": 2, "prefix": 768, "prompts": 4, "new_tokens": 32, "stream_tokens": 32, "rounds": 3}
 
 
+NEEDLE_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)  # --needle-context: one probe per depth
 BUDGETED = "@budget"  # a --backends entry "mla@budget": the setting the quality budget (--budget) chooses
 
 
@@ -50,6 +51,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=None,
                    help=f"speed rounds over all settings; speeds are medians over rounds (default "
                         f"{DEFAULT['rounds']}, --quick {QUICK['rounds']})")
+    p.add_argument("--needle-context", type=int, default=0,
+                   help=f"also score key retrieval at this many prompt tokens: a needle at depths "
+                        f"{', '.join(f'{d:g}' for d in NEEDLE_DEPTHS)} of long filler text (bench.needle; "
+                        f"default 0: off)")
 
 
 def command_line(args: argparse.Namespace) -> str:
@@ -64,4 +69,6 @@ def command_line(args: argparse.Namespace) -> str:
     parts += [f"--{k.replace('_', '-')} {getattr(args, k)}" for k in defaults if getattr(args, k) != defaults[k]]
     if getattr(args, "budget", 1.0) != 1.0:
         parts.append(f"--budget {args.budget:g}")
+    if getattr(args, "needle_context", 0):
+        parts.append(f"--needle-context {args.needle_context}")
     return " ".join(parts)

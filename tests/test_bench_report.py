@@ -20,7 +20,7 @@ def quick_report(tmp_path_factory) -> Path:
     # one speed round and 128 scored tokens per window (the defaults' 3 and 256 took 2.4 minutes, these 1.3): the
     # checks are on bytes, compression, agreement and perplexity, and the spread over rounds has its own test below
     subprocess.run([sys.executable, "-m", "server.cli", "bench", "--quick", "--rounds", "1", "--prefix", "896",
-                    "--out", str(out)], cwd=REPO,
+                    "--needle-context", "300", "--out", str(out)], cwd=REPO,
                    check=True, capture_output=True, text=True, timeout=900)
     return out
 
@@ -37,13 +37,17 @@ def test_quick_bench_writes_report_plots_and_json(quick_report):
         assert r["bytes_per_token"] == pytest.approx(r["formula_bytes_per_token"]), r["spec"]
         assert r["bytes_vs_context"]["1024"] > r["bytes_vs_context"]["128"] > 0
         assert set(r["tpot_s"]) == {"512", "1024"} and all(v > 0 for v in r["tpot_s"].values())
-        assert set(r["phase_s"]) == {"prepare", "bytes", "perplexity", "greedy", "latency", "throughput"}
+        assert set(r["phase_s"]) == {"prepare", "bytes", "perplexity", "greedy", "retrieval", "latency",
+                                     "throughput"}
+        found = r["retrieval"]  # one probe per depth, the same five prompts for every backend
+        assert found["context"] == 300 and found["asked"] == 5 and found["found"] + len(found["depths_missed"]) == 5
     assert rows["gqa"]["compression"] == 4.0 and rows["mla"]["compression"] == 8.0
     assert rows["int8"]["compression"] > 2.5 and abs(rows["int8"]["perplexity_change_pct"]) < 1.0
     assert abs(rows["mla"]["perplexity_change_pct"]) < 1.0  # rank 64 of 512 keeps the model (measured +0.03%)
     assert 0.0 <= rows["gqa"]["greedy_agreement"] < rows["int8"]["greedy_agreement"]
 
     report = (quick_report / "report.md").read_text()
+    assert "| retrieval @300 |" in report and "--needle-context 300" in report
     assert "kvserve bench --quick" in report and report.count("\n| ") >= 1 + 5 + 2  # header, 5 rows, dca table
     for name in ("frontier", "tpot_vs_context", "kv_bytes_vs_context"):
         png = quick_report / f"{name}.png"
@@ -72,6 +76,8 @@ def test_advise_ranks_the_measured_settings(quick_report):
     (["--backends", "gqa:groups"], "expected key=value"),
     (["--prefix", "1024"], "--prefix must be between 1 and 1023"),
     (["--rounds", "0"], "--rounds must be at least 1"),
+    (["--needle-context", "-1"], "--needle-context must be between 0 (off) and 1012"),
+    (["--needle-context", "1013"], "--needle-context must be between 0 (off) and 1012"),
     (["--model", "/nonexistent"], "no config.json"),
     (["--backends", "mla@budget", "--budget", "nan"], "--budget must be a finite number"),
     (["--backends", "mla@budget", "--budget", "-1"], "--budget must be a finite number of percent, at least 0"),
