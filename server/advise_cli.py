@@ -25,7 +25,7 @@ from pathlib import Path
 
 from cache_backends.estimate import DTYPE_BYTES, estimate_rows
 from cache_backends.spec import format_spec
-from server.cached_prices import load_prices, price_text
+from server.cached_prices import dtype_note, load_prices, price_text
 from server.estimate_cli import DEFAULT_SPECS as ESTIMATE_SPECS
 from server.estimate_cli import human, load_shape, over_positions, resolve_specs
 
@@ -142,9 +142,9 @@ def _rows_from_bench(data: dict) -> list[dict]:
 
 
 def rows_from_estimate(model: str, dtype: str, context: int, specs: list[str] | None) -> list[dict]:
-    """Rows from the closed-form sums (no measured quality or speed; ``price_pct`` and ``price_agreement``, the
-    quality budget's price and top-1 agreement from the calibration cache, or ``None``); without ``specs``,
-    estimate's default list.
+    """Rows from the closed-form sums (no measured quality or speed; ``price_pct``, ``price_agreement`` and
+    ``price_dtype``, the quality budget's price, top-1 agreement and the dtype they were measured in from the
+    calibration cache, or ``None``; ``dtype``, the one sized); without ``specs``, estimate's default list.
 
     Raises:
         ValueError: for an unknown model, a malformed spec or one the model cannot take, or a ``context``
@@ -161,7 +161,8 @@ def rows_from_estimate(model: str, dtype: str, context: int, specs: list[str] | 
     return [{"spec": format_spec(name, params), "backend": name,
              "bytes_per_token": row.get("min_bytes_per_token_per_layer", row["bytes_per_token_per_layer"])
              * shape.num_layers, "ppl_change_pct": None, "tpot": {}, "agreement": None,
-             **dict(zip(("price_pct", "price_agreement"), book.priced(row["backend"], row["params"])))}
+             **dict(zip(("price_pct", "price_agreement", "price_dtype"),
+                        book.priced(row["backend"], row["params"], dtype))), "dtype": dtype}
             for (name, params), row in zip(parsed, sums)]
 
 
@@ -204,7 +205,8 @@ def advise(rows: list[dict], context: int, concurrency: int, budget: int, tpot_t
             facts.append(f"perplexity {r['ppl_change_pct']:+.2f}%"
                          + (f" (over the bound, +{max_ppl_increase:g}%)" if ppl_over else ""))
         else:
-            facts.append(f"price {price_text(price)} perplexity" if price is not None else price_text(None))
+            facts.append(f"price {price_text(price)} perplexity{dtype_note(r.get('price_dtype'), r.get('dtype'))}"
+                         if price is not None else price_text(None))
             facts[-1] += f" (over the bound, +{max_ppl_increase:g}%)" if price_over else ""
             if top1 is not None:
                 facts[-1] += (f", top-1 agreement {top1:.3f}"

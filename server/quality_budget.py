@@ -44,7 +44,8 @@ both calibration and held-out text at any width.
 A setting that saves less than :data:`MIN_SAVING` of ``full``'s bytes within the budget is reported as saving
 nothing (logged as a warning, in ``/info``'s ``kv_quality`` and on the page); a setting given explicitly is kept
 and priced, and served with a warning naming its price and agreement when it misses a bound. Prices are kept in
-the calibration cache (kind ``price``, with their agreement), so a second start measures nothing.
+the calibration cache (kind ``price``, with their agreement and the dtype the model computed in), so a second
+start measures nothing.
 """
 
 from __future__ import annotations
@@ -222,8 +223,9 @@ class Scorer:
         return Price(**figures["price"])
 
     def _fit(self, backend: KVBackend) -> tuple[dict[str, torch.Tensor], dict]:
-        price = self._measure(backend)
-        return {"kl": torch.tensor([price.kl])}, {"price": asdict(price)}
+        price = self._measure(backend)  # with the dtype the model computed in (kvserve estimate names it)
+        return {"kl": torch.tensor([price.kl])}, {"price": asdict(price),
+                                                  "dtype": str(self.model.dtype).removeprefix("torch.")}
 
     def _measure(self, backend: KVBackend) -> Price:
         ref_logp, ref_nll = self.reference()

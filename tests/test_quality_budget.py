@@ -127,6 +127,11 @@ def test_prices_are_cached_with_their_agreement(setup, tmp_path):
     assert first.ppl_increase_pct < 900 and first.agreement == scorer.price(int4).agreement < 1
     again = Scorer(model, geometry, ids, CalibrationCache(tmp_path), windows=2, window=384, prefix=128)
     assert again.price(int4) == first and [e.source for e in again.cache.events] == ["cache"]
+    from cache_backends.calibration_cache import entries
+
+    # the new entry records the dtype the model computed in (kvserve estimate shows it); the old one has none
+    dtypes = sorted(str(e["figures"].get("dtype")) for e in entries(tmp_path, "price"))
+    assert dtypes == sorted(["None", str(model.dtype).removeprefix("torch.")])
 
 
 def test_the_search_takes_the_most_compressive_rank_within_the_budget(setup):
