@@ -161,3 +161,13 @@ def test_min_agreement_flags_the_setting_whose_own_price_misses_it(model_dir, tm
     assert lines[1].startswith(" 1. int4:rotate=True: ") and lines[1].endswith("top-1 agreement 0.950")
     assert lines[2].startswith(" 2. int4 (outside the quality bound): ")
     assert lines[2].endswith("price +0.90% perplexity, top-1 agreement 0.850 (under the bound, 0.9)")
+
+
+def test_min_agreement_off_holds_no_agreement_against_a_setting():
+    """--min-agreement off (as KV_QUALITY_MIN_AGREEMENT's off): no agreement bound, measured or priced."""
+    rows = [{**row("int4", 100, 0.5, 0.02), "agreement": 0.5},
+            {**row("mla", 50, None, 0.02), "price_pct": 0.5, "price_agreement": 0.4}]
+    ranked = {r["spec"]: r for r in advise(rows, 1024, 1, 2**30, None, min_agreement=None)}
+    assert ranked["int4"]["quality_ok"] and ranked["mla"]["quality_ok"]
+    assert "bound" not in ranked["int4"]["reason"] + ranked["mla"]["reason"]
+    assert not any(r["quality_ok"] for r in advise(rows, 1024, 1, 2**30, None))  # the default bound, 0.9
