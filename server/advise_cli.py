@@ -9,7 +9,7 @@ the quality budget where the calibration cache holds one for a model folder (:mo
 A setting fits when bytes/token (measured by the bench at 1024 tokens, or the closed formula) ×
 context × concurrency is within the budget. A measured setting is within the quality bound when its
 held-out perplexity rises by at most ``--max-ppl-increase`` percent (default 1) and its greedy agreement
-with ``full`` is at least ``--min-agreement`` (default 0.9); an unmeasured one is outside it when its price is
+with ``full`` is at least ``--min-agreement`` (default 0.9; ``off``: no agreement bound); an unmeasured one is outside it when its price is
 above ``--max-ppl-increase`` or the price's top-1 agreement with ``full`` (the quality budget's second figure,
 ``KV_QUALITY_MIN_AGREEMENT``'s) is below ``--min-agreement``. Fitting settings are ranked: those over the
 latency target after the others, and within each, those outside the quality bound after those within it;
@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
 from cache_backends.estimate import DTYPE_BYTES, estimate_rows
 from cache_backends.spec import format_spec
-from server.cached_prices import load_prices, price_text
+from server.cached_prices import dtype_note, load_prices, price_text
 from server.estimate_cli import DEFAULT_SPECS as ESTIMATE_SPECS
 from server.estimate_cli import human, load_shape, over_positions, resolve_specs
 
@@ -72,13 +73,18 @@ def _at_least_zero(text: str) -> float:
     return value
 
 
-def _fraction(text: str) -> float:
+def _agreement_bound(text: str) -> float | None:
+    """A share above 0 and at most 1, or ``off`` (``none``): no agreement bound, as ``KV_QUALITY_MIN_AGREEMENT``
+    takes it (argparse type)."""
+    if text.strip().lower() in ("off", "none"):
+        return None
     try:
         value = float(text)
     except ValueError:
         value = -1.0
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, got {text!r}")
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a share above 0 and at most 1, or off (no agreement bound), "
+                                         f"got {text!r}")
     return value
 
 
@@ -112,15 +118,23 @@ def rows_from_bench(path: str) -> list[dict]:
     """Rows of a ``kvserve bench`` results.json.
 
     Raises:
-        ValueError: if the file is not JSON or not a bench result; OSError if it cannot be read.
+        ValueError: one line naming the file and what is wrong: not UTF-8 JSON, or not a bench result (the field
+            that is missing or of the wrong kind); OSError if it cannot be read.
     """
     try:
-        return _rows_from_bench(json.loads(Path(path).read_text()))
-    except (KeyError, TypeError, AttributeError) as exc:
-        raise ValueError(f"--bench {path}: not a results.json written by kvserve bench "
-                         f"(bad or missing {exc})") from None
+        data = json.loads(Path(path).read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"--bench {path}: not a results.json written by kvserve bench (byte {exc.start} is not "
+                         "UTF-8 text)") from None
     except json.JSONDecodeError as exc:
-        raise ValueError(f"--bench {path}: not JSON ({exc})") from None
+        raise ValueError(f"--bench {path}: not JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})") from None
+    except RecursionError:
+        raise ValueError(f"--bench {path}: not a results.json written by kvserve bench (JSON nested too deeply)") \
+            from None
+    try:
+        return _rows_from_bench(data)
+    except ValueError as exc:
+        raise ValueError(f"--bench {path}: not a results.json written by kvserve bench ({exc})") from None
 
 
 def bench_model(path: str) -> str:
@@ -131,20 +145,53 @@ def bench_model(path: str) -> str:
     return folder.name if folder.is_absolute() or folder.exists() else model  # a folder by its name; a hub id whole
 
 
-def _rows_from_bench(data: dict) -> list[dict]:
+def _rows_from_bench(data) -> list[dict]:
+    """The rows advise reads from a parsed results.json.
+
+    Raises:
+        ValueError: naming the first field that is missing or of the wrong kind.
+    """
+    if not isinstance(data, dict) or not isinstance(data.get("rows"), list) or not data["rows"]:
+        raise ValueError("no list of rows")
     rows = []
-    for r in data["rows"]:
-        tpot = {int(k): v for k, v in r["tpot_s"].items()}
-        rows.append({"spec": r["spec"], "backend": r["backend"], "bytes_per_token": r["bytes_per_token"],
-                     "ppl_change_pct": r["perplexity_change_pct"], "tpot": tpot,
-                     "agreement": r["greedy_agreement"]})
+    for i, r in enumerate(data["rows"]):
+        if not isinstance(r, dict):
+            raise ValueError(f"rows[{i}] is not an object")
+        for key in ("spec", "backend"):
+            if not isinstance(r.get(key), str):
+                raise ValueError(f"rows[{i}].{key} is missing or not text")
+        tpot = r.get("tpot_s")
+        if not isinstance(tpot, dict) or not all(k.isdigit() for k in tpot):
+            raise ValueError(f"rows[{i}].tpot_s is missing or not seconds by context length")
+        rows.append({"spec": r["spec"], "backend": r["backend"],
+                     "bytes_per_token": _bench_number(r, "bytes_per_token", i, low=0, open_low=True),
+                     "ppl_change_pct": _bench_number(r, "perplexity_change_pct", i, low=-100),
+                     "tpot": {int(k): _bench_number(tpot, k, i, low=0, where="tpot_s") for k in tpot},
+                     "agreement": _bench_number(r, "greedy_agreement", i, low=0, high=1)})
     return rows
 
 
+def _bench_number(r: dict, key: str, i: int, low: float, high: float = float("inf"), open_low: bool = False,
+                  where: str = "") -> float:
+    """``r[key]``, a finite number from ``low`` (above it when ``open_low``) to ``high``, of row ``i``.
+
+    Raises:
+        ValueError: naming the field.
+    """
+    value = r.get(key)
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not number or value < low or value > high or (open_low and value == low):
+        bounds = (f"above {low:g}" if open_low else f"from {low:g} to {high:g}" if high < float("inf")
+                  else f"of at least {low:g}")
+        raise ValueError(f"rows[{i}].{where + '.' if where else ''}{key} is "
+                         f"{'missing' if key not in r else json.dumps(value)}: expected a number {bounds}")
+    return float(value)
+
+
 def rows_from_estimate(model: str, dtype: str, context: int, specs: list[str] | None) -> list[dict]:
-    """Rows from the closed-form sums (no measured quality or speed; ``price_pct`` and ``price_agreement``, the
-    quality budget's price and top-1 agreement from the calibration cache, or ``None``); without ``specs``,
-    estimate's default list.
+    """Rows from the closed-form sums (no measured quality or speed; ``price_pct``, ``price_agreement`` and
+    ``price_dtype``, the quality budget's price, top-1 agreement and the dtype they were measured in from the
+    calibration cache, or ``None``; ``dtype``, the one sized); without ``specs``, estimate's default list.
 
     Raises:
         ValueError: for an unknown model, a malformed spec or one the model cannot take, or a ``context``
@@ -161,7 +208,8 @@ def rows_from_estimate(model: str, dtype: str, context: int, specs: list[str] | 
     return [{"spec": format_spec(name, params), "backend": name,
              "bytes_per_token": row.get("min_bytes_per_token_per_layer", row["bytes_per_token_per_layer"])
              * shape.num_layers, "ppl_change_pct": None, "tpot": {}, "agreement": None,
-             **dict(zip(("price_pct", "price_agreement"), book.priced(row["backend"], row["params"])))}
+             **dict(zip(("price_pct", "price_agreement", "price_dtype"),
+                        book.priced(row["backend"], row["params"], dtype))), "dtype": dtype}
             for (name, params), row in zip(parsed, sums)]
 
 
@@ -170,7 +218,7 @@ MIN_AGREEMENT = 0.9  # the quality bound's greedy-agreement part (fraction of gr
 
 
 def advise(rows: list[dict], context: int, concurrency: int, budget: int, tpot_target: float | None,
-           max_ppl_increase: float = MAX_PPL_INCREASE, min_agreement: float = MIN_AGREEMENT) -> list[dict]:
+           max_ppl_increase: float = MAX_PPL_INCREASE, min_agreement: float | None = MIN_AGREEMENT) -> list[dict]:
     """Annotate and rank ``rows``; returns every row with ``fits``, ``need_bytes``, ``quality_ok``, ``rank_key``
     and ``reason``.
 
@@ -178,7 +226,7 @@ def advise(rows: list[dict], context: int, concurrency: int, budget: int, tpot_t
     or whose greedy agreement (0-1) is below ``min_agreement``, and for an unmeasured one whose price
     (``price_pct``, the quality budget's) is above ``max_ppl_increase`` or whose price's top-1 agreement
     (``price_agreement``, 0-1) is below ``min_agreement``; unmeasured and unpriced quality is not held against a
-    row. Fitting rows come first, ranked by (over ``tpot_target`` seconds, outside the quality bound,
+    row (``min_agreement`` ``None``: no agreement bound). Fitting rows come first, ranked by (over ``tpot_target`` seconds, outside the quality bound,
     perplexity change, TPOT); the others follow by the bytes they need.
     """
     long_context = context >= 4096
@@ -193,18 +241,19 @@ def advise(rows: list[dict], context: int, concurrency: int, budget: int, tpot_t
         quality = r["ppl_change_pct"] if r["ppl_change_pct"] is not None else 0.0
         agreement = r.get("agreement")
         ppl_over = r["ppl_change_pct"] is not None and r["ppl_change_pct"] > max_ppl_increase
-        agreement_under = agreement is not None and agreement < min_agreement
+        agreement_under = agreement is not None and min_agreement is not None and agreement < min_agreement
         price = r.get("price_pct") if r["ppl_change_pct"] is None else None  # measured quality stands in for it
         price_over = price is not None and price > max_ppl_increase
         top1 = r.get("price_agreement") if price is not None else None
-        top1_under = top1 is not None and top1 < min_agreement
+        top1_under = top1 is not None and min_agreement is not None and top1 < min_agreement
         reason = why(r["backend"], context, concurrency, need / budget, long_context)
         facts = [f"{human(need)} for {concurrency} x {context} tokens ({100 * need / budget:.0f}% of budget)"]
         if r["ppl_change_pct"] is not None:
             facts.append(f"perplexity {r['ppl_change_pct']:+.2f}%"
                          + (f" (over the bound, +{max_ppl_increase:g}%)" if ppl_over else ""))
         else:
-            facts.append(f"price {price_text(price)} perplexity" if price is not None else price_text(None))
+            facts.append(f"price {price_text(price)} perplexity{dtype_note(r.get('price_dtype'), r.get('dtype'))}"
+                         if price is not None else price_text(None))
             facts[-1] += f" (over the bound, +{max_ppl_increase:g}%)" if price_over else ""
             if top1 is not None:
                 facts[-1] += (f", top-1 agreement {top1:.3f}"
@@ -232,10 +281,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-ppl-increase", type=_at_least_zero, default=MAX_PPL_INCREASE, metavar="PCT",
                    help="quality bound: most held-out perplexity increase, percent; settings above it are ranked "
                         f"after those within and marked (default {MAX_PPL_INCREASE:g})")
-    p.add_argument("--min-agreement", type=_fraction, default=MIN_AGREEMENT, metavar="FRACTION",
-                   help="quality bound: least greedy agreement with full, 0-1 (without --bench: the quality "
-                        "budget's top-1 agreement from the calibration cache); settings below it are ranked after "
-                        f"those within and marked (default {MIN_AGREEMENT:g})")
+    p.add_argument("--min-agreement", type=_agreement_bound, default=MIN_AGREEMENT, metavar="FRACTION",
+                   help="quality bound: least greedy agreement with full, above 0 and at most 1, or off (without "
+                        "--bench: the quality budget's top-1 agreement from the calibration cache); settings below it "
+                        f"are ranked after those within and marked (default {MIN_AGREEMENT:g})")
     p.add_argument("--bench", help="results.json written by `kvserve bench` (measured quality and speed)")
     p.add_argument("--model", default=None, help="without --bench: preset, config.json or model folder "
                                                  "(default llama-2-7b)")
@@ -274,8 +323,10 @@ def main(args: argparse.Namespace) -> int:
     print(f"Workload: {args.concurrency} x {args.context} tokens, KV budget {human(args.memory_budget)}"
           + (f", TPOT target {1000 * args.tpot_target:.0f} ms" if args.tpot_target else "") + f" — {source}")
     if args.bench:
-        print(f"Quality bound: perplexity at most +{args.max_ppl_increase:g}%, greedy agreement at least "
-              f"{args.min_agreement:g} (settings outside it come after those within, marked \"outside the quality bound\")")
+        agreement = ("no agreement bound" if args.min_agreement is None
+                     else f"greedy agreement at least {args.min_agreement:g}")
+        print(f"Quality bound: perplexity at most +{args.max_ppl_increase:g}%, {agreement} (settings outside it come "
+              "after those within, marked \"outside the quality bound\")")
     n = 0
     for r in ranked:
         if r["fits"]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from cache_backends.estimate import DTYPE_BYTES, PRESETS, Shape, bytes_per_token_per_layer, estimate_rows
 from cache_backends.spec import NATIVE_MLA_BACKENDS, parse_spec
-from server.cached_prices import load_prices, price_text
+from server.cached_prices import dtype_note, load_prices, price_text
 
 
 # Without specs: every backend (int8's k8v4 mix, 8-bit keys and 4-bit values, too) and the two most useful
@@ -113,7 +113,7 @@ def main(args: argparse.Namespace) -> int:
               "those rows show what the cache would cost if it could", file=sys.stderr)
     book = load_prices(args.model)
     for row in rows:
-        row["price_pct"] = book.row(row["backend"], row["params"])
+        row["price_pct"], _, row["price_dtype"] = book.priced(row["backend"], row["params"], args.dtype)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -123,14 +123,17 @@ def main(args: argparse.Namespace) -> int:
     table = Table(title=f"KV cache for {args.model} ({args.dtype})")
     for col in ("backend", "params", "seq_len", "batch", "bytes/token/layer", "total", "price"):
         table.add_column(col, justify="right" if col not in ("backend", "params", "price") else "left",
-                         overflow="fold" if col == "params" else "ellipsis")  # params wrap, never cut off
+                         overflow="fold" if col in ("params", "price") else "ellipsis")  # wrapped, never cut off
     for r in rows:
         params = ", ".join(f"{k}={v}" for k, v in r["params"].items()) or "-"
         per, total = f"{r['bytes_per_token_per_layer']:.0f}", human(r["total_bytes"])
         if "min_bytes_per_token_per_layer" in r:  # elastic: from every compressible group quantized to all exact
             per, total = f"{r['min_bytes_per_token_per_layer']:.0f}-{per}", f"{human(r['min_total_bytes'])}-{total}"
-        table.add_row(r["backend"], params, str(r["seq_len"]), str(r["batch"]), per, total, price_text(r["price_pct"]))
+        price = price_text(r["price_pct"]) + (dtype_note(r["price_dtype"], args.dtype) if r["price_pct"] is not None
+                                              else "")
+        table.add_row(r["backend"], params, str(r["seq_len"]), str(r["batch"]), per, total, price)
     Console(width=120).print(table)
-    print("price: the perplexity increase the quality budget measured for a setting of that size on its calibration\n"
-          "text, from the calibration cache (KV_CALIBRATION_CACHE_DIR); not priced: no server priced one there")
+    print("price: the perplexity increase the quality budget measured for that setting on its calibration text, from\n"
+          "the calibration cache (KV_CALIBRATION_CACHE_DIR); not priced: no server priced one there; (measured in\n"
+          f"DTYPE): with the model in another dtype than {args.dtype}, the price shown is that dtype's")
     return 0

@@ -33,6 +33,11 @@ parameter the settings leave unset gets the most compressive value within the bu
   calibrated similarities, by bisection;
 * ``int4``: with or without the Hadamard rotation, whichever costs less.
 
+When no setting is within both bounds, the one served is, of the settings the search priced, the one closest to
+the agreement bound (the highest agreement; of equals, the cheaper: int4's, or the later one the bisection priced;
+dca's no reuse layer first), and the warning, ``/info``'s message and its ``agreement_shortfall`` say by how much its
+agreement is under the bound. Without an agreement bound, the least compressive setting (int4: the cheaper one).
+
 The search keeps the chosen setting's calibration price within :data:`SEARCH_HEADROOM` (70%) of the budget: a
 price measured on a few hundred calibration tokens moves on other text (on SmolLM2-135M, an ``mla`` rank priced at
 +1.0% on calibration text cost +1.2% on held-out text), and the budget is a promise about the text served.
@@ -44,7 +49,8 @@ both calibration and held-out text at any width.
 A setting that saves less than :data:`MIN_SAVING` of ``full``'s bytes within the budget is reported as saving
 nothing (logged as a warning, in ``/info``'s ``kv_quality`` and on the page); a setting given explicitly is kept
 and priced, and served with a warning naming its price and agreement when it misses a bound. Prices are kept in
-the calibration cache (kind ``price``, with their agreement), so a second start measures nothing.
+the calibration cache (kind ``price``, with their agreement and the dtype the model computed in), so a second
+start measures nothing.
 """
 
 from __future__ import annotations
@@ -101,6 +107,10 @@ class Price:
         return ((budget_pct is None or self.ppl_increase_pct <= budget_pct)
                 and (min_agreement is None or self.agreement >= min_agreement))
 
+    def shortfall(self, min_agreement: float | None) -> float:
+        """How far the agreement is under ``min_agreement`` (0 when it is not, or with no bound)."""
+        return 0.0 if min_agreement is None else max(0.0, min_agreement - self.agreement)
+
 
 @dataclass
 class Choice:
@@ -129,6 +139,13 @@ class Choice:
         return self.price is None or self.budget_pct is None or self.price.within(self.budget_pct, self.min_agreement)
 
     @property
+    def agreement_shortfall(self) -> float | None:
+        """How far the price's agreement is under ``min_agreement`` when it is, else ``None``."""
+        if self.price is None or self.budget_pct is None or not self.price.shortfall(self.min_agreement):
+            return None
+        return self.price.shortfall(self.min_agreement)
+
+    @property
     def saves_nothing(self) -> bool:
         """Holds at least (1 - MIN_SAVING) of full's bytes; never for ``elastic``, whose size is a range (full's
         without pressure, compressed under it) rather than a setting's."""
@@ -139,8 +156,9 @@ class Choice:
     def as_dict(self) -> dict:
         out = {k: v for k, v in asdict(self).items() if k != "price"}
         out["price"] = asdict(self.price) if self.price else None
+        short = self.agreement_shortfall
         out.update(compression=round(self.compression, 3), within_budget=self.within_budget,
-                   saves_nothing=self.saves_nothing)
+                   saves_nothing=self.saves_nothing, agreement_shortfall=None if short is None else round(short, 4))
         return out
 
 
@@ -222,8 +240,9 @@ class Scorer:
         return Price(**figures["price"])
 
     def _fit(self, backend: KVBackend) -> tuple[dict[str, torch.Tensor], dict]:
-        price = self._measure(backend)
-        return {"kl": torch.tensor([price.kl])}, {"price": asdict(price)}
+        price = self._measure(backend)  # with the dtype the model computed in (kvserve estimate names it)
+        return {"kl": torch.tensor([price.kl])}, {"price": asdict(price),
+                                                  "dtype": str(self.model.dtype).removeprefix("torch.")}
 
     def _measure(self, backend: KVBackend) -> Price:
         ref_logp, ref_nll = self.reference()
@@ -298,24 +317,27 @@ def choose(name: str, geometry: ModelGeometry, options: dict, explicit: set[str]
     def fits(price: Price) -> bool:  # what the search keeps: the price within its headroom, the agreement bound
         return price.within(SEARCH_HEADROOM * budget_pct, min_agreement)
 
+    def short(price: Price) -> float:  # with none that fits: the setting closest to the agreement bound is served
+        return price.shortfall(min_agreement)
+
     tried: list[dict] = []
     began = time.perf_counter()
     if not search:
         backend = build()
         price = scorer.price(backend) if scorer is not None and name != "full" else None
     elif axis == "threshold":
-        backend, price = _search_dca(build, scorer, fits, tried, record)
+        backend, price = _search_dca(build, scorer, fits, short, tried, record)
     elif axis == "rotate":
         priced = []
         for value in candidates(name, axis, geometry, options):
             b = build(rotate=value)
             p = scorer.price(b)
             record(b, p, tried)
-            priced.append((not fits(p), p.kl, value, b, p))
-        _, _, _, backend, price = min(priced, key=lambda x: x[:2])
+            priced.append((not fits(p), short(p), p.kl, value, b, p))
+        *_, backend, price = min(priced, key=lambda x: x[:3])
     else:
         values = candidates(name, axis, geometry, options)
-        backend, price = _bisect(values, lambda v: build(**{axis: v}), scorer, fits, tried, record)
+        backend, price = _bisect(values, lambda v: build(**{axis: v}), scorer, fits, short, tried, record)
     choice = Choice(backend=name, spec=format_spec(backend.name, backend.params()), budget_pct=budget_pct,
                     price=price, bytes_per_token=bytes_per_token(backend), full_bytes_per_token=full_bytes,
                     min_agreement=min_agreement if budget_pct is not None else None,
@@ -326,12 +348,13 @@ def choose(name: str, geometry: ModelGeometry, options: dict, explicit: set[str]
     return backend, choice
 
 
-def _bisect(values: list, build, scorer: Scorer, fits, tried: list, record):
+def _bisect(values: list, build, scorer: Scorer, fits, short, tried: list, record):
     """The first of ``values`` (most compressive first, price falling and agreement rising along them) whose price
-    ``fits`` (a predicate on :class:`Price`), by bisection; the last value when none does (the bisection's last
-    step prices it: every step before it moved up)."""
+    ``fits`` (a predicate on :class:`Price`), by bisection. When none does: of the values priced, the one whose
+    agreement is the least ``short`` of its bound (a function of :class:`Price`), the later priced of equals; with
+    no agreement bound, the last value (the bisection's last step prices it: every step before it moved up)."""
     lo, hi = 0, len(values) - 1
-    found, last = None, None
+    found, closest = None, None
     while lo <= hi:
         mid = (lo + hi) // 2
         backend = build(values[mid])
@@ -341,30 +364,35 @@ def _bisect(values: list, build, scorer: Scorer, fits, tried: list, record):
             found, hi = last, mid - 1
         else:
             lo = mid + 1
-    return found or last
+        if closest is None or short(last[1]) <= short(closest[1]):
+            closest = last
+    return found or closest
 
 
-def _search_dca(build, scorer: Scorer, fits, tried: list, record):
+def _search_dca(build, scorer: Scorer, fits, short, tried: list, record):
     """dca: the lowest threshold among the layers' calibrated similarities whose reuse ``fits`` (a predicate on
-    :class:`Price`: within the budget)."""
+    :class:`Price`: within the budget). When none does, no layer reused, unless a threshold priced is less
+    ``short`` of the agreement bound (a function of :class:`Price`)."""
     backend = build(threshold=1.01)  # prepared once: the similarities; no layer reused at this threshold
     levels = sorted(set(backend.served_similarity.values()), reverse=True)  # each admits one more layer or more
     best: tuple[float, Price] | None = None
+    priced: list[tuple[float, Price]] = []
     lo, hi = 0, len(levels) - 1
     while lo <= hi:
         mid = (lo + hi) // 2
         backend.set_threshold(levels[mid])
         price = scorer.price(backend)
         record(backend, price, tried)
+        priced.append((levels[mid], price))
         if fits(price):
             best, lo = (levels[mid], price), mid + 1
         else:
             hi = mid - 1
-    if best is None:  # no reuse layer within the budget: none reused (the inner backend's own price)
-        backend.set_threshold(1.01)
+    if best is None:  # no reuse layer within the budget: none reused (the inner backend's own price), or the
+        backend.set_threshold(1.01)  # threshold closest to the agreement bound when that is closer
         price = scorer.price(backend)
         record(backend, price, tried)
-        return backend, price
+        best = min([(1.01, price)] + priced, key=lambda p: short(p[1]))  # the first of equals: none reused
     backend.set_threshold(best[0])
     return backend, best[1]
 
@@ -382,12 +410,13 @@ def _message(choice: Choice, axis: str | None) -> str:
         return f"{head}: {cost}"
     bounds = f"the quality budget of +{choice.budget_pct:g}%" + (
         f" and top-1 agreement {choice.min_agreement:g}" if choice.min_agreement is not None else "")
+    if not choice.within_budget:
+        why = "explicit setting" if choice.explicit or not choice.searched else "no setting within it" + (
+            f"; the highest agreement of those tried: {_tried(choice)}" if choice.agreement_shortfall else "")
+        return f"{head}: {_missed(choice)} ({why}): {cost}"
     if choice.searched and choice.saves_nothing:
         return (f"{head}: saves nothing within {bounds} "
                 f"(every more compressive {axis} costs more: {_tried(choice)}); {cost}")
-    if not choice.within_budget:
-        why = "explicit setting" if choice.explicit or not choice.searched else "no setting within it"
-        return f"{head}: {_missed(choice)} ({why}): {cost}"
     if choice.saves_nothing and choice.backend != "full":
         return f"{head}: saves nothing (under {100 * MIN_SAVING:.0f}% of full's bytes): {cost}"
     chosen = f"chosen by {bounds}" if choice.searched else "within the budget"
@@ -399,7 +428,7 @@ def _missed(choice: Choice) -> str:
     over = f"over the quality budget of +{choice.budget_pct:g}%"
     if choice.price.within(None, choice.min_agreement):
         return over
-    under = f"top-1 agreement of {choice.min_agreement:g}"
+    under = f"top-1 agreement of {choice.min_agreement:g} (short by {choice.agreement_shortfall:.4f})"
     if choice.price.within(choice.budget_pct):
         return f"under the quality budget's {under}"
     return f"{over} and under its {under}"

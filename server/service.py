@@ -32,12 +32,16 @@ MAX_CACHE_SALT_CHARS = 256
 
 def utf8_error(text: str, field: str) -> "InvalidRequest | None":
     """The error for text that cannot be encoded as UTF-8 (a lone surrogate such as ``"\\ud800"``, which JSON's
-    ``\\u`` escapes can carry and tokenizers refuse), or ``None``."""
+    ``\\u`` escapes can carry and tokenizers refuse), or ``None``. It names the first such character and its
+    position, and how many follow it in the same run, never the run itself: a body of surrogates would otherwise
+    come back whole, and larger (``\\udc80`` escaped)."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
+        run = exc.end - exc.start
         return InvalidRequest(f"`{field}` is not valid Unicode text: {exc.reason} at character {exc.start} "
-                              f"({text[exc.start:exc.end].encode('utf-8', 'backslashreplace').decode()})", field)
+                              f"({text[exc.start].encode('utf-8', 'backslashreplace').decode()}"
+                              + (f", the first of {run} in a row" if run > 1 else "") + ")", field)
     return None
 
 

@@ -141,3 +141,33 @@ def test_without_a_bench_the_budgets_agreement_is_held_to_min_agreement(model_di
     assert k8v4["quality_ok"] and "agreement" not in k8v4["reason"]
     looser = {r["spec"]: r for r in advise(rows, 512, 1, 2**30, None, min_agreement=0.8)}
     assert looser["int4"]["quality_ok"] and "bound" not in looser["int4"]["reason"]
+
+
+def test_min_agreement_flags_the_setting_whose_own_price_misses_it(model_dir, tmp_path, monkeypatch, capsys):
+    """int4 with and without its rotation size alike: the unrotated int4 was given the rotated one's price and
+    agreement (the lowest price of the size), so --min-agreement flagged neither and int4:rotate=true was not priced.
+    Each now gets its own, and the one under the bound is the one flagged."""
+    from server.cli import main
+    from tests.test_estimate import write_price
+
+    write_price(tmp_path, model_dir, "int4:group_size=32,residual=32", 0.9, agreement=0.85)
+    write_price(tmp_path, model_dir, "int4:group_size=32,residual=32,rotate=True", 0.5, agreement=0.95)
+    monkeypatch.setenv("KV_CALIBRATION_CACHE_DIR", str(tmp_path))
+    rows = rows_from_estimate(str(model_dir), "fp32", 512, ["int4", "int4:rotate=true"])
+    assert [(r["price_pct"], r["price_agreement"]) for r in rows] == [(0.9, 0.85), (0.5, 0.95)]
+    assert main(["advise", "--model", str(model_dir), "--dtype", "fp32", "--context", "512", "--memory-budget",
+                 "1GiB", "--backends", "int4", "int4:rotate=true"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].startswith(" 1. int4:rotate=True: ") and lines[1].endswith("top-1 agreement 0.950")
+    assert lines[2].startswith(" 2. int4 (outside the quality bound): ")
+    assert lines[2].endswith("price +0.90% perplexity, top-1 agreement 0.850 (under the bound, 0.9)")
+
+
+def test_min_agreement_off_holds_no_agreement_against_a_setting():
+    """--min-agreement off (as KV_QUALITY_MIN_AGREEMENT's off): no agreement bound, measured or priced."""
+    rows = [{**row("int4", 100, 0.5, 0.02), "agreement": 0.5},
+            {**row("mla", 50, None, 0.02), "price_pct": 0.5, "price_agreement": 0.4}]
+    ranked = {r["spec"]: r for r in advise(rows, 1024, 1, 2**30, None, min_agreement=None)}
+    assert ranked["int4"]["quality_ok"] and ranked["mla"]["quality_ok"]
+    assert "bound" not in ranked["int4"]["reason"] + ranked["mla"]["reason"]
+    assert not any(r["quality_ok"] for r in advise(rows, 1024, 1, 2**30, None))  # the default bound, 0.9

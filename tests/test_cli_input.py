@@ -60,7 +60,20 @@ def kvserve(*args: str) -> subprocess.CompletedProcess:
     (["advise", "--context", "0", "--memory-budget", "1GiB"], "--context: expected a number > 0"),
     (["advise", "--context", "1024", "--concurrency", "-3", "--memory-budget", "1GiB"], "expected a number > 0"),
     (["advise", "--context", "1024", "--memory-budget", "1GiB", "--bench", "LIST_JSON"], "not a results.json"),
-    (["advise", "--context", "1024", "--memory-budget", "1GiB", "--min-agreement", "1.5"], "expected a number from 0 to 1"),
+    (["advise", "--context", "1024", "--memory-budget", "1GiB", "--min-agreement", "1.5"],
+     "--min-agreement: expected a share above 0 and at most 1, or off (no agreement bound), got '1.5'"),
+    (["advise", "--context", "1024", "--memory-budget", "1GiB", "--min-agreement", "0"], "got '0'"),
+    (["advise", "--context", "1024", "--memory-budget", "1GiB", "--min-agreement", "-0.5"], "above 0 and at most 1"),
+    (["advise", "--context", "1024", "--memory-budget", "1GiB", "--min-agreement", "nan"], "above 0 and at most 1"),
+    (["advise", "--context", "1024", "--memory-budget", "1GiB", "--bench", "NOT_JSON"],
+     "--bench NOT_JSON: not JSON (Expecting value at line 1, column 1)"),
+    (["advise", "--context", "1024", "--memory-budget", "1GiB", "--bench", "BINARY"],
+     "--bench BINARY: not a results.json written by kvserve bench (byte 0 is not UTF-8 text)"),
+    (["advise", "--context", "1024", "--memory-budget", "1GiB", "--bench", "BAD_ROW"],
+     "--bench BAD_ROW: not a results.json written by kvserve bench (rows[0].bytes_per_token is \"x\": expected a "
+     "number above 0)"),
+    (["advise", "--context", "1024", "--memory-budget", "1GiB", "--bench", "BAD_TPOT"],
+     "(rows[0].tpot_s is missing or not seconds by context length)"),
     (["advise", "--context", "1024", "--memory-budget", "1GiB", "--max-ppl-increase", "-1"], "expected a number >= 0"),
     (["advise", "--context", "2048", "--memory-budget", "1GiB", "--model", "models/kjv-llama-mha"],
      "kvserve advise: --context 2048 is more than models/kjv-llama-mha's 1024 positions (max_position_embeddings)"),
@@ -72,8 +85,17 @@ def kvserve(*args: str) -> subprocess.CompletedProcess:
 def test_bad_input_exits_2_with_a_message(args, message, tmp_path):
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "list.json").write_text("[1, 2]")
-    args = [str(tmp_path) if a == "EMPTY_CONFIG" else str(tmp_path / "list.json") if a == "LIST_JSON" else a
-            for a in args]
+    (tmp_path / "NOT_JSON").write_text("results")
+    (tmp_path / "BINARY").write_bytes(b"\x89PNG\r\n")
+    row = {"spec": "full", "backend": "full", "bytes_per_token": "x", "perplexity_change_pct": 0.0,
+           "tpot_s": {"512": 0.02}, "greedy_agreement": 1.0}
+    (tmp_path / "BAD_ROW").write_text(json.dumps({"rows": [row]}))
+    (tmp_path / "BAD_TPOT").write_text(json.dumps({"rows": [{**row, "bytes_per_token": 8.0, "tpot_s": [0.02]}]}))
+    files = {"EMPTY_CONFIG": tmp_path, "LIST_JSON": tmp_path / "list.json"} | {
+        name: tmp_path / name for name in ("NOT_JSON", "BINARY", "BAD_ROW", "BAD_TPOT")}
+    args = [str(files.get(a, a)) for a in args]
+    message = message.replace("NOT_JSON", str(files["NOT_JSON"])).replace("BINARY", str(files["BINARY"])).replace(
+        "BAD_ROW", str(files["BAD_ROW"]))
     p = kvserve(*args)
     assert p.returncode == 2, p.stdout + p.stderr
     assert message in p.stderr and "Traceback" not in p.stderr and p.stdout == ""

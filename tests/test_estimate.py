@@ -53,7 +53,7 @@ def test_cli_json_rows_and_config_path(model_dir):
                          cwd=REPO, capture_output=True, text=True, timeout=120, check=True).stdout
     rows = json.loads(out)
     assert set(rows[0]) == {"backend", "params", "seq_len", "batch", "bytes_per_token_per_layer", "total_bytes",
-                            "price_pct"}
+                            "price_pct", "price_dtype"}
     assert rows[0]["bytes_per_token_per_layer"] == 2 * 8 * 32 * 4
     assert rows[1]["bytes_per_token_per_layer"] == 2 * 2 * 32 * 4
     assert rows[0]["total_bytes"] == 2 * 8 * 32 * 4 * 1024 * 8
@@ -187,9 +187,11 @@ def test_a_bench_budget_spec_is_named_as_benchs(capsys):
         in err and "give a setting to size, 'mla'" in err
 
 
-def write_price(directory, folder, spec: str, pct: float, agreement: float | None = None) -> None:
-    """A price entry as a server leaves it in its calibration cache (kind ``price``) for the model in ``folder``;
-    without ``agreement``, as a server before :data:`PRICE_VERSION` 5 left it (no agreement measured)."""
+def write_price(directory, folder, spec: str, pct: float, agreement: float | None = None,
+                dtype: str | None = "float32") -> None:
+    """A price entry as a server leaves it in its calibration cache (kind ``price``) for the model in ``folder``,
+    measured with the model in ``dtype``; without ``agreement``, as a server before :data:`PRICE_VERSION` 5 left it
+    (no agreement measured); without ``dtype``, as one before the dtype was recorded."""
     import torch
     from transformers import AutoConfig
 
@@ -199,16 +201,17 @@ def write_price(directory, folder, spec: str, pct: float, agreement: float | Non
     price = {"kl": pct / 100, "ppl_increase_pct": pct, "ppl_change_pct": pct, "tokens": 768}
     if agreement is not None:
         price["agreement"] = agreement
+    figures = {"price": price, **({"dtype": dtype} if dtype else {})}
     CalibrationCache(directory).fetch("price", model, [1, 2, 3], {"spec": spec, "prefix": 256},
-                                      fit=lambda: ({"kl": torch.tensor([pct / 100])}, {"price": price}),
+                                      fit=lambda: ({"kl": torch.tensor([pct / 100])}, figures),
                                       load=lambda _, figures: figures,
                                       version=PRICE_VERSION if agreement is not None else 4)
 
 
 def test_each_row_carries_the_price_the_calibration_cache_holds(model_dir, tmp_path, monkeypatch, capsys):
-    """A size never stands alone: each row gets the quality budget's price of a setting of its size from the
-    calibration cache (int4's lowest, with or without rotation), full's is 0, and the rest say "not priced"; a
-    preset, or another cache, prices nothing but full."""
+    """A size never stands alone: each row gets the quality budget's price of its own setting from the calibration
+    cache (int4's unrotated one: the rotation costs no byte but is part of the setting), full's is 0, and the rest
+    say "not priced"; a preset, or another cache, prices nothing but full."""
     from cache_backends.estimate import Shape, default_params
     from server.cli import main
 
@@ -224,7 +227,7 @@ def test_each_row_carries_the_price_the_calibration_cache_holds(model_dir, tmp_p
     assert main(["estimate", "--model", str(model_dir), "--seq-len", "1024", "--batch", "1", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     prices = {(r["backend"], r["params"].get("value_bits")): r["price_pct"] for r in rows}
-    assert prices[("full", None)] == 0.0 and prices[("int8", None)] == 0.02 and prices[("int4", 4)] == 0.5
+    assert prices[("full", None)] == 0.0 and prices[("int8", None)] == 0.02 and prices[("int4", 4)] == 0.9
     assert prices[("mla", None)] == 240.0 and prices[("int8", 4)] is None and prices[("gqa", None)] is None
     assert main(["estimate", "--model", str(model_dir), "--seq-len", "1024", "--batch", "1", "int8", "gqa"]) == 0
     table = capsys.readouterr().out
@@ -234,3 +237,40 @@ def test_each_row_carries_the_price_the_calibration_cache_holds(model_dir, tmp_p
     monkeypatch.setenv("KV_CALIBRATION_CACHE_DIR", str(tmp_path / "empty"))
     assert main(["estimate", "--model", str(model_dir), "--seq-len", "1024", "--batch", "1", "--json", "int8"]) == 0
     assert json.loads(capsys.readouterr().out)[0]["price_pct"] is None
+
+
+def test_a_setting_that_sizes_as_another_gets_its_own_price(model_dir, tmp_path, monkeypatch, capsys):
+    """int4 with and without its rotation size alike: each row gets its own setting's price and agreement (the
+    unrotated int4 was shown the rotated one's, and int4:rotate=true was not priced); likewise gqa's method. An
+    entry's spec names the rotation only when on, so one without it is the unrotated setting's."""
+    from server.cli import main
+
+    write_price(tmp_path, model_dir, "int4:group_size=32,residual=32", 0.9, agreement=0.85)
+    write_price(tmp_path, model_dir, "int4:group_size=32,residual=32,rotate=True", 0.5, agreement=0.95)
+    write_price(tmp_path, model_dir, "gqa:groups=2,method=mean", 30.0, agreement=0.6)
+    monkeypatch.setenv("KV_CALIBRATION_CACHE_DIR", str(tmp_path))
+    assert main(["estimate", "--model", str(model_dir), "--dtype", "fp32", "--seq-len", "1024", "--batch", "1",
+                 "--json", "int4", "int4:rotate=true", "int4:rotate=false", "gqa:groups=2",
+                 "gqa:groups=2,method=mean"]) == 0
+    assert [r["price_pct"] for r in json.loads(capsys.readouterr().out)] == [0.9, 0.5, 0.9, None, 30.0]
+
+
+def test_a_price_measured_in_another_dtype_says_which(model_dir, tmp_path, monkeypatch, capsys):
+    """Prices measured with the model in fp32 are shown for --dtype fp16 with the dtype they were measured in, not
+    as if they were fp16's; an entry that recorded no dtype says so; in the dtype asked for, the price alone."""
+    from server.cli import main
+
+    write_price(tmp_path, model_dir, "int8:group_size=32,residual=32", 0.02)
+    write_price(tmp_path, model_dir, "int4:group_size=32,residual=32", 0.9, dtype=None)
+    monkeypatch.setenv("KV_CALIBRATION_CACHE_DIR", str(tmp_path))
+    args = ["estimate", "--model", str(model_dir), "--seq-len", "1024", "--batch", "1", "full", "int8", "int4"]
+    assert main([*args, "--json", "--dtype", "fp16"]) == 0
+    assert [(r["price_pct"], r["price_dtype"]) for r in json.loads(capsys.readouterr().out)] == [
+        (0.0, "fp16"), (0.02, "fp32"), (0.9, None)]
+    assert main([*args, "--dtype", "fp16"]) == 0
+    table = " ".join(capsys.readouterr().out.split())  # the price column may wrap
+    assert "+0.02% (measured in fp32)" in table and "+0.90% (dtype not recorded)" in table
+    assert "+0.00% (measured" not in table
+    assert main([*args, "--dtype", "float32"]) == 0
+    table = " ".join(capsys.readouterr().out.split())
+    assert "+0.02% │" in table and "+0.02% (measured" not in table

@@ -92,9 +92,9 @@ def test_the_agreement_bound_rejects_a_rank_and_the_search_takes_a_larger_one(se
 
 
 @pytest.mark.parametrize("name,options,bound,missed", [
-    ("int4", {"rotate": False}, 0.9999, "under the quality budget's top-1 agreement of 0.9999 (explicit setting)"),
+    ("int4", {"rotate": False}, 0.9999, "under the quality budget's top-1 agreement of 0.9999 (short by "),
     ("gqa", {"groups": 1, "method": "mean"}, 0.5,
-     "over the quality budget of +1% and under its top-1 agreement of 0.5 (explicit setting)")], ids=["int4", "gqa"])
+     "over the quality budget of +1% and under its top-1 agreement of 0.5 (short by ")], ids=["int4", "gqa"])
 def test_an_explicit_setting_under_the_agreement_bound_is_warned_about(setup, caplog, name, options, bound, missed):
     """int4 costs about +0.01% here but flips about 1% of full's top tokens: within the price, under the bound, it
     gets the warning a price over the budget gets; gqa at 1 group by mean pooling misses both."""
@@ -104,6 +104,8 @@ def test_an_explicit_setting_under_the_agreement_bound_is_warned_about(setup, ca
                                  min_agreement=bound)
     assert choice.explicit and choice.searched is None and not choice.within_budget
     assert choice.price.agreement < bound and missed in choice.message
+    assert choice.agreement_shortfall == pytest.approx(bound - choice.price.agreement)
+    assert f"(short by {choice.agreement_shortfall:.4f}) (explicit setting)" in choice.message
     assert f"top-1 agreement {choice.price.agreement:.3f}" in choice.message
     assert [r.levelname for r in caplog.records if r.name == "kvserve.budget"] == ["WARNING"]
     if name == "int4":
@@ -127,6 +129,11 @@ def test_prices_are_cached_with_their_agreement(setup, tmp_path):
     assert first.ppl_increase_pct < 900 and first.agreement == scorer.price(int4).agreement < 1
     again = Scorer(model, geometry, ids, CalibrationCache(tmp_path), windows=2, window=384, prefix=128)
     assert again.price(int4) == first and [e.source for e in again.cache.events] == ["cache"]
+    from cache_backends.calibration_cache import entries
+
+    # the new entry records the dtype the model computed in (kvserve estimate shows it); the old one has none
+    dtypes = sorted(str(e["figures"].get("dtype")) for e in entries(tmp_path, "price"))
+    assert dtypes == sorted(["None", str(model.dtype).removeprefix("torch.")])
 
 
 def test_the_search_takes_the_most_compressive_rank_within_the_budget(setup):
@@ -252,10 +259,62 @@ def test_the_server_reports_its_choice_and_a_setting_over_the_budget(engine_proc
     assert quality["int8"]["within_budget"] is True and quality["int8"]["price"]["kl"] < 1e-3
     assert quality["full"]["price"] is None
     assert "WARNING kvserve.budget: gqa: gqa:groups=1,method=mean: over the quality budget of +1% and under its " \
-           "top-1 agreement of 0.5 (explicit setting)" in log
+           f"top-1 agreement of 0.5 (short by {quality['gqa']['agreement_shortfall']:.4f}) (explicit setting)" in log
     assert info["kv_quality_min_agreement"] == 0.5
     for name in ("gqa", "int8", "int4", "mla"):
         price = quality[name]["price"]
         assert quality[name]["min_agreement"] == 0.5 and 0 <= price["agreement"] <= 1
         assert f"+{price['ppl_increase_pct']:.2f}% perplexity, top-1 agreement {price['agreement']:.3f}" in log
         assert (price["agreement"] >= 0.5) == (name != "gqa")
+
+
+class FixedScorer:
+    """Prices each setting as ``table`` gives it by spec (``default`` otherwise): the search's choice, not a model's
+    numbers, is what is checked."""
+
+    def __init__(self, table: dict[str, tuple[float, float]], default: tuple[float, float]):
+        self.table, self.default = table, default
+
+    def price(self, backend) -> Price:
+        pct, agreement = self.table.get(format_spec(backend.name, backend.params()), self.default)
+        kl = math.log1p(pct / 100)
+        return Price(kl=kl, ppl_increase_pct=pct, ppl_change_pct=pct, tokens=512, agreement=agreement)
+
+
+def test_with_no_setting_within_the_agreement_bound_the_closest_to_it_is_served(setup, caplog):
+    """int4 unrotated costs less but agrees less: with KV_QUALITY_MIN_AGREEMENT over both, the cheaper one was
+    served, farther from the bound. The one with the highest agreement is, and the warning and /info say the bound is
+    unmet and by how much. Without the bound, the cheaper one, as before."""
+    model, geometry, ids, _ = setup
+    plain = format_spec("int4", create("int4", geometry).params())
+    rotated = format_spec("int4", create("int4", geometry, rotate=True).params())
+    scorer = FixedScorer({plain: (0.1, 0.80), rotated: (0.2, 0.85)}, (0.0, 1.0))
+    with caplog.at_level("INFO", logger="kvserve.budget"):
+        backend, choice = choose("int4", geometry, {}, set(), model, ids, None, scorer, 1.0, min_agreement=0.9)
+    assert choice.spec == rotated and not choice.within_budget
+    assert choice.agreement_shortfall == pytest.approx(0.05) and choice.as_dict()["agreement_shortfall"] == 0.05
+    assert "under the quality budget's top-1 agreement of 0.9 (short by 0.0500) (no setting within it; the highest " \
+           "agreement of those tried: " in choice.message
+    assert [r.levelname for r in caplog.records if r.name == "kvserve.budget"] == ["WARNING"]
+    assert "(short by 0.0500)" in caplog.records[-1].getMessage()
+    _, unbound = choose("int4", geometry, {}, set(), model, ids, None, scorer, 1.0)
+    assert unbound.spec == plain and unbound.within_budget and unbound.as_dict()["agreement_shortfall"] is None
+
+
+def test_a_bisection_with_no_setting_within_the_agreement_bound_serves_the_closest_tried(setup):
+    """mla's bisection moved up at every step and served the last rank priced, whatever its agreement; with the
+    bound set it serves the rank priced closest to it. Without the bound, still the last rank."""
+    model, geometry, ids, _ = setup
+    ranks = candidates("mla", "rank", geometry, {})
+    spec = {r: format_spec("mla", create("mla", geometry, rank=r).params()) for r in ranks}
+    # every rank within the price, none at the agreement bound; the one half way up the ladder closest to it
+    scorer = FixedScorer({spec[ranks[(len(ranks) - 1) // 2]]: (0.1, 0.95)}, (0.1, 0.9))
+    backend, choice = choose("mla", geometry, {}, set(), model, ids, fits(model), scorer, 1.0, min_agreement=0.99)
+    tried = [t["spec"] for t in choice.tried]
+    assert tried[0] == spec[ranks[(len(ranks) - 1) // 2]] and tried[-1] == spec[ranks[-1]]  # up at every step
+    assert choice.spec == tried[0] and backend.params()["rank"] == ranks[(len(ranks) - 1) // 2]
+    assert choice.as_dict()["agreement_shortfall"] == 0.04 and "(short by 0.0400)" in choice.message
+    looser = FixedScorer({}, (5.0, 0.9))  # every rank over the price, no agreement bound: the last, as before
+    backend, choice = choose("mla", geometry, {}, set(), model, ids, fits(model), looser, 1.0)
+    assert backend.params()["rank"] == ranks[-1] and "over the quality budget of +1% (no setting within it)" \
+        in choice.message

@@ -41,6 +41,19 @@ def test_a_lone_surrogate_is_a_4xx_naming_the_field(robust_server, path, body, f
     assert field in message and (isinstance(err, str) or err["param"] == field)
 
 
+def test_a_run_of_lone_surrogates_is_named_by_its_first_never_echoed():
+    """A 1.98 MB body of lone surrogates came back as a 4.62 MB error: the message echoed the whole run, each
+    escaped. It names the first, its position and the run's length."""
+    from server.service import utf8_error
+
+    err = utf8_error("ok" + "\udc80" * 330_000 + "x\ud800", "prompt")
+    assert str(err) == ("`prompt` is not valid Unicode text: surrogates not allowed at character 2 (\\udc80, the "
+                        "first of 330000 in a row)") and err.param == "prompt"
+    assert str(utf8_error("x\ud800y", "inputs")) == ("`inputs` is not valid Unicode text: surrogates not allowed at "
+                                                     "character 1 (\\ud800)")
+    assert utf8_error("ok \u00e9", "prompt") is None
+
+
 def test_a_prompt_its_bytes_prove_too_long_is_refused_before_tokenizing(robust_server):
     """A 1.9 MB prompt (inside PAYLOAD_LIMIT) was tokenized for ~4 s on the event loop before its 422; now it is
     refused at once from its byte length, and /health answers meanwhile."""
