@@ -6,6 +6,12 @@ rows at a long context, a decode or a prefill chunk, per stored form, the forms 
 Shapes are SmolLM2-135M's by default (30 layers, 3 KV heads, 9 query heads, head_dim 64, pages of 16 tokens); the
 K/V are random (the kernel's speed does not depend on the values). Prints per form the median time of a step's
 layers, its ratio to ``exact``, and the ratio of the bytes it reads (the byte bound).
+
+``--form latent`` times a native-MLA model's absorbed attention instead (its latent and rope key in exact pages),
+the kernel reading the pages in place against the torch path (the pages gathered, then torch ops), interleaved;
+DeepSeek-V2-Lite's widths by default (kv_lora_rank 512, rope key 64, 16 query heads of 128 + 64, values of 128):
+
+    python -m bench.kernel_step --form latent --context 2000 8000 --layers 4 --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -17,10 +23,11 @@ import time
 import torch
 
 from cache_backends import kernels
-from cache_backends.kv_spec import KVSpec, Quantization, kv_streams
+from cache_backends.absorbed_mla import absorbed_attention
+from cache_backends.kv_spec import KVSpec, Quantization, StreamSpec, kv_streams
 from cache_backends.page_layout import PageLayout
 from cache_backends.page_plan import SeqBlocks
-from cache_backends.paged import in_place_layer, write_layer
+from cache_backends.paged import in_place_layer, read_layer, write_layer
 from cache_backends.paged_attention import attend_pair
 from cache_backends.pool import KVPool
 from cache_backends.step_meta import StepMeta
@@ -68,9 +75,12 @@ class Row:
             self.pending.append((blocks, plan))
         meta = StepMeta(self.layout, self.pending, "cpu")
         for layer in range(self.layers):
-            write_layer(self.views, layer, meta, [torch.randn(len(rows), self.heads, n, self.width,
-                                                              generator=self.gen).to(self.dtype) for _ in range(2)])
+            write_layer(self.views, layer, meta, self.new_tokens(len(rows), n))
         return meta
+
+    def new_tokens(self, batch: int, n: int) -> list[torch.Tensor]:
+        """One layer's random new K and V, (batch, heads, n, width) each."""
+        return [torch.randn(batch, self.heads, n, self.width, generator=self.gen).to(self.dtype) for _ in range(2)]
 
     def _commit(self) -> None:
         for blocks, plan in self.pending:
@@ -86,9 +96,78 @@ class Row:
         return time.perf_counter() - t
 
 
+class LatentRow(Row):
+    """``batch`` sequences of a native-MLA model's entries (latent ``rank`` wide, rope key ``rope`` wide, one head
+    each, exact pages), ``context`` tokens each, and a random ``kv_b_proj`` of ``q_heads`` heads."""
+
+    def __init__(self, layers: int, rank: int, rope: int, q_heads: int, nope: int, v: int, context: int,
+                 tokens_per_page: int, batch: int = 1, chunk: int = 1, dtype: torch.dtype = torch.float32,
+                 seed: int = 0):
+        from types import SimpleNamespace
+
+        spec = KVSpec((StreamSpec(1, rank), StreamSpec(1, rope)), layers, dtype.itemsize, None)
+        page = -(-spec.exact_bytes(tokens_per_page, aligned=True) // 64) * 64
+        self.layout = PageLayout(spec, dtype, page)
+        pages = batch * (context // tokens_per_page + 8) + 8
+        self.pool = KVPool(pages, self.layout.page_bytes, {"b": self.layout}, "cpu")
+        self.views = self.pool.views["b"]
+        self.layers, self.dtype, self.batch, self.widths = layers, dtype, batch, (rank, rope)
+        self.gen = torch.Generator().manual_seed(seed)
+        self.free = list(range(1, pages))
+        weight = (torch.randn(q_heads * (nope + v), rank, generator=self.gen) * rank ** -0.5).to(dtype)
+        self.module = SimpleNamespace(qk_nope_head_dim=nope, v_head_dim=v, kv_b_proj=SimpleNamespace(weight=weight))
+        self.q_shape = (batch, q_heads, chunk, nope + rope)
+        rows = [SeqBlocks() for _ in range(batch)]
+        for blocks in rows:
+            for n in [min(512, context - t) for t in range(0, context, 512)]:
+                self._write([blocks], n)
+                self._commit()
+        self.meta = self._write(rows, chunk)
+        self.chunk = chunk
+        self.bytes = sum(self.layout.stored_bytes(b) for b in rows)
+
+    def new_tokens(self, batch: int, n: int) -> list[torch.Tensor]:
+        """One layer's random new latent and rope key, (batch, 1, n, width) each."""
+        return [torch.randn(batch, 1, n, w, generator=self.gen).to(self.dtype) for w in self.widths]
+
+    def latent_step(self, mode: str) -> float:
+        """Seconds of one step's absorbed attention over every layer: ``kernel`` reads the pages in place, ``torch``
+        gathers them (as the torch path's step does) and attends with torch ops."""
+        query = torch.randn(*self.q_shape).to(self.dtype)
+        scaling = self.q_shape[-1] ** -0.5
+        with kernels.using(mode):
+            t = time.perf_counter()
+            for layer in range(self.layers):
+                reads = in_place_layer(self.views, layer) if mode == "kernel" else \
+                    read_layer(self.views, layer, self.meta)
+                absorbed_attention(query, reads[0], reads[1], self.meta, scaling, self.module)
+            return time.perf_counter() - t
+
+
+def latent_main(args) -> int:
+    """``--form latent``: the kernel against the torch path, per context, interleaved."""
+    dtype = getattr(torch, args.dtype)
+    print(f"native-MLA latent: {args.batch} row(s) + {args.chunk} new, {args.layers} layers, r {args.rank}, rope "
+          f"{args.rope}, {args.q_heads} query heads (nope {args.nope}, v {args.v_dim}), {args.dtype}, "
+          f"{args.threads} thread(s), median of {args.rounds}")
+    print(f"{'context':>8}{'kernel ms':>11}{'torch ms':>10}{'torch/kernel':>14}")
+    for context in args.context:
+        row = LatentRow(args.layers, args.rank, args.rope, args.q_heads, args.nope, args.v_dim, context,
+                        args.page_tokens, args.batch, args.chunk, dtype)
+        times = {"kernel": [], "torch": []}
+        for _ in range(args.rounds):
+            for mode in times:
+                times[mode].append(row.latent_step(mode))
+        k, t = statistics.median(times["kernel"]), statistics.median(times["torch"])
+        print(f"{context:>8}{k * 1e3:>11.2f}{t * 1e3:>10.2f}{t / k:>14.2f}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--context", type=int, default=8000)
+    p.add_argument("--form", choices=["kv", "latent"], default="kv",
+                   help="kv: K/V pairs per --tiers; latent: a native-MLA model's latent, the kernel vs torch")
+    p.add_argument("--context", type=int, nargs="+", default=[8000])
     p.add_argument("--tiers", nargs="+", default=["exact", "int8", "int4"], choices=list(TIERS))
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--heads", type=int, default=3, help="KV heads")
@@ -99,10 +178,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk", type=int, default=1, help="new tokens a row (1: a decode step; more: a prefill chunk)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--rank", type=int, default=512, help="latent: kv_lora_rank")
+    p.add_argument("--rope", type=int, default=64, help="latent: qk_rope_head_dim")
+    p.add_argument("--q-heads", type=int, default=16, help="latent: query heads")
+    p.add_argument("--nope", type=int, default=128, help="latent: qk_nope_head_dim")
+    p.add_argument("--v-dim", type=int, default=128, help="latent: v_head_dim")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="latent: pages")
     args = p.parse_args(argv)
     if not kernels.load():
         raise SystemExit(f"the attention kernel is not available: {kernels.status()['reason']}")
     torch.set_num_threads(args.threads)
+    if args.form == "latent":
+        return latent_main(args)
+    args.context = args.context[0]
     rows = {t: Row(t, args.layers, args.heads, args.head_dim, args.context, args.page_tokens, args.batch,
                    args.chunk)
             for t in args.tiers}

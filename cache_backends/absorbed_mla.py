@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from cache_backends import kernels
 from cache_backends.attention import BatchRead, causal_mask
-from cache_backends.paged import StreamRead
+from cache_backends.paged import InPlaceRead, StreamRead
 from cache_backends.paged_attention import masked_softmax
 
 
@@ -58,13 +59,15 @@ class AbsorbedRead:
         return ((probs @ latent) @ w[:, nope:].transpose(1, 2))[None]  # W_UV applied after attention
 
 
-def absorbed_attention(query: torch.Tensor, latent: StreamRead, rope_key: StreamRead, meta, scaling: float,
-                       attention) -> torch.Tensor:
-    """:class:`AbsorbedRead`'s sums for a step's batch, over the pool's gathered latent and rope key.
+def absorbed_attention(query: torch.Tensor, latent: StreamRead | InPlaceRead, rope_key: StreamRead | InPlaceRead,
+                       meta, scaling: float, attention) -> torch.Tensor:
+    """:class:`AbsorbedRead`'s sums for a step's batch, over the pool's latent and rope key: read in place by the
+    attention kernel (:class:`cache_backends.paged.InPlaceRead`: one op, MQA over the key (c_t, k_rope_t) and the
+    value c_t, :func:`cache_backends.kernels.paged_attention`), or gathered.
 
     Args:
         query: (B, H, n, nope + rope) after RoPE.
-        latent, rope_key: the gathered streams, (1, B, T, kv_lora_rank) and (1, B, T, qk_rope_head_dim).
+        latent, rope_key: the streams in place, or gathered, (1, B, T, kv_lora_rank) and (1, B, T, qk_rope_head_dim).
         attention: the model's attention module (``kv_b_proj``, ``qk_nope_head_dim``, ``v_head_dim``).
 
     Returns:
@@ -73,6 +76,11 @@ def absorbed_attention(query: torch.Tensor, latent: StreamRead, rope_key: Stream
     a = attention
     nope, (b, h, n, _) = a.qk_nope_head_dim, query.shape
     w = a.kv_b_proj.weight.view(h, nope + a.v_head_dim, -1)  # (H, nope + v, r)
+    if isinstance(latent, InPlaceRead):  # the kernel: (q_latent, q_rope) against (c_t, k_rope_t), values c_t
+        q_latent = torch.einsum("bhnc,hcr->bhnr", query[..., :nope], w[:, :nope])
+        mixed = kernels.paged_attention(torch.cat([q_latent, query[..., nope:]], dim=-1), latent, rope_key, meta,
+                                        scaling)  # (B, H, n, r)
+        return mixed @ w[:, nope:].transpose(1, 2)  # W_UV applied after attention
     q_latent = torch.einsum("bhnc,hcr->bhnr", query[..., :nope], w[:, :nope]).reshape(1, b, h * n, -1)
     q_rope = query[..., nope:].reshape(1, b, h * n, -1)
     scores = latent.dot(q_latent) + rope_key.dot(q_rope)  # (1, B, H * n, T)

@@ -44,10 +44,9 @@ class FullBackend(KVBackend):
     name = "full"
     windowed_pool = True  # on a hybrid model its sliding layers' pages keep only their windows
 
-    @property
-    def attends_in_place(self) -> bool:
-        """K/V pairs go through the attention kernel; a native-MLA model's latent does not (absorbed attention)."""
-        return not self.geometry.kv_lora_rank
+    #: K/V pairs go through the attention kernel, and so does a native-MLA model's latent and rope key (absorbed
+    #: attention, :func:`cache_backends.absorbed_mla.absorbed_attention`).
+    attends_in_place = True
 
     def prepare(self, model, calibration_ids: list[int] | None = None, cache=None) -> None:
         """Nothing to fit; on a native-MLA model, switch its attention to absorbed attention over the cached latent
@@ -77,8 +76,8 @@ class FullBackend(KVBackend):
         return self._kv_spec(kv_streams(g.num_key_value_heads, g.head_dim))
 
     def attend_paged(self, layer, query, reads, meta, scaling, module=None):
-        """Exact attention over the gathered K/V (``scaled_dot_product_attention`` under the step's mask); on a
-        native-MLA model absorbed attention over the gathered latent and rope key."""
+        """Exact attention over the K/V (the kernel in place, or ``scaled_dot_product_attention`` over the gathered
+        pages under the step's mask); on a native-MLA model absorbed attention over the latent and rope key."""
         if self.geometry.kv_lora_rank:
             return absorbed_attention(query, reads[0], reads[1], meta, scaling, module)
         return attend_pair(query, reads[0], reads[1], meta, scaling)

@@ -254,6 +254,12 @@ class MLABackend(KVBackend):
         g = self.geometry
         return MLALayer(self.bases[index], self.rope, g.num_key_value_heads, g.head_dim, self.quantization, position_offset)
 
+    @property
+    def attends_in_place(self) -> bool:
+        """Native: the model's latent and rope key go through the attention kernel (absorbed attention) where it reads
+        their pages (exact ones: ``mla+int8`` is gathered, :func:`cache_backends.kernels.fits`); post-hoc: no."""
+        return self.native
+
     def new_store(self) -> KVStore:
         """One sequence's store; on a native-MLA model it is read in place by absorbed attention."""
         return KVStore([self.new_layer(i) for i in range(self.geometry.num_layers)], in_place=True)

@@ -78,13 +78,15 @@ class Pool:
             plans.append(plan)
         meta = StepMeta(self.layout, list(zip(rows, plans)), "cpu")
         for layer in range(2):
-            new = [torch.randn(len(rows), self.heads, n, self.width, generator=self.gen).to(self.dtype) * 2
-                   for _ in range(2)]
-            write_layer(self.views, layer, meta, new)
+            write_layer(self.views, layer, meta, self.new_tokens(len(rows), n))
         self.pending = list(zip(rows, plans))
         if commit:
             self.commit()
         return meta
+
+    def new_tokens(self, batch: int, n: int) -> list[torch.Tensor]:
+        """One layer's random new K and V, (batch, heads, n, width) each."""
+        return [torch.randn(batch, self.heads, n, self.width, generator=self.gen).to(self.dtype) * 2 for _ in range(2)]
 
     def commit(self) -> None:
         for blocks, plan in self.pending:
@@ -223,14 +225,16 @@ def test_a_bad_mode_is_refused():
 
 
 @pytest.mark.parametrize("dtype", [d for d in KERNEL_DTYPES if d != torch.float16], ids=str)
-@pytest.mark.parametrize("tier", ["exact", "int8", "int4-rotated"])
+@pytest.mark.parametrize("tier", ["exact", "int8", "int4-rotated", "native-mla"])
 def test_the_fused_write_stores_what_the_torch_write_stores(tier, dtype):
     """The same steps (prefill chunks and decode steps of a ragged batch; int8 groups drain) written by
-    ``kvserve::paged_write`` and by the torch path's indexed copies leave the same bytes in the pool."""
+    ``kvserve::paged_write`` and by the torch path's indexed copies leave the same bytes in the pool (and a
+    native-MLA model's latent and rope key)."""
     arenas = []
     for mode in ("kernel", "torch"):
         with kernels.using(mode):
-            pool = Pool(tier, 2, 64, dtype, tokens_per_page=16, seed=11)
+            pool = LatentPool(32, 8, 2, 16, 16, dtype, tokens_per_page=16, seed=11) if tier == "native-mla" else \
+                Pool(tier, 2, 64, dtype, tokens_per_page=16, seed=11)
             rows = [SeqBlocks() for _ in range(3)]
             _grow(pool, rows, [5, 33, 70], chunk=20)
             for _ in range(4):
@@ -289,3 +293,148 @@ def test_a_kernel_that_cannot_load_is_said_and_the_torch_path_serves(tmp_path):
     status = __import__("json").loads(done.stdout.splitlines()[0])
     assert status["path"] == "torch" and "Not a directory" in status["reason"], status
     assert done.returncode != 0 and "ValueError: KV_ATTENTION=kernel" in done.stderr, done.stderr[-2000:]
+
+
+# ------------------------------------------------------------------------------------------------ native MLA
+# (kv_lora_rank r, qk_rope_head_dim, query heads, qk_nope_head_dim, v_head_dim): the tiny DeepseekV3 of
+# tests/test_mla_native.py, a wider rope key, and DeepSeek-V2-Lite's widths (r 512, rope 64, 16 heads of 128)
+LATENT_SHAPES = [(16, 8, 4, 16, 16), (32, 64, 3, 32, 32), (512, 64, 16, 128, 128)]
+LATENT_IDS = [f"r{r}-rope{p}-h{h}" for r, p, h, _, _ in LATENT_SHAPES]
+
+
+class LatentPool(Pool):
+    """A pool of a native-MLA model's entries over two layers (``full``'s and ``mla``'s: the latent c_KV and the
+    shared rope key, one head each, exact pages), with a random ``kv_b_proj`` of the model's widths."""
+
+    def __init__(self, rank: int, rope: int, heads: int, nope: int, v: int, dtype: torch.dtype, tokens_per_page: int,
+                 seed: int):
+        from types import SimpleNamespace
+
+        from cache_backends.kv_spec import StreamSpec
+
+        spec = KVSpec((StreamSpec(1, rank), StreamSpec(1, rope)), 2, dtype.itemsize, None)
+        page = -(-spec.exact_bytes(tokens_per_page, aligned=True) // 64) * 64
+        self.layout = PageLayout(spec, dtype, page)
+        assert kernels.fits(self.layout) and kernels.is_latent(self.layout)
+        self.pool = KVPool(400, self.layout.page_bytes, {"b": self.layout}, "cpu")
+        self.pool.arena.zero_()
+        self.views = self.pool.views["b"]
+        self.gen = torch.Generator().manual_seed(seed)
+        self.free = list(range(1, 400))
+        random.Random(seed).shuffle(self.free)
+        self.dtype, self.rank, self.rope, self.q_heads = dtype, rank, rope, heads
+        def module(nope: int, v: int, weight: torch.Tensor, dtype: torch.dtype):
+            return SimpleNamespace(qk_nope_head_dim=nope, v_head_dim=v, kv_b_proj=SimpleNamespace(weight=weight.to(dtype)))
+
+        proj = torch.randn(heads * (nope + v), rank, generator=self.gen) * rank ** -0.5
+        self.modules = [module(nope, v, proj, dtype)]
+        # W_UK = W_UV = I (nope = v = r): absorbed attention is then the latent MQA alone, exactly in any dtype, so
+        # the kernel's sums are compared with nothing else's rounding in between
+        eye = torch.eye(rank).repeat(2 * heads, 1)
+        self.identity = {d: module(rank, rank, eye, d) for d in (dtype, torch.float32)}
+
+    def new_tokens(self, batch: int, n: int) -> list[torch.Tensor]:
+        """One layer's random new latent and rope key, (batch, 1, n, width) each."""
+        return [torch.randn(batch, 1, n, w, generator=self.gen).to(self.dtype) for w in (self.rank, self.rope)]
+
+    def compare(self, meta: StepMeta, rep: int = 0) -> None:
+        """Absorbed attention through the kernel (the pages read in place) and through the torch path (gathered),
+        over every layer with random queries: equal within the dtype's tolerance."""
+        for layer in range(2):
+            with kernels.using("torch"):
+                reads = read_layer(self.views, layer, meta)
+            with kernels.using("kernel"):
+                in_place = in_place_layer(self.views, layer)
+            assert all(isinstance(r, InPlaceRead) for r in in_place)
+            tol = TOLERANCE[self.dtype]
+            # the latent MQA alone (W_UK = W_UV = I): within the output's rounding of the torch path run in fp32 on
+            # the same stored latent, and no further from it than the torch path in the model dtype
+            got, ref = self._both(self.identity[self.dtype], meta, reads, in_place)
+            gold = self._absorbed(self.identity[torch.float32], self._query.float(), list(map(_fp32, reads)), meta)
+            torch.testing.assert_close(got.float(), gold, rtol=tol, atol=tol)
+            assert (got.float() - gold).abs().max() <= max((ref.float() - gold).abs().max(), tol)
+            # with the model's W_UK and W_UV (applied in the model dtype by both paths): the torch path's output
+            got, ref = self._both(self.modules[0], meta, reads, in_place)
+            torch.testing.assert_close(got.float(), ref.float(), rtol=2 * tol, atol=2 * tol)
+
+    def _both(self, a, meta: StepMeta, reads: list, in_place: list) -> tuple:
+        """Absorbed attention of one random query through the kernel and through the torch path."""
+        self._query = torch.randn(meta.batch, self.q_heads, meta.n, a.qk_nope_head_dim + self.rope,
+                                  generator=self.gen).to(self.dtype)
+        got = self._absorbed(a, self._query, in_place, meta)
+        ref = self._absorbed(a, self._query, reads, meta)
+        assert got.shape == ref.shape == (meta.batch, self.q_heads, meta.n, a.v_head_dim)
+        assert got.dtype == ref.dtype == self.dtype
+        return got, ref
+
+    def _absorbed(self, a, query: torch.Tensor, reads: list, meta: StepMeta) -> torch.Tensor:
+        from cache_backends.absorbed_mla import absorbed_attention
+
+        return absorbed_attention(query, reads[0], reads[1], meta, (a.qk_nope_head_dim + self.rope) ** -0.5, a)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+@pytest.mark.parametrize("rank,rope,heads,nope,v", LATENT_SHAPES, ids=LATENT_IDS)
+def test_native_mla_decode_of_a_ragged_batch_matches_absorbed_attention(rank, rope, heads, nope, v, dtype):
+    """A native-MLA model's latent and rope key read in place (MQA over (c_t, k_rope_t), values c_t, W_UK and W_UV
+    applied in torch): rows of 1, 7, 16 (a page boundary), 45 and 130 tokens decoding together give absorbed
+    attention's output over the gathered pages."""
+    pool = LatentPool(rank, rope, heads, nope, v, dtype, tokens_per_page=16, seed=rank + rope)
+    lengths = [1, 7, 16, 45, 130]
+    rows = [SeqBlocks() for _ in lengths]
+    _grow(pool, rows, lengths, chunk=24)
+    for _ in range(2):
+        pool.compare(pool.write(rows, [1] * len(rows), commit=False))
+        pool.commit()
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+@pytest.mark.parametrize("rank,rope,heads,nope,v", LATENT_SHAPES, ids=LATENT_IDS)
+def test_native_mla_prefill_chunk_over_stored_pages_matches_absorbed_attention(rank, rope, heads, nope, v, dtype):
+    """A 37-token chunk (causal within it) after 70 stored tokens, and the first chunk of an empty row."""
+    pool = LatentPool(rank, rope, heads, nope, v, dtype, tokens_per_page=16, seed=3 * rank + rope)
+    rows = [SeqBlocks()]
+    _grow(pool, rows, [70], chunk=32)
+    pool.compare(pool.write(rows, [37], commit=False))
+    pool.compare(pool.write([SeqBlocks()], [37], commit=False))
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("tokens_per_page", [8, 13])
+def test_native_mla_pages_splits_and_shuffled_tables(tokens_per_page, splits, monkeypatch):
+    """Pages of 8 and 13 tokens (rows ending on and off a boundary), a shuffled free list, each row's blocks whole
+    or split over work units: absorbed attention's output for a ragged decode and a prefill chunk."""
+    monkeypatch.setenv("KVSERVE_KERNEL_SPLITS", str(splits))
+    pool = LatentPool(32, 64, 3, 32, 32, torch.float32, tokens_per_page=tokens_per_page, seed=tokens_per_page)
+    rows = [SeqBlocks() for _ in range(3)]
+    _grow(pool, rows, [9, 40, 300], chunk=64)
+    assert [p for b in rows for p in b.exact] != sorted(p for b in rows for p in b.exact)
+    pool.compare(pool.write(rows, [1, 1, 1], commit=False))
+    pool.compare(pool.write([rows[1]], [29], commit=False))
+
+
+def test_native_mla_portable_kernel_matches_absorbed_attention():
+    """The portable C++ path on a native-MLA latent, in a child process (the instruction set is chosen once)."""
+    import subprocess
+    import sys
+
+    code = ("import torch, tests.test_kernels as t; from cache_backends import kernels; "
+            "assert torch.ops.kvserve.kernel_isa() == 'portable' if kernels.load() else False; "
+            "t.test_native_mla_decode_of_a_ragged_batch_matches_absorbed_attention(32, 64, 3, 32, 32, torch.bfloat16); "
+            "t.test_native_mla_prefill_chunk_over_stored_pages_matches_absorbed_attention(16, 8, 4, 16, 16, "
+            "torch.float32)")
+    env = {**os.environ, "KVSERVE_KERNEL_PORTABLE": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_a_quantized_native_mla_latent_is_left_to_the_torch_path():
+    """``mla+int8`` on a native-MLA model: the kernel does not read its codes, so its reads are gathered."""
+    from cache_backends.kv_spec import StreamSpec
+
+    spec = KVSpec((StreamSpec(1, 32), StreamSpec(1, 8)), 2, 4, Quantization(8, 8))
+    layout = PageLayout(spec, torch.float32, -(-spec.exact_bytes(16, aligned=True) // 64) * 64 * 4)
+    assert kernels.is_latent(layout) and not kernels.fits(layout)
+    pool = KVPool(4, layout.page_bytes, {"b": layout}, "cpu")
+    with kernels.using("kernel"):
+        assert in_place_layer(pool.views["b"], 0) is None

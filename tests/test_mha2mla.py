@@ -139,3 +139,27 @@ def test_shipped_mla_model_served_by_mla_with_absorbed_attention(shipped_mla):
     assert [s.output_ids for s in seqs] == [reference_greedy(model, tok, p, 24) for p in prompts]
     geometry = ModelGeometry.from_config(model.config, torch.float32)
     assert create("mla", geometry).bytes_per_token_per_layer() == 4 * kv_elements_per_token_per_layer(model.config)
+
+
+@pytest.mark.parametrize("name", ["full", "mla"])
+def test_shipped_mla_model_greedy_tokens_through_the_kernel_equal_the_torch_paths(shipped_mla, name, monkeypatch):
+    """The converted model served by ``full`` and ``mla`` (its latent and rope key paged, attended with absorbed
+    attention): greedy tokens of a batch with the pages read in place by the attention kernel (KV_ATTENTION=kernel)
+    equal those of the torch path (KV_ATTENTION=torch), which gathers them."""
+    from cache_backends import kernels
+
+    if not kernels.load():
+        pytest.skip(f"the attention kernel is not available: {kernels.status()['reason']}")
+    model, tok = shipped_mla
+    prompts = ["And God said", "The LORD is my shepherd", "In the beginning God created the heaven and the earth"]
+    calls, attend = [], kernels.paged_attention
+    monkeypatch.setattr(kernels, "paged_attention", lambda *args: calls.append(1) or attend(*args))
+    outputs = {}
+    for mode in ("torch", "kernel"):
+        with kernels.using(mode):
+            engine = make_engine(model, tok, name, prefill_chunk_tokens=8)
+            seqs = [make_seq(tok, p, 24, name) for p in prompts]
+            run_all(engine, seqs)
+            outputs[mode] = [s.output_ids for s in seqs]
+            assert bool(calls) == (mode == "kernel")
+    assert outputs["kernel"] == outputs["torch"]

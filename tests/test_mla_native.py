@@ -7,9 +7,11 @@ import pytest
 import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
+from cache_backends import kernels
 from cache_backends.base import ModelGeometry
 from cache_backends.registry import create
 from cache_backends.page_plan import SeqBlocks
+from cache_backends.paged import in_place_layer
 from cache_backends.store_path import StorePath
 from tests.engine_helpers import PagedDriver
 
@@ -146,3 +148,41 @@ def _check_int8_read(layer, a, precision, gen):
     want = ((torch.softmax(scores * a.scaling, -1) @ latent) @ w[:, nope:].transpose(1, 2))[None]
     precision.assert_close(got, want, what="absorbed attention on int8 codes vs on their dequantized copy",
                            factor=32)
+
+
+@pytest.mark.parametrize("name", ["full", "mla"])
+def test_greedy_tokens_through_the_kernel_equal_the_torch_paths(tiny_deepseek, precision, name):
+    """A ragged batch (prompts of 9, 23 and 40 tokens, the last prefilled in two chunks) decoded greedily through the
+    pool, its latent and rope key read in place by the attention kernel (KV_ATTENTION=kernel) and gathered
+    (KV_ATTENTION=torch): the same tokens (up to a near-tie, :meth:`Precision.assert_greedy_agrees`), and the
+    kernel's step logits within the dtype's tolerance of the torch path's."""
+    if not kernels.load():
+        pytest.skip(f"the attention kernel is not available: {kernels.status()['reason']}")
+    model = tiny_deepseek
+    backend = create(name, ModelGeometry.from_config(model.config, model.dtype))
+    backend.prepare(model)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (9, 23, 40)]
+    tokens, logits = {}, {}
+    for mode in ("torch", "kernel"):
+        with kernels.using(mode):
+            driver = PagedDriver(model, backend)
+            rows = [SeqBlocks() for _ in prompts]
+            first = driver.step(rows[:2], prompts[:2])  # two prompts in one forward
+            driver.step(rows[2:], [prompts[2][:25]])  # the third in two chunks, the second over the first's pages
+            first = torch.cat([first, driver.step(rows[2:], [prompts[2][25:]])])
+            nxt, out, steps = first.argmax(-1).tolist(), [[] for _ in prompts], []
+            for _ in range(12):  # the three rows decoding together
+                for row, t in enumerate(nxt):
+                    out[row].append(t)
+                steps.append(driver.step(rows, [[t] for t in nxt]))
+                nxt = steps[-1].argmax(-1).tolist()
+            tokens[mode], logits[mode] = out, steps
+            assert (in_place_layer(driver.pool.views[name], 0) is not None) == (mode == "kernel")
+    for row, prompt in enumerate(prompts):
+        precision.assert_greedy_agrees(model, prompt, tokens["kernel"][row], tokens["torch"][row])
+    if precision.dtype == torch.float32:
+        assert tokens["kernel"] == tokens["torch"]
+    if tokens["kernel"] == tokens["torch"]:
+        for got, want in zip(logits["kernel"], logits["torch"]):
+            precision.assert_close(got, want, what="step logits, kernel vs torch")

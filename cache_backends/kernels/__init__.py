@@ -1,15 +1,18 @@
 """kvserve's C++ attention kernel: one op per layer that reads a step's K/V in place from the paged pool.
 
-``torch.ops.kvserve.paged_attention`` (``csrc/ops.cpp``) attends a step's queries over one layer's pages through
-the block tables, in every stored form a K/V pair of streams takes: exact pages (fp32, bf16, fp16), the int8
-family (int8 keys per channel over token groups and values per token, int4 two codes a byte, k8v4, a
-Hadamard-rotated tier scored with the query rotated instead of the keys) with the exact residual window in the same
-call. All query heads of one KV head are scored together (GQA), the softmax is computed online (FlashAttention,
-arXiv 2205.14135), decode rows of different lengths and the tokens of a prefill chunk go through the same call (each
-query token's visible tokens are intervals, :attr:`cache_backends.step_meta.StepMeta.ranges`), and the work (row,
-KV head, query tile) is split over the engine's threads. It copies no page: vLLM's paged attention (Kwon et al.,
-arXiv 2309.06180) on the CPU, with llama.cpp's and onnxruntime's habit of reading quantized K/V without a
-dequantized copy of the context.
+``torch.ops.kvserve.paged_attention`` (``csrc/ops.cpp``) attends a step's queries over one layer's pages through the
+block tables, in every stored form a K/V pair of streams takes: exact pages (fp32, bf16, fp16), the int8 family
+(int8 keys per channel over token groups and values per token, int4 two codes a byte, k8v4, a Hadamard-rotated tier
+scored with the query rotated instead of the keys) with the exact residual window in the same call; and a native-MLA
+model's own entries (DeepSeek-V2/V3: its latent c_KV and shared rope key, in exact pages) with absorbed attention
+(DeepSeek-V2, arXiv 2405.04434, section 2.1.2): multi-query attention of every head's query, W_UK folded in, over
+the key (c_t, k_rope_t) and the value c_t, W_UV applied by the caller
+(:func:`cache_backends.absorbed_mla.absorbed_attention`). All query heads of one KV head are scored together (GQA),
+the softmax is computed online (FlashAttention, arXiv 2205.14135), decode rows of different lengths and the tokens
+of a prefill chunk go through the same call (each query token's visible tokens are intervals,
+:attr:`cache_backends.step_meta.StepMeta.ranges`), and the work (row, KV head, query tile) is split over the
+engine's threads. It copies no page: vLLM's paged attention (Kwon et al., arXiv 2309.06180) on the CPU, with
+llama.cpp's and onnxruntime's habit of reading quantized K/V without a dequantized copy of the context.
 
 It is compiled from ``csrc/`` with ``torch.utils.cpp_extension`` once per source version and torch version, into
 ``KVSERVE_KERNELS_DIR`` (default ``~/.cache/kvserve/kernels``), by ``make install`` / ``make test``, the Docker
@@ -114,13 +117,14 @@ def load() -> bool:
 
 
 def _register_fake() -> None:
-    """Shapes for tracing (``torch.compile``, meta tensors): (B, Hq, n, v_width) in the query's dtype."""
+    """Shapes for tracing (``torch.compile``, meta tensors): (B, Hq, n, v_width) in the query's dtype ((B, H, n, r)
+    for a native-MLA latent)."""
     if getattr(_register_fake, "done", False):
         return
 
     @torch.library.register_fake("kvserve::paged_attention")
     def _(query, arena, exact_table, q_table, ranges, layout, rotation, scaling):
-        return query.new_empty(*query.shape[:-1], layout[3])
+        return query.new_empty(*query.shape[:-1], layout[2] if layout[20] else layout[3])  # a latent: r wide
 
     @torch.library.register_fake("kvserve::paged_write")
     def _(arena, key, value, write_pages, write_slots, layout):
@@ -176,30 +180,41 @@ def status(device="cpu") -> dict:
 
 
 def layout_args(layout, layer: int) -> list[int]:
-    """The op's ``layout`` argument for one layer of a K/V :class:`cache_backends.page_layout.PageLayout`: page
-    bytes, heads, key and value widths, the exact tier's dtype, tokens per page and slab offsets, and the quantized
-    tier's (tokens per page, group size, bits, scale dtypes, slab offsets; zeros when there is none)."""
+    """The op's ``layout`` argument for one layer of a :class:`cache_backends.page_layout.PageLayout`: page bytes,
+    heads, the two streams' widths, the exact tier's dtype, tokens per page and slab offsets, the quantized tier's
+    (tokens per page, group size, bits, scale dtypes, slab offsets; zeros when there is none), and the form: 0 for
+    keys and values, 1 for a native-MLA model's latent and rope key (:func:`is_latent`)."""
     k, v = layout.exact_slabs[layer]
     args = [layout.page_bytes, k.heads, k.width, v.width, _DTYPES[layout.dtype], layout.exact_tokens, k.offset,
             v.offset]
     q = layout.quantization
     if not q:
-        return args + [0] * 12
+        return args + [0] * 12 + [int(is_latent(layout))]
     (kc, ks, kz), (vc, vs, vz) = layout.q_slabs[layer]
     return args + [layout.q_tokens, q.group_size, q.bits("channel"), q.bits("token"), _DTYPES[ks.dtype],
-                   _DTYPES[vs.dtype], kc.offset, ks.offset, kz.offset, vc.offset, vs.offset, vz.offset]
+                   _DTYPES[vs.dtype], kc.offset, ks.offset, kz.offset, vc.offset, vs.offset, vz.offset, 0]
+
+
+def is_latent(layout) -> bool:
+    """Whether a layout holds a native-MLA model's own entries: its latent c_KV and its shared rope key, one head
+    each, both grouped per channel (``full`` and ``mla`` on a DeepSeek-style model)."""
+    streams = layout.streams
+    return len(streams) == 2 and all(s.heads == 1 and s.axis == "channel" for s in streams)
 
 
 def fits(layout) -> bool:
-    """Whether a page layout is one the kernel reads: two streams, keys per channel and values per token with as
-    many heads, in fp32/bf16/fp16, a rotated tier only with keys and values as wide."""
+    """Whether a page layout is one the kernel reads, in fp32/bf16/fp16: two streams, keys per channel and values
+    per token with as many heads, a rotated tier only with keys and values as wide; or a native-MLA latent and rope
+    key in exact pages (absorbed attention; a quantized latent, ``mla+int8``, goes through the torch path)."""
     streams = layout.streams
     if len(streams) != 2 or layout.dtype not in _DTYPES:
         return False
+    q = layout.quantization
+    if is_latent(layout):
+        return not q
     k, v = streams
     if k.axis != "channel" or v.axis != "token" or k.heads != v.heads:
         return False
-    q = layout.quantization
     return not (q and q.rotate and k.width != v.width)
 
 
@@ -207,13 +222,16 @@ def paged_attention(query: torch.Tensor, keys, values, meta, scaling: float) -> 
     """Attention of a step's queries over one layer's K/V read in place from the pool, in one op.
 
     Args:
-        query: (B, Hq, n, d) after RoPE, Hq a multiple of the layer's KV heads.
-        keys, values: the layer's :class:`cache_backends.paged.InPlaceRead` (the pool's views and the layer).
+        query: (B, Hq, n, d) after RoPE, Hq a multiple of the layer's KV heads; on a native-MLA latent
+            (:func:`is_latent`) (B, H, n, r + rope): each head's query with W_UK folded in, then its rope part.
+        keys, values: the layer's :class:`cache_backends.paged.InPlaceRead` (the pool's views and the layer); on a
+            native-MLA latent, its latent and rope key.
         meta: the step's :class:`cache_backends.step_meta.StepMeta` (block tables, :attr:`ranges`).
         scaling: the softmax scale.
 
     Returns:
-        (B, Hq, n, dv) in the query's dtype.
+        (B, Hq, n, dv) in the query's dtype; on a native-MLA latent (B, H, n, r), the weighted sum of the latent
+        (W_UV is applied by the caller, :func:`cache_backends.absorbed_mla.absorbed_attention`).
     """
     views, layer = keys.views, keys.layer
     args = _layer_args(views, layer)

@@ -14,6 +14,9 @@
 // step's mask (cache_backends/step_meta.py) as intervals.
 
 constexpr int64_t BN = 64;  // tokens per block (across pages)
+#ifndef KVK_LATENT_BN
+#define KVK_LATENT_BN 16  // tokens per block of a native-MLA latent (at most BN)
+#endif
 
 // ---------------------------------------------------------------------------------------------- scalars
 inline float bf16_to_f32(uint16_t x) {
@@ -553,14 +556,15 @@ inline void prefetch_quant(const PagedArgs& a, int64_t b, int64_t h, int64_t t0,
   }
 }
 
-// The exact tokens [t0, t1) of row b, KV head h (their keys and values) brought into the cache ahead of their block.
+// The exact tokens [t0, t1) of row b, KV head h (their K and V slabs' tokens: keys and values, or a latent and its
+// rope key) brought into the cache ahead of their block.
 inline void prefetch_exact(const PagedArgs& a, int64_t b, int64_t h, int64_t t0, int64_t t1) {
   const int64_t es = a.kv_dtype == F32 ? 4 : 2;
   while (t0 < t1) {
     const int64_t page = t0 / a.te, u0 = t0 % a.te, u1 = std::min(a.te, u0 + t1 - t0);
     const uint8_t* base = a.arena + a.exact_table[b * a.pe + page] * a.page_bytes;
-    prefetch_range(base + a.k_off + (h * a.te + u0) * a.d * es, base + a.k_off + (h * a.te + u1) * a.d * es);
-    prefetch_range(base + a.v_off + (h * a.te + u0) * a.dv * es, base + a.v_off + (h * a.te + u1) * a.dv * es);
+    prefetch_range(base + a.k_off + (h * a.te + u0) * a.kw * es, base + a.k_off + (h * a.te + u1) * a.kw * es);
+    prefetch_range(base + a.v_off + (h * a.te + u0) * a.vw * es, base + a.v_off + (h * a.te + u1) * a.vw * es);
     t0 += u1 - u0;
   }
 }
@@ -802,13 +806,14 @@ inline void run_item(const PagedArgs& a, int64_t unit, Scratch& w) {
                    rotated ? acc_e : nullptr);
     }
   }
-  // the exact tier: fp32 tokens read where they lie, others widened into the scratch
+  // the exact tier: fp32 tokens read where they lie, others widened into the scratch (a latent's blocks are
+  // shorter: its keys are wide and every query head reads them, so a block stays in L1 while they do)
   if (eb > ea) {
-    const int64_t es = a.kv_dtype == F32 ? 4 : 2;
-    prefetch_exact(a, b, h, ea, std::min(eb, ea + BN));
-    for (int64_t t0 = ea; t0 < eb; t0 += BN) {
-      const int64_t nj = std::min(BN, eb - t0);
-      if (t0 + BN < eb) prefetch_exact(a, b, h, t0 + BN, std::min(eb, t0 + 2 * BN));  // the next block's, meanwhile
+    const int64_t es = a.kv_dtype == F32 ? 4 : 2, bn = a.latent ? KVK_LATENT_BN : BN;
+    prefetch_exact(a, b, h, ea, std::min(eb, ea + bn));
+    for (int64_t t0 = ea; t0 < eb; t0 += bn) {
+      const int64_t nj = std::min(bn, eb - t0);
+      if (t0 + bn < eb) prefetch_exact(a, b, h, t0 + bn, std::min(eb, t0 + 2 * bn));  // the next block's, meanwhile
       int64_t page = t0 / a.te, u = t0 % a.te;  // pages walked token by token: no division per token
       const uint8_t* base = a.arena + a.exact_table[b * a.pe + page] * a.page_bytes;
       for (int64_t j = 0; j < nj; ++j, ++u) {
@@ -816,9 +821,15 @@ inline void run_item(const PagedArgs& a, int64_t unit, Scratch& w) {
           u = 0;
           base = a.arena + a.exact_table[b * a.pe + ++page] * a.page_bytes;
         }
-        const uint8_t* kb = base + a.k_off + (h * a.te + u) * d * es;
-        const uint8_t* vb = base + a.v_off + (h * a.te + u) * dv * es;
-        if (a.kv_dtype == F32) {
+        const uint8_t* kb = base + a.k_off + (h * a.te + u) * a.kw * es;
+        const uint8_t* vb = base + a.v_off + (h * a.te + u) * a.vw * es;
+        if (a.latent) {  // key (c_t, k_rope_t) assembled in the scratch, the value its first dv channels (c_t)
+          float* kj = w.k.data() + j * d;
+          widen_exact(kb, a.kv_dtype, a.kw, kj);
+          widen_exact(vb, a.kv_dtype, a.vw, kj + a.kw);
+          kp[j] = kj;
+          vp[j] = kj;
+        } else if (a.kv_dtype == F32) {
           kp[j] = reinterpret_cast<const float*>(kb);
           vp[j] = reinterpret_cast<const float*>(vb);
         } else {

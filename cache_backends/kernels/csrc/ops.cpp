@@ -56,8 +56,11 @@ int64_t splits_for(const PagedArgs& a, int64_t items) {
 }
 
 // layout: page_bytes, heads, k_width, v_width, kv_dtype, te, k_off, v_off, tq, group, k_bits, v_bits, ks_dtype,
-// vs_dtype, kc_off, ks_off, kz_off, vc_off, vs_off, vz_off
-constexpr int64_t LAYOUT_LEN = 20;
+// vs_dtype, kc_off, ks_off, kz_off, vc_off, vs_off, vz_off, form. form 0: a K/V pair. form 1: a native-MLA model's
+// latent (absorbed attention, DeepSeek-V2 arXiv 2405.04434 section 2.1.2): the K slab holds the latent c_t (k_width
+// = r), the V slab the shared rope key (v_width = rope), one head each; the query is (q_latent, q_rope), d = r + rope
+// wide, every query head shares the one KV head (MQA), the key is (c_t, k_rope_t) and the value c_t: out is r wide.
+constexpr int64_t LAYOUT_LEN = 21;
 
 torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& arena, const torch::Tensor& exact_table,
                               const torch::Tensor& q_table, const torch::Tensor& ranges, at::IntArrayRef layout,
@@ -80,8 +83,20 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& a
   a.d = q.size(3);
   a.page_bytes = layout[0];
   a.H = layout[1];
-  TORCH_CHECK(layout[2] == a.d, "the query's head_dim must be the keys' width");
-  a.dv = layout[3];
+  a.latent = layout[20] == 1;
+  TORCH_CHECK(layout[20] == 0 || layout[20] == 1, "layout's form must be 0 (K/V) or 1 (latent)");
+  if (a.latent) {
+    TORCH_CHECK(layout[2] + layout[3] == a.d, "the query's width must be the latent's plus the rope key's");
+    TORCH_CHECK(layout[8] == 0, "a latent is read from exact pages only");
+    a.dv = layout[2];
+    a.kw = layout[2];
+    a.vw = layout[3];
+  } else {
+    TORCH_CHECK(layout[2] == a.d, "the query's head_dim must be the keys' width");
+    a.dv = layout[3];
+    a.kw = a.d;
+    a.vw = a.dv;
+  }
   TORCH_CHECK(a.H > 0 && a.Hq % a.H == 0, "query heads must be a multiple of the KV heads");
   TORCH_CHECK(arena.size(1) == a.page_bytes, "the arena's pages are not page_bytes long");
   TORCH_CHECK(et.size(0) == a.B && qt.size(0) == a.B && rg.size(0) == a.B && rg.size(1) == a.n,
@@ -153,7 +168,8 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& a
 }
 
 // Write a step's new K/V (B, H, n, width each, the pool's dtype) into their exact slots: token (b, i) of head h at
-// slot write_slots[b * n + i] of page write_pages[b * n + i], in the layer's K and V slabs.
+// slot write_slots[b * n + i] of page write_pages[b * n + i], in the layer's K and V slabs (a native-MLA layout's
+// latent and rope key alike: one head each).
 void paged_write(torch::Tensor arena, const torch::Tensor& key, const torch::Tensor& value,
                  const torch::Tensor& write_pages, const torch::Tensor& write_slots, at::IntArrayRef layout) {
   TORCH_CHECK(layout.size() == LAYOUT_LEN, "layout must have ", LAYOUT_LEN, " entries");

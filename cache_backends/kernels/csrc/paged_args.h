@@ -25,6 +25,10 @@ struct PagedArgs {
   int64_t B, Hq, H, n, d, dv;
   int kv_dtype;             // DType of the exact tier
   int64_t te, k_off, v_off; // exact tokens per page, byte offsets of layer's K and V slabs (heads, te, width)
+  int64_t kw, vw;           // elements per token of the K and V slabs: d and dv, or in the latent form dv and d - dv
+  bool latent;              // a native-MLA latent (absorbed attention, MQA): the key is the K slab's token (the
+                            // latent c, kw = dv wide) followed by the V slab's (the rope key, vw = d - dv), the
+                            // value the K slab's token alone
   int64_t tq, group;        // quantized tokens per page (0: none), key group size (tokens)
   int k_bits, v_bits;       // 8 or 4
   int ks_dtype, vs_dtype;   // DType of the scales and zero points
