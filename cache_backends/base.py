@@ -321,7 +321,8 @@ class KVBackend(ABC):
 
     windowed_pool: bool = False
     """Whether, on a model with sliding-window layers, its pages keep only each sliding layer's window
-    (:mod:`cache_backends.hybrid`; exact layouts: ``full``). Else every layer keeps every token."""
+    (:mod:`cache_backends.hybrid`: ``full``, and ``int8``/``int4`` in whole pages of codes). Else every layer keeps
+    every token (``elastic``, whose tier fills on demand; ``KV_SLIDING_WINDOW_POOL=false``)."""
 
     def __init__(self, geometry: ModelGeometry, **options: Any):
         self.geometry = geometry
@@ -373,7 +374,8 @@ class KVBackend(ABC):
         tokens (int8-family backends depend on it through their full-precision window): what :meth:`kv_spec`
         holds (:meth:`cache_backends.kv_spec.KVSpec.bytes_per_token_per_layer`), the same function
         ``kvserve estimate`` prints for :meth:`sums_spec`. ``/info`` reports it. With windows kept per group
-        (:meth:`window_groups`), each sliding group's layers count the ``window - 1`` tokens they hold at most."""
+        (:meth:`window_groups`), each sliding group's layers count the ``window - 1`` tokens the next query sees
+        besides itself (:func:`cache_backends.estimate.window_tokens_held`)."""
         groups = self.window_groups()
         if groups is None:
             return self.kv_spec().bytes_per_token_per_layer(seq_len)

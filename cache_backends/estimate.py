@@ -81,12 +81,32 @@ def window_groups(layer_windows: tuple[int | None, ...], num_layers: int) -> lis
     return [(w, layers) for w, layers in groups if layers]
 
 
+def window_tokens_held(spec: KVSpec, seq_len: int, window: int | None) -> tuple[int, int]:
+    """``(exact, quantized)`` tokens one layer of ``spec`` holds at ``seq_len`` tokens when it keeps only what the
+    next query sees besides itself: every token on a global layer (``window`` ``None``); on a sliding layer the
+    newest ``window - 1``, of which a quantized tier's residual window and forming group stay exact, the rest
+    codes (its exact tokens are never dropped; the pool frees codes in whole pages, so a layer holds up to one page
+    of older codes more: :mod:`cache_backends.hybrid`)."""
+    exact, codes = spec.tokens_held(seq_len)
+    if window is None:
+        return exact, codes
+    keep = min(seq_len, window - 1)
+    if spec.quantization is None or spec.quantization.on_demand:
+        return min(exact + codes, keep), 0
+    return exact, max(0, keep - exact)
+
+
 def windowed_bytes_per_token_per_layer(spec: KVSpec, groups: Sequence[tuple[int | None, int]], seq_len: int) -> float:
     """Bytes per token per layer of ``spec``'s streams when each group of layers ``(window, layers)`` holds only
-    its window: a sliding layer at most ``window - 1`` tokens (what the next query sees besides itself), a global
-    one (window ``None``) every token (:mod:`cache_backends.hybrid`)."""
-    total = sum(spec.with_layers(n).bytes_at(seq_len if w is None else min(seq_len, w - 1)) for w, n in groups if n)
+    its window (:func:`window_tokens_held`): a sliding layer at most ``window - 1`` tokens (what the next query
+    sees besides itself), a global one (window ``None``) every token (:mod:`cache_backends.hybrid`)."""
+    total = sum(spec.with_layers(n).stored_bytes(*window_tokens_held(spec, seq_len, w)) for w, n in groups if n)
     return total / (sum(n for _, n in groups) * max(seq_len, 1))
+
+
+WINDOWED = ("full", "int8", "int4")
+"""The backend specs whose pages keep only a sliding layer's window (:attr:`cache_backends.base.KVBackend.
+windowed_pool`): ``full`` and the quantized tiers on their own; ``elastic`` and the compositions keep every token."""
 
 
 # ---- the estimator behind `kvserve estimate` -------------------------------------------------------
@@ -108,7 +128,8 @@ class Shape:
         max_positions: the config's ``max_position_embeddings`` (the longest context the model holds), else
             ``None`` (the presets: shapes, not one model's limit).
         layer_windows: each layer's sliding window or ``None`` (:func:`layer_windows_of`); empty without any.
-            ``full`` keeps only the window of a sliding layer (:func:`windowed_bytes_per_token_per_layer`).
+            ``full``, ``int8`` and ``int4`` keep only the window of a sliding layer
+            (:func:`windowed_bytes_per_token_per_layer`).
         rope_per_layer_type: whether its layer types rotate with different RoPE parameters
             (:func:`rope_per_layer_type_of`).
     """
@@ -253,14 +274,15 @@ def bytes_per_token_per_layer(shape: Shape, backend: str, params: dict, dtype_by
             backend options): a reuse fraction f costs (1 - f) x the inner backend's sum plus f x its window's
             tokens in the inner form.
         dtype_bytes: bytes per element (2 for fp16).
-        seq_len: context length (matters for int8's residual window; and for ``full`` on a model with
-            sliding-window layers, each of which holds only its window: :func:`windowed_bytes_per_token_per_layer`).
+        seq_len: context length (matters for int8's residual window; and for ``full``, ``int8`` and ``int4`` on a
+            model with sliding-window layers, each of which holds only its window:
+            :func:`windowed_bytes_per_token_per_layer`).
 
     Raises:
         ValueError: for an unknown backend or a parameter the shape cannot take.
     """
     check_composition(backend)
-    if backend == "full" and shape.layer_windows:
+    if backend in WINDOWED and shape.layer_windows:
         return windowed_bytes_per_token_per_layer(kv_spec(shape, backend, params, dtype_bytes), shape.window_groups(),
                                                   seq_len)
     if backend == "dca" or backend.startswith("dca+"):

@@ -6,22 +6,32 @@ for the global layers), and each group has its own block tables in the one pool 
 :class:`cache_backends.page_plan.SeqBlocks` per group; a page holds one block of one group's layers, so a group of
 fewer layers holds more tokens a page):
 
-* a global group's tables grow as ``full``'s do;
-* a sliding group of window ``W`` writes a step's tokens, then keeps only the newest ``W - 1`` (what the next
-  token's query sees besides itself); its pages that hold only older tokens go back to the pool at the step's
-  commit. A step of ``n`` tokens holds ``W - 1 + n`` while it runs. ``SeqBlocks.first`` is the position of the
-  oldest token the group still holds.
+* a global group's tables grow as the backend's do without windows (:class:`cache_backends.page_layout.PageLayout`);
+* a sliding group of window ``W`` writes a step's tokens, then keeps only what the next token's query can see
+  besides itself (the newest ``W - 1``); its pages that hold only older tokens go back to the pool at the step's
+  commit. ``SeqBlocks.first`` is the position of the oldest token the group still holds.
 
-Only exact layouts (``full``) keep windows this way; a quantized tier's pages (the oldest tokens, as codes) are not
-dropped, so ``int8``/``int4`` keep every token in every layer (and attend through the window). A hybrid layout is
-not prefix-cached (a hit would need the sliding groups' last window of blocks as well as every block of the global
-group: vLLM's rule, not done here).
+  - An exact layout (``full``) keeps exactly the newest ``W - 1``: its exact pages are a FIFO whose first live slot
+    moves token by token. A step of ``n`` tokens holds ``W - 1 + n`` while it runs.
+  - A quantized layout (``int8``, ``int4``: codes in pages of ``q_tokens`` tokens, oldest first, then the exact
+    residual window) drains its groups as it does without windows (so every code is the one it would be), then frees
+    its front quantized pages whose last token is older than the window of every future query (a page of tokens
+    ``[a, a + q_tokens)`` goes once ``a + q_tokens - 1 < end - W + 1``, ``end`` the tokens written after the step):
+    whole pages only, so ``first`` stays a multiple of ``q_tokens`` (hence of ``group_size``: a key group never
+    straddles a dropped boundary, and the codes a chunking writes are those of any other). It holds the window's
+    tokens plus at most ``q_tokens - 1`` older codes in its first page; its exact residual window is never
+    dropped. A step holds the codes of its drained tokens before the drop.
+
+An on-demand tier (``elastic``, quantized when the pool runs short) keeps every token in every layer. A hybrid layout
+is not prefix-cached (a hit would need the sliding groups' last window of blocks as well as every block of the
+global group: vLLM's rule, not done here).
 
 Plain Python but for :class:`HybridStepMeta` (torch, through :class:`cache_backends.step_meta.StepMeta`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -57,27 +67,32 @@ class HybridLayout:
     """The pages of every sequence of a backend on a hybrid model: one :class:`PageLayout` per window group.
 
     Args:
-        groups: each group's layout (pages of the pool's size; exact layouts only).
+        groups: each group's layout (pages of the pool's size; one backend's streams and tier, each group's layers).
         windows: each group's window (``None``: global).
         layers: each group's model layers, in order.
 
     Raises:
-        ValueError: for a group layout with a quantized tier.
+        ValueError: for a group layout with an on-demand tier (``elastic``).
     """
 
     on_demand = False
     cacheable = False  # see the module
-    quantization = None
 
     def __init__(self, groups: list[PageLayout], windows: list[int | None], layers: list[list[int]]):
-        if any(g.quantization for g in groups):
-            raise ValueError("a hybrid layout keeps windows of exact pages only")
+        if any(g.on_demand for g in groups):
+            raise ValueError("a hybrid layout keeps no on-demand tier: elastic keeps every token in every layer")
         self.groups, self.windows, self.layers = groups, windows, layers
+        self.quantization = groups[0].quantization  # every group's: one backend's tier
         self.page_bytes = groups[0].page_bytes
         self.exact_tokens = min(g.exact_tokens for g in groups)
         self.cache_block_tokens = self.exact_tokens
         where = {layer: (g, j) for g, group in enumerate(layers) for j, layer in enumerate(group)}
         self.where = [where[layer] for layer in range(len(where))]  # layer → (group, index in the group)
+
+    @property
+    def q_tier(self) -> str:
+        """The quantized tier's name (:attr:`PageLayout.q_tier`)."""
+        return self.groups[0].q_tier
 
     # ---- tables ---------------------------------------------------------------------------------------
     def cached_prefix(self, pages: list[int]) -> HybridBlocks:
@@ -88,35 +103,48 @@ class HybridLayout:
 
     def plan(self, blocks: HybridBlocks, n: int) -> HybridPlan:
         """Each group's pages for ``n`` more tokens; a sliding group's plan also frees, at commit, its front pages
-        that hold only tokens older than its window after the step."""
+        that hold only tokens older than its window after the step (an exact layout's exact pages, a quantized
+        layout's whole quantized pages: the module)."""
         end = blocks.length + n
         plans = []
         for layout, window, own in zip(self.groups, self.windows, blocks.groups):
             if window is None:
                 plans.append(layout.plan(own, n))
-                continue
-            te = layout.exact_tokens
-            keep_from = max(own.first, end - (window - 1))
-            need = math.ceil((own.start + own.exact_len + n) / te) - len(own.exact)
-            plans.append(Plan(n, 0, max(0, need), 0, (own.start + keep_from - own.first) // te))
+            elif layout.quantization:
+                plan = layout.plan(own, n)
+                tq, q_len = layout.q_tokens, own.q_len + plan.drained
+                keep_from = end - (window - 1)  # the first position the next query sees
+                drop = min(q_len // tq, max(0, keep_from - own.first) // tq)
+                plans.append(dataclasses.replace(plan, free_q_front=drop))
+            else:
+                te = layout.exact_tokens
+                keep_from = max(own.first, end - (window - 1))
+                need = math.ceil((own.start + own.exact_len + n) / te) - len(own.exact)
+                plans.append(Plan(n, 0, max(0, need), 0, (own.start + keep_from - own.first) // te))
         return HybridPlan(n, plans)
 
     @staticmethod
     def extend(blocks: HybridBlocks, plan: HybridPlan, exact_pages: list[int], q_pages: list[int]) -> None:
         """Add the pages ``plan`` asked for to each group's tables, in group order."""
-        e = 0
+        e = q = 0
         for own, p in zip(blocks.groups, plan.groups):
             own.exact.extend(exact_pages[e : e + p.new_exact_pages])
-            e += p.new_exact_pages
+            own.q.extend(q_pages[q : q + p.new_q_pages])
+            e, q = e + p.new_exact_pages, q + p.new_q_pages
 
     def commit(self, blocks: HybridBlocks, plan: HybridPlan, feedback=None) -> list[int]:
-        """Apply ``plan`` once the step ran; return the pages no token uses any more (a sliding group's tokens
-        older than its window)."""
+        """Apply ``plan`` once the step ran; return the pages no token uses any more (a quantized layout's drained
+        exact pages, and a sliding group's pages of tokens older than its window)."""
         end = blocks.length + plan.n
         freed = []
         for layout, window, own, p in zip(self.groups, self.windows, blocks.groups, plan.groups):
-            if window is None:
+            if window is None or layout.quantization:
                 freed += layout.commit(own, p)
+                if p.free_q_front:  # whole pages from the front: ``first`` stays at a page's (a group's) start
+                    freed += own.q[: p.free_q_front]
+                    del own.q[: p.free_q_front]
+                    own.q_len -= p.free_q_front * layout.q_tokens
+                    own.first += p.free_q_front * layout.q_tokens
                 continue
             drop = max(own.first, end - (window - 1)) - own.first
             own.exact_len += p.n - drop
@@ -134,7 +162,7 @@ class HybridLayout:
         blocks = start.copy()
         if tokens > 0:
             plan = self.plan(blocks, tokens)
-            self.extend(blocks, plan, [NULL_PAGE] * plan.new_exact_pages, [])
+            self.extend(blocks, plan, [NULL_PAGE] * plan.new_exact_pages, [NULL_PAGE] * plan.new_q_pages)
             self.commit(blocks, plan)
         return blocks
 
@@ -147,7 +175,7 @@ class HybridLayout:
         while left > 0:
             n = left if not chunk else min(chunk, left)
             plan = self.plan(blocks, n)
-            self.extend(blocks, plan, [NULL_PAGE] * plan.new_exact_pages, [])
+            self.extend(blocks, plan, [NULL_PAGE] * plan.new_exact_pages, [NULL_PAGE] * plan.new_q_pages)
             most = max(most, len(blocks.pages()))
             self.commit(blocks, plan)
             left -= n
@@ -155,30 +183,64 @@ class HybridLayout:
 
     def pages_to_generate(self, prompt: int, total: int, chunk: int | None = None) -> int:
         """At most the pages a sequence holds writing its ``prompt`` in steps of ``chunk``, then one token a step
-        until it holds ``total``: the prompt's walk, or every group's most at ``total`` (a sliding group of window
-        ``W`` holds at most ``W`` tokens in a decode step, from any slot of its first page on)."""
+        until it holds ``total``: the prompt's walk, or every group's most in a decode step up to ``total``
+        (:meth:`_decode_pages`)."""
         most = self.pages_for(prompt, chunk)
         if total <= prompt:
             return most
-        end = 0
-        for layout, window in zip(self.groups, self.windows):
-            te = layout.exact_tokens
-            full = math.ceil(total / te)
-            end += full if window is None else min(full, math.ceil((te - 1 + window) / te))
-        return max(most, end)
+        return max(most, sum(self._decode_pages(layout, window, total)
+                             for layout, window in zip(self.groups, self.windows)))
+
+    @staticmethod
+    def _decode_pages(layout: PageLayout, window: int | None, total: int) -> int:
+        """The most pages one group holds in a decode step of a sequence of at most ``total`` tokens.
+
+        Exact layout: every token's pages, or in a sliding group of window ``W`` at most ``W`` tokens from any slot
+        of its first page on. Quantized layout: the codes of every quantized token (in a sliding group at most
+        ``W + q_tokens - 1 - residual`` of them, from a page's start: the first page holds a token the window sees,
+        and the codes end ``residual`` tokens before the newest) beside its exact tokens, at most ``residual +
+        group_size`` from any slot of their first page (:meth:`cache_backends.page_plan.TierPlan.pages_to_generate`).
+        """
+        te, q = layout.exact_tokens, layout.quantization
+        every = math.ceil(total / te)
+        if not q:
+            return every if window is None else min(every, math.ceil((te - 1 + window) / te))
+        tq = layout.q_tokens
+        codes = total - q.exact_held(total)
+        q_pages = math.ceil(codes / tq)
+        if window is not None:
+            q_pages = min(q_pages, math.ceil(max(0, window + tq - 1 - q.residual) / tq))
+        return q_pages + min(every, math.ceil((te - 1 + q.residual + q.group_size) / te))
 
     def prefill_pages(self, start: HybridBlocks, tokens: int) -> int:
         """Pages a step writing ``tokens`` tokens after ``start`` holds while it runs."""
         return len(start.pages()) + self.plan(start, tokens).pages_needed
 
     def transient_pages(self, stored: HybridBlocks, chunk: int) -> int:
-        """A bound on the pages a prefill step of ``chunk`` tokens holds above the stored form ``stored``: each
-        sliding group's new tokens, held before its window drops the oldest."""
+        """A bound on the pages a prefill step of ``chunk`` tokens holds above the stored form ``stored``.
+
+        An exact layout's sliding groups: their new tokens, held before the window drops the oldest. A quantized
+        layout's groups: the step writes its tokens into exact pages before it drains their whole groups, so a group
+        holds at most ``ceil((exact_tokens - 1 + residual + group_size - 1 + chunk) / exact_tokens)`` exact pages
+        (:meth:`server.engine.kv_cache.KVCacheManager.transient_pages`) beside its codes: a global group's final
+        ones, a sliding group's at most ``chunk + W + q_tokens - 1`` codes (those of the pages it held before the
+        step, whose first has a token the window saw, and of the tokens the step drains) before the drop (or
+        ``chunk + residual + group_size - 1`` when it held none), and no more than the whole context's tokens
+        (``stored.length``) and codes take."""
         extra = 0
         for layout, window, own in zip(self.groups, self.windows, stored.groups):
-            if window is not None:
-                te = layout.exact_tokens
-                extra += max(0, math.ceil((te - 1 + own.exact_len + chunk) / te) - len(own.exact))
+            te, q = layout.exact_tokens, layout.quantization
+            if not q:
+                if window is not None:
+                    extra += max(0, math.ceil((te - 1 + own.exact_len + chunk) / te) - len(own.exact))
+                continue
+            pending, tq = q.residual + q.group_size - 1, layout.q_tokens
+            exact = math.ceil((te - 1 + min(pending + chunk, stored.length)) / te)
+            if window is None:
+                codes = len(own.q)
+            else:  # and no more than every code the whole context has
+                codes = math.ceil(min(max(chunk + window + tq - 1, chunk + pending), own.first + own.q_len) / tq)
+            extra += max(0, codes + exact - len(own.pages()))
         return extra
 
     def stored_bytes(self, blocks: HybridBlocks) -> int:
@@ -189,9 +251,13 @@ class HybridLayout:
         return min(g.used_bytes() for g in self.groups)
 
     def tier_tokens(self, blocks: HybridBlocks) -> dict[str, int]:
-        """Tokens held, averaged over the layers (a sliding layer's dropped tokens count out), rounded."""
-        held = sum(b.exact_len * len(layers) for b, layers in zip(blocks.groups, self.layers))
-        return {"exact": round(held / sum(len(layers) for layers in self.layers))}
+        """Tokens held per tier, averaged over the layers (a sliding layer's dropped tokens count out), rounded."""
+        held: dict[str, int] = {}
+        for layout, own, layers in zip(self.groups, blocks.groups, self.layers):
+            for tier, tokens in layout.tier_tokens(own).items():
+                held[tier] = held.get(tier, 0) + tokens * len(layers)
+        total = sum(len(layers) for layers in self.layers)
+        return {tier: round(tokens / total) for tier, tokens in held.items()}
 
     def stats(self, blocks: HybridBlocks) -> dict:
         return {}

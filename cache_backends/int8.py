@@ -303,6 +303,7 @@ class Int8Backend(KVBackend):
     name = "int8"
     attends_in_place = True
     BITS_DEFAULT = 8
+    windowed_pool = True  # on a hybrid model its sliding layers' pages keep only their windows (whole code pages)
 
     def __init__(self, geometry: ModelGeometry, group_size: int = 32, residual: int = 32, key_bits: int | None = None,
                  value_bits: int | None = None, rotate: bool = False):

@@ -59,6 +59,7 @@ class Plan:
     new_exact_pages: int  # pages to add to the exact tier before the step
     new_q_pages: int  # pages to add to the quantized tier before the step
     free_front: int  # exact pages that hold no live token after the step (freed after it)
+    free_q_front: int = 0  # quantized pages no future query sees after the step (a sliding window's; freed after it)
 
     @property
     def pages_needed(self) -> int:

@@ -109,8 +109,8 @@ class Settings(BaseSettings):
                                     "their request and a prompt that starts with cached blocks prefills only the "
                                     "rest (paged backends; not dca).")
     kv_sliding_window_pool: bool = Field(True, description="On a model with sliding-window layers (Gemma 3), "
-                                         "full keeps only each sliding layer's window in the KV pool (its older pages "
-                                         "go back as decode proceeds); false: every layer keeps every token (the "
+                                         "full, int8 and int4 keep only each sliding layer's window in the KV pool (its "
+                                         "older pages go back as decode proceeds); false: every layer keeps every token (the "
                                          "attention still sees only the window).")
     engine_process: bool = Field(True, description="Run the engine core (scheduler, KV cache, model) in its own "
                                  "process; false: in a thread of the server's process. Either way it is fed over ZMQ "

@@ -274,3 +274,25 @@ def test_a_price_measured_in_another_dtype_says_which(model_dir, tmp_path, monke
     assert main([*args, "--dtype", "float32"]) == 0
     table = " ".join(capsys.readouterr().out.split())
     assert "+0.02% │" in table and "+0.02% (measured" not in table
+
+
+def test_quantized_tiers_keep_only_the_window_of_a_hybrid_models_sliding_layers():
+    """A Gemma 3 270M shape (18 layers, every sixth global, the others sliding through 512 tokens; 1 K/V head of
+    256 channels): ``int8`` and ``int4`` hold the sliding layers' newest 511 tokens (their residual window and
+    forming group exact, the rest codes), so at 8K they cost less than ``full`` with its windows kept; before, they
+    held every token there and int8 cost more than ``full``. ``elastic`` (its tier fills on demand) and the
+    compositions keep every token."""
+    from cache_backends.estimate import Shape, bytes_per_token_per_layer, kv_spec
+
+    windows = tuple(None if i % 6 == 5 else 512 for i in range(18))
+    shape = Shape(num_layers=18, num_key_value_heads=1, k_head_dim=256, v_head_dim=256, layer_windows=windows)
+    per = {name: bytes_per_token_per_layer(shape, name, {}, 2, 8192) for name in ("full", "int8", "int4")}
+    assert per["int4"] < per["int8"] < per["full"]
+    spec = kv_spec(shape, "int8", {}, 2)
+    exact = 32  # the residual window; 8192 - 32 is whole groups of 32
+    sliding = spec.with_layers(15).stored_bytes(exact, 511 - exact)
+    every = spec.with_layers(3).bytes_at(8192)
+    assert per["int8"] * 8192 * 18 == pytest.approx(sliding + every, rel=1e-12)
+    assert per["int8"] < spec.bytes_per_token_per_layer(8192) / 4  # every token kept in every layer: over 4x more
+    assert bytes_per_token_per_layer(shape, "elastic", {}, 2, 8192) == kv_spec(shape, "elastic", {}, 2).bytes_at(
+        8192) / (8192 * 18)

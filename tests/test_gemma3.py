@@ -7,6 +7,8 @@ RoPE base 10,000 on sliding layers and 1,000,000 on global ones. Skipped when th
   prompts of 600-1500 tokens, longer than the window: in one batch with chunked prefills beside decodes, on the
   attention kernel, and alone on the torch path;
 * ``full`` holds every token in the global layers and the newest 511 in the sliding ones, the bytes its sums say;
+* ``int8`` and ``int4`` hold every token in the global layers and, in the sliding ones, the pages of codes the window
+  still sees beside their residual window: fewer bytes than ``full``, the greedy tokens of every token kept;
 * ``int8`` and ``int4`` serve it: greedy tokens read in ``full``'s context (teacher forcing) agree with ``full``'s;
 * ``dca``, ``mla`` and ``gqa`` are refused at start-up, saying why.
 """
@@ -125,6 +127,55 @@ def test_full_holds_the_global_layers_every_token_and_the_sliding_layers_their_w
     assert held == 6144 * length + 15 * 511 * 2048
     assert held == pytest.approx(backend.bytes_per_token_per_layer(length) * length * 18, rel=1e-12)
     assert driver.manager.num_free == 200 - 1 - len(blocks.pages())
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_quantized_backends_hold_the_sliding_layers_window_in_whole_code_pages(gemma, prompts, name):
+    """A 1500-token prompt in 256-token chunks, then 8 decodes: the global layers hold every token (codes and the
+    32-token residual window), the sliding ones the pages of codes the window still sees (whole pages of 32 codes
+    from the front freed once the next query sees none of them) and their residual window; the bytes held are those
+    tokens', under ``full``'s at this length, and within a page of codes of the sums (the newest 511); the greedy
+    tokens are those of the same backend keeping every token (``KV_SLIDING_WINDOW_POOL=false``)."""
+    from tests.engine_helpers import PagedDriver
+
+    model, tok = gemma
+    geometry = ModelGeometry.from_config(model.config, torch.float32)
+    ids = tok.encode(prompts[-1])
+    out = {}
+    for windowed in (True, False):
+        backend = create(name, geometry)
+        backend.windowed_pool = windowed
+        driver = PagedDriver(model, backend, pages=400, block_size=16)
+        blocks = driver.new_blocks()
+        for start in range(0, len(ids), 256):
+            logits = driver.step([blocks], [ids[start : start + 256]])
+        tokens = []
+        for _ in range(8):
+            tokens.append(int(logits[0].argmax()))
+            logits = driver.step([blocks], [[tokens[-1]]])
+        out[windowed] = tokens, driver, blocks
+    assert out[True][0] == out[False][0]
+    _, driver, blocks = out[True]
+    backend = driver.backend
+    layout, q, length = driver.layout, backend.quantization, len(ids) + 8
+    glob, sliding = blocks.groups
+    tq = layout.groups[1].q_tokens
+    codes = (length - q.residual) // q.group_size * q.group_size
+    first = tq * min(codes // tq, (length - 511) // tq)
+    assert (glob.q_len, glob.exact_len) == (codes, length - codes)
+    assert (sliding.first, sliding.q_len, len(sliding.q)) == (first, codes - first, -(-(codes - first) // tq))
+    assert length - 511 - tq < first <= length - 511
+    spec = backend.kv_spec()
+    held = driver.layout.stored_bytes(blocks)
+    assert held == spec.with_layers(3).stored_bytes(length - codes, codes) + spec.with_layers(15).stored_bytes(
+        length - codes, codes - first)
+    sums = backend.bytes_per_token_per_layer(length) * length * 18
+    assert sums <= held < sums + spec.with_layers(15).q_bytes(tq)
+    assert held < 6144 * length + 15 * 511 * 2048  # full's, with its windows kept
+    assert held < 0.55 * out[False][1].layout.stored_bytes(out[False][2])  # measured: 0.48 (int8), 0.52 (int4)
+    assert driver.manager.num_free == 400 - 1 - len(blocks.pages())
+    print(f"{name}: {length} tokens, {held} bytes held ({held / length:.0f} a token); every token kept: "
+          f"{out[False][1].layout.stored_bytes(out[False][2])}; full: {6144 * length + 15 * 511 * 2048}")
 
 
 @pytest.mark.parametrize("name,least", [("int8", 0.95), ("int4", 0.85)])  # measured: 1.0, 0.92

@@ -105,6 +105,14 @@ def test_kv_sliding_window_pool_false_keeps_every_token_in_every_layer(tiny):
     every = create_backends(Settings(kv_backends="", kv_sliding_window_pool=False), geometry)["full"]
     assert kept.window_groups() == [(None, [2]), (WINDOW, [0, 1, 3])] and every.window_groups() is None
     assert every.bytes_per_token_per_layer(LENGTH) == 512 > kept.bytes_per_token_per_layer(LENGTH)
+    for name in ("int8", "int4"):  # the quantized tiers keep their windows too, and every token when told
+        kept = create_backends(Settings(kv_backends=name), geometry)[name]
+        every = create_backends(Settings(kv_backends=name, kv_sliding_window_pool=False), geometry)[name]
+        assert kept.window_groups() == [(None, [2]), (WINDOW, [0, 1, 3])] and every.window_groups() is None
+        assert every.bytes_per_token_per_layer(4096) > kept.bytes_per_token_per_layer(4096)
+        assert type(every.page_layout(torch.float32, every.block_bytes(32))).__name__ == "PageLayout"
+    elastic = create_backends(Settings(kv_backends="elastic"), geometry)["elastic"]
+    assert elastic.window_groups() is None  # its tier fills on demand: every token in every layer
 
 
 def _drive(driver: PagedDriver, ids: list[list[int]]) -> list[tuple[int, int, torch.Tensor]]:
@@ -259,3 +267,134 @@ def test_backends_that_cannot_serve_it_are_refused_saying_why(tiny, name, says):
     assert geometry.rope_per_layer_type
     with pytest.raises(ValueError, match=says):
         create(name, geometry)
+
+
+def _codes_kept(length: int, residual: int, group: int, q_tokens: int) -> tuple[int, int, int]:
+    """What the drop rule leaves a quantized sliding group of window :data:`WINDOW` after ``length`` tokens:
+    ``(first, codes, code pages)``. The codes are the whole groups that leave ``residual`` tokens exact; a page of
+    codes ``[a, a + q_tokens)`` goes once ``a + q_tokens - 1 < length - WINDOW + 1`` (the next query's first visible
+    position), whole pages only, from the front."""
+    codes = max(0, (length - residual) // group) * group
+    first = q_tokens * min(codes // q_tokens, max(0, length - WINDOW + 1) // q_tokens)
+    return first, codes - first, -(-(codes - first) // q_tokens)
+
+
+@pytest.mark.parametrize("name,options", QUANTIZED, ids=[n for n, _ in QUANTIZED])
+def test_quantized_sliding_layers_give_back_whole_code_pages_out_of_their_window(tiny, sequences, name, options):
+    """After the steps of :func:`_drive` (rows of 40 and 28 tokens, window 8, groups of 4, 4 codes a page in the
+    sliding group): the global layer holds every token (codes and the residual window), the sliding layers the codes
+    the drop rule keeps (:func:`_codes_kept`: here one page, positions 32-35 of row 0) and their residual window;
+    every other page is back in the pool; the bytes held are the kept tokens', at least the sums' (the newest
+    ``window - 1``) and less than a page of codes above them; and less than with every token kept."""
+    from cache_backends.hybrid import HybridLayout
+
+    model, _ = tiny
+    geometry = ModelGeometry.from_config(model.config, torch.float32)
+    backend = create(name, geometry, **options)
+    driver = PagedDriver(model, backend, pages=64, block_size=4)
+    with kernels.using("torch"):
+        _drive(driver, sequences[0])
+    layout, q = driver.layout, backend.quantization
+    assert isinstance(layout, HybridLayout) and layout.windows == [None, WINDOW]
+    glob_layout, sliding_layout = layout.groups
+    tq = sliding_layout.q_tokens
+    assert tq == 4
+    held = 0
+    for blocks, length in zip(driver.rows, (LENGTH, LENGTH - 12)):
+        glob, sliding = blocks.groups
+        codes = max(0, (length - q.residual) // q.group_size) * q.group_size
+        assert (glob.first, glob.q_len, glob.exact_len) == (0, codes, length - codes)
+        first, kept, pages = _codes_kept(length, q.residual, q.group_size, tq)
+        assert (sliding.first, sliding.q_len, len(sliding.q)) == (first, kept, pages)
+        assert sliding.exact_len == length - codes
+        assert first > 0 and length - WINDOW + 1 - tq < first <= length - WINDOW + 1  # one page holds older codes
+        spec = backend.kv_spec()
+        stored = spec.with_layers(1).stored_bytes(length - codes, codes) + spec.with_layers(3).stored_bytes(
+            length - codes, kept)
+        assert layout.stored_bytes(blocks) == stored
+        sums = backend.bytes_per_token_per_layer(length) * length * 4
+        per_code = spec.with_layers(3).q_bytes(q.group_size) / q.group_size
+        assert sums <= stored < sums + tq * per_code
+        assert layout.tier_tokens(blocks) == {"exact": length - codes, q.tier: round((codes + 3 * kept) / 4)}
+        held += len(blocks.pages())
+    assert driver.manager.num_free == 64 - 1 - held  # the null page, and the pages the rows hold
+    every = create(name, geometry, **options)
+    every.windowed_pool = False
+    kept_all = PagedDriver(model, every, pages=64, block_size=4)
+    with kernels.using("torch"):
+        _drive(kept_all, sequences[0])
+    assert kept_all.layout.stored_bytes(kept_all.rows[0]) > driver.layout.stored_bytes(driver.rows[0])
+
+
+def _greedy(driver: PagedDriver, prompt: list[int], chunks: list[int], new: int) -> tuple[list[int], list]:
+    """``prompt`` prefilled in steps of ``chunks`` tokens, then ``new`` greedy tokens: the tokens and every step's
+    logits."""
+    blocks, logits, at = driver.new_blocks(), [], 0
+    for n in chunks:
+        logits.append(driver.step([blocks], [prompt[at : at + n]])[0])
+        at += n
+    assert at == len(prompt)
+    tokens = []
+    for _ in range(new):
+        tokens.append(int(logits[-1].argmax()))
+        logits.append(driver.step([blocks], [[tokens[-1]]])[0])
+    return tokens, logits
+
+
+@pytest.mark.parametrize("mode", _attention_modes())
+@pytest.mark.parametrize("name,options", QUANTIZED + [(n, {}) for n, _ in QUANTIZED],
+                         ids=[f"{n}-small-groups" for n, _ in QUANTIZED] + [n for n, _ in QUANTIZED])
+def test_quantized_greedy_tokens_are_those_of_every_token_kept(tiny, sequences, mode, name, options):
+    """A 30-token prompt prefilled in steps of 5, 9 and 16 tokens (a step longer than the window: codes drained and
+    dropped by the same step), then 40 greedy tokens (dropping a page of codes every 4 tokens): the same tokens as with
+    every token kept (``KV_SLIDING_WINDOW_POOL=false``), the codes a query sees being the same codes. The kernel's
+    logits are bit for bit the same; the torch path's gathers are shorter, so its matrix products sum in another
+    order (measured: 3e-7 at most for int8, 2e-5 for int4, whose scales are fp16). The backends' defaults (groups
+    of 32, 32 tokens exact) hold no code a window of 8 sees."""
+    model, _ = tiny
+    prompt = sequences[0][0][:30]
+    geometry = ModelGeometry.from_config(model.config, torch.float32)
+    out = {}
+    for windowed in (True, False):
+        backend = create(name, geometry, **options)
+        backend.windowed_pool = windowed
+        with kernels.using(mode):
+            driver = PagedDriver(model, backend, pages=96, block_size=4)
+            out[windowed] = _greedy(driver, prompt, [5, 9, 16], 40)
+        if windowed and options:
+            assert driver.layout.groups[1].q_tokens == 4
+    assert out[True][0] == out[False][0]
+    tol = 0 if mode == "kernel" else 1e-6 if name == "int8" else 1e-4
+    for step, (a, b) in enumerate(zip(out[True][1], out[False][1])):
+        torch.testing.assert_close(a, b, rtol=0, atol=tol, msg=f"step {step}")
+
+
+@pytest.mark.parametrize("name,options", QUANTIZED + [("full", {})], ids=[n for n, _ in QUANTIZED] + ["full"])
+def test_the_pages_a_walk_holds_stay_within_the_admission_bounds(tiny, name, options):
+    """Prompts of 1-60 tokens prefilled in steps of 1, 3, 8 and 13 tokens, then decoded to 90, on the hybrid layout:
+    no step holds more than :meth:`HybridLayout.pages_to_generate` says, nor more than the stored form of the whole
+    prompt plus :meth:`HybridLayout.transient_pages` (what admission keeps free for a prefill step)."""
+    from cache_backends.hybrid import HybridLayout
+
+    backend = create(name, ModelGeometry.from_config(tiny[0].config, torch.float32), **options)
+    page = -(-backend.block_bytes(4) // 64) * 64
+    layout = backend.page_layout(torch.float32, page)
+    assert isinstance(layout, HybridLayout)
+    for chunk in (1, 3, 8, 13):
+        for prompt in range(1, 61, 7):
+            stored = layout.written(layout.cached_prefix([]), prompt)
+            bound, transient = layout.pages_to_generate(prompt, 90, chunk), layout.transient_pages(stored, chunk)
+            blocks, most = layout.cached_prefix([]), 0
+            while blocks.tokens < 90:
+                prefill = blocks.tokens < prompt
+                n = min(chunk, prompt - blocks.tokens) if prefill else 1
+                plan = layout.plan(blocks, n)
+                layout.extend(blocks, plan, [0] * plan.new_exact_pages, [0] * plan.new_q_pages)
+                held = len(blocks.pages())
+                if prefill:
+                    assert held <= len(stored.pages()) + transient, (chunk, prompt, blocks.tokens)
+                most = max(most, held)
+                layout.commit(blocks, plan)
+                if blocks.tokens == prompt:
+                    assert len(blocks.pages()) == len(stored.pages())  # the stored form is any chunking's
+            assert most <= bound, (chunk, prompt)

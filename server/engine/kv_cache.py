@@ -229,9 +229,9 @@ class KVCacheManager:
         exact pages (``W``: the most exact tokens held between steps, ``residual + group_size - 1``, or an
         on-demand tier's ``window + group_size - 1``), never more than the exact pages of every token left, and
         its first step exactly what its plan says; at most the pool's usable pages. The bound less the stored
-        form; 0 once prefilled and for a layout without a quantized tier (it stores every token it writes), but a
-        hybrid model's sliding layers hold a step's tokens before they keep only their window
-        (:meth:`cache_backends.hybrid.HybridLayout.transient_pages`). A prompt written in one step (one that wants
+        form; 0 once prefilled and for a layout without a quantized tier (it stores every token it writes). A hybrid
+        model's layout bounds its own (:meth:`cache_backends.hybrid.HybridLayout.transient_pages`): its sliding layers
+        hold a step's tokens (and a quantized tier their codes) before they keep only their window. A prompt written in one step (one that wants
         every position's log-probability; ``dca``'s) holds what that step's plan says, less what it keeps."""
         if seq.prefilled >= len(seq.context_ids):
             return 0
@@ -242,7 +242,7 @@ class KVCacheManager:
         stored, te = self._stored(seq), layout.exact_tokens
         if self.min_step(seq) is None:  # one step: what it holds while it runs, less what it keeps
             return max(0, first - len(stored.pages()))
-        if hasattr(layout, "transient_pages"):  # a hybrid model's sliding layers: a step's tokens, then the window
+        if hasattr(layout, "transient_pages"):  # a hybrid model's groups: a step's tokens, then the window
             return min(layout.transient_pages(stored, chunk), self.blocks.usable_pages)
         q = layout.quantization
         if not q:
