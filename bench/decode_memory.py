@@ -25,10 +25,10 @@ from pathlib import Path
 MIB = 1 << 20
 
 
-def status() -> dict[str, int]:
-    """``VmRSS`` and ``VmHWM`` of this process, bytes."""
+def status(pid: int | str = "self") -> dict[str, int]:
+    """``VmRSS`` and ``VmHWM`` of process ``pid`` (this one by default), bytes."""
     out = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         key, _, value = line.partition(":")
         if key in ("VmRSS", "VmHWM"):
             out[key] = int(value.split()[0]) * 1024

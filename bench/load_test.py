@@ -29,14 +29,10 @@ LONG = ("And it came to pass in the days of Ahasuerus, which reigned from India 
 
 def rss_bytes(pid: int) -> int:
     """Resident bytes of process ``pid`` and of its children (the engine core process, which holds the KV pool)."""
+    from bench.decode_memory import status
     from bench.serving import child_pids
 
-    total = 0
-    for p in [pid, *child_pids(pid)]:
-        for line in Path(f"/proc/{p}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                total += int(line.split()[1]) * 1024
-    return total
+    return sum(status(p)["VmRSS"] for p in [pid, *child_pids(pid)])
 
 
 def server_pid(port: int) -> int:

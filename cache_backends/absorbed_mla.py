@@ -76,12 +76,12 @@ def absorbed_attention(query: torch.Tensor, latent: StreamRead | InPlaceRead, ro
     a = attention
     nope, (b, h, n, _) = a.qk_nope_head_dim, query.shape
     w = a.kv_b_proj.weight.view(h, nope + a.v_head_dim, -1)  # (H, nope + v, r)
+    q_latent = torch.einsum("bhnc,hcr->bhnr", query[..., :nope], w[:, :nope])  # (B, H, n, r): W_UK folded in
     if isinstance(latent, InPlaceRead):  # the kernel: (q_latent, q_rope) against (c_t, k_rope_t), values c_t
-        q_latent = torch.einsum("bhnc,hcr->bhnr", query[..., :nope], w[:, :nope])
         mixed = kernels.paged_attention(torch.cat([q_latent, query[..., nope:]], dim=-1), latent, rope_key, meta,
                                         scaling)  # (B, H, n, r)
         return mixed @ w[:, nope:].transpose(1, 2)  # W_UV applied after attention
-    q_latent = torch.einsum("bhnc,hcr->bhnr", query[..., :nope], w[:, :nope]).reshape(1, b, h * n, -1)
+    q_latent = q_latent.reshape(1, b, h * n, -1)
     q_rope = query[..., nope:].reshape(1, b, h * n, -1)
     scores = latent.dot(q_latent) + rope_key.dot(q_rope)  # (1, B, H * n, T)
     mask = meta.mask[None, :, None].expand(1, b, h, n, -1).reshape(1, b, h * n, -1)
