@@ -4,11 +4,14 @@ Each backend runs in a process of its own (a fresh interpreter: the peak is the 
 in-process (:func:`bench.budget.new_engine`) with a KV pool sized for the one stream, a prompt of ``--context``
 tokens prefilled in chunks of ``--chunk``, then ``--decode-steps`` decode steps. The process's resident set is read
 from ``/proc/self/status`` (``VmRSS``, and ``VmHWM``, its peak, reset before the decode by writing 5 to
-``/proc/self/clear_refs``) at each phase: after the imports (the runtime), after the model loads (its weights),
-after the prefill (the pool's touched pages and what the prefill kept), and at the decode's peak. The decode's
-*growth* is its peak above the resident set after the prefill: what decode steps allocate beyond what is already
-there, which should not grow with the context; the last column is the decode's peak beyond the runtime, the weights
-and the KV bytes the pool holds (the prefill's activations and scratch that the allocator keeps). Linux only.
+``/proc/self/clear_refs``) at each phase: after the imports (the runtime), after the model loads, after the
+prefill (the pool's touched pages and what the prefill kept), and at the decode's peak. The weights count by their
+bytes (``numel * element_size``), not by the resident set after the load: safetensors maps the file, and its pages
+become resident only as the first forward reads them. The decode's *growth* is its peak above the resident set after
+the prefill: what decode steps allocate beyond what is already there, which should not grow with the context. The
+last two columns are the decode's peak beyond the runtime, the weights and the KV bytes the pool holds (the
+prefill's activations and scratch that the allocator keeps), and the decode's peak above the runtime as a share of
+the weights plus the whole pool (the target: within 110%). Linux only.
 
     python -m bench.decode_memory --model models/smollm2-135m-instruct --contexts 2048 8000 \\
         --backends full int8 int4 --out docs/bench/decode_memory.json
@@ -78,19 +81,24 @@ def one(model_dir: str, spec: str, context: int, chunk: int, steps: int, threads
             "decode_peak_mib": decoded["VmHWM"] / MIB,
             "decode_growth_mib": (decoded["VmHWM"] - prefilled["VmRSS"]) / MIB,
             # beyond the runtime, the weights and the KV held: the activations and scratch the steps keep
-            "beyond_mib": (decoded["VmHWM"] - loaded - held) / MIB,
-            "beyond_pct": 100 * (decoded["VmHWM"] - loaded - held) / (weights + held)}
+            "beyond_mib": (decoded["VmHWM"] - runtime - weights - held) / MIB,
+            "beyond_pct": 100 * (decoded["VmHWM"] - runtime - weights - held) / (weights + held),
+            # the decode's peak above the runtime against the weights plus the whole pool
+            "peak_vs_weights_pool_pct": 100 * (decoded["VmHWM"] - runtime) / (weights + arena.numel()
+                                                                              * arena.element_size())}
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| backend | context | runtime + weights MiB | pool MiB (held) | after prefill MiB | prefill peak MiB | "
-            "decode peak MiB | decode growth MiB | peak beyond runtime + weights + KV held |")
-    lines = [head, "|" + "---|" * 9]
+    head = ("| backend | context | runtime MiB | weights MiB | pool MiB (held) | after prefill MiB | prefill peak MiB | "
+            "decode peak MiB | decode growth MiB | peak beyond runtime + weights + KV held | peak above runtime "
+            "/ (weights + pool) |")
+    lines = [head, "|" + "---|" * 11]
     for r in rows:
-        lines.append(f"| `{r['backend']}` | {r['context']} | {r['after_load_mib']:.0f} | {r['pool_mib']:.0f} "
-                     f"({r['kv_held_mib']:.0f}) | {r['after_prefill_mib']:.0f} | {r['prefill_peak_mib']:.0f} | "
-                     f"{r['decode_peak_mib']:.0f} | {r['decode_growth_mib']:.1f} | {r['beyond_mib']:.0f} MiB "
-                     f"({r['beyond_pct']:.0f}% of weights + KV) |")
+        lines.append(f"| `{r['backend']}` | {r['context']} | {r['runtime_mib']:.0f} | {r['weights_mib']:.0f} | "
+                     f"{r['pool_mib']:.0f} ({r['kv_held_mib']:.0f}) | {r['after_prefill_mib']:.0f} | "
+                     f"{r['prefill_peak_mib']:.0f} | {r['decode_peak_mib']:.0f} | {r['decode_growth_mib']:.1f} | "
+                     f"{r['beyond_mib']:.0f} MiB ({r['beyond_pct']:.0f}% of weights + KV) | "
+                     f"{r['peak_vs_weights_pool_pct']:.0f}% |")
     return "\n".join(lines)
 
 

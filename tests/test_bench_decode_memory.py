@@ -34,6 +34,11 @@ def test_rows_on_the_reference_model(tmp_path):
     for r in rows:
         assert r["runtime_mib"] < r["after_load_mib"] <= r["after_prefill_mib"] <= r["decode_peak_mib"]
         assert r["weights_mib"] > 0 and r["pool_mib"] >= r["kv_held_mib"]
+        # the weights count by their bytes: a mapped file's pages are not resident until a forward reads them
+        assert r["beyond_mib"] == pytest.approx(r["decode_peak_mib"] - r["runtime_mib"] - r["weights_mib"]
+                                                - r["kv_held_mib"])
+        assert r["peak_vs_weights_pool_pct"] == pytest.approx(
+            100 * (r["decode_peak_mib"] - r["runtime_mib"]) / (r["weights_mib"] + r["pool_mib"]))
 
 
 def test_a_bad_spec_is_refused_before_any_run(capsys):
