@@ -10,6 +10,10 @@
    no prefill chunk / time inside those steps' forward and sampling), TTFT and TPOT p50/p95 over streams, the most streams
    running at once, and the peak KV bytes allocated against the budget (it must never exceed it), and
    held-out perplexity through the cache path (2 windows) with its change vs ``full``.
+   ``--every-token-kept`` (a model with sliding-window layers, Gemma 3): each backend runs first with every
+   layer keeping every token (the model's windows ignored by the pool, ``KV_SLIDING_WINDOW_POOL=false``) and then
+   as served, and the first such row is the baseline of the ratios. The budget is always counted in sequences of
+   ``full`` keeping every token in every layer.
 2. Scaling: one decode step's time (median of ``--steps``) vs context (batch 1) and vs batch (context
    512), per backend.
 
@@ -284,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-scaling", action="store_true")
     ap.add_argument("--no-quality", action="store_true")
     ap.add_argument("--quick", action="store_true", help="3 backends, 8 streams x 64 new tokens, no scaling")
+    ap.add_argument("--every-token-kept", action="store_true",
+                    help="on a model with sliding-window layers, run each backend first with every layer keeping "
+                         "every token (KV_SLIDING_WINDOW_POOL=false), the baseline of the ratios")
     ap.add_argument("--out", default=str(REPO / "docs" / "bench"))
     args = ap.parse_args(argv)
     if args.quick:
@@ -295,16 +302,22 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model, tokenizer, ids = load_reference(args.model)
+    if len(ids) < args.prompt_tokens:
+        ap.error(f"the held-out slice holds {len(ids)} tokens of this model, fewer than --prompt-tokens")
     step = max(1, (len(ids) - args.prompt_tokens) // args.streams)
     prompts = [ids[i * step : i * step + args.prompt_tokens] for i in range(args.streams)]
     results, scaling, full_ppl = [], {}, None
     budget = None
-    for spec in specs:
+    runs = [(spec, windowed) for spec in specs for windowed in ((False, True) if args.every_token_kept else (True,))]
+    for spec, windowed in runs:
         backend = make_backend(spec, model, tokenizer)
+        if args.every_token_kept and not backend.geometry.sliding_layers:
+            ap.error("--every-token-kept: this model has no sliding-window layers")
         if budget is None:
             full = create("full", backend.geometry)
-            budget = args.budget_seqs * full.reserved_bytes(args.context)
-        r = {"spec": format_spec(*parse_spec(spec))}
+            budget = args.budget_seqs * full.reserved_bytes(args.context)  # every token of every layer
+        backend.windowed_pool = backend.windowed_pool and windowed
+        r = {"spec": format_spec(*parse_spec(spec)) + ("" if windowed else " (every token kept)")}
         r.update(budget_run(model, tokenizer, backend, prompts, args.new_tokens, budget, args.chunk))
         if not args.no_quality:
             r["ppl"], r["ppl_change_pct"] = perplexity_change(model, backend, full_ppl, ids)

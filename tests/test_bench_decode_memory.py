@@ -44,3 +44,4 @@ def test_rows_on_the_reference_model(tmp_path):
 def test_a_bad_spec_is_refused_before_any_run(capsys):
     assert decode_memory.main(["--backends", "int8:bits"]) == 2
     assert "expected key=value" in capsys.readouterr().err
+

@@ -201,3 +201,20 @@ def test_backends_that_cannot_serve_it_are_refused(gemma, name, says):
     geometry = ModelGeometry.from_config(gemma[0].config, torch.float32)
     with pytest.raises(ValueError, match=says):
         create(name, geometry)
+
+
+def test_under_one_budget_the_windows_admit_more_streams(tmp_path):
+    """``python -m bench.budget --every-token-kept``: under a budget of one 2,048-token sequence keeping every token,
+    the same server admits one 1,200-token stream at a time with the windows ignored, and more with the sliding
+    layers holding their windows (a stream then holds 6,144 B a token of global layers plus 15.7 MB of windows)."""
+    from bench import budget
+
+    assert budget.main(["--model", str(GEMMA3_DIR), "--specs", "full", "--streams", "3", "--prompt-tokens", "1200",
+                        "--new-tokens", "2", "--budget-seqs", "1", "--context", "2048", "--no-scaling",
+                        "--no-quality", "--every-token-kept", "--out", str(tmp_path)]) == 0
+    every, windowed = json.loads((tmp_path / "budget.json").read_text())["results"]
+    assert (every["spec"], windowed["spec"]) == ("full (every token kept)", "full")
+    assert every["budget_bytes"] == windowed["budget_bytes"] == 2048 * 36864
+    assert every["most_running"] == 1 < windowed["most_running"]
+    assert every["within_budget"] and windowed["within_budget"]
+    assert every["finished"] == windowed["finished"] == 3
