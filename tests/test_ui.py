@@ -266,15 +266,30 @@ def test_sums_price_each_served_backend_from_the_quality_budget(server):
         assert by_served[name]["price"] == {"served_as": name,
                                             "ppl_increase_pct": quality[name]["price"]["ppl_increase_pct"],
                                             "agreement": quality[name]["price"]["agreement"],
-                                            "within_budget": True, "budget_pct": 1.0, "min_agreement": None}
+                                            "within_budget": True, "budget_pct": 1.0, "min_agreement": None,
+                                            "agreement_shortfall": None, "closest": False}
         assert 0.9 <= by_served[name]["price"]["agreement"] <= 1
     assert by_served["full"]["price"] == {"served_as": "full", "ppl_increase_pct": 0.0, "agreement": 1.0,
-                                          "within_budget": True, "budget_pct": 1.0, "min_agreement": None}
+                                          "within_budget": True, "budget_pct": 1.0, "min_agreement": None,
+                                          "agreement_shortfall": None, "closest": False}
     assert all(r["price"] is None for r in rows if not r["served_as"])
-    assert served_price(["gqa"], {"gqa": {"price": {"ppl_increase_pct": 7.5, "agreement": 0.61},
-                                          "within_budget": False, "budget_pct": 1.0, "min_agreement": 0.9}}) == {
+
+
+def test_served_price_carries_the_agreement_shortfall():
+    """A price under KV_QUALITY_MIN_AGREEMENT carries /info's agreement_shortfall to the page, and ``closest`` when
+    the search served the setting closest to the bound (none reached it) rather than an explicit setting."""
+    explicit = {"price": {"ppl_increase_pct": 7.5, "agreement": 0.61}, "within_budget": False, "budget_pct": 1.0,
+                "min_agreement": 0.9, "agreement_shortfall": 0.29, "searched": None, "explicit": False}
+    assert served_price(["gqa"], {"gqa": explicit}) == {
         "served_as": "gqa", "ppl_increase_pct": 7.5, "agreement": 0.61, "within_budget": False, "budget_pct": 1.0,
-        "min_agreement": 0.9}
+        "min_agreement": 0.9, "agreement_shortfall": 0.29, "closest": False}
+    searched = {**explicit, "searched": "groups"}
+    assert served_price(["gqa"], {"gqa": searched})["closest"] is True
+    assert served_price(["gqa"], {"gqa": {**searched, "explicit": True}})["closest"] is False
+    within = {**searched, "within_budget": True, "agreement_shortfall": None, "price": {"ppl_increase_pct": 0.5,
+                                                                                        "agreement": 0.95}}
+    assert served_price(["gqa"], {"gqa": within})["agreement_shortfall"] is None
+    assert served_price(["gqa"], {"gqa": within})["closest"] is False
 
 
 def test_sums_warn_past_the_models_positions(server):
