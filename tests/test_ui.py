@@ -208,6 +208,36 @@ def test_a_chat_model_answers_a_question_only_as_a_chat_turn(chat_server):
     assert chat["prompt_tokens"] == got["presets"][2]["tokens"]
 
 
+OPTIONAL = {"max_new_tokens": 32, "seed": None, "temperature": 1.0, "repetition_penalty": 1.0, "chat": False}
+
+
+def test_null_is_the_default_for_every_optional_generate_field():
+    """``null`` for an optional field of the page's body is its default, as OpenAI's and TGI's clients send an
+    unset field; the required ones still refuse it."""
+    from pydantic import ValidationError
+
+    from server.api.ui import UIGenerateRequest
+
+    fields = {n for n, f in UIGenerateRequest.model_fields.items() if not f.is_required()}
+    assert fields == set(OPTIONAL)  # every optional field is covered here
+    nulls = UIGenerateRequest.model_validate({"prompt": "x", "kv_backend": "full", **dict.fromkeys(OPTIONAL)})
+    assert nulls == UIGenerateRequest(prompt="x", kv_backend="full") and nulls.model_dump(exclude={"prompt",
+                                                                                                   "kv_backend"}) == OPTIONAL
+    for required in ("prompt", "kv_backend"):
+        with pytest.raises(ValidationError):
+            UIGenerateRequest.model_validate({"prompt": "x", "kv_backend": "full", required: None})
+
+
+def test_generate_reads_null_as_the_default(server):
+    """``"chat": null`` (and every other optional field null) answers as the defaults do, not 422."""
+    nulls = _generate(server, kv_backend="full", **dict.fromkeys(OPTIONAL))
+    assert nulls.status_code == 200, nulls.text
+    assert nulls.json()["text"] == _generate(server, kv_backend="full").json()["text"]
+    assert _generate(server, kv_backend="full", max_new_tokens=3, chat=None).status_code == 200
+    r = _generate(server, kv_backend=None)
+    assert r.status_code == 422 and "kv_backend" in r.json()["error"]
+
+
 NOT_SERVED = "not served here; allowed: full, int8, elastic (a server started with KV_BACKENDS=... serves more)"
 
 

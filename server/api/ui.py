@@ -34,6 +34,7 @@ from cache_backends.estimate import DTYPE_BYTES, Shape, bytes_per_token_per_laye
 from cache_backends.registry import available
 from cache_backends.spec import parse_spec
 from server.api.common import SHUTDOWN_MESSAGE, get_service
+from server.api.request_model import RequestModel
 from server.api.threaded_body import ThreadedBodyRoute
 from server.api.types import Int
 from server.api.ui_compression import uncompressed_reason
@@ -67,8 +68,9 @@ async def asset(name: str):
     return FileResponse(ASSETS / name, media_type=ASSET_TYPES[name], headers={"Cache-Control": "no-cache"})
 
 
-class UIGenerateRequest(BaseModel):
-    """One comparison run: greedy when ``seed`` is null, else seeded sampling at ``temperature``."""
+class UIGenerateRequest(RequestModel):
+    """One comparison run: greedy when ``seed`` is null, else seeded sampling at ``temperature``. ``null`` for
+    any optional field means its default (:class:`server.api.request_model.RequestModel`)."""
 
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
