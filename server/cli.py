@@ -71,7 +71,7 @@ def check_host(host: str, port: int) -> None:
 
 
 def bench(args: argparse.Namespace) -> int:
-    from bench.report import main as bench_main
+    from server.bench_cmd.report import main as bench_main
 
     return bench_main(args)
 
@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     fetch_arguments(p_fetch)
     p_fetch.set_defaults(func=fetch_main)
     p_bench = sub.add_parser("bench", help="measure every KV backend on the model: report.md, plots, JSON")
-    from bench.report_cli import add_arguments
+    from server.bench_cmd.report_cli import add_arguments
 
     add_arguments(p_bench)
     p_bench.set_defaults(func=bench)
