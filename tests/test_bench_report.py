@@ -107,6 +107,20 @@ def test_the_command_refuses_a_bad_argument_in_one_line(tmp_path):
     assert len(p.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("args", [["--help"], ["--backends", "full", "nosuch"], ["--bogus"]])
+def test_python_m_bench_report_is_kvserve_bench(args, tmp_path):
+    """``python -m bench.report`` runs ``kvserve bench`` (whose code is in ``server.bench_cmd``): the same flags,
+    the same output and exit status."""
+    def run(*command):
+        p = subprocess.run([sys.executable, "-m", *command, "--out", str(tmp_path / "out"), *args], cwd=REPO,
+                           capture_output=True, text=True, timeout=120)
+        return p.returncode, p.stdout, p.stderr
+
+    ours = run("bench.report")
+    assert ours == run("server.cli", "bench") and ours[0] in (0, 2) and (ours[1] or ours[2])
+    assert not (tmp_path / "out").exists()
+
+
 def test_report_table_shows_the_spread_over_rounds():
     """One noisy round made `full` look slowest with no sign of it: each speed column carries its min-max over
     the rounds beside the median (a row without samples, e.g. an older results.json, shows the median alone)."""

@@ -202,7 +202,8 @@ def write_price(directory, folder, spec: str, pct: float, agreement: float | Non
     if agreement is not None:
         price["agreement"] = agreement
     figures = {"price": price, **({"dtype": dtype} if dtype else {})}
-    CalibrationCache(directory).fetch("price", model, [1, 2, 3], {"spec": spec, "prefix": 256},
+    key = {"spec": spec, "prefix": 256, **({"dtype": dtype} if dtype else {})}  # as the Scorer keys it
+    CalibrationCache(directory).fetch("price", model, [1, 2, 3], key,
                                       fit=lambda: ({"kl": torch.tensor([pct / 100])}, figures),
                                       load=lambda _, figures: figures,
                                       version=PRICE_VERSION if agreement is not None else 4)

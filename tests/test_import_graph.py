@@ -1,5 +1,6 @@
-"""The import graph of ``server`` and ``cache_backends``: no cycle, and the planning and block-manager modules
-import no torch.
+"""The import graph of ``server``, ``cache_backends``, ``bench`` and ``scripts``: no cycle, the server's packages
+import nothing from the benchmarks or the scripts (``bench`` may import the server, never the reverse: what
+``kvserve bench`` runs lives in ``server.bench_cmd``), and the planning and block-manager modules import no torch.
 
 The graph is read from the source with :mod:`ast`, not by importing it. A module depends on
 
@@ -22,7 +23,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("server", "cache_backends")
+PACKAGES = ("server", "cache_backends", "bench", "scripts")
+SERVED = ("server", "cache_backends")  # what the package ships to serve: it imports nothing of the two below
+TOOLS = ("bench", "scripts")  # the benchmarks and the repository's scripts: they may import the server
 
 TORCH_FREE = (
     "cache_backends.kv_spec",  # what a backend stores and every byte count
@@ -37,6 +40,7 @@ TORCH_FREE = (
     "server.engine.scheduler",  # admission and preemption
     "server.engine.itl_budget",  # the prefill budget bounded by step cost
     "server.engine.prefill_share",  # the prefill budget shared between prefills
+    "server.bench_cmd.report_cli",  # kvserve bench's flags: every `kvserve` command line builds its parser
 )
 
 
@@ -85,7 +89,7 @@ def build_graph() -> tuple[dict[str, dict[str, int]], dict[str, dict[str, int]]]
         external[src].setdefault(parts[0], line)
 
     for name, path in modules.items():
-        if "." in name:
+        if "." in name and name.rsplit(".", 1)[0] in modules:  # a folder without __init__.py runs nothing
             internal[name][name.rsplit(".", 1)[0]] = 0
         is_pkg = path.name == "__init__.py"
         tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
@@ -158,6 +162,9 @@ def test_graph_reads_every_module():
     assert "torch" in external["cache_backends.paged"]  # the reader sees a module's imports
     assert "server.engine.scheduler" in internal["server.engine.engine"]  # from x import y
     assert internal["server.engine.scheduler"]["server.engine"] == 0  # a module depends on its package
+    assert "server.bench_cmd.report" in internal["bench.report"]  # the benchmarks and scripts are read too
+    assert "bench.budget" in internal["bench.needle"]  # a lazy import in a function
+    assert "bench.quality" in internal["scripts.convert_mha2mla"]
 
 
 def test_cycle_finder_finds_a_planted_circle():
@@ -169,8 +176,41 @@ def test_cycle_finder_finds_a_planted_circle():
 def test_no_import_cycle():
     internal, _ = build_graph()
     cycles = _cycles(internal)
-    assert not cycles, "import cycles in server/ and cache_backends/:\n" + "\n".join(
+    assert not cycles, f"import cycles in {', '.join(p + '/' for p in PACKAGES)}:\n" + "\n".join(
         _describe(internal, c) for c in cycles)
+
+
+def _tool_imports(internal) -> list[str]:
+    return [f"{src} -> {dst} ({'parent package' if line == 0 else f'line {line}'})"
+            for src, deps in sorted(internal.items()) if src.split(".")[0] in SERVED
+            for dst, line in sorted(deps.items()) if dst.split(".")[0] in TOOLS]
+
+
+def test_the_server_imports_nothing_from_bench_or_scripts():
+    """``server`` and ``cache_backends`` import no module of ``bench`` or ``scripts``, lazily in a function
+    included: the server does not depend on its benchmarks (``kvserve bench``'s code is ``server.bench_cmd``)."""
+    internal, _ = build_graph()
+    found = _tool_imports(internal)
+    assert not found, "the server imports the benchmarks or scripts:\n" + "\n".join(f"  {f}" for f in found)
+
+
+def test_the_tool_import_check_finds_a_planted_import():
+    graph = {"server.cli": {"bench.report": 74, "server": 0}, "bench.report": {"server.bench_cmd.report": 7},
+             "cache_backends.x": {"scripts.make_gguf": 3}}
+    assert _tool_imports(graph) == ["cache_backends.x -> scripts.make_gguf (line 3)",
+                                    "server.cli -> bench.report (line 74)"]
+
+
+def test_kvserve_bench_runs_without_importing_bench():
+    """At run time too (an import by name, ``importlib``, would escape the graph above): ``kvserve``'s parser,
+    the app and ``kvserve bench``'s run load no module of ``bench`` or ``scripts``."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    code = ("import sys, server.cli, server.app, server.bench_cmd.report; server.cli.build_parser(); "
+            "tools = sorted(m for m in sys.modules if m.split('.')[0] in ('bench', 'scripts')); "
+            "assert not tools, tools")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, f"the server loads the benchmarks:\n{proc.stderr[-2000:]}"
 
 
 @pytest.mark.parametrize("module", ["cache_backends.quant", "cache_backends.attention"])

@@ -122,7 +122,8 @@ def test_prices_are_cached_with_their_agreement(setup, tmp_path):
     int4 = create("int4", geometry)
     old = {"kl": 9.0, "ppl_increase_pct": 900.0, "ppl_change_pct": 900.0, "tokens": 512}  # PRICE_VERSION 4's fields
     CalibrationCache(tmp_path).fetch("price", model, cached.ids, {"spec": format_spec("int4", int4.params()),
-                                                                  "prefix": cached.prefix},
+                                                                  "prefix": cached.prefix,
+                                                                  "dtype": cached._dtype()},
                                      fit=lambda: ({"kl": torch.tensor([9.0])}, {"price": old}),
                                      load=lambda _, figures: figures, version=PRICE_VERSION - 1)
     first = cached.price(int4)
@@ -134,6 +135,33 @@ def test_prices_are_cached_with_their_agreement(setup, tmp_path):
     # the new entry records the dtype the model computed in (kvserve estimate shows it); the old one has none
     dtypes = sorted(str(e["figures"].get("dtype")) for e in entries(tmp_path, "price"))
     assert dtypes == sorted(["None", str(model.dtype).removeprefix("torch.")])
+
+
+def test_a_cached_price_is_not_reused_in_another_dtype(setup, tmp_path):
+    """The dtype the model computes in is part of a price entry's key: a price cached in float32 is measured again
+    for the same weights in bfloat16 (whose KV and logits round differently), and each dtype's entry is read back
+    by its own dtype only."""
+    import copy
+
+    from cache_backends.calibration_cache import CalibrationCache, entries
+
+    model, geometry, ids, _ = setup
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    half_geometry = ModelGeometry.from_config(half.config, torch.bfloat16)
+
+    def scorer(m, g):
+        return Scorer(m, g, ids, CalibrationCache(tmp_path), windows=1, window=256, prefix=128)
+
+    full_precision = scorer(model, geometry)
+    measured = full_precision.price(create("int4", geometry))
+    bf16 = scorer(half, half_geometry)
+    in_bf16 = bf16.price(create("int4", half_geometry))
+    assert [e.source for e in bf16.cache.events] == ["fitted"]  # not float32's entry
+    assert in_bf16 != measured
+    assert sorted(e["figures"]["dtype"] for e in entries(tmp_path, "price")) == ["bfloat16", "float32"]
+    for m, g, want in ((model, geometry, measured), (half, half_geometry, in_bf16)):
+        again = scorer(m, g)
+        assert again.price(create("int4", g)) == want and [e.source for e in again.cache.events] == ["cache"]
 
 
 def test_the_search_takes_the_most_compressive_rank_within_the_budget(setup):

@@ -208,6 +208,36 @@ def test_a_chat_model_answers_a_question_only_as_a_chat_turn(chat_server):
     assert chat["prompt_tokens"] == got["presets"][2]["tokens"]
 
 
+OPTIONAL = {"max_new_tokens": 32, "seed": None, "temperature": 1.0, "repetition_penalty": 1.0, "chat": False}
+
+
+def test_null_is_the_default_for_every_optional_generate_field():
+    """``null`` for an optional field of the page's body is its default, as OpenAI's and TGI's clients send an
+    unset field; the required ones still refuse it."""
+    from pydantic import ValidationError
+
+    from server.api.ui import UIGenerateRequest
+
+    fields = {n for n, f in UIGenerateRequest.model_fields.items() if not f.is_required()}
+    assert fields == set(OPTIONAL)  # every optional field is covered here
+    nulls = UIGenerateRequest.model_validate({"prompt": "x", "kv_backend": "full", **dict.fromkeys(OPTIONAL)})
+    assert nulls == UIGenerateRequest(prompt="x", kv_backend="full") and nulls.model_dump(exclude={"prompt",
+                                                                                                   "kv_backend"}) == OPTIONAL
+    for required in ("prompt", "kv_backend"):
+        with pytest.raises(ValidationError):
+            UIGenerateRequest.model_validate({"prompt": "x", "kv_backend": "full", required: None})
+
+
+def test_generate_reads_null_as_the_default(server):
+    """``"chat": null`` (and every other optional field null) answers as the defaults do, not 422."""
+    nulls = _generate(server, kv_backend="full", **dict.fromkeys(OPTIONAL))
+    assert nulls.status_code == 200, nulls.text
+    assert nulls.json()["text"] == _generate(server, kv_backend="full").json()["text"]
+    assert _generate(server, kv_backend="full", max_new_tokens=3, chat=None).status_code == 200
+    r = _generate(server, kv_backend=None)
+    assert r.status_code == 422 and "kv_backend" in r.json()["error"]
+
+
 NOT_SERVED = "not served here; allowed: full, int8, elastic (a server started with KV_BACKENDS=... serves more)"
 
 
@@ -266,15 +296,30 @@ def test_sums_price_each_served_backend_from_the_quality_budget(server):
         assert by_served[name]["price"] == {"served_as": name,
                                             "ppl_increase_pct": quality[name]["price"]["ppl_increase_pct"],
                                             "agreement": quality[name]["price"]["agreement"],
-                                            "within_budget": True, "budget_pct": 1.0, "min_agreement": None}
+                                            "within_budget": True, "budget_pct": 1.0, "min_agreement": None,
+                                            "agreement_shortfall": None, "closest": False}
         assert 0.9 <= by_served[name]["price"]["agreement"] <= 1
     assert by_served["full"]["price"] == {"served_as": "full", "ppl_increase_pct": 0.0, "agreement": 1.0,
-                                          "within_budget": True, "budget_pct": 1.0, "min_agreement": None}
+                                          "within_budget": True, "budget_pct": 1.0, "min_agreement": None,
+                                          "agreement_shortfall": None, "closest": False}
     assert all(r["price"] is None for r in rows if not r["served_as"])
-    assert served_price(["gqa"], {"gqa": {"price": {"ppl_increase_pct": 7.5, "agreement": 0.61},
-                                          "within_budget": False, "budget_pct": 1.0, "min_agreement": 0.9}}) == {
+
+
+def test_served_price_carries_the_agreement_shortfall():
+    """A price under KV_QUALITY_MIN_AGREEMENT carries /info's agreement_shortfall to the page, and ``closest`` when
+    the search served the setting closest to the bound (none reached it) rather than an explicit setting."""
+    explicit = {"price": {"ppl_increase_pct": 7.5, "agreement": 0.61}, "within_budget": False, "budget_pct": 1.0,
+                "min_agreement": 0.9, "agreement_shortfall": 0.29, "searched": None, "explicit": False}
+    assert served_price(["gqa"], {"gqa": explicit}) == {
         "served_as": "gqa", "ppl_increase_pct": 7.5, "agreement": 0.61, "within_budget": False, "budget_pct": 1.0,
-        "min_agreement": 0.9}
+        "min_agreement": 0.9, "agreement_shortfall": 0.29, "closest": False}
+    searched = {**explicit, "searched": "groups"}
+    assert served_price(["gqa"], {"gqa": searched})["closest"] is True
+    assert served_price(["gqa"], {"gqa": {**searched, "explicit": True}})["closest"] is False
+    within = {**searched, "within_budget": True, "agreement_shortfall": None, "price": {"ppl_increase_pct": 0.5,
+                                                                                        "agreement": 0.95}}
+    assert served_price(["gqa"], {"gqa": within})["agreement_shortfall"] is None
+    assert served_price(["gqa"], {"gqa": within})["closest"] is False
 
 
 def test_sums_warn_past_the_models_positions(server):

@@ -106,12 +106,16 @@ def loading_server():
     yield from stub_page(stub, routes)
 
 
-def answering_stub(served_info: dict):
+def answering_stub(served_info: dict, more_routes=None):
     """A stub of a chat model serving ``served_info`` as /info, whose every backend answers end-of-text at once
-    (SmolLM2 given a question as raw text): one token, no TPOT; keeps the bodies the page sent."""
+    (SmolLM2 given a question as raw text): one token, no TPOT; keeps the bodies the page sent. ``more_routes(app)``
+    adds routes of its own first."""
     stub = SimpleNamespace(bodies=[])
 
     def routes(app):
+        if more_routes:
+            more_routes(app)
+
         @app.get("/health")
         async def health():
             return {"status": "ok"}
@@ -145,8 +149,19 @@ BOUNDED_INT8 = {"backend": "int8", "spec": "int8:group_size=32,residual=32", "bu
                 "price": {"kl": 0.004, "ppl_increase_pct": 0.4, "ppl_change_pct": 0.3, "tokens": 768,
                           "agreement": 0.85},
                 "within_budget": False, "saves_nothing": False, "searched": None, "explicit": False,
+                "agreement_shortfall": 0.05,
                 "message": "int8: int8:group_size=32,residual=32: under the quality budget's top-1 agreement of 0.9 "
-                           "(explicit setting): 3.14x smaller than full for +0.40% perplexity, top-1 agreement 0.850"}
+                           "(short by 0.0500) (explicit setting): 3.14x smaller than full for +0.40% perplexity, "
+                           "top-1 agreement 0.850"}
+# int4 whose search found no setting reaching the agreement bound: the closest one is served, short of it
+CLOSEST_INT4 = {"backend": "int4", "spec": "int4:rotate=true", "budget_pct": 1.0, "min_agreement": 0.95,
+                "price": {"kl": 0.006, "ppl_increase_pct": 0.6, "ppl_change_pct": 0.5, "tokens": 768,
+                          "agreement": 0.9125},
+                "within_budget": False, "saves_nothing": False, "searched": "rotate", "explicit": False,
+                "agreement_shortfall": 0.0375,
+                "message": "int4: int4:rotate=true: under the quality budget's top-1 agreement of 0.95 (short by "
+                           "0.0375) (no setting within it; the highest agreement of those tried: ...): 3.76x smaller "
+                           "than full for +0.60% perplexity, top-1 agreement 0.912"}
 
 
 @pytest.fixture
@@ -155,6 +170,32 @@ def bounded_server():
     /info's ``kv_quality`` gives it."""
     yield from answering_stub({**STUB_INFO, "kv_quality_budget_pct": 1.0, "kv_quality_min_agreement": 0.9,
                                "kv_quality": {"int8": BOUNDED_INT8}})
+
+
+@pytest.fixture
+def closest_server():
+    """:func:`answering_stub` serving full and :data:`CLOSEST_INT4`, with a sums route that prices its rows as
+    kvserve's does (:func:`server.api.ui.served_price`)."""
+    from server.api.ui import served_price
+
+    info = {**STUB_INFO, "kv_backends": ["full", "int4"], "kv_quality_budget_pct": 1.0,
+            "kv_quality_min_agreement": 0.95, "kv_quality": {"int4": CLOSEST_INT4}}
+
+    def row(backend, per_layer, served_as):
+        return {"backend": backend, "params": {}, "bytes_per_token_per_layer": per_layer, "aka": None,
+                "bytes_per_token": per_layer * 2, "total_bytes": per_layer * 2 * 1024, "vs_full": 1024 / per_layer,
+                "served_as": served_as, "price": served_price(served_as, info["kv_quality"])}
+
+    def sums(app):
+        @app.get("/ui/api/sums")
+        async def ui_sums():
+            return {"model": "stub-model", "dtype": "float32", "num_layers": 2, "seq_len": 1024, "batch": 1,
+                    "max_position_embeddings": 2048, "warnings": [],
+                    "rows": [row("full", 1024, ["full"]), row("int4", 272, ["int4"]), row("int8", 544, [])]}
+
+    stubs = answering_stub(info, sums)
+    yield next(stubs)
+    next(stubs, None)
 
 
 def _browser_paths() -> tuple[str, str]:
@@ -301,7 +342,35 @@ def test_a_backend_under_the_agreement_bound_is_flagged_with_its_agreement(brows
     assert flag.text == "⚠ over budget: top-1 agreement 0.850"
     assert flag.get_attribute("title") == ("+0.40% perplexity, top-1 agreement 0.850, under the quality budget's "
                                            "top-1 agreement of 0.9")
+    short = row.find_element(By.CSS_SELECTOR, "th .agreement-shortfall")  # an explicit setting: no "closest"
+    assert short.is_displayed() and short.text == "⚠ agreement short by 0.0500"
+    assert short.get_attribute("title") == "top-1 agreement 0.850, 0.0500 under the quality budget's bound of 0.9"
     assert not browser.find_elements(By.CSS_SELECTOR, '#summary-table tr[data-backend="full"] .over-budget')
+    assert not browser.find_elements(By.CSS_SELECTOR, '#summary-table tr[data-backend="full"] .agreement-shortfall')
+
+
+def test_the_closest_setting_short_of_the_agreement_bound_is_flagged(browser, closest_server):
+    """No setting the search tried reaches KV_QUALITY_MIN_AGREEMENT, so the closest is served: /info's
+    agreement_shortfall shows as a flag beside the price, on the summary row and in the sums view."""
+    query = urlencode({"prompt": "What is the capital of France?", "backends": "full,int4", "runs": 1, "chat": 0})
+    browser.get(f"{closest_server.url}/?{query}")
+    wait(browser, lambda d: len(cards(d)) == 2 and d.find_element(By.ID, "run").is_enabled(), 60)
+    row = browser.find_element(By.CSS_SELECTOR, '#summary-table tr[data-backend="int4"]')
+    assert row.find_element(By.CSS_SELECTOR, "th .over-budget").text == "⚠ over budget: top-1 agreement 0.912"
+    short = row.find_element(By.CSS_SELECTOR, "th .agreement-shortfall")
+    assert short.is_displayed() and short.text == "⚠ closest setting: agreement short by 0.0375"
+    assert short.get_attribute("title") == ("no setting the search tried reaches the top-1 agreement of 0.95: the "
+                                            "closest is served, 0.0375 under it")
+    assert float(short.get_attribute("data-shortfall")) == 0.0375
+    browser.get(f"{closest_server.url}/?view=sums")
+    wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#sums-table tbody tr"))
+    price = {r.get_attribute("data-backend"): r.find_element(By.CSS_SELECTOR, ".price")
+             for r in browser.find_elements(By.CSS_SELECTOR, "#sums-table tbody tr")}
+    flag = price["int4"].find_element(By.CSS_SELECTOR, ".agreement-shortfall")
+    assert flag.is_displayed() and flag.text == "⚠ closest setting: agreement short by 0.0375"
+    assert "under the quality budget's top-1 agreement of 0.95" in price["int4"].text
+    assert not price["full"].find_elements(By.CSS_SELECTOR, ".agreement-shortfall")
+    assert not price["int8"].find_elements(By.CSS_SELECTOR, ".agreement-shortfall")
 
 
 def test_shared_url_marks_the_first_diverging_token(browser, server):

@@ -34,6 +34,7 @@ from cache_backends.estimate import DTYPE_BYTES, Shape, bytes_per_token_per_laye
 from cache_backends.registry import available
 from cache_backends.spec import parse_spec
 from server.api.common import SHUTDOWN_MESSAGE, get_service
+from server.api.request_model import RequestModel
 from server.api.threaded_body import ThreadedBodyRoute
 from server.api.types import Int
 from server.api.ui_compression import uncompressed_reason
@@ -67,8 +68,9 @@ async def asset(name: str):
     return FileResponse(ASSETS / name, media_type=ASSET_TYPES[name], headers={"Cache-Control": "no-cache"})
 
 
-class UIGenerateRequest(BaseModel):
-    """One comparison run: greedy when ``seed`` is null, else seeded sampling at ``temperature``."""
+class UIGenerateRequest(RequestModel):
+    """One comparison run: greedy when ``seed`` is null, else seeded sampling at ``temperature``. ``null`` for
+    any optional field means its default (:class:`server.api.request_model.RequestModel`)."""
 
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
@@ -215,17 +217,22 @@ def sums_specs(shape: Shape, dtype_bytes: int) -> list[str]:
 def served_price(names: list[str], quality: dict) -> dict | None:
     """The quality budget's price of the first of the served backends ``names`` that it priced (``/info``'s
     ``kv_quality``): its perplexity increase (percent), its top-1 agreement with ``full`` (0-1), whether it is
-    within the budget (both bounds), the budget and the agreement bound (``None``: none); ``full``'s is 0 and 1
-    (the reference every price is measured against); ``None`` when none was priced (the budget off)."""
+    within the budget (both bounds), the budget and the agreement bound (``None``: none), how far the agreement is
+    under that bound (``agreement_shortfall``, ``None`` when it is not) and whether the search served the setting
+    closest to the bound because none reached it (``closest``); ``full``'s is 0 and 1 (the reference every price is
+    measured against); ``None`` when none was priced (the budget off)."""
     for name in names:
         q = quality.get(name) or {}
         if name == "full":
             return {"served_as": name, "ppl_increase_pct": 0.0, "agreement": 1.0, "within_budget": True,
-                    "budget_pct": q.get("budget_pct"), "min_agreement": q.get("min_agreement")}
+                    "budget_pct": q.get("budget_pct"), "min_agreement": q.get("min_agreement"),
+                    "agreement_shortfall": None, "closest": False}
         if q.get("price"):
+            short = q.get("agreement_shortfall")
             return {"served_as": name, "ppl_increase_pct": q["price"]["ppl_increase_pct"],
                     "agreement": q["price"]["agreement"], "within_budget": q["within_budget"],
-                    "budget_pct": q["budget_pct"], "min_agreement": q["min_agreement"]}
+                    "budget_pct": q["budget_pct"], "min_agreement": q["min_agreement"], "agreement_shortfall": short,
+                    "closest": bool(short and q.get("searched") and not q.get("explicit"))}
     return None
 
 

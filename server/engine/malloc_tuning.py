@@ -9,7 +9,7 @@ decode step of 16 sequences x 512 cached tokens on the reference model took 111-
 (4 fresh processes, 3 each) against 42-47 ms in the others, the same code (``bench.budget.step_time``; 42-54 ms
 in 12 of 12 with the thresholds fixed). :func:`keep_step_memory` fixes both (what
 ``GLIBC_TUNABLES=glibc.malloc.mmap_threshold=...:glibc.malloc.trim_threshold=...`` does, here at run time with
-``mallopt``); the benchmarks that step an engine in-process call it (``bench.budget.new_engine``).
+``mallopt``); the benchmarks that step an engine in-process call it (``server.bench_cmd.in_process.new_engine``).
 
 The engine core process (``ENGINE_PROCESS=true``, the default) steps its engine on its main thread too, and calls
 it at start; its idle spells hand the kept heap back (:func:`trim`), so a busy core keeps up to

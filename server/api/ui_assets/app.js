@@ -109,6 +109,18 @@ const missesAgreement = (p) => p.min_agreement !== null && p.min_agreement !== u
 // The over-budget flag of a summary row: the figure that misses the budget (the price first).
 const budgetFlag = (p) => `⚠ over budget: ${p.ppl_increase_pct > p.budget_pct || !missesAgreement(p)
   ? `+${p.ppl_increase_pct.toFixed(2)}%` : `top-1 agreement ${p.agreement.toFixed(3)}`}`;
+// The shortfall flag of a price under the agreement bound: by how much, and in its title whether the search served
+// the closest setting it found because none reached the bound (null: no shortfall).
+function shortfallFlag(p) {
+  if (!p || !p.agreement_shortfall) return null;
+  const by = p.agreement_shortfall.toFixed(4);
+  const title = p.closest
+    ? `no setting the search tried reaches the top-1 agreement of ${p.min_agreement}: the closest is served, ` +
+      `${by} under it`
+    : `top-1 agreement ${p.agreement.toFixed(3)}, ${by} under the quality budget's bound of ${p.min_agreement}`;
+  return el("span", { class: "agreement-shortfall", "data-shortfall": String(p.agreement_shortfall), title,
+                      text: `⚠ ${p.closest ? "closest setting: " : ""}agreement short by ${by}` });
+}
 const sleep = (t) => new Promise((resolve) => setTimeout(resolve, t));
 
 function median(values) {
@@ -256,7 +268,8 @@ function servedPrice(name) {
   const q = (info.kv_quality || {})[name];
   return q && q.price ? { served_as: name, ppl_increase_pct: q.price.ppl_increase_pct, agreement: q.price.agreement,
                           within_budget: q.within_budget, budget_pct: q.budget_pct,
-                          min_agreement: q.min_agreement } : null;
+                          min_agreement: q.min_agreement, agreement_shortfall: q.agreement_shortfall,
+                          closest: Boolean(q.agreement_shortfall && q.searched && !q.explicit) } : null;
 }
 
 // The quality budget's word on a served backend when the user should hear it: over the budget, or no saving.
@@ -448,6 +461,8 @@ function renderSummary(order, results, timings, s) {
     if (price && !price.within_budget) {
       name.append(el("span", { class: "over-budget", title: priceText(price), text: budgetFlag(price) }));
     }
+    const short = shortfallFlag(price);
+    if (short) name.append(short);
     body.append(el("tr", { "data-backend": b },
       name,
       cell("bytes-ratio", sizeRatio(vs.peak), `${int(r.kv_bytes_per_token)} B/token`, { "data-ratio": String(vs.peak) }),
@@ -592,6 +607,11 @@ async function loadSums(ev) {
     const fullPer = r.vs_full ? r.bytes_per_token_per_layer * r.vs_full : null;
     const vs = ranged && fullPer ? `${sizeRatio(1)} to ${sizeRatio(r.min_bytes_per_token_per_layer / fullPer)}`
                                  : r.vs_full ? sizeRatio(1 / r.vs_full) : "–";
+    const priceCell = el("td", { class: r.price && !r.price.within_budget ? "price over-budget-price" : "price",
+                                 "data-price": r.price ? String(r.price.ppl_increase_pct) : "",
+                                 "data-agreement": r.price ? String(r.price.agreement) : "", text: priceText(r.price) });
+    const short = shortfallFlag(r.price);
+    if (short) priceCell.append(short);
     body.append(el("tr", { "data-backend": r.backend, "data-aka": r.aka || "" },
       el("th", { scope: "row", text: r.aka ? `${r.backend} (${r.aka})` : r.backend }),
       el("td", { class: "params", text: params }),
@@ -599,9 +619,7 @@ async function loadSums(ev) {
       el("td", { class: "total", text: total }),
       el("td", { class: "vs-full", text: vs }),
       el("td", { class: "served", text: r.served_as.join(", ") || "–" }),
-      el("td", { class: r.price && !r.price.within_budget ? "price over-budget-price" : "price",
-                 "data-price": r.price ? String(r.price.ppl_increase_pct) : "",
-                 "data-agreement": r.price ? String(r.price.agreement) : "", text: priceText(r.price) })));
+      priceCell));
   }
   labelCells($("#sums-table"));
 }
