@@ -427,3 +427,12 @@ def test_smollm2_greedy_tokens_are_those_of_eager_attention_under_the_same_mask(
         ids.append(reference[-1])
     assert tokens == reference
     assert len(blocks.pages()) <= 1 + 2 * -(-(16 - 1 + 64) // 16)  # the sinks' page and the window's, per group
+
+
+def test_start_up_warns_of_a_window_the_budget_prices_blind(tiny):
+    """``/info``'s ``kv_quality`` and the start-up log carry the warning for ``window`` (not for ``full``)."""
+    from server.engine_loading import window_warning
+
+    geometry = _geometry(tiny[0])
+    assert "loses retrieval" in window_warning(create("window", geometry))
+    assert window_warning(create("full", geometry)) is None
