@@ -42,20 +42,20 @@ def ungroup(out: torch.Tensor) -> torch.Tensor:
     return out.reshape(1, h * rep, 1, d)
 
 
-def causal_mask(q_len: int, kv_len: int, device, window: int | None = None) -> torch.Tensor | None:
+def causal_mask(q_len: int, kv_len: int, device, window: int | None = None, sinks: int = 0) -> torch.Tensor | None:
     """Bool mask (q_len, kv_len) for queries at the last ``q_len`` positions, each seeing only its last ``window``
-    tokens (itself included) when ``window`` is given; ``None`` when nothing is masked (q_len == 1 and no window
-    shorter than kv_len)."""
+    tokens (itself included) when ``window`` is given, and then also the first ``sinks`` tokens (attention sinks,
+    StreamingLLM arXiv 2309.17453); ``None`` when nothing is masked (q_len == 1 and no window shorter than kv_len)."""
     if q_len == 1 and (window is None or window >= kv_len):
         return None
     rows = torch.arange(q_len, device=device).unsqueeze(1) + (kv_len - q_len)
     cols = torch.arange(kv_len, device=device).unsqueeze(0)
     mask = cols <= rows
-    return mask if window is None else mask & (cols > rows - window)
+    return mask if window is None else mask & ((cols > rows - window) | (cols < sinks))
 
 
 def attend_kv(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
-              window: int | None = None) -> torch.Tensor:
+              window: int | None = None, sinks: int = 0) -> torch.Tensor:
     """Causal attention of one sequence's new queries over its cached K/V (the queries are the newest tokens).
 
     Args:
@@ -64,12 +64,17 @@ def attend_kv(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sca
         values: (1, H, T, dv).
         scaling: softmax scale (seconds-free: 1/sqrt(d) by default in the model).
         window: a sliding window: each query sees only the last ``window`` tokens up to itself; ``None``: all.
+        sinks: with ``window``, the first ``sinks`` tokens are seen too (attention sinks, arXiv 2309.17453).
 
     Returns:
         (1, Hq, q_len, dv).
     """
     h = keys.shape[1]
     q_len = query.shape[-2]
+    if sinks and window is not None and window < keys.shape[-2]:  # sinks and a window: a mask
+        mask = causal_mask(q_len, keys.shape[-2], query.device, window, sinks)
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling,
+                                              enable_gqa=query.shape[1] != h)
     if window is not None and q_len == 1 and window < keys.shape[-2]:  # decode: the window is the last tokens
         keys, values = keys[:, :, -window:], values[:, :, -window:]
     if q_len == 1:  # decode: one matrix product per K/V head, no repeat of K/V for GQA
@@ -99,8 +104,9 @@ class LayerRead:
     def attend(self, query: torch.Tensor, scaling: float, window: int | None = None) -> torch.Tensor:
         """(1, Hq, q_len, d) queries → (1, Hq, q_len, dv) attention output. Under a ``window`` shorter than the
         layer's tokens, the layer's K/V are rebuilt (:meth:`cache_backends.base.KVLayer.materialize`, a transient
-        copy) and attended under the window's mask: the per-sequence stores' reference path."""
-        if window is not None and window < self.layer.get_seq_length():
+        copy) and attended under the window's mask: the per-sequence stores' reference path. A layer with a window
+        of its own (``own_window``: :class:`cache_backends.window.WindowLayer`) applies its own rule."""
+        if window is not None and window < self.layer.get_seq_length() and not self.layer.own_window:
             keys, values = self.layer.materialize()
             return attend_kv(query, keys, values, scaling, window)
         return self.layer.attend(query, scaling)

@@ -167,6 +167,7 @@ class KVLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = False
     in_place = True
+    own_window = False  # a layer that masks its own window (the window backend's), whatever the model passes
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.is_initialized = True

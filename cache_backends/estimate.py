@@ -81,27 +81,40 @@ def window_groups(layer_windows: tuple[int | None, ...], num_layers: int) -> lis
     return [(w, layers) for w, layers in groups if layers]
 
 
-def window_tokens_held(spec: KVSpec, seq_len: int, window: int | None) -> tuple[int, int]:
+def window_rules(layer_windows: tuple[int | None, ...], num_layers: int, window: int,
+                 sinks: int) -> list[tuple[int, int | None]]:
+    """Each layer's ``(window, sinks)`` under the ``window`` backend (StreamingLLM, arXiv 2309.17453): a model's own
+    sliding window ``w <= window`` stays as it is with no sinks (``sinks`` ``None``: the layer's own rule, nothing
+    added beyond what it sees); every other layer (global, or a wider sliding window) sees ``sinks`` first tokens
+    and ``window`` recent ones."""
+    own = layer_windows or (None,) * num_layers
+    return [(w, None) if w is not None and w <= window else (window, sinks) for w in own]
+
+
+def window_tokens_held(spec: KVSpec, seq_len: int, window: int | None, sinks: int | None = None) -> tuple[int, int]:
     """``(exact, quantized)`` tokens one layer of ``spec`` holds at ``seq_len`` tokens when it keeps only what the
     next query sees besides itself: every token on a global layer (``window`` ``None``); on a sliding layer the
     newest ``window - 1``, of which a quantized tier's residual window and forming group stay exact, the rest
     codes (its exact tokens are never dropped; the pool frees codes in whole pages, so a layer holds up to one page
-    of older codes more: :mod:`cache_backends.hybrid`)."""
+    of older codes more: :mod:`cache_backends.hybrid`). ``sinks`` (the ``window`` backend): the first ``sinks``
+    tokens are held too, ``min(seq_len, window - 1 + sinks)`` in all."""
     exact, codes = spec.tokens_held(seq_len)
     if window is None:
         return exact, codes
-    keep = min(seq_len, window - 1)
+    keep = min(seq_len, window - 1 + (sinks or 0))
     if spec.quantization is None or spec.quantization.on_demand:
         return min(exact + codes, keep), 0
     return exact, max(0, keep - exact)
 
 
-def windowed_bytes_per_token_per_layer(spec: KVSpec, groups: Sequence[tuple[int | None, int]], seq_len: int) -> float:
-    """Bytes per token per layer of ``spec``'s streams when each group of layers ``(window, layers)`` holds only
-    its window (:func:`window_tokens_held`): a sliding layer at most ``window - 1`` tokens (what the next query
-    sees besides itself), a global one (window ``None``) every token (:mod:`cache_backends.hybrid`)."""
-    total = sum(spec.with_layers(n).stored_bytes(*window_tokens_held(spec, seq_len, w)) for w, n in groups if n)
-    return total / (sum(n for _, n in groups) * max(seq_len, 1))
+def windowed_bytes_per_token_per_layer(spec: KVSpec, groups: Sequence[tuple], seq_len: int) -> float:
+    """Bytes per token per layer of ``spec``'s streams when each group of layers ``(window, layers)`` (or ``(window,
+    layers, sinks)``) holds only its window (:func:`window_tokens_held`): a sliding layer at most ``window - 1``
+    tokens (what the next query sees besides itself) and its sinks, a global one (window ``None``) every token
+    (:mod:`cache_backends.hybrid`)."""
+    total = sum(spec.with_layers(g[1]).stored_bytes(*window_tokens_held(spec, seq_len, g[0], *g[2:]))
+                for g in groups if g[1])
+    return total / (sum(g[1] for g in groups) * max(seq_len, 1))
 
 
 WINDOWED = ("full", "int8", "int4")
@@ -202,6 +215,7 @@ def default_params(shape: Shape, backend: str) -> dict:
         "int4": {"group_size": 32, "residual": 32, "key_bits": 4, "value_bits": 4},
         "dca": {"reuse_fraction": 0.5, "window": 32},
         "elastic": {"group_size": 32, "window": 32, "bits": 8},
+        "window": {"sinks": 4, "window": 1024},
     }
     out = {}
     for part in backend.split("+"):
@@ -236,6 +250,9 @@ def kv_spec(shape: Shape, backend: str, params: dict, dtype_bytes: int) -> KVSpe
         ValueError: for an unknown backend, or a parameter the shape cannot take.
     """
     check_composition(backend)
+    if backend.split("+")[0] == "window":  # what it keeps, it keeps in the inner form
+        rest = {k: v for k, v in params.items() if k not in ("sinks", "window")}
+        return kv_spec(shape, "full" if backend == "window" else backend.split("+")[1], rest, dtype_bytes)
     params = {**default_params(shape, backend), **params}
     h, dk, dv = shape.num_key_value_heads, shape.k_head_dim, shape.v_head_dim
     outer = backend.split("+")[0]
@@ -282,6 +299,14 @@ def bytes_per_token_per_layer(shape: Shape, backend: str, params: dict, dtype_by
         ValueError: for an unknown backend or a parameter the shape cannot take.
     """
     check_composition(backend)
+    if backend.split("+")[0] == "window":  # sinks and a window on every layer (a model's narrower windows kept)
+        opts = {**default_params(shape, "window"), **params}
+        rules = window_rules(shape.layer_windows, shape.num_layers, opts["window"], opts["sinks"])
+        counts: dict = {}
+        for rule in rules:
+            counts[rule] = counts.get(rule, 0) + 1
+        return windowed_bytes_per_token_per_layer(kv_spec(shape, backend, params, dtype_bytes),
+                                                  [(w, n, s) for (w, s), n in counts.items()], seq_len)
     if backend in WINDOWED and shape.layer_windows:
         return windowed_bytes_per_token_per_layer(kv_spec(shape, backend, params, dtype_bytes), shape.window_groups(),
                                                   seq_len)

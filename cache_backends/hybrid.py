@@ -22,6 +22,13 @@ fewer layers holds more tokens a page):
     tokens plus at most ``q_tokens - 1`` older codes in its first page; its exact residual window is never
     dropped. A step holds the codes of its drained tokens before the drop.
 
+*Sinks* (the ``window`` backend, StreamingLLM arXiv 2309.17453: :mod:`cache_backends.window`): a group whose window
+the backend imposes (``sinks`` not ``None``; on a model's own sliding layers it is ``None``) also keeps the first
+``sinks`` tokens. Its window drops pages as above, but a page that holds a position below ``sinks`` is moved to
+``SeqBlocks.sink`` (the sink tier's: exact pages on an exact layout, quantized pages on a quantized one) instead of
+being freed; every other page the window leaves goes back to the pool. The group holds ``min(sinks, first)`` tokens
+besides its live ones (:meth:`HybridLayout.stored_bytes`), in at most ``ceil(sinks / tier_tokens)`` pages.
+
 An on-demand tier (``elastic``, quantized when the pool runs short) keeps every token in every layer. A hybrid layout
 is not prefix-cached (a hit would need the sliding groups' last window of blocks as well as every block of the
 global group: vLLM's rule, not done here).
@@ -70,6 +77,8 @@ class HybridLayout:
         groups: each group's layout (pages of the pool's size; one backend's streams and tier, each group's layers).
         windows: each group's window (``None``: global).
         layers: each group's model layers, in order.
+        sinks: per group, ``None`` (a model's own window, or a global group) or the attention sinks of a window the
+            backend imposes (``window``: :mod:`cache_backends.window`; 0 allowed): the module.
 
     Raises:
         ValueError: for a group layout with an on-demand tier (``elastic``).
@@ -78,10 +87,12 @@ class HybridLayout:
     on_demand = False
     cacheable = False  # see the module
 
-    def __init__(self, groups: list[PageLayout], windows: list[int | None], layers: list[list[int]]):
+    def __init__(self, groups: list[PageLayout], windows: list[int | None], layers: list[list[int]],
+                 sinks: list[int | None] | None = None):
         if any(g.on_demand for g in groups):
             raise ValueError("a hybrid layout keeps no on-demand tier: elastic keeps every token in every layer")
         self.groups, self.windows, self.layers = groups, windows, layers
+        self.sinks = list(sinks) if sinks is not None else [None] * len(groups)
         self.quantization = groups[0].quantization  # every group's: one backend's tier
         self.page_bytes = groups[0].page_bytes
         self.exact_tokens = min(g.exact_tokens for g in groups)
@@ -137,24 +148,36 @@ class HybridLayout:
         exact pages, and a sliding group's pages of tokens older than its window)."""
         end = blocks.length + plan.n
         freed = []
-        for layout, window, own, p in zip(self.groups, self.windows, blocks.groups, plan.groups):
+        for layout, window, own, p, sinks in zip(self.groups, self.windows, blocks.groups, plan.groups, self.sinks):
             if window is None or layout.quantization:
                 freed += layout.commit(own, p)
                 if p.free_q_front:  # whole pages from the front: ``first`` stays at a page's (a group's) start
-                    freed += own.q[: p.free_q_front]
+                    pin = self._pinned(sinks, own.first, layout.q_tokens, p.free_q_front)
+                    own.sink += own.q[:pin]
+                    freed += own.q[pin : p.free_q_front]
                     del own.q[: p.free_q_front]
                     own.q_len -= p.free_q_front * layout.q_tokens
                     own.first += p.free_q_front * layout.q_tokens
                 continue
             drop = max(own.first, end - (window - 1)) - own.first
+            pin = self._pinned(sinks, own.first - own.start, layout.exact_tokens, p.free_front)
             own.exact_len += p.n - drop
             own.first += drop
             start = own.start + drop
-            freed += own.exact[: p.free_front]
+            own.sink += own.exact[:pin]
+            freed += own.exact[pin : p.free_front]
             del own.exact[: p.free_front]
             own.start = start - p.free_front * layout.exact_tokens
         blocks.length = end
         return freed
+
+    @staticmethod
+    def _pinned(sinks: int | None, base: int, tier_tokens: int, leaving: int) -> int:
+        """Of the ``leaving`` front pages of a tier whose first holds positions from ``base`` on (``tier_tokens`` a
+        page), those that hold a position below ``sinks``: kept as sink pages, not freed."""
+        if not sinks or base >= sinks:
+            return 0
+        return min(leaving, math.ceil((sinks - base) / tier_tokens))
 
     # ---- sizes ----------------------------------------------------------------------------------------
     def written(self, start: HybridBlocks, tokens: int) -> HybridBlocks:
@@ -188,8 +211,15 @@ class HybridLayout:
         most = self.pages_for(prompt, chunk)
         if total <= prompt:
             return most
-        return max(most, sum(self._decode_pages(layout, window, total)
-                             for layout, window in zip(self.groups, self.windows)))
+        return max(most, sum(self._decode_pages(layout, window, total) + self._sink_pages(layout, sinks, total)
+                             for layout, window, sinks in zip(self.groups, self.windows, self.sinks)))
+
+    @staticmethod
+    def _sink_pages(layout: PageLayout, sinks: int | None, total: int) -> int:
+        """The pages a group of ``layout`` keeps for its ``sinks`` (the sink tier's, at most ``total`` tokens')."""
+        if not sinks:
+            return 0
+        return math.ceil(min(sinks, total) / (layout.q_tokens if layout.quantization else layout.exact_tokens))
 
     @staticmethod
     def _decode_pages(layout: PageLayout, window: int | None, total: int) -> int:
@@ -240,12 +270,24 @@ class HybridLayout:
                 codes = len(own.q)
             else:  # and no more than every code the whole context has
                 codes = math.ceil(min(max(chunk + window + tq - 1, chunk + pending), own.first + own.q_len) / tq)
-            extra += max(0, codes + exact - len(own.pages()))
+            extra += max(0, codes + exact - len(own.exact) - len(own.q))  # a window's sink pages stay as they are
         return extra
 
+    def _sink_held(self, index: int, own) -> int:
+        """Tokens group ``index`` holds besides its live ones: the sinks the window has passed (``min(sinks,
+        first)``), in its sink pages or in the dead slots of its first page."""
+        sinks = self.sinks[index]
+        return min(sinks, own.first) if sinks else 0
+
     def stored_bytes(self, blocks: HybridBlocks) -> int:
-        """Bytes of the tokens every group holds (each group's layers)."""
-        return sum(g.stored_bytes(b) for g, b in zip(self.groups, blocks.groups))
+        """Bytes of the tokens every group holds (each group's layers), a ``window`` group's sinks included (in the
+        sink tier: codes on a quantized layout)."""
+        total = 0
+        for i, (g, b) in enumerate(zip(self.groups, blocks.groups)):
+            held = self._sink_held(i, b)
+            total += g.spec.stored_bytes(b.exact_len + (0 if g.quantization else held),
+                                         b.q_len + (held if g.quantization else 0))
+        return total
 
     def used_bytes(self) -> int:
         return min(g.used_bytes() for g in self.groups)
@@ -253,8 +295,10 @@ class HybridLayout:
     def tier_tokens(self, blocks: HybridBlocks) -> dict[str, int]:
         """Tokens held per tier, averaged over the layers (a sliding layer's dropped tokens count out), rounded."""
         held: dict[str, int] = {}
-        for layout, own, layers in zip(self.groups, blocks.groups, self.layers):
+        for i, (layout, own, layers) in enumerate(zip(self.groups, blocks.groups, self.layers)):
+            sink_tier = layout.q_tier if layout.quantization else "exact"
             for tier, tokens in layout.tier_tokens(own).items():
+                tokens += self._sink_held(i, own) if tier == sink_tier else 0
                 held[tier] = held.get(tier, 0) + tokens * len(layers)
         total = sum(len(layers) for layers in self.layers)
         return {tier: round(tokens / total) for tier, tokens in held.items()}
@@ -278,7 +322,8 @@ class HybridStepMeta:
 
     def __init__(self, layout: HybridLayout, rows: list, device):
         self.layout = layout
-        self.groups = [StepMeta(g, [(b.groups[i], p.groups[i]) for b, p in rows], device)
+        self.groups = [StepMeta(g, [(b.groups[i], p.groups[i]) for b, p in rows], device, sinks=layout.sinks[i],
+                                sink_window=layout.windows[i] if layout.sinks[i] is not None else None)
                        for i, g in enumerate(layout.groups)]
         first = self.groups[0]
         self.query_positions, self.n, self.batch = first.query_positions, first.n, first.batch

@@ -29,6 +29,9 @@ class SeqBlocks:
         q_len: quantized tokens.
         first: the position of the first token they hold (0 but for a ``dca`` layer that keeps only some of a
             sequence's tokens: :mod:`cache_backends.dca.plan`).
+        sink: pages kept for a ``window`` group's attention sinks (:mod:`cache_backends.hybrid`): the pages of the
+            sink tier (exact, or quantized on a quantized layout) that held positions ``[0, sinks)`` when the window
+            left them, position ``k * tier_tokens + u`` at slot ``u`` of ``sink[k]``; empty until then.
     """
 
     exact: list[int] = field(default_factory=list)
@@ -37,6 +40,7 @@ class SeqBlocks:
     q: list[int] = field(default_factory=list)
     q_len: int = 0
     first: int = 0
+    sink: list[int] = field(default_factory=list)
 
     @property
     def tokens(self) -> int:
@@ -44,10 +48,11 @@ class SeqBlocks:
         return self.q_len + self.exact_len
 
     def pages(self) -> list[int]:
-        return self.exact + self.q
+        return self.exact + self.q + self.sink
 
     def copy(self) -> "SeqBlocks":
-        return SeqBlocks(list(self.exact), self.start, self.exact_len, list(self.q), self.q_len, self.first)
+        return SeqBlocks(list(self.exact), self.start, self.exact_len, list(self.q), self.q_len, self.first,
+                         list(self.sink))
 
 
 @dataclass

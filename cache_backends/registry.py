@@ -7,7 +7,9 @@ Compositions (``outer+inner``):
 * ``dca+int8``, ``dca+mla`` — kept layers store what the inner backend stores; reuse layers predict from
   it, and every similarity (prefill decision, probes) is measured on the inner backend's rebuilt K/V;
 * ``gqa+int4``, ``mla+int4``, ``dca+int4`` — the same with ``int4`` (every composition that takes ``int8``
-  takes ``int4``; either takes the quantization options ``key_bits``, ``value_bits`` and ``rotate``).
+  takes ``int4``; either takes the quantization options ``key_bits``, ``value_bits`` and ``rotate``);
+* ``window+int8``, ``window+int4`` — StreamingLLM's sinks and window over the quantized tiers (the codes of tokens the
+  window left are freed). ``window`` composes with nothing else (:data:`cache_backends.spec.WINDOW_REFUSALS`).
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ from cache_backends.gqa import GQABackend
 from cache_backends.int8 import Int4Backend, Int8Backend
 from cache_backends.mla import MLABackend
 from cache_backends.spec import COMPOSITIONS, NATIVE_MLA_BACKENDS, check_composition
+from cache_backends.window import WindowBackend
 
 _BACKENDS: dict[str, type[KVBackend]] = {cls.name: cls for cls in (FullBackend, GQABackend, MLABackend, Int8Backend,
-                                                                    Int4Backend, DCABackend, ElasticBackend)}
+                                                                    Int4Backend, DCABackend, ElasticBackend,
+                                                                    WindowBackend)}
 INT8_OPTIONS = ("group_size", "residual", "key_bits", "value_bits", "rotate")
 QUANTIZED = ("int8", "int4")
 
@@ -113,7 +117,11 @@ def create(name: str, geometry: ModelGeometry, **options) -> KVBackend:
         used |= set(picked)
         quantizer = _BACKENDS[inner](geometry, **picked)  # validates the values, fills in the defaults
         tier = quantizer.quantization
-        if outer in ("gqa", "mla"):
+        if outer == "window":
+            own = {k: options[k] for k in ("sinks", "window") if k in options}
+            used |= set(own)
+            backend = WindowBackend(geometry, inner=quantizer, **own)
+        elif outer in ("gqa", "mla"):
             own = _accepts(_BACKENDS[outer], options)
             own.pop("quantization", None)
             used |= set(own)

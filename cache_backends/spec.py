@@ -24,7 +24,8 @@ OPTIONS: dict[str, tuple[type, float | tuple[str, ...] | None]] = {
     "probe_interval": (int, 1),  # dca: decode steps between similarity probes
     "align": (str, ("linear", "none")),  # dca: fitted map between layers, or none
     "reuse_fraction": (float, 0),  # dca (estimate): fraction of layers reused
-    "window": (int, 0),  # dca: a reuse layer's residual window of its own K/V, tokens
+    "window": (int, 0),  # dca: a reuse layer's residual window of its own K/V; window: recent tokens seen (>= 1)
+    "sinks": (int, 0),  # window: attention-sink tokens every query keeps seeing (StreamingLLM)
 }
 
 
@@ -95,22 +96,40 @@ BACKEND_OPTIONS: dict[str, set[str]] = {
     "int4": {"group_size", "residual", "key_bits", "value_bits", "rotate"},
     "dca": {"threshold", "probe_interval", "align", "window", "reuse_fraction"},
     "elastic": {"group_size", "window", "bits"},
+    "window": {"sinks", "window"},
 }
 
 
-COMPOSITIONS = ("gqa+int8", "mla+int8", "dca+int8", "dca+mla", "gqa+int4", "mla+int4", "dca+int4")
+COMPOSITIONS = ("gqa+int8", "mla+int8", "dca+int8", "dca+mla", "gqa+int4", "mla+int4", "dca+int4", "window+int8",
+                "window+int4")
 """The compositions kvserve serves (an outer backend over a quantized or latent inner one)."""
 
 NATIVE_MLA_BACKENDS = ("full", "mla", "mla+int8", "mla+int4")
 """What a natively-MLA model (DeepSeek-V2/V3) can be served with: it hands its cache a latent, not per-head K/V."""
 
 
+WINDOW_REFUSALS = {
+    "gqa": "gqa's pages keep every token of every layer (its layout has no window groups to drop pages from)",
+    "mla": "mla's latent pages keep every token of every layer (its layout has no window groups to drop pages from)",
+    "dca": "dca lets a layer read another layer's cache by position, which a window that drops tokens breaks",
+    "elastic": "elastic's on-demand tier keeps every token in every layer, so no page could be dropped",
+}
+"""Why ``window`` does not compose with a backend (``window+int8`` and ``window+int4`` are the compositions)."""
+
+
 def check_composition(name: str) -> None:
-    """Refuse a ``+`` name that is not a supported composition (``int8+mla``), listing those that are.
+    """Refuse a ``+`` name that is not a supported composition (``int8+mla``), listing those that are; a ``window``
+    composition with a backend it cannot drop pages of names why (:data:`WINDOW_REFUSALS`).
 
     Raises:
         ValueError: naming it.
     """
+    parts = name.split("+")
+    if "+" in name and name not in COMPOSITIONS and "window" in parts:
+        other = next((p for p in parts if p != "window"), "window")
+        why = WINDOW_REFUSALS.get(other, f"window composes only as window+int8 or window+int4 (got {name!r})")
+        raise ValueError(f"unsupported combination {name!r}: {why}; window composes only as window+int8 or "
+                         "window+int4")
     if "+" in name and name not in COMPOSITIONS:
         raise ValueError(f"unsupported combination {name!r}; supported: {', '.join(COMPOSITIONS)}")
 
@@ -132,7 +151,7 @@ def check_options(name: str, options: dict) -> None:
     each part of a composition like ``mla+int8``) does not take.
 
     Raises:
-        ValueError: naming the unknown backend, combination or options.
+        ValueError: naming the unknown backend, combination or options (and ``window``'s ``window`` below 1).
     """
     parts = name.split("+")
     unknown_parts = [p for p in parts if p not in BACKEND_OPTIONS]
@@ -143,6 +162,9 @@ def check_options(name: str, options: dict) -> None:
     unknown = set(options) - set().union(*(BACKEND_OPTIONS[p] for p in parts))
     if unknown:
         raise ValueError(f"{name} takes no option {', '.join(sorted(unknown))}")
+    if "window" in parts and isinstance(options.get("window"), int) and options["window"] < 1:
+        raise ValueError(f"{format_spec(name, options)}: window must be >= 1 (the tokens a query sees, itself "
+                         f"included), got {options['window']}")
 
 
 def format_spec(name: str, options: dict) -> str:

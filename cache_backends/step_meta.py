@@ -78,7 +78,14 @@ class StepMeta:
         ranges: (B, n, 3) int32, the mask as intervals of each row's tiers (what the attention kernel reads,
             :mod:`cache_backends.kernels`): a new token sees the quantized tokens ``[0, q)`` and the exact slots
             ``[lo, hi)`` of its row's exact pages; (B, n, 4) on a :meth:`windowed` copy with a quantized tier, the
-            fourth column the first code seen (codes ``[q0, q)``).
+            fourth column the first code seen (codes ``[q0, q)``); (B, n, 6) with attention sinks (``sinks`` given):
+            ``q, lo, hi, q0`` and the sinks' slots ``[s0, s1)`` of the sink tier (the quantized tier's codes on a
+            quantized layout, else the exact tier's slots), disjoint from ``[q0, q)`` and ``[lo, hi)``.
+
+    Sinks (``sinks`` not ``None``: a ``window`` group, :mod:`cache_backends.window`, StreamingLLM arXiv 2309.17453):
+    every query at position ``p`` sees the positions ``[0, sinks) ∪ [p - sink_window + 1, p]`` (causal); each row's
+    sink pages (``SeqBlocks.sink``) are put before its pages of the sink tier in the block table (padded with the null
+    page to the batch's most), their slot ``u`` of page ``k`` at position ``k * tier_tokens + u``.
 
     Quantized layouts: the new token at position ``p`` reads the tokens before ``quantized_before(p)`` as codes
     and the later ones exact, as it would decoding alone (the drained tokens' exact slots are still in their
@@ -88,7 +95,7 @@ class StepMeta:
     """
 
     def __init__(self, layout: PageLayout, rows: list[tuple[SeqBlocks, Plan]], device,
-                 exact_rows: list[bool] | None = None):
+                 exact_rows: list[bool] | None = None, sinks: int | None = None, sink_window: int | None = None):
         te, tq = layout.exact_tokens, layout.q_tokens
         n = rows[0][1].n
         wp, ws = [], []
@@ -160,6 +167,67 @@ class StepMeta:
         self._first = as_long(firsts)[:, None]  # (B, 1)
         self._slot_shift = (start - q_len)[:, None] - self._first  # (B, 1)
         self._windows: dict[int, "StepMeta"] = {}
+        self.sink_window = None
+        if sinks is not None:
+            self._add_sinks(layout, rows, sinks, sink_window, device)
+
+    def _add_sinks(self, layout: PageLayout, rows: list[tuple[SeqBlocks, Plan]], sinks: int, window: int,
+                   device) -> None:
+        """Narrow this metadata to the sinks and the window (the class): the sink pages put before the sink tier's
+        pages in its table, their positions and mask columns before that tier's; :attr:`ranges` (B, n, 6).
+
+        Sinks not yet passed by the window lie in the first page of the sink tier where its first slot holds
+        position 0 (exact layout: live, or dead slots of ``exact[0]`` not yet freed; quantized: ``q[0]``, with
+        ``first == 0``). On a quantized layout the sinks still exact are newer than the split of codes and exact
+        tokens, so inside the window (:class:`cache_backends.window.WindowBackend` requires ``window >= residual +
+        group_size``)."""
+        quant = layout.quantization is not None
+        per = layout.q_tokens if quant else layout.exact_tokens
+        as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+        have = [len(b.sink) for b, _ in rows]
+        width = max(have) * per
+        qp = self.query_positions  # (B, n), absolute
+        lower = qp + 1 - window
+        has = as_long(have)[:, None] > 0  # (B, 1)
+        slot = torch.arange(width, device=device)
+        never = torch.iinfo(torch.long).max // 2  # a padding slot's position: no query sees it
+        pin_pos = torch.where(slot[None] < as_long(have)[:, None] * per, slot[None], never)  # (B, width)
+        pin_mask = (pin_pos[:, None, :] < sinks) & (pin_pos[:, None, :] <= qp[:, :, None])  # (B, n, width)
+        pos = self.positions[:, None, :]  # (B, 1, T)
+        in_window = pos >= lower[:, :, None]
+        early = (pos < sinks) & (pos <= qp[:, :, None])  # the sinks before they are pinned
+        if quant:  # codes before the split, exact after it: the mask's own rule (sinks still exact are in the window)
+            keep = self.mask & (in_window | early)
+        else:  # the sinks in the dead slots of a first page not yet freed are read too
+            keep = (self.mask & in_window) | early
+        self.mask = torch.cat([pin_mask, keep], dim=2)
+        self.positions = torch.cat([pin_pos, self.positions], dim=1)
+        pin_table = as_long(_pad_table([b.sink for b, _ in rows]) if width else [[] for _ in rows])
+        q, lo, hi = (self.ranges[..., i].long() for i in range(3))
+        first = self._first
+        if quant:
+            self.q_table = torch.cat([pin_table, self.q_table], dim=1)
+            self.q_width += width
+            codes = q  # codes seen (from position first on)
+            q = q + width
+            q0 = (lower - first).clamp(min=0) + width
+            lo = torch.maximum(lo, (lower + self._slot_shift).clamp(min=0))
+            s0 = torch.where(has, 0, width)
+            s1 = s0 + torch.where(has, min(sinks, width), torch.clamp(codes, max=sinks))
+            s1 = torch.minimum(s1, torch.maximum(s0, torch.minimum(q0, q)))
+        else:
+            self.exact_table = torch.cat([pin_table, self.exact_table], dim=1)
+            self._slot_shift = self._slot_shift + width
+            lo = torch.maximum(lo + width, (lower + self._slot_shift).clamp(min=0))
+            hi = hi + width
+            q0 = torch.zeros_like(q)
+            s0 = torch.where(has, 0, width)
+            s1 = s0 + torch.clamp(qp + 1, max=sinks)
+            s1 = torch.minimum(s1, torch.maximum(s0, lo))
+        self.ranges = torch.stack([q, lo, hi, q0, s0.expand_as(q), s1], dim=-1).to(torch.int32)
+        self._unmasked, self.unmasked_len = None, None
+        self.gather_index, self._grouped = {}, {}
+        self.sink_window = window
 
     def windowed(self, window: int) -> "StepMeta":
         """This step's metadata for a sliding-window layer: a query at position ``p`` sees only the tokens at
@@ -174,6 +242,10 @@ class StepMeta:
         Args:
             window: tokens each query sees, itself included (``sliding_window``), > 0.
         """
+        if self.sink_window is not None:  # a window group with sinks: the model's own window is never narrower
+            if window >= self.sink_window:
+                return self
+            raise ValueError(f"a window group of {self.sink_window} tokens with sinks cannot be narrowed to {window}")
         if window in self._windows:
             return self._windows[window]
         lower = self.query_positions + 1 - window  # (B, n): each query's first visible position

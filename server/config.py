@@ -29,6 +29,7 @@ BACKEND_OPTIONS = {
     "elastic": {"group_size": "kv_int8_group_size", "window": "kv_elastic_window", "bits": "kv_elastic_bits"},
     "dca": {"threshold": "kv_dca_threshold", "probe_interval": "kv_dca_probe_interval", "align": "kv_dca_align",
             "window": "kv_dca_window"},
+    "window": {"sinks": "kv_window_sinks", "window": "kv_window_size"},
 }
 
 
@@ -183,13 +184,19 @@ class Settings(BaseSettings):
     kv_dca_align: Literal["linear", "none"] = Field("linear", description="dca: how a layer's K/V are predicted.")
     kv_dca_window: int = Field(32, ge=0, description="dca: a reuse layer keeps its own K/V for its newest "
                                                      "window..2*window-1 tokens (residual window); 0: none.")
+    kv_window_sinks: int = Field(4, ge=0, description="window: attention-sink tokens (the first ones) every query "
+                                 "keeps seeing (StreamingLLM, arXiv 2309.17453).")
+    kv_window_size: int = Field(1024, ge=1, description="window: recent tokens each query sees, itself included; "
+                                "older ones but the sinks are dropped from the pool.")
 
     @field_validator("kv_backend")
     @classmethod
     def _known_backend(cls, v: str) -> str:
         from cache_backends.registry import available  # torch: imported when a value is checked, not for --help
-        from cache_backends.spec import budget_hint
+        from cache_backends.spec import budget_hint, check_composition
 
+        if "window" in v.split("+"):
+            check_composition(v)  # a window composition it cannot make names why
         if v not in available():
             raise ValueError(f"unknown backend {v!r}; allowed: {', '.join(available())}{budget_hint(v)}")
         return v
@@ -198,9 +205,11 @@ class Settings(BaseSettings):
     @classmethod
     def _known_backends(cls, v: str | None) -> str | None:
         from cache_backends.registry import available
-        from cache_backends.spec import budget_hint
+        from cache_backends.spec import budget_hint, check_composition
 
         for name in filter(None, (x.strip() for x in (v or "").split(","))):
+            if "window" in name.split("+"):
+                check_composition(name)  # a window composition it cannot make names why
             if name not in available():
                 raise ValueError(f"unknown backend {name!r}; allowed: {', '.join(available())}{budget_hint(name)}")
         return v

@@ -172,7 +172,22 @@ def prepare_backends(settings: Settings, names: list[str], model, tokenizer, geo
                                         settings.explicit_options(name), model, calibration, cache, scorer, budget,
                                         settings.kv_quality_min_agreement)
         quality[name] = choice.as_dict()
+        warning = window_warning(backends[name])
+        if warning:  # a token-dropping backend priced only on windows it never drops a token of
+            log.warning("%s: %s", name, warning)
+            quality[name]["window_warning"] = warning
     return backends, quality
+
+
+def window_warning(backend: KVBackend) -> str | None:
+    """What ``/info``'s ``kv_quality`` and the start-up log say of a backend that drops tokens older than its window
+    (``window``: :meth:`cache_backends.window.WindowBackend.window_warning`) when the quality budget's windows
+    (:data:`server.quality_budget.PRICE_WINDOW` tokens) are no longer than it: its price there is 0 and says nothing
+    of longer contexts; ``None`` for any other backend."""
+    from server.quality_budget import PRICE_WINDOW
+
+    says = getattr(backend, "window_warning", None)
+    return says(PRICE_WINDOW) if says else None
 
 
 def kernels_status(device) -> dict:

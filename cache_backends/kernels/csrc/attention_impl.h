@@ -11,7 +11,9 @@
 // an fp32 scratch of BN tokens; the softmax is computed online (FlashAttention, arXiv 2205.14135), so nothing
 // the size of the context is allocated. Each query token sees the quantized tokens [q0, q) and the exact tokens
 // [lo, hi) of its `ranges` entry (q, lo, hi[, q0]; q0 is 0 when absent, a sliding window's start otherwise): the
-// step's mask (cache_backends/step_meta.py) as intervals.
+// step's mask (cache_backends/step_meta.py) as intervals. A 6-column entry (q, lo, hi, q0, s0, s1) adds the
+// attention sinks (StreamingLLM, arXiv 2309.17453): slots [s0, s1) of the sink tier (the quantized tier when the
+// layout has one, else the exact tier), disjoint from the others, attended first by split 0 of the item.
 
 constexpr int64_t BN = 64;  // tokens per block (across pages)
 #ifndef KVK_LATENT_BN
@@ -690,6 +692,7 @@ inline Rows rows_of(const PagedArgs& a, int64_t item) {
     int64_t q0, q;
     codes_seen(a, rg, q0, q);
     if (q > q0) x.q_max = std::max<int64_t>(x.q_max, q);
+    if (a.rstride > 5 && a.tq > 0 && rg[5] > rg[4]) x.q_max = std::max<int64_t>(x.q_max, rg[5]);
     if (rg[2] > rg[1]) {
       x.e_min = std::min<int64_t>(x.e_min, rg[1]);
       x.e_max = std::max<int64_t>(x.e_max, rg[2]);
@@ -725,8 +728,8 @@ inline void run_item(const PagedArgs& a, int64_t unit, Scratch& w) {
   const int64_t rep = a.Hq / a.H, d = a.d, dv = a.dv;
   const int64_t i0 = tile * a.tile_tokens, i1 = std::min(a.n, i0 + a.tile_tokens), M = (i1 - i0) * rep;
   // rows: token-major within the tile, the rep query heads of KV head h together
-  std::vector<int64_t> qc(M), q0(M), elo(M), ehi(M);
-  int64_t q_min = INT64_MAX, q_max = 0, e_min = INT64_MAX, e_max = 0;
+  std::vector<int64_t> qc(M), q0(M), elo(M), ehi(M), slo(M, 0), shi(M, 0);
+  int64_t q_min = INT64_MAX, q_max = 0, e_min = INT64_MAX, e_max = 0, s_min = INT64_MAX, s_max = 0;
   for (int64_t i = i0; i < i1; ++i) {
     const int32_t* rg = a.ranges + (b * a.n + i) * a.rstride;
     int64_t lo, q;
@@ -737,6 +740,10 @@ inline void run_item(const PagedArgs& a, int64_t unit, Scratch& w) {
       q0[row] = lo;
       elo[row] = rg[1];
       ehi[row] = rg[2];
+      if (a.rstride > 5) {
+        slo[row] = rg[4];
+        shi[row] = rg[5];
+      }
       const float* src = a.query + ((b * a.Hq + h * rep + r) * a.n + i) * d;
       for (int64_t c = 0; c < d; ++c) w.q[row * d + c] = src[c] * a.scaling;
     }
@@ -748,8 +755,13 @@ inline void run_item(const PagedArgs& a, int64_t unit, Scratch& w) {
       e_min = std::min<int64_t>(e_min, rg[1]);
       e_max = std::max<int64_t>(e_max, rg[2]);
     }
+    if (a.rstride > 5 && rg[5] > rg[4]) {
+      s_min = std::min<int64_t>(s_min, rg[4]);
+      s_max = std::max<int64_t>(s_max, rg[5]);
+    }
   }
-  const bool rotated = a.rotation != nullptr && q_max > 0;
+  const bool sinks = split == 0 && s_max > s_min, sink_codes = sinks && a.tq > 0;
+  const bool rotated = a.rotation != nullptr && (q_max > 0 || (a.rstride > 5 && a.tq > 0 && s_max > s_min));
   // this split's blocks: [k0, k1) of the nbq quantized blocks (from the first code a row sees) then the exact ones
   if (q_max == 0) q_min = 0;
   const int64_t nbq = (q_max - q_min + BN - 1) / BN, nbe = e_max > e_min ? (e_max - e_min + BN - 1) / BN : 0;
@@ -776,11 +788,15 @@ inline void run_item(const PagedArgs& a, int64_t unit, Scratch& w) {
   // fused for a few rows (a decode: the query heads of one KV head); many rows (a prefill tile) amortize one
   // widening of each token over all of them instead
   const bool fused = d % 16 == 0 && dv % 16 == 0 && M <= 8;
-  if (qb > qa && fused)
-    attend_quant(a, b, h, M, rotated ? w.qr.data() : w.q.data(), q0.data(), qc.data(), qa, qb, w, acc_q,
-                 rotated ? acc_e : nullptr);
 #else
   const bool fused = false;
+#endif
+  // codes [qa, qb), row r seeing [lo_r[r], hi_r[r])
+  auto quant_pass = [&](int64_t qa, int64_t qb, const int64_t* lo_r, const int64_t* hi_r) {
+#ifdef KVK_AVX2
+  if (qb > qa && fused)
+    attend_quant(a, b, h, M, rotated ? w.qr.data() : w.q.data(), lo_r, hi_r, qa, qb, w, acc_q,
+                 rotated ? acc_e : nullptr);
 #endif
   if (qb > qa && !fused) {
     const int64_t kcw = d * a.k_bits / 8, vcw = dv * a.v_bits / 8, groups = a.tq / a.group;
@@ -802,12 +818,15 @@ inline void run_item(const PagedArgs& a, int64_t unit, Scratch& w) {
         kp[j] = kj;
         vp[j] = vj;
       }
-      attend_block(M, d, dv, rotated ? w.qr.data() : w.q.data(), kp, vp, t0, nj, q0.data(), qc.data(), w, acc_q,
+      attend_block(M, d, dv, rotated ? w.qr.data() : w.q.data(), kp, vp, t0, nj, lo_r, hi_r, w, acc_q,
                    rotated ? acc_e : nullptr);
     }
   }
+  };
   // the exact tier: fp32 tokens read where they lie, others widened into the scratch (a latent's blocks are
-  // shorter: its keys are wide and every query head reads them, so a block stays in L1 while they do)
+  // shorter: its keys are wide and every query head reads them, so a block stays in L1 while they do); slots
+  // [ea, eb), row r seeing [lo_r[r], hi_r[r])
+  auto exact_pass = [&](int64_t ea, int64_t eb, const int64_t* lo_r, const int64_t* hi_r) {
   if (eb > ea) {
     const int64_t es = a.kv_dtype == F32 ? 4 : 2, bn = a.latent ? KVK_LATENT_BN : BN;
     prefetch_exact(a, b, h, ea, std::min(eb, ea + bn));
@@ -839,10 +858,19 @@ inline void run_item(const PagedArgs& a, int64_t unit, Scratch& w) {
           vp[j] = w.v.data() + j * dv;
         }
       }
-      attend_block(M, d, dv, w.q.data(), kp, vp, t0, nj, elo.data(), ehi.data(), w, acc_e,
+      attend_block(M, d, dv, w.q.data(), kp, vp, t0, nj, lo_r, hi_r, w, acc_e,
                    rotated ? acc_q : nullptr);
     }
   }
+  };
+  if (sinks) {  // the attention sinks first (split 0 only): the online softmax takes the blocks in any order
+    if (sink_codes)
+      quant_pass(s_min, s_max, slo.data(), shi.data());
+    else
+      exact_pass(s_min, s_max, slo.data(), shi.data());
+  }
+  quant_pass(qa, qb, q0.data(), qc.data());
+  exact_pass(ea, eb, elo.data(), ehi.data());
   if (a.splits == 1) {
     finalize(a, rows_of(a, item), acc_e, rotated ? acc_q : nullptr, w.l.data());
     return;

@@ -50,7 +50,8 @@ int64_t splits_for(const PagedArgs& a, int64_t items) {
   for (int64_t t = 0; t < a.B * a.n; ++t) {
     const int32_t* rg = a.ranges + t * a.rstride;
     const int64_t q0 = a.rstride > 3 ? std::min(rg[3], rg[0]) : 0;
-    longest = std::max<int64_t>(longest, rg[0] - q0 + std::max(rg[2] - rg[1], 0));
+    const int64_t sinks = a.rstride > 5 ? std::max(rg[5] - rg[4], 0) : 0;
+    longest = std::max<int64_t>(longest, rg[0] - q0 + std::max(rg[2] - rg[1], 0) + sinks);
   }
   return std::max<int64_t>(1, std::min<int64_t>((2 * threads + items - 1) / items, longest / 512));
 }
@@ -72,8 +73,9 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& a
               "arena must be a contiguous (num_pages, page_bytes) uint8 tensor");
   TORCH_CHECK(exact_table.scalar_type() == torch::kLong && q_table.scalar_type() == torch::kLong,
               "block tables must be int64");
-  TORCH_CHECK(ranges.scalar_type() == torch::kInt && ranges.dim() == 3 && (ranges.size(2) == 3 || ranges.size(2) == 4),
-              "ranges must be (B, n, 3) or (B, n, 4) int32");
+  TORCH_CHECK(ranges.scalar_type() == torch::kInt && ranges.dim() == 3 &&
+                  (ranges.size(2) == 3 || ranges.size(2) == 4 || ranges.size(2) == 6),
+              "ranges must be (B, n, 3), (B, n, 4) or (B, n, 6) int32");
   auto q = query.to(torch::kFloat).contiguous();
   auto et = exact_table.contiguous(), qt = q_table.contiguous(), rg = ranges.contiguous();
   PagedArgs a{};

@@ -18,9 +18,10 @@ struct PagedArgs {
   int64_t pe;
   const int64_t* q_table;      // (B, pq): each row's quantized pages
   int64_t pq;
-  const int32_t* ranges;    // (B, n, rstride): per query token q, lo, hi[, q0]: quantized tokens seen [q0, q)
+  const int32_t* ranges;    // (B, n, rstride): per query token q, lo, hi[, q0[, s0, s1]]: quantized tokens seen [q0, q)
                             // (q0 = 0 without a fourth column) and exact tokens [lo, hi)
-  int64_t rstride;          // 3, or 4 with each token's first code seen (a sliding window's start)
+  int64_t rstride;          // 3; 4 with each token's first code seen (a window's start); 6 with the sinks [s0, s1) of the
+                            // sink tier (quantized when tq > 0, else exact)
   const float* rotation;    // (d, d) Hadamard rotation of the quantized tier, or nullptr
   int64_t B, Hq, H, n, d, dv;
   int kv_dtype;             // DType of the exact tier
