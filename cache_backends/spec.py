@@ -127,9 +127,9 @@ def check_composition(name: str) -> None:
     parts = name.split("+")
     if "+" in name and name not in COMPOSITIONS and "window" in parts:
         other = next((p for p in parts if p != "window"), "window")
-        why = WINDOW_REFUSALS.get(other, f"window composes only as window+int8 or window+int4 (got {name!r})")
-        raise ValueError(f"unsupported combination {name!r}: {why}; window composes only as window+int8 or "
-                         "window+int4")
+        why = WINDOW_REFUSALS.get(other)
+        raise ValueError(f"unsupported combination {name!r}: " + (f"{why}; " if why else "")
+                         + "window composes only as window+int8 or window+int4")
     if "+" in name and name not in COMPOSITIONS:
         raise ValueError(f"unsupported combination {name!r}; supported: {', '.join(COMPOSITIONS)}")
 

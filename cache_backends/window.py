@@ -113,7 +113,7 @@ class WindowBackend(KVBackend):
             (``window+int8``, ``window+int4``).
 
     Raises:
-        ValueError: ``sinks`` < 0 or ``window`` < 1 (or not integers); a quantized ``inner`` whose residual window
+        ValueError: ``sinks`` < 0, ``window`` < 1 (or not integers), ``sinks`` > ``window``; a quantized ``inner`` whose residual window
             and forming group (``residual + group_size`` tokens, read exact) do not fit in ``window``.
     """
 
@@ -124,6 +124,9 @@ class WindowBackend(KVBackend):
     def __init__(self, geometry: ModelGeometry, sinks: int = DEFAULT_SINKS, window: int = DEFAULT_WINDOW,
                  inner: KVBackend | None = None):
         sinks, window = _int_option("sinks", sinks, 0), _int_option("window", window, 1)
+        if sinks > window:
+            raise ValueError(f"window: sinks={sinks} must be at most window={window} (KV_WINDOW_SINKS <= "
+                             "KV_WINDOW_SIZE: the sinks are the oldest of the tokens a query keeps seeing)")
         inner = inner if inner is not None else FullBackend(geometry)
         q = inner.quantization
         if q is not None and window < q.residual + q.group_size:
@@ -189,8 +192,8 @@ class WindowBackend(KVBackend):
         for layout, (_, sinks, _) in zip(layouts, groups):
             per = layout.q_tokens if layout.quantization else layout.exact_tokens
             if sinks and sinks > per:
-                raise ValueError(f"{self.name}: sinks={sinks} must fit one page of its sink tier ({per} tokens at "
-                                 "this block size)")
+                raise ValueError(f"{self.name}: sinks={sinks} (KV_WINDOW_SINKS) must fit one page of its sink "
+                                 f"tier ({per} tokens at this block size)")
         return HybridLayout(layouts, [w for w, _, _ in groups], [layers for _, _, layers in groups],
                             [s for _, s, _ in groups])
 

@@ -351,7 +351,10 @@ def test_bad_values_are_refused_at_construction(tiny):
         create("window", geometry, window=0)
     with pytest.raises(ValueError, match="window: sinks must be an integer >= 0"):
         create("window", geometry, sinks=True)
-    with pytest.raises(ValueError, match="sinks=8 must fit one page of its sink tier"):
+    with pytest.raises(ValueError, match=r"sinks=10 must be at most window=8 \(KV_WINDOW_SINKS <= KV_WINDOW_SIZE"):
+        create("window", geometry, sinks=10, window=8)
+    create("window", geometry, sinks=8, window=8)  # every seen token a sink or recent: allowed
+    with pytest.raises(ValueError, match=r"sinks=8 \(KV_WINDOW_SINKS\) must fit one page of its sink tier"):
         create("window", geometry, sinks=8).page_layout(torch.float32, create("window", geometry).block_bytes(4))
 
 
@@ -364,6 +367,9 @@ def test_settings_refuse_an_unsupported_composition_with_the_reason():
         Settings(kv_backend="window+mla")
     with pytest.raises(ValidationError, match="'dca\\+window': dca lets a layer read"):
         Settings(kv_backends="full,dca+window")
+    with pytest.raises(ValidationError) as e:  # the reason once, not twice
+        Settings(kv_backend="window+int8+int4")
+    assert str(e.value).count("window composes only as window+int8 or window+int4") == 1
     settings = Settings(kv_backend="window+int8", kv_window_size=256, kv_window_sinks=4)
     assert settings.backend_options("window+int8") == {"sinks": 4, "window": 256, "group_size": 32,
                                                         "residual": 32, "key_bits": 8, "value_bits": 8,
