@@ -94,3 +94,22 @@ class PagedDriver:
     def new_blocks(self):
         """Empty tables of this backend's layout."""
         return self.layout.cached_prefix([])
+
+
+def with_eager_twin(model, sharpen: bool = True):
+    """``(model, eager)``: ``model`` with kvserve's attention installed, and a copy of it on transformers' eager
+    attention (the reference). With ``sharpen``, every layer's query and key projections are first scaled by 4, so
+    that random weights give attention far from uniform (a token dropped or kept moves the logits)."""
+    import copy
+
+    from cache_backends.attention import install
+
+    if sharpen:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_proj.weight.mul_(4)
+                layer.self_attn.k_proj.weight.mul_(4)
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    install(model)
+    return model, eager

@@ -26,7 +26,7 @@ from cache_backends import kernels
 from cache_backends.base import ModelGeometry, layer_windows
 from cache_backends.registry import create
 from cache_backends.store_path import StorePath
-from tests.engine_helpers import PagedDriver
+from tests.engine_helpers import PagedDriver, with_eager_twin
 
 WINDOW = 8
 LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
@@ -38,21 +38,11 @@ def tiny():
     """``(model, eager)``: the tiny Gemma 3 with kvserve's attention, and its copy on transformers' eager attention."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    from cache_backends.attention import install
-
     config = Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
                               num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=20,
                               sliding_window=WINDOW, layer_types=LAYER_TYPES, max_position_embeddings=256)
     torch.manual_seed(0)
-    model = Gemma3ForCausalLM(config).eval()
-    with torch.no_grad():  # random weights at a scale where attention is far from uniform
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(4)
-            layer.self_attn.k_proj.weight.mul_(4)
-    eager = copy.deepcopy(model)
-    eager.set_attn_implementation("eager")
-    install(model)
-    return model, eager
+    return with_eager_twin(Gemma3ForCausalLM(config).eval())
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ compositions are refused naming why. SmolLM2-135M (``real_model``): the engine's
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ from cache_backends import kernels
 from cache_backends.base import ModelGeometry
 from cache_backends.registry import create
 from cache_backends.store_path import StorePath
-from tests.engine_helpers import PagedDriver
+from tests.engine_helpers import PagedDriver, with_eager_twin
 
 WINDOW, SINKS, LENGTH = 8, 2, 40
 HEADS_KV, HEAD_DIM, LAYERS = 2, 16, 2
@@ -51,21 +50,11 @@ def masked_logits(eager, ids: torch.Tensor, window: int, sinks: int) -> torch.Te
 def tiny():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from cache_backends.attention import install
-
     config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=LAYERS,
                          num_attention_heads=4, num_key_value_heads=HEADS_KV, head_dim=HEAD_DIM,
                          max_position_embeddings=256)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # attention far from uniform: a token dropped or kept moves the logits
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(4)
-            layer.self_attn.k_proj.weight.mul_(4)
-    eager = copy.deepcopy(model)
-    eager.set_attn_implementation("eager")
-    install(model)
-    return model, eager
+    return with_eager_twin(LlamaForCausalLM(config).eval())
 
 
 @pytest.fixture(scope="module")
@@ -409,12 +398,8 @@ def test_smollm2_greedy_tokens_are_those_of_eager_attention_under_the_same_mask(
     tokens through the pool (kernel where it builds): the tokens eager attention picks under the 4-D mask."""
     from transformers import AutoModelForCausalLM
 
-    from cache_backends.attention import install
-
-    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
-    eager = copy.deepcopy(model)
-    eager.set_attn_implementation("eager")
-    install(model)
+    model, eager = with_eager_twin(AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval(),
+                                   sharpen=False)
     torch.manual_seed(4)
     prompt = torch.randint(100, 20000, (200,)).tolist()
     backend = create("window", _geometry(model), sinks=4, window=64)
