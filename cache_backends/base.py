@@ -19,7 +19,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from cache_backends.attention import LayerRead, attend_kv
 from cache_backends.buffer import TokenBuffer
-from cache_backends.estimate import (Shape, layer_windows_of, rope_per_layer_type_of, window_groups,
+from cache_backends.sizes import (Shape, layer_windows_of, rope_per_layer_type_of, window_groups,
                                      windowed_bytes_per_token_per_layer)
 from cache_backends.hybrid import HybridLayout, HybridStepMeta
 from cache_backends.kv_spec import KVSpec, Quantization, StreamSpec
@@ -311,19 +311,20 @@ class KVBackend(ABC):
     chunked_prefill: ClassVar[bool] = True
     """Whether its per-sequence stores take a prompt in several forward passes (``dca`` decides once per prompt)."""
 
-    window_refusal: ClassVar[str | None] = None
-    """Why this backend cannot serve a model with sliding-window layers (``None``: it can; the windowed layers then
-    attend under :meth:`cache_backends.step_meta.StepMeta.windowed`). :func:`cache_backends.registry.create`
-    refuses it with this reason."""
-
-    rope_refusal: ClassVar[str | None] = None
-    """Why this backend cannot serve a model whose layer types rotate with different RoPE parameters
-    (:attr:`ModelGeometry.rope_per_layer_type`), or ``None``."""
-
     windowed_pool: bool = False
     """Whether, on a model with sliding-window layers, its pages keep only each sliding layer's window
     (:mod:`cache_backends.hybrid`: ``full``, and ``int8``/``int4`` in whole pages of codes). Else every layer keeps
     every token (``elastic``, whose tier fills on demand; ``KV_SLIDING_WINDOW_POOL=false``)."""
+
+    @classmethod
+    def compose(cls, geometry: ModelGeometry, inner: "KVBackend", **options: Any) -> "KVBackend":
+        """This backend as the outer part of ``outer+inner``, over the built ``inner`` (the inner names it takes
+        are its declaration's :attr:`~cache_backends.declaration.BackendDecl.inners`).
+
+        Raises:
+            ValueError: it composes over no backend, or an option value it refuses.
+        """
+        raise ValueError(f"{cls.name} composes over no other backend")
 
     def __init__(self, geometry: ModelGeometry, **options: Any):
         self.geometry = geometry

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from cache_backends.full import FullBackend
+from cache_backends.full.backend import FullBackend
 from cache_backends.rope import RopeTable
 
 CALIB_SLICE = "calib_slice.txt"

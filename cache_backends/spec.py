@@ -1,43 +1,29 @@
 """Backend specs on the command line: ``name`` or ``name:key=value,key=value`` (e.g. ``gqa:groups=2,method=mean``).
 
-Every option a backend or the estimator knows has one type and one lower bound, checked here, so that a
-bad value is refused with one line naming the spec and the option, never replaced by a default.
+Every option a backend or the estimator knows has the type, lower bound or allowed values its backend declares
+(:class:`cache_backends.declaration.Option`), checked here, so that a bad value is refused with one line naming the
+spec and the option, never replaced by a default.
 """
 
 from __future__ import annotations
 
 import math
 
-# option -> (type, smallest allowed value, or the allowed words of a str option / values of an int one)
-OPTIONS: dict[str, tuple[type, float | tuple[str, ...] | None]] = {
-    "groups": (int, 1),  # gqa: shared K/V heads per layer
-    "method": (str, ("pca", "mean")),  # gqa: calibrated shared head or plain mean pooling
-    "rank": (int, 1),  # mla: latent width per token per layer
-    "rope_dim": (int, 0),  # mla (estimate): width of a native-MLA model's shared rope key
-    "group_size": (int, 1),  # int8/int4: tokens (keys) / channels (values) per quantization group
-    "residual": (int, 0),  # int8/int4: full-precision recent window, tokens
-    "bits": (int, (4, 8)),  # elastic: code width of its compressed tier
-    "key_bits": (int, (4, 8)),  # int8/int4: bits per key code (k8v4: int8:value_bits=4)
-    "value_bits": (int, (4, 8)),  # int8/int4: bits per value code
-    "rotate": (bool, None),  # int8/int4: Hadamard-rotate K/V before quantizing (QuaRot)
-    "threshold": (float, None),  # dca: similarity at or above which a layer reuses its source
-    "probe_interval": (int, 1),  # dca: decode steps between similarity probes
-    "align": (str, ("linear", "none")),  # dca: fitted map between layers, or none
-    "reuse_fraction": (float, 0),  # dca (estimate): fraction of layers reused
-    "window": (int, 0),  # dca: a reuse layer's residual window of its own K/V; window: recent tokens seen (>= 1)
-    "sinks": (int, 0),  # window: attention-sink tokens every query keeps seeing (StreamingLLM)
-}
+from cache_backends import catalog
+from cache_backends.declaration import Option
 
-
-def default_gqa_groups(num_key_value_heads: int) -> int:
-    """gqa's default shared K/V heads per layer: the largest divisor of ``num_key_value_heads`` that is at most a
-    quarter of it (at least 1), e.g. 2 of 8, 1 of 3, 1 of 9 (a plain ``heads // 4`` would not divide 9)."""
-    quarter = max(1, num_key_value_heads // 4)
-    return max(g for g in range(1, quarter + 1) if num_key_value_heads % g == 0)
+def _option(key: str, spec: str) -> Option | None:
+    """The declared option ``key`` of the backend ``spec`` names (of the first part declaring it), else of any
+    backend declaring one of that name (a spec with an unknown name still gets its values typed)."""
+    parts = spec.partition(":")[0].strip().split("+")
+    decls = [catalog.get(p) for p in parts if catalog.get(p)] + list(catalog.declarations().values())
+    return next((d.option(key) for d in decls if d.option(key)), None)
 
 
 def _value(key: str, text: str, spec: str):
-    kind, low = OPTIONS.get(key, (None, None))
+    option = _option(key, spec)
+    kind = option.kind if option else None
+    low = (option.choices or option.low) if option else None
     if kind is bool:
         if text.lower() not in ("true", "false"):
             raise ValueError(f"{spec}: {key} must be true or false, got {text!r}")
@@ -87,51 +73,31 @@ def parse_spec(spec: str) -> tuple[str, dict]:
     return name.strip(), options
 
 
-# backend -> the options it takes (a composition takes the union of its parts')
-BACKEND_OPTIONS: dict[str, set[str]] = {
-    "full": set(),
-    "gqa": {"groups", "method"},
-    "mla": {"rank", "rope_dim"},
-    "int8": {"group_size", "residual", "key_bits", "value_bits", "rotate"},
-    "int4": {"group_size", "residual", "key_bits", "value_bits", "rotate"},
-    "dca": {"threshold", "probe_interval", "align", "window", "reuse_fraction"},
-    "elastic": {"group_size", "window", "bits"},
-    "window": {"sinks", "window"},
-}
-
-
-COMPOSITIONS = ("gqa+int8", "mla+int8", "dca+int8", "dca+mla", "gqa+int4", "mla+int4", "dca+int4", "window+int8",
-                "window+int4")
-"""The compositions kvserve serves (an outer backend over a quantized or latent inner one)."""
-
-NATIVE_MLA_BACKENDS = ("full", "mla", "mla+int8", "mla+int4")
-"""What a natively-MLA model (DeepSeek-V2/V3) can be served with: it hands its cache a latent, not per-head K/V."""
-
-
-WINDOW_REFUSALS = {
-    "gqa": "gqa's pages keep every token of every layer (its layout has no window groups to drop pages from)",
-    "mla": "mla's latent pages keep every token of every layer (its layout has no window groups to drop pages from)",
-    "dca": "dca lets a layer read another layer's cache by position, which a window that drops tokens breaks",
-    "elastic": "elastic's on-demand tier keeps every token in every layer, so no page could be dropped",
-}
-"""Why ``window`` does not compose with a backend (``window+int8`` and ``window+int4`` are the compositions)."""
+def backend_options() -> dict[str, set[str]]:
+    """Backend -> the options a spec of it takes (a composition takes the union of its parts')."""
+    return {name: decl.option_names() for name, decl in catalog.declarations().items()}
 
 
 def check_composition(name: str) -> None:
     """Refuse a ``+`` name that is not a supported composition (``int8+mla``), listing those that are; a ``window``
-    composition with a backend it cannot drop pages of names why (:data:`WINDOW_REFUSALS`).
+    composition that a backend declares a refusal for names why (:attr:`~cache_backends.declaration.BackendDecl.refusals`).
 
     Raises:
         ValueError: naming it.
     """
     parts = name.split("+")
-    if "+" in name and name not in COMPOSITIONS and "window" in parts:
-        other = next((p for p in parts if p != "window"), "window")
-        why = WINDOW_REFUSALS.get(other)
+    if "+" not in name or name in catalog.compositions():
+        return
+    for part in parts:  # a backend that says why it does not compose with the other part
+        decl = catalog.get(part)
+        if decl is None or not decl.refusals:
+            continue
+        other = next((p for p in parts if p != part), part)
+        why = decl.refusals.get(other)
+        ways = " or ".join(f"{part}+{inner}" for inner in decl.inners)
         raise ValueError(f"unsupported combination {name!r}: " + (f"{why}; " if why else "")
-                         + "window composes only as window+int8 or window+int4")
-    if "+" in name and name not in COMPOSITIONS:
-        raise ValueError(f"unsupported combination {name!r}; supported: {', '.join(COMPOSITIONS)}")
+                         + f"{part} composes only as {ways}")
+    raise ValueError(f"unsupported combination {name!r}; supported: {', '.join(catalog.compositions())}")
 
 
 def budget_hint(name: str, served: bool = True) -> str:
@@ -151,20 +117,26 @@ def check_options(name: str, options: dict) -> None:
     each part of a composition like ``mla+int8``) does not take.
 
     Raises:
-        ValueError: naming the unknown backend, combination or options (and ``window``'s ``window`` below 1).
+        ValueError: naming the unknown backend, combination or options, a value below its part's bound (``window``'s
+            ``window`` below 1, where ``dca``'s may be 0), or one the part's :attr:`BackendDecl.check` refuses.
     """
     parts = name.split("+")
-    unknown_parts = [p for p in parts if p not in BACKEND_OPTIONS]
+    unknown_parts = [p for p in parts if catalog.get(p) is None]
     if unknown_parts:
-        raise ValueError(f"unknown backend {unknown_parts[0]!r}; allowed: {', '.join(BACKEND_OPTIONS)}"
+        raise ValueError(f"unknown backend {unknown_parts[0]!r}; allowed: {', '.join(catalog.names())}"
                          + budget_hint(name, served=False))
     check_composition(name)
-    unknown = set(options) - set().union(*(BACKEND_OPTIONS[p] for p in parts))
+    unknown = set(options) - set().union(*(catalog.get(p).option_names() for p in parts))
     if unknown:
         raise ValueError(f"{name} takes no option {', '.join(sorted(unknown))}")
-    if "window" in parts and isinstance(options.get("window"), int) and options["window"] < 1:
-        raise ValueError(f"{format_spec(name, options)}: window must be >= 1 (the tokens a query sees, itself "
-                         f"included), got {options['window']}")
+    for part in parts:
+        decl = catalog.get(part)
+        for key, value in options.items():
+            option = decl.option(key)
+            if option and option.low is not None and isinstance(value, (int, float)) and value < option.low:
+                raise ValueError(f"{format_spec(name, options)}: {key} must be >= {option.low}, got {value}")
+        if decl.check is not None:
+            decl.check(format_spec(name, options), options)
 
 
 def format_spec(name: str, options: dict) -> str:

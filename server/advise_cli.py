@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 from cache_backends.estimate import DTYPE_BYTES, estimate_rows
+from cache_backends import catalog
 from cache_backends.spec import format_spec
 from server.cached_prices import dtype_note, load_prices, price_text
 from server.estimate_cli import DEFAULT_SPECS as ESTIMATE_SPECS
@@ -90,28 +91,16 @@ def _agreement_bound(text: str) -> float | None:
 
 def why(backend: str, context: int, concurrency: int, share: float, long_context: bool) -> str:
     """The one-line reason a kind of backend suits (or does not suit) this workload."""
-    base = backend.split("+")[0]
-    if backend == "full":
-        return "exact; the baseline when memory allows"
-    if ("int8" in backend or "int4" in backend) and base in ("mla", "gqa", "dca"):
+    parts = backend.split("+")
+    decls = [catalog.get(p) for p in parts]
+    if len(parts) > 1 and any(d is not None and d.quantization for d in decls[1:]) and decls[0].calibrates:
         return "two savings stacked: the smallest cache when memory is the binding constraint"
-    if base == "mla":
-        return ("memory-bound long context favours a latent cache" if long_context
-                else "a latent cache: large savings, quality depends on the rank")
-    if base == "int8":
-        return ("quantized K/V: near-lossless, a safe default under memory pressure" if not long_context
-                else "memory-bound long context favours a quantized cache: near-lossless")
-    if base == "int4":
-        return "4-bit K/V: about twice int8's savings at a small, measurable quality cost"
-    if base == "gqa":
-        return ("short context with high concurrency favours head sharing" if concurrency >= 8 and not long_context
-                else "head sharing: fixed savings, quality cost grows with fewer groups")
-    if base == "dca":
-        return "layer reuse: the reused layers keep only a residual window; near full quality, modest savings"
-    if base == "elastic":
-        return ("exact while the budget holds every token, int8 for the oldest tokens only under pressure (sized "
-                "here fully compressed)")
-    return ""
+    decl = decls[0]
+    if decl is None:
+        return ""
+    if decl.summary_busy and concurrency >= 8 and not long_context:
+        return decl.summary_busy
+    return (decl.summary_long or decl.summary) if long_context else decl.summary
 
 
 def rows_from_bench(path: str) -> list[dict]:

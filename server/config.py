@@ -8,29 +8,23 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BeforeValidator, Field, ValidationError, create_model, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from cache_backends import catalog
+from cache_backends.declaration import Option
 
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = str(REPO_ROOT / "models" / "kjv-llama-mha")
 
 
-# backend name -> {constructor option: settings field}
-BACKEND_OPTIONS = {
-    "gqa": {"groups": "kv_gqa_groups", "method": "kv_gqa_method"},
-    "mla": {"rank": "kv_mla_rank"},
-    "int8": {"group_size": "kv_int8_group_size", "residual": "kv_int8_residual", "key_bits": "kv_int8_key_bits",
-             "value_bits": "kv_int8_value_bits", "rotate": "kv_int8_rotate"},
-    "int4": {"group_size": "kv_int4_group_size", "residual": "kv_int4_residual", "key_bits": "kv_int4_key_bits",
-             "value_bits": "kv_int4_value_bits", "rotate": "kv_int4_rotate"},
-    "elastic": {"group_size": "kv_int8_group_size", "window": "kv_elastic_window", "bits": "kv_elastic_bits"},
-    "dca": {"threshold": "kv_dca_threshold", "probe_interval": "kv_dca_probe_interval", "align": "kv_dca_align",
-            "window": "kv_dca_window"},
-    "window": {"sinks": "kv_window_sinks", "window": "kv_window_size"},
-}
+BACKEND_OPTIONS = {name: {o.name: o.setting for o in decl.options if o.setting}
+                   for name, decl in catalog.declarations().items() if any(o.setting for o in decl.options)}
+"""Backend name -> {constructor option: settings field}, from the backends' declarations
+(:attr:`cache_backends.declaration.Option.setting`)."""
 
 
 # Served besides KV_BACKEND when KV_BACKENDS is unset, so that a request (and the built-in page) can compare
@@ -49,8 +43,8 @@ class ConfigError(ValueError):
     """A setting is invalid; the message is one line naming the variable and the allowed values."""
 
 
-class Settings(BaseSettings):
-    """kvserve configuration (environment variables, case-insensitive)."""
+class _GeneralSettings(BaseSettings):
+    """kvserve configuration but the backends' options (environment variables, case-insensitive)."""
 
     model_config = SettingsConfigDict(env_prefix="", case_sensitive=False, extra="ignore")
 
@@ -161,42 +155,16 @@ class Settings(BaseSettings):
                                                    "within both bounds, and an explicit setting under it is served "
                                                    "with a warning. Unset: no bound (the agreement is still "
                                                    "reported). Needs KV_QUALITY_BUDGET.")
-    kv_gqa_groups: int | None = Field(None, ge=1, description="gqa: K/V heads kept (default num_kv_heads/4).")
-    kv_gqa_method: Literal["pca", "mean"] = Field("pca", description="gqa: calibrated (pca) or mean pooling.")
-    kv_mla_rank: int | None = Field(None, ge=1, description="mla: latent width per token per layer.")
-    kv_int8_group_size: int = Field(32, ge=1, description="int8: tokens per key quantization group.")
-    kv_int8_residual: int = Field(32, ge=0, description="int8: newest tokens kept in full precision.")
-    kv_int8_key_bits: int = Field(8, description="int8: bits per key code, 8 or 4.")
-    kv_int8_value_bits: int = Field(8, description="int8: bits per value code, 8 or 4 (4: vLLM's k8v4 mix).")
-    kv_int8_rotate: bool = Field(False, description="int8: Hadamard-rotate K/V before quantizing (QuaRot).")
-    kv_int4_group_size: int = Field(32, ge=1, description="int4: tokens per key quantization group.")
-    kv_int4_residual: int = Field(32, ge=0, description="int4: newest tokens kept in full precision.")
-    kv_int4_key_bits: int = Field(4, description="int4: bits per key code, 4 or 8.")
-    kv_int4_value_bits: int = Field(4, description="int4: bits per value code, 4 or 8.")
-    kv_int4_rotate: bool = Field(False, description="int4: Hadamard-rotate K/V before quantizing (QuaRot).")
-    kv_elastic_window: int = Field(32, ge=0, description="elastic: newest tokens of a sequence that stay exact "
-                                   "when the pool runs short (its group size is KV_INT8_GROUP_SIZE).")
-    kv_elastic_bits: int = Field(8, description="elastic: code width of the compressed tier, 8 or 4.")
-    kv_dca_threshold: float = Field(0.95, allow_inf_nan=False, description="dca: calibrated similarity at or above which a layer is a "
-                                                        "reuse candidate (each then checks its own calibrated "
-                                                        "threshold per prompt and probe); above 1: none.")
-    kv_dca_probe_interval: int = Field(16, ge=1, description="dca: decode steps between similarity probes.")
-    kv_dca_align: Literal["linear", "none"] = Field("linear", description="dca: how a layer's K/V are predicted.")
-    kv_dca_window: int = Field(32, ge=0, description="dca: a reuse layer keeps its own K/V for its newest "
-                                                     "window..2*window-1 tokens (residual window); 0: none.")
-    kv_window_sinks: int = Field(4, ge=0, description="window: attention-sink tokens (the first ones) every query "
-                                 "keeps seeing (StreamingLLM, arXiv 2309.17453).")
-    kv_window_size: int = Field(1024, ge=1, description="window: recent tokens each query sees, itself included; "
-                                "older ones but the sinks are dropped from the pool.")
 
     @field_validator("kv_backend")
     @classmethod
     def _known_backend(cls, v: str) -> str:
-        from cache_backends.registry import available  # torch: imported when a value is checked, not for --help
         from cache_backends.spec import budget_hint, check_composition
 
-        if "window" in v.split("+"):
-            check_composition(v)  # a window composition it cannot make names why
+        available = catalog.available
+
+        if _declares_refusals(v):
+            check_composition(v)  # a composition a part declares it cannot make names why
         if v not in available():
             raise ValueError(f"unknown backend {v!r}; allowed: {', '.join(available())}{budget_hint(v)}")
         return v
@@ -204,22 +172,15 @@ class Settings(BaseSettings):
     @field_validator("kv_backends")
     @classmethod
     def _known_backends(cls, v: str | None) -> str | None:
-        from cache_backends.registry import available
         from cache_backends.spec import budget_hint, check_composition
 
+        available = catalog.available
+
         for name in filter(None, (x.strip() for x in (v or "").split(","))):
-            if "window" in name.split("+"):
-                check_composition(name)  # a window composition it cannot make names why
+            if _declares_refusals(name):
+                check_composition(name)  # a composition a part declares it cannot make names why
             if name not in available():
                 raise ValueError(f"unknown backend {name!r}; allowed: {', '.join(available())}{budget_hint(name)}")
-        return v
-
-    @field_validator("kv_int8_key_bits", "kv_int8_value_bits", "kv_int4_key_bits", "kv_int4_value_bits", "kv_elastic_bits")
-    @classmethod
-    def _code_bits(cls, v: int) -> int:
-        # an int field, not Literal[4, 8]: a Literal of ints refuses the string "4" an environment variable gives
-        if v not in (4, 8):
-            raise ValueError("must be 4 or 8")
         return v
 
     @field_validator("kv_quality_budget", "kv_quality_min_agreement", mode="before")
@@ -227,7 +188,7 @@ class Settings(BaseSettings):
     def _budget_off(cls, v):
         return None if isinstance(v, str) and v.strip().lower() in ("", "off", "none") else v
 
-    @field_validator("kv_cache_budget_bytes", "max_input_tokens", "max_total_tokens", "kv_gqa_groups", "kv_mla_rank",
+    @field_validator("kv_cache_budget_bytes", "max_input_tokens", "max_total_tokens",
                      "kv_calibration_file", "kv_calibration_cache_dir", mode="before")
     @classmethod
     def _empty_is_none(cls, v):
@@ -313,6 +274,53 @@ class Settings(BaseSettings):
         """``(max_input_tokens, max_total_tokens)`` with unset values derived from the model's context."""
         total = self.max_total_tokens or model_max_positions
         return self.max_input_tokens or total - 1, total
+
+
+def _declares_refusals(name: str) -> bool:
+    return "+" in name and any((d := catalog.get(p)) is not None and d.refusals for p in name.split("+"))
+
+
+def _empty_is_none(v):
+    return None if v == "" else v
+
+
+def _one_of(choices: tuple):
+    def check(v):
+        if v not in choices:
+            raise ValueError(f"must be {' or '.join(map(str, choices))}")
+        return v
+    return check
+
+
+def _setting_field(option: Option) -> tuple[Any, Any]:
+    """The settings field of a backend option: its type (a ``str`` option's words as a ``Literal``; an ``int``
+    option's allowed values checked after parsing, since a ``Literal`` of ints refuses the string ``"4"`` an
+    environment variable gives), its bound, its default (``None``: unset, and an empty variable is unset too)."""
+    kind: Any = Literal[option.choices] if option.kind is str and option.choices else option.kind
+    checks: list = [AfterValidator(_one_of(option.choices))] if option.kind is int and option.choices else []
+    if option.default is None:
+        kind, checks = kind | None, [BeforeValidator(_empty_is_none), *checks]
+    bounds: dict = {"ge": option.low} if option.low is not None and option.kind in (int, float) else {}
+    if option.kind is float:
+        bounds["allow_inf_nan"] = False
+    annotation = Annotated[kind, *checks] if checks else kind
+    return annotation, Field(option.default, description=option.help, **bounds)
+
+
+def _backend_settings() -> dict[str, tuple[Any, Any]]:
+    """One field per setting a backend declares (the first declaration of a shared setting gives its field)."""
+    fields: dict[str, tuple[Any, Any]] = {}
+    for decl in catalog.declarations().values():
+        for option in decl.options:
+            if option.setting and option.setting not in fields:
+                fields[option.setting] = _setting_field(option)
+    return fields
+
+
+Settings = create_model("Settings", __base__=_GeneralSettings, __module__=__name__,
+                        __doc__="kvserve configuration (environment variables, case-insensitive): the general settings "
+                                "and one ``KV_<BACKEND>_<OPTION>`` per option a backend declares.",
+                        **_backend_settings())
 
 
 API_KEY_FILE_MAX_BYTES = 4096

@@ -12,6 +12,7 @@ from pathlib import Path
 from cache_backends.base import KVBackend, ModelGeometry
 from cache_backends.calibration_cache import CalibrationCache
 from cache_backends.registry import create
+from cache_backends import catalog
 from cache_backends.spec import format_spec
 from server.config import Settings
 from server.model_loading import load_model, resolve_device, resolve_dtype
@@ -160,7 +161,7 @@ def prepare_backends(settings: Settings, names: list[str], model, tokenizer, geo
 
     budget = settings.kv_quality_budget
     calibration = None
-    calibrating = any(part in ("gqa", "mla", "dca") for name in names for part in name.split("+"))
+    calibrating = any(catalog.get(part).calibrates for name in names for part in name.split("+"))
     if calibrating or (budget is not None and any(n != "full" for n in names)):
         from cache_backends.calibration import calibration_ids
 

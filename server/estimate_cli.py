@@ -8,23 +8,24 @@ import json
 import sys
 from pathlib import Path
 
-from cache_backends.estimate import DTYPE_BYTES, PRESETS, Shape, bytes_per_token_per_layer, estimate_rows
-from cache_backends.spec import NATIVE_MLA_BACKENDS, parse_spec
+from cache_backends import catalog
+from cache_backends.estimate import DTYPE_BYTES, PRESETS, Shape, bytes_per_token_per_layer, default_specs, estimate_rows
+from cache_backends.spec import parse_spec
 from server.cached_prices import dtype_note, load_prices, price_text
 
 
-# Without specs: every backend (int8's k8v4 mix, 8-bit keys and 4-bit values, too) and the two most useful
-# compositions, at ``default_params`` for the model.
-DEFAULT_SPECS = ["full", "gqa", "mla", "int8", "int4", "int8:value_bits=4", "elastic", "dca", "mla+int8", "gqa+int8"]
+DEFAULT_SPECS = default_specs()
+"""Without specs: every backend (int8's k8v4 mix, 8-bit keys and 4-bit values, too) and the compositions the
+backends list (:func:`cache_backends.estimate.default_specs`), at ``default_params`` for the model."""
 
 
 def applies(shape: Shape, spec: tuple[str, dict], dtype_bytes: int) -> bool:
     """Whether kvserve can serve ``spec`` on this model and the sums size it (a natively-MLA model takes only
-    :data:`cache_backends.spec.NATIVE_MLA_BACKENDS`: it hands its cache a latent, not per-head K/V; a model with
+    :func:`cache_backends.catalog.native_mla_backends`: it hands its cache a latent, not per-head K/V; a model with
     sliding-window layers or RoPE per layer type only the backends that serve them)."""
     from cache_backends.registry import serves_layer_kinds
 
-    if shape.kv_lora_rank and spec[0] not in NATIVE_MLA_BACKENDS:
+    if shape.kv_lora_rank and spec[0] not in catalog.native_mla_backends():
         return False
     if not serves_layer_kinds(spec[0], bool(shape.layer_windows), shape.rope_per_layer_type):
         return False

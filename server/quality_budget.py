@@ -65,6 +65,7 @@ import torch
 
 from cache_backends.base import KVBackend, ModelGeometry
 from cache_backends.registry import create
+from cache_backends import catalog
 from cache_backends.spec import format_spec
 from cache_backends.store_path import StorePath
 
@@ -151,7 +152,7 @@ class Choice:
     def saves_nothing(self) -> bool:
         """Holds at least (1 - MIN_SAVING) of full's bytes; never for ``elastic``, whose size is a range (full's
         without pressure, compressed under it) rather than a setting's."""
-        if self.backend.split("+")[0] == "elastic":
+        if catalog.get(self.backend.split("+")[0]).size_is_range:
             return False
         return self.bytes_per_token > (1 - MIN_SAVING) * self.full_bytes_per_token
 
@@ -266,10 +267,8 @@ def bytes_per_token(backend: KVBackend, seq_len: int = 1024) -> float:
 
 def search_axis(name: str, geometry: ModelGeometry) -> str | None:
     """The option the budget chooses for backend ``name`` (a composition: its outer part's), or ``None``."""
-    outer = name.split("+")[0]
-    if outer == "mla":
-        return None if geometry.kv_lora_rank else "rank"
-    return {"gqa": "groups", "dca": "threshold", "int4": "rotate"}.get(outer)
+    axis = catalog.get(name.split("+")[0]).budget_axis
+    return None if axis == "rank" and geometry.kv_lora_rank else axis  # a native latent's width is the model's
 
 
 def candidates(name: str, axis: str, geometry: ModelGeometry, options: dict) -> list:

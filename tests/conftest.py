@@ -117,6 +117,7 @@ SLOW_TESTS = (
     "tests/test_elastic.py::test_under_pressure_it_compresses_instead_of_preempting",
     "tests/test_elastic.py::test_whole_prompt_prefills_beside_running_streams_are_not_readmitted_in_a_loop",
     "tests/test_engine.py::test_a_cancellation_in_the_step_that_admits_a_per_sequence_store",
+    "tests/test_backend_plugin.py::",  # each test starts Python processes with the plug-in installed
     "tests/test_engine.py::test_kv_budget_is_a_hard_cap_for_every_backend",
     "tests/test_engine.py::test_reserved_store_never_allocates_past_its_reservation",
     "tests/test_engine_process.py::test_the_core_exits_when_the_server_process_is_killed",

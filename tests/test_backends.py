@@ -108,7 +108,7 @@ def buffers_of(obj):
     as codecs, bases, maps and RoPE tables are not per-sequence storage). A layer holds no bare tensor."""
     from cache_backends.base import FullStorage
     from cache_backends.buffer import TokenBuffer
-    from cache_backends.int8 import Int8Storage
+    from cache_backends.int8.backend import Int8Storage
 
     for value in vars(obj).values():
         if isinstance(value, TokenBuffer) and value.data is not None:
@@ -136,7 +136,7 @@ def test_int8_stores_int8_and_is_under_0_55x_of_full(ref_model, geometry, calib)
 def test_gqa_pca_reconstructs_better_than_mean(ref_model, geometry, calib):
     """At the same cache size the calibrated shared head rebuilds K/V with less error than mean pooling."""
     from cache_backends.calibration import collect_kv
-    from cache_backends.gqa import mean_codec, pca_key_codec, pca_value_codec
+    from cache_backends.gqa.backend import mean_codec, pca_key_codec, pca_value_codec
 
     model, _ = ref_model
     k, v = collect_kv(model, geometry, calib[:2048])[4]
@@ -148,7 +148,7 @@ def test_gqa_pca_reconstructs_better_than_mean(ref_model, geometry, calib):
 
 
 def test_unsupported_combination_lists_the_supported_ones(geometry):
-    with pytest.raises(ValueError, match="supported: gqa\\+int8, mla\\+int8, dca\\+int8, dca\\+mla"):
+    with pytest.raises(ValueError, match="supported: gqa\\+int8, gqa\\+int4, mla\\+int8, mla\\+int4, dca\\+int8, dca\\+mla"):
         create("int8+mla", geometry)
     with pytest.raises(ValueError, match="takes no option"):
         create("mla+int8", geometry, groups=2)
@@ -266,7 +266,7 @@ def test_hadamard_rotation_is_orthogonal_and_folds_into_query_and_output():
 def test_rotation_lowers_4bit_error_on_an_outlier_channel():
     """Values quantized per token lose most to one outlier channel (it sets every token's scale); rotated, the
     outlier is spread over all channels and the 4-bit round trip is several times more accurate (QuaRot)."""
-    from cache_backends.int8 import Int8Storage
+    from cache_backends.int8.backend import Int8Storage
 
     x = torch.randn(1, 2, 256, 64, generator=torch.Generator().manual_seed(0))
     x[..., 5] *= 40  # one outlier channel, as LLM activations have

@@ -46,9 +46,12 @@ class DCABackend(KVBackend):
     """
 
     name = "dca"
-    window_refusal = ("dca lets a layer reuse another layer's cache, which a sliding layer and a global layer do not "
-                      "see alike (their windows differ)")
     chunked_prefill = False  # each layer decides kept/reuse once, on the whole prompt
+
+    @classmethod
+    def compose(cls, geometry: ModelGeometry, inner: KVBackend, **options):
+        """``dca+int8``, ``dca+int4``, ``dca+mla``: kept layers store what ``inner`` stores, reuse layers predict from it."""
+        return cls(geometry, inner=inner, **options)
 
     def __init__(self, geometry: ModelGeometry, threshold: float = 0.95, probe_interval: int = 16,
                  align: str = "linear", window: int = 32, inner: KVBackend | None = None):
@@ -60,7 +63,7 @@ class DCABackend(KVBackend):
             raise ValueError(f"KV_DCA_WINDOW={window} must be >= 0")
         super().__init__(geometry, threshold=threshold, probe_interval=probe_interval, align=align, window=window)
         self.threshold, self.probe_interval, self.align, self.window = threshold, probe_interval, align, window
-        from cache_backends.full import FullBackend
+        from cache_backends.full.backend import FullBackend
 
         self.inner = inner if inner is not None else FullBackend(geometry)
         if inner is not None:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from cache_backends.estimate import dca_window_tokens
+from cache_backends.sizes import dca_window_tokens
 from cache_backends.page_plan import GroupedBlocks, GroupedPlan, Plan, SeqBlocks, TierPlan
 
 SPANS = (1, 4, 16, 64, 256, 1024)  # token counts at which each layer's runtime threshold is calibrated

@@ -30,7 +30,8 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse, HTMLResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from cache_backends.estimate import DTYPE_BYTES, Shape, bytes_per_token_per_layer, default_params, estimate_rows
+from cache_backends.estimate import (DTYPE_BYTES, Shape, bytes_per_token_per_layer, default_params, default_specs,
+                                     estimate_rows)
 from cache_backends.registry import available
 from cache_backends.spec import parse_spec
 from server.api.common import SHUTDOWN_MESSAGE, get_service
@@ -200,17 +201,12 @@ async def ui_live(request: Request) -> dict:
             "max_batch_size": state.settings.max_batch_size, "backends": backends}
 
 
-SUMS_EXTRA_SPECS = ("int8:value_bits=4",)
-"""Sums rows besides one per known backend at its defaults: vLLM's k8v4 mix (8-bit keys, 4-bit values)."""
-SUMS_ORDER = ("full", "gqa", "mla", "int8", "int4", "int8:value_bits=4", "dca", "elastic")
-"""The rows first in the table (the reference, then each single backend); the compositions follow."""
-
-
 def sums_specs(shape: Shape, dtype_bytes: int) -> list[str]:
-    """Every backend and composition this server knows (:func:`cache_backends.registry.available`) and
-    :data:`SUMS_EXTRA_SPECS`, less what kvserve cannot serve on the model (:func:`server.estimate_cli.applies`)."""
-    known = sorted((*available(), *SUMS_EXTRA_SPECS),
-                   key=lambda s: SUMS_ORDER.index(s) if s in SUMS_ORDER else len(SUMS_ORDER))
+    """Every backend in its declared order with its extra rows (``int8:value_bits=4``, vLLM's k8v4 mix), then every
+    composition this server knows (:func:`cache_backends.registry.available`), less what kvserve cannot serve on
+    the model (:func:`server.estimate_cli.applies`)."""
+    singles = [s for s in default_specs() if "+" not in s]
+    known = singles + [s for s in available() if s not in singles]
     return [s for s in known if applies(shape, parse_spec(s), dtype_bytes)]
 
 

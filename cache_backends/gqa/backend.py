@@ -28,10 +28,10 @@ from __future__ import annotations
 import torch
 
 from cache_backends.base import KVBackend, ModelGeometry, StreamPairLayer
-from cache_backends.int8 import attend_stored, make_storage, quant_spec, storage_reserved_bytes
+from cache_backends.int8.backend import attend_stored, make_storage, quant_spec, storage_reserved_bytes
 from cache_backends.kv_spec import KVSpec, Quantization, kv_streams
 from cache_backends.paged_attention import attend_pair
-from cache_backends.spec import default_gqa_groups
+from cache_backends.gqa.spec import default_gqa_groups
 
 METHODS = ("pca", "mean")
 FIT_VERSION = 1  # of the calibration cache entry (bump when the fit changes)
@@ -194,8 +194,12 @@ class GQABackend(KVBackend):
     """
 
     name = "gqa"
-    rope_refusal = "gqa fits its key codecs on keys un-rotated through one RoPE table for every layer"
     attends_in_place = True
+
+    @classmethod
+    def compose(cls, geometry: ModelGeometry, inner: KVBackend, **options) -> "GQABackend":
+        """``gqa+int8``/``gqa+int4``: the shared heads stored in ``inner``'s quantized tier."""
+        return cls(geometry, quantization=inner.quantization, **options)
 
     def __init__(self, geometry: ModelGeometry, groups: int | None = None, method: str = "pca",
                  quantization: Quantization | None = None):

@@ -30,8 +30,8 @@ from tqdm import tqdm
 from cache_backends.absorbed_mla import absorbed_attention, install_absorbed_attention
 from cache_backends.attention import grouped_query, ungroup
 from cache_backends.base import KVBackend, KVLayer, KVStore, ModelGeometry
-from cache_backends.full import FullLayer
-from cache_backends.int8 import make_storage, quant_spec, storage_reserved_bytes
+from cache_backends.full.backend import FullLayer
+from cache_backends.int8.backend import make_storage, quant_spec, storage_reserved_bytes
 from cache_backends.kv_spec import KVSpec, Quantization, StreamSpec
 from cache_backends.paged import StreamRead
 from cache_backends.paged_attention import group_mask, grouped_rows, masked_softmax, ungroup_rows
@@ -189,7 +189,20 @@ class MLABackend(KVBackend):
     """
 
     name = "mla"
-    rope_refusal = "mla un-rotates and re-rotates keys through one RoPE table for every layer"
+
+    @classmethod
+    def compose(cls, geometry: ModelGeometry, inner: KVBackend, **options) -> "MLABackend":
+        """``mla+int8``/``mla+int4``: the latent stored in ``inner``'s quantized tier.
+
+        Raises:
+            ValueError: a 4-bit tier and an odd rank (two channels share a byte).
+        """
+        tier = inner.quantization
+        backend = cls(geometry, quantization=tier, **options)
+        if 4 in (tier.key_bits, tier.value_bits) and backend.rank % 2:
+            raise ValueError(f"mla+{inner.name}: 4-bit codes pack two channels per byte: rank={backend.rank} must "
+                             "be even")
+        return backend
 
     def __init__(self, geometry: ModelGeometry, rank: int | None = None, quantization: Quantization | None = None):
         self.native = bool(geometry.kv_lora_rank)

@@ -37,16 +37,14 @@ import torch
 
 from cache_backends.attention import attend_kv
 from cache_backends.base import KVBackend, KVLayer, ModelGeometry
-from cache_backends.estimate import window_rules, windowed_bytes_per_token_per_layer
-from cache_backends.full import FullBackend
+from cache_backends.sizes import window_rules, windowed_bytes_per_token_per_layer
+from cache_backends.full.backend import FullBackend
 from cache_backends.hybrid import HybridLayout
 from cache_backends.kv_spec import KVSpec
 from cache_backends.page_layout import PageLayout
+from cache_backends.window.spec import DEFAULT_SINKS, DEFAULT_WINDOW
 
 log = logging.getLogger("kvserve.window")
-
-DEFAULT_SINKS = 4
-DEFAULT_WINDOW = 1024
 
 
 class WindowLayer(KVLayer):
@@ -120,6 +118,11 @@ class WindowBackend(KVBackend):
     name = "window"
     windowed_pool = True
     attends_in_place = True
+
+    @classmethod
+    def compose(cls, geometry: ModelGeometry, inner: KVBackend, **options):
+        """``window+int8``/``window+int4``: the sinks and the window kept in the quantized tier of ``inner``."""
+        return cls(geometry, inner=inner, **options)
 
     def __init__(self, geometry: ModelGeometry, sinks: int = DEFAULT_SINKS, window: int = DEFAULT_WINDOW,
                  inner: KVBackend | None = None):

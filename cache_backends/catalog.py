@@ -1,0 +1,94 @@
+"""The backends kvserve knows: every :class:`~cache_backends.declaration.BackendDecl` its packages declare.
+
+A backend is a package ``cache_backends/<name>/`` with a torch-free ``spec.py`` holding ``DECLARATIONS``; this
+module finds them by listing the packages (nothing names them here). A distribution outside kvserve adds its own
+through an entry point in the group :data:`ENTRY_POINT_GROUP` whose value is a module holding ``DECLARATIONS``
+(``[project.entry-points."kvserve.backends"]`` ``lastn = "my_package.spec"``), the way vLLM and pytest find
+plug-ins; they are read once, when the catalog is first used, and one whose name is taken is refused.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.metadata
+import pkgutil
+from pathlib import Path
+
+from cache_backends.declaration import BackendDecl
+
+ENTRY_POINT_GROUP = "kvserve.backends"
+"""Entry-point group of backends declared outside kvserve (each value: a module holding ``DECLARATIONS``)."""
+
+
+def _spec_modules() -> list[tuple[str, str]]:
+    """``(where, module)``: kvserve's own backend packages' ``spec`` modules, then the plug-ins'."""
+    here = Path(__file__).resolve().parent
+    own = sorted((f"cache_backends/{m.name}", f"cache_backends.{m.name}.spec") for m in pkgutil.iter_modules([str(here)])
+                 if m.ispkg and (here / m.name / "spec.py").exists())
+    plugins = [(f"entry point {ep.name!r}", ep.value) for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)]
+    return own + plugins
+
+
+@functools.cache
+def declarations() -> dict[str, BackendDecl]:
+    """Backend name -> its declaration, kvserve's own first (sorted by :attr:`BackendDecl.order`), then plug-ins'.
+
+    Raises:
+        ValueError: a plug-in's module cannot be imported or has no ``DECLARATIONS``, or two declarations share a
+            name (naming where each came from).
+    """
+    found: dict[str, BackendDecl] = {}
+    where: dict[str, str] = {}
+    for origin, name in _spec_modules():
+        try:
+            module = importlib.import_module(name)
+        except ImportError as exc:
+            raise ValueError(f"backend plug-in {origin}: cannot import {name} ({exc})") from None
+        decls = getattr(module, "DECLARATIONS", None)
+        if not decls:
+            raise ValueError(f"{name} ({origin}) declares no backend (no DECLARATIONS)")
+        for decl in decls:
+            if decl.name in found:
+                raise ValueError(f"backend {decl.name!r} is declared twice ({where[decl.name]} and {origin})")
+            found[decl.name], where[decl.name] = decl, origin
+    big = 1 << 30
+    return dict(sorted(found.items(), key=lambda kv: (kv[1].order if kv[1].order is not None else big, kv[0])))
+
+
+def get(name: str) -> BackendDecl | None:
+    """The declaration of backend ``name`` (a single backend), else ``None``."""
+    return declarations().get(name)
+
+
+def names() -> list[str]:
+    """Every single backend's name."""
+    return list(declarations())
+
+
+def compositions() -> tuple[str, ...]:
+    """Every ``outer+inner`` composition some outer backend declares (:attr:`BackendDecl.inners`)."""
+    return tuple(f"{d.name}+{inner}" for d in declarations().values() for inner in d.inners)
+
+
+def native_mla_backends() -> tuple[str, ...]:
+    """What a natively-MLA model can be served with: the backends declaring it, and the compositions they are the
+    outer part of (``mla+int8``: the model's latent quantized)."""
+    ok = {d.name for d in declarations().values() if d.native_mla}
+    return tuple(sorted(ok, key=names().index)) + tuple(c for c in compositions() if c.split("+")[0] in ok)
+
+
+def available() -> list[str]:
+    """Every backend name (sorted) and every composition: what ``KV_BACKEND`` may name."""
+    return sorted(names()) + list(compositions())
+
+
+def load_class(name: str) -> type:
+    """The :class:`~cache_backends.base.KVBackend` class of backend ``name`` (imports torch).
+
+    Raises:
+        KeyError: no backend has that name.
+    """
+    decl = declarations()[name]
+    module, _, attr = decl.backend.partition(":")
+    return getattr(importlib.import_module(module), attr)

@@ -1,0 +1,53 @@
+"""``window``'s declaration: attention sinks plus a recent window on every layer (StreamingLLM, arXiv 2309.17453)."""
+
+from cache_backends.declaration import BackendDecl, Option
+from cache_backends.kv_spec import KVSpec
+from cache_backends.sizes import Shape, window_rules, windowed_bytes_per_token_per_layer
+
+DEFAULT_SINKS = 4
+DEFAULT_WINDOW = 1024
+
+
+def _bytes(shape: Shape, params: dict, inner: KVSpec, dtype_bytes: int, seq_len: int) -> float:
+    """What it keeps it keeps in the inner form: the sinks and the window on every layer (a model's narrower
+    sliding windows kept as they are)."""
+    counts: dict = {}
+    for rule in window_rules(shape.layer_windows, shape.num_layers, params["window"], params["sinks"]):
+        counts[rule] = counts.get(rule, 0) + 1
+    return windowed_bytes_per_token_per_layer(inner, [(w, n, s) for (w, s), n in counts.items()], seq_len)
+
+
+def check(name: str, params: dict) -> None:
+    """Refuse sinks above the window, as serving does.
+
+    Raises:
+        ValueError: naming the spec, the values and the variables.
+    """
+    sinks, window = params.get("sinks", DEFAULT_SINKS), params.get("window", DEFAULT_WINDOW)
+    if isinstance(sinks, int) and isinstance(window, int) and sinks > window:
+        raise ValueError(f"{name}: sinks={sinks} must be at most window={window} (KV_WINDOW_SINKS <= "
+                         "KV_WINDOW_SIZE)")
+
+
+DECLARATIONS = (
+    BackendDecl(
+        name="window", backend="cache_backends.window.backend:WindowBackend",
+        summary="sinks and a recent window: a fixed size at any length, but tokens outside the window are lost "
+                "(retrieval from the middle of a long prompt fails)",
+        options=(Option("sinks", int, DEFAULT_SINKS, low=0, setting="kv_window_sinks",
+                        help="window: attention-sink tokens (the first ones) every query keeps seeing "
+                             "(StreamingLLM, arXiv 2309.17453)."),
+                 Option("window", int, DEFAULT_WINDOW, low=1, setting="kv_window_size",
+                        help="window: recent tokens each query sees, itself included; older ones but the sinks "
+                             "are dropped from the pool.")),
+        inners=("int8", "int4"),
+        refusals={
+            "gqa": "gqa's pages keep every token of every layer (its layout has no window groups to drop pages "
+                   "from)",
+            "mla": "mla's latent pages keep every token of every layer (its layout has no window groups to drop "
+                   "pages from)",
+            "dca": "dca lets a layer read another layer's cache by position, which a window that drops tokens breaks",
+            "elastic": "elastic's on-demand tier keeps every token in every layer, so no page could be dropped",
+        },
+        order=7, bytes_per_token=_bytes, check=check),
+)

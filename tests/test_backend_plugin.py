@@ -1,0 +1,128 @@
+"""A backend is one declaration: ``lastn`` (tests/plugin_backend/kvserve_lastn), a package kvserve's files never
+name, installed through the ``kvserve.backends`` entry point, is served, configured, sized and listed everywhere a
+built-in backend is: the spec parser, the registry and its compositions, the settings and ``kvserve serve``'s
+flags, ``kvserve estimate``, ``kvserve advise`` and an engine's greedy tokens (those of ``window`` with no sinks)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PLUGIN = REPO / "tests" / "plugin_backend"
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    """A folder on ``PYTHONPATH`` holding the plug-in's distribution metadata (its entry point), as ``pip install``
+    of a package declaring ``[project.entry-points."kvserve.backends"] lastn = "kvserve_lastn.spec"`` leaves."""
+    root = tmp_path_factory.mktemp("site")
+    info = root / "kvserve_lastn-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kvserve-lastn\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[kvserve.backends]\nlastn = kvserve_lastn.spec\n")
+    return root
+
+
+def run(site: Path, code: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    environ = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(PLUGIN), str(REPO)]), **(env or {})}
+    cmd = [sys.executable, "-c", textwrap.dedent(code)] if code else [sys.executable, *args]
+    return subprocess.run(cmd, cwd=REPO, env=environ, capture_output=True, text=True, timeout=300)
+
+
+def test_the_plugin_is_parsed_composed_and_configured_like_a_builtin(site):
+    p = run(site, """
+        import json
+        from cache_backends import catalog, registry
+        from cache_backends.spec import check_options, parse_spec
+        from server.config import ConfigError, load_settings
+
+        out = {"names": catalog.names(), "available": registry.available()}
+        out["parsed"] = parse_spec("lastn:n=8")
+        for bad in ("lastn:n=0", "lastn:n=x"):
+            try:
+                parse_spec(bad)
+            except ValueError as exc:
+                out[bad] = str(exc)
+        for bad in ("lastn+mla", "lastn:sinks=2"):
+            try:
+                check_options(*parse_spec(bad))
+            except ValueError as exc:
+                out[bad] = str(exc)
+        out["settings"] = load_settings(kv_backend="lastn+int8", kv_lastn_n="48").backend_options("lastn+int8")
+        try:
+            load_settings(kv_lastn_n="0")
+        except ConfigError as exc:
+            out["bad setting"] = str(exc)
+        print(json.dumps(out))
+    """)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert "lastn" in out["names"] and {"lastn", "lastn+int8"} <= set(out["available"])
+    assert out["parsed"] == ["lastn", {"n": 8}]
+    assert out["lastn:n=0"] == "lastn:n=0: n must be >= 1, got 0"
+    assert out["lastn:n=x"] == "lastn:n=x: n must be an integer, got 'x'"
+    assert "unsupported combination 'lastn+mla'" in out["lastn+mla"]
+    assert out["lastn:sinks=2"] == "lastn takes no option sinks"
+    assert out["settings"] == {"n": 48, "group_size": 32, "residual": 32, "key_bits": 8, "value_bits": 8,
+                               "rotate": False}
+    assert out["bad setting"].startswith("invalid KV_LASTN_N='0'")
+
+
+def test_the_plugin_has_its_flag_and_its_estimate_row(site):
+    help_text = run(site, "", "-m", "server.cli", "serve", "--help").stdout
+    assert "--kv-lastn-n N" in help_text and "lastn: newest tokens each query sees." in help_text
+    p = run(site, "", "-m", "server.cli", "estimate", "--model", "llama-3-8b", "--seq-len", "8192", "--batch", "1",
+            "--json")
+    assert p.returncode == 0, p.stderr
+    rows = {r["backend"]: r for r in json.loads(p.stdout)}
+    assert rows["lastn"]["params"] == {"n": 64}
+    # n=64 of 8192 tokens in fp16 on llama-3-8b (8 K/V heads of 128): 63 tokens held besides the next one's own
+    assert rows["lastn"]["bytes_per_token_per_layer"] == pytest.approx(63 * 2 * 8 * 128 * 2 / 8192)
+    named = run(site, "", "-m", "server.cli", "estimate", "--model", "llama-3-8b", "--seq-len", "8192", "--batch",
+                "1", "--json", "lastn:n=64", "window:sinks=0,window=64")
+    a, b = json.loads(named.stdout)
+    assert a["bytes_per_token_per_layer"] == b["bytes_per_token_per_layer"]
+
+
+def test_the_plugin_serves_the_tokens_of_a_window_without_sinks(site):
+    """Greedy tokens through an engine (the paged pool, the kernel or torch path, pages freed as the window moves):
+    ``lastn:n=24`` gives ``window:sinks=0,window=24``'s, on a prompt four times as long as the window."""
+    p = run(site, """
+        import json
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from tests.conftest import MODEL_DIR
+        from tests.engine_helpers import make_engine, make_seq, run_all
+
+        model = AutoModelForCausalLM.from_pretrained(MODEL_DIR).eval()
+        tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
+        prompt = "In the beginning God created the heaven and the earth. " * 12
+        out = {}
+        for name, options in (("lastn", {"n": 24}), ("window", {"sinks": 0, "window": 24})):
+            engine = make_engine(model, tokenizer, name, **options)
+            seq = make_seq(tokenizer, prompt, 24, backend=name)
+            run_all(engine, [seq])
+            out[name] = {"ids": seq.output_ids, "prompt": len(seq.prompt_ids)}
+        print(json.dumps(out))
+    """)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["lastn"]["prompt"] >= 4 * 24 and len(out["lastn"]["ids"]) == 24
+    assert out["lastn"]["ids"] == out["window"]["ids"]
+
+
+def test_a_plugin_whose_name_is_taken_is_refused(site, tmp_path):
+    info = tmp_path / "twin-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: twin\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[kvserve.backends]\nfull = cache_backends.full.spec\n")
+    p = run(site, "from cache_backends import catalog; catalog.names()", env={"PYTHONPATH": os.pathsep.join(
+        [str(tmp_path), str(REPO)])})
+    assert p.returncode != 0
+    assert "backend 'full' is declared twice (cache_backends/full and entry point 'full')" in p.stderr
