@@ -184,7 +184,8 @@ class WindowBackend(KVBackend):
 
         Raises:
             ValueError: when the sinks do not fit one page of the sink tier (the quantized tier's on a quantized
-                inner backend, else the exact tier's).
+                inner backend, else the exact tier's), naming ``KV_WINDOW_SINKS`` and ``KV_BLOCK_SIZE`` (the pool's
+                page holds whole blocks: :func:`server.engine.kv_cache.page_layouts`).
         """
         spec = self.kv_spec()
         groups = self.groups()
@@ -193,7 +194,7 @@ class WindowBackend(KVBackend):
             per = layout.q_tokens if layout.quantization else layout.exact_tokens
             if sinks and sinks > per:
                 raise ValueError(f"{self.name}: sinks={sinks} (KV_WINDOW_SINKS) must fit one page of its sink "
-                                 f"tier ({per} tokens at this block size)")
+                                 f"tier ({per} tokens a page): lower KV_WINDOW_SINKS or raise KV_BLOCK_SIZE")
         return HybridLayout(layouts, [w for w, _, _ in groups], [layers for _, _, layers in groups],
                             [s for _, s, _ in groups])
 

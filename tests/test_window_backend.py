@@ -343,7 +343,8 @@ def test_bad_values_are_refused_at_construction(tiny):
     with pytest.raises(ValueError, match=r"sinks=10 must be at most window=8 \(KV_WINDOW_SINKS <= KV_WINDOW_SIZE"):
         create("window", geometry, sinks=10, window=8)
     create("window", geometry, sinks=8, window=8)  # every seen token a sink or recent: allowed
-    with pytest.raises(ValueError, match=r"sinks=8 \(KV_WINDOW_SINKS\) must fit one page of its sink tier"):
+    with pytest.raises(ValueError, match=r"sinks=8 \(KV_WINDOW_SINKS\) must fit one page of its sink tier \(4 tokens a page\): lower "
+                       "KV_WINDOW_SINKS or raise KV_BLOCK_SIZE"):
         create("window", geometry, sinks=8).page_layout(torch.float32, create("window", geometry).block_bytes(4))
 
 
