@@ -111,6 +111,9 @@ def why(backend: str, context: int, concurrency: int, share: float, long_context
     if base == "elastic":
         return ("exact while the budget holds every token, int8 for the oldest tokens only under pressure (sized "
                 "here fully compressed)")
+    if base == "window":
+        return ("attention sinks and a recent window: the cache stops growing at the window, but what it dropped is "
+                "lost (a fact older than the window is not retrieved)")
     return ""
 
 
