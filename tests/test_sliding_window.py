@@ -72,7 +72,8 @@ def test_the_geometry_reads_each_layers_window(tiny):
 
 def test_kvserve_estimate_reads_the_windows_from_config_json_and_leaves_out_what_is_refused(tiny):
     """``kvserve estimate``'s shape from the config as saved: the same windows and RoPE facts as the served model's
-    geometry, ``full`` counted with its windows kept, and the default rows without ``gqa``, ``mla`` and ``dca``."""
+    geometry, ``full`` counted with its windows kept, and the default rows without ``gqa``, ``mla`` and ``dca`` (with
+    ``window``, which serves a model's own sliding layers)."""
     from cache_backends.estimate import Shape, bytes_per_token_per_layer
     from server.estimate_cli import resolve_specs
 
@@ -83,7 +84,7 @@ def test_kvserve_estimate_reads_the_windows_from_config_json_and_leaves_out_what
     assert geometry.shape().layer_windows == shape.layer_windows and geometry.shape().rope_per_layer_type
     assert bytes_per_token_per_layer(shape, "full", {}, 4, LENGTH) == create("full", geometry).bytes_per_token_per_layer(
         LENGTH)
-    assert [name for name, _ in resolve_specs(shape, None, 4)] == ["full", "int8", "int4", "int8", "elastic"]
+    assert [name for name, _ in resolve_specs(shape, None, 4)] == ["full", "int8", "int4", "int8", "elastic", "window"]
 
 
 def test_kv_sliding_window_pool_false_keeps_every_token_in_every_layer(tiny):
