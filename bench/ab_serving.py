@@ -57,7 +57,8 @@ def run_one(model: str, setting: dict[str, str], measure: str, streams: int, tok
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description="alternating A/B of two kvserve server settings")
+    p = argparse.ArgumentParser(
+        prog="python -m bench.ab_serving", description="alternating A/B of two kvserve server settings")
     p.add_argument("--a", nargs="+", required=True, metavar="NAME=VALUE", help="setting A's environment variables")
     p.add_argument("--b", nargs="+", required=True, metavar="NAME=VALUE", help="setting B's environment variables")
     p.add_argument("--model", default=str(REPO / "models" / "kjv-llama-mha"))

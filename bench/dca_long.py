@@ -72,7 +72,7 @@ def table(rows: list[dict], args) -> str:
 def main(argv: list[str] | None = None) -> int:
     from server.model_loading import load_model
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.dca_long", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=str(REPO / "models" / "kjv-llama-mha"))
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--prompt-tokens", type=int, default=900)

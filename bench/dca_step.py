@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     from cache_backends.registry import create
     from server.engine.malloc_tuning import keep_step_memory
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.dca_step", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="models/kjv-llama-mha")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--context", type=int, default=512)

@@ -105,7 +105,7 @@ def table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     from bench.budget import bad_spec
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.decode_memory", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="models/smollm2-135m-instruct")
     p.add_argument("--contexts", type=int, nargs="+", default=[2048, 8000])
     p.add_argument("--backends", nargs="+", default=["full", "int8", "int4"])

@@ -56,7 +56,7 @@ def preemptions(url: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="bench.fair_share", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.fair_share", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=str(REPO / "models" / "kjv-llama-mha"))
     ap.add_argument("--budget", type=int, default=33554432, help="KV_CACHE_BUDGET_BYTES")
     ap.add_argument("--n", type=int, default=16, help="generations of the wide request")

@@ -164,7 +164,7 @@ def latent_main(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.kernel_step", description=__doc__.split("\n\n")[0])
     p.add_argument("--form", choices=["kv", "latent"], default="kv",
                    help="kv: K/V pairs per --tiers; latent: a native-MLA model's latent, the kernel vs torch")
     p.add_argument("--context", type=int, nargs="+", default=[8000])

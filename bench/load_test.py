@@ -89,7 +89,7 @@ def pct(values, q):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description="kvserve load test on 127.0.0.1")
+    p = argparse.ArgumentParser(prog="python -m bench.load_test", description="kvserve load test on 127.0.0.1")
     p.add_argument("--model", default=str(REPO / "models" / "kjv-llama-mha"))
     p.add_argument("--backend", default="full")
     p.add_argument("--clients", type=int, default=64)

@@ -76,7 +76,7 @@ def interleave(streams: list[Stream], steps: int) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     from bench.budget import load_reference, make_backend
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.longctx", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="models/smollm2-135m-instruct")
     p.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 8000])
     p.add_argument("--backends", nargs="+", default=["full", "int8", "int4"])

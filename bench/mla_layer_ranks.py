@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     from server.model_loading import load_model
     from server.quality_budget import Scorer
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.mla_layer_ranks", description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="models/smollm2-135m-instruct")
     parser.add_argument("--ranks", type=int, nargs="+", default=[240, 288, 336],
                         help="uniform ranks to compare (each against per-layer ranks of the same total)")

@@ -54,7 +54,7 @@ def table(rows: list[dict], budget: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.mla_routes", description=__doc__.splitlines()[0])
     ap.add_argument("--windows", type=int, default=4, help="1024-token held-out windows for perplexity")
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=448)

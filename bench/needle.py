@@ -24,7 +24,7 @@ from server.bench_cmd.needle import ANSWER_TOKENS, answer, probes, table
 def main(argv: list[str] | None = None) -> int:
     from bench.budget import bad_spec, load_reference, make_backend
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.needle", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="models/smollm2-135m-instruct")
     p.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096])
     p.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9])

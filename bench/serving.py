@@ -344,7 +344,8 @@ def in_child(fn: str, *args, threads: int | None = None):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description="kvserve vs transformers generate() and transformers serve")
+    p = argparse.ArgumentParser(
+        prog="python -m bench.serving", description="kvserve vs transformers generate() and transformers serve")
     p.add_argument("--model", default=str(REPO / "models" / "kjv-llama-mha"))
     p.add_argument("--tokens", type=int, default=64, help="tokens generated per stream")
     p.add_argument("--concurrency", default="1,4,8,16")

@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     from server.engine.malloc_tuning import keep_step_memory
     from server.model_loading import load_model
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.step_cost", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="models/kjv-llama-mha")
     p.add_argument("--backends", nargs="+", default=["full", "int8"])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16])

@@ -114,7 +114,8 @@ def markdown(report: dict) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description="the server's OpenMP wait policy and thread count, quiet and beside a "
+    p = argparse.ArgumentParser(prog="python -m bench.threads",
+                                description="the server's OpenMP wait policy and thread count, quiet and beside a "
                                             "busy core")
     p.add_argument("--model", default=str(REPO / "models" / "kjv-llama-mha"))
     p.add_argument("--tokens", type=int, default=64, help="tokens per stream")

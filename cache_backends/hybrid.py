@@ -211,7 +211,7 @@ class HybridLayout:
         most = self.pages_for(prompt, chunk)
         if total <= prompt:
             return most
-        return max(most, sum(self._decode_pages(layout, window, total) + self._sink_pages(layout, sinks, total)
+        return max(most, sum(self._decode_pages(layout, window, total, sinks)
                              for layout, window, sinks in zip(self.groups, self.windows, self.sinks)))
 
     @staticmethod
@@ -221,25 +221,28 @@ class HybridLayout:
             return 0
         return math.ceil(min(sinks, total) / (layout.q_tokens if layout.quantization else layout.exact_tokens))
 
-    @staticmethod
-    def _decode_pages(layout: PageLayout, window: int | None, total: int) -> int:
+    @classmethod
+    def _decode_pages(cls, layout: PageLayout, window: int | None, total: int, sinks: int | None = None) -> int:
         """The most pages one group holds in a decode step of a sequence of at most ``total`` tokens.
 
         Exact layout: every token's pages, or in a sliding group of window ``W`` at most ``W`` tokens from any slot
-        of its first page on. Quantized layout: the codes of every quantized token (in a sliding group at most
-        ``W + q_tokens - 1 - residual`` of them, from a page's start: the first page holds a token the window sees,
-        and the codes end ``residual`` tokens before the newest) beside its exact tokens, at most ``residual +
-        group_size`` from any slot of their first page (:meth:`cache_backends.page_plan.TierPlan.pages_to_generate`).
-        """
+        of its first page on, and its sink pages. Quantized layout: the codes of every quantized token (in a sliding
+        group at most ``W + q_tokens - 1 - residual`` of them, from a page's start: the first page holds a token the
+        window sees, and the codes end ``residual`` tokens before the newest, and its sink pages of codes) beside its
+        exact tokens, at most ``residual + group_size`` from any slot of their first page
+        (:meth:`cache_backends.page_plan.TierPlan.pages_to_generate`). The sink pages are pages of the first tokens,
+        so a tier never holds more than every token's pages: until the window has passed a page, its sinks lie in
+        pages the window still holds (counting them apart reserved a page more than a short sequence ever holds)."""
         te, q = layout.exact_tokens, layout.quantization
         every = math.ceil(total / te)
+        sink = cls._sink_pages(layout, sinks, total)
         if not q:
-            return every if window is None else min(every, math.ceil((te - 1 + window) / te))
+            return every if window is None else min(every, math.ceil((te - 1 + window) / te) + sink)
         tq = layout.q_tokens
         codes = total - q.exact_held(total)
         q_pages = math.ceil(codes / tq)
         if window is not None:
-            q_pages = min(q_pages, math.ceil(max(0, window + tq - 1 - q.residual) / tq))
+            q_pages = min(q_pages, math.ceil(max(0, window + tq - 1 - q.residual) / tq) + sink)
         return q_pages + min(every, math.ceil((te - 1 + q.residual + q.group_size) / te))
 
     def prefill_pages(self, start: HybridBlocks, tokens: int) -> int:

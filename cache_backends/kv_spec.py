@@ -195,9 +195,11 @@ class KVSpec:
 
     def block_bytes(self, block_size: int) -> int:
         """Bytes of one block of ``block_size`` tokens in the stored form, slabs aligned (rounded up to whole
-        quantization groups; an on-demand tier: the exact block every token starts in): the page size of a pool
-        that serves only this backend."""
+        quantization groups; an on-demand tier: the exact block every token starts in, or one group of codes where
+        that is more, so that a page holds a group: ``elastic`` alone in fp16 at 16 tokens a block had pages too small
+        for its 32-token groups): the page size of a pool that serves only this backend."""
         q = self.quantization
         if q and not q.on_demand:
             return self.q_bytes(q.group_size * -(-block_size // q.group_size), aligned=True)
-        return self.exact_bytes(block_size, aligned=True)
+        exact = self.exact_bytes(block_size, aligned=True)
+        return max(exact, self.q_bytes(q.group_size, aligned=True)) if q else exact

@@ -52,24 +52,32 @@ def check_backend(settings, model_source: str = "MODEL_ID") -> None:
         backends = create_backends(settings, geometry)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    if settings.kv_cache_budget_bytes is not None:  # the engine's own check, before the weights load (exit 2)
-        check_budget(backends, dtype, settings.kv_block_size, settings.kv_cache_budget_bytes)
+    # the engine's own checks of the pool, before the weights load (exit 2)
+    check_pool(backends, dtype, settings.kv_block_size, settings.kv_cache_budget_bytes)
 
 
-def check_budget(backends: dict, dtype, block_size: int, budget_bytes: int) -> None:
-    """Refuse a ``KV_CACHE_BUDGET_BYTES`` that holds fewer than two KV pages of ``backends``
-    (:func:`server.engine.setup.pages_in_budget`), from the model's config alone.
+def check_pool(backends: dict, dtype, block_size: int, budget_bytes: int | None) -> None:
+    """Lay out the KV pool of ``backends`` as the engine will (:func:`server.engine.kv_cache.page_layouts`), from the
+    model's config alone, and refuse what it would refuse after the weights load: a layout a backend cannot take
+    (``window``'s sinks wider than one page at ``KV_BLOCK_SIZE``) and a ``KV_CACHE_BUDGET_BYTES`` that holds fewer
+    than two KV pages (:func:`server.engine.setup.pages_in_budget`; checked only when ``budget_bytes`` is given).
 
     Raises:
-        ConfigError: naming ``KV_CACHE_BUDGET_BYTES``, the page's bytes and the least budget that serves.
+        ConfigError: the layout's one-line reason with ``KV_BLOCK_SIZE``'s value, or naming
+            ``KV_CACHE_BUDGET_BYTES``, the page's bytes and the least budget that serves.
     """
     from server.config import ConfigError
     from server.engine.kv_cache import page_layouts
     from server.engine.setup import pages_in_budget
 
     try:
-        pages_in_budget(budget_bytes, page_layouts(backends, dtype, block_size)[0])
-    except RuntimeError:  # dca knows its layout only once calibrated: the engine checks the budget then
+        page_bytes = page_layouts(backends, dtype, block_size)[0]
+    except RuntimeError:  # dca knows its layout only once calibrated: the engine checks the pool then
         return
     except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+        raise ConfigError(f"{exc} (KV_BLOCK_SIZE is {block_size})") from None
+    if budget_bytes is not None:
+        try:
+            pages_in_budget(budget_bytes, page_bytes)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None

@@ -135,8 +135,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the subcommand; its exit status. Output cut short by its reader (``kvserve advise | head -1``) ends it
     quietly with 141 (128 + SIGPIPE, as a shell tool stopped by the closed pipe), not a BrokenPipeError traceback."""
+    return run(build_parser(), argv)
+
+
+def run(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
+    """Parse ``argv`` with ``parser`` (whose parsed arguments carry ``func``, and ``subparser``: the parser that names
+    an unknown flag) and run ``func``: :func:`main`'s, and a ``python -m`` entry point's that takes one subcommand's
+    flags under its own name (``python -m bench.report``)."""
     passive_threads()
-    args, unknown = build_parser().parse_known_args(argv)
+    args, unknown = parser.parse_known_args(argv)
     subparser = args.__dict__.pop("subparser")
     if unknown:  # `kvserve serve --bogus 1`: one line naming serve and the flag (exit 2), not the top-level parser
         subparser.error(f"unrecognized arguments: {' '.join(unknown)}")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from cache_backends import catalog
 from cache_backends.estimate import DTYPE_BYTES, PRESETS, Shape, bytes_per_token_per_layer, default_specs, estimate_rows
-from cache_backends.spec import parse_spec
+from cache_backends.spec import check_options, parse_spec
 from server.cached_prices import dtype_note, load_prices, price_text
 
 
@@ -18,11 +18,50 @@ DEFAULT_SPECS = default_specs()
 """Without specs: every backend (int8's k8v4 mix, 8-bit keys and 4-bit values, too) and the compositions the
 backends list (:func:`cache_backends.estimate.default_specs`), at ``default_params`` for the model."""
 
+DEFAULT_BLOCK_SIZE = 16
+"""``KV_BLOCK_SIZE``'s default (:data:`server.engine.setup.DEFAULT_BLOCK_SIZE`, not imported: it imports torch)."""
+
+ESTIMATE_ONLY = tuple(sorted({o.name for d in catalog.declarations().values() for o in d.options if o.estimate_only}))
+"""Options only the sums take (a latent's rope width, ``dca``'s share of reused layers, measured when served)."""
+
+
+def check_served(shape: Shape, spec: tuple[str, dict], dtype_bytes: int, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+    """Refuse ``spec`` as ``kvserve serve`` would on this model: the backend built with its options
+    (:func:`cache_backends.registry.create`, less :data:`ESTIMATE_ONLY`) and its KV pool laid out at ``block_size``
+    tokens a block (:func:`server.engine.kv_cache.page_layouts`, the backend served alone). A per-head spec named on a
+    natively-MLA model is sized as its expanded K and V heads, which the server does not serve: not checked.
+
+    Raises:
+        ValueError: the server's own one-line message (a layout's with ``KV_BLOCK_SIZE``'s value).
+    """
+    import torch
+
+    from cache_backends.base import ModelGeometry
+    from cache_backends.registry import create
+    from server.engine.kv_cache import page_layouts
+
+    name, options = spec
+    if shape.kv_lora_rank and name not in catalog.native_mla_backends():
+        return
+    geometry = ModelGeometry(shape.num_layers, shape.num_key_value_heads, shape.num_key_value_heads, shape.k_head_dim,
+                             dtype_bytes, shape.kv_lora_rank, shape.rope_dim, shape.layer_windows,
+                             shape.rope_per_layer_type)
+    backend = create(name, geometry, **{k: v for k, v in options.items() if k not in ESTIMATE_ONLY})
+    dtype = {4: torch.float32, 2: torch.float16}.get(dtype_bytes)
+    if dtype is None:  # fp8: no pool is served in it
+        return
+    try:
+        page_layouts({name: backend}, dtype, block_size)
+    except RuntimeError:  # dca knows its layout only once calibrated
+        return
+    except ValueError as exc:
+        raise ValueError(f"{exc} (KV_BLOCK_SIZE is {block_size})") from None
+
 
 def applies(shape: Shape, spec: tuple[str, dict], dtype_bytes: int) -> bool:
     """Whether kvserve can serve ``spec`` on this model and the sums size it (a natively-MLA model takes only
     :func:`cache_backends.catalog.native_mla_backends`: it hands its cache a latent, not per-head K/V; a model with
-    sliding-window layers or RoPE per layer type only the backends that serve them)."""
+    sliding-window layers or RoPE per layer type only the backends that serve them; :func:`check_served`)."""
     from cache_backends.registry import serves_layer_kinds
 
     if shape.kv_lora_rank and spec[0] not in catalog.native_mla_backends():
@@ -31,20 +70,28 @@ def applies(shape: Shape, spec: tuple[str, dict], dtype_bytes: int) -> bool:
         return False
     try:
         bytes_per_token_per_layer(shape, *spec, dtype_bytes, 1)
+        check_served(shape, spec, dtype_bytes)
     except ValueError:
         return False
     return True
 
 
-def resolve_specs(shape: Shape, specs: list[str] | None, dtype_bytes: int) -> list[tuple[str, dict]]:
-    """``specs`` parsed; without any, :data:`DEFAULT_SPECS` less what this model cannot take.
+def resolve_specs(shape: Shape, specs: list[str] | None, dtype_bytes: int,
+                  block_size: int = DEFAULT_BLOCK_SIZE) -> list[tuple[str, dict]]:
+    """``specs`` parsed, each checked as the server checks it (:func:`check_served`, after the sums' own checks);
+    without any, :data:`DEFAULT_SPECS` less what this model cannot take.
 
     Raises:
-        ValueError: for a malformed spec (see :func:`parse_spec`).
+        ValueError: for a malformed spec (see :func:`parse_spec`), or one the server refuses (its message).
     """
-    if specs:
-        return [parse_spec(s) for s in specs]
-    return [spec for spec in map(parse_spec, DEFAULT_SPECS) if applies(shape, spec, dtype_bytes)]
+    if not specs:
+        return [spec for spec in map(parse_spec, DEFAULT_SPECS) if applies(shape, spec, dtype_bytes)]
+    parsed = [parse_spec(s) for s in specs]
+    for spec in parsed:
+        check_options(*spec)
+        bytes_per_token_per_layer(shape, *spec, dtype_bytes, 1)  # the sums' own message first
+        check_served(shape, spec, dtype_bytes, block_size)
+    return parsed
 
 
 def _ints(text: str) -> list[int]:
@@ -56,6 +103,17 @@ def _ints(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected a comma list of whole numbers >= 1 (e.g. 4096,8192), got {text!r}")
     return values
+
+
+def _positive_int(text: str) -> int:
+    """One whole number >= 1 (argparse type)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
 
 
 def load_shape(model: str) -> Shape:
@@ -93,6 +151,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=_ints, default="4096,8192,32768", help="comma list of context lengths (tokens)")
     p.add_argument("--batch", type=_ints, default="1,8,16", help="comma list of batch sizes")
     p.add_argument("--dtype", default="fp16", choices=sorted(DTYPE_BYTES))
+    p.add_argument("--block-size", type=_positive_int, default=DEFAULT_BLOCK_SIZE,
+                   help=f"KV_BLOCK_SIZE a spec is checked at, as the server lays out its pool (default "
+                        f"{DEFAULT_BLOCK_SIZE}): window's sinks must fit one page")
     p.add_argument("backends", nargs="*",
                    help="backend specs, e.g. full gqa:groups=8 mla:rank=512,rope_dim=64 int8 int4 int8:value_bits=4 "
                         "dca:reuse_fraction=0.5 "
@@ -103,7 +164,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     try:
         shape = load_shape(args.model)
-        specs = resolve_specs(shape, args.backends, DTYPE_BYTES[args.dtype])
+        specs = resolve_specs(shape, args.backends, DTYPE_BYTES[args.dtype], args.block_size)
         rows = estimate_rows(shape, specs, args.seq_len, args.batch, DTYPE_BYTES[args.dtype])
     except ValueError as exc:
         print(f"kvserve estimate: {exc}", file=sys.stderr)

@@ -110,15 +110,32 @@ def test_the_command_refuses_a_bad_argument_in_one_line(tmp_path):
 @pytest.mark.parametrize("args", [["--help"], ["--backends", "full", "nosuch"], ["--bogus"]])
 def test_python_m_bench_report_is_kvserve_bench(args, tmp_path):
     """``python -m bench.report`` runs ``kvserve bench`` (whose code is in ``server.bench_cmd``): the same flags,
-    the same output and exit status."""
+    the same output and exit status, under its own name (its usage said "usage: kvserve bench")."""
     def run(*command):
         p = subprocess.run([sys.executable, "-m", *command, "--out", str(tmp_path / "out"), *args], cwd=REPO,
                            capture_output=True, text=True, timeout=120)
         return p.returncode, p.stdout, p.stderr
 
-    ours = run("bench.report")
-    assert ours == run("server.cli", "bench") and ours[0] in (0, 2) and (ours[1] or ours[2])
+    ours, theirs = run("bench.report"), run("server.cli", "bench")
+    assert ours[0] == theirs[0] in (0, 2) and (ours[1] or ours[2])
+    if args == ["--help"]:  # wrapped to its own name's width
+        assert ours[1].startswith("usage: python -m bench.report [-h]") and "usage: kvserve" not in ours[1]
+    else:
+        assert ours[1:] == tuple(text.replace("kvserve bench", "python -m bench.report") for text in theirs[1:])
     assert not (tmp_path / "out").exists()
+
+
+def test_every_benchmark_names_itself_as_it_is_run():
+    """Each ``python -m bench.X`` entry point's parser is named ``python -m bench.X`` (they said ``needle.py``, or
+    ``bench.fair_share``)."""
+    import ast
+
+    for path in sorted((REPO / "bench").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) in ("ArgumentParser", "OneLineParser"):
+                prog = {k.arg: k.value for k in node.keywords}.get("prog")
+                named = prog.value if isinstance(prog, ast.Constant) else getattr(prog, "id", None)
+                assert named in (f"python -m bench.{path.stem}", "PROG"), f"{path.name}: prog {named!r}"
 
 
 def test_report_table_shows_the_spread_over_rounds():

@@ -90,7 +90,48 @@ def test_cli_without_specs_lists_the_quantized_widths_and_elastic_too():
     assert [name for name, _ in rows] == ["full", "gqa", "mla", "int8", "int8", "int4", "elastic", "dca", "window",
                                           "gqa+int8", "mla+int8"]
     assert rows[4][1]["value_bits"] == 4 and rows[3][1].get("value_bits", 8) == 8
-    assert rows[8][1] == {"sinks": 4, "window": 1024}
+    assert rows[8][1] == {"sinks": 4, "window": 1024}  # the server's defaults (KV_WINDOW_SINKS, KV_WINDOW_SIZE)
+
+
+@pytest.mark.parametrize("spec, options", [("window+int8:window=40", {"window": 40}),
+                                           ("window+int4:window=63", {"window": 63}),
+                                           ("window:sinks=8,window=4", {"sinks": 8, "window": 4}),
+                                           ("window:sinks=40", {"sinks": 40})])
+def test_estimate_refuses_what_the_server_refuses_with_its_message(model_dir, capsys, spec, options):
+    """``window+int8:window=40`` (a window narrower than the residual window and the forming group) and window sinks
+    wider than one KV page were sized, where ``kvserve serve`` refuses them: estimate now exits 2 with the server's
+    own line (the backend's construction check; the pool's layout at ``--block-size``, KV_BLOCK_SIZE's default)."""
+    import torch
+    from transformers import AutoConfig
+
+    from cache_backends.base import ModelGeometry
+    from cache_backends.registry import create
+    from server.backend_check import check_pool
+    from server.cli import build_parser
+    from server.config import ConfigError
+
+    name = spec.split(":")[0]
+    try:
+        backend = create(name, ModelGeometry.from_config(AutoConfig.from_pretrained(model_dir), torch.float32),
+                         **options)
+        check_pool({name: backend}, torch.float32, 16, None)
+        pytest.fail(f"{spec} is served")
+    except (ValueError, ConfigError) as exc:
+        served = str(exc)
+    args = build_parser().parse_args(["estimate", "--model", str(model_dir), "--dtype", "fp32", spec])
+    assert args.func(args) == 2
+    assert capsys.readouterr().err == f"kvserve estimate: {served}\n"
+
+
+def test_estimate_checks_window_sinks_at_the_block_size_given(model_dir, capsys):
+    """Sinks wider than a page at the default block size fit a page of 64-token blocks, as the server takes them."""
+    from server.cli import build_parser
+
+    for block, status in (("16", 2), ("64", 0)):
+        args = build_parser().parse_args(["estimate", "--model", str(model_dir), "--block-size", block, "--json",
+                                          "--seq-len", "1024", "--batch", "1", "window:sinks=40"])
+        assert args.func(args) == status
+    assert json.loads(capsys.readouterr().out)[0]["params"] == {"sinks": 40, "window": 1024}
 
 
 def test_a_per_head_spec_named_on_deepseek_sizes_its_expanded_k_and_v_heads():

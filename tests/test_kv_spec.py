@@ -99,6 +99,17 @@ def test_a_spec_refuses_what_no_page_can_hold():
         backend.page_layout(torch.float16, backend.block_bytes(16))
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_elastic_alone_in_fp16_gets_pages_that_hold_a_group(bits):
+    """Served alone in fp16, ``elastic``'s page was its 16-token exact block, too small for one 32-token group of its
+    codes (scales and zero points included): the pool could not be laid out, after the weights loaded."""
+    from server.engine.kv_cache import page_layouts
+
+    geometry = ModelGeometry(num_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64, dtype_bytes=2)
+    page, layouts = page_layouts({"elastic": create("elastic", geometry, bits=bits)}, torch.float16, 16)
+    assert layouts["elastic"].q_tokens >= 32 and layouts["elastic"].exact_tokens >= 16
+
+
 def _walk(plan: TierPlan, prompt: int, total: int, chunk: int) -> int:
     """The most pages a sequence holds, step by step: its prompt in chunks, then one token a step (an on-demand
     tier compressing all it may after each step)."""

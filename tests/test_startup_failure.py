@@ -23,12 +23,17 @@ def test_backend_that_cannot_calibrate_exits_1_with_one_line(tmp_path):
 
 
 def test_settings_found_wrong_before_the_load_exit_2_with_one_line(tmp_path):
-    """A missing KV_CALIBRATION_FILE and a KV_CACHE_BUDGET_BYTES under two KV pages are known from the settings and
-    the model's config: exit 2 before the weights load, one line and no traceback, as every other bad setting
-    (before: exit 1 after the load, a missing file with two tracebacks)."""
+    """A missing KV_CALIBRATION_FILE, a KV_CACHE_BUDGET_BYTES under two KV pages and window sinks wider than one KV
+    page are known from the settings and the model's config: exit 2 before the weights load, one line and no
+    traceback, as every other bad setting (before: exit 1 after the load, a missing file with two tracebacks)."""
     for extra, said in [({"KV_BACKEND": "gqa", "KV_CALIBRATION_FILE": str(tmp_path / "missing.txt")},
                          f"invalid KV_CALIBRATION_FILE={str(tmp_path / 'missing.txt')!r}: no such file"),
-                        ({"KV_CACHE_BUDGET_BYTES": "600000"}, "KV_CACHE_BUDGET_BYTES=600000 holds fewer than 2 KV")]:
+                        ({"KV_CACHE_BUDGET_BYTES": "600000"}, "KV_CACHE_BUDGET_BYTES=600000 holds fewer than 2 KV"),
+                        ({"KV_BACKEND": "window", "KV_WINDOW_SINKS": "20"},
+                         "window: sinks=20 (KV_WINDOW_SINKS) must fit one page of its sink tier (16 tokens a page): "
+                         "lower KV_WINDOW_SINKS or raise KV_BLOCK_SIZE (KV_BLOCK_SIZE is 16)"),
+                        ({"KV_BACKEND": "window+int8", "KV_WINDOW_SINKS": "40", "KV_BACKENDS": ""},
+                         "window+int8: sinks=40 (KV_WINDOW_SINKS) must fit one page of its sink tier (32 tokens")]:
         env = {**os.environ, "MODEL_ID": str(MODEL_DIR), "PORT": str(free_port()), **extra}
         proc = subprocess.run([sys.executable, "-m", "server.cli", "serve"], env=env, capture_output=True, text=True,
                               timeout=300)

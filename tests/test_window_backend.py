@@ -226,6 +226,66 @@ def test_decoding_gives_back_pages_as_the_window_moves(tiny):
     assert driver.manager.num_free == 32 - 1 - counts[-1]  # 200 tokens in a pool of 31 pages of 4
 
 
+def _walked_pages(layout, prompt: int, total: int, chunk: int | None) -> int:
+    """The most pages a sequence holds, step by step: its prompt in steps of ``chunk``, then one token a step."""
+    from cache_backends.page_plan import NULL_PAGE
+
+    blocks, most, steps = layout.cached_prefix([]), 0, []
+    while sum(steps) < prompt:
+        steps.append(min(chunk or prompt, prompt - sum(steps)))
+    for n in steps + [1] * (total - prompt):
+        plan = layout.plan(blocks, n)
+        layout.extend(blocks, plan, [NULL_PAGE] * plan.new_exact_pages, [NULL_PAGE] * plan.new_q_pages)
+        most = max(most, len(blocks.pages()))
+        layout.commit(blocks, plan)
+    return most
+
+
+SMOLLM2 = ModelGeometry(num_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64, dtype_bytes=4)
+
+
+@pytest.mark.parametrize("name", ["window", "window+int8", "window+int4"])
+@pytest.mark.parametrize("sinks, window", [(0, 64), (4, 64), (16, 100), (4, 300)])
+def test_admission_reserves_what_a_request_holds_and_not_a_sink_page_more(name, sinks, window):
+    """The pages admission reserves (:meth:`HybridLayout.pages_to_generate`) cover every step of a request and, for a
+    short one, are what it holds: the sinks' page was counted apart from the window's pages even while the window
+    still held it, a page more than a short request ever holds (2 pages reserved for 1 of 30 tokens in a pool of
+    48-token pages)."""
+    from server.engine.kv_cache import page_layouts
+
+    served = {name: create(name, SMOLLM2, sinks=sinks, window=window),
+              **{n: create(n, SMOLLM2) for n in ("full", "int8")}}  # KV_BACKENDS' default: pages of 48 exact tokens
+    layout = page_layouts(served, torch.float32, 16)[1][name]
+    for prompt, total in [(10, 30), (40, 80), (5, 400), (300, 600), (700, 1000)]:
+        for chunk in (None, 32, 256):
+            assert layout.pages_to_generate(prompt, total, chunk) >= _walked_pages(layout, prompt, total, chunk)
+    assert layout.pages_to_generate(10, 30, 256) == _walked_pages(layout, 10, 30, 256) == 1
+
+
+def test_window_int8_holds_its_two_tiers_pages_beside_the_window():
+    """Why ``window+int8`` can need more pages than ``window`` for one request on a small pool (inherent, not an
+    over-reservation): it keeps its residual window and forming group exact (up to residual + group_size - 1 = 63
+    tokens) and the older tokens the window sees as codes in pages of their own, freed only once every token in
+    them left the window, and a prefill step writes its chunk exact before it drains it. In one pool (48 exact tokens
+    or 160 codes a page), ``window:window=64`` holds 80 tokens in 2 pages (positions 17-79 and the sinks), and
+    ``window+int8`` in 3: tokens 0-31 as codes in one page, 32-79 exact in two; a 256-token chunk holds 6 exact pages
+    under both, and under ``window+int8`` its 2 pages of codes too. With a window of 1024 at 600 tokens it is the
+    other way round: the codes' smaller size outweighs the tiers' pages (docs/backends.md, ``window``)."""
+    from server.engine.kv_cache import page_layouts
+
+    def pages(window, prompt, total, chunk=256):
+        served = {n: create(n, SMOLLM2, window=window) for n in ("window", "window+int8")}
+        layouts = page_layouts({**served, **{n: create(n, SMOLLM2) for n in ("full", "int8")}}, torch.float32,
+                               16)[1]
+        assert (layouts["window+int8"].groups[0].exact_tokens, layouts["window+int8"].groups[0].q_tokens) == (48, 160)
+        return [layouts[n].pages_to_generate(prompt, total, chunk) for n in ("window", "window+int8")]
+
+    assert pages(64, 10, 63) == [2, 2]  # nothing quantized yet: the same exact pages
+    assert pages(64, 40, 80) == [2, 3]
+    assert pages(64, 300, 600) == [6, 8]
+    assert pages(1024, 300, 600) == [13, 8]
+
+
 @pytest.mark.parametrize("mode", _attention_modes())
 @pytest.mark.parametrize("name", ["window+int8", "window+int4"])
 def test_quantized_tiers_under_the_window_give_what_their_stores_give(tiny, sequences, mode, name):
@@ -343,7 +403,8 @@ def test_bad_values_are_refused_at_construction(tiny):
     with pytest.raises(ValueError, match=r"sinks=10 must be at most window=8 \(KV_WINDOW_SINKS <= KV_WINDOW_SIZE"):
         create("window", geometry, sinks=10, window=8)
     create("window", geometry, sinks=8, window=8)  # every seen token a sink or recent: allowed
-    with pytest.raises(ValueError, match=r"sinks=8 \(KV_WINDOW_SINKS\) must fit one page of its sink tier"):
+    with pytest.raises(ValueError, match=r"sinks=8 \(KV_WINDOW_SINKS\) must fit one page of its sink tier \(4 tokens a page\): lower "
+                       "KV_WINDOW_SINKS or raise KV_BLOCK_SIZE"):
         create("window", geometry, sinks=8).page_layout(torch.float32, create("window", geometry).block_bytes(4))
 
 

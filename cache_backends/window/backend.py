@@ -42,7 +42,7 @@ from cache_backends.full.backend import FullBackend
 from cache_backends.hybrid import HybridLayout
 from cache_backends.kv_spec import KVSpec
 from cache_backends.page_layout import PageLayout
-from cache_backends.window.spec import DEFAULT_SINKS, DEFAULT_WINDOW
+from cache_backends.window.spec import DEFAULT_SINKS, DEFAULT_WINDOW, check_sinks
 
 log = logging.getLogger("kvserve.window")
 
@@ -127,9 +127,7 @@ class WindowBackend(KVBackend):
     def __init__(self, geometry: ModelGeometry, sinks: int = DEFAULT_SINKS, window: int = DEFAULT_WINDOW,
                  inner: KVBackend | None = None):
         sinks, window = _int_option("sinks", sinks, 0), _int_option("window", window, 1)
-        if sinks > window:
-            raise ValueError(f"window: sinks={sinks} must be at most window={window} (KV_WINDOW_SINKS <= "
-                             "KV_WINDOW_SIZE: the sinks are the oldest of the tokens a query keeps seeing)")
+        check_sinks(sinks, window)
         inner = inner if inner is not None else FullBackend(geometry)
         q = inner.quantization
         if q is not None and window < q.residual + q.group_size:
@@ -187,7 +185,8 @@ class WindowBackend(KVBackend):
 
         Raises:
             ValueError: when the sinks do not fit one page of the sink tier (the quantized tier's on a quantized
-                inner backend, else the exact tier's).
+                inner backend, else the exact tier's), naming ``KV_WINDOW_SINKS`` and ``KV_BLOCK_SIZE`` (the pool's
+                page holds whole blocks: :func:`server.engine.kv_cache.page_layouts`).
         """
         spec = self.kv_spec()
         groups = self.groups()
@@ -196,7 +195,7 @@ class WindowBackend(KVBackend):
             per = layout.q_tokens if layout.quantization else layout.exact_tokens
             if sinks and sinks > per:
                 raise ValueError(f"{self.name}: sinks={sinks} (KV_WINDOW_SINKS) must fit one page of its sink "
-                                 f"tier ({per} tokens at this block size)")
+                                 f"tier ({per} tokens a page): lower KV_WINDOW_SINKS or raise KV_BLOCK_SIZE")
         return HybridLayout(layouts, [w for w, _, _ in groups], [layers for _, _, layers in groups],
                             [s for _, s, _ in groups])
 

@@ -17,23 +17,29 @@ def _bytes(shape: Shape, params: dict, inner: KVSpec, dtype_bytes: int, seq_len:
     return windowed_bytes_per_token_per_layer(inner, [(w, n, s) for (w, s), n in counts.items()], seq_len)
 
 
-def check(name: str, params: dict) -> None:
-    """Refuse sinks above the window, as serving does.
+def check_sinks(sinks: int, window: int) -> None:
+    """Refuse sinks above the window (the backend at construction, and ``kvserve estimate``, with one message).
 
     Raises:
-        ValueError: naming the spec, the values and the variables.
+        ValueError: naming the values and the variables.
     """
+    if sinks > window:
+        raise ValueError(f"window: sinks={sinks} must be at most window={window} (KV_WINDOW_SINKS <= "
+                         "KV_WINDOW_SIZE: the sinks are the oldest of the tokens a query keeps seeing)")
+
+
+def check(name: str, params: dict) -> None:
+    """:func:`check_sinks` on a spec's options (``name``: the spec, unused in the message, which is the server's)."""
     sinks, window = params.get("sinks", DEFAULT_SINKS), params.get("window", DEFAULT_WINDOW)
-    if isinstance(sinks, int) and isinstance(window, int) and sinks > window:
-        raise ValueError(f"{name}: sinks={sinks} must be at most window={window} (KV_WINDOW_SINKS <= "
-                         "KV_WINDOW_SIZE)")
+    if isinstance(sinks, int) and isinstance(window, int):
+        check_sinks(sinks, window)
 
 
 DECLARATIONS = (
     BackendDecl(
         name="window", backend="cache_backends.window.backend:WindowBackend",
-        summary="sinks and a recent window: a fixed size at any length, but tokens outside the window are lost "
-                "(retrieval from the middle of a long prompt fails)",
+        summary="attention sinks and a recent window: the cache stops growing at the window, but what it dropped is "
+                "lost (a fact older than the window is not retrieved)",
         options=(Option("sinks", int, DEFAULT_SINKS, low=0, setting="kv_window_sinks",
                         help="window: attention-sink tokens (the first ones) every query keeps seeing "
                              "(StreamingLLM, arXiv 2309.17453)."),

@@ -387,16 +387,17 @@ def main(args: argparse.Namespace) -> int:
     for key, value in (QUICK if args.quick else DEFAULT).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    prog = args.__dict__.pop("prog", "kvserve bench")  # python -m bench.report names itself
     try:
         check_arguments(args)
     except ValueError as exc:
-        print(f"kvserve bench: {exc}", file=sys.stderr)
+        print(f"{prog}: {exc}", file=sys.stderr)
         return 2
     out = Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        print(f"kvserve bench: --out {out}: {exc.strerror}", file=sys.stderr)
+        print(f"{prog}: --out {out}: {exc.strerror}", file=sys.stderr)
         return 2
     started = time.time()
     result = run(args)
