@@ -236,8 +236,10 @@ class Scorer:
         if self.cache is None or not self.cache.directory:
             return self._measure(backend)
         spec = format_spec(backend.name, backend.params())
-        figures = self.cache.fetch(  # the dtype is in the key: a price measured in float32 is not bfloat16's
-            "price", self.model, self.ids, {"spec": spec, "prefix": self.prefix, "dtype": self._dtype()},
+        figures = self.cache.fetch(  # the dtype is in the key: a price measured in float32 is not bfloat16's; so
+            # are the windows' count and size (the same ids, cut otherwise, are other scored tokens)
+            "price", self.model, self.ids, {"spec": spec, "prefix": self.prefix, "dtype": self._dtype(),
+                                            "windows": len(self.windows), "window": len(self.windows[0])},
             fit=lambda: self._fit(backend), load=lambda _, figures: figures, version=PRICE_VERSION)
         return Price(**figures["price"])
 
