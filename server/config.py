@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import BeforeValidator, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from server.long_context import parse_long_context
 
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -161,6 +163,11 @@ class Settings(BaseSettings):
                                                    "within both bounds, and an explicit setting under it is served "
                                                    "with a warning. Unset: no bound (the agreement is still "
                                                    "reported). Needs KV_QUALITY_BUDGET.")
+    kv_quality_long_context: Annotated[int | None, BeforeValidator(parse_long_context)] = Field(
+        None, description="The quality budget's long input, tokens: a backend that can drop far tokens (window, "
+        "window+int8/int4) is also priced on one input this long (perplexity on its last 256 tokens and 4 needles "
+        "to retrieve), and a warning says when it loses what full keeps. Unset or `auto`: 8192, capped by the "
+        "model's positions and MAX_TOTAL_TOKENS; `off` or 0: none; else at least 512.")
     kv_gqa_groups: int | None = Field(None, ge=1, description="gqa: K/V heads kept (default num_kv_heads/4).")
     kv_gqa_method: Literal["pca", "mean"] = Field("pca", description="gqa: calibrated (pca) or mean pooling.")
     kv_mla_rank: int | None = Field(None, ge=1, description="mla: latent width per token per layer.")
