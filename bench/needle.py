@@ -59,11 +59,15 @@ def main(argv: list[str] | None = None) -> int:
     md = table(rows, args.backends)
     print(f"\n{md}\n\nCommand: `python -m bench.needle` ({time.perf_counter() - started:.0f} s)")
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"args": {k: str(v) if isinstance(v, Path) else v
-                                                 for k, v in vars(args).items()},
-                                        "rows": rows, "table": md}, indent=1) + "\n")
+        write_json(args.out, args, rows, md)
     return 0
+
+
+def write_json(out: Path, args: argparse.Namespace, rows: list[dict], md: str) -> None:
+    """``{"args", "rows", "table"}`` as JSON at ``out`` (its folder made): a benchmark's flags, rows and table."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                               "rows": rows, "table": md}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

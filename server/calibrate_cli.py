@@ -93,7 +93,8 @@ def _calibrate(settings, names: list[str], refit: bool) -> int:
     from cache_backends.calibration import calibration_file, calibration_ids
     from cache_backends.calibration_cache import CalibrationCache
     from server.model_loading import load_model, resolve_device, resolve_dtype
-    from server.quality_budget import Scorer, choose
+    from server.engine_loading import long_probe
+    from server.quality_budget import Scorer, choose, long_summary
 
     start = time.perf_counter()
     try:
@@ -111,7 +112,8 @@ def _calibrate(settings, names: list[str], refit: bool) -> int:
     print(f"kvserve calibrate: {settings.model_id} on {device.type} ({str(dtype).removeprefix('torch.')}), "
           f"{len(ids)} calibration tokens of {source}; model loaded in {loaded - start:.2f} s", flush=True)
     budget = settings.kv_quality_budget
-    scorer = Scorer(model, geometry, ids, cache) if budget is not None else None
+    scorer = Scorer(model, geometry, ids, cache, long_probe=long_probe(settings, names, model, tokenizer, geometry,
+                                                                      ids)) if budget is not None else None
     lines = []
     for name in tqdm(names, desc="calibrate", unit="backend"):
         before, began = len(cache.events), time.perf_counter()
@@ -120,6 +122,8 @@ def _calibrate(settings, names: list[str], refit: bool) -> int:
         events = [e for e in cache.events[before:] if e.kind != "price"]
         lines += report(name, backend, events, time.perf_counter() - began)
         lines.append(f"  quality: {choice.message}")
+        if choice.long_price is not None:
+            lines.append(f"  long input: {choice.long_context_warning or long_summary(choice)}")
     print("\n".join(lines))
     print(f"total {time.perf_counter() - start:.2f} s; cache: {cache.directory}")
     return 0

@@ -15,6 +15,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from cache_backends import catalog
 from cache_backends.declaration import Option
+from server.long_context import parse_long_context
 
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -155,6 +156,11 @@ class _GeneralSettings(BaseSettings):
                                                    "within both bounds, and an explicit setting under it is served "
                                                    "with a warning. Unset: no bound (the agreement is still "
                                                    "reported). Needs KV_QUALITY_BUDGET.")
+    kv_quality_long_context: Annotated[int | None, BeforeValidator(parse_long_context)] = Field(
+        None, description="The quality budget's long input, tokens: a backend that can drop far tokens (window, "
+        "window+int8/int4) is also priced on one input this long (perplexity on its last 256 tokens and 4 needles "
+        "to retrieve), and a warning says when it loses what full keeps. Unset or `auto`: 8192, capped by the "
+        "model's positions and MAX_TOTAL_TOKENS; `off` or 0: none; else at least 512.")
 
     @field_validator("kv_backend")
     @classmethod

@@ -157,7 +157,7 @@ def prepare_backends(settings: Settings, names: list[str], model, tokenizer, geo
     Returns:
         ``(backends by name, each one's choice and price as /info's kv_quality shows it)``.
     """
-    from server.quality_budget import Scorer, choose
+    from server.quality_budget import Scorer, choose, loses_far_tokens
 
     budget = settings.kv_quality_budget
     calibration = None
@@ -166,18 +166,56 @@ def prepare_backends(settings: Settings, names: list[str], model, tokenizer, geo
         from cache_backends.calibration import calibration_ids
 
         calibration = calibration_ids(model, tokenizer, path=settings.kv_calibration_file)
-    scorer = Scorer(model, geometry, calibration, cache) if budget is not None and calibration else None
+    scorer = None
+    if budget is not None and calibration:
+        scorer = Scorer(model, geometry, calibration, cache,
+                        long_probe=long_probe(settings, names, model, tokenizer, geometry, calibration))
+    served = settings.token_limits(model.config.max_position_embeddings)[1]
     backends, quality = {}, {}
     for name in names:
         backends[name], choice = choose(name, geometry, settings.backend_options(name),
                                         settings.explicit_options(name), model, calibration, cache, scorer, budget,
                                         settings.kv_quality_min_agreement)
         quality[name] = choice.as_dict()
-        warning = window_warning(backends[name])
-        if warning:  # a token-dropping backend priced only on windows it never drops a token of
+        # a token-dropping backend priced only on windows it never drops a token of, and not on a long input,
+        # though it drops tokens of the contexts served
+        warning = window_warning(backends[name]) if choice.long_price is None and loses_far_tokens(
+            backends[name], served) else None
+        if warning:
             log.warning("%s: %s", name, warning)
             quality[name]["window_warning"] = warning
     return backends, quality
+
+
+def long_context(settings: Settings, max_positions: int) -> int:
+    """The quality budget's long input length in tokens (:func:`server.long_context.long_context_length`:
+    ``KV_QUALITY_LONG_CONTEXT``, default 8192, capped by ``max_positions`` and ``MAX_TOTAL_TOKENS``); 0: none (the
+    setting off, or the budget off)."""
+    from server.long_context import long_context_length
+
+    if settings.kv_quality_budget is None:
+        return 0
+    return long_context_length(settings.kv_quality_long_context, max_positions, settings.max_total_tokens)
+
+
+def long_probe(settings: Settings, names: list[str], model, tokenizer, geometry: ModelGeometry,
+               calibration: list[int]):
+    """The quality budget's long input (:func:`server.long_context.build_long_probe`, from the end of the
+    calibration text ``calibration``) when a backend of ``names`` can lose far tokens at its length
+    (:func:`server.quality_budget.loses_far_tokens`), else ``None``; also ``None``, with a warning, when it cannot
+    be built (a calibration text shorter than it, a tokenizer without character offsets)."""
+    from server.long_context import build_long_probe
+    from server.quality_budget import loses_far_tokens
+
+    length = long_context(settings, model.config.max_position_embeddings)
+    if not length or not any(loses_far_tokens(create(n, geometry, **settings.backend_options(n)), length)
+                             for n in names):
+        return None
+    try:
+        return build_long_probe(tokenizer, calibration, length)
+    except (ValueError, NotImplementedError) as exc:  # no character offsets: a slow tokenizer
+        log.warning("not pricing on a long input of %d tokens (KV_QUALITY_LONG_CONTEXT): %s", length, exc)
+        return None
 
 
 def window_warning(backend: KVBackend) -> str | None:

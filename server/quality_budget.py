@@ -21,6 +21,15 @@ so. ``KV_QUALITY_MIN_AGREEMENT`` (unset by default) bounds it: with it set, a se
 when both hold, and the search applies it as given (no headroom: it is a share of tokens, not an average over
 them).
 
+**The long price.** The windows are short, so a backend that drops tokens older than a window (``window`` and its
+compositions: :func:`loses_far_tokens`) costs nothing there and fails at long context. Such a backend is also priced
+on one long input (:mod:`server.long_context`, ``KV_QUALITY_LONG_CONTEXT``): the KL, perplexity change and agreement
+on its last :data:`server.long_context.LONG_SCORED` tokens, and the needles it finds, against ``full`` on the same
+input (:class:`LongPrice`). It bounds nothing: a backend that finds more than :data:`RETRIEVAL_MARGIN` fewer needles
+than ``full``, or whose long price is over the budget, is served with a warning
+(:attr:`Choice.long_context_warning`). Long prices are cached as the others, keyed by the long input's tokens and
+layout.
+
 **The search.** With a budget set (default 1%: int8 costs about 0.01% and 4-bit about 0.5-1% on real models,
 while every post-hoc setting that changed greedy text measurably cost more), a backend whose compressive
 parameter the settings leave unset gets the most compressive value within the budget:
@@ -68,6 +77,7 @@ from cache_backends.registry import create
 from cache_backends import catalog
 from cache_backends.spec import format_spec
 from cache_backends.store_path import StorePath
+from server.long_context import LongProbe
 
 log = logging.getLogger("kvserve.budget")
 
@@ -80,6 +90,8 @@ MIN_SAVING = 0.05  # a setting that saves less than this share of full's bytes "
 PRICE_VERSION = 6  # of the cached price entries (6: the dtype in the key; 5's, which may be another dtype's, and
 # 4's, without the agreement, are not read back)
 RANK_LADDER = 16  # mla's candidate ranks: 2 H d k / 16, k = 1 .. 16
+LONG_CHUNK = 512  # prefill tokens per step of the long input, up to its scored tail
+RETRIEVAL_MARGIN = 0.05  # a backend whose long-input retrieval is under full's by more than this is warned about
 
 
 def ppl_increase(kl: float) -> float:
@@ -116,6 +128,26 @@ class Price:
 
 
 @dataclass
+class LongPrice:
+    """What a backend costs on the long input (:mod:`server.long_context`), against ``full`` on the same input."""
+
+    context: int  # tokens of the long input
+    kl: float  # mean KL(p_full || p_backend) on its scored tail, nats per token
+    ppl_increase_pct: float  # 100 * (exp(kl) - 1)
+    ppl_change_pct: float  # realized perplexity change of the scored tail vs full
+    tokens: int  # scored tokens
+    agreement: float  # share (0-1) of the scored tail's positions where the top-1 token is full's
+    depths: list[float]  # each needle's depth (0: the filler's start)
+    found: list[bool]  # each needle's value reproduced by the backend's top-1 tokens (teacher forcing)
+    retrieval: float  # share (0-1) of the needles found
+    reference_retrieval: float  # full's share on the same input
+
+    def loses_retrieval(self) -> bool:
+        """The retrieval is under ``full``'s by more than :data:`RETRIEVAL_MARGIN`."""
+        return self.retrieval < self.reference_retrieval - RETRIEVAL_MARGIN - 1e-9
+
+
+@dataclass
 class Choice:
     """One backend's outcome: the setting served, its price, and what was tried (``/info``'s ``kv_quality``)."""
 
@@ -130,6 +162,7 @@ class Choice:
     explicit: bool = False  # the searched option was set explicitly (kept as given)
     tried: list[dict] = field(default_factory=list)
     message: str = ""
+    long_price: LongPrice | None = None  # on the long input, for a backend that can lose far tokens; else None
 
     @property
     def compression(self) -> float:
@@ -156,12 +189,36 @@ class Choice:
             return False
         return self.bytes_per_token > (1 - MIN_SAVING) * self.full_bytes_per_token
 
+    @property
+    def long_context_warning(self) -> str | None:
+        """What to say of a setting that loses on the long input what the short price cannot see: its retrieval
+        under ``full``'s by more than :data:`RETRIEVAL_MARGIN`, or its long price over the budget; else ``None``."""
+        long = self.long_price
+        if long is None:
+            return None
+        over = self.budget_pct is not None and long.ppl_increase_pct > self.budget_pct
+        if not long.loses_retrieval() and not over:
+            return None
+        missed = [f"{d:g}" for d, f in zip(long.depths, long.found) if not f]
+        said = []
+        if long.loses_retrieval():
+            said.append(f"finds {long.retrieval:.0%} of the needles where full finds {long.reference_retrieval:.0%}"
+                        f" (missed at depth {', '.join(missed)})")
+        if over:
+            said.append(f"costs +{long.ppl_increase_pct:.2f}% perplexity on its last {long.tokens} tokens, over the "
+                        f"quality budget of +{self.budget_pct:g}%")
+        short = f"+{self.price.ppl_increase_pct:.2f}%" if self.price else "not priced"
+        return (f"{self.backend}: on a {long.context}-token input it {' and '.join(said)}; its price on the "
+                f"quality budget's short windows ({short}) does not show it (docs/backends.md, 'window')")
+
     def as_dict(self) -> dict:
-        out = {k: v for k, v in asdict(self).items() if k != "price"}
+        out = {k: v for k, v in asdict(self).items() if k not in ("price", "long_price")}
         out["price"] = asdict(self.price) if self.price else None
+        out["long_price"] = asdict(self.long_price) if self.long_price else None
         short = self.agreement_shortfall
         out.update(compression=round(self.compression, 3), within_budget=self.within_budget,
-                   saves_nothing=self.saves_nothing, agreement_shortfall=None if short is None else round(short, 4))
+                   saves_nothing=self.saves_nothing, agreement_shortfall=None if short is None else round(short, 4),
+                   long_context_warning=self.long_context_warning)
         return out
 
 
@@ -175,14 +232,19 @@ class Scorer:
         cache: a :class:`cache_backends.calibration_cache.CalibrationCache` that keeps prices, or ``None``.
         windows, window, prefix: how many windows of how many tokens, and the tokens of each prefilled before
             scoring (defaults: :data:`PRICE_WINDOWS`, :data:`PRICE_WINDOW`, :data:`PRICE_PREFIX`).
+        long_probe: the long input (:func:`server.long_context.build_long_probe`) that :meth:`long_price` prices
+            on, or ``None`` (no long price).
 
     Raises:
         ValueError: the calibration text is shorter than one window.
     """
 
     def __init__(self, model, geometry: ModelGeometry, calibration_ids: list[int], cache=None,
-                 windows: int = PRICE_WINDOWS, window: int = PRICE_WINDOW, prefix: int = PRICE_PREFIX):
+                 windows: int = PRICE_WINDOWS, window: int = PRICE_WINDOW, prefix: int = PRICE_PREFIX,
+                 long_probe: LongProbe | None = None):
         self.model, self.geometry, self.cache = model, geometry, cache
+        self.long_probe = long_probe
+        self._long_reference: tuple[torch.Tensor, torch.Tensor, list[bool]] | None = None
         window = min(window, model.config.max_position_embeddings)
         self.prefix = min(prefix, window * 3 // 4)
         n = min(windows, len(calibration_ids) // window)
@@ -237,8 +299,10 @@ class Scorer:
         if self.cache is None or not self.cache.directory:
             return self._measure(backend)
         spec = format_spec(backend.name, backend.params())
-        figures = self.cache.fetch(  # the dtype is in the key: a price measured in float32 is not bfloat16's
-            "price", self.model, self.ids, {"spec": spec, "prefix": self.prefix, "dtype": self._dtype()},
+        figures = self.cache.fetch(  # the dtype is in the key: a price measured in float32 is not bfloat16's; so
+            # are the windows' count and size (the same ids, cut otherwise, are other scored tokens)
+            "price", self.model, self.ids, {"spec": spec, "prefix": self.prefix, "dtype": self._dtype(),
+                                            "windows": len(self.windows), "window": len(self.windows[0])},
             fit=lambda: self._fit(backend), load=lambda _, figures: figures, version=PRICE_VERSION)
         return Price(**figures["price"])
 
@@ -258,6 +322,98 @@ class Scorer:
         change = 100.0 * math.expm1((nll.mean() - ref_nll.mean()).item())
         return Price(kl=kl, ppl_increase_pct=ppl_increase(kl), ppl_change_pct=change, tokens=nll.numel(),
                      agreement=top1_agreement(ref_logp, logp))
+
+    # ---- the long input ----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _long_pass(self, backend: KVBackend) -> tuple[torch.Tensor, list[bool]]:
+        """Through ``backend``'s store, the long input: ``(log-probabilities of its scored tail, (LONG_SCORED,
+        vocab_size) float32; each needle found)``. Everything before the tail is prefilled in chunks of
+        :data:`LONG_CHUNK`, the rest fed in chunks of :data:`SCORE_CHUNK` (a store that decides once per prompt:
+        one decode step per token), so every scored query reads what the store holds of the whole input."""
+        probe = self.long_probe
+        ids, start = probe.ids, probe.scored[0]
+        runner = StorePath(self.model, self.geometry.num_layers)
+        store = backend.new_store()
+        try:
+            if store.supports_chunked_prefill:
+                for i in range(0, start, LONG_CHUNK):
+                    last = runner.prefill(ids[i : min(i + LONG_CHUNK, start)], store)[-1:]
+                rest = ids[start:-1]
+                rows = torch.cat([last] + [runner.prefill(rest[i : i + SCORE_CHUNK], store, all_logits=True)
+                                           for i in range(0, len(rest), SCORE_CHUNK)])
+            else:
+                steps = [runner.prefill(ids[:start], store)[-1:]]
+                steps += [runner.decode([t], [store]) for t in ids[start:-1]]
+                rows = torch.cat(steps)
+        finally:
+            store.release()
+        rows = rows.float()  # row r predicts ids[start + r]
+        top = rows.argmax(-1).tolist()
+        found = [all(top[p - start] == ids[p] for p in range(a, b)) for a, b in probe.values]
+        end = probe.scored[1] - start
+        return torch.log_softmax(rows[:end], -1), found
+
+    def long_reference(self) -> tuple[torch.Tensor, torch.Tensor, list[bool]]:
+        """``full``'s (log-probabilities of the long input's scored tail, (LONG_SCORED, vocab_size); its negative
+        log-likelihood per token, (LONG_SCORED,); each needle found), computed once.
+
+        Raises:
+            ValueError: the scorer has no long input.
+        """
+        if self.long_probe is None:
+            raise ValueError("this scorer has no long input (KV_QUALITY_LONG_CONTEXT)")
+        if self._long_reference is None:
+            logp, found = self._long_pass(create("full", self.geometry))
+            self._long_reference = (logp, self._long_nll(logp), found)
+        return self._long_reference
+
+    def _long_nll(self, logp: torch.Tensor) -> torch.Tensor:
+        a, b = self.long_probe.scored
+        targets = torch.tensor(self.long_probe.ids[a:b], device=logp.device)
+        return -logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+    def long_price(self, backend: KVBackend) -> LongPrice:
+        """The price of a prepared ``backend`` on the long input (from the cache when it holds this setting's on
+        this very input: its ids, length, layout and the model's dtype are in the key).
+
+        Raises:
+            ValueError: the scorer has no long input.
+        """
+        if self.long_probe is None:
+            raise ValueError("this scorer has no long input (KV_QUALITY_LONG_CONTEXT)")
+        if self.cache is None or not self.cache.directory:
+            return self._measure_long(backend)
+        spec = format_spec(backend.name, backend.params())
+        figures = self.cache.fetch(  # entries without a "price" figure: the CLIs' price book passes them over
+            "price", self.model, self.long_probe.ids,
+            {"spec": spec, "dtype": self._dtype(), "long": self.long_probe.params()},
+            fit=lambda: self._fit_long(backend), load=lambda _, figures: figures, version=PRICE_VERSION)
+        return LongPrice(**figures["long_price"])
+
+    def _fit_long(self, backend: KVBackend) -> tuple[dict[str, torch.Tensor], dict]:
+        price = self._measure_long(backend)
+        return {"kl": torch.tensor([price.kl])}, {"long_price": asdict(price), "dtype": self._dtype()}
+
+    def _measure_long(self, backend: KVBackend) -> LongPrice:
+        from server.long_context import DEPTHS
+
+        ref_logp, ref_nll, ref_found = self.long_reference()
+        logp, found = self._long_pass(backend)
+        kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1).clamp_min(0).mean().item()
+        nll = self._long_nll(logp)
+        return LongPrice(context=len(self.long_probe.ids), kl=kl, ppl_increase_pct=ppl_increase(kl),
+                         ppl_change_pct=100.0 * math.expm1((nll.mean() - ref_nll.mean()).item()),
+                         tokens=nll.numel(), agreement=top1_agreement(ref_logp, logp), depths=list(DEPTHS),
+                         found=found, retrieval=sum(found) / len(found),
+                         reference_retrieval=sum(ref_found) / len(ref_found))
+
+
+def loses_far_tokens(backend: KVBackend, seq_len: int) -> bool:
+    """Whether ``backend`` can lose a token's detail at ``seq_len`` tokens that its short price cannot see: a
+    backend that drops tokens older than a window (its ``drops_tokens(seq_len)``, e.g.
+    :meth:`cache_backends.window.WindowBackend.drops_tokens`); ``False`` for any other."""
+    drops = getattr(backend, "drops_tokens", None)
+    return bool(drops and drops(seq_len))
 
 
 def bytes_per_token(backend: KVBackend, seq_len: int = 1024) -> float:
@@ -342,13 +498,19 @@ def choose(name: str, geometry: ModelGeometry, options: dict, explicit: set[str]
     else:
         values = candidates(name, axis, geometry, options)
         backend, price = _bisect(values, lambda v: build(**{axis: v}), scorer, fits, short, tried, record)
+    probe = getattr(scorer, "long_probe", None)
+    long = scorer.long_price(backend) if probe is not None and loses_far_tokens(backend, len(probe.ids)) else None
     choice = Choice(backend=name, spec=format_spec(backend.name, backend.params()), budget_pct=budget_pct,
                     price=price, bytes_per_token=bytes_per_token(backend), full_bytes_per_token=full_bytes,
                     min_agreement=min_agreement if budget_pct is not None else None,
-                    searched=axis if search else None, explicit=axis in explicit if axis else False, tried=tried)
+                    searched=axis if search else None, explicit=axis in explicit if axis else False, tried=tried,
+                    long_price=long)
     choice.message = _message(choice, axis)
     level = logging.WARNING if (not choice.within_budget or (choice.saves_nothing and name != "full")) else logging.INFO
     log.log(level, "%s (%.1f s)", choice.message, time.perf_counter() - began)
+    if long is not None:
+        log.log(logging.WARNING if choice.long_context_warning else logging.INFO,
+                "%s", choice.long_context_warning or long_summary(choice))
     return backend, choice
 
 
@@ -425,6 +587,14 @@ def _message(choice: Choice, axis: str | None) -> str:
         return f"{head}: saves nothing (under {100 * MIN_SAVING:.0f}% of full's bytes): {cost}"
     chosen = f"chosen by {bounds}" if choice.searched else "within the budget"
     return f"{head}: {chosen}: {cost}"
+
+
+def long_summary(choice: Choice) -> str:
+    """``choice``'s long price (not ``None``) in words, as the start-up log says it when it warns of nothing."""
+    long = choice.long_price
+    return (f"{choice.backend}: on a {long.context}-token input +{long.ppl_increase_pct:.2f}% perplexity on its last "
+            f"{long.tokens} tokens, top-1 agreement {long.agreement:.3f}, {long.retrieval:.0%} of the needles found "
+            f"(full: {long.reference_retrieval:.0%})")
 
 
 def _missed(choice: Choice) -> str:

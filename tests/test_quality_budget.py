@@ -137,6 +137,21 @@ def test_prices_are_cached_with_their_agreement(setup, tmp_path):
     assert dtypes == sorted(["None", str(model.dtype).removeprefix("torch.")])
 
 
+def test_a_cached_price_is_not_reused_for_other_windows_of_the_same_tokens(setup, tmp_path):
+    """The windows' count and size are part of a price entry's key: 2 windows of 384 tokens and 3 of 256 hold the
+    same 768 tokens of the calibration text's end with the same 128-token prefix, but score other positions (512
+    and 384 tokens): the second is measured, not read back from the first's entry."""
+    from cache_backends.calibration_cache import CalibrationCache
+
+    model, geometry, ids, _ = setup
+    two = Scorer(model, geometry, ids, CalibrationCache(tmp_path), windows=2, window=384, prefix=128)
+    three = Scorer(model, geometry, ids, CalibrationCache(tmp_path), windows=3, window=256, prefix=128)
+    assert two.ids == three.ids and two.prefix == three.prefix
+    int8 = create("int8", geometry)
+    assert two.price(int8).tokens == 512
+    assert three.price(int8).tokens == 384 and [e.source for e in three.cache.events] == ["fitted"]
+
+
 def test_a_cached_price_is_not_reused_in_another_dtype(setup, tmp_path):
     """The dtype the model computes in is part of a price entry's key: a price cached in float32 is measured again
     for the same weights in bfloat16 (whose KV and logits round differently), and each dtype's entry is read back

@@ -297,11 +297,13 @@ def test_sums_price_each_served_backend_from_the_quality_budget(server):
                                             "ppl_increase_pct": quality[name]["price"]["ppl_increase_pct"],
                                             "agreement": quality[name]["price"]["agreement"],
                                             "within_budget": True, "budget_pct": 1.0, "min_agreement": None,
-                                            "agreement_shortfall": None, "closest": False}
+                                            "agreement_shortfall": None, "closest": False,
+                                            "long_context_warning": None}
         assert 0.9 <= by_served[name]["price"]["agreement"] <= 1
     assert by_served["full"]["price"] == {"served_as": "full", "ppl_increase_pct": 0.0, "agreement": 1.0,
                                           "within_budget": True, "budget_pct": 1.0, "min_agreement": None,
-                                          "agreement_shortfall": None, "closest": False}
+                                          "agreement_shortfall": None, "closest": False,
+                                          "long_context_warning": None}
     assert all(r["price"] is None for r in rows if not r["served_as"])
 
 
@@ -312,7 +314,7 @@ def test_served_price_carries_the_agreement_shortfall():
                 "min_agreement": 0.9, "agreement_shortfall": 0.29, "searched": None, "explicit": False}
     assert served_price(["gqa"], {"gqa": explicit}) == {
         "served_as": "gqa", "ppl_increase_pct": 7.5, "agreement": 0.61, "within_budget": False, "budget_pct": 1.0,
-        "min_agreement": 0.9, "agreement_shortfall": 0.29, "closest": False}
+        "min_agreement": 0.9, "agreement_shortfall": 0.29, "closest": False, "long_context_warning": None}
     searched = {**explicit, "searched": "groups"}
     assert served_price(["gqa"], {"gqa": searched})["closest"] is True
     assert served_price(["gqa"], {"gqa": {**searched, "explicit": True}})["closest"] is False
@@ -320,6 +322,17 @@ def test_served_price_carries_the_agreement_shortfall():
                                                                                         "agreement": 0.95}}
     assert served_price(["gqa"], {"gqa": within})["agreement_shortfall"] is None
     assert served_price(["gqa"], {"gqa": within})["closest"] is False
+
+
+def test_served_price_carries_the_long_context_warning():
+    """A backend that loses on the long input what its short price cannot show (/info's long_context_warning)
+    carries the warning to the page, within the budget or not; full never does."""
+    said = "window: on a 8192-token input it finds 0% of the needles where full finds 75% (missed at depth 0.1)"
+    window = {"price": {"ppl_increase_pct": 0.0, "agreement": 1.0}, "within_budget": True, "budget_pct": 1.0,
+              "min_agreement": None, "agreement_shortfall": None, "searched": None, "explicit": False,
+              "long_context_warning": said}
+    assert served_price(["window"], {"window": window})["long_context_warning"] == said
+    assert served_price(["full"], {"full": {"budget_pct": 1.0, "min_agreement": None}})["long_context_warning"] is None
 
 
 def test_sums_warn_past_the_models_positions(server):

@@ -373,6 +373,40 @@ def test_the_closest_setting_short_of_the_agreement_bound_is_flagged(browser, cl
     assert not price["int8"].find_elements(By.CSS_SELECTOR, ".agreement-shortfall")
 
 
+LOSING_WINDOW = {"backend": "window", "spec": "window:sinks=4,window=1024", "budget_pct": 1.0, "min_agreement": None,
+                 "price": {"kl": 0.0, "ppl_increase_pct": 0.0, "ppl_change_pct": 0.0, "tokens": 768, "agreement": 1.0},
+                 "within_budget": True, "saves_nothing": False, "searched": None, "explicit": False,
+                 "agreement_shortfall": None,
+                 "message": "window: window:sinks=4,window=1024: within the budget: 1.00x smaller than full",
+                 "long_context_warning": "window: on a 8192-token input it finds 0% of the needles where full finds "
+                                         "75% (missed at depth 0.1, 0.35, 0.6, 0.85); its price on the quality "
+                                         "budget's short windows (+0.00%) does not show it"}
+
+
+@pytest.fixture
+def losing_server():
+    """:func:`answering_stub` serving full and :data:`LOSING_WINDOW`: within the budget on its short price, losing
+    retrieval on the long input."""
+    yield from answering_stub({**STUB_INFO, "kv_backends": ["full", "window"], "kv_quality_budget_pct": 1.0,
+                               "kv_quality": {"window": LOSING_WINDOW}})
+
+
+def test_a_backend_losing_at_long_context_is_flagged(browser, losing_server):
+    """/info's long_context_warning shows beside the backend's name in the summary (its words in the title) and
+    under the backend choice, though the short price is within the budget (no over-budget flag)."""
+    query = urlencode({"prompt": "What is the capital of France?", "backends": "full,window", "runs": 1, "chat": 0})
+    browser.get(f"{losing_server.url}/?{query}")
+    wait(browser, lambda d: len(cards(d)) == 2 and d.find_element(By.ID, "run").is_enabled(), 60)
+    said = LOSING_WINDOW["long_context_warning"]
+    row = browser.find_element(By.CSS_SELECTOR, '#summary-table tr[data-backend="window"]')
+    flag = row.find_element(By.CSS_SELECTOR, "th .long-context-warning")
+    assert flag.is_displayed() and flag.text == "⚠ loses at long context" and flag.get_attribute("title") == said
+    assert not row.find_elements(By.CSS_SELECTOR, "th .over-budget")
+    listed = browser.find_elements(By.CSS_SELECTOR, "#backends .long-context-warning")
+    assert [w.get_attribute("data-backend") for w in listed] == ["window"] and said in listed[0].text
+    assert not browser.find_elements(By.CSS_SELECTOR, '#summary-table tr[data-backend="full"] .long-context-warning')
+
+
 def test_shared_url_marks_the_first_diverging_token(browser, server):
     full = tgi_text(server, "full", 40, details=True)["details"]["tokens"]
     gqa = tgi_text(server, "gqa", 40, details=True)["details"]["tokens"]

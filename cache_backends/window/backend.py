@@ -199,6 +199,11 @@ class WindowBackend(KVBackend):
         return HybridLayout(layouts, [w for w, _, _ in groups], [layers for _, _, layers in groups],
                             [s for _, s, _ in groups])
 
+    def drops_tokens(self, seq_len: int) -> bool:
+        """Whether a sequence of ``seq_len`` tokens loses a token a ``full`` cache would attend to: on some layer
+        with sinks (the model's own sliding layers lose nothing ``full`` keeps), ``seq_len > window + sinks``."""
+        return any(sinks is not None and seq_len > window + sinks for window, sinks in self.rules)
+
     def window_warning(self, priced_tokens: int) -> str | None:
         """What to say when the quality budget prices on windows of ``priced_tokens`` tokens that this backend's
         rule never drops a token of (``window >= priced_tokens``): it would call it free, yet a fact older than the

@@ -215,20 +215,22 @@ def served_price(names: list[str], quality: dict) -> dict | None:
     ``kv_quality``): its perplexity increase (percent), its top-1 agreement with ``full`` (0-1), whether it is
     within the budget (both bounds), the budget and the agreement bound (``None``: none), how far the agreement is
     under that bound (``agreement_shortfall``, ``None`` when it is not) and whether the search served the setting
-    closest to the bound because none reached it (``closest``); ``full``'s is 0 and 1 (the reference every price is
-    measured against); ``None`` when none was priced (the budget off)."""
+    closest to the bound because none reached it (``closest``), and what the long input says it loses that the price
+    cannot show (``long_context_warning``: /info's, ``None`` when nothing); ``full``'s is 0 and 1 (the reference
+    every price is measured against); ``None`` when none was priced (the budget off)."""
     for name in names:
         q = quality.get(name) or {}
         if name == "full":
             return {"served_as": name, "ppl_increase_pct": 0.0, "agreement": 1.0, "within_budget": True,
                     "budget_pct": q.get("budget_pct"), "min_agreement": q.get("min_agreement"),
-                    "agreement_shortfall": None, "closest": False}
+                    "agreement_shortfall": None, "closest": False, "long_context_warning": None}
         if q.get("price"):
             short = q.get("agreement_shortfall")
             return {"served_as": name, "ppl_increase_pct": q["price"]["ppl_increase_pct"],
                     "agreement": q["price"]["agreement"], "within_budget": q["within_budget"],
                     "budget_pct": q["budget_pct"], "min_agreement": q["min_agreement"], "agreement_shortfall": short,
-                    "closest": bool(short and q.get("searched") and not q.get("explicit"))}
+                    "closest": bool(short and q.get("searched") and not q.get("explicit")),
+                    "long_context_warning": q.get("long_context_warning")}
     return None
 
 

@@ -121,6 +121,13 @@ function shortfallFlag(p) {
   return el("span", { class: "agreement-shortfall", "data-shortfall": String(p.agreement_shortfall), title,
                       text: `⚠ ${p.closest ? "closest setting: " : ""}agreement short by ${by}` });
 }
+// The long-context flag of a price whose backend loses on the quality budget's long input what its short price cannot
+// show (retrieval under full's, or a long price over the budget): the warning in its title (null: none).
+function longContextFlag(p) {
+  if (!p || !p.long_context_warning) return null;
+  return el("span", { class: "long-context-warning", title: p.long_context_warning,
+                      text: "⚠ loses at long context" });
+}
 const sleep = (t) => new Promise((resolve) => setTimeout(resolve, t));
 
 function median(values) {
@@ -260,6 +267,8 @@ function renderBackends() {
   // the quality budget's warnings (KV_QUALITY_BUDGET): a backend over it, or one that saves nothing within it
   Object.entries(info.kv_quality || {}).forEach(([name, q]) => {
     if (qualityWarning(name)) set.append(el("p", { class: "muted quality-warning", "data-backend": name, text: "⚠ " + q.message }));
+    const long = q.long_context_warning || q.window_warning;  // what the short price cannot show
+    if (long) set.append(el("p", { class: "muted long-context-warning", "data-backend": name, text: "⚠ " + long }));
   });
 }
 
@@ -269,7 +278,8 @@ function servedPrice(name) {
   return q && q.price ? { served_as: name, ppl_increase_pct: q.price.ppl_increase_pct, agreement: q.price.agreement,
                           within_budget: q.within_budget, budget_pct: q.budget_pct,
                           min_agreement: q.min_agreement, agreement_shortfall: q.agreement_shortfall,
-                          closest: Boolean(q.agreement_shortfall && q.searched && !q.explicit) } : null;
+                          closest: Boolean(q.agreement_shortfall && q.searched && !q.explicit),
+                          long_context_warning: q.long_context_warning || null } : null;
 }
 
 // The quality budget's word on a served backend when the user should hear it: over the budget, or no saving.
@@ -463,6 +473,8 @@ function renderSummary(order, results, timings, s) {
     }
     const short = shortfallFlag(price);
     if (short) name.append(short);
+    const long = longContextFlag(price);
+    if (long) name.append(long);
     body.append(el("tr", { "data-backend": b },
       name,
       cell("bytes-ratio", sizeRatio(vs.peak), `${int(r.kv_bytes_per_token)} B/token`, { "data-ratio": String(vs.peak) }),
@@ -612,6 +624,8 @@ async function loadSums(ev) {
                                  "data-agreement": r.price ? String(r.price.agreement) : "", text: priceText(r.price) });
     const short = shortfallFlag(r.price);
     if (short) priceCell.append(short);
+    const long = longContextFlag(r.price);
+    if (long) priceCell.append(long);
     body.append(el("tr", { "data-backend": r.backend, "data-aka": r.aka || "" },
       el("th", { scope: "row", text: r.aka ? `${r.backend} (${r.aka})` : r.backend }),
       el("td", { class: "params", text: params }),
