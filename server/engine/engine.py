@@ -198,8 +198,6 @@ class Engine:
                 seq.prompt_logprobs, seq.prompt_top_logprobs = result.prompt_logprobs[seq.seq_id]
             if row.sample:
                 ready.append(seq)
-        if long_prompt_done:  # its chunks' freed heap and MKL's GEMM buffers: not needed to decode (malloc_tuning)
-            malloc_tuning.hand_back()
         for seq in ready:
             sampled = result.sampled[seq.seq_id]
             if seq.cancelled:
@@ -213,6 +211,8 @@ class Engine:
                 except Exception as exc:  # noqa: BLE001 - e.g. detokenization: this request only
                     log.exception("accepting a token failed for %s", seq.request_id)
                     self._finish(seq, FinishReason.ERROR, error=f"token handling failed: {exc}")
+        if long_prompt_done:  # its chunks' freed heap and MKL's GEMM buffers, not needed to decode (malloc_tuning);
+            malloc_tuning.hand_back()  # after the tokens are out, so that it costs no request its first token's time
 
     def _measure(self, seqs: list[Sequence]) -> None:
         """Record each store's bytes now (once per sequence per step) and keep the largest seen: the bytes
