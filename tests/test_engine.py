@@ -4,6 +4,7 @@ test, :mod:`tests.precision`); KV is freed at once."""
 import platform
 
 import pytest
+import torch
 
 from cache_backends.store_path import StorePath
 from server.engine import malloc_tuning
@@ -205,6 +206,64 @@ def test_the_in_process_benchmarks_fix_glibcs_thresholds_on_glibc():
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("not glibc: the setting does not apply")
     assert malloc_tuning.keep_step_memory() is True
+
+
+def test_hand_back_empties_mkls_gemm_buffer_cache():
+    """A prefill chunk's matmuls leave their packing buffers in MKL's own cache (10.9 MiB after SmolLM2-135M's
+    256-token chunks), which glibc's trim cannot reach: :func:`malloc_tuning.hand_back` frees them (MKL's own
+    counter, ``mkl_serv_mem_stat``, reads 0 after it)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the engine's setting: the buffers are this thread's
+    try:
+        a, b = torch.randn(256, 576), torch.randn(576, 1536)
+        torch.mm(a, b)  # a chunk's MLP up-projection
+        kept = malloc_tuning.mkl_cached_bytes()
+        if kept == 0:
+            pytest.skip("this torch's matmuls keep no MKL buffers (no MKL, or another BLAS)")
+        assert kept >= 256 * 1024  # its packed panels, at least
+        malloc_tuning.hand_back()
+        assert malloc_tuning.mkl_cached_bytes() == 0
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("backend", ["full", "int8"])
+def test_a_long_prompt_hands_its_prefill_memory_back_once_prefilled(ref_model, backend, monkeypatch):
+    """The step that completes a long prompt's prefill (at least ``HAND_BACK_PROMPT_TOKENS``) hands the memory its
+    chunks left behind back once (:func:`malloc_tuning.hand_back`), before its decode; a short prompt's, and
+    decode steps, do not; the tokens are those of a run that never hands back."""
+    model, tok = ref_model
+    long_prompt = "And God said, Let there be light: and there was light. " * 8
+    short_prompt = "In the beginning"
+    monkeypatch.setattr(malloc_tuning, "HAND_BACK_PROMPT_TOKENS", 64)
+    assert len(tok.encode(long_prompt)) > 64 > len(tok.encode(short_prompt))
+
+    def run(hand_back) -> tuple[list[list[int]], list[tuple[int, list[int]]]]:
+        calls = []
+        engine = make_engine(model, tok, backend=backend, prefill_chunk_tokens=32, prefix_caching=False)
+        seqs = [make_seq(tok, p, 6, backend=backend, params=SamplingParams(ignore_eos=True))
+                for p in (short_prompt, long_prompt)]
+
+        def spy():
+            calls.append((steps[0], [len(s.output_ids) for s in seqs]))
+            hand_back()
+
+        monkeypatch.setattr(malloc_tuning, "hand_back", spy)
+        steps = [0]
+        for s in seqs:
+            engine.submit(s)
+        while engine.running or engine.waiting:
+            engine.step()
+            steps[0] += 1
+        return [s.output_ids for s in seqs], calls
+
+    real = malloc_tuning.hand_back
+    tokens, calls = run(real)
+    # once, at the end of the step that sampled the long prompt's first token (the short one decoding beside it)
+    assert len(calls) == 1 and calls[0][1][1] == 1, calls
+    assert calls[0][1][0] >= 2
+    untouched, _ = run(lambda: None)
+    assert tokens == untouched
 
 
 @pytest.mark.parametrize("backend", ["full", "int8"])

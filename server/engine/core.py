@@ -267,7 +267,7 @@ class EngineCore:
         while True:
             if self.idle:
                 if busy:
-                    malloc_tuning.trim()
+                    malloc_tuning.hand_back()
                 busy = False
                 if self.draining:
                     return 0

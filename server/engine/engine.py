@@ -16,6 +16,10 @@ An admitted sequence starts from the longest run of cached blocks its context be
 :mod:`server.engine.kv_cache`). When the pool has no page for a step, ``elastic`` sequences are compressed
 first (their oldest exact groups re-encoded to int8); only then is the most recently admitted sequence
 preempted.
+
+A step that completes the prefill of a prompt of at least
+:data:`~server.engine.malloc_tuning.HAND_BACK_PROMPT_TOKENS` tokens hands the memory its chunks left behind back to
+the OS (:func:`~server.engine.malloc_tuning.hand_back`): the decode that follows needs little of it.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 from cache_backends.base import KVBackend
+from server.engine import malloc_tuning
 from server.engine.detokenize import IncrementalDetokenizer
 from server.engine.grammar import GRAMMAR_FAILED, GrammarError, Grammars
 from server.engine.runner import ModelRunner
@@ -179,14 +184,16 @@ class Engine:
         if out.rows:  # what the step cost, for the prefill budget (PREFILL_ITL_RATIO)
             prefill = sum(len(r.token_ids) for r in out.rows if not r.decode)
             self.scheduler.itl.observe(prefill, len(out.rows) - sum(not r.decode for r in out.rows), seconds)
-        ready = []
+        ready, long_prompt_done = [], False
         for row, seq in rows:
             if seq.seq_id in result.failed:
                 log.error("step failed for %s: %s", seq.request_id, result.failed[seq.seq_id])
                 self._finish(seq, FinishReason.ERROR, error=result.failed[seq.seq_id])
                 continue
-            if self.scheduler.commit(seq, row, result.feedback.get(seq.seq_id)) and self.recorder:
-                self.recorder.prefill_done(seq)
+            if self.scheduler.commit(seq, row, result.feedback.get(seq.seq_id)):
+                long_prompt_done |= len(seq.prompt_ids) >= malloc_tuning.HAND_BACK_PROMPT_TOKENS
+                if self.recorder:
+                    self.recorder.prefill_done(seq)
             if seq.seq_id in result.prompt_logprobs:
                 seq.prompt_logprobs, seq.prompt_top_logprobs = result.prompt_logprobs[seq.seq_id]
             if row.sample:
@@ -204,6 +211,8 @@ class Engine:
                 except Exception as exc:  # noqa: BLE001 - e.g. detokenization: this request only
                     log.exception("accepting a token failed for %s", seq.request_id)
                     self._finish(seq, FinishReason.ERROR, error=f"token handling failed: {exc}")
+        if long_prompt_done:  # its chunks' freed heap and MKL's GEMM buffers, not needed to decode (malloc_tuning);
+            malloc_tuning.hand_back()  # after the tokens are out, so that it costs no request its first token's time
 
     def _measure(self, seqs: list[Sequence]) -> None:
         """Record each store's bytes now (once per sequence per step) and keep the largest seen: the bytes
