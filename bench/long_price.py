@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     from server.long_context import MIN_LONG_CONTEXT, build_long_probe
     from server.quality_budget import Scorer
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.long_price", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="models/smollm2-135m-instruct")
     p.add_argument("--context", type=int, default=8192, help="tokens of the long input")
     p.add_argument("--backends", nargs="+", default=["window", "int8"], help="specs priced against full")

@@ -63,6 +63,7 @@ SERVER_TESTS = (
     "tests/test_cli_serve.py::test_ctrl_c_exits_130_with_no_traceback",
     "tests/test_engine_core_thread.py::test_a_core_thread_that_fails_makes_the_server_exit_1_saying_why",
     "tests/test_engine_process_server.py::",
+    "tests/test_long_price.py::test_the_server_warns_at_start_up_and_in_info",
     "tests/test_quality_budget.py::test_the_server_reports_its_choice_and_a_setting_over_the_budget",
     "tests/test_shutdown.py::",
     "tests/test_startup_failure.py::test_backend_that_cannot_calibrate_exits_1_with_one_line",
