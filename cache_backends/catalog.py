@@ -43,11 +43,11 @@ def declarations() -> dict[str, BackendDecl]:
     for origin, name in _spec_modules():
         try:
             module = importlib.import_module(name)
-        except ImportError as exc:
-            raise ValueError(f"backend plug-in {origin}: cannot import {name} ({exc})") from None
+        except Exception as exc:  # a plug-in's import error, syntax error or its own exception: one line
+            raise ValueError(f"backend plug-in {origin}: cannot import {name} ({type(exc).__name__}: {exc})") from None
         decls = getattr(module, "DECLARATIONS", None)
-        if not decls:
-            raise ValueError(f"{name} ({origin}) declares no backend (no DECLARATIONS)")
+        if not decls or not all(isinstance(d, BackendDecl) for d in decls):
+            raise ValueError(f"{name} ({origin}) declares no backend (DECLARATIONS: a tuple of BackendDecl)")
         for decl in decls:
             if decl.name in found:
                 raise ValueError(f"backend {decl.name!r} is declared twice ({where[decl.name]} and {origin})")

@@ -134,8 +134,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the subcommand; its exit status. Output cut short by its reader (``kvserve advise | head -1``) ends it
-    quietly with 141 (128 + SIGPIPE, as a shell tool stopped by the closed pipe), not a BrokenPipeError traceback."""
-    return run(build_parser(), argv)
+    quietly with 141 (128 + SIGPIPE, as a shell tool stopped by the closed pipe), not a BrokenPipeError traceback.
+    A backend plug-in that cannot be read (:func:`cache_backends.catalog.declarations`) ends it with one line and 2."""
+    try:
+        parser = build_parser()
+    except ValueError as exc:  # the settings and the default rows read every declaration
+        print(f"kvserve: {exc}", file=sys.stderr)
+        return 2
+    return run(parser, argv)
 
 
 def run(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:

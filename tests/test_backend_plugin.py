@@ -126,3 +126,18 @@ def test_a_plugin_whose_name_is_taken_is_refused(site, tmp_path):
         [str(tmp_path), str(REPO)])})
     assert p.returncode != 0
     assert "backend 'full' is declared twice (cache_backends/full and entry point 'full')" in p.stderr
+
+
+def test_a_plugin_that_cannot_be_imported_ends_any_command_with_one_line(tmp_path):
+    """A broken plug-in (its spec raises) used to end `kvserve --help` with a traceback and exit 1."""
+    (tmp_path / "brokenpkg").mkdir()
+    (tmp_path / "brokenpkg" / "__init__.py").write_text("")
+    (tmp_path / "brokenpkg" / "spec.py").write_text("raise RuntimeError('half written')\n")
+    info = tmp_path / "brokenpkg-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: brokenpkg\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[kvserve.backends]\nbroken = brokenpkg.spec\n")
+    p = run(tmp_path, "", "-m", "server.cli", "--help", env={"PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])})
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert p.stderr == ("kvserve: backend plug-in entry point 'broken': cannot import brokenpkg.spec (RuntimeError: "
+                        "half written)\n")
