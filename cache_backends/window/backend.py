@@ -13,7 +13,7 @@ short requests (under about 1K tokens) are then served exactly as ``full`` serve
 tokens holds ``(S + W - 1) / T`` of ``full``'s bytes (1/8 at 8K). What it drops is gone: a fact older than the
 window is not retrievable (``docs/backends.md``, the ``window`` section's needle figures).
 
-Layers: each layer's rule is :func:`cache_backends.estimate.window_rules`: a model's own sliding layer whose window
+Layers: each layer's rule is :func:`cache_backends.sizes.window_rules`: a model's own sliding layer whose window
 ``w`` is at most ``W`` keeps ``w`` and no sinks (Gemma 3's 512-token layers: transformers narrows them as before);
 every other layer (global, or a sliding window wider than ``W``) attends to ``S`` sinks and ``W`` recent tokens.
 
@@ -37,12 +37,12 @@ import torch
 
 from cache_backends.attention import attend_kv
 from cache_backends.base import KVBackend, KVLayer, ModelGeometry
-from cache_backends.sizes import window_rules, windowed_bytes_per_token_per_layer
+from cache_backends.sizes import window_rules
 from cache_backends.full.backend import FullBackend
 from cache_backends.hybrid import HybridLayout
 from cache_backends.kv_spec import KVSpec
 from cache_backends.page_layout import PageLayout
-from cache_backends.window.spec import DEFAULT_SINKS, DEFAULT_WINDOW, check_sinks
+from cache_backends.window.spec import DEFAULT_SINKS, DEFAULT_WINDOW, check_sinks, window_bytes
 
 log = logging.getLogger("kvserve.window")
 
@@ -176,9 +176,8 @@ class WindowBackend(KVBackend):
     def bytes_per_token_per_layer(self, seq_len: int = 1024) -> float:
         """What the pool holds a token a layer at ``seq_len`` tokens: ``min(seq_len, S + W - 1)`` tokens of the inner
         form on a windowed layer with sinks, ``min(seq_len, w - 1)`` on a model's own sliding layer
-        (:func:`cache_backends.estimate.windowed_bytes_per_token_per_layer`), averaged over ``seq_len``."""
-        return windowed_bytes_per_token_per_layer(self.kv_spec(), [(w, len(layers), s) for w, s, layers in
-                                                                   self.groups()], seq_len)
+        (:func:`cache_backends.window.spec.window_bytes`), averaged over ``seq_len``."""
+        return window_bytes(self.geometry.shape(), self.window, self.sinks, self.kv_spec(), seq_len)
 
     def page_layout(self, dtype: torch.dtype, page_bytes: int) -> HybridLayout:
         """One :class:`cache_backends.hybrid.HybridLayout` group per (window, sinks) rule.

@@ -8,13 +8,18 @@ DEFAULT_SINKS = 4
 DEFAULT_WINDOW = 1024
 
 
-def _bytes(shape: Shape, params: dict, inner: KVSpec, dtype_bytes: int, seq_len: int) -> float:
-    """What it keeps it keeps in the inner form: the sinks and the window on every layer (a model's narrower
-    sliding windows kept as they are)."""
+def window_bytes(shape: Shape, window: int, sinks: int, inner: KVSpec, seq_len: int) -> float:
+    """Bytes per token per layer at ``seq_len`` tokens of ``sinks`` sinks and a ``window`` on every layer (a model's
+    narrower sliding windows kept as they are: :func:`cache_backends.sizes.window_rules`), each token held in
+    ``inner``'s form; the estimator's and the served backend's one sum."""
     counts: dict = {}
-    for rule in window_rules(shape.layer_windows, shape.num_layers, params["window"], params["sinks"]):
+    for rule in window_rules(shape.layer_windows, shape.num_layers, window, sinks):
         counts[rule] = counts.get(rule, 0) + 1
     return windowed_bytes_per_token_per_layer(inner, [(w, n, s) for (w, s), n in counts.items()], seq_len)
+
+
+def _bytes(shape: Shape, params: dict, inner: KVSpec, dtype_bytes: int, seq_len: int) -> float:
+    return window_bytes(shape, params["window"], params["sinks"], inner, seq_len)
 
 
 def check_sinks(sinks: int, window: int) -> None:

@@ -1,14 +1,11 @@
 """``lastn``'s declaration: everything kvserve reads about it (no torch)."""
 
 from cache_backends.declaration import BackendDecl, Option
-from cache_backends.sizes import window_rules, windowed_bytes_per_token_per_layer
+from cache_backends.window.spec import window_bytes
 
 
 def _bytes(shape, params, inner, dtype_bytes, seq_len):
-    counts: dict = {}
-    for rule in window_rules(shape.layer_windows, shape.num_layers, params["n"], 0):
-        counts[rule] = counts.get(rule, 0) + 1
-    return windowed_bytes_per_token_per_layer(inner, [(w, n, s) for (w, s), n in counts.items()], seq_len)
+    return window_bytes(shape, params["n"], 0, inner, seq_len)
 
 
 DECLARATIONS = (
