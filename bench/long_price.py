@@ -2,7 +2,7 @@
 of one long input, and the needles found in it (:mod:`server.long_context`), against ``full``.
 
 At start-up the server long-prices only the backends that can drop far tokens (``window`` and its compositions:
-:func:`server.quality_budget.loses_far_tokens`); this prices every backend named, so a quantized one can be set
+:meth:`cache_backends.base.KVBackend.drops_tokens`); this prices every backend named, so a quantized one can be set
 beside them. Nothing is cached or timed.
 
     python -m bench.long_price --model models/smollm2-135m-instruct --context 8192 \\

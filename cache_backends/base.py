@@ -340,6 +340,12 @@ class KVBackend(ABC):
                 them to; ``None`` fits without one.
         """
 
+    def drops_tokens(self, seq_len: int) -> bool:
+        """Whether a sequence of ``seq_len`` tokens loses a token a ``full`` cache would attend to (``window``: past
+        its sinks and window), which the quality budget's short windows cannot price
+        (:mod:`server.quality_budget`'s long price). ``False`` here: a backend that keeps every token in some form."""
+        return False
+
     def params(self) -> dict[str, Any]:
         """The backend's parameters (its constructor options), for ``/info`` and reports."""
         return dict(self.options)

@@ -157,7 +157,7 @@ def prepare_backends(settings: Settings, names: list[str], model, tokenizer, geo
     Returns:
         ``(backends by name, each one's choice and price as /info's kv_quality shows it)``.
     """
-    from server.quality_budget import Scorer, choose, loses_far_tokens
+    from server.quality_budget import Scorer, choose
 
     budget = settings.kv_quality_budget
     calibration = None
@@ -179,8 +179,8 @@ def prepare_backends(settings: Settings, names: list[str], model, tokenizer, geo
         quality[name] = choice.as_dict()
         # a token-dropping backend priced only on windows it never drops a token of, and not on a long input,
         # though it drops tokens of the contexts served
-        warning = window_warning(backends[name]) if choice.long_price is None and loses_far_tokens(
-            backends[name], served) else None
+        warning = window_warning(backends[name]) if choice.long_price is None and backends[name].drops_tokens(
+            served) else None
         if warning:
             log.warning("%s: %s", name, warning)
             quality[name]["window_warning"] = warning
@@ -202,13 +202,12 @@ def long_probe(settings: Settings, names: list[str], model, tokenizer, geometry:
                calibration: list[int]):
     """The quality budget's long input (:func:`server.long_context.build_long_probe`, from the end of the
     calibration text ``calibration``) when a backend of ``names`` can lose far tokens at its length
-    (:func:`server.quality_budget.loses_far_tokens`), else ``None``; also ``None``, with a warning, when it cannot
+    (:meth:`cache_backends.base.KVBackend.drops_tokens`), else ``None``; also ``None``, with a warning, when it cannot
     be built (a calibration text shorter than it, a tokenizer without character offsets)."""
     from server.long_context import build_long_probe
-    from server.quality_budget import loses_far_tokens
 
     length = long_context(settings, model.config.max_position_embeddings)
-    if not length or not any(loses_far_tokens(create(n, geometry, **settings.backend_options(n)), length)
+    if not length or not any(create(n, geometry, **settings.backend_options(n)).drops_tokens(length)
                              for n in names):
         return None
     try:

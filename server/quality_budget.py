@@ -22,7 +22,7 @@ when both hold, and the search applies it as given (no headroom: it is a share o
 them).
 
 **The long price.** The windows are short, so a backend that drops tokens older than a window (``window`` and its
-compositions: :func:`loses_far_tokens`) costs nothing there and fails at long context. Such a backend is also priced
+compositions: :meth:`cache_backends.base.KVBackend.drops_tokens`) costs nothing there and fails at long context. Such a backend is also priced
 on one long input (:mod:`server.long_context`, ``KV_QUALITY_LONG_CONTEXT``): the KL, perplexity change and agreement
 on its last :data:`server.long_context.LONG_SCORED` tokens, and the needles it finds, against ``full`` on the same
 input (:class:`LongPrice`). It bounds nothing: a backend that finds more than :data:`RETRIEVAL_MARGIN` fewer needles
@@ -77,7 +77,7 @@ from cache_backends.registry import create
 from cache_backends import catalog
 from cache_backends.spec import format_spec
 from cache_backends.store_path import StorePath
-from server.long_context import LongProbe
+from server.long_context import DEPTHS, LongProbe
 
 log = logging.getLogger("kvserve.budget")
 
@@ -97,6 +97,16 @@ RETRIEVAL_MARGIN = 0.05  # a backend whose long-input retrieval is under full's 
 def ppl_increase(kl: float) -> float:
     """The perplexity increase (percent) a mean KL divergence of ``kl`` nats per token implies."""
     return 100.0 * math.expm1(kl)
+
+
+def mean_kl(reference: torch.Tensor, logp: torch.Tensor) -> float:
+    """Mean over positions of KL(p_reference || p), nats: both log-probabilities of shape (..., vocab_size)."""
+    return (reference.exp() * (reference - logp)).sum(-1).clamp_min(0).mean().item()
+
+
+def token_nll(logp: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The negative log-likelihood of each target token: ``logp`` (..., vocab_size), ``targets`` (...) ids."""
+    return -logp.gather(-1, targets.unsqueeze(-1).to(logp.device)).squeeze(-1)
 
 
 def top1_agreement(reference: torch.Tensor, scores: torch.Tensor) -> float:
@@ -290,8 +300,7 @@ class Scorer:
         if self._reference is None:
             full = create("full", self.geometry)
             logp = self._logprobs(full)
-            nll = -logp.gather(-1, self._targets().unsqueeze(-1).to(logp.device)).squeeze(-1)
-            self._reference = (logp, nll)
+            self._reference = (logp, token_nll(logp, self._targets()))
         return self._reference
 
     def price(self, backend: KVBackend) -> Price:
@@ -317,8 +326,8 @@ class Scorer:
     def _measure(self, backend: KVBackend) -> Price:
         ref_logp, ref_nll = self.reference()
         logp = self._logprobs(backend)
-        kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1).clamp_min(0).mean().item()
-        nll = -logp.gather(-1, self._targets().unsqueeze(-1).to(logp.device)).squeeze(-1)
+        kl = mean_kl(ref_logp, logp)
+        nll = token_nll(logp, self._targets())
         change = 100.0 * math.expm1((nll.mean() - ref_nll.mean()).item())
         return Price(kl=kl, ppl_increase_pct=ppl_increase(kl), ppl_change_pct=change, tokens=nll.numel(),
                      agreement=top1_agreement(ref_logp, logp))
@@ -369,8 +378,7 @@ class Scorer:
 
     def _long_nll(self, logp: torch.Tensor) -> torch.Tensor:
         a, b = self.long_probe.scored
-        targets = torch.tensor(self.long_probe.ids[a:b], device=logp.device)
-        return -logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        return token_nll(logp, torch.tensor(self.long_probe.ids[a:b]))
 
     def long_price(self, backend: KVBackend) -> LongPrice:
         """The price of a prepared ``backend`` on the long input (from the cache when it holds this setting's on
@@ -395,25 +403,15 @@ class Scorer:
         return {"kl": torch.tensor([price.kl])}, {"long_price": asdict(price), "dtype": self._dtype()}
 
     def _measure_long(self, backend: KVBackend) -> LongPrice:
-        from server.long_context import DEPTHS
-
         ref_logp, ref_nll, ref_found = self.long_reference()
         logp, found = self._long_pass(backend)
-        kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1).clamp_min(0).mean().item()
+        kl = mean_kl(ref_logp, logp)
         nll = self._long_nll(logp)
         return LongPrice(context=len(self.long_probe.ids), kl=kl, ppl_increase_pct=ppl_increase(kl),
                          ppl_change_pct=100.0 * math.expm1((nll.mean() - ref_nll.mean()).item()),
                          tokens=nll.numel(), agreement=top1_agreement(ref_logp, logp), depths=list(DEPTHS),
                          found=found, retrieval=sum(found) / len(found),
                          reference_retrieval=sum(ref_found) / len(ref_found))
-
-
-def loses_far_tokens(backend: KVBackend, seq_len: int) -> bool:
-    """Whether ``backend`` can lose a token's detail at ``seq_len`` tokens that its short price cannot see: a
-    backend that drops tokens older than a window (its ``drops_tokens(seq_len)``, e.g.
-    :meth:`cache_backends.window.WindowBackend.drops_tokens`); ``False`` for any other."""
-    drops = getattr(backend, "drops_tokens", None)
-    return bool(drops and drops(seq_len))
 
 
 def bytes_per_token(backend: KVBackend, seq_len: int = 1024) -> float:
@@ -499,7 +497,7 @@ def choose(name: str, geometry: ModelGeometry, options: dict, explicit: set[str]
         values = candidates(name, axis, geometry, options)
         backend, price = _bisect(values, lambda v: build(**{axis: v}), scorer, fits, short, tried, record)
     probe = getattr(scorer, "long_probe", None)
-    long = scorer.long_price(backend) if probe is not None and loses_far_tokens(backend, len(probe.ids)) else None
+    long = scorer.long_price(backend) if probe is not None and backend.drops_tokens(len(probe.ids)) else None
     choice = Choice(backend=name, spec=format_spec(backend.name, backend.params()), budget_pct=budget_pct,
                     price=price, bytes_per_token=bytes_per_token(backend), full_bytes_per_token=full_bytes,
                     min_agreement=min_agreement if budget_pct is not None else None,
