@@ -74,8 +74,8 @@ def compositions() -> tuple[str, ...]:
 def native_mla_backends() -> tuple[str, ...]:
     """What a natively-MLA model can be served with: the backends declaring it, and the compositions they are the
     outer part of (``mla+int8``: the model's latent quantized)."""
-    ok = {d.name for d in declarations().values() if d.native_mla}
-    return tuple(sorted(ok, key=names().index)) + tuple(c for c in compositions() if c.split("+")[0] in ok)
+    ok = tuple(d.name for d in declarations().values() if d.native_mla)
+    return ok + tuple(c for c in compositions() if c.split("+")[0] in ok)
 
 
 def available() -> list[str]:

@@ -73,11 +73,6 @@ def parse_spec(spec: str) -> tuple[str, dict]:
     return name.strip(), options
 
 
-def backend_options() -> dict[str, set[str]]:
-    """Backend -> the options a spec of it takes (a composition takes the union of its parts')."""
-    return {name: decl.option_names() for name, decl in catalog.declarations().items()}
-
-
 def check_composition(name: str) -> None:
     """Refuse a ``+`` name that is not a supported composition (``int8+mla``), listing those that are; a ``window``
     composition that a backend declares a refusal for names why (:attr:`~cache_backends.declaration.BackendDecl.refusals`).

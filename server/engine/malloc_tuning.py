@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
@@ -51,27 +52,22 @@ def _libc():
 
 
 _LIBC = _libc()
-_MKL: list = []  # [the ctypes handle of torch's MKL service functions, or None], found on first use
-
-
+@functools.cache
 def _mkl():
     """torch's own MKL (statically linked into ``libtorch_cpu``, which exports its service functions
-    ``mkl_serv_mem_stat`` and ``mkl_serv_free_buffers``), or ``None`` where this torch has none."""
-    if not _MKL:
-        handle = None
-        try:
-            import torch  # noqa: PLC0415 - only the engine's process needs it, and it has torch loaded
+    ``mkl_serv_mem_stat`` and ``mkl_serv_free_buffers``), or ``None`` where this torch has none; found once."""
+    try:
+        import torch  # noqa: PLC0415 - only the engine's process needs it, and it has torch loaded
 
-            lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
-            if hasattr(lib, "mkl_serv_mem_stat") and hasattr(lib, "mkl_serv_free_buffers"):
-                lib.mkl_serv_mem_stat.restype = ctypes.c_int64
-                lib.mkl_serv_mem_stat.argtypes = [ctypes.POINTER(ctypes.c_int)]
-                lib.mkl_serv_free_buffers.restype = None
-                handle = lib
-        except (ImportError, OSError):
-            handle = None
-        _MKL.append(handle)
-    return _MKL[0]
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+    except (ImportError, OSError):
+        return None
+    if not (hasattr(lib, "mkl_serv_mem_stat") and hasattr(lib, "mkl_serv_free_buffers")):
+        return None
+    lib.mkl_serv_mem_stat.restype = ctypes.c_int64
+    lib.mkl_serv_mem_stat.argtypes = [ctypes.POINTER(ctypes.c_int)]
+    lib.mkl_serv_free_buffers.restype = None
+    return lib
 
 
 def mkl_cached_bytes() -> int:
