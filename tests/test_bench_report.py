@@ -20,7 +20,7 @@ def quick_report(tmp_path_factory) -> Path:
     # one speed round and 128 scored tokens per window (the defaults' 3 and 256 took 2.4 minutes, these 1.3): the
     # checks are on bytes, compression, agreement and perplexity, and the spread over rounds has its own test below
     subprocess.run([sys.executable, "-m", "server.cli", "bench", "--quick", "--rounds", "1", "--prefix", "896",
-                    "--needle-context", "300", "--out", str(out)], cwd=REPO,
+                    "--needle-context", "300", "--long-context", "1024", "--out", str(out)], cwd=REPO,
                    check=True, capture_output=True, text=True, timeout=900)
     return out
 
@@ -37,17 +37,24 @@ def test_quick_bench_writes_report_plots_and_json(quick_report):
         assert r["bytes_per_token"] == pytest.approx(r["formula_bytes_per_token"]), r["spec"]
         assert r["bytes_vs_context"]["1024"] > r["bytes_vs_context"]["128"] > 0
         assert set(r["tpot_s"]) == {"512", "1024"} and all(v > 0 for v in r["tpot_s"].values())
-        assert set(r["phase_s"]) == {"prepare", "bytes", "perplexity", "greedy", "retrieval", "latency",
+        assert set(r["phase_s"]) == {"prepare", "bytes", "perplexity", "greedy", "retrieval", "long", "latency",
                                      "throughput"}
+        long = r["long_price"]  # the quality budget's long price, on one 1024-token input
+        assert long["context"] == 1024 and long["tokens"] == 256 and len(long["found"]) == 4, r["spec"]
+        assert long["reference_retrieval"] == rows["full"]["long_price"]["retrieval"]
         found = r["retrieval"]  # one probe per depth, the same five prompts for every backend
         assert found["context"] == 300 and found["asked"] == 5 and found["found"] + len(found["depths_missed"]) == 5
     assert rows["gqa"]["compression"] == 4.0 and rows["mla"]["compression"] == 8.0
     assert rows["int8"]["compression"] > 2.5 and abs(rows["int8"]["perplexity_change_pct"]) < 1.0
     assert abs(rows["mla"]["perplexity_change_pct"]) < 1.0  # rank 64 of 512 keeps the model (measured +0.03%)
     assert 0.0 <= rows["gqa"]["greedy_agreement"] < rows["int8"]["greedy_agreement"]
+    assert full["long_price"]["kl"] == 0.0 and full["long_price"]["agreement"] == 1.0
+    assert rows["int8"]["long_price"]["ppl_increase_pct"] < 1.0 and rows["int8"]["long_price"]["agreement"] > 0.9
+    assert rows["gqa"]["long_price"]["kl"] > rows["int8"]["long_price"]["kl"]  # 4 heads to 1 costs more than int8
 
     report = (quick_report / "report.md").read_text()
     assert "| retrieval @300 |" in report and "--needle-context 300" in report
+    assert "| Δ ppl @1024 (KL) | needles @1024 |" in report and "--long-context 1024" in report
     assert "kvserve bench --quick" in report and report.count("\n| ") >= 1 + 5 + 2  # header, 5 rows, dca table
     for name in ("frontier", "tpot_vs_context", "kv_bytes_vs_context"):
         png = quick_report / f"{name}.png"
@@ -78,6 +85,9 @@ def test_advise_ranks_the_measured_settings(quick_report):
     (["--rounds", "0"], "--rounds must be at least 1"),
     (["--needle-context", "-1"], "--needle-context must be between 0 (off) and 1012"),
     (["--needle-context", "1013"], "--needle-context must be between 0 (off) and 1012"),
+    (["--long-context", "100"], "--long-context must be 0 (off) or between 512 and 1024 (the model's positions)"),
+    (["--long-context", "1025"], "--long-context must be 0 (off) or between 512 and 1024"),
+    (["--long-context", "512"], "--long-context 512: a long input of 512 tokens leaves"),
     (["--model", "/nonexistent"], "no config.json"),
     (["--backends", "mla@budget", "--budget", "nan"], "--budget must be a finite number"),
     (["--backends", "mla@budget", "--budget", "-1"], "--budget must be a finite number of percent, at least 0"),
@@ -174,3 +184,5 @@ def test_the_report_names_the_command_that_repeats_it():
             setattr(args, key, value)
     assert command_line(args) == ("kvserve bench --model models/other --backends int8 mla@budget --windows 2 "
                                   "--budget 0.5")
+    args.long_context = 2048
+    assert command_line(args).endswith("--budget 0.5 --long-context 2048")

@@ -5,7 +5,10 @@ held at 1024 tokens, compression vs ``full``, held-out perplexity through the ca
 change vs ``full``, greedy agreement with ``full``, TTFT (prefill of a 512-token prompt plus the first
 sampled token, in-process), TPOT at several context lengths, and aggregate decode tokens/s of the
 engine at 1 and 8 concurrent sequences; with ``--needle-context N``, key retrieval at N prompt tokens
-(:mod:`server.bench_cmd.needle`: one probe at each of five depths, found/asked). Quality is measured setting by setting; speed is measured in
+(:mod:`server.bench_cmd.needle`: one probe at each of five depths, found/asked); with ``--long-context N``, the
+quality budget's long price on one N-token input (:mod:`server.long_context`: the perplexity change the KL from
+``full`` implies and the top-1 agreement on its last tokens, and the needles found), which a backend that drops far
+tokens (``window``) pays where the 1024-token windows cannot see it. Quality is measured setting by setting; speed is measured in
 ``--rounds`` rounds over all settings and reported as the median over rounds, with the spread (min-max) over
 rounds beside it in the table (each round's value in ``speed_samples``). It writes ``report.md``,
 ``results.json`` (with each setting's wall time per phase) and three PNG plots (perplexity change vs
@@ -20,6 +23,7 @@ import math
 import statistics
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -115,6 +119,16 @@ def bytes_vs_context(model, backend, token_ids: list[int], contexts=(128, 256, 5
     return out
 
 
+def long_scorer(model, geometry, tokenizer, calib_ids: list[int], length: int):
+    """A :class:`server.quality_budget.Scorer` with the long input of ``length`` tokens built from the calibration
+    text (:func:`server.long_context.build_long_probe`): it prices the ``@budget`` entries as the server does and
+    every setting on the long input."""
+    from server.long_context import build_long_probe
+    from server.quality_budget import Scorer
+
+    return Scorer(model, geometry, calib_ids, long_probe=build_long_probe(tokenizer, calib_ids, length))
+
+
 def settings(specs: list[str]) -> list[str]:
     """``specs`` without repeats, with ``full`` first: every compression, perplexity change and greedy
     agreement is measured against it, so it is added when not asked for."""
@@ -131,7 +145,7 @@ def run(args) -> dict:
     eval_ids = model_slice_ids(Path(args.model), EVAL_SLICE, tokenizer)
     calib_ids = model_slice_ids(Path(args.model), CALIB_SLICE, tokenizer)
     prompts = greedy_prompts(tokenizer, eval_ids, args.prompts)
-    scorer = None
+    scorer = long_scorer(model, geometry, tokenizer, calib_ids, args.long_context) if args.long_context else None
     contexts = [512, 1024] if args.quick else [256, 512, 1024]
     rows, backends, reference = [], [], None
     specs = settings(args.backends or (QUICK_SPECS if args.quick else DEFAULT_SPECS))
@@ -168,6 +182,8 @@ def run(args) -> dict:
         row["perplexity_change_pct"] = 100 * (row["perplexity"] / reference["perplexity"] - 1)
         if args.needle_context:
             row["retrieval"] = timed("retrieval", retrieval, model, tokenizer, backend, needles)
+        if args.long_context:
+            row["long_price"] = asdict(timed("long", scorer.long_price, backend))
         row["phase_s"] = timed.seconds
         rows.append(row)
         backends.append((backend, timed))
@@ -215,6 +231,9 @@ def markdown(result: dict) -> str:
     needles = [r.get("retrieval") for r in result["rows"]]
     if all(needles):
         head += f" retrieval @{needles[0]['context']} |"
+    longs = [r.get("long_price") for r in result["rows"]]
+    if all(longs):
+        head += f" Δ ppl @{longs[0]['context']} (KL) | needles @{longs[0]['context']} |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in result["rows"]:
         params = ", ".join(f"{k}={v}" for k, v in r["params"].items()) or "-"
@@ -225,7 +244,9 @@ def markdown(result: dict) -> str:
         lines.append(f"| {label} | {params} | {r['bytes_per_token']:.0f} | {r['compression']:.2f}x | "
                      f"{r['perplexity']:.3f} | {r['perplexity_change_pct']:+.2f}% | {r['greedy_agreement']:.3f} | "
                      f"{spread(r['ttft_s'], per_round.get('ttft_s'), digits=3)} | {tp} | {tps} |"
-                     + (f" {r['retrieval']['found']}/{r['retrieval']['asked']} |" if all(needles) else ""))
+                     + (f" {r['retrieval']['found']}/{r['retrieval']['asked']} |" if all(needles) else "")
+                     + (f" +{r['long_price']['ppl_increase_pct']:.2f}% | {sum(r['long_price']['found'])}/"
+                        f"{len(r['long_price']['found'])} |" if all(longs) else ""))
     rounds = result.get("rounds", 1)
     note = (f"TTFT, TPOT and tokens/s: median over {rounds} rounds, min-max over the rounds in brackets."
             if rounds > 1 else "TTFT, TPOT and tokens/s: one round.")
@@ -371,6 +392,7 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"--needle-context must be between 0 (off) and {most} (the model's "
                          f"{config.max_position_embeddings} positions hold the prompt and the answer), "
                          f"got {args.needle_context}")
+    check_long_context(args, config)
     for spec in args.backends or []:
         name, options = parse_spec(spec.removesuffix(BUDGETED))  # its errors name the spec
         budgeted = spec.endswith(BUDGETED) or name.endswith(BUDGETED)  # mla:rank=3@budget, mla@budget:rank=3
@@ -381,6 +403,31 @@ def check_arguments(args: argparse.Namespace) -> None:
             create(name, geometry, **options)
         except (ValueError, TypeError, KeyError) as exc:
             raise ValueError(f"--backends {spec}: {exc.args[0] if exc.args else exc}") from None
+
+
+def check_long_context(args: argparse.Namespace, config) -> None:
+    """Refuse a ``--long-context`` the model cannot hold or the long input cannot be built at (its question, answers
+    and scored tail need room: :func:`server.long_context.build_long_probe`), loading the tokenizer only when one is
+    given.
+
+    Raises:
+        ValueError: one line naming ``--long-context`` and what is allowed.
+    """
+    from server.long_context import MIN_LONG_CONTEXT, build_long_probe
+
+    length, most = getattr(args, "long_context", 0), config.max_position_embeddings
+    if length == 0:
+        return
+    if not MIN_LONG_CONTEXT <= length <= most:
+        raise ValueError(f"--long-context must be 0 (off) or between {MIN_LONG_CONTEXT} and {most} (the model's "
+                         f"positions), got {length}")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    try:
+        build_long_probe(tokenizer, model_slice_ids(Path(args.model), CALIB_SLICE, tokenizer), length)
+    except ValueError as exc:
+        raise ValueError(f"--long-context {length}: {exc}") from None
 
 
 def main(args: argparse.Namespace) -> int:

@@ -55,6 +55,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"also score key retrieval at this many prompt tokens: a needle at depths "
                         f"{', '.join(f'{d:g}' for d in NEEDLE_DEPTHS)} of long filler text (bench.needle; "
                         f"default 0: off)")
+    p.add_argument("--long-context", type=int, default=0,
+                   help="also price every setting on one input of this many tokens, as the quality budget's long "
+                        "price does (KV_QUALITY_LONG_CONTEXT): perplexity change implied by the KL from full and "
+                        "top-1 agreement on its last 256 tokens, and 4 needles at chosen depths (default 0: off)")
 
 
 def command_line(args: argparse.Namespace) -> str:
@@ -71,4 +75,6 @@ def command_line(args: argparse.Namespace) -> str:
         parts.append(f"--budget {args.budget:g}")
     if getattr(args, "needle_context", 0):
         parts.append(f"--needle-context {args.needle_context}")
+    if getattr(args, "long_context", 0):
+        parts.append(f"--long-context {args.long_context}")
     return " ".join(parts)
