@@ -55,17 +55,18 @@ def _geometry(model) -> ModelGeometry:
     return ModelGeometry.from_config(model.config, torch.float32)
 
 
-def reference_selection(eager, ids: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def reference_selection(eager, ids: list[int], pooling: str = "avg") -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per layer, the (H, CAPACITY) kept indices computed from eager attention's weights (the paper's listing:
-    the window's weights summed over its queries and each K/V head's query heads, average-pooled, top-k, the window
-    appended) and the (H, T, d) keys eager attention cached."""
+    the window's weights summed over its queries and each K/V head's query heads, average- or max-pooled, top-k,
+    the window appended) and the (H, T, d) keys eager attention cached."""
     with torch.no_grad():
         out = eager(torch.tensor([ids]), output_attentions=True, use_cache=True)
     rep, t = HEADS // HEADS_KV, len(ids)
     selections, keys = [], []
     for layer, weights in enumerate(out.attentions):  # (1, Hq, T, T)
         votes = weights[0, :, -WINDOW:, : t - WINDOW].reshape(HEADS_KV, rep * WINDOW, t - WINDOW).sum(1)
-        votes = F.avg_pool1d(votes[:, None], KERNEL, stride=1, padding=KERNEL // 2)[:, 0]
+        pool = F.avg_pool1d if pooling == "avg" else F.max_pool1d
+        votes = pool(votes[:, None], KERNEL, stride=1, padding=KERNEL // 2)[:, 0]
         chosen = votes.topk(CAPACITY - WINDOW, dim=-1).indices.sort(-1).values
         selections.append(torch.cat([chosen, torch.arange(t - WINDOW, t).expand(HEADS_KV, WINDOW)], -1))
         keys.append(out.past_key_values.layers[layer].keys[0])
@@ -131,17 +132,18 @@ def _pool_keys(driver: PagedDriver, blocks, layer: int) -> torch.Tensor:
     return pages.reshape(pages.shape[0], -1, pages.shape[-1])[:, blocks.start : blocks.start + blocks.exact_len]
 
 
-@pytest.mark.parametrize("mode", _attention_modes())
-def test_the_pool_keeps_the_selection_of_eager_attention_weights_and_decodes_as_its_mask(tiny, prompt, mode):
+@pytest.mark.parametrize("mode,pooling", [(mode, "avg") for mode in _attention_modes()] + [("torch", "max")])
+def test_the_pool_keeps_the_selection_of_eager_attention_weights_and_decodes_as_its_mask(tiny, prompt, mode, pooling):
     """A 50-token prompt under capacity 24: its logits are full attention's (the prefill is exact), each layer's
     pages hold, head by head, the keys of the tokens eager attention's weights select, and every decode step's
     logits are eager attention's under that per-layer, per-head mask."""
     model, eager = tiny
-    selections, keys = reference_selection(eager, prompt)
+    selections, keys = reference_selection(eager, prompt, pooling)
     assert any(not torch.equal(selections[0][h], selections[1][h]) for h in range(HEADS_KV))  # per layer
     assert not torch.equal(selections[0][0], selections[0][1])  # and per head
     with kernels.using(mode):
-        driver = PagedDriver(model, create("snapkv", _geometry(model), **OPTIONS), pages=64, block_size=4)
+        driver = PagedDriver(model, create("snapkv", _geometry(model), **OPTIONS, pooling=pooling), pages=64,
+                             block_size=4)
         tokens, logits, blocks = _generate(driver, prompt, DECODE)
     with torch.no_grad():
         dense = eager(torch.tensor([prompt])).logits[0]
