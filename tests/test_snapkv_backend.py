@@ -13,6 +13,8 @@ gives its per-sequence stores' tokens and serves through the engine; bad options
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -113,9 +115,9 @@ def _generate(driver: PagedDriver, ids: list[int], steps: int) -> tuple[list[int
     return tokens, logits, blocks
 
 
-def _store_tokens(model, backend, ids: list[int]) -> list[int]:
+def _store_tokens(model, backend, ids: list[int], layers: int = LAYERS) -> list[int]:
     """DECODE greedy tokens through ``backend``'s per-sequence store (the reference path): the prompt in one pass."""
-    runner, store = StorePath(model, LAYERS), backend.new_store()
+    runner, store = StorePath(model, layers), backend.new_store()
     assert not store.supports_chunked_prefill
     logits = runner.prefill(ids, store)[-1]
     tokens = []
@@ -333,3 +335,26 @@ def test_the_quality_budget_is_warned_of_a_capacity_it_never_exceeds(tiny):
     assert create("snapkv", geometry, capacity=256).window_warning(PRICE_WINDOW) is None
     assert create("snapkv", geometry, capacity=256).drops_tokens(257)
     assert not create("snapkv", geometry, capacity=256).drops_tokens(256)
+
+
+MODEL = Path(__file__).resolve().parents[1] / "models" / "smollm2-135m-instruct"
+
+
+@pytest.mark.real_model
+@pytest.mark.skipif(not (MODEL / "config.json").exists(), reason="SmolLM2-135M not fetched (kvserve fetch-model)")
+def test_smollm2_pool_tokens_are_its_stores_tokens_on_both_paths():
+    """SmolLM2-135M (9 query heads on 3 K/V heads, 30 layers), a 300-token prompt under ``snapkv:capacity=128,
+    window=16``: the pool's greedy tokens, on the torch path and on the kernel, are the per-sequence stores'."""
+    from transformers import AutoModelForCausalLM
+
+    model, _ = with_eager_twin(AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval(), sharpen=False)
+    torch.manual_seed(4)
+    ids = torch.randint(100, 20000, (300,)).tolist()
+    backend = create("snapkv", ModelGeometry.from_config(model.config, torch.float32), capacity=128, window=16)
+    expected = _store_tokens(model, backend, ids, model.config.num_hidden_layers)
+    for mode in _attention_modes():
+        with kernels.using(mode):
+            driver = PagedDriver(model, backend, pages=64, block_size=16)
+            tokens, _, blocks = _generate(driver, ids, DECODE)
+        assert tokens == expected, mode
+        assert (blocks.first, blocks.exact_len) == (300 - 128, 128 + DECODE)
