@@ -109,7 +109,7 @@ def test_advise_default_settings_follow_the_model(model_dir):
                 "--json")
     rows = {r["spec"]: r for r in json.loads(p.stdout)}
     assert set(rows) == {"full", "gqa", "mla", "int8", "int4", "int8:value_bits=4", "elastic", "dca", "window",
-                         "mla+int8", "gqa+int8"}
+                         "snapkv", "mla+int8", "gqa+int8"}
     assert rows["mla"]["bytes_per_token"] == 64 * 4 * 8 and rows["full"]["bytes_per_token"] == 2 * 8 * 32 * 4 * 8
     ds = kvserve("advise", "--context", "4096", "--memory-budget", "1GiB", "--model", "deepseek-v3", "--json")
     assert ds.returncode == 0 and {r["spec"] for r in json.loads(ds.stdout)} == {"full", "mla", "mla+int8"}

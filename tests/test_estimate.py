@@ -88,7 +88,7 @@ def test_cli_without_specs_lists_the_quantized_widths_and_elastic_too():
                           "--batch", "1", "--json"], cwd=REPO, capture_output=True, text=True, timeout=120, check=True)
     rows = [(r["backend"], r["params"]) for r in json.loads(out.stdout)]
     assert [name for name, _ in rows] == ["full", "gqa", "mla", "int8", "int8", "int4", "elastic", "dca", "window",
-                                          "gqa+int8", "mla+int8"]
+                                          "snapkv", "gqa+int8", "mla+int8"]
     assert rows[4][1]["value_bits"] == 4 and rows[3][1].get("value_bits", 8) == 8
     assert rows[8][1] == {"sinks": 4, "window": 1024}  # the server's defaults (KV_WINDOW_SINKS, KV_WINDOW_SIZE)
 

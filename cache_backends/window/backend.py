@@ -40,14 +40,14 @@ from cache_backends.base import KVBackend, KVLayer, ModelGeometry
 from cache_backends.sizes import window_rules
 from cache_backends.full.backend import FullBackend
 from cache_backends.hybrid import HybridLayout
-from cache_backends.kv_spec import KVSpec
+from cache_backends.outer import InnerLayer, OuterBackend
 from cache_backends.page_layout import PageLayout
 from cache_backends.window.spec import DEFAULT_SINKS, DEFAULT_WINDOW, check_sinks, window_bytes
 
 log = logging.getLogger("kvserve.window")
 
 
-class WindowLayer(KVLayer):
+class WindowLayer(InnerLayer):
     """One layer of a per-sequence store: the inner backend's layer (every token, in its stored form), attended
     under the sinks-and-window mask (:func:`cache_backends.attention.causal_mask`).
 
@@ -60,14 +60,8 @@ class WindowLayer(KVLayer):
     own_window = True
 
     def __init__(self, inner: KVLayer, window: int, sinks: int):
-        super().__init__()
-        self.inner, self.window, self.sinks = inner, window, sinks
-
-    def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.inner.append(key_states, value_states)
-
-    def materialize(self):
-        return self.inner.materialize()
+        super().__init__(inner)
+        self.window, self.sinks = window, sinks
 
     def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """(1, Hq, q_len, d) → (1, Hq, q_len, dv): the inner layer's K/V rebuilt (a transient copy) and attended to
@@ -77,22 +71,6 @@ class WindowLayer(KVLayer):
         keys, values = self.inner.materialize()
         return attend_kv(query, keys, values, scaling, self.window, self.sinks)
 
-    def nbytes(self) -> int:
-        return self.inner.nbytes()
-
-    def allocated_bytes(self) -> int:
-        return self.inner.allocated_bytes()
-
-    def reserve(self, max_tokens: int) -> None:
-        self.inner.reserve(max_tokens)
-
-    def get_seq_length(self) -> int:
-        return self.inner.get_seq_length()
-
-    def reset(self) -> None:
-        self.inner.reset()
-        self.is_initialized = False
-
 
 def _int_option(name: str, value, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -100,7 +78,7 @@ def _int_option(name: str, value, low: int) -> int:
     return value
 
 
-class WindowBackend(KVBackend):
+class WindowBackend(OuterBackend):
     """Attention sinks and a recent window on every layer (StreamingLLM, arXiv 2309.17453; the module).
 
     Args:
@@ -118,11 +96,6 @@ class WindowBackend(KVBackend):
     name = "window"
     windowed_pool = True
     attends_in_place = True
-
-    @classmethod
-    def compose(cls, geometry: ModelGeometry, inner: KVBackend, **options):
-        """``window+int8``/``window+int4``: the sinks and the window kept in the quantized tier of ``inner``."""
-        return cls(geometry, inner=inner, **options)
 
     def __init__(self, geometry: ModelGeometry, sinks: int = DEFAULT_SINKS, window: int = DEFAULT_WINDOW,
                  inner: KVBackend | None = None):
@@ -147,21 +120,9 @@ class WindowBackend(KVBackend):
         window, sinks = self.rules[index]
         return layer if sinks is None else WindowLayer(layer, window, sinks)
 
-    def reserved_bytes(self, max_tokens: int) -> int:
-        """A per-sequence store keeps every token (the window is kept in the pool only)."""
-        return self.inner.reserved_bytes(max_tokens)
-
-    def prepare(self, model, calibration_ids: list[int] | None = None, cache=None) -> None:
-        self.inner.prepare(model, calibration_ids, cache)
-
     # ---- what it costs ----------------------------------------------------------------------------------
-    def sums_spec(self) -> tuple[str, dict]:
-        name, options = self.inner.sums_spec()
-        return ("window" if name == "full" else f"window+{name}"), {"sinks": self.sinks, "window": self.window,
-                                                                    **options}
-
-    def kv_spec(self) -> KVSpec:
-        return self.inner.kv_spec()
+    def sums_options(self) -> dict:
+        return {"sinks": self.sinks, "window": self.window}
 
     def groups(self) -> list[tuple[int, int | None, list[int]]]:
         """``(window, sinks or None, layers)`` per window group (:func:`cache_backends.estimate.window_groups_of`)."""
@@ -218,9 +179,6 @@ class WindowBackend(KVBackend):
         return {"rules": [{"window": w, "sinks": s, "layers": len(layers)} for w, s, layers in self.groups()]}
 
     # ---- the paged pool --------------------------------------------------------------------------------
-    def encode_paged(self, layer, key_states, value_states, meta):
-        return self.inner.encode_paged(layer, key_states, value_states, meta)
-
     def attend_paged(self, layer, query, reads, meta, scaling, module=None):
         """The inner backend's attention under the group's metadata (its mask and ranges already narrowed to the
         sinks and the window: :meth:`cache_backends.step_meta.StepMeta._add_sinks`)."""
