@@ -55,6 +55,32 @@ def run_all(engine: Engine, seqs: list[Sequence], max_steps: int = 10_000) -> No
     raise AssertionError("engine did not finish")
 
 
+def raising_once(fn, message: str = "boom"):
+    """``fn`` whose first call raises ``RuntimeError(message)``; the later calls are ``fn``'s."""
+    calls = []
+
+    def wrapper(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError(message)
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def first_compression(engine: Engine) -> list[int]:
+    """A list filled with the sequences of the first step of ``engine`` that compresses (spying its runner)."""
+    seen, execute = [], engine.runner.execute
+
+    def spy(out, *args):
+        if out.compress and not seen:
+            seen.extend(i for c in out.compress for i in c.seq_ids)
+        return execute(out, *args)
+
+    engine.runner.execute = spy
+    return seen
+
+
 def reference_greedy(model, tokenizer, prompt: str, max_new_tokens: int) -> list[int]:
     ids = torch.tensor([tokenizer.encode(prompt)], device=model.device)
     out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id,

@@ -10,7 +10,7 @@ from cache_backends.store_path import StorePath
 from server.engine import malloc_tuning
 from server.engine.sampling import SamplingParams
 from server.engine.sequence import FinishReason
-from tests.engine_helpers import make_engine, make_seq, reference_greedy, run_all
+from tests.engine_helpers import make_engine, make_seq, raising_once, reference_greedy, run_all
 
 PROMPTS = ["And God said", "The LORD is my shepherd", "In the beginning",
            "And it came to pass, when the king heard", "Blessed are the"]
@@ -321,6 +321,28 @@ def test_a_failed_forward_ends_only_its_own_rows(ref_model):
     assert apart.finish_reason == FinishReason.LENGTH and len(apart.output_ids) == 6
     assert apart.output_ids == reference_greedy(model, tok, "In the beginning", 6)
     assert engine.kv_held_bytes() == 0
+    later = make_seq(tok, "Blessed are the", 5)
+    run_all(engine, [later])
+    assert later.output_ids == reference_greedy(model, tok, "Blessed are the", 5)
+
+
+def test_a_step_whose_runner_raises_ends_every_request_of_the_step(ref_model, monkeypatch):
+    """Anything else the runner raises (here: zeroing the step's new pages) ends every sequence of the step with an
+    error event and frees its KV blocks; the engine goes on, and a later request gets its greedy tokens."""
+    model, tok = ref_model
+    engine = make_engine(model, tok)
+    free = engine.kv.blocks.num_free
+    events = [[], []]
+    seqs = [make_seq(tok, p, 10, events=ev) for p, ev in zip(PROMPTS, events)]
+    for s in seqs:
+        engine.submit(s)
+    engine.step()  # both prompts
+    monkeypatch.setattr(engine.runner.pool, "zero", raising_once(engine.runner.pool.zero))
+    engine.step()  # both decode rows: the runner raises
+    for s, ev in zip(seqs, events):
+        assert s.finish_reason == FinishReason.ERROR and s.store is None
+        assert ev[-1].error == "step failed: boom" and [e.index for e in ev] == [0, 1]
+    assert not engine.running and engine.kv.blocks.num_free == free
     later = make_seq(tok, "Blessed are the", 5)
     run_all(engine, [later])
     assert later.output_ids == reference_greedy(model, tok, "Blessed are the", 5)

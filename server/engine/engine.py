@@ -9,8 +9,9 @@ context is cached — and returns plain rows (:class:`~server.engine.step_plan.S
 them in one forward (a mixed batch) and samples every row with a token to emit in one call
 (:class:`~server.engine.step_plan.RunnerOutput`); the scheduler commits the rows that ran. Each new token goes to
 its request through the sequence's ``emit`` callback (the engine core collects them into the step's output). A
-failed forward fails the sequences of its rows (a prompt prefilled in a forward of its own: that request only), and
-the engine goes on.
+failed forward fails the sequences of its rows (a prompt prefilled in a forward of its own: that request only), a
+failed compression the sequences it compressed (their block tables already name its codes), anything else the
+runner raises every sequence of the step; each ends with ``error`` and its KV freed, and the engine goes on.
 
 An admitted sequence starts from the longest run of cached blocks its context begins with (the prefix cache,
 :mod:`server.engine.kv_cache`). When the pool has no page for a step, ``elastic`` sequences are compressed
@@ -37,6 +38,7 @@ from server.engine.runner import ModelRunner
 from server.engine.sampling import RowRequest, Sampled, new_generator
 from server.engine.scheduler import Scheduler
 from server.engine.sequence import FinishReason, Sequence, TokenEvent
+from server.engine.step_plan import RunnerOutput
 
 log = logging.getLogger("kvserve.engine")
 
@@ -168,7 +170,8 @@ class Engine:
 
     def _execute(self, out) -> None:
         """Run ``out`` (:meth:`ModelRunner.execute`), commit each row that ran, and accept every sampled token; a
-        row whose forward failed ends its sequence with ``error``."""
+        sequence whose forward or compression failed ends with ``error`` (its KV freed), and so does every
+        sequence of the step when the runner itself raises."""
         seqs = {s.seq_id: s for s in self.running}
         rows = [(r, seqs[r.seq_id]) for r in out.rows]
         sampling = {}
@@ -179,16 +182,19 @@ class Engine:
                 allowed = seq.grammar.words if seq.grammar is not None else None
                 sampling[seq.seq_id] = RowRequest(seq.params, seq.prompt_ids, seq.output_ids, seq.generator, allowed)
         started = time.perf_counter()
-        result = self.runner.execute(out, self.backends, sampling, self.eos_token_ids)
+        try:
+            result = self.runner.execute(out, self.backends, sampling, self.eos_token_ids)
+        except Exception as exc:  # noqa: BLE001 - the step's sequences only; the engine goes on
+            log.exception("step failed")
+            result = RunnerOutput(failed=dict.fromkeys(out.seq_ids, f"step failed: {exc}"))
         seconds = time.perf_counter() - started
         if out.rows:  # what the step cost, for the prefill budget (PREFILL_ITL_RATIO)
             prefill = sum(len(r.token_ids) for r in out.rows if not r.decode)
             self.scheduler.itl.observe(prefill, len(out.rows) - sum(not r.decode for r in out.rows), seconds)
+        self._fail(result.failed)
         ready, long_prompt_done = [], False
         for row, seq in rows:
             if seq.seq_id in result.failed:
-                log.error("step failed for %s: %s", seq.request_id, result.failed[seq.seq_id])
-                self._finish(seq, FinishReason.ERROR, error=result.failed[seq.seq_id])
                 continue
             if self.scheduler.commit(seq, row, result.feedback.get(seq.seq_id)):
                 long_prompt_done |= len(seq.prompt_ids) >= malloc_tuning.HAND_BACK_PROMPT_TOKENS
@@ -213,6 +219,13 @@ class Engine:
                     self._finish(seq, FinishReason.ERROR, error=f"token handling failed: {exc}")
         if long_prompt_done:  # its chunks' freed heap and MKL's GEMM buffers, not needed to decode (malloc_tuning);
             malloc_tuning.hand_back()  # after the tokens are out, so that it costs no request its first token's time
+
+    def _fail(self, failed: dict[int, str]) -> None:
+        """End each running sequence of ``failed`` (``seq_id`` → why) with ``error``, freeing its KV: its block
+        tables may name KV its step never wrote."""
+        for seq in [s for s in self.running if s.seq_id in failed]:
+            log.error("step failed for %s: %s", seq.request_id, failed[seq.seq_id])
+            self._finish(seq, FinishReason.ERROR, error=failed[seq.seq_id])
 
     def _measure(self, seqs: list[Sequence]) -> None:
         """Record each store's bytes now (once per sequence per step) and keep the largest seen: the bytes
