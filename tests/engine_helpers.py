@@ -45,13 +45,20 @@ def make_seq(tokenizer, prompt: str, max_new_tokens: int, backend: str = "full",
                     params=params or SamplingParams(), stop=list(stop), emit=events.append, backend_name=backend)
 
 
+def run_step(engine: Engine) -> None:
+    """One engine step, each of its events handed to its sequence's ``emit`` (a test's list of events)."""
+    for seq, event in engine.step():
+        if seq.emit is not None:
+            seq.emit(event)
+
+
 def run_all(engine: Engine, seqs: list[Sequence], max_steps: int = 10_000) -> None:
     for s in seqs:
         engine.submit(s)
     for _ in range(max_steps):
         if not engine.running and not engine.waiting and not engine.compiling:
             return
-        engine.step()
+        run_step(engine)
     raise AssertionError("engine did not finish")
 
 

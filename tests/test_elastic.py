@@ -13,7 +13,7 @@ from cache_backends.step_meta import StepMeta
 from cache_backends.registry import create
 from server.engine.sequence import FinishReason
 from server.metrics import Metrics, Recorder
-from tests.engine_helpers import first_compression, make_engine, make_seq, raising_once, reference_greedy, run_all
+from tests.engine_helpers import first_compression, make_engine, make_seq, raising_once, reference_greedy, run_all, run_step
 from tests.precision import ATTENTION_FACTOR
 from tests.test_paged import PagedDriver
 
@@ -54,7 +54,7 @@ def test_under_pressure_it_compresses_instead_of_preempting(ref_model):
         engine.submit(s)
     tiers = []
     while engine.running or engine.waiting:
-        engine.step()
+        run_step(engine)
         assert engine.kv_held_bytes() <= 12 * PAGE
         tiers.append(_value(metrics.registry, "kvserve_kv_cache_tier_tokens", model="m", backend="elastic",
                             tier="int8"))
@@ -214,7 +214,7 @@ def test_a_4bit_compressed_tier_is_int4_under_pressure_and_in_the_sums(ref_model
         engine.submit(s)
     most = 0
     while engine.running or engine.waiting:
-        engine.step()
+        run_step(engine)
         most = max(most, _value(metrics.registry, "kvserve_kv_cache_tier_tokens", model="m", backend="elastic",
                                 tier="int4") or 0)
     assert most > 0 and all(s.kv_stats["compressed_fraction"] > 0 for s in seqs)
@@ -249,7 +249,7 @@ def test_whole_prompt_prefills_beside_running_streams_are_not_readmitted_in_a_lo
         s.prompt_ids = ids[i : i + 100]
         engine.submit(s)
     for _ in range(15):
-        engine.step()
+        run_step(engine)
     scored = [make_seq(tok, "x", 60, backend="elastic") for _ in range(3)]
     for s, n in zip(scored, (300, 300, 331)):
         s.prompt_ids, s.want_prompt_logprobs = ids[:n], True

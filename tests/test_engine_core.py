@@ -211,3 +211,17 @@ def test_a_failed_step_ends_its_requests_with_an_error_and_the_core_goes_on(ref_
     fresh = make_seq(tok, "Blessed are the", 20, backend=backend)
     run_all(make_engine(model, tok, backend, budget=budget), [fresh])
     assert tokens["c"] == fresh.output_ids and done["c"].reason == "length"
+
+
+def test_the_events_of_a_step_that_raises_still_go_out(ref_model, monkeypatch):
+    """A step that raises past the engine's own guards (here: running its rows) is logged by the core, and the events
+    it made before (an aborted request's closing one) are in that step's output."""
+    model, tok = ref_model
+    core = EngineCore(make_engine(model, tok))
+    for rid in ("a", "b"):
+        core.handle(add(tok, rid, "And God said", 30))
+    core.step()  # both prompts
+    core.handle(m.Abort(["a"]))
+    monkeypatch.setattr(core.engine, "_execute", raising_once(core.engine._execute))
+    out = core.step()
+    assert [(f.request_id, f.reason) for f in out.finished] == [("a", "cancelled")] and "a" not in core.live

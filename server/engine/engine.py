@@ -7,8 +7,9 @@ batching), preempts and compresses, and chooses the prompt chunks it prefills wi
 (chunked prefill: a long prompt is spread over several steps) beside one decode token of every sequence whose
 context is cached — and returns plain rows (:class:`~server.engine.step_plan.SchedulerOutput`). The runner runs
 them in one forward (a mixed batch) and samples every row with a token to emit in one call
-(:class:`~server.engine.step_plan.RunnerOutput`); the scheduler commits the rows that ran. Each new token goes to
-its request through the sequence's ``emit`` callback (the engine core collects them into the step's output). A
+(:class:`~server.engine.step_plan.RunnerOutput`); the scheduler commits the rows that ran. The step returns its
+events as data: each new token and each closing event, with its sequence (:data:`TokenEvents`), in the order they
+happened; its caller delivers them (the engine core turns them into the step's output). A
 failed forward fails the sequences of its rows (a prompt prefilled in a forward of its own: that request only), a
 failed compression the sequences it compressed (their block tables already name its codes), anything else the
 runner raises every sequence of the step; each ends with ``error`` and its KV freed, and the engine goes on.
@@ -43,6 +44,10 @@ from server.engine.step_plan import RunnerOutput
 log = logging.getLogger("kvserve.engine")
 
 
+TokenEvents = list[tuple[Sequence, TokenEvent]]
+"""What one step hands its requests: ``(sequence, event)`` pairs, each token's and each closing one, in order."""
+
+
 class Overloaded(Exception):
     """Raised by :meth:`Engine.submit` when ``max_concurrent_requests`` are already queued or running."""
 
@@ -74,6 +79,7 @@ class Engine:
         config = getattr(getattr(runner, "model", None), "config", None)
         self.grammars = Grammars(tokenizer, getattr(config, "vocab_size", None) or len(tokenizer), eos_token_ids)
         self.compiling: list[tuple[Sequence, Future]] = []  # sequences whose grammar compiles, not yet queued
+        self._events: TokenEvents = []  # the step's events so far (take_events)
         self._compiler: ThreadPoolExecutor | None = None
 
     @property
@@ -135,10 +141,18 @@ class Engine:
         self.compiling = still
 
     # ---- one step -------------------------------------------------------------------------------
-    def step(self) -> None:
+    def step(self) -> TokenEvents:
         """One step: the scheduler decides it (:meth:`Scheduler.schedule`), the runner runs it
         (:meth:`ModelRunner.execute`: one forward for the prefill chunks and decode tokens, a mixed batch), the
-        scheduler commits the rows that ran, and each sampled token goes to its request."""
+        scheduler commits the rows that ran, and each sampled token becomes its request's event.
+
+        Returns:
+            the step's events, in order (for its caller to deliver).
+
+        Raises:
+            whatever escapes the step (a bug: a failed forward or compression ends its sequences instead); the events
+            it made before are kept for :meth:`take_events`.
+        """
         self._queue_compiled()
         out, ev = self.scheduler.schedule()
         try:
@@ -148,6 +162,12 @@ class Engine:
                 self._execute(out)
         self._measure(self.running)
         self._report()
+        return self.take_events()
+
+    def take_events(self) -> TokenEvents:
+        """The events made since the last call (those of a step that raised, once it has)."""
+        events, self._events = self._events, []
+        return events
 
     def _report_events(self, ev) -> None:
         """What scheduling did, told to the requests and the recorder: first admissions get their detokenizer (first: every running sequence is measurable before a closing event
@@ -237,7 +257,7 @@ class Engine:
             seq.peak_kv_stored_bytes = max(seq.peak_kv_stored_bytes, seq.kv_stored_bytes)
 
     def _accept(self, seq: Sequence, sampled: Sampled) -> None:
-        """Append ``sampled``'s token to ``seq``, emit it, and finish ``seq`` if it is done."""
+        """Append ``sampled``'s token to ``seq``, make its event, and finish ``seq`` if it is done."""
         token = sampled.token
         now = time.perf_counter()
         seq.output_ids.append(token)
@@ -261,16 +281,16 @@ class Engine:
         if reason is not None:
             self._finish(seq, reason, last=event)
         else:
-            seq.emit(event)
+            self._events.append((seq, event))
 
     def _finish(self, seq: Sequence, reason: FinishReason, last: TokenEvent | None = None,
                 error: str | None = None) -> None:
-        """End ``seq``: free its KV now (:meth:`Scheduler.finish`), record its stats, send the closing event."""
+        """End ``seq``: free its KV now (:meth:`Scheduler.finish`), record its stats, make its closing event."""
         self._closed(seq, reason, self.scheduler.finish(seq, reason), last, error)
 
     def _closed(self, seq: Sequence, reason: FinishReason, was_running: bool, last: TokenEvent | None = None,
                 error: str | None = None) -> None:
-        """Record ended ``seq``'s stats and send its closing event (its KV is freed already)."""
+        """Record ended ``seq``'s stats and make its closing event (its KV is freed already)."""
         if self.recorder:
             self.recorder.request_done(seq)
         if was_running:
@@ -285,7 +305,7 @@ class Engine:
         last.finish_reason = reason
         last.error = error
         last.generated_text = seq.detok.generated_text() if seq.detok else ""
-        seq.emit(last)
+        self._events.append((seq, last))
 
     def _report(self, queue: bool = True) -> None:
         """Refresh the live gauges from the running batch and, with ``queue``, the queue lengths."""
