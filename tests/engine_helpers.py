@@ -45,14 +45,47 @@ def make_seq(tokenizer, prompt: str, max_new_tokens: int, backend: str = "full",
                     params=params or SamplingParams(), stop=list(stop), emit=events.append, backend_name=backend)
 
 
+def run_step(engine: Engine) -> None:
+    """One engine step, each of its events handed to its sequence's ``emit`` (a test's list of events)."""
+    for seq, event in engine.step():
+        if seq.emit is not None:
+            seq.emit(event)
+
+
 def run_all(engine: Engine, seqs: list[Sequence], max_steps: int = 10_000) -> None:
     for s in seqs:
         engine.submit(s)
     for _ in range(max_steps):
         if not engine.running and not engine.waiting and not engine.compiling:
             return
-        engine.step()
+        run_step(engine)
     raise AssertionError("engine did not finish")
+
+
+def raising_once(fn, message: str = "boom"):
+    """``fn`` whose first call raises ``RuntimeError(message)``; the later calls are ``fn``'s."""
+    calls = []
+
+    def wrapper(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError(message)
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def first_compression(engine: Engine) -> list[int]:
+    """A list filled with the sequences of the first step of ``engine`` that compresses (spying its runner)."""
+    seen, execute = [], engine.runner.execute
+
+    def spy(out, *args):
+        if out.compress and not seen:
+            seen.extend(i for c in out.compress for i in c.seq_ids)
+        return execute(out, *args)
+
+    engine.runner.execute = spy
+    return seen
 
 
 def reference_greedy(model, tokenizer, prompt: str, max_new_tokens: int) -> list[int]:

@@ -325,7 +325,7 @@ def test_a_reuse_layer_holds_only_its_window_in_the_pool(setup, window):
     layer only its window (36 tokens from position 64; without a window nothing, in at most one page: the slot its
     next token is written to and dropped from), and the sequence's bytes are those tokens' bytes, as the
     per-sequence store's; its pages are fewer than ``full``'s for the same prompt."""
-    from tests.engine_helpers import make_engine, make_seq
+    from tests.engine_helpers import make_engine, make_seq, run_step
 
     model, tok, geometry, calib = setup
     engine = make_engine(model, tok, "dca", threshold=-1.0, window=window)
@@ -334,7 +334,7 @@ def test_a_reuse_layer_holds_only_its_window_in_the_pool(setup, window):
     seq = make_seq(tok, "x", 5, backend="dca")
     seq.prompt_ids = calib[:100]
     engine.submit(seq)
-    engine.step()
+    run_step(engine)
     blocks = seq.blocks
     assert blocks.groups[0].tokens == 100 and blocks.reuse_layers() == 4
     own = 36 if window else 0
@@ -349,7 +349,7 @@ def test_a_reuse_layer_holds_only_its_window_in_the_pool(setup, window):
     other = make_seq(tok, "x", 5)
     other.prompt_ids = calib[:100]
     full.submit(other)
-    full.step()
+    run_step(full)
     assert engine.kv.held_bytes(seq) < full.kv.held_bytes(other)
 
 
@@ -357,7 +357,7 @@ def test_admission_charges_dca_what_its_prefill_keeps_and_the_step_the_rest(setu
     """A dca prompt is charged the pages it holds once its candidates keep only their windows (the least), and
     the scheduler keeps free, for its prefill step, the rest of what the step holds (every layer's K/V before
     the decisions): less than every layer kept, not more than the step needs."""
-    from tests.engine_helpers import make_engine, make_seq
+    from tests.engine_helpers import make_engine, make_seq, run_step
 
     model, tok, geometry, calib = setup
     engine = make_engine(model, tok, "dca", threshold=-1.0)
@@ -368,7 +368,7 @@ def test_admission_charges_dca_what_its_prefill_keeps_and_the_step_the_rest(setu
     every_layer = layout.prefill_pages(layout.cached_prefix([]), 500)
     assert cost < every_layer == cost + transient == layout.pages_for(500)
     engine.submit(seq)
-    engine.step()
+    run_step(engine)
     assert engine.kv.held(seq) == cost  # every candidate reused: what admission charged
 
 

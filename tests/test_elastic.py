@@ -11,8 +11,9 @@ from cache_backends.paged import read_layer
 from cache_backends.paged_attention import attend_pair
 from cache_backends.step_meta import StepMeta
 from cache_backends.registry import create
+from server.engine.sequence import FinishReason
 from server.metrics import Metrics, Recorder
-from tests.engine_helpers import make_engine, make_seq, reference_greedy, run_all
+from tests.engine_helpers import first_compression, make_engine, make_seq, raising_once, reference_greedy, run_all, run_step
 from tests.precision import ATTENTION_FACTOR
 from tests.test_paged import PagedDriver
 
@@ -53,7 +54,7 @@ def test_under_pressure_it_compresses_instead_of_preempting(ref_model):
         engine.submit(s)
     tiers = []
     while engine.running or engine.waiting:
-        engine.step()
+        run_step(engine)
         assert engine.kv_held_bytes() <= 12 * PAGE
         tiers.append(_value(metrics.registry, "kvserve_kv_cache_tier_tokens", model="m", backend="elastic",
                             tier="int8"))
@@ -69,6 +70,35 @@ def test_under_pressure_it_compresses_instead_of_preempting(ref_model):
     # the quantized tokens change few greedy choices on this model: the streams still read as full's
     agree = [sum(a == b for a, b in zip(s.output_ids, f.output_ids)) / 200 for s, f in zip(seqs, full_seqs)]
     assert min(agree) > 0.5, agree
+
+
+def test_a_failed_compression_ends_the_sequences_it_compressed(ref_model, monkeypatch):
+    """A compression that raises part-way (their block tables already name its codes) ends the sequences it
+    compressed with an error event and frees their pages; the other stream runs to its end, the pool's free pages
+    come back, and a later request gets a fresh engine's greedy tokens."""
+    import server.engine.runner as runner_module
+
+    model, tok = ref_model
+    engine = make_engine(model, tok, "elastic", budget=12 * PAGE)
+    free = engine.kv.blocks.num_free
+    compressed = first_compression(engine)
+    monkeypatch.setattr(runner_module, "drain_layer", raising_once(runner_module.drain_layer))
+    events = [[] for _ in PROMPTS]
+    seqs = [make_seq(tok, p, 200, backend="elastic", events=ev) for p, ev in zip(PROMPTS, events)]
+    run_all(engine, seqs)
+    failed = [s for s in seqs if s.finish_reason == FinishReason.ERROR]
+    assert compressed and {s.seq_id for s in failed} == set(compressed) and len(failed) < len(seqs)
+    for s, ev in zip(seqs, events):
+        assert [e.index for e in ev[:-1]] == list(range(len(ev) - 1)) and s.store is None
+        if s in failed:
+            assert ev[-1].finish_reason == FinishReason.ERROR and ev[-1].error == "compression failed: boom"
+        else:
+            assert s.finish_reason == FinishReason.LENGTH and len(s.output_ids) == 200
+    assert engine.kv.blocks.num_free == free and engine.kv_held_bytes() == 0
+    later, fresh = (make_seq(tok, "Blessed are the", 20, backend="elastic") for _ in range(2))
+    run_all(engine, [later])
+    run_all(make_engine(model, tok, "elastic", budget=12 * PAGE), [fresh])
+    assert later.output_ids == fresh.output_ids and later.finish_reason == FinishReason.LENGTH
 
 
 def test_mixed_pages_are_attended_as_their_dequantized_copy(ref_model):
@@ -184,7 +214,7 @@ def test_a_4bit_compressed_tier_is_int4_under_pressure_and_in_the_sums(ref_model
         engine.submit(s)
     most = 0
     while engine.running or engine.waiting:
-        engine.step()
+        run_step(engine)
         most = max(most, _value(metrics.registry, "kvserve_kv_cache_tier_tokens", model="m", backend="elastic",
                                 tier="int4") or 0)
     assert most > 0 and all(s.kv_stats["compressed_fraction"] > 0 for s in seqs)
@@ -219,7 +249,7 @@ def test_whole_prompt_prefills_beside_running_streams_are_not_readmitted_in_a_lo
         s.prompt_ids = ids[i : i + 100]
         engine.submit(s)
     for _ in range(15):
-        engine.step()
+        run_step(engine)
     scored = [make_seq(tok, "x", 60, backend="elastic") for _ in range(3)]
     for s, n in zip(scored, (300, 300, 331)):
         s.prompt_ids, s.want_prompt_logprobs = ids[:n], True

@@ -10,7 +10,7 @@ from cache_backends.store_path import StorePath
 from server.engine import malloc_tuning
 from server.engine.sampling import SamplingParams
 from server.engine.sequence import FinishReason
-from tests.engine_helpers import make_engine, make_seq, reference_greedy, run_all
+from tests.engine_helpers import make_engine, make_seq, raising_once, reference_greedy, run_all, run_step
 
 PROMPTS = ["And God said", "The LORD is my shepherd", "In the beginning",
            "And it came to pass, when the king heard", "Blessed are the"]
@@ -63,11 +63,11 @@ def test_kv_is_freed_when_sequences_finish_or_are_cancelled(ref_model):
     cancelled = make_seq(tok, "In the beginning", 200)
     engine.submit(done)
     engine.submit(cancelled)
-    engine.step()
+    run_step(engine)
     assert engine.kv_held_bytes() > 0
     bytes_two = engine.kv_held_bytes()
     cancelled.cancel()
-    engine.step()
+    run_step(engine)
     assert cancelled.finish_reason == FinishReason.CANCELLED and cancelled.store is None
     assert 0 < engine.kv_held_bytes() < bytes_two
     run_all(engine, [])
@@ -153,7 +153,7 @@ def test_kv_budget_is_a_hard_cap_for_every_backend(ref_model):
             engine.submit(s)
         steps, peak = 0, 0
         while engine.running or engine.waiting:
-            engine.step()
+            run_step(engine)
             peak = max(peak, engine.kv_held_bytes())
             assert engine.kv_held_bytes() <= budget, (name, engine.kv_held_bytes())
             steps += 1
@@ -180,14 +180,14 @@ def test_chunked_prefill_interleaves_with_decode_and_matches_whole_prefill(ref_m
                                                      with_kwargs=True)
     running = make_seq(tok, "In the beginning", 40)
     engine.submit(running)
-    engine.step()
+    run_step(engine)
     assert len(running.output_ids) == 1  # prefilled and sampled; it decodes from the next step on (as vLLM)
     late = make_seq(tok, long_prompt, 12)
     engine.submit(late)
     chunks = []
     while late.prefilled < len(late.prompt_ids):
         before, tokens_before, forwards_before = late.prefilled, len(running.output_ids), len(forwards)
-        engine.step()
+        run_step(engine)
         chunks.append(late.prefilled - before)
         assert len(running.output_ids) == tokens_before + 1  # the running stream did not stall
         # one forward: the chunk's tokens and the decode token as one flat row
@@ -253,7 +253,7 @@ def test_a_long_prompt_hands_its_prefill_memory_back_once_prefilled(ref_model, b
         for s in seqs:
             engine.submit(s)
         while engine.running or engine.waiting:
-            engine.step()
+            run_step(engine)
             steps[0] += 1
         return [s.output_ids for s in seqs], calls
 
@@ -283,7 +283,7 @@ def test_every_page_a_step_hands_out_is_zeroed_before_it_is_read(ref_model, back
             engine.runner.pool.arena[0].zero_()  # the null page stays zeros (the pool's invariant)
         seqs = [make_seq(tok, p, 12, backend=backend, params=SamplingParams(ignore_eos=True)) for p in prompts]
         engine.submit(seqs[0])
-        engine.step()
+        run_step(engine)
         run_all(engine, seqs[1:])
         assert all(len(s.output_ids) == 12 and s.finish_reason == FinishReason.LENGTH for s in seqs)
         return [s.output_ids for s in seqs]
@@ -301,7 +301,7 @@ def test_a_failed_forward_ends_only_its_own_rows(ref_model):
     apart = make_seq(tok, "In the beginning", 6, events=events[1])
     apart.want_prompt_logprobs = True  # prefilled in a forward of its own
     engine.submit(batch)
-    engine.step()
+    run_step(engine)
     engine.submit(apart)
     run_paged, calls = engine.runner.run_paged, []
 
@@ -312,7 +312,7 @@ def test_a_failed_forward_ends_only_its_own_rows(ref_model):
         return run_paged(input_ids, groups, new_pages, all_logits=all_logits, feedback=feedback)
 
     engine.runner.run_paged = failing
-    engine.step()  # apart's prompt alone (ok), then batch's decode row (fails)
+    run_step(engine)  # apart's prompt alone (ok), then batch's decode row (fails)
     engine.runner.run_paged = run_paged
     assert calls == [True, False]
     assert batch.finish_reason == FinishReason.ERROR and events[0][-1].error == "decode failed: boom"
@@ -321,6 +321,28 @@ def test_a_failed_forward_ends_only_its_own_rows(ref_model):
     assert apart.finish_reason == FinishReason.LENGTH and len(apart.output_ids) == 6
     assert apart.output_ids == reference_greedy(model, tok, "In the beginning", 6)
     assert engine.kv_held_bytes() == 0
+    later = make_seq(tok, "Blessed are the", 5)
+    run_all(engine, [later])
+    assert later.output_ids == reference_greedy(model, tok, "Blessed are the", 5)
+
+
+def test_a_step_whose_runner_raises_ends_every_request_of_the_step(ref_model, monkeypatch):
+    """Anything else the runner raises (here: zeroing the step's new pages) ends every sequence of the step with an
+    error event and frees its KV blocks; the engine goes on, and a later request gets its greedy tokens."""
+    model, tok = ref_model
+    engine = make_engine(model, tok)
+    free = engine.kv.blocks.num_free
+    events = [[], []]
+    seqs = [make_seq(tok, p, 10, events=ev) for p, ev in zip(PROMPTS, events)]
+    for s in seqs:
+        engine.submit(s)
+    run_step(engine)  # both prompts
+    monkeypatch.setattr(engine.runner.pool, "zero", raising_once(engine.runner.pool.zero))
+    run_step(engine)  # both decode rows: the runner raises
+    for s, ev in zip(seqs, events):
+        assert s.finish_reason == FinishReason.ERROR and s.store is None
+        assert ev[-1].error == "step failed: boom" and [e.index for e in ev] == [0, 1]
+    assert not engine.running and engine.kv.blocks.num_free == free
     later = make_seq(tok, "Blessed are the", 5)
     run_all(engine, [later])
     assert later.output_ids == reference_greedy(model, tok, "Blessed are the", 5)
@@ -335,12 +357,12 @@ def test_a_cancellation_in_the_step_that_admits_a_per_sequence_store(ref_model):
     events = [[], []]
     running = make_seq(tok, "And God said", 50, backend="dca", events=events[0])
     engine.submit(running)
-    engine.step()
-    engine.step()
+    run_step(engine)
+    run_step(engine)
     admitted = make_seq(tok, "In the beginning", 5, backend="dca", events=events[1])
     engine.submit(admitted)
     running.cancel()
-    engine.step()
+    run_step(engine)
     assert running.finish_reason == FinishReason.CANCELLED and events[0][-1].finish_reason == FinishReason.CANCELLED
     assert admitted.store is not None and admitted.detok is not None
     run_all(engine, [])

@@ -13,7 +13,8 @@ from server.engine import messages as m
 from server.engine.core import EngineCore, sampling_params
 from server.engine.core_client import sampling_fields
 from server.engine.sampling import SamplingParams
-from tests.engine_helpers import make_engine, make_seq, run_all
+from tests.engine_helpers import first_compression, make_engine, make_seq, raising_once, run_all
+from tests.test_elastic import PAGE
 
 
 class Wire:
@@ -72,9 +73,23 @@ def wire(ref_model, tmp_path):
     w.close()
 
 
-def add(tok, rid: str, prompt: str, n: int, **kw) -> m.AddRequest:
+def add(tok, rid: str, prompt: str, n: int, backend: str = "full", **kw) -> m.AddRequest:
     params = kw.pop("params", SamplingParams())
-    return m.AddRequest(rid, tok.encode(prompt), n, sampling_fields(params), "full", **kw)
+    return m.AddRequest(rid, tok.encode(prompt), n, sampling_fields(params), backend, **kw)
+
+
+def run_core(core: EngineCore, ids: set[str], max_steps: int = 2_000) -> tuple[dict[str, list[int]], dict[str, m.Finished]]:
+    """Step ``core`` (no sockets) until the requests ``ids`` are finished: each request's tokens and ``Finished``."""
+    tokens, done = {}, {}
+    for _ in range(max_steps):
+        out = core.step()
+        for t in out.new:
+            assert t.request_id not in done, "a token after its request finished"
+            tokens.setdefault(t.request_id, []).append(t.token_id)
+        done.update((f.request_id, f) for f in out.finished)
+        if ids <= set(done):
+            return tokens, done
+    raise AssertionError("the core did not finish")
 
 
 def test_sampling_fields_round_trip():
@@ -158,3 +173,55 @@ def test_drain_refuses_new_requests_and_exits_when_idle(ref_model, tmp_path):
     w.tx.close(0)
     w.rx.close(0)
     w.ctx.term()
+
+
+@pytest.mark.parametrize("where", ["forward", "compression"])
+def test_a_failed_step_ends_its_requests_with_an_error_and_the_core_goes_on(ref_model, monkeypatch, where):
+    """A forward (both requests' decode rows) or a compression (the sequences it compressed) that raises once: those
+    requests finish with ``error`` and the failure's message, their KV blocks go back to the pool, the others run to
+    their end, and a later request gets a fresh engine's greedy tokens."""
+    import server.engine.runner as runner_module
+
+    model, tok = ref_model
+    backend, budget, n = ("full", None, 30) if where == "forward" else ("elastic", 12 * PAGE, 200)
+    core = EngineCore(make_engine(model, tok, backend, budget=budget))
+    free = core.engine.kv.blocks.num_free
+    prompts = {"a": "And God said", "b": "The LORD is my shepherd"}
+    for rid, prompt in prompts.items():
+        core.handle(add(tok, rid, prompt, n, backend))
+    request_of = {core.live[rid].seq_id: rid for rid in prompts}
+    if where == "forward":
+        core.step()  # both prompts, in one forward
+        monkeypatch.setattr(core.engine.runner, "model", raising_once(model))
+        touched, error = set(prompts), "decode failed: boom"
+    else:
+        monkeypatch.setattr(runner_module, "drain_layer", raising_once(runner_module.drain_layer))
+        compressed, touched, error = first_compression(core.engine), None, "compression failed: boom"
+    tokens, done = run_core(core, set(prompts))
+    if touched is None:
+        touched = {request_of[i] for i in compressed}
+        assert touched and len(touched) < len(prompts)
+    assert {rid for rid, f in done.items() if f.reason == "error"} == touched
+    for rid, f in done.items():
+        assert (f.reason, f.error) == (("error", error) if rid in touched else ("length", None))
+        assert rid in touched or len(tokens[rid]) == n
+    assert core.engine.kv.blocks.num_free == free and not core.live and core.stats().kv_held_bytes == 0
+    core.handle(add(tok, "c", "Blessed are the", 20, backend))
+    tokens, done = run_core(core, {"c"})
+    fresh = make_seq(tok, "Blessed are the", 20, backend=backend)
+    run_all(make_engine(model, tok, backend, budget=budget), [fresh])
+    assert tokens["c"] == fresh.output_ids and done["c"].reason == "length"
+
+
+def test_the_events_of_a_step_that_raises_still_go_out(ref_model, monkeypatch):
+    """A step that raises past the engine's own guards (here: running its rows) is logged by the core, and the events
+    it made before (an aborted request's closing one) are in that step's output."""
+    model, tok = ref_model
+    core = EngineCore(make_engine(model, tok))
+    for rid in ("a", "b"):
+        core.handle(add(tok, rid, "And God said", 30))
+    core.step()  # both prompts
+    core.handle(m.Abort(["a"]))
+    monkeypatch.setattr(core.engine, "_execute", raising_once(core.engine._execute))
+    out = core.step()
+    assert [(f.request_id, f.reason) for f in out.finished] == [("a", "cancelled")] and "a" not in core.live

@@ -69,7 +69,7 @@ def test_a_step_cheaper_than_a_decode_step_is_refused(ratio):
 
 
 def test_the_scheduler_writes_a_long_prompt_beside_a_decoding_stream_in_chunks_of_the_bound(ref_model):
-    from tests.engine_helpers import make_engine, make_seq, run_all
+    from tests.engine_helpers import make_engine, make_seq, run_all, run_step
 
     model, tok = ref_model
     long_prompt = "And God said, Let there be light: and there was light. " * 12  # ~170 tokens
@@ -82,13 +82,13 @@ def test_the_scheduler_writes_a_long_prompt_beside_a_decoding_stream_in_chunks_o
     engine.scheduler.itl.weight = 0.0  # the test's figures, not this machine's steps
     running = make_seq(tok, "In the beginning", 40)
     engine.submit(running)
-    engine.step()
+    run_step(engine)
     late = make_seq(tok, long_prompt, 6)
     engine.submit(late)
     chunks = []
     while late.prefilled < len(late.prompt_ids):
         before = late.prefilled
-        engine.step()
+        run_step(engine)
         chunks.append(late.prefilled - before)
     assert chunks[:-1] == [40] * (len(chunks) - 1) and 0 < chunks[-1] <= 40
     run_all(engine, [])
@@ -132,7 +132,7 @@ def test_the_engine_feeds_the_budget_its_steps(ref_model):
     """The engine gives each step's prefilled tokens and decode rows, with its time; the budget is fed synthetic
     times here (10 ms a decode step, 0.1 ms a prefilled token), so the figures are the rule's, not this machine's
     (``token_s > 0`` on real timings failed on a loaded machine)."""
-    from tests.engine_helpers import make_engine, make_seq, run_all
+    from tests.engine_helpers import make_engine, make_seq, run_all, run_step
 
     class Fed(ChunkBudget):
         def __init__(self):
@@ -148,8 +148,8 @@ def test_the_engine_feeds_the_budget_its_steps(ref_model):
     engine.scheduler.itl = fed = Fed()
     running = make_seq(tok, "In the beginning", 12)
     engine.submit(running)
-    engine.step()
-    engine.step()  # a decode step
+    run_step(engine)
+    run_step(engine)  # a decode step
     assert fed.decode_s == pytest.approx(0.010) and fed.token_s is None
     late = make_seq(tok, "And God said, Let there be light: and there was light. " * 4, 4)
     run_all(engine, [late])

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 from tests.closed_forms import full_bytes_per_token_per_layer, int8_bytes_per_token_per_layer
 from server.metrics import Metrics, Recorder
 from server.engine.sequence import FinishReason
-from tests.engine_helpers import make_engine, make_seq, run_all
+from tests.engine_helpers import make_engine, make_seq, run_all, run_step
 
 MODEL = "m"
 
@@ -47,8 +47,8 @@ def test_gauges_drop_a_request_before_its_last_event(ref_model):
     done.emit = cancelled.emit = emit
     engine.submit(done)
     engine.submit(cancelled)
-    engine.step()
-    engine.step()
+    run_step(engine)
+    run_step(engine)
     assert _value(registry, "kvserve_kv_cache_bytes", "full") > 0
     cancelled.cancel()
     run_all(engine, [])
@@ -125,9 +125,8 @@ def test_a_dca_composition_reports_its_reuse_layers_from_a_real_store(ref_model,
     seq = make_seq(tok, "And God said, Let there be light", 5, backend="dca+int8")
     seq.emit = emit
     run_all(engine, [seq])
-    # the first token comes out in the step that prefilled it, before that step's report; each later one in a
-    # decode step after it
-    assert seen == [0.0, 4.0, 4.0, 4.0]
+    # each token is delivered once its step is over (Engine.step returns its events), after that step's report
+    assert seen == [4.0, 4.0, 4.0, 4.0]
     assert _value(registry, "kvserve_dca_reuse_layers", "dca+int8") == 0
 
 
@@ -136,7 +135,7 @@ def test_bytes_per_token_gauge_resets_when_nothing_is_cached(ref_model):
     engine, registry, tok = _engine_with_recorder(ref_model, "full")
     seq = make_seq(tok, "And God said", 4)
     engine.submit(seq)
-    engine.step()
+    run_step(engine)
     assert _value(registry, "kvserve_kv_cache_bytes_per_token", "full") == 16384  # fp32, 8 layers
     run_all(engine, [])
     assert seq.finish_reason == FinishReason.LENGTH

@@ -19,7 +19,7 @@ from cache_backends.store_path import StorePath
 from server.engine.sampling import SamplingParams
 from tests.conftest import fits
 from tests.precision import LOGIT_FACTOR
-from tests.engine_helpers import PagedDriver, make_engine, make_seq, reference_greedy, run_all
+from tests.engine_helpers import PagedDriver, make_engine, make_seq, reference_greedy, run_all, run_step
 
 SPECS = [("full", {}), ("int8", {}), ("gqa", {"groups": 2}), ("gqa+int8", {"groups": 2}), ("mla", {"rank": 64}),
          ("mla+int8", {"rank": 64}), ("int4", {}), ("int4", {"rotate": True}), ("int8", {"value_bits": 4}),
@@ -111,13 +111,13 @@ def test_blocks_are_taken_on_demand_and_given_back(ref_model):
     engine = make_engine(model, tok, budget=64 * 262144)  # 64 blocks of 16 full-precision tokens
     seq = make_seq(tok, "And God said", 300)  # 3 prompt tokens; reserving 303 tokens would take 19 blocks
     engine.submit(seq)
-    engine.step()  # the prompt prefilled and its first token sampled; decode steps follow
+    run_step(engine)  # the prompt prefilled and its first token sampled; decode steps follow
     assert engine.kv.held(seq) == 1 and engine.kv_held_bytes() == engine.kv.page_bytes
     for _ in range(14):
-        engine.step()
+        run_step(engine)
     assert seq.store.num_tokens() == 17 and engine.kv.held(seq) == 2  # a second block when the first filled
     seq.cancel()
-    engine.step()
+    run_step(engine)
     assert engine.kv_held_bytes() == 0 and engine.kv.blocks.num_free == engine.kv.blocks.usable_pages
 
 
@@ -138,7 +138,7 @@ def test_int8_window_pages_are_returned_as_groups_quantize(ref_model):
     seq = make_seq(tok, " ".join(["And God said"] * 80), 4, backend="int8")
     engine.submit(seq)
     while seq.prefilled < len(seq.prompt_ids):
-        engine.step()
+        run_step(engine)
     blocks = seq.blocks
     assert blocks.exact_len < 32 + 32 and blocks.q_len % 32 == 0
     assert len(blocks.exact) <= -(-(blocks.start + blocks.exact_len) // layout.exact_tokens)
@@ -222,8 +222,8 @@ def test_a_mixed_step_of_several_backends(ref_model):
     running = [make_seq(tok, TEXTS[2], 40, backend="full"), make_seq(tok, TEXTS[1], 40, backend="dca+mla")]
     for seq in running:
         e.submit(seq)
-    e.step()
-    e.step()
+    run_step(e)
+    run_step(e)
     before = len(shapes)
     late = make_seq(tok, long, 8, backend="int8")
     run_all(e, [late])
@@ -312,12 +312,12 @@ def test_a_wide_request_cannot_make_a_later_one_wait_for_its_whole_length(ref_mo
         seq.group = "wide"
         engine.submit(seq)
     for _ in range(3):
-        engine.step()
+        run_step(engine)
     small = make_seq(tok, "The LORD is my shepherd", 3)
     engine.submit(small)
     steps = 0
     while small.finish_reason is None:
-        engine.step()
+        run_step(engine)
         steps += 1
     assert steps <= 6 and sum(s.preemptions for s in wide) >= 1
     run_all(engine, [])
@@ -334,7 +334,7 @@ def _steps_for_a_later_request(engine, tok):
     engine.submit(small)
     steps = 0
     while small.finish_reason is None:
-        engine.step()
+        run_step(engine)
         steps += 1
     return steps, small
 
@@ -353,7 +353,7 @@ def test_a_wide_request_on_a_full_pool_cannot_make_a_later_one_wait_for_its_whol
         seq.group = "wide"
         engine.submit(seq)
     while engine.kv.blocks.num_free > 1:
-        engine.step()
+        run_step(engine)
     assert engine.waiting or sum(s.preemptions for s in wide) or len(engine.running) == 4
     steps, small = _steps_for_a_later_request(engine, tok)
     assert steps <= 8 and small.finish_reason.value == "length", steps
@@ -378,7 +378,7 @@ def test_two_wide_requests_on_a_full_pool_cannot_make_a_later_one_wait(ref_model
             wide.append(seq)
             engine.submit(seq)
     while engine.kv.blocks.num_free > 1:
-        engine.step()
+        run_step(engine)
     steps, small = _steps_for_a_later_request(engine, tok)
     assert steps <= 8 and small.finish_reason.value == "length", steps
     run_all(engine, [])
@@ -436,7 +436,7 @@ def test_4bit_pages_hold_packed_codes_and_cost_the_sums(ref_model, name, options
     sums = create(name, geometry, **options)
     seen = set()
     while seq.finish_reason is None:
-        engine.step()
+        run_step(engine)
         t = seq.blocks.tokens if seq.blocks is not None else 0
         if t and t not in seen and (t % 7 == 0 or seq.prefilled == len(seq.prompt_ids) and not seen):
             seen.add(t)
@@ -499,7 +499,7 @@ def test_admission_charges_the_stored_form_not_the_chunks_exact_pages(ref_model,
     charged = {s.request_id: kv.admission_cost(s) for s in batch}
     for s in batch:
         engine.submit(s)
-    engine.step()
+    run_step(engine)
     assert len(engine.running) == 5 and not engine.waiting
     run_all(engine, [], max_steps=400)
     assert after == charged == {s.request_id: stored for s in batch}

@@ -48,7 +48,7 @@ def test_short_requests_are_prefilled_beside_a_long_one_not_after_it(ref_model):
     them writes each short prompt whole beside the long one's chunk (64 tokens in all), and the next step carries
     their first decode tokens, though the long prompt has many chunks left (before: every chunk of the long prompt
     came first). Each output equals the one it gets alone (greedy)."""
-    from tests.engine_helpers import make_engine, make_seq, run_all
+    from tests.engine_helpers import make_engine, make_seq, run_all, run_step
 
     model, tok = ref_model
     long_prompt = "And God said, Let there be light: and there was light. " * 40  # ~520 tokens
@@ -69,15 +69,15 @@ def test_short_requests_are_prefilled_beside_a_long_one_not_after_it(ref_model):
     engine.runner.execute = spy
     long = make_seq(tok, long_prompt, 2)
     engine.submit(long)
-    engine.step()
+    run_step(engine)
     short = [make_seq(tok, p, 6) for p in shorts]
     for s in short:
         engine.submit(s)
-    engine.step()  # admits the short ones and writes their prompts
+    run_step(engine)  # admits the short ones and writes their prompts
     admitted = steps[-1]
     assert {s.seq_id: admitted.get(s.seq_id) for s in short} == {s.seq_id: (len(s.prompt_ids), False) for s in short}
     assert admitted[long.seq_id] == (64 - sum(len(s.prompt_ids) for s in short), False)
-    engine.step()
+    run_step(engine)
     assert all(steps[-1].get(s.seq_id) == (1, True) for s in short)  # they decode while the long one prefills
     assert long.prefilled < len(long.prompt_ids) - 64 * 3
     run_all(engine, [])

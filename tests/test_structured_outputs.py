@@ -16,7 +16,7 @@ from server.api.openai_schemas import ChatRequest
 from server.api.tools import ToolStream, parse, plan
 from server.engine.grammar import Grammars, schema_text, strict_schema
 from server.engine.sampling import RowRequest, SamplingParams, allowed_tokens, sample_batch
-from tests.engine_helpers import make_engine, make_seq, run_all
+from tests.engine_helpers import make_engine, make_seq, run_all, run_step
 from tests.json_http import post, sse
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
@@ -137,7 +137,7 @@ def test_a_slow_grammar_compiles_beside_the_steps(ref_model, engine):
     engine.submit(slow)
     steps = 0
     while engine.compiling:
-        engine.step()
+        run_step(engine)
         steps += 1
     assert steps > 1 and len(running.output_ids) > 1
     run_all(engine, [])

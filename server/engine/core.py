@@ -26,8 +26,9 @@ Design (issue 30):
 * **The loop.** Between two steps the core reads every input waiting on its socket without blocking (it
   blocks, 100 ms at a time, only while it has nothing to run); an ``Abort`` marks its sequence cancelled, and the
   next step frees its KV before it runs anything else. It ends after a ``Drain`` once nothing is queued or
-  running. A step that raises is logged and the loop goes on; anything else that escapes the loop ends the core,
-  which the client reports as its death.
+  running. Each step returns its events (:meth:`~server.engine.engine.Engine.step`), which the loop turns into
+  the step's output. A step that raises is logged (the events it made still go out) and the loop goes on; anything
+  else that escapes the loop ends the core, which the client reports as its death.
 * **Metrics.** The HTTP side owns Prometheus. The core's engine records into a :class:`CoreRecorder`, which keeps
   plain numbers: each step's output carries the counted events (prefix-cache lookups, compressions, preemptions),
   the requests whose prefill finished, and the live gauges' numbers (:class:`~server.engine.messages.CoreStats`);
@@ -191,9 +192,8 @@ class EngineCore:
             self._rejected.append(m.Rejected(rid, "invalid", why))
             return
         seq = Sequence(request_id=rid, prompt_ids=list(req.prompt_ids), max_new_tokens=req.max_new_tokens,
-                       params=sampling_params(req.sampling), stop=[], emit=lambda ev: self._emit(seq, ev),
-                       backend_name=req.backend, want_prompt_logprobs=req.want_prompt_logprobs, group=req.group,
-                       cache_salt=req.cache_salt)
+                       params=sampling_params(req.sampling), stop=[], backend_name=req.backend,
+                       want_prompt_logprobs=req.want_prompt_logprobs, group=req.group, cache_salt=req.cache_salt)
         seq.detok = NullDetokenizer()
         try:
             self.engine.submit(seq)
@@ -206,8 +206,8 @@ class EngineCore:
         self.live[rid] = seq
         self._accepted.append(rid)
 
-    def _emit(self, seq: Sequence, event: TokenEvent) -> None:
-        """The core's ``Sequence.emit``: collect into the step's output (on the loop's own thread)."""
+    def _collect(self, seq: Sequence, event: TokenEvent) -> None:
+        """Put one event of a step (:meth:`Engine.step`) into the step's output."""
         if event.token_id >= 0:
             self._new.append(m.NewToken(seq.request_id, event.token_id, event.logprob,
                                         [tuple(pair) for pair in event.top]))
@@ -241,11 +241,15 @@ class EngineCore:
         return out
 
     def step(self) -> m.StepOutput:
-        """One engine step (a step that raises is logged: the loop goes on); its output."""
+        """One engine step and its output: its events (:meth:`Engine.step`), then the recorder's figures. A step that
+        raises is logged and the loop goes on; the events it made before it raised still go out."""
         try:
-            self.engine.step()
+            events = self.engine.step()
         except Exception:  # noqa: BLE001 - the loop must survive anything one step does
             log.exception("engine step failed")
+            events = self.engine.take_events()
+        for seq, event in events:
+            self._collect(seq, event)
         return self.take_output()
 
     def serve(self, inbox: zmq.Socket, outbox: zmq.Socket) -> int:

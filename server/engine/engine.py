@@ -7,10 +7,12 @@ batching), preempts and compresses, and chooses the prompt chunks it prefills wi
 (chunked prefill: a long prompt is spread over several steps) beside one decode token of every sequence whose
 context is cached — and returns plain rows (:class:`~server.engine.step_plan.SchedulerOutput`). The runner runs
 them in one forward (a mixed batch) and samples every row with a token to emit in one call
-(:class:`~server.engine.step_plan.RunnerOutput`); the scheduler commits the rows that ran. Each new token goes to
-its request through the sequence's ``emit`` callback (the engine core collects them into the step's output). A
-failed forward fails the sequences of its rows (a prompt prefilled in a forward of its own: that request only), and
-the engine goes on.
+(:class:`~server.engine.step_plan.RunnerOutput`); the scheduler commits the rows that ran. The step returns its
+events as data: each new token and each closing event, with its sequence (:data:`TokenEvents`), in the order they
+happened; its caller delivers them (the engine core turns them into the step's output). A
+failed forward fails the sequences of its rows (a prompt prefilled in a forward of its own: that request only), a
+failed compression the sequences it compressed (their block tables already name its codes), anything else the
+runner raises every sequence of the step; each ends with ``error`` and its KV freed, and the engine goes on.
 
 An admitted sequence starts from the longest run of cached blocks its context begins with (the prefix cache,
 :mod:`server.engine.kv_cache`). When the pool has no page for a step, ``elastic`` sequences are compressed
@@ -37,8 +39,13 @@ from server.engine.runner import ModelRunner
 from server.engine.sampling import RowRequest, Sampled, new_generator
 from server.engine.scheduler import Scheduler
 from server.engine.sequence import FinishReason, Sequence, TokenEvent
+from server.engine.step_plan import RunnerOutput
 
 log = logging.getLogger("kvserve.engine")
+
+
+TokenEvents = list[tuple[Sequence, TokenEvent]]
+"""What one step hands its requests: ``(sequence, event)`` pairs, each token's and each closing one, in order."""
 
 
 class Overloaded(Exception):
@@ -72,6 +79,7 @@ class Engine:
         config = getattr(getattr(runner, "model", None), "config", None)
         self.grammars = Grammars(tokenizer, getattr(config, "vocab_size", None) or len(tokenizer), eos_token_ids)
         self.compiling: list[tuple[Sequence, Future]] = []  # sequences whose grammar compiles, not yet queued
+        self._events: TokenEvents = []  # the step's events so far (take_events)
         self._compiler: ThreadPoolExecutor | None = None
 
     @property
@@ -133,10 +141,18 @@ class Engine:
         self.compiling = still
 
     # ---- one step -------------------------------------------------------------------------------
-    def step(self) -> None:
+    def step(self) -> TokenEvents:
         """One step: the scheduler decides it (:meth:`Scheduler.schedule`), the runner runs it
         (:meth:`ModelRunner.execute`: one forward for the prefill chunks and decode tokens, a mixed batch), the
-        scheduler commits the rows that ran, and each sampled token goes to its request."""
+        scheduler commits the rows that ran, and each sampled token becomes its request's event.
+
+        Returns:
+            the step's events, in order (for its caller to deliver).
+
+        Raises:
+            whatever escapes the step (a bug: a failed forward or compression ends its sequences instead); the events
+            it made before are kept for :meth:`take_events`.
+        """
         self._queue_compiled()
         out, ev = self.scheduler.schedule()
         try:
@@ -146,6 +162,12 @@ class Engine:
                 self._execute(out)
         self._measure(self.running)
         self._report()
+        return self.take_events()
+
+    def take_events(self) -> TokenEvents:
+        """The events made since the last call (those of a step that raised, once it has)."""
+        events, self._events = self._events, []
+        return events
 
     def _report_events(self, ev) -> None:
         """What scheduling did, told to the requests and the recorder: first admissions get their detokenizer (first: every running sequence is measurable before a closing event
@@ -168,7 +190,8 @@ class Engine:
 
     def _execute(self, out) -> None:
         """Run ``out`` (:meth:`ModelRunner.execute`), commit each row that ran, and accept every sampled token; a
-        row whose forward failed ends its sequence with ``error``."""
+        sequence whose forward or compression failed ends with ``error`` (its KV freed), and so does every
+        sequence of the step when the runner itself raises."""
         seqs = {s.seq_id: s for s in self.running}
         rows = [(r, seqs[r.seq_id]) for r in out.rows]
         sampling = {}
@@ -179,16 +202,19 @@ class Engine:
                 allowed = seq.grammar.words if seq.grammar is not None else None
                 sampling[seq.seq_id] = RowRequest(seq.params, seq.prompt_ids, seq.output_ids, seq.generator, allowed)
         started = time.perf_counter()
-        result = self.runner.execute(out, self.backends, sampling, self.eos_token_ids)
+        try:
+            result = self.runner.execute(out, self.backends, sampling, self.eos_token_ids)
+        except Exception as exc:  # noqa: BLE001 - the step's sequences only; the engine goes on
+            log.exception("step failed")
+            result = RunnerOutput(failed=dict.fromkeys(out.seq_ids, f"step failed: {exc}"))
         seconds = time.perf_counter() - started
         if out.rows:  # what the step cost, for the prefill budget (PREFILL_ITL_RATIO)
             prefill = sum(len(r.token_ids) for r in out.rows if not r.decode)
             self.scheduler.itl.observe(prefill, len(out.rows) - sum(not r.decode for r in out.rows), seconds)
+        self._fail(result.failed)
         ready, long_prompt_done = [], False
         for row, seq in rows:
             if seq.seq_id in result.failed:
-                log.error("step failed for %s: %s", seq.request_id, result.failed[seq.seq_id])
-                self._finish(seq, FinishReason.ERROR, error=result.failed[seq.seq_id])
                 continue
             if self.scheduler.commit(seq, row, result.feedback.get(seq.seq_id)):
                 long_prompt_done |= len(seq.prompt_ids) >= malloc_tuning.HAND_BACK_PROMPT_TOKENS
@@ -214,6 +240,13 @@ class Engine:
         if long_prompt_done:  # its chunks' freed heap and MKL's GEMM buffers, not needed to decode (malloc_tuning);
             malloc_tuning.hand_back()  # after the tokens are out, so that it costs no request its first token's time
 
+    def _fail(self, failed: dict[int, str]) -> None:
+        """End each running sequence of ``failed`` (``seq_id`` → why) with ``error``, freeing its KV: its block
+        tables may name KV its step never wrote."""
+        for seq in [s for s in self.running if s.seq_id in failed]:
+            log.error("step failed for %s: %s", seq.request_id, failed[seq.seq_id])
+            self._finish(seq, FinishReason.ERROR, error=failed[seq.seq_id])
+
     def _measure(self, seqs: list[Sequence]) -> None:
         """Record each store's bytes now (once per sequence per step) and keep the largest seen: the bytes
         of the cached tokens (``kv_stored_bytes``) and the bytes of the pages it holds (``kv_held_bytes``)."""
@@ -224,7 +257,7 @@ class Engine:
             seq.peak_kv_stored_bytes = max(seq.peak_kv_stored_bytes, seq.kv_stored_bytes)
 
     def _accept(self, seq: Sequence, sampled: Sampled) -> None:
-        """Append ``sampled``'s token to ``seq``, emit it, and finish ``seq`` if it is done."""
+        """Append ``sampled``'s token to ``seq``, make its event, and finish ``seq`` if it is done."""
         token = sampled.token
         now = time.perf_counter()
         seq.output_ids.append(token)
@@ -248,16 +281,16 @@ class Engine:
         if reason is not None:
             self._finish(seq, reason, last=event)
         else:
-            seq.emit(event)
+            self._events.append((seq, event))
 
     def _finish(self, seq: Sequence, reason: FinishReason, last: TokenEvent | None = None,
                 error: str | None = None) -> None:
-        """End ``seq``: free its KV now (:meth:`Scheduler.finish`), record its stats, send the closing event."""
+        """End ``seq``: free its KV now (:meth:`Scheduler.finish`), record its stats, make its closing event."""
         self._closed(seq, reason, self.scheduler.finish(seq, reason), last, error)
 
     def _closed(self, seq: Sequence, reason: FinishReason, was_running: bool, last: TokenEvent | None = None,
                 error: str | None = None) -> None:
-        """Record ended ``seq``'s stats and send its closing event (its KV is freed already)."""
+        """Record ended ``seq``'s stats and make its closing event (its KV is freed already)."""
         if self.recorder:
             self.recorder.request_done(seq)
         if was_running:
@@ -272,7 +305,7 @@ class Engine:
         last.finish_reason = reason
         last.error = error
         last.generated_text = seq.detok.generated_text() if seq.detok else ""
-        seq.emit(last)
+        self._events.append((seq, last))
 
     def _report(self, queue: bool = True) -> None:
         """Refresh the live gauges from the running batch and, with ``queue``, the queue lengths."""

@@ -23,7 +23,7 @@ from cache_backends.paged import PoolViews, drain_layer, drain_sources
 from cache_backends.step_meta import Drain, StepMeta
 from cache_backends.pool import KVPool
 from server.engine.sampling import RowRequest, prompt_logprobs, sample_batch
-from server.engine.step_plan import RowPlan, RunnerOutput, SchedulerOutput
+from server.engine.step_plan import CompressPlan, RowPlan, RunnerOutput, SchedulerOutput
 
 log = logging.getLogger("kvserve.runner")
 
@@ -194,14 +194,20 @@ class ModelRunner:
 
         Returns:
             the sampled tokens, the prompt log-probabilities of ``all_logits`` rows, what the forwards measured for
-            the commits (``feedback``), and the rows whose forward failed (with why; the other rows are unaffected).
+            the commits (``feedback``), and the sequences whose forward or compression failed (with why; a failed
+            compression's sequences are not run; the other rows are unaffected).
+
+        Raises:
+            what zeroing the step's new pages raises (the caller then fails every sequence of the step).
         """
         result = RunnerOutput()
         for c in out.compress:
-            self.compress([(backends[c.backend], list(c.rows))], list(c.pages))
+            self._compress_plan(c, backends, result.failed)
         self.pool.zero(out.new_pages)
         last: dict[int, torch.Tensor] = {}  # seq_id -> (vocab_size,) logits of the row's last token
         for row in out.rows:
+            if row.seq_id in result.failed:
+                continue
             if row.alone:
                 try:
                     logits = self._run_alone(row, backends, result.feedback)
@@ -214,7 +220,7 @@ class ModelRunner:
                     continue
                 if row.sample:
                     last[row.seq_id] = logits[-1]
-        shared = [r for r in out.rows if not r.alone]
+        shared = [r for r in out.rows if not r.alone and r.seq_id not in result.failed]
         if shared:
             try:
                 logits = self._run_rows(shared, backends, result.feedback)
@@ -232,6 +238,16 @@ class ModelRunner:
                                                          [sampling[i] for i in ids], eos_token_ids)):
                 result.sampled[seq_id] = sampled
         return result
+
+    def _compress_plan(self, plan: CompressPlan, backends: dict[str, KVBackend], failed: dict[int, str]) -> None:
+        """Run one planned compression (:meth:`compress`); if it raises, its sequences go in ``failed``: their block
+        tables already name codes that may not be written."""
+        try:
+            self.compress([(backends[plan.backend], list(plan.rows))], list(plan.pages))
+        except Exception as exc:  # noqa: BLE001 - the compressed sequences only; the step goes on
+            log.exception("compression failed")
+            for seq_id in plan.seq_ids:
+                failed.setdefault(seq_id, f"compression failed: {exc}")
 
     def _run_alone(self, row: RowPlan, backends: dict[str, KVBackend], feedback: dict) -> torch.Tensor:
         """A prompt in a forward of its own: (n, vocab_size) logits of every position with ``all_logits``, else

@@ -344,12 +344,14 @@ class Scheduler:
         plans = self.kv.plan_compression(self.running, need)
         if not plans:
             return False
-        groups: dict[str, tuple[list, list]] = {}
+        groups: dict[str, tuple[list, list, list]] = {}
         for seq, res in plans:
-            rows, pages = groups.setdefault(seq.backend_name, ([], []))
+            rows, pages, ids = groups.setdefault(seq.backend_name, ([], [], []))
             rows.append((snapshot(seq.blocks), res.plan))
             pages += res.pages
-        out.compress += [CompressPlan(name, tuple(rows), tuple(pages)) for name, (rows, pages) in groups.items()]
+            ids.append(seq.seq_id)
+        out.compress += [CompressPlan(name, tuple(rows), tuple(pages), tuple(ids))
+                         for name, (rows, pages, ids) in groups.items()]
         if avoided:
             ev.avoided.append(plans[0][0])
         for seq, res in plans:

@@ -76,8 +76,10 @@ class Sequence:
         max_new_tokens: generation budget (tokens).
         params: sampling parameters.
         stop: stop sequences.
-        emit: thread-safe callback receiving each :class:`TokenEvent`.
         backend_name: the KV backend this sequence uses.
+        emit: on the HTTP side, the thread-safe callback receiving each :class:`TokenEvent`
+            (:mod:`server.engine.core_client` calls it); the engine never does: its step returns its events
+            (:meth:`server.engine.engine.Engine.step`), and the core's sequences have none.
     """
 
     request_id: str
@@ -85,8 +87,8 @@ class Sequence:
     max_new_tokens: int
     params: SamplingParams
     stop: list[str]
-    emit: Callable[[TokenEvent], None]
     backend_name: str
+    emit: Callable[[TokenEvent], None] | None = None
     output_ids: list[int] = field(default_factory=list)
     store: KVStore | None = None
     generator: torch.Generator | None = None

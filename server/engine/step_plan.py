@@ -64,11 +64,14 @@ class CompressPlan:
         rows: each sequence's block tables (a copy taken when the compression was planned, its quantized pages
             added) and its :meth:`~cache_backends.page_plan.TierPlan.plan_compress` plan.
         pages: the quantized pages the plans take (exact pages their own drained tokens leave).
+        seq_ids: the sequences of ``rows``, in their order (failed together when the re-encoding raises: their tables
+            already name the codes).
     """
 
     backend: str
     rows: tuple[tuple[SeqBlocks, Plan], ...]
     pages: tuple[int, ...]
+    seq_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -88,6 +91,12 @@ class SchedulerOutput:
     compress: list[CompressPlan] = field(default_factory=list)
 
     @property
+    def seq_ids(self) -> list[int]:
+        """Every sequence the step touches: its rows' and its compressions' (each once, rows first)."""
+        ids = [r.seq_id for r in self.rows] + [i for c in self.compress for i in c.seq_ids]
+        return list(dict.fromkeys(ids))
+
+    @property
     def decode_only(self) -> bool:
         """Every row is a decode row (no prefill chunk)."""
         return all(r.decode for r in self.rows)
@@ -102,7 +111,8 @@ class RunnerOutput:
             exception its sampling raised (that row only).
         prompt_logprobs: ``seq_id`` → ``(logprobs, tops)`` of every prompt position (rows with ``all_logits`` whose
             prompt is complete).
-        failed: ``seq_id`` → why its forward failed (its pages are not committed).
+        failed: ``seq_id`` → why its forward or its compression failed (its pages are not committed; a failed
+            compression's sequences are not run).
         feedback: ``seq_id`` → what the forward measured for the row's commit (plain data: ``dca``'s similarities,
             :class:`cache_backends.dca.plan.Feedback`).
     """
