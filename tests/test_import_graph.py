@@ -30,6 +30,7 @@ TOOLS = ("bench", "scripts")  # the benchmarks and the repository's scripts: the
 TORCH_FREE = (
     "cache_backends.kv_spec",  # what a backend stores and every byte count
     "cache_backends.estimate",  # the estimator's sums (kvserve estimate, advise)
+    "cache_backends.geometry",  # a model's attention shape (ModelGeometry)
     "cache_backends.page_plan",  # tier planning: block tables, plans, pages a sequence needs
     "cache_backends.dca.plan",  # dca's groups of pages and its per-sequence reuse decisions
     "server.engine.step_plan",  # the scheduler's and the runner's plain step records

@@ -16,12 +16,13 @@ import httpx
 import pytest
 import torch
 
-from cache_backends.base import ModelGeometry
+from cache_backends.geometry import ModelGeometry
 from cache_backends.calibration_cache import CalibrationCache
 from cache_backends.registry import create
 from server.config import ConfigError, load_settings
 from server.long_context import DEPTHS, MIN_LONG_CONTEXT, build_long_probe, long_context_length
-from server.quality_budget import Choice, LongPrice, Price, Scorer, choose
+from server.quality_budget import Choice, choose
+from server.quality_price import LongPrice, Price, Scorer
 from tests.conftest import RunningServer
 
 LENGTH = 1000

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from cache_backends.base import KVBackend, ModelGeometry
+from cache_backends.base import KVBackend
+from cache_backends.geometry import ModelGeometry
 from cache_backends.full.backend import FullLayer
 from cache_backends.kv_spec import KVSpec, Quantization, kv_streams
 from cache_backends.paged_attention import attend_pair

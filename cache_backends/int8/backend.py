@@ -50,7 +50,9 @@ from __future__ import annotations
 import torch
 
 from cache_backends.attention import grouped_query, ungroup
-from cache_backends.base import FullStorage, KVBackend, ModelGeometry, StreamPairLayer
+from cache_backends.base import KVBackend
+from cache_backends.geometry import ModelGeometry
+from cache_backends.kv_store import FullStorage, StreamPairLayer
 from cache_backends.buffer import TokenBuffer
 from cache_backends.kv_spec import KVSpec, Quantization, kv_streams, scale_bytes
 from cache_backends.paged_attention import attend_pair
@@ -227,7 +229,7 @@ def attend_stored(query: torch.Tensor, key_store, value_store, scaling: float) -
 
     Args:
         query: (1, Hq, 1, d) with Hq a multiple of the stores' heads H.
-        key_store, value_store: :class:`Int8Storage` or :class:`cache_backends.base.FullStorage`,
+        key_store, value_store: :class:`Int8Storage` or :class:`cache_backends.kv_store.FullStorage`,
             (1, H, T, d) each.
 
     Returns:

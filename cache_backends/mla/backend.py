@@ -29,7 +29,9 @@ from tqdm import tqdm
 
 from cache_backends.absorbed_mla import absorbed_attention, install_absorbed_attention
 from cache_backends.attention import grouped_query, ungroup
-from cache_backends.base import KVBackend, KVLayer, KVStore, ModelGeometry
+from cache_backends.base import KVBackend
+from cache_backends.geometry import ModelGeometry
+from cache_backends.kv_store import KVLayer, KVStore
 from cache_backends.full.backend import FullLayer
 from cache_backends.int8.backend import make_storage, quant_spec, storage_reserved_bytes
 from cache_backends.kv_spec import KVSpec, Quantization, StreamSpec

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from cache_backends.base import ModelGeometry
+from cache_backends.geometry import ModelGeometry
 from cache_backends.registry import create
 from cache_backends.spec import format_spec, parse_spec
 from cache_backends.store_path import StorePath
@@ -141,7 +141,8 @@ def run(args) -> dict:
         bar.set_postfix_str(spec)
         timed = Phases()
         if spec.endswith(BUDGETED):  # the setting the quality budget chooses (as the server does at start-up)
-            from server.quality_budget import Scorer, choose
+            from server.quality_budget import choose
+            from server.quality_price import Scorer
 
             name = spec.removesuffix(BUDGETED)
             scorer = scorer or Scorer(model, geometry, calib_ids)
