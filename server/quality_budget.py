@@ -49,6 +49,7 @@ from cache_backends.base import KVBackend
 from cache_backends.geometry import ModelGeometry
 from cache_backends.registry import create
 from cache_backends import catalog
+from cache_backends.quant_formats import width_multiple
 from cache_backends.spec import format_spec
 from server.quality_price import LongPrice, Price, Scorer
 
@@ -145,13 +146,25 @@ def search_axis(name: str, geometry: ModelGeometry) -> str | None:
     return None if axis == "rank" and geometry.kv_lora_rank else axis  # a native latent's width is the model's
 
 
+def rank_multiple(name: str, options: dict) -> int:
+    """What a latent rank must be a multiple of for backend ``name``'s quantized tier to store it: its code formats'
+    width rule (:func:`cache_backends.quant_formats.width_multiple`; int4: 2), the tier read from the first part
+    that declares one, at ``options`` over its defaults; 1 without a quantized part."""
+    for part in name.split("+"):
+        decl = catalog.get(part)
+        if decl.quantization is not None:
+            tier = decl.quantization({**decl.defaults(), **{k: v for k, v in options.items() if decl.option(k)}})
+            return width_multiple(tier.key_bits, tier.value_bits)
+    return 1
+
+
 def candidates(name: str, axis: str, geometry: ModelGeometry, options: dict) -> list:
     """The values of ``axis`` to try, most compressive first."""
     if axis == "rank":
         width = 2 * geometry.num_key_value_heads * geometry.head_dim
-        even = any(p == "int4" for p in name.split("+")) or 4 in (options.get("key_bits"), options.get("value_bits"))
+        m = rank_multiple(name, options)  # a quantized latent packs whole bytes of codes (int4: an even rank)
         ranks = sorted({max(1, width * k // RANK_LADDER) for k in range(1, RANK_LADDER + 1)})
-        return [r + (r % 2 if even else 0) for r in ranks if not even or r + r % 2 <= width]
+        return [r + -r % m for r in ranks if r + -r % m <= width]
     if axis == "groups":
         h = geometry.num_key_value_heads
         return [g for g in range(1, h + 1) if h % g == 0]
