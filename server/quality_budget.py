@@ -105,7 +105,9 @@ class Choice:
     @property
     def long_context_warning(self) -> str | None:
         """What to say of a setting that loses on the long input what the short price cannot see: its retrieval
-        under ``full``'s by more than :data:`server.quality_price.RETRIEVAL_MARGIN`, or its long price over the budget; else ``None``."""
+        under ``full``'s by more than :data:`server.quality_price.RETRIEVAL_MARGIN`, or its long price over the
+        budget; else ``None``. It says what the short price shows: nothing of it within the budget; over it, that the
+        setting is over the budget already."""
         long = self.long_price
         if long is None:
             return None
@@ -121,8 +123,10 @@ class Choice:
             said.append(f"costs +{long.ppl_increase_pct:.2f}% perplexity on its last {long.tokens} tokens, over the "
                         f"quality budget of +{self.budget_pct:g}%")
         short = f"+{self.price.ppl_increase_pct:.2f}%" if self.price else "not priced"
+        over_short = self.price is not None and not self.price.within(self.budget_pct)
+        shows = "is over the budget already" if over_short else "does not show it"
         return (f"{self.backend}: on a {long.context}-token input it {' and '.join(said)}; its price on the "
-                f"quality budget's short windows ({short}) does not show it (docs/backends.md, 'window')")
+                f"quality budget's short windows ({short}) {shows} (docs/backends.md, 'window')")
 
     def as_dict(self) -> dict:
         out = {k: v for k, v in asdict(self).items() if k not in ("price", "long_price")}

@@ -96,6 +96,24 @@ def test_retrieval_under_fulls_by_more_than_five_points_is_warned_about():
     assert choice([True, True, True, True], 0.75).long_context_warning is None
 
 
+def test_the_warning_says_what_the_short_price_shows():
+    """Issue #45: the warning said the short windows' price "does not show it" even where that price is itself over
+    the budget; there it says so."""
+    long = LongPrice(context=8192, kl=0.05, ppl_increase_pct=5.0, ppl_change_pct=5.0, tokens=256, agreement=0.9,
+                     depths=list(DEPTHS), found=[True] * 4, retrieval=1.0, reference_retrieval=1.0)
+
+    def warning(short_pct: float) -> str:
+        return Choice(backend="window", spec="window", budget_pct=1.0, price=Price(0.01, short_pct, short_pct, 768, 1.0),
+                      bytes_per_token=100.0, full_bytes_per_token=800.0, long_price=long).long_context_warning
+
+    within, over = warning(0.5), warning(2.5)
+    assert within.endswith("short windows (+0.50%) does not show it (docs/backends.md, 'window')")
+    assert "does not show it" not in over
+    assert over == ("window: on a 8192-token input it costs +5.00% perplexity on its last 256 tokens, over the quality "
+                    "budget of +1%; its price on the quality budget's short windows (+2.50%) is over the budget "
+                    "already (docs/backends.md, 'window')")
+
+
 def test_a_cached_long_price_is_reused_only_for_the_same_input(setup, tmp_path, monkeypatch):
     """A second scorer on the same cache reads the long price back (no pass through the model); a long input of
     another length is measured anew."""
