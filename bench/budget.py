@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from cache_backends.base import ModelGeometry
+from cache_backends.geometry import ModelGeometry
 from cache_backends.registry import create
 from cache_backends.spec import format_spec, parse_spec
 from server.bench_cmd.in_process import new_engine  # the other benchmarks take it from here too

@@ -25,7 +25,7 @@ import torch
 
 from bench.fidelity import agreement, greedy_tokens
 from bench.quality import CALIB_SLICE, EVAL_SLICE, model_slice_ids
-from cache_backends.base import ModelGeometry
+from cache_backends.geometry import ModelGeometry
 from cache_backends.registry import create
 from cache_backends.spec import format_spec, parse_spec
 

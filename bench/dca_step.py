@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from bench.budget import step_time
-    from cache_backends.base import ModelGeometry
+    from cache_backends.geometry import ModelGeometry
     from cache_backends.calibration import calibration_ids
     from cache_backends.registry import create
     from server.engine.malloc_tuning import keep_step_memory

@@ -22,10 +22,10 @@ import torch
 def main(argv: list[str] | None = None) -> int:
     from bench.budget import bad_spec, load_reference, make_backend
     from bench.needle import write_json
-    from cache_backends.base import ModelGeometry
+    from cache_backends.geometry import ModelGeometry
     from cache_backends.calibration import calibration_ids
     from server.long_context import MIN_LONG_CONTEXT, build_long_probe
-    from server.quality_budget import Scorer
+    from server.quality_price import Scorer
 
     p = argparse.ArgumentParser(prog="python -m bench.long_price", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="models/smollm2-135m-instruct")

@@ -11,7 +11,7 @@ larger one for the same bytes. This benchmark measures whether that buys anythin
    ``equal-variance`` (each layer keeps the smallest rank that keeps a common share of its variance, the share
    bisected so that the widths add up to the uniform total) and ``water-filling`` (the total width's largest
    eigenvalues over all layers, each layer's normalized by its trace);
-3. each setting's price as the quality budget measures it (:class:`server.quality_budget.Scorer`: the mean KL
+3. each setting's price as the quality budget measures it (:class:`server.quality_price.Scorer`: the mean KL
    divergence from ``full`` on the calibration text's last windows, as a perplexity increase), and the held-out
    perplexity through the cache path (``bench.fidelity.cache_path_perplexity``) of the eval slice.
 
@@ -34,7 +34,7 @@ import torch
 
 from bench.fidelity import cache_path_perplexity
 from bench.quality import CALIB_SLICE, EVAL_SLICE, model_slice_ids
-from cache_backends.base import ModelGeometry
+from cache_backends.geometry import ModelGeometry
 from cache_backends.calibration import collect_kv
 from cache_backends.registry import create
 
@@ -87,7 +87,7 @@ def with_ranks(backend, ranks: list[int]):
 
 def main(argv: list[str] | None = None) -> int:
     from server.model_loading import load_model
-    from server.quality_budget import Scorer
+    from server.quality_price import Scorer
 
     parser = argparse.ArgumentParser(prog="python -m bench.mla_layer_ranks", description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="models/smollm2-135m-instruct")

@@ -103,7 +103,7 @@ class LayerRead:
 
     def attend(self, query: torch.Tensor, scaling: float, window: int | None = None) -> torch.Tensor:
         """(1, Hq, q_len, d) queries → (1, Hq, q_len, dv) attention output. Under a ``window`` shorter than the
-        layer's tokens, the layer's K/V are rebuilt (:meth:`cache_backends.base.KVLayer.materialize`, a transient
+        layer's tokens, the layer's K/V are rebuilt (:meth:`cache_backends.kv_store.KVLayer.materialize`, a transient
         copy) and attended under the window's mask: the per-sequence stores' reference path. A layer with a window
         of its own (``own_window``: :class:`cache_backends.window.WindowLayer`) applies its own rule."""
         if window is not None and window < self.layer.get_seq_length() and not self.layer.own_window:

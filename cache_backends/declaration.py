@@ -68,7 +68,7 @@ class BackendDecl:
             layers then attend under :meth:`cache_backends.step_meta.StepMeta.windowed`); the registry refuses it
             with this reason.
         rope_refusal: why it cannot serve a model whose layer types rotate with different RoPE parameters
-            (:attr:`cache_backends.base.ModelGeometry.rope_per_layer_type`), or ``None``.
+            (:attr:`cache_backends.geometry.ModelGeometry.rope_per_layer_type`), or ``None``.
         native_mla: serves a natively-MLA model (DeepSeek-V2/V3), which hands its cache a latent.
         calibrates: needs calibration text at start-up.
         budget_axis: the option the quality budget chooses when the settings leave it unset, else ``None``.

@@ -19,6 +19,8 @@ import dataclasses
 import enum
 from dataclasses import dataclass
 
+from cache_backends.quant_formats import code_format
+
 ALIGN = 64  # bytes: every slab of a page starts at a multiple of this
 
 
@@ -108,8 +110,9 @@ class Quantization:
 
 def scale_bytes(bits: int, dtype_bytes: int) -> int:
     """Bytes of one scale or zero point of a ``bits``-bit stream in a model of ``dtype_bytes``: the model dtype's
-    at 8 bits, at most 2 at 4 bits (the rule of :func:`cache_backends.quant.scale_dtype`)."""
-    return dtype_bytes if bits == 8 else min(dtype_bytes, 2)
+    at 8 bits, at most 2 at 4 bits (its format's row, :meth:`cache_backends.quant_formats.CodeFormat.scale_bytes`;
+    the rule of :func:`cache_backends.quant.scale_dtype`)."""
+    return code_format(bits).scale_bytes(dtype_bytes)
 
 
 @dataclass(frozen=True)
@@ -134,8 +137,9 @@ class KVSpec:
         for s in self.streams:
             if s.heads < 1 or s.width < 1:
                 raise ValueError(f"a stream needs heads and channels: {s}")
-            if q and q.bits(s.axis) == 4 and s.width % 2:
-                raise ValueError(f"4-bit codes pack two channels per byte: a stream width of {s.width} must be even")
+            why = q and code_format(q.bits(s.axis)).width_refusal(s.width, f"a stream width of {s.width}")
+            if why:
+                raise ValueError(why)
 
     def with_layers(self, num_layers: int) -> "KVSpec":
         """The same streams in ``num_layers`` layers (``dca``'s groups of pages)."""
@@ -167,7 +171,8 @@ class KVSpec:
         for s in self.streams:
             bits = q.bits(s.axis)
             scales = (tokens // q.group_size) * s.elements if s.axis == Axis.CHANNEL else tokens * s.heads
-            total += fit(tokens * s.elements * bits // 8) + 2 * fit(scales * scale_bytes(bits, self.dtype_bytes))
+            codes = code_format(bits).code_bytes(tokens * s.elements)
+            total += fit(codes) + 2 * fit(scales * scale_bytes(bits, self.dtype_bytes))
         return self.num_layers * total
 
     def stored_bytes(self, exact_tokens: int, q_tokens: int = 0) -> int:

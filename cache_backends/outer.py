@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from cache_backends.base import KVBackend, KVLayer, ModelGeometry
+from cache_backends.base import KVBackend
+from cache_backends.geometry import ModelGeometry
 from cache_backends.kv_spec import KVSpec
+from cache_backends.kv_store import KVLayer
 
 
 class InnerLayer(KVLayer):

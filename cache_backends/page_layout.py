@@ -29,7 +29,8 @@ import torch
 
 from cache_backends.kv_spec import KVSpec, align
 from cache_backends.page_plan import SeqBlocks, TierPlan
-from cache_backends.quant import scale_dtype
+from cache_backends.quant import code_dtype, scale_dtype
+from cache_backends.quant_formats import code_format
 
 
 @dataclass
@@ -105,7 +106,7 @@ class PageLayout(TierPlan):
             row = []
             for s in self.streams:
                 bits = q.bits(s.axis)  # 4 bits: (width / 2) bytes, two codes each
-                codes = Slab(off, tokens, s.heads, s.width * bits // 8, torch.int8 if bits == 8 else torch.uint8)
+                codes = Slab(off, tokens, s.heads, code_format(bits).code_bytes(s.width), code_dtype(bits))
                 off += align(codes.nbytes)
                 units, width = (tokens // q.group_size, s.width) if s.axis == "channel" else (tokens, 1)
                 scale = Slab(off, units, s.heads, width, scale_dtype(bits, self.dtype))

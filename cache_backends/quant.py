@@ -2,10 +2,11 @@
 rotation, and attention products on the codes. A leaf: it imports torch and no backend, so the backends
 (:mod:`cache_backends.int8`, ``gqa``, ``mla``) and the paged reads (:mod:`cache_backends.paged`) share it.
 
-Codes: 8-bit codes are int8 in [-128, 127]; 4-bit codes are unsigned nibbles in [0, 15], two per byte
-(:func:`pack4`: channel j in the low nibble of byte j, channel j + d/2 in the high nibble), so a 4-bit stream's
-codes are (…, d/2) uint8. Either way ``value = code * scale + zero``. A 4-bit stream keeps its scales and zero
-points in a 2-byte float (:func:`scale_dtype`); 8-bit streams keep the model dtype.
+Codes, as their format's row says (:data:`cache_backends.quant_formats.FORMATS`): 8-bit codes are int8 in
+[-128, 127]; 4-bit codes are unsigned nibbles in [0, 15], two per byte (:func:`pack`: channel j in the low nibble of
+byte j, channel j + d/2 in the high nibble), so a 4-bit stream's codes are (…, d/2) uint8. Either way
+``value = code * scale + zero``. A 4-bit stream keeps its scales and zero points in a 2-byte float
+(:func:`scale_dtype`); 8-bit streams keep the model dtype.
 
 Axes (KIVI, arXiv 2402.02750): ``"channel"`` streams (keys, latents) have one scale and zero per channel over a
 group of ``group_size`` tokens; ``"token"`` streams (values) one per token and head.
@@ -22,19 +23,25 @@ import math
 
 import torch
 
-QMIN, QMAX = -128, 127
-BITS = (4, 8)  # code widths: int8 codes, or two 4-bit codes per byte
+from cache_backends.quant_formats import code_format
 
 
 def code_range(bits: int) -> tuple[int, int]:
     """Smallest and largest code: int8's signed [-128, 127]; 4-bit unsigned nibbles [0, 15]."""
-    return (QMIN, QMAX) if bits == 8 else (0, (1 << bits) - 1)
+    fmt = code_format(bits)
+    return fmt.code_min, fmt.code_max
+
+
+def code_dtype(bits: int) -> torch.dtype:
+    """The dtype of a ``bits``-bit stream's stored codes (int8; uint8 for packed 4-bit codes)."""
+    return getattr(torch, code_format(bits).code_dtype)
 
 
 def scale_dtype(bits: int, dtype: torch.dtype) -> torch.dtype:
     """The dtype of a ``bits``-bit stream's scales and zero points: the model ``dtype`` at 8 bits; at 4 bits a
     2-byte float (``dtype`` if it is one, else float16)."""
-    if bits == 8 or dtype.itemsize <= 2:
+    cap = code_format(bits).scale_max_bytes
+    if cap is None or dtype.itemsize <= cap:
         return dtype
     return torch.float16
 
@@ -64,31 +71,38 @@ def quantize(x: torch.Tensor, dim: int, bits: int = 8) -> tuple[torch.Tensor, to
     return q.clamp_(qmin, qmax).to(torch.int8), scale.clamp_max(big).to(out), zero.to(out)
 
 
-def pack4(q: torch.Tensor) -> torch.Tensor:
-    """4-bit codes (…, w) in [0, 15] → (…, w / 2) uint8: channel j in the low nibble of byte j, channel
-    j + w/2 in the high one (halves, not neighbours: unpacking is one concatenation, no interleave).
+def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """The stored form of :func:`quantize`'s codes (…, w): int8 as they are; codes of a format that packs n a byte
+    (4-bit: two) → (…, w / n) uint8, channel j + i w/n in bits [i * bits, (i + 1) * bits) of byte j (halves, not
+    neighbours: unpacking is one concatenation, no interleave).
 
     Raises:
-        ValueError: if ``w`` is odd.
+        ValueError: if ``w`` is not a multiple of the codes a byte packs (4-bit: odd).
     """
+    fmt = code_format(bits)
+    n = fmt.per_byte
+    if n == 1:
+        return q
     w = q.shape[-1]
-    if w % 2:
-        raise ValueError(f"4-bit codes pack two channels per byte: width {w} must be even")
-    u = q.to(torch.uint8)
-    return u[..., : w // 2] | (u[..., w // 2 :] << 4)
-
-
-def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """The stored form of :func:`quantize`'s codes: int8 as they are, 4-bit two per byte (:func:`pack4`)."""
-    return q if bits == 8 else pack4(q)
+    why = fmt.width_refusal(w, f"width {w}")
+    if why:
+        raise ValueError(why)
+    u, part = q.to(torch.uint8), w // n
+    out = u[..., :part]
+    for i in range(1, n):
+        out = out | (u[..., i * part : (i + 1) * part] << (i * bits))
+    return out
 
 
 def widen(codes: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
     """Stored codes → one code per channel in ``dtype`` (the transient the matrix products read):
-    (…, w) int8 at 8 bits, (…, w / 2) uint8 → (…, w) at 4 bits."""
-    if bits == 8:
+    (…, w) int8 at 8 bits, (…, w / 2) uint8 → (…, w) at 4 bits (:func:`pack`'s inverse)."""
+    n = code_format(bits).per_byte
+    if n == 1:
         return codes.to(dtype)
-    return torch.cat([codes & 15, codes >> 4], dim=-1).to(dtype)
+    mask = (1 << bits) - 1
+    parts = [(codes >> (i * bits) if i else codes) & mask for i in range(n - 1)] + [codes >> ((n - 1) * bits)]
+    return torch.cat(parts, dim=-1).to(dtype)
 
 
 @functools.lru_cache(maxsize=64)

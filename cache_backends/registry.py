@@ -17,7 +17,8 @@ composition over it:
 from __future__ import annotations
 
 from cache_backends import catalog
-from cache_backends.base import KVBackend, ModelGeometry
+from cache_backends.base import KVBackend
+from cache_backends.geometry import ModelGeometry
 from cache_backends.spec import check_composition
 
 

@@ -17,7 +17,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from cache_backends.attention import BatchRead, as_read
 from cache_backends.attention import install as install_attention
-from cache_backends.base import KVStore
+from cache_backends.kv_store import KVStore
 
 
 class _BatchedLayerView(CacheLayerMixin):

@@ -317,7 +317,7 @@ def kv_elements_per_token_per_layer(config) -> int:
 def kv_bytes_per_token(config) -> int:
     """Bytes per token of kvserve's cache for this model in fp32, all layers: ``full`` for an MHA/GQA model,
     the native ``mla`` backend's latent and rope key for an MLA one (the backend's own count)."""
-    from cache_backends.base import ModelGeometry
+    from cache_backends.geometry import ModelGeometry
     from cache_backends.registry import create
 
     geometry = ModelGeometry.from_config(config, torch.float32)
@@ -333,7 +333,7 @@ def bench_perplexity(model, token_ids: list[int], windows: int) -> float:
     import copy
 
     from bench.fidelity import cache_path_perplexity
-    from cache_backends.base import ModelGeometry
+    from cache_backends.geometry import ModelGeometry
     from cache_backends.registry import create
 
     scored = copy.deepcopy(model).eval()

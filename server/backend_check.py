@@ -35,7 +35,7 @@ def check_backend(settings, model_source: str = "MODEL_ID") -> None:
     import torch
     from transformers import AutoConfig
 
-    from cache_backends.base import ModelGeometry
+    from cache_backends.geometry import ModelGeometry
     from server.config import ConfigError
     from server.engine_loading import create_backends
 

@@ -30,7 +30,7 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
-    from cache_backends.base import ModelGeometry
+    from cache_backends.geometry import ModelGeometry
     from cache_backends.estimate import Shape
 
 NOT_PRICED = "not priced"
@@ -157,7 +157,7 @@ def load_prices(model: str | None, directory: str | None = None) -> PriceBook:
     import torch
     from transformers import AutoConfig
 
-    from cache_backends.base import ModelGeometry
+    from cache_backends.geometry import ModelGeometry
     from cache_backends.calibration_cache import model_fingerprint
     from cache_backends.estimate import Shape
     from cache_backends.spec import parse_spec

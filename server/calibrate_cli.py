@@ -89,12 +89,13 @@ def main(args: argparse.Namespace) -> int:
 def _calibrate(settings, names: list[str], refit: bool) -> int:
     from tqdm import tqdm
 
-    from cache_backends.base import ModelGeometry
+    from cache_backends.geometry import ModelGeometry
     from cache_backends.calibration import calibration_file, calibration_ids
     from cache_backends.calibration_cache import CalibrationCache
     from server.model_loading import load_model, resolve_device, resolve_dtype
     from server.engine_loading import long_probe
-    from server.quality_budget import Scorer, choose, long_summary
+    from server.quality_budget import choose, long_summary
+    from server.quality_price import Scorer
 
     start = time.perf_counter()
     try:

@@ -9,7 +9,8 @@ import math
 import os
 from pathlib import Path
 
-from cache_backends.base import KVBackend, ModelGeometry
+from cache_backends.base import KVBackend
+from cache_backends.geometry import ModelGeometry
 from cache_backends.calibration_cache import CalibrationCache
 from cache_backends.registry import create
 from cache_backends import catalog
@@ -157,7 +158,8 @@ def prepare_backends(settings: Settings, names: list[str], model, tokenizer, geo
     Returns:
         ``(backends by name, each one's choice and price as /info's kv_quality shows it)``.
     """
-    from server.quality_budget import Scorer, choose
+    from server.quality_budget import choose
+    from server.quality_price import Scorer
 
     budget = settings.kv_quality_budget
     calibration = None
@@ -220,9 +222,9 @@ def long_probe(settings: Settings, names: list[str], model, tokenizer, geometry:
 def window_warning(backend: KVBackend) -> str | None:
     """What ``/info``'s ``kv_quality`` and the start-up log say of a backend that drops tokens older than its window
     (``window``: :meth:`cache_backends.window.WindowBackend.window_warning`) when the quality budget's windows
-    (:data:`server.quality_budget.PRICE_WINDOW` tokens) are no longer than it: its price there is 0 and says nothing
+    (:data:`server.quality_price.PRICE_WINDOW` tokens) are no longer than it: its price there is 0 and says nothing
     of longer contexts; ``None`` for any other backend."""
-    from server.quality_budget import PRICE_WINDOW
+    from server.quality_price import PRICE_WINDOW
 
     says = getattr(backend, "window_warning", None)
     return says(PRICE_WINDOW) if says else None

@@ -36,7 +36,7 @@ def check_served(shape: Shape, spec: tuple[str, dict], dtype_bytes: int, block_s
     """
     import torch
 
-    from cache_backends.base import ModelGeometry
+    from cache_backends.geometry import ModelGeometry
     from cache_backends.registry import create
     from server.engine.kv_cache import page_layouts
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from cache_backends.base import ModelGeometry
+from cache_backends.geometry import ModelGeometry
 from cache_backends.calibration import calibration_ids
 from cache_backends.page_plan import SeqBlocks
 from cache_backends.pool import KVPool

@@ -21,7 +21,7 @@ import torch
 from transformers import (AutoModelForCausalLM, DeepseekV3Config, Gemma2Config, Gemma3TextConfig, LlamaConfig,
                           MistralConfig, Phi3Config, Qwen2Config, Qwen3Config)
 
-from cache_backends.base import ModelGeometry
+from cache_backends.geometry import ModelGeometry
 from cache_backends.registry import create
 from cache_backends.store_path import StorePath
 

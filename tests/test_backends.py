@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cache_backends.base import KVLayer, ModelGeometry
+from cache_backends.geometry import ModelGeometry
+from cache_backends.kv_store import KVLayer
 from cache_backends.registry import create, get_backend_class
 from cache_backends.store_path import StorePath
 from tests.conftest import fits
@@ -106,7 +107,7 @@ def test_bytes_are_the_tensors_and_match_the_formula_at_1024(ref_model, geometry
 def buffers_of(obj):
     """Every per-sequence buffer a layer holds, found through its storage objects (per-model constants such
     as codecs, bases, maps and RoPE tables are not per-sequence storage). A layer holds no bare tensor."""
-    from cache_backends.base import FullStorage
+    from cache_backends.kv_store import FullStorage
     from cache_backends.buffer import TokenBuffer
     from cache_backends.int8.backend import Int8Storage
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import cache_backends.calibration as calibration
-from cache_backends.base import ModelGeometry
+from cache_backends.geometry import ModelGeometry
 from cache_backends.calibration_cache import CalibrationCache
 from cache_backends.registry import create
 from tests.conftest import MODEL_DIR, REPO, RunningServer

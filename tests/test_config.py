@@ -104,7 +104,7 @@ def test_default_serves_full_and_int8_per_request(monkeypatch):
 
 def test_default_extras_the_model_cannot_take_are_left_out(monkeypatch):
     """On a native-MLA model int8 is refused: from the default it is dropped, asked for it stops start-up."""
-    from cache_backends.base import ModelGeometry
+    from cache_backends.geometry import ModelGeometry
     from server.engine_loading import create_backends
 
     import transformers

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cache_backends.base import ModelGeometry
+from cache_backends.geometry import ModelGeometry
 from cache_backends.registry import get_backend_class
 from cache_backends.store_path import StorePath
 from tests.conftest import fits

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cache_backends.base import ModelGeometry
+from cache_backends.geometry import ModelGeometry
 from cache_backends.paged import read_layer
 from cache_backends.paged_attention import attend_pair
 from cache_backends.step_meta import StepMeta

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from cache_backends.estimate import PRESETS, estimate_rows
-from server.quality_budget import PRICE_VERSION
+from server.quality_price import PRICE_VERSION
 from tests.conftest import REPO
 
 GiB, KiB = 2**30, 2**10
@@ -104,7 +104,7 @@ def test_estimate_refuses_what_the_server_refuses_with_its_message(model_dir, ca
     import torch
     from transformers import AutoConfig
 
-    from cache_backends.base import ModelGeometry
+    from cache_backends.geometry import ModelGeometry
     from cache_backends.registry import create
     from server.backend_check import check_pool
     from server.cli import build_parser
@@ -196,7 +196,7 @@ def test_estimate_takes_a_setting_exactly_when_the_server_does(model_dir, name, 
     import torch
     from transformers import AutoConfig
 
-    from cache_backends.base import ModelGeometry
+    from cache_backends.geometry import ModelGeometry
     from cache_backends.estimate import Shape, bytes_per_token_per_layer
     from cache_backends.registry import create
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from cache_backends import kernels
-from cache_backends.base import ModelGeometry
+from cache_backends.geometry import ModelGeometry
 from cache_backends.registry import create
 from server.model_fetch import GEMMA3, GEMMA3_DIR, SUMMARY, is_current
 from tests.engine_helpers import make_engine, make_seq, run_all

@@ -30,6 +30,8 @@ TOOLS = ("bench", "scripts")  # the benchmarks and the repository's scripts: the
 TORCH_FREE = (
     "cache_backends.kv_spec",  # what a backend stores and every byte count
     "cache_backends.estimate",  # the estimator's sums (kvserve estimate, advise)
+    "cache_backends.geometry",  # a model's attention shape (ModelGeometry)
+    "cache_backends.quant_formats",  # the code formats: one row a width (the declarations read it)
     "cache_backends.page_plan",  # tier planning: block tables, plans, pages a sequence needs
     "cache_backends.dca.plan",  # dca's groups of pages and its per-sequence reuse decisions
     "server.engine.step_plan",  # the scheduler's and the runner's plain step records
@@ -213,11 +215,14 @@ def test_kvserve_bench_runs_without_importing_bench():
     assert proc.returncode == 0, f"the server loads the benchmarks:\n{proc.stderr[-2000:]}"
 
 
-@pytest.mark.parametrize("module", ["cache_backends.quant", "cache_backends.attention"])
-def test_kernels_are_leaves(module):
-    """The quantization and attention kernels import no backend (nothing of ours but their package's face)."""
+@pytest.mark.parametrize("module, table", [("cache_backends.quant", {"cache_backends.quant_formats"}),
+                                           ("cache_backends.attention", set()),
+                                           ("cache_backends.quant_formats", set())])
+def test_kernels_are_leaves(module, table):
+    """The quantization and attention kernels import no backend (nothing of ours but their package's face and, for
+    the quantization kernels, the code formats' table, itself a leaf)."""
     internal, _ = build_graph()
-    assert set(internal[module]) == {"cache_backends"}, f"{module} imports {sorted(internal[module])}"
+    assert set(internal[module]) == {"cache_backends"} | table, f"{module} imports {sorted(internal[module])}"
 
 
 def _torch_path(internal, external, start: str) -> list[str] | None:

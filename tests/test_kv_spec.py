@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cache_backends.base import ModelGeometry
+from cache_backends.geometry import ModelGeometry
 from cache_backends.estimate import bytes_per_token_per_layer, kv_spec
 from cache_backends.kv_spec import KVSpec, Quantization, StreamSpec, kv_streams
 from cache_backends.page_plan import SeqBlocks, TierPlan

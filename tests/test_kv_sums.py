@@ -16,7 +16,7 @@ import json
 import pytest
 import torch
 
-from cache_backends.base import ModelGeometry
+from cache_backends.geometry import ModelGeometry
 from cache_backends.registry import create
 from cache_backends.store_path import StorePath
 from server.estimate_cli import add_arguments

@@ -16,12 +16,13 @@ import httpx
 import pytest
 import torch
 
-from cache_backends.base import ModelGeometry
+from cache_backends.geometry import ModelGeometry
 from cache_backends.calibration_cache import CalibrationCache
 from cache_backends.registry import create
 from server.config import ConfigError, load_settings
 from server.long_context import DEPTHS, MIN_LONG_CONTEXT, build_long_probe, long_context_length
-from server.quality_budget import Choice, LongPrice, Price, Scorer, choose
+from server.quality_budget import Choice, choose
+from server.quality_price import LongPrice, Price, Scorer
 from tests.conftest import RunningServer
 
 LENGTH = 1000
@@ -93,6 +94,24 @@ def test_retrieval_under_fulls_by_more_than_five_points_is_warned_about():
                     "it (docs/backends.md, 'window')")
     assert choice([True, True, True, False], 0.75).long_context_warning is None  # as full does
     assert choice([True, True, True, True], 0.75).long_context_warning is None
+
+
+def test_the_warning_says_what_the_short_price_shows():
+    """Issue #45: the warning said the short windows' price "does not show it" even where that price is itself over
+    the budget; there it says so."""
+    long = LongPrice(context=8192, kl=0.05, ppl_increase_pct=5.0, ppl_change_pct=5.0, tokens=256, agreement=0.9,
+                     depths=list(DEPTHS), found=[True] * 4, retrieval=1.0, reference_retrieval=1.0)
+
+    def warning(short_pct: float) -> str:
+        return Choice(backend="window", spec="window", budget_pct=1.0, price=Price(0.01, short_pct, short_pct, 768, 1.0),
+                      bytes_per_token=100.0, full_bytes_per_token=800.0, long_price=long).long_context_warning
+
+    within, over = warning(0.5), warning(2.5)
+    assert within.endswith("short windows (+0.50%) does not show it (docs/backends.md, 'window')")
+    assert "does not show it" not in over
+    assert over == ("window: on a 8192-token input it costs +5.00% perplexity on its last 256 tokens, over the quality "
+                    "budget of +1%; its price on the quality budget's short windows (+2.50%) is over the budget "
+                    "already (docs/backends.md, 'window')")
 
 
 def test_a_cached_long_price_is_reused_only_for_the_same_input(setup, tmp_path, monkeypatch):

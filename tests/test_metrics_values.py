@@ -148,7 +148,7 @@ def test_info_bytes_per_token_are_floats_for_every_backend():
     import torch
     import transformers
 
-    from cache_backends.base import ModelGeometry
+    from cache_backends.geometry import ModelGeometry
     from cache_backends.registry import create
     from server.engine_loading import kv_sizes
     from tests.conftest import MODEL_DIR

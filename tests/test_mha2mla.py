@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from bench.quality import EVAL_SLICE, slice_token_ids, teacher_forced_perplexity
-from cache_backends.base import ModelGeometry
+from cache_backends.geometry import ModelGeometry
 from cache_backends.registry import create
 from tests.conftest import MODEL_DIR, REPO
 from tests.engine_helpers import make_engine, make_seq, reference_greedy, run_all

@@ -8,7 +8,7 @@ import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from cache_backends import kernels
-from cache_backends.base import ModelGeometry
+from cache_backends.geometry import ModelGeometry
 from cache_backends.registry import create
 from cache_backends.page_plan import SeqBlocks
 from cache_backends.paged import in_place_layer

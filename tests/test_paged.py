@@ -11,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cache_backends import kernels
-from cache_backends.base import ModelGeometry
+from cache_backends.geometry import ModelGeometry
 from cache_backends.calibration import calibration_ids
 from cache_backends.page_plan import SeqBlocks
 from cache_backends.registry import create

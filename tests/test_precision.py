@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from cache_backends.base import ModelGeometry
+from cache_backends.geometry import ModelGeometry
 from cache_backends.registry import create
 from cache_backends.store_path import StorePath
 from tests.conftest import REPO

@@ -12,12 +12,12 @@ import httpx
 import pytest
 import torch
 
-from cache_backends.base import ModelGeometry
+from cache_backends.geometry import ModelGeometry
 from cache_backends.registry import create
 from cache_backends.spec import format_spec
 from server.config import ConfigError, load_settings
-from server.quality_budget import (PRICE_VERSION, SEARCH_HEADROOM, Choice, Price, Scorer, candidates, choose,
-                                   ppl_increase, top1_agreement)
+from server.quality_budget import SEARCH_HEADROOM, Choice, candidates, choose
+from server.quality_price import PRICE_VERSION, Price, Scorer, ppl_increase, top1_agreement
 from tests.conftest import RunningServer, fits
 
 

@@ -15,10 +15,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cache_backends.base import ModelGeometry
+from cache_backends.geometry import ModelGeometry
 from cache_backends.registry import create
 from server.model_fetch import DEFAULT_DIR, fetch, is_current, mha_dir
-from server.quality_budget import SEARCH_HEADROOM, Scorer, choose
+from server.quality_budget import SEARCH_HEADROOM, choose
+from server.quality_price import Scorer
 from tests.conftest import fits
 from tests.engine_helpers import make_engine, make_seq, reference_greedy, run_all
 

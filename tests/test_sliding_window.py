@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from cache_backends import kernels
-from cache_backends.base import ModelGeometry, layer_windows
+from cache_backends.geometry import ModelGeometry, layer_windows
 from cache_backends.registry import create
 from cache_backends.store_path import StorePath
 from tests.engine_helpers import PagedDriver, with_eager_twin

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from cache_backends import kernels
-from cache_backends.base import ModelGeometry
+from cache_backends.geometry import ModelGeometry
 from cache_backends.registry import create
 from cache_backends.store_path import StorePath
 from server.engine.kv_cache import PagedStore
@@ -327,7 +327,7 @@ def test_kvserve_estimate_prices_the_capacity():
 
 
 def test_the_quality_budget_is_warned_of_a_capacity_it_never_exceeds(tiny):
-    from server.quality_budget import PRICE_WINDOW
+    from server.quality_price import PRICE_WINDOW
 
     geometry = _geometry(tiny[0])
     says = create("snapkv", geometry).window_warning(PRICE_WINDOW)

@@ -51,7 +51,7 @@ def test_model_folder_without_calibration_slice_calibrates_on_the_packaged_text(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from cache_backends.base import ModelGeometry
+    from cache_backends.geometry import ModelGeometry
     from cache_backends.calibration import DEFAULT_TEXT, calibration_file, calibration_ids
     from cache_backends.registry import create
 

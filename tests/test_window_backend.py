@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from cache_backends import kernels
-from cache_backends.base import ModelGeometry
+from cache_backends.geometry import ModelGeometry
 from cache_backends.registry import create
 from cache_backends.store_path import StorePath
 from tests.engine_helpers import PagedDriver, with_eager_twin
@@ -429,7 +429,7 @@ def test_settings_refuse_an_unsupported_composition_with_the_reason():
 def test_a_window_the_quality_budget_cannot_see_past_is_warned_about(tiny):
     """The budget prices on windows of 512 tokens: a ``window`` of 512 or more never drops a token there, so its
     price says nothing about longer contexts; the warning names the window and the priced length."""
-    from server.quality_budget import PRICE_WINDOW
+    from server.quality_price import PRICE_WINDOW
 
     geometry = _geometry(tiny[0])
     says = create("window", geometry).window_warning(PRICE_WINDOW)

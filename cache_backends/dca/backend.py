@@ -8,7 +8,9 @@ import time
 
 import torch
 
-from cache_backends.base import KVBackend, KVLayer, KVStore, ModelGeometry
+from cache_backends.base import KVBackend
+from cache_backends.geometry import ModelGeometry
+from cache_backends.kv_store import KVLayer, KVStore
 from cache_backends.dca.maps import LayerMap, fit_full_linear_map
 from cache_backends.dca.paged import (DCAStepMeta, _CandidateRead, _exact_mask, _similarity_rows, _Source,
                                       attend_through_map)

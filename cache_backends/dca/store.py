@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from cache_backends.attention import LayerRead, attend_kv
-from cache_backends.base import KVLayer, KVStore
+from cache_backends.kv_store import KVLayer, KVStore
 from cache_backends.dca.maps import LayerMap
 from cache_backends.dca.plan import PROBE_WINDOW, runtime_threshold, window_start
 from cache_backends.dca.similarity import similarity, token_similarity

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from cache_backends.base import KVBackend, ModelGeometry
+from cache_backends.base import KVBackend
+from cache_backends.geometry import ModelGeometry
 from cache_backends.full.backend import FullLayer
 from cache_backends.kv_spec import KVSpec, Quantization, kv_streams
 from cache_backends.paged_attention import attend_pair
+from cache_backends.quant_formats import BITS, bits_choices
 
 
 class ElasticBackend(KVBackend):
@@ -49,8 +51,8 @@ class ElasticBackend(KVBackend):
             raise ValueError(f"elastic group_size={group_size} must be >= 1")
         if window < 0:
             raise ValueError(f"elastic window={window} must be >= 0")
-        if bits not in (4, 8):
-            raise ValueError(f"elastic bits={bits} must be 4 or 8")
+        if bits not in BITS:
+            raise ValueError(f"elastic bits={bits} must be {bits_choices()}")
         super().__init__(geometry, group_size=group_size, window=window, bits=bits)
         self.group_size, self.window, self.bits = group_size, window, bits
         self.quantization = Quantization(group_size, None, bits, bits, window=window)  # filled on demand only

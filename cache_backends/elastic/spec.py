@@ -2,6 +2,7 @@
 
 from cache_backends.declaration import BackendDecl, Option
 from cache_backends.kv_spec import Quantization
+from cache_backends.quant_formats import BITS, bits_choices
 from cache_backends.sizes import Shape, per_head_streams
 from cache_backends.kv_spec import KVSpec
 
@@ -28,8 +29,8 @@ DECLARATIONS = (
                  Option("window", int, 32, low=0, setting="kv_elastic_window",
                         help="elastic: newest tokens of a sequence that stay exact when the pool runs short (its "
                              "group size is KV_INT8_GROUP_SIZE)."),
-                 Option("bits", int, 8, choices=(4, 8), setting="kv_elastic_bits",
-                        help="elastic: code width of the compressed tier, 8 or 4.")),
+                 Option("bits", int, 8, choices=BITS, setting="kv_elastic_bits",
+                        help=f"elastic: code width of the compressed tier, {bits_choices(8)}.")),
         size_is_range=True, order=5,
         quantization=lambda p: Quantization(p["group_size"], None, p["bits"], p["bits"], window=p["window"]),
         min_bytes_per_token=_least, uncompressed=_uncompressed),

@@ -15,7 +15,8 @@ import torch
 
 from cache_backends.absorbed_mla import absorbed_attention, install_absorbed_attention
 from cache_backends.attention import attend_kv
-from cache_backends.base import FullStorage, KVBackend, StreamPairLayer
+from cache_backends.base import KVBackend
+from cache_backends.kv_store import FullStorage, StreamPairLayer
 from cache_backends.kv_spec import KVSpec, StreamSpec, kv_streams
 from cache_backends.paged_attention import attend_pair
 

@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import torch
 
-from cache_backends.base import KVBackend, ModelGeometry, StreamPairLayer
+from cache_backends.base import KVBackend
+from cache_backends.geometry import ModelGeometry
+from cache_backends.kv_store import StreamPairLayer
 from cache_backends.int8.backend import attend_stored, make_storage, quant_spec, storage_reserved_bytes
 from cache_backends.kv_spec import KVSpec, Quantization, kv_streams
 from cache_backends.paged_attention import attend_pair

@@ -9,9 +9,9 @@ stay in full precision: once ``residual + group_size`` tokens are unquantized, t
 
 Bits (``key_bits``, ``value_bits``: 8 or 4 each; ``int4`` is this backend with 4 and 4, ``int8`` with 8 and 8,
 ``int8:value_bits=4`` the keys-8/values-4 mix vLLM calls ``k8v4``). 8-bit codes are int8 in [-128, 127];
-4-bit codes are unsigned nibbles in [0, 15], two per byte (:func:`pack4`: channel j in the low nibble of byte
-j, channel j + d/2 in the high nibble), so a 4-bit stream's codes are (…, d/2) uint8: real bytes, no wider copy.
-Either way ``value = code * scale + zero`` (the zero point absorbs the offset). A 4-bit stream keeps its scales
+4-bit codes are unsigned nibbles in [0, 15], two per byte (:func:`cache_backends.quant.pack`: channel j in the low
+nibble of byte j, channel j + d/2 in the high nibble), so a 4-bit stream's codes are (…, d/2) uint8: real bytes, no
+wider copy. Either way ``value = code * scale + zero`` (the zero point absorbs the offset). A 4-bit stream keeps its scales
 and zero points in a 2-byte float (:func:`scale_dtype`: the model dtype if it has 2 bytes, else float16, as
 KIVI and llama.cpp's ``q4_0`` do): in fp32 they would cost as much as the 4-bit codes themselves at group
 size 32 and head_dim 32 (0.25 bytes per value each). 8-bit streams keep the model dtype, as before.
@@ -41,7 +41,8 @@ residual window: :meth:`cache_backends.kv_spec.KVSpec.bytes_at`); 4-bit codes ha
 directly (scales folded into the query and the attention weights, :meth:`Int8Storage.dot` and
 :meth:`Int8Storage.weighted_sum`); nothing full-precision but the residual window survives a step.
 
-The kernels (:func:`pack4`, :func:`scale_dtype`, :func:`hadamard`, the products on the codes) are
+Each width's format is one row of :data:`cache_backends.quant_formats.FORMATS`. The kernels (:func:`pack`,
+:func:`scale_dtype`, :func:`hadamard`, the products on the codes) are
 :mod:`cache_backends.quant`'s, a leaf the paged reads share.
 """
 
@@ -50,11 +51,14 @@ from __future__ import annotations
 import torch
 
 from cache_backends.attention import grouped_query, ungroup
-from cache_backends.base import FullStorage, KVBackend, ModelGeometry, StreamPairLayer
+from cache_backends.base import KVBackend
+from cache_backends.geometry import ModelGeometry
+from cache_backends.kv_store import FullStorage, StreamPairLayer
 from cache_backends.buffer import TokenBuffer
 from cache_backends.kv_spec import KVSpec, Quantization, kv_streams, scale_bytes
 from cache_backends.paged_attention import attend_pair
-from cache_backends.quant import BITS, codes_dot, codes_weighted_sum, dequantize_codes, pack, quantize, rotate
+from cache_backends.quant import codes_dot, codes_weighted_sum, dequantize_codes, pack, quantize, rotate
+from cache_backends.quant_formats import BITS, bits_choices, code_format, width_refusal
 
 class Int8Storage:
     """A stream of per-token vectors, (batch, heads, seq_len, width), held as 8- or 4-bit codes plus a residual
@@ -105,7 +109,7 @@ class Int8Storage:
     def reserved_bytes(axis: str, group_size: int, residual: int, max_tokens: int, heads: int, width: int,
                        dtype_bytes: int, bits: int = 8) -> int:
         """The most bytes a storage reserved for ``max_tokens`` can allocate (codes, scales, zeros, window)."""
-        codes = max_tokens * heads * width * bits // 8
+        codes = code_format(bits).code_bytes(max_tokens * heads * width)
         sb = scale_bytes(bits, dtype_bytes)
         if axis == "channel":
             scales = 2 * max(1, max_tokens // group_size) * heads * width * sb
@@ -227,7 +231,7 @@ def attend_stored(query: torch.Tensor, key_store, value_store, scaling: float) -
 
     Args:
         query: (1, Hq, 1, d) with Hq a multiple of the stores' heads H.
-        key_store, value_store: :class:`Int8Storage` or :class:`cache_backends.base.FullStorage`,
+        key_store, value_store: :class:`Int8Storage` or :class:`cache_backends.kv_store.FullStorage`,
             (1, H, T, d) each.
 
     Returns:
@@ -280,10 +284,11 @@ def check_quantize(prefix: str, group_size: int, residual: int, key_bits: int, v
         raise ValueError(f"{prefix}_RESIDUAL={residual} must be >= 0")
     for var, bits in (("KEY_BITS", key_bits), ("VALUE_BITS", value_bits)):
         if bits not in BITS:
-            raise ValueError(f"{prefix}_{var}={bits} must be 4 or 8")
-    odd = [w for w in widths if w % 2]
-    if 4 in (key_bits, value_bits) and odd:
-        raise ValueError(f"4-bit codes pack two channels per byte: a stream width of {odd[0]} must be even")
+            raise ValueError(f"{prefix}_{var}={bits} must be {bits_choices()}")
+    for width in widths:
+        why = width_refusal(width, f"a stream width of {width}", key_bits, value_bits)
+        if why:
+            raise ValueError(why)
 
 
 class Int8Backend(KVBackend):

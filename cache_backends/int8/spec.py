@@ -3,18 +3,19 @@ window, optionally Hadamard-rotated (QuaRot, arXiv 2404.00456). One backend, two
 
 from cache_backends.declaration import BackendDecl, Option
 from cache_backends.kv_spec import Quantization
+from cache_backends.quant_formats import BITS, bits_choices
 
 
 def _options(name: str, bits: int) -> tuple[Option, ...]:
-    other = 4 if bits == 8 else 8
+    widths = bits_choices(bits)  # "8 or 4": this name's width first
     return (Option("group_size", int, 32, low=1, setting=f"kv_{name}_group_size",
                    help=f"{name}: tokens per key quantization group."),
             Option("residual", int, 32, low=0, setting=f"kv_{name}_residual",
                    help=f"{name}: newest tokens kept in full precision."),
-            Option("key_bits", int, bits, choices=(4, 8), setting=f"kv_{name}_key_bits",
-                   help=f"{name}: bits per key code, {bits} or {other}."),
-            Option("value_bits", int, bits, choices=(4, 8), setting=f"kv_{name}_value_bits",
-                   help=f"{name}: bits per value code, {bits} or {other}"
+            Option("key_bits", int, bits, choices=BITS, setting=f"kv_{name}_key_bits",
+                   help=f"{name}: bits per key code, {widths}."),
+            Option("value_bits", int, bits, choices=BITS, setting=f"kv_{name}_value_bits",
+                   help=f"{name}: bits per value code, {widths}"
                         + (" (4: vLLM's k8v4 mix)." if bits == 8 else ".")),
             Option("rotate", bool, False, setting=f"kv_{name}_rotate",
                    help=f"{name}: Hadamard-rotate K/V before quantizing (QuaRot)."))

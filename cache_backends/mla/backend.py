@@ -29,12 +29,15 @@ from tqdm import tqdm
 
 from cache_backends.absorbed_mla import absorbed_attention, install_absorbed_attention
 from cache_backends.attention import grouped_query, ungroup
-from cache_backends.base import KVBackend, KVLayer, KVStore, ModelGeometry
+from cache_backends.base import KVBackend
+from cache_backends.geometry import ModelGeometry
+from cache_backends.kv_store import KVLayer, KVStore
 from cache_backends.full.backend import FullLayer
 from cache_backends.int8.backend import make_storage, quant_spec, storage_reserved_bytes
 from cache_backends.kv_spec import KVSpec, Quantization, StreamSpec
 from cache_backends.paged import StreamRead
 from cache_backends.paged_attention import group_mask, grouped_rows, masked_softmax, ungroup_rows
+from cache_backends.quant_formats import width_refusal
 from cache_backends.rope import RopeTable
 
 FIT_VERSION = 1  # of the calibration cache entry (bump when the fit changes)
@@ -199,9 +202,9 @@ class MLABackend(KVBackend):
         """
         tier = inner.quantization
         backend = cls(geometry, quantization=tier, **options)
-        if 4 in (tier.key_bits, tier.value_bits) and backend.rank % 2:
-            raise ValueError(f"mla+{inner.name}: 4-bit codes pack two channels per byte: rank={backend.rank} must "
-                             "be even")
+        why = width_refusal(backend.rank, f"rank={backend.rank}", tier.key_bits, tier.value_bits)
+        if why:
+            raise ValueError(f"mla+{inner.name}: {why}")
         return backend
 
     def __init__(self, geometry: ModelGeometry, rank: int | None = None, quantization: Quantization | None = None):

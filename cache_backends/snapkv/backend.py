@@ -41,10 +41,12 @@ import torch
 import torch.nn.functional as F
 
 from cache_backends.attention import causal_mask
-from cache_backends.base import KVBackend, KVLayer, KVStore, ModelGeometry
+from cache_backends.base import KVBackend
 from cache_backends.full.backend import FullBackend
-from cache_backends.outer import InnerLayer, OuterBackend
+from cache_backends.geometry import ModelGeometry
 from cache_backends.kv_spec import KVSpec
+from cache_backends.kv_store import KVLayer, KVStore
+from cache_backends.outer import InnerLayer, OuterBackend
 from cache_backends.page_layout import PageLayout
 from cache_backends.page_plan import Plan, SeqBlocks, TierPlan
 from cache_backends.paged import write_layer

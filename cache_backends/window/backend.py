@@ -36,7 +36,9 @@ import logging
 import torch
 
 from cache_backends.attention import attend_kv
-from cache_backends.base import KVBackend, KVLayer, ModelGeometry
+from cache_backends.base import KVBackend
+from cache_backends.geometry import ModelGeometry
+from cache_backends.kv_store import KVLayer
 from cache_backends.sizes import window_rules
 from cache_backends.full.backend import FullBackend
 from cache_backends.hybrid import HybridLayout

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from cache_backends.base import ModelGeometry
+from cache_backends.geometry import ModelGeometry
 from cache_backends.registry import create
 from cache_backends.spec import format_spec, parse_spec
 from cache_backends.store_path import StorePath
@@ -120,11 +120,11 @@ def bytes_vs_context(model, backend, token_ids: list[int], contexts=(128, 256, 5
 
 
 def long_scorer(model, geometry, tokenizer, calib_ids: list[int], length: int):
-    """A :class:`server.quality_budget.Scorer` with the long input of ``length`` tokens built from the calibration
+    """A :class:`server.quality_price.Scorer` with the long input of ``length`` tokens built from the calibration
     text (:func:`server.long_context.build_long_probe`): it prices the ``@budget`` entries as the server does and
     every setting on the long input."""
     from server.long_context import build_long_probe
-    from server.quality_budget import Scorer
+    from server.quality_price import Scorer
 
     return Scorer(model, geometry, calib_ids, long_probe=build_long_probe(tokenizer, calib_ids, length))
 
@@ -155,7 +155,8 @@ def run(args) -> dict:
         bar.set_postfix_str(spec)
         timed = Phases()
         if spec.endswith(BUDGETED):  # the setting the quality budget chooses (as the server does at start-up)
-            from server.quality_budget import Scorer, choose
+            from server.quality_budget import choose
+            from server.quality_price import Scorer
 
             name = spec.removesuffix(BUDGETED)
             scorer = scorer or Scorer(model, geometry, calib_ids)

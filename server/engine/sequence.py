@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable
 if TYPE_CHECKING:  # annotations only: the scheduler reads sequences and stays torch-free
     import torch
 
-    from cache_backends.base import KVStore
+    from cache_backends.kv_store import KVStore
     from server.engine.sampling import SamplingParams
 
 _ids = itertools.count()
