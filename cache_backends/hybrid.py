@@ -29,9 +29,22 @@ the backend imposes (``sinks`` not ``None``; on a model's own sliding layers it 
 being freed; every other page the window leaves goes back to the pool. The group holds ``min(sinks, first)`` tokens
 besides its live ones (:meth:`HybridLayout.stored_bytes`), in at most ``ceil(sinks / tier_tokens)`` pages.
 
-An on-demand tier (``elastic``, quantized when the pool runs short) keeps every token in every layer. A hybrid layout
-is not prefix-cached (a hit would need the sliding groups' last window of blocks as well as every block of the
-global group: vLLM's rule, not done here).
+An on-demand tier (``elastic``, quantized when the pool runs short) keeps every token in every layer.
+
+*Prefix caching* (vLLM's hybrid KV cache manager: ``HybridKVCacheCoordinator``, ``SlidingWindowManager``), exact
+layouts with no sinks (:attr:`HybridLayout.cacheable`). Each group keys its full blocks on its own chain of hashes
+(the sequence's root and the group's index, then the tokens, ``exact_tokens`` of the group a block: one entry per
+group for the same tokens, :func:`server.engine.prefix_cache.group_root`), registered as a step completes them
+(:meth:`HybridLayout.full_blocks`, before the window's commit can free them). A sliding group's block is a whole
+aligned page (its FIFO's pages hold positions ``[b * exact_tokens, (b + 1) * exact_tokens)``, its first live slot
+moving inside the first one); a page the window leaves goes back to the pool as any released cached page does:
+kept, evictable, until the pool needs it. A cached prefix of ``L`` tokens (a multiple of
+:attr:`HybridLayout.cache_block_tokens`, every group's block size) is a hit only if every global group holds each
+of its blocks of ``[0, L)`` and every sliding group of window ``W`` the blocks that cover ``[L - W + 1, L)`` (what
+the next query sees); its earlier blocks are not needed (null) (:meth:`HybridLayout.cache_hit`: the longest such
+``L``). A quantized layout is not cached: a sliding group's window is its exact residual (rewritten as it slides,
+never shared) over whole code pages that leave by another rule, so a hit would need its own walk. Neither is a
+``window`` group (sinks): a hit would need its sink pages beside the window's blocks.
 
 Plain Python but for :class:`HybridStepMeta` (torch, through :class:`cache_backends.step_meta.StepMeta`).
 """
@@ -85,7 +98,6 @@ class HybridLayout:
     """
 
     on_demand = False
-    cacheable = False  # see the module
 
     def __init__(self, groups: list[PageLayout], windows: list[int | None], layers: list[list[int]],
                  sinks: list[int | None] | None = None):
@@ -96,7 +108,9 @@ class HybridLayout:
         self.quantization = groups[0].quantization  # every group's: one backend's tier
         self.page_bytes = groups[0].page_bytes
         self.exact_tokens = min(g.exact_tokens for g in groups)
-        self.cache_block_tokens = self.exact_tokens
+        # prefix caching (the module): exact layouts, no sinks; a hit is whole blocks of every group
+        self.cacheable = not self.quantization and all(s is None for s in self.sinks)
+        self.cache_block_tokens = math.lcm(*(g.exact_tokens for g in groups)) if self.cacheable else self.exact_tokens
         where = {layer: (g, j) for g, group in enumerate(layers) for j, layer in enumerate(group)}
         self.where = [where[layer] for layer in range(len(where))]  # layer → (group, index in the group)
 
@@ -107,10 +121,80 @@ class HybridLayout:
 
     # ---- tables ---------------------------------------------------------------------------------------
     def cached_prefix(self, pages: list[int]) -> HybridBlocks:
-        """Empty tables (a hybrid layout is not prefix-cached: ``pages`` is always empty)."""
-        if pages:
-            raise ValueError("hybrid blocks are not prefix-cached")
-        return HybridBlocks([SeqBlocks() for _ in self.groups])
+        """The tables of a sequence that starts with a prefix-cache hit (:meth:`cache_hit`): ``pages`` lists each
+        group's blocks of the ``L`` cached tokens in group order, ``L / exact_tokens`` of them a group, a sliding
+        group's blocks before its window null. A sliding group's tables are then what a step ending at ``L`` leaves
+        (:meth:`commit`): its pages from the one that holds ``L - W + 1`` on. ``[]``: empty tables."""
+        if not pages:
+            return HybridBlocks([SeqBlocks() for _ in self.groups])
+        if not self.cacheable:
+            raise ValueError("these hybrid blocks are not prefix-cached")
+        bt = self.cache_block_tokens
+        length = len(pages) // sum(bt // g.exact_tokens for g in self.groups) * bt
+        tables, i = [], 0
+        for layout, window in zip(self.groups, self.windows):
+            te = layout.exact_tokens
+            own, i = pages[i : i + length // te], i + length // te
+            if window is None:
+                tables.append(SeqBlocks(exact=list(own), exact_len=length))
+                continue
+            first = max(0, length - (window - 1))
+            lo = first // te
+            tables.append(SeqBlocks(exact=list(own[lo:]), start=first - lo * te, exact_len=length - first,
+                                    first=first))
+        return HybridBlocks(tables, length)
+
+    def cache_hit(self, cached, hashes: list[list[bytes]], most: int) -> list[int]:
+        """The longest prefix-cache hit of at most ``most`` tokens (the module's rule), as :meth:`cached_prefix`
+        reads it; ``[]`` for none.
+
+        Args:
+            cached: a block's hash -> the page that holds it, or ``None``.
+            hashes: each group's chain of block hashes of the context (at least its first ``most`` tokens').
+            most: the most tokens the hit may cover.
+        """
+        bt = self.cache_block_tokens
+        length = most // bt * bt
+        for layout, window, own in zip(self.groups, self.windows, hashes):
+            if window is None:  # the longest run of blocks from position 0
+                te, run = layout.exact_tokens, 0
+                while run < length // te and cached(own[run]) is not None:
+                    run += 1
+                length = min(length, run * te // bt * bt)
+
+        def window_held(end: int) -> bool:
+            for layout, window, own in zip(self.groups, self.windows, hashes):
+                te = layout.exact_tokens
+                if window is not None and any(cached(h) is None
+                                              for h in own[max(0, end - (window - 1)) // te : end // te]):
+                    return False
+            return True
+
+        while length > 0 and not window_held(length):
+            length -= bt
+        out = []
+        for layout, window, own in zip(self.groups, self.windows, hashes):
+            te = layout.exact_tokens
+            lo = 0 if window is None else max(0, length - (window - 1)) // te
+            out += [NULL_PAGE] * lo + [cached(h) for h in own[lo : length // te]]
+        return out
+
+    def full_blocks(self, blocks: HybridBlocks, plan: HybridPlan) -> list[tuple[int, int, int]]:
+        """``(group, block, page)`` of each block a step of ``plan`` completes (between the step and its
+        :meth:`commit`, which may free a sliding group's: register them first). A block ``b`` of a group holds
+        positions ``[b * exact_tokens, (b + 1) * exact_tokens)``; a sliding group's first page holds block
+        ``(first - start) / exact_tokens``."""
+        end, out = blocks.length + plan.n, []
+        for g, (layout, own) in enumerate(zip(self.groups, blocks.groups)):
+            te = layout.exact_tokens
+            base = (own.first - own.start) // te
+            out += [(g, b, own.exact[b - base]) for b in range(blocks.length // te, end // te)]
+        return out
+
+    @staticmethod
+    def release_order(blocks: HybridBlocks) -> list[int]:
+        """Every page of ``blocks``, each group's deepest block first (first in line for eviction)."""
+        return [p for own in blocks.groups for p in own.pages()[::-1]]
 
     def plan(self, blocks: HybridBlocks, n: int) -> HybridPlan:
         """Each group's pages for ``n`` more tokens; a sliding group's plan also frees, at commit, its front pages

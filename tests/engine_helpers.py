@@ -88,6 +88,22 @@ def first_compression(engine: Engine) -> list[int]:
     return seen
 
 
+def serve_counting_pages(engine: Engine, prompt_ids: list[int], max_new_tokens: int,
+                         backend: str = "full") -> tuple[Sequence, int]:
+    """``prompt_ids`` served alone, greedily to ``max_new_tokens`` (end-of-text ignored): the sequence, and the pages
+    its run took from the pool."""
+    blocks, taken = engine.scheduler.kv.blocks, []
+    allocate = blocks.allocate
+    blocks.allocate = lambda n: taken.extend(allocate(n)) or taken[len(taken) - n:]
+    seq = Sequence(request_id=str(prompt_ids[:4]), prompt_ids=list(prompt_ids), max_new_tokens=max_new_tokens,
+                   params=SamplingParams(ignore_eos=True), stop=[], emit=None, backend_name=backend)
+    try:
+        run_all(engine, [seq])
+    finally:
+        del blocks.allocate
+    return seq, len(taken)
+
+
 def reference_greedy(model, tokenizer, prompt: str, max_new_tokens: int) -> list[int]:
     ids = torch.tensor([tokenizer.encode(prompt)], device=model.device)
     out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id,

@@ -7,6 +7,7 @@ RoPE base 10,000 on sliding layers and 1,000,000 on global ones. Skipped when th
   prompts of 600-1500 tokens, longer than the window: in one batch with chunked prefills beside decodes, on the
   attention kernel, and alone on the torch path;
 * ``full`` holds every token in the global layers and the newest 511 in the sliding ones, the bytes its sums say;
+* ``full`` prefix-caches a prefix longer than the window (vLLM's hybrid rule): a hit, fewer pages, a miss's tokens;
 * ``int8`` and ``int4`` hold every token in the global layers and, in the sliding ones, the pages of codes the window
   still sees beside their residual window: fewer bytes than ``full``, the greedy tokens of every token kept;
 * ``int8`` and ``int4`` serve it: greedy tokens read in ``full``'s context (teacher forcing) agree with ``full``'s;
@@ -127,6 +128,29 @@ def test_full_holds_the_global_layers_every_token_and_the_sliding_layers_their_w
     assert held == 6144 * length + 15 * 511 * 2048
     assert held == pytest.approx(backend.bytes_per_token_per_layer(length) * length * 18, rel=1e-12)
     assert driver.manager.num_free == 200 - 1 - len(blocks.pages())
+
+
+def test_full_prefix_caches_a_prefix_longer_than_the_window(gemma):
+    """Two requests sharing a 1,200-token prefix (2.3 windows; blocks of 80 tokens, the global group's page and five
+    of the sliding group's): the second takes all 1,200 from the cache (every global block, and the sliding layers'
+    blocks of its last 511 tokens), allocates 4 pages where a miss takes 94, and decodes a miss's greedy tokens; the
+    pool is whole afterwards."""
+    from cache_backends.calibration import calibration_ids
+    from tests.engine_helpers import serve_counting_pages
+
+    model, tok = gemma
+    ids = calibration_ids(model, tok, max_tokens=8192)
+    prefix = ids[1:1201]
+
+    engine = make_engine(model, tok, "full", prefill_chunk_tokens=256)
+    assert engine.scheduler.kv.layouts["full"].cache_block_tokens == 80
+    serve_counting_pages(engine, prefix + ids[3000:3040], 16)
+    hit, taken = serve_counting_pages(engine, prefix + ids[4000:4030], 16)
+    miss, taken_miss = serve_counting_pages(make_engine(model, tok, "full", prefill_chunk_tokens=256,
+                                                        prefix_caching=False), prefix + ids[4000:4030], 16)
+    assert (hit.cached_tokens, miss.cached_tokens, taken, taken_miss) == (1200, 0, 4, 94)
+    assert hit.output_ids == miss.output_ids
+    assert engine.scheduler.kv.blocks.num_free == engine.scheduler.kv.blocks.usable_pages
 
 
 @pytest.mark.parametrize("name", ["int8", "int4"])

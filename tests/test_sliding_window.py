@@ -389,3 +389,136 @@ def test_the_pages_a_walk_holds_stay_within_the_admission_bounds(tiny, name, opt
                 if blocks.tokens == prompt:
                     assert len(blocks.pages()) == len(stored.pages())  # the stored form is any chunking's
             assert most <= bound, (chunk, prompt)
+
+
+# ---- prefix caching (cache_backends.hybrid: vLLM's hybrid rule) -------------------------------------------------
+def _hybrid_layout(tiny, name: str = "full", **options):
+    backend = create(name, ModelGeometry.from_config(tiny[0].config, torch.float32), **options)
+    return backend.page_layout(torch.float32, -(-backend.block_bytes(4) // 64) * 64)
+
+
+def test_a_hybrid_hit_needs_every_global_block_and_the_sliding_blocks_of_the_last_window(tiny):
+    """The rule on keys alone: the global group (12 tokens a page, one layer) must hold every block of ``[0, L)``,
+    the sliding group (4 tokens a page, three layers, window 8) the blocks of ``[L - 7, L)``; its earlier blocks are
+    null in the hit. The hit's tables are what a walk to ``L`` leaves, and quantized or ``window`` layouts are not
+    cached."""
+    layout = _hybrid_layout(tiny)
+    (te_g, te_s), bt = [g.exact_tokens for g in layout.groups], layout.cache_block_tokens
+    assert (te_g, te_s, bt, layout.windows) == (12, 4, 12, [None, WINDOW]) and layout.cacheable
+    hashes = [[b"g%d" % i for i in range(10)], [b"s%d" % i for i in range(30)]]
+    pages = {h: 100 + i for i, h in enumerate(hashes[0] + hashes[1])}
+
+    def hit(missing=()):
+        return layout.cache_hit(lambda h: None if h in missing else pages[h], hashes, 61)
+
+    full = hit()
+    assert len(full) == 60 // te_g + 60 // te_s
+    blocks = layout.cached_prefix(full)
+    walked = layout.written(layout.cached_prefix([]), 60)
+    assert blocks.length == 60 and blocks.groups[0].exact == [pages[h] for h in hashes[0][:5]]
+    for own, ref in zip(blocks.groups, walked.groups):
+        assert (own.first, own.start, own.exact_len, len(own.exact)) == (ref.first, ref.start, ref.exact_len,
+                                                                           len(ref.exact))
+    assert blocks.groups[1].exact == [pages[hashes[1][13]], pages[hashes[1][14]]]  # [52, 60) holds [53, 60)
+    assert full[5 : 5 + 13] == [0] * 13  # the sliding blocks before the window: null
+    assert len(hit(missing=hashes[1][:13])) == len(full)  # blocks the window left are not needed
+    short = hit(missing=[hashes[1][14]])  # [56, 60) gone: the longest L whose window is held is 48 ([41, 48))
+    assert layout.cached_prefix(short).length == 48
+    assert layout.cached_prefix(hit(missing=[hashes[1][11], hashes[1][14]])).length == 36  # 48 needs [44, 48)
+    assert layout.cached_prefix(hit(missing=[hashes[0][2]])).length == 24  # the global run ends at block 2
+    assert hit(missing=[hashes[0][0]]) == [] and hit(missing=hashes[1][2:]) == []
+    for name, options in QUANTIZED:
+        assert not _hybrid_layout(tiny, name, **options).cacheable
+    assert not _hybrid_layout(tiny, "window", window=16, sinks=4).cacheable
+
+
+def _tiny_engine(tiny, prefix_caching: bool = True):
+    from transformers import AutoTokenizer
+
+    from server.engine.setup import build_engine
+    from tests.conftest import MODEL_DIR
+
+    backend = create("full", ModelGeometry.from_config(tiny[0].config, torch.float32))
+    return build_engine(tiny[0], AutoTokenizer.from_pretrained(str(MODEL_DIR)), {"full": backend}, set(),
+                        max_batch_size=4, budget_bytes=None, max_total_tokens=256, block_size=4,
+                        prefill_chunk_tokens=16, prefix_caching=prefix_caching)
+
+
+def _tiny_serve(engine, ids: list[int]):
+    from tests.engine_helpers import serve_counting_pages
+
+    return serve_counting_pages(engine, ids, 12)
+
+
+def test_a_hybrid_prefix_longer_than_the_window_is_a_hit_with_the_same_tokens(tiny):
+    """A second request sharing a 60-token prefix (7.5 windows) prefills only past its 60 cached tokens, allocates
+    fewer pages, and decodes the tokens it decodes with no prefix cache; every page is back in the pool after each
+    request (free count), the blocks kept evictable."""
+    torch.manual_seed(2)
+    prefix = torch.randint(3, 128, (60,)).tolist()
+    first, second = prefix + [5, 6, 7], prefix + [9, 10, 11, 12]
+    engine = _tiny_engine(tiny)
+    kv = engine.scheduler.kv
+    usable = kv.blocks.usable_pages
+    assert kv.info()["prefix_cached_backends"] == ["full"]
+    _tiny_serve(engine, first)
+    assert kv.blocks.num_free == usable and kv.blocks.num_evictable > 0
+    seq, taken = _tiny_serve(engine, second)
+    assert kv.blocks.num_free == usable and kv.blocks.num_used == 0
+    miss, taken_miss = _tiny_serve(_tiny_engine(tiny, prefix_caching=False), second)
+    assert (seq.cached_tokens, miss.cached_tokens) == (60, 0)
+    assert seq.output_ids == miss.output_ids
+    assert taken < taken_miss  # 5 global blocks, and the 13 sliding pages its window would have passed through
+    with kernels.using("torch"):  # the torch path reads the hit's tables the same way
+        again, _ = _tiny_serve(engine, second)
+    assert again.cached_tokens == 60 and again.output_ids == miss.output_ids
+
+
+def test_a_hybrid_prefix_whose_window_blocks_were_evicted_is_recomputed(tiny):
+    """Pages taken under pressure evict the cached blocks released first (the sliding blocks the window left during
+    the first request, then the global blocks deepest first): the second request gets a shorter hit or none, and the
+    same tokens; the pool is whole afterwards."""
+    torch.manual_seed(3)
+    prefix = torch.randint(3, 128, (60,)).tolist()
+    second = prefix + [9, 10, 11, 12]
+    engine = _tiny_engine(tiny)
+    kv = engine.scheduler.kv
+    _tiny_serve(engine, prefix + [5, 6, 7])
+    kept = 10  # of the cached pages: those released last (the global blocks and the last window's)
+    kv.blocks.free(kv.blocks.allocate(kv.blocks.num_free - kept))
+    assert kv.blocks.num_evictable == kept
+    seq, _ = _tiny_serve(engine, second)
+    miss, _ = _tiny_serve(_tiny_engine(tiny, prefix_caching=False), second)
+    assert seq.cached_tokens < 60 and seq.output_ids == miss.output_ids
+    assert kv.blocks.num_free == kv.blocks.usable_pages
+
+
+def test_a_hybrid_hit_shares_the_pages_of_a_running_request(tiny):
+    """A second request admitted while the first decodes takes the first's blocks (the global ones it holds, the
+    sliding ones its window left, now evictable, and those it still holds): both decode what they decode alone with no
+    prefix cache, and every page is back in the pool at the end."""
+    from server.engine.sampling import SamplingParams
+    from server.engine.sequence import Sequence
+    from tests.engine_helpers import run_all, run_step, serve_counting_pages
+
+    torch.manual_seed(4)
+    prefix = torch.randint(3, 128, (60,)).tolist()
+    first, second = prefix + [5, 6, 7], prefix + [9, 10, 11, 12]
+    engine = _tiny_engine(tiny)
+    kv = engine.scheduler.kv
+    a = Sequence(request_id="a", prompt_ids=first, max_new_tokens=30, params=SamplingParams(ignore_eos=True), stop=[],
+                 emit=None, backend_name="full")
+    engine.submit(a)
+    while len(a.output_ids) < 3:
+        run_step(engine)
+    shared = a.blocks.groups[0].exact[:5]  # its global blocks of [0, 60)
+    b = Sequence(request_id="b", prompt_ids=second, max_new_tokens=12, params=SamplingParams(ignore_eos=True),
+                 stop=[], emit=None, backend_name="full")
+    engine.submit(b)
+    run_step(engine)
+    assert b.cached_tokens == 60 and [kv.blocks.ref[p] for p in shared] == [2] * 5
+    run_all(engine, [])
+    alone = _tiny_engine(tiny, prefix_caching=False)
+    assert a.output_ids == serve_counting_pages(alone, first, 30)[0].output_ids
+    assert b.output_ids == serve_counting_pages(alone, second, 12)[0].output_ids
+    assert kv.blocks.num_free == kv.blocks.usable_pages

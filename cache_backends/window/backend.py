@@ -25,8 +25,9 @@ freed; the sinks' codes are kept). No full-precision copy of a dropped token is 
 reference stores (:meth:`WindowBackend.new_store`, calibration and the quality budget) keep every token of the inner
 backend and mask them.
 
-A windowed layout is not prefix-cached (:attr:`cache_backends.hybrid.HybridLayout.cacheable`: vLLM's hybrid rule,
-a hit needing each window group's last window of blocks, is not implemented).
+A windowed layout is not prefix-cached (:attr:`cache_backends.hybrid.HybridLayout.cacheable`: a hit would need each
+group's sink pages beside the last window of blocks that vLLM's hybrid rule asks for, which ``full`` follows on a
+model's own sliding layers).
 """
 
 from __future__ import annotations

@@ -122,6 +122,10 @@ class BlockManager:
             pages.append(p)
         return pages
 
+    def cached_page(self, block_hash: bytes) -> int | None:
+        """The page that holds block ``block_hash``, or ``None``."""
+        return self._page_of.get(block_hash)
+
     def evictable_among(self, pages: list[int]) -> int:
         """How many of ``pages`` no sequence holds now (taking them lowers :attr:`num_free`)."""
         return sum(1 for p in pages if self.ref[p] == 0)

@@ -24,7 +24,10 @@ under its chained hash (:mod:`server.engine.prefix_cache`); at admission a seque
 cached blocks its context starts with, and prefills only the rest. An int8-family backend shares its
 quantized pages (whole groups, whose codes depend on the tokens before them only,
 :class:`cache_backends.step_meta.StepMeta`); its exact pages are the residual window and are never shared.
-``dca``, whose reuse is decided from the whole prompt, is not cached.
+``dca``, whose reuse is decided from the whole prompt, is not cached. A hybrid model's exact layout keys each window
+group's blocks on its own chain and hits a prefix only where its global groups hold every block and its sliding
+groups the blocks of their last window (:mod:`cache_backends.hybrid`, vLLM's rule): its sliding groups' blocks the
+window leaves stay cached, evictable, as a finished sequence's do.
 """
 
 from __future__ import annotations
@@ -35,10 +38,10 @@ from dataclasses import dataclass
 import torch
 
 from cache_backends.base import KVBackend
-from cache_backends.page_plan import Plan, SeqBlocks
+from cache_backends.page_plan import NULL_PAGE, Plan, SeqBlocks
 from cache_backends.page_layout import PageLayout
 from server.engine.block_manager import BlockManager
-from server.engine.prefix_cache import extend_hashes, root_key
+from server.engine.prefix_cache import extend_hashes, group_root, root_key
 from server.engine.sequence import Sequence
 from server.engine.step_plan import MIN_PREFILL_CHUNK
 
@@ -257,14 +260,17 @@ class KVCacheManager:
         """Pages charged to admit ``seq``: what it holds once the tokens it prefills (its prompt, or on
         readmission after a preemption its prompt and the tokens it had generated) are written
         (:meth:`stored_pages`), less the cached blocks it starts with (:meth:`lookup`, kept on ``seq.prefix_hit``
-        for :meth:`start`) unless no sequence holds them now. A prefill
+        for :meth:`start`) unless no sequence holds them now: the stored tables' new pages, and the hit's pages no
+        sequence holds (a hybrid hit's sliding blocks that its window leaves on the way count, though freed again,
+        and are not in the stored tables). A prefill
         step's transient exact pages are not in it (:meth:`transient_pages`: the scheduler keeps the largest
         free once)."""
         seq.prefix_hit = self.lookup(seq)
-        stored = self.stored_pages(seq)
         if not seq.prefix_hit:
-            return stored
-        return stored - len(seq.prefix_hit) + self.blocks.evictable_among(seq.prefix_hit)
+            return self.stored_pages(seq)
+        # the stored tables' new pages (null here; a hybrid hit's sliding blocks the window passes are not in them)
+        new = sum(1 for p in self._stored(seq).pages() if p == NULL_PAGE)
+        return new + self.blocks.evictable_among(seq.prefix_hit)
 
     def pending(self, seq: Sequence) -> int:
         """Pages a running sequence still needs to hold its whole context in stored form (:meth:`stored_pages`
@@ -292,13 +298,28 @@ class KVCacheManager:
             seq.hash_root = root_key(seq.backend_name, self.backends[seq.backend_name].params(), seq.cache_salt)
         return extend_hashes(seq.block_hashes, seq.hash_root, tokens, layout.cache_block_tokens)
 
+    def _group_hashes(self, seq: Sequence, tokens: list[int]) -> list[list[bytes]]:
+        """A hybrid model's chains: each window group's keys of its full blocks of ``tokens``."""
+        layout = self.layouts[seq.backend_name]
+        if seq.hash_root is None:
+            seq.hash_root = root_key(seq.backend_name, self.backends[seq.backend_name].params(), seq.cache_salt)
+        if not seq.group_hashes:
+            seq.group_hashes = [[] for _ in layout.groups]
+        return [extend_hashes(own, group_root(seq.hash_root, g), tokens, group.exact_tokens)
+                for g, (own, group) in enumerate(zip(seq.group_hashes, layout.groups))]
+
     def lookup(self, seq: Sequence) -> list[int]:
         """The cached pages of the longest run of full blocks ``seq``'s context starts with, leaving at least its
-        last token to prefill (its logits give the next token); ``[]`` when it is not :meth:`cacheable`."""
+        last token to prefill (its logits give the next token); ``[]`` when it is not :meth:`cacheable`. A hybrid
+        model's: every group's blocks of the longest prefix its rule hits, null where a window needs none
+        (:meth:`cache_backends.hybrid.HybridLayout.cache_hit`)."""
         if not self.cacheable(seq):
             return []
-        context = seq.context_ids
-        bt = self.layouts[seq.backend_name].cache_block_tokens
+        context, layout = seq.context_ids, self.layouts[seq.backend_name]
+        bt = layout.cache_block_tokens
+        if hasattr(layout, "cache_hit"):
+            most = (len(context) - 1) // bt * bt
+            return layout.cache_hit(self.blocks.cached_page, self._group_hashes(seq, context[:most]), most)
         hashes = self._hashes(seq, context)[: (len(context) - 1) // bt]
         return self.blocks.lookup(hashes)
 
@@ -314,6 +335,15 @@ class KVCacheManager:
         for i in range(seq.registered_blocks, full):
             self.blocks.register(pages[i], hashes[i])
         seq.registered_blocks = full
+
+    def _register_hybrid(self, seq: Sequence, plan) -> None:
+        """Register, under each group's chain, the blocks of a hybrid model's ``seq`` that the step of ``plan``
+        completed (:meth:`cache_backends.hybrid.HybridLayout.full_blocks`)."""
+        done = self.layouts[seq.backend_name].full_blocks(seq.blocks, plan)
+        if done:
+            hashes = self._group_hashes(seq, (seq.prompt_ids + seq.output_ids)[: seq.blocks.length + plan.n])
+            for g, b, page in done:
+                self.blocks.register(page, hashes[g][b])
 
     def held(self, seq: Sequence) -> int:
         """Pages ``seq`` holds now."""
@@ -337,7 +367,7 @@ class KVCacheManager:
         """
         layout = self.layouts[seq.backend_name]
         hit = getattr(seq, "prefix_hit", None) or []
-        self.blocks.acquire(hit)
+        self.blocks.acquire([p for p in hit if p != NULL_PAGE])
         seq.blocks = layout.cached_prefix(hit)
         seq.store = PagedStore(seq.blocks, layout)
         seq.registered_blocks = len(hit)
@@ -362,8 +392,12 @@ class KVCacheManager:
         in the prefix cache (a prompt that wanted every position's log-probability too: it hit nothing, but its
         blocks serve later requests, even when it ends after one token, as ``echo`` with ``max_tokens: 0``).
         ``feedback``: what the runner measured for the row (``dca``'s similarities: its decisions)."""
-        self.blocks.free(self.layouts[seq.backend_name].commit(seq.blocks, plan, feedback))
-        if self.caches_backend(seq.backend_name):
+        layout = self.layouts[seq.backend_name]
+        caching, hybrid = self.caches_backend(seq.backend_name), hasattr(layout, "full_blocks")
+        if caching and hybrid:
+            self._register_hybrid(seq, plan)  # before the commit frees the pages a sliding window leaves
+        self.blocks.free(layout.commit(seq.blocks, plan, feedback))
+        if caching and not hybrid:
             self._register(seq)
 
     # ---- compression under pressure (elastic) --------------------------------------------------------
@@ -425,7 +459,10 @@ class KVCacheManager:
         """Return every page ``seq`` holds (finished, cancelled or preempted); its cached blocks stay in the
         prefix cache, the deepest first in line for eviction."""
         if seq.blocks is not None:
-            if self.layouts[seq.backend_name].cacheable:
+            layout = self.layouts[seq.backend_name]
+            if hasattr(layout, "release_order"):  # a hybrid model's groups
+                self.blocks.free(layout.release_order(seq.blocks))
+            elif layout.cacheable:
                 self.blocks.free(seq.blocks.exact[::-1] + seq.blocks.q[::-1])
             else:
                 self.blocks.free(seq.blocks.pages())

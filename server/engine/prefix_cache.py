@@ -22,6 +22,12 @@ def root_key(backend_name: str, params: dict, salt: str | None) -> bytes:
     return hashlib.blake2b(text.encode(), digest_size=DIGEST).digest()
 
 
+def group_root(root: bytes, group: int) -> bytes:
+    """The root of group ``group``'s chain on a hybrid model (:mod:`cache_backends.hybrid`): each window group keys
+    its own blocks (its pages hold its layers), so the same tokens make one entry per group."""
+    return hashlib.blake2b(root + group.to_bytes(4, "little"), digest_size=DIGEST).digest()
+
+
 def extend_hashes(hashes: list[bytes], root: bytes, tokens: list[int], block_tokens: int) -> list[bytes]:
     """Append to ``hashes`` (the keys of the first ``len(hashes)`` blocks) the key of every further full block of
     ``block_tokens`` tokens in ``tokens``; return ``hashes``."""

@@ -109,6 +109,7 @@ class Sequence:
     prefix_hit: list[int] = field(default_factory=list)  # cached pages admission found, taken at start
     hash_root: bytes | None = None  # its prefix-cache root key (backend, options, salt)
     block_hashes: list[bytes] = field(default_factory=list)  # chained keys of its full blocks so far
+    group_hashes: list[list[bytes]] = field(default_factory=list)  # a hybrid model's: each window group's chain
     registered_blocks: int = 0  # of its blocks, those registered in the prefix cache
     kv_tiers: dict = field(default_factory=dict)  # tokens it holds per tier (exact, int8) at the last measurement
     grammar: Any = None  # server.engine.grammar.GrammarState of a structured output: advanced by each accepted token
