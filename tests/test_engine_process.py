@@ -373,7 +373,7 @@ def test_a_core_whose_server_is_gone_exits():
 
 def test_a_total_length_past_the_models_positions_is_served_with_a_warning(caplog):
     from server.config import Settings
-    from server.engine.core import load_core
+    from server.engine.core_loading import load_core
     from tests.conftest import MODEL_DIR
 
     engine, ready = load_core(Settings(model_id=str(MODEL_DIR), kv_backends="full", max_total_tokens=2048,
