@@ -363,10 +363,10 @@ class CoreClient:
             live, self._live = list(self._live.values()), {}
         for e in live:
             e.loop.call_soon_threadsafe(_resolve, e.answer, CoreDied(reason))
-            last = e.stopped or output.end_event(e.seq, error=reason)
-            if e.stopped is None:
-                last.finish_reason = FinishReason.ERROR
-            self._close(e, last, last.finish_reason)
+            if e.stopped is not None:  # a stop string ended it: its text is whole, only the core's stats are missing
+                self._close(e, e.stopped, FinishReason.STOP)
+            else:
+                self._close(e, output.end_event(e.seq, error=reason), FinishReason.ERROR)
 
     def _dispatch(self, out: m.StepOutput) -> None:
         """One StepOutput: the metrics first (so that a finished request's KV is off the gauges before its last
