@@ -122,7 +122,7 @@ def budget_run(model, tokenizer, backend, prompts: list[list[int]], new_tokens: 
 
     engine.runner.execute = timed_execute
     seqs = [Sequence(request_id=str(i), prompt_ids=p, max_new_tokens=new_tokens, params=SamplingParams(), stop=[],
-                     emit=lambda e: None, backend_name=backend.name) for i, p in enumerate(prompts)]
+                     backend_name=backend.name) for i, p in enumerate(prompts)]
     t0 = time.perf_counter()
     for s in seqs:
         s.times.arrival = t0
@@ -157,7 +157,7 @@ def step_time(model, tokenizer, backend, ids: list[int], context: int, batch: in
 
     engine = new_engine(model, tokenizer, backend, batch, None, chunk=None)
     seqs = [Sequence(request_id=str(b), prompt_ids=ids[b * 97 : b * 97 + context], max_new_tokens=steps + 4,
-                     params=SamplingParams(), stop=[], emit=lambda e: None, backend_name=backend.name)
+                     params=SamplingParams(), stop=[], backend_name=backend.name)
             for b in range(batch)]
     for s in seqs:
         engine.submit(s)

@@ -63,7 +63,7 @@ def one(model_dir: str, spec: str, context: int, chunk: int, steps: int, threads
         raise ValueError(f"the evaluation text holds {len(ids)} tokens, fewer than --contexts {context}")
     engine = new_engine(model, tok, backend, 1, None, chunk=chunk, prefix_caching=False)
     seq = Sequence(request_id="0", prompt_ids=ids, max_new_tokens=steps + 1, params=SamplingParams(), stop=[],
-                   emit=lambda e: None, backend_name=backend.name)
+                   backend_name=backend.name)
     engine.submit(seq)
     while not seq.output_ids:
         engine.step()

@@ -34,7 +34,7 @@ class Stream:
         self.path = path
         self.engine = new_engine(model, tok, backend, 1, None, chunk=chunk, prefix_caching=False)
         self.seq = Sequence(request_id="0", prompt_ids=ids, max_new_tokens=steps + 2, params=SamplingParams(),
-                            stop=[], emit=lambda e: None, backend_name=backend.name)
+                            stop=[], backend_name=backend.name)
         self.engine.submit(self.seq)
         self.prefill_s = 0.0
         self.step_s: list[float] = []

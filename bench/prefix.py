@@ -43,7 +43,7 @@ def _seq(i, prompt: list[int], new_tokens: int, backend_name: str):
     from server.engine.sequence import Sequence
 
     return Sequence(request_id=str(i), prompt_ids=prompt, max_new_tokens=new_tokens, params=SamplingParams(),
-                    stop=[], emit=lambda e: None, backend_name=backend_name)
+                    stop=[], backend_name=backend_name)
 
 
 def _drain(engine) -> None:

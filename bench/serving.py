@@ -263,7 +263,7 @@ def bench_engine_alone(model_dir: str, streams: int, tokens: int, repeats: int, 
     for _ in range(repeats + 1):
         engine = new_engine(model, tok, backend, streams, None)
         seqs = [Sequence(request_id=str(i), prompt_ids=list(ids), max_new_tokens=tokens, params=SamplingParams(),
-                         stop=[], emit=lambda e: None, backend_name=backend.name) for i in range(streams)]
+                         stop=[], backend_name=backend.name) for i in range(streams)]
         t = time.perf_counter()
         for seq in seqs:
             engine.submit(seq)

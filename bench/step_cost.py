@@ -116,7 +116,7 @@ def measure(model, tok, spec: str, ids: list[int], batch: int, context: int, ste
     try:
         engine = new_engine(model, tok, backend, batch, None, chunk=None)
         seqs = [Sequence(request_id=str(b), prompt_ids=ids[b * 97: b * 97 + context], max_new_tokens=2 * steps + 8,
-                         params=SamplingParams(), stop=[], emit=lambda e: None, backend_name=backend.name)
+                         params=SamplingParams(), stop=[], backend_name=backend.name)
                 for b in range(batch)]
         for s in seqs:
             engine.submit(s)

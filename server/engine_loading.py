@@ -1,6 +1,6 @@
 """What the engine core loads from the settings: torch's threads, the model, the served KV backends (each at the
 setting the quality budget chooses, priced), the engine's options, and ``/info``'s facts of them
-(:func:`server.engine.core.load_core` runs them, in the engine core's process or thread)."""
+(:func:`server.engine.core_loading.load_core` runs them, in the engine core's process or thread)."""
 
 from __future__ import annotations
 

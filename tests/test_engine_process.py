@@ -373,7 +373,7 @@ def test_a_core_whose_server_is_gone_exits():
 
 def test_a_total_length_past_the_models_positions_is_served_with_a_warning(caplog):
     from server.config import Settings
-    from server.engine.core import load_core
+    from server.engine.core_loading import load_core
     from tests.conftest import MODEL_DIR
 
     engine, ready = load_core(Settings(model_id=str(MODEL_DIR), kv_backends="full", max_total_tokens=2048,
@@ -468,3 +468,38 @@ def test_the_core_process_is_not_given_the_api_key(monkeypatch, tmp_path, how):
     core_host.CoreProcess(settings, f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out")
     assert not [name for name, value in env.items() if "s3cret-key" in value or name.lower().startswith("api_key")]
     assert '"model_id"' in env[m.SETTINGS_ENV] and "api_key" not in env[m.SETTINGS_ENV]
+
+
+def test_a_stream_a_stop_string_ended_closes_with_stop_when_the_core_dies_before_its_finished():
+    """A stop string ends the stream on the HTTP side, which holds the last event until the core's ``Finished``; a
+    core that dies meanwhile closes that stream with ``stop_sequence`` (its text is whole), and the others with an
+    error, each counted once."""
+    from server.engine.core_client import _Live
+    from server.engine.detokenize import IncrementalDetokenizer
+    from server.engine.sequence import Sequence, TokenEvent
+
+    class Counted:
+        def __init__(self):
+            self.reasons = []
+
+        def request_done(self, seq):
+            self.reasons.append(seq.finish_reason)
+
+    c = CoreClient(Settings(model_id=str(MODEL_DIR), kv_backends="full", device="cpu", dtype="float32",
+                            log_level="warning", engine_process=False))
+    c.recorder = Counted()
+    loop = asyncio.new_event_loop()
+    try:
+        events = {}
+        for rid, stopped in (("stopped", TokenEvent(0, 5, "Amen", 0.0, False)), ("running", None)):
+            seq = Sequence(request_id=rid, prompt_ids=[1], max_new_tokens=4, params=SamplingParams(), stop=[],
+                           backend_name="full", emit=lambda e, rid=rid: events.setdefault(rid, e), output_ids=[5])
+            c._live[rid] = _Live(seq, IncrementalDetokenizer(None, [], set()), loop, loop.create_future(),
+                                 stopped=stopped)
+        c._died("the engine core process was killed by signal 9")
+        assert events["stopped"].finish_reason == FinishReason.STOP and events["stopped"].text == "Amen"
+        assert events["running"].finish_reason == FinishReason.ERROR and events["running"].error.endswith("signal 9")
+        assert sorted(c.recorder.reasons) == sorted([FinishReason.STOP, FinishReason.ERROR])
+    finally:
+        loop.close()
+        c.stop()

@@ -104,7 +104,7 @@ def answer(model, tok, backend, prompts: list[list[int]], chunk: int) -> list[st
 
     engine = new_engine(model, tok, backend, len(prompts), None, chunk=chunk, prefix_caching=False)
     seqs = [Sequence(request_id=str(i), prompt_ids=ids, max_new_tokens=ANSWER_TOKENS, params=SamplingParams(),
-                     stop=[], emit=lambda e: None, backend_name=backend.name) for i, ids in enumerate(prompts)]
+                     stop=[], backend_name=backend.name) for i, ids in enumerate(prompts)]
     for s in seqs:
         engine.submit(s)
     while engine.running or engine.waiting:

@@ -66,7 +66,7 @@ def engine_throughput(model, tokenizer, backend, streams: int, new_tokens: int) 
 
     engine = new_engine(model, tokenizer, backend, streams, None)
     seqs = [Sequence(request_id=str(i), prompt_ids=tokenizer.encode(f"And the word of the LORD came {i}"),
-                     max_new_tokens=new_tokens, params=SamplingParams(), stop=[], emit=lambda e: None,
+                     max_new_tokens=new_tokens, params=SamplingParams(), stop=[],
                      backend_name=backend.name) for i in range(streams)]
     for s in seqs:
         engine.submit(s)

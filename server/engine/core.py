@@ -13,6 +13,8 @@ Design (issue 30):
   Structs (:mod:`server.engine.messages`), as vLLM v1. This is the only path between the HTTP side and the
   engine: the HTTP side's request state (its :class:`~server.engine.sequence.Sequence` objects) and the core's are
   different objects, and nothing mutable is shared between them.
+* **Loading.** :func:`~server.engine.core_loading.load_core` loads the model and the backends and builds the
+  engine before the loop starts (:func:`load_and_serve`).
 * **Where it runs** (``ENGINE_PROCESS``). ``true``, the default: ``python -m server.engine.core`` (:func:`main`),
   over ``ipc://`` sockets; it exits when its parent process is gone (:func:`watch_parent`). ``false``: the
   same :func:`load_and_serve` in a thread of the HTTP process, over ``inproc://`` sockets of the client's ZMQ
@@ -29,9 +31,10 @@ Design (issue 30):
   running. Each step returns its events (:meth:`~server.engine.engine.Engine.step`), which the loop turns into
   the step's output. A step that raises is logged (the events it made still go out) and the loop goes on; anything
   else that escapes the loop ends the core, which the client reports as its death.
-* **Metrics.** The HTTP side owns Prometheus. The core's engine records into a :class:`CoreRecorder`, which keeps
-  plain numbers: each step's output carries the counted events (prefix-cache lookups, compressions, preemptions),
-  the requests whose prefill finished, and the live gauges' numbers (:class:`~server.engine.messages.CoreStats`);
+* **Metrics.** The HTTP side owns Prometheus. The core's engine records into a
+  :class:`~server.engine.core_recorder.CoreRecorder`, which keeps plain numbers: each step's output carries the
+  counted events (prefix-cache lookups, compressions, preemptions), the requests whose prefill finished, and the
+  live gauges' numbers (:class:`~server.engine.messages.CoreStats`);
   the client replays them into :class:`server.metrics.Recorder`, and counts each finished request from its
   ``Finished`` and the times it saw (TTFT, ITL: when the tokens reached the HTTP side).
 * ``/info``: the core sends its part (model dtype and device, the backends' parameters, quality choices,
@@ -48,7 +51,6 @@ Run: ``python -m server.engine.core IN_ADDR OUT_ADDR`` with the settings as JSON
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -60,6 +62,8 @@ import time
 import zmq
 
 from server.engine import messages as m
+from server.engine.core_loading import load_core
+from server.engine.core_recorder import CoreRecorder
 from server.engine.engine import Engine, Overloaded
 from server.engine.sampling import SamplingParams
 from server.engine.sequence import FinishReason, Sequence, TokenEvent
@@ -100,50 +104,6 @@ def finished(seq: Sequence, reason: FinishReason, error: str | None) -> m.Finish
                       peak_kv_stored_bytes=seq.peak_kv_stored_bytes, kv_stats=dict(seq.kv_stats),
                       prompt_logprobs=seq.prompt_logprobs, prompt_top_logprobs=seq.prompt_top_logprobs,
                       preemptions=seq.preemptions, timings=m.Timings(t.prefill_start, t.first_token, t.last_token))
-
-
-class CoreRecorder:
-    """The core's engine recorder: what :class:`server.metrics.Recorder` would be told, kept as plain numbers for
-    the step's output (the HTTP side replays them into its own ``Recorder``, :mod:`server.engine.core_client`).
-    A finished request's own figures travel in its :class:`~server.engine.messages.Finished`."""
-
-    def __init__(self):
-        self.counters: list[m.Counter] = []
-        self.prefilled: list[tuple[str, float]] = []
-        self.state: tuple | None = None  # live_rows of the latest step_state
-        self.waiting: dict[str, int] = {}
-        self.usage: float | None = None
-        self.cached_blocks = 0
-
-    def prefix_cache(self, seq, queried: int, hit: int) -> None:
-        self.counters.append(m.Counter("prefix_cache", seq.backend_name, queried, hit))
-
-    def compressed(self, seq, blocks: int) -> None:
-        self.counters.append(m.Counter("compressed", seq.backend_name, blocks))
-
-    def preemption_avoided(self, seq) -> None:
-        self.counters.append(m.Counter("preemption_avoided", seq.backend_name))
-
-    def preempted(self, seq) -> None:
-        self.counters.append(m.Counter("preempted", seq.backend_name))
-
-    def prefill_done(self, seq) -> None:
-        self.prefilled.append((seq.request_id, seq.times.prefill_start))
-
-    def request_done(self, seq) -> None:
-        pass  # the HTTP side counts it from the Finished message
-
-    def step_state(self, running: list, waiting: dict[str, int] | None, usage: float | None = None,
-                   cached_blocks: int | None = None) -> None:
-        from server.metrics import live_rows
-
-        self.state = live_rows(running)
-        if waiting is not None:
-            self.waiting = waiting
-        if usage is not None:
-            self.usage = usage
-        if cached_blocks is not None:
-            self.cached_blocks = cached_blocks
 
 
 class EngineCore:
@@ -291,36 +251,6 @@ class EngineCore:
             if not self.idle:
                 busy = True
                 outbox.send(m.encode(self.step()))
-
-
-def load_core(settings, progress=lambda stage: None) -> tuple[Engine, m.Ready]:
-    """Load the model and backends for ``settings`` and build the engine; ``progress(stage)`` is told when the
-    model is loaded and the backends are being calibrated and priced.
-
-    Raises:
-        ValueError: a setting this model cannot take; others: the model or a backend failed to load.
-    """
-    from cache_backends.calibration_cache import CalibrationCache
-    from server.engine.setup import build_engine
-    from server.engine_loading import (PRICING, create_backends, engine_info, engine_options, eos_token_ids,
-                                       load_weights, prepare_backends)
-
-    s = settings
-    model, tokenizer, device, dtype, geometry = load_weights(s)
-    names = list(create_backends(s, geometry))
-    cache = CalibrationCache(s.kv_calibration_cache_dir)
-    progress(PRICING)
-    backends, quality = prepare_backends(s, names, model, tokenizer, geometry, cache)
-    max_input, max_total = s.token_limits(model.config.max_position_embeddings)
-    if max_total > model.config.max_position_embeddings:  # served (RoPE tables grow), as vLLM's opt-in long length
-        log.warning("MAX_TOTAL_TOKENS=%d is more than the model's max_position_embeddings (%d): positions past it were "
-                    "not trained, and the model's answers there may be poor", max_total,
-                    model.config.max_position_embeddings)
-    eos_ids = eos_token_ids(model, tokenizer)
-    engine = build_engine(model, tokenizer, backends, eos_ids, **engine_options(s, max_total))
-    info = engine_info(s, dtype, device, backends, quality, cache, geometry, max_total, engine.kv.info())
-    return engine, m.Ready(sorted(eos_ids), names, model.config.max_position_embeddings, info,
-                           json.loads(model.config.to_json_string(use_diff=False)))
 
 
 def load_and_serve(settings, inbox: zmq.Socket, outbox: zmq.Socket) -> int:

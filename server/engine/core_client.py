@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import zmq
 
 from server.engine import messages as m
+from server.engine import output_processor as output
 from server.engine.core_host import CoreProcess, CoreThread, start_core
 from server.engine.core_sockets import new_socket_dir
 from server.engine.detokenize import IncrementalDetokenizer
@@ -362,11 +363,10 @@ class CoreClient:
             live, self._live = list(self._live.values()), {}
         for e in live:
             e.loop.call_soon_threadsafe(_resolve, e.answer, CoreDied(reason))
-            last = e.stopped or TokenEvent(index=len(e.seq.output_ids), token_id=-1, text="", logprob=0.0,
-                                           special=True)
-            if e.stopped is None:
-                last.finish_reason, last.error = FinishReason.ERROR, reason
-            self._close(e, last, last.finish_reason)
+            if e.stopped is not None:  # a stop string ended it: its text is whole, only the core's stats are missing
+                self._close(e, e.stopped, FinishReason.STOP)
+            else:
+                self._close(e, output.end_event(e.seq, error=reason), FinishReason.ERROR)
 
     def _dispatch(self, out: m.StepOutput) -> None:
         """One StepOutput: the metrics first (so that a finished request's KV is off the gauges before its last
@@ -400,9 +400,7 @@ class CoreClient:
                 self._close(e, e.stopped, FinishReason.STOP)
             elif e.seq.finish_reason is None:  # ended without a token this step (cancelled, error)
                 self._fill(e.seq, f)
-                last = TokenEvent(index=len(e.seq.output_ids), token_id=-1, text="", logprob=0.0, special=True,
-                                  error=f.error)
-                self._close(e, last, FinishReason(f.reason))
+                self._close(e, output.end_event(e.seq, error=f.error), FinishReason(f.reason))
 
     def _record(self, out: m.StepOutput, live: dict[str, _Live]) -> None:
         """Replay the core's plain numbers into the Prometheus recorder (:class:`server.metrics.Recorder`)."""
@@ -427,25 +425,14 @@ class CoreClient:
                       st.kv_usage, st.evictable_blocks)
 
     def _token(self, e: _Live, t: m.NewToken, fin: m.Finished | None) -> None:
-        """Append, detokenize and emit one token; end the stream on the core's finish (EOS before a stop string,
-        a stop string before ``length``) or on a stop string (then abort in the core)."""
+        """Append, detokenize and emit one token (:mod:`server.engine.output_processor`); end the stream on the core's
+        finish (EOS before a stop string, a stop string before ``length``) or on a stop string (then abort in the
+        core)."""
         seq = e.seq
-        now = time.perf_counter()
-        seq.output_ids.append(t.token_id)
-        seq.times.token_times.append(now)
-        seq.times.first_token = seq.times.first_token or now
-        seq.times.last_token = now
-        text = e.detok.add(t.token_id)
-        reason = None
-        if fin is not None:
-            reason = FinishReason.STOP if fin.reason == FinishReason.LENGTH.value and e.detok.stopped else \
-                FinishReason(fin.reason)
-        elif e.detok.stopped:
-            reason = FinishReason.STOP
-        if reason is not None:
-            text += e.detok.flush()
-        event = TokenEvent(index=len(seq.output_ids) - 1, token_id=t.token_id, text=text, logprob=t.logprob,
-                           special=t.token_id in self.special_ids, top=[tuple(p) for p in t.top])
+        text = output.add_token(seq, e.detok, t.token_id)
+        ending = FinishReason(fin.reason) if fin is not None else None
+        event, reason = output.token_event(seq, e.detok, t.token_id, text, t.logprob, [tuple(p) for p in t.top],
+                                           self.special_ids, ending)
         if reason is None:
             seq.emit(event)
         elif fin is not None:
@@ -477,6 +464,4 @@ class CoreClient:
         e.seq.finish_reason = reason
         if self.recorder is not None:
             self.recorder.request_done(e.seq)
-        last.finish_reason = reason
-        last.generated_text = e.detok.generated_text()
-        e.seq.emit(last)
+        e.seq.emit(output.close_event(last, reason, e.detok))

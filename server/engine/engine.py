@@ -33,6 +33,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 from cache_backends.base import KVBackend
 from server.engine import malloc_tuning
+from server.engine import output_processor as output
 from server.engine.detokenize import IncrementalDetokenizer
 from server.engine.grammar import GRAMMAR_FAILED, GrammarError, Grammars
 from server.engine.runner import ModelRunner
@@ -257,27 +258,19 @@ class Engine:
             seq.peak_kv_stored_bytes = max(seq.peak_kv_stored_bytes, seq.kv_stored_bytes)
 
     def _accept(self, seq: Sequence, sampled: Sampled) -> None:
-        """Append ``sampled``'s token to ``seq``, make its event, and finish ``seq`` if it is done."""
+        """Append ``sampled``'s token to ``seq``, make its event, and finish ``seq`` if it is done (the grammar's
+        rules and end-of-text here; the rest is :mod:`server.engine.output_processor`'s)."""
         token = sampled.token
-        now = time.perf_counter()
-        seq.output_ids.append(token)
-        seq.times.token_times.append(now)
-        seq.times.first_token = seq.times.first_token or now
-        seq.times.last_token = now
-        text = seq.detok.add(token)
-        reason = None
+        text = output.add_token(seq, seq.detok, token)
         if seq.grammar is not None and not seq.grammar.accept(token):
             raise ValueError(f"{GRAMMAR_FAILED}: {seq.grammar.error or f'token {token} is outside it'}")
+        ending = None
         if token in self.eos_token_ids or (seq.grammar is not None and seq.grammar.done):
-            reason = FinishReason.EOS  # a grammar that can only end ends the text as end-of-text would
-        elif seq.detok.stopped:
-            reason = FinishReason.STOP
+            ending = FinishReason.EOS  # a grammar that can only end ends the text as end-of-text would
         elif len(seq.output_ids) >= seq.max_new_tokens:
-            reason = FinishReason.LENGTH
-        if reason is not None:
-            text += seq.detok.flush()
-        event = TokenEvent(index=len(seq.output_ids) - 1, token_id=token, text=text, logprob=sampled.logprob,
-                           special=token in self.special_ids, top=sampled.top)
+            ending = FinishReason.LENGTH
+        event, reason = output.token_event(seq, seq.detok, token, text, sampled.logprob, sampled.top,
+                                           self.special_ids, ending)
         if reason is not None:
             self._finish(seq, reason, last=event)
         else:
@@ -300,12 +293,9 @@ class Engine:
             # The others are measured again so that bytes and tokens describe the same moment.
             self._measure(self.running)
             self._report(queue=False)
-        if last is None:
-            last = TokenEvent(index=len(seq.output_ids), token_id=-1, text="", logprob=0.0, special=True)
-        last.finish_reason = reason
+        last = last if last is not None else output.end_event(seq)
         last.error = error
-        last.generated_text = seq.detok.generated_text() if seq.detok else ""
-        self._events.append((seq, last))
+        self._events.append((seq, output.close_event(last, reason, seq.detok)))
 
     def _report(self, queue: bool = True) -> None:
         """Refresh the live gauges from the running batch and, with ``queue``, the queue lengths."""
