@@ -314,10 +314,18 @@ def _setting_field(option: Option) -> tuple[Any, Any]:
 
 
 def _backend_settings() -> dict[str, tuple[Any, Any]]:
-    """One field per setting a backend declares (the first declaration of a shared setting gives its field)."""
+    """One field per setting a backend declares (the first declaration of a shared setting gives its field).
+
+    Raises:
+        ValueError: a backend's setting is one of kvserve's own (a plug-in's ``setting="port"``), naming both.
+    """
     fields: dict[str, tuple[Any, Any]] = {}
     for decl in catalog.declarations().values():
         for option in decl.options:
+            if option.setting and option.setting.lower() in _GeneralSettings.model_fields:
+                origin = catalog.setting_origins()[option.setting.lower()]
+                raise ValueError(f"setting {option.setting.upper()} is declared twice (kvserve's settings and "
+                                 f"{origin}, option {decl.name}:{option.name})")
             if option.setting and option.setting not in fields:
                 fields[option.setting] = _setting_field(option)
     return fields
