@@ -14,7 +14,7 @@ from pydantic import AfterValidator, BeforeValidator, Field, ValidationError, cr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from cache_backends import catalog
-from cache_backends.declaration import Option
+from cache_backends.declaration import INT64_MAX, Option
 from server.long_context import parse_long_context
 
 
@@ -189,6 +189,15 @@ class _GeneralSettings(BaseSettings):
                 raise ValueError(f"unknown backend {name!r}; allowed: {', '.join(available())}{budget_hint(name)}")
         return v
 
+    @field_validator("*")
+    @classmethod
+    def _int64(cls, v):
+        """Any integer setting is at most :data:`INT64_MAX`: a larger one passed validation, then ended the engine
+        core at start-up (its messages carry int64) with a traceback and exit 1."""
+        if isinstance(v, int) and not isinstance(v, bool) and v > INT64_MAX:
+            raise ValueError(f"must be at most {INT64_MAX}")
+        return v
+
     @field_validator("kv_quality_budget", "kv_quality_min_agreement", mode="before")
     @classmethod
     def _budget_off(cls, v):
@@ -307,6 +316,8 @@ def _setting_field(option: Option) -> tuple[Any, Any]:
     if option.default is None:
         kind, checks = kind | None, [BeforeValidator(_empty_is_none), *checks]
     bounds: dict = {"ge": option.low} if option.low is not None and option.kind in (int, float) else {}
+    if (high := option.highest()) is not None:
+        bounds["le"] = high
     if option.kind is float:
         bounds["allow_inf_nan"] = False
     annotation = Annotated[kind, *checks] if checks else kind

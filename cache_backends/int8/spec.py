@@ -1,15 +1,15 @@
 """``int8``'s and ``int4``'s declarations: KIVI-style quantized K/V (arXiv 2402.02750) with an exact residual
 window, optionally Hadamard-rotated (QuaRot, arXiv 2404.00456). One backend, two default widths."""
 
-from cache_backends.declaration import BackendDecl, Option
+from cache_backends.declaration import BackendDecl, MAX_GROUP, MAX_TOKENS, Option
 from cache_backends.kv_spec import Quantization
 
 
 def _options(name: str, bits: int) -> tuple[Option, ...]:
     other = 4 if bits == 8 else 8
-    return (Option("group_size", int, 32, low=1, setting=f"kv_{name}_group_size",
+    return (Option("group_size", int, 32, low=1, high=MAX_GROUP, setting=f"kv_{name}_group_size",
                    help=f"{name}: tokens per key quantization group."),
-            Option("residual", int, 32, low=0, setting=f"kv_{name}_residual",
+            Option("residual", int, 32, low=0, high=MAX_TOKENS, setting=f"kv_{name}_residual",
                    help=f"{name}: newest tokens kept in full precision."),
             Option("key_bits", int, bits, choices=(4, 8), setting=f"kv_{name}_key_bits",
                    help=f"{name}: bits per key code, {bits} or {other}."),
