@@ -30,6 +30,12 @@ def _spec_modules() -> list[tuple[str, str]]:
     return own + plugins
 
 
+class PluginError(Exception):
+    """A backend's declaration points to a class that cannot be loaded (a plug-in's missing module or class): one
+    line naming the backend and where it was declared. Not a :class:`ValueError`, which callers read as a value a
+    backend refuses (``kvserve estimate`` leaves such a row out): ``kvserve`` ends with it, exit 2."""
+
+
 def declarations() -> dict[str, BackendDecl]:
     """Backend name -> its declaration, kvserve's own first (sorted by :attr:`BackendDecl.order`), then plug-ins'.
 
@@ -38,6 +44,11 @@ def declarations() -> dict[str, BackendDecl]:
             name, or an option's setting is another package's (naming where each came from).
     """
     return _read()[0]
+
+
+def origin(name: str) -> str:
+    """Where backend ``name`` was declared (``cache_backends/window``, ``entry point 'lastn'``)."""
+    return _read()[2][name]
 
 
 def setting_origins() -> dict[str, str]:
@@ -54,7 +65,7 @@ def _package(module: str) -> str:
 
 
 @functools.cache
-def _read() -> tuple[dict[str, BackendDecl], dict[str, str]]:
+def _read() -> tuple[dict[str, BackendDecl], dict[str, str], dict[str, str]]:
     found: dict[str, BackendDecl] = {}
     where: dict[str, str] = {}
     settings: dict[str, tuple[str, str]] = {}  # setting -> (package, origin) of its first declaration
@@ -79,7 +90,7 @@ def _read() -> tuple[dict[str, BackendDecl], dict[str, str]]:
                                      f"option {decl.name}:{option.name})")
     big = 1 << 30
     ordered = dict(sorted(found.items(), key=lambda kv: (kv[1].order if kv[1].order is not None else big, kv[0])))
-    return ordered, {setting: origin for setting, (_, origin) in settings.items()}
+    return ordered, {setting: origin for setting, (_, origin) in settings.items()}, where
 
 
 def get(name: str) -> BackendDecl | None:
@@ -114,7 +125,12 @@ def load_class(name: str) -> type:
 
     Raises:
         KeyError: no backend has that name.
+        PluginError: its declared ``module:Class`` cannot be imported or has no such class.
     """
     decl = declarations()[name]
     module, _, attr = decl.backend.partition(":")
-    return getattr(importlib.import_module(module), attr)
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except Exception as exc:  # a missing module or class, or the module's own error: one line naming the plug-in
+        raise PluginError(f"backend {name!r} ({origin(name)}): cannot load its class {decl.backend} "
+                          f"({type(exc).__name__}: {exc})") from None

@@ -192,3 +192,19 @@ def test_backends_of_one_plugin_may_share_a_setting(tmp_path):
     """, env=env)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "{'n': 9} {'n': 9}"
+
+
+@pytest.mark.parametrize("args", [("estimate", "--model", "llama-3-8b"),
+                                  ("advise", "--model", "llama-3-8b", "--context", "4096", "--memory-budget", "10GB"),
+                                  ("serve", "--kv-backend", "nocls")])
+def test_a_plugin_whose_class_is_missing_ends_the_command_with_one_line(tmp_path, args):
+    """A declaration whose ``backend`` names a module that does not exist ended estimate and advise (where the
+    plug-in is among the default rows, named or not) and serve with ModuleNotFoundError's traceback, exit 1."""
+    env = make_plugin(tmp_path, "nocls", """
+        from cache_backends.declaration import BackendDecl
+        DECLARATIONS = (BackendDecl(name="nocls", backend="nocls.backend:Missing", order=60),)
+    """)
+    p = run(tmp_path, "", "-m", "server.cli", *args, env={**env, "MODEL_ID": str(REPO / "models" / "kjv-llama-mha")})
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert p.stderr == (f"kvserve {args[0]}: backend 'nocls' (entry point 'nocls'): cannot load its class "
+                        "nocls.backend:Missing (ModuleNotFoundError: No module named 'nocls.backend')\n")
