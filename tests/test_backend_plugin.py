@@ -208,3 +208,21 @@ def test_a_plugin_whose_class_is_missing_ends_the_command_with_one_line(tmp_path
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     assert p.stderr == (f"kvserve {args[0]}: backend 'nocls' (entry point 'nocls'): cannot load its class "
                         "nocls.backend:Missing (ModuleNotFoundError: No module named 'nocls.backend')\n")
+
+
+def test_a_refusal_of_the_plugin_names_the_plugin_and_its_option(site):
+    """``lastn+int8:n=8`` was refused as "window+int8: window=8 ...": a backend and an option the user never wrote."""
+    p = run(site, "", "-m", "server.cli", "estimate", "--model", "llama-3-8b", "lastn+int8:n=8")
+    assert p.returncode == 2
+    assert p.stderr == ("kvserve estimate: lastn+int8: n=8 must be >= residual + group_size = 64 (the tokens the "
+                        "quantized tier reads exact must lie inside the window)\n")
+    p = run(site, """
+        from cache_backends.base import ModelGeometry
+        from cache_backends.registry import create
+        try:
+            create("lastn", ModelGeometry(num_layers=2, num_attention_heads=4, num_key_value_heads=4, head_dim=8,
+                                          dtype_bytes=4), n=True)
+        except ValueError as exc:
+            print(exc)
+    """)
+    assert p.stdout == "lastn: n must be an integer >= 1, got True\n", p.stderr

@@ -72,9 +72,9 @@ class WindowLayer(InnerLayer):
         return attend_kv(query, keys, values, scaling, self.window, self.sinks)
 
 
-def _int_option(name: str, value, low: int) -> int:
+def _int_option(backend: str, name: str, value, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"window: {name} must be an integer >= {low}, got {value!r}")
+        raise ValueError(f"{backend}: {name} must be an integer >= {low}, got {value!r}")
     return value
 
 
@@ -96,15 +96,20 @@ class WindowBackend(OuterBackend):
     name = "window"
     windowed_pool = True
     attends_in_place = True
+    spelled: dict[str, str] = {}
+    """How a subclass under its own name spells ``window``'s options (``lastn``: ``{"window": "n"}``), so that a
+    refusal names the backend and the option the user wrote."""
 
     def __init__(self, geometry: ModelGeometry, sinks: int = DEFAULT_SINKS, window: int = DEFAULT_WINDOW,
                  inner: KVBackend | None = None):
-        sinks, window = _int_option("sinks", sinks, 0), _int_option("window", window, 1)
+        says = {o: self.spelled.get(o, o) for o in ("sinks", "window")}
+        sinks = _int_option(self.name, says["sinks"], sinks, 0)
+        window = _int_option(self.name, says["window"], window, 1)
         check_sinks(sinks, window)
         inner = inner if inner is not None else FullBackend(geometry)
         q = inner.quantization
         if q is not None and window < q.residual + q.group_size:
-            raise ValueError(f"window+{inner.name}: window={window} must be >= residual + group_size = "
+            raise ValueError(f"{self.name}+{inner.name}: {says['window']}={window} must be >= residual + group_size = "
                              f"{q.residual + q.group_size} (the tokens the quantized tier reads exact must lie "
                              "inside the window)")
         super().__init__(geometry, sinks=sinks, window=window, **inner.options)
