@@ -160,7 +160,7 @@ class _GeneralSettings(BaseSettings):
         None, description="The quality budget's long input, tokens: a backend that can drop far tokens (window, "
         "window+int8/int4) is also priced on one input this long (perplexity on its last 256 tokens and 4 needles "
         "to retrieve), and a warning says when it loses what full keeps. Unset or `auto`: 8192, capped by the "
-        "model's positions and MAX_TOTAL_TOKENS; `off` or 0: none; else at least 512.")
+        "model's positions and MAX_TOTAL_TOKENS; `off` or 0: none; else at least 1024.")
 
     @field_validator("kv_backend")
     @classmethod
