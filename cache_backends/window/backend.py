@@ -72,6 +72,16 @@ class WindowLayer(InnerLayer):
         return attend_kv(query, keys, values, scaling, self.window, self.sinks)
 
 
+class SinksOverPage(ValueError):
+    """The sinks do not fit one page of their tier. Its message names the server's settings; ``kvserve estimate``
+    and ``advise`` word it with their own options from ``backend``, ``sinks`` and ``per`` (tokens a page)."""
+
+    def __init__(self, backend: str, sinks: int, per: int):
+        super().__init__(f"{backend}: sinks={sinks} (KV_WINDOW_SINKS) must fit one page of its sink tier ({per} "
+                         "tokens a page): lower KV_WINDOW_SINKS or raise KV_BLOCK_SIZE")
+        self.backend, self.sinks, self.per = backend, sinks, per
+
+
 def _int_option(backend: str, name: str, value, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{backend}: {name} must be an integer >= {low}, got {value!r}")
@@ -149,9 +159,9 @@ class WindowBackend(OuterBackend):
         """One :class:`cache_backends.hybrid.HybridLayout` group per (window, sinks) rule.
 
         Raises:
-            ValueError: when the sinks do not fit one page of the sink tier (the quantized tier's on a quantized
-                inner backend, else the exact tier's), naming ``KV_WINDOW_SINKS`` and ``KV_BLOCK_SIZE`` (the pool's
-                page holds whole blocks: :func:`server.engine.kv_cache.page_layouts`).
+            SinksOverPage: when the sinks do not fit one page of the sink tier (the quantized tier's on a
+                quantized inner backend, else the exact tier's), naming ``KV_WINDOW_SINKS`` and ``KV_BLOCK_SIZE``
+                (the pool's page holds whole blocks: :func:`server.engine.kv_cache.page_layouts`).
         """
         spec = self.kv_spec()
         groups = self.groups()
@@ -159,8 +169,7 @@ class WindowBackend(OuterBackend):
         for layout, (_, sinks, _) in zip(layouts, groups):
             per = layout.q_tokens if layout.quantization else layout.exact_tokens
             if sinks and sinks > per:
-                raise ValueError(f"{self.name}: sinks={sinks} (KV_WINDOW_SINKS) must fit one page of its sink "
-                                 f"tier ({per} tokens a page): lower KV_WINDOW_SINKS or raise KV_BLOCK_SIZE")
+                raise SinksOverPage(self.name, sinks, per)
         return HybridLayout(layouts, [w for w, _, _ in groups], [layers for _, _, layers in groups],
                             [s for _, s, _ in groups])
 
