@@ -240,6 +240,22 @@ def test_serve_help_states_defaults_and_statuses_as_they_are():
     assert "Default: MAX_TOTAL_TOKENS - 1. [env MAX_INPUT_TOKENS]" in text
 
 
+def test_serve_help_states_the_defaults_the_docs_and_the_budget_give():
+    """``--kv-quality-long-context`` said "default: unset" where the docs say `auto`; the options the quality budget
+    chooses when left unset said their static default (``KV_DCA_THRESHOLD``'s 0.95, ``KV_INT4_ROTATE``'s False);
+    booleans were Python's (True, False)."""
+    from server.cli import build_parser
+
+    serve = build_parser().parse_known_args(["serve"])[0].subparser
+    text = " ".join(serve.format_help().split())
+    assert "[env KV_QUALITY_LONG_CONTEXT; default: auto]" in text
+    for var, without in [("KV_GQA_GROUPS", "from the model"), ("KV_MLA_RANK", "from the model"),
+                         ("KV_DCA_THRESHOLD", "0.95"), ("KV_INT4_ROTATE", "false")]:
+        assert f"[env {var}; default: chosen by the quality budget (KV_QUALITY_BUDGET=off: {without})]" in text
+    # int8's is not the budget's to choose; a boolean as the variable takes it (true/false, not Python's False)
+    assert "[env KV_INT8_ROTATE; default: false]" in text and "[env KV_PREFIX_CACHING; default: true]" in text
+
+
 @pytest.mark.parametrize("cpu_max,want", [(None, 63), ("max 100000", 63), ("200000 100000", 1), ("350000 100000", 3)])
 def test_default_torch_threads_leave_one_usable_cpu_to_the_http_side(monkeypatch, tmp_path, cpu_max, want):
     """TORCH_NUM_THREADS=0: the CPUs the process may use (its affinity, capped by a cgroup v2 quota: a container's
