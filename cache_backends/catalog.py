@@ -30,16 +30,45 @@ def _spec_modules() -> list[tuple[str, str]]:
     return own + plugins
 
 
-@functools.cache
+class PluginError(Exception):
+    """A backend's declaration points to a class that cannot be loaded (a plug-in's missing module or class): one
+    line naming the backend and where it was declared. Not a :class:`ValueError`, which callers read as a value a
+    backend refuses (``kvserve estimate`` leaves such a row out): ``kvserve`` ends with it, exit 2."""
+
+
 def declarations() -> dict[str, BackendDecl]:
     """Backend name -> its declaration, kvserve's own first (sorted by :attr:`BackendDecl.order`), then plug-ins'.
 
     Raises:
-        ValueError: a plug-in's module cannot be imported or has no ``DECLARATIONS``, or two declarations share a
-            name (naming where each came from).
+        ValueError: a plug-in's module cannot be imported or has no ``DECLARATIONS``, two declarations share a
+            name, or an option's setting is another package's (naming where each came from).
     """
+    return _read()[0]
+
+
+def origin(name: str) -> str:
+    """Where backend ``name`` was declared (``cache_backends/window``, ``entry point 'lastn'``)."""
+    return _read()[2][name]
+
+
+def setting_origins() -> dict[str, str]:
+    """Settings field (:attr:`~cache_backends.declaration.Option.setting`) -> where the first backend declaring it
+    came from (``cache_backends/window``, ``entry point 'lastn'``), lower-cased as the variables are read: what a
+    clash with kvserve's own settings names."""
+    return _read()[1]
+
+
+def _package(module: str) -> str:
+    """The top-level package of ``module``: the unit that may share a setting among its backends (``elastic`` reads
+    int8's ``kv_int8_group_size``; a plug-in's backends may share theirs, never another package's)."""
+    return module.partition(".")[0]
+
+
+@functools.cache
+def _read() -> tuple[dict[str, BackendDecl], dict[str, str], dict[str, str]]:
     found: dict[str, BackendDecl] = {}
     where: dict[str, str] = {}
+    settings: dict[str, tuple[str, str]] = {}  # setting -> (package, origin) of its first declaration
     for origin, name in _spec_modules():
         try:
             module = importlib.import_module(name)
@@ -52,8 +81,16 @@ def declarations() -> dict[str, BackendDecl]:
             if decl.name in found:
                 raise ValueError(f"backend {decl.name!r} is declared twice ({where[decl.name]} and {origin})")
             found[decl.name], where[decl.name] = decl, origin
+            for option in decl.options:
+                if not option.setting:
+                    continue
+                package, first = settings.setdefault(option.setting.lower(), (_package(name), origin))
+                if package != _package(name):  # a plug-in taking over another package's variable
+                    raise ValueError(f"setting {option.setting.upper()} is declared twice ({first} and {origin}, "
+                                     f"option {decl.name}:{option.name})")
     big = 1 << 30
-    return dict(sorted(found.items(), key=lambda kv: (kv[1].order if kv[1].order is not None else big, kv[0])))
+    ordered = dict(sorted(found.items(), key=lambda kv: (kv[1].order if kv[1].order is not None else big, kv[0])))
+    return ordered, {setting: origin for setting, (_, origin) in settings.items()}, where
 
 
 def get(name: str) -> BackendDecl | None:
@@ -88,7 +125,12 @@ def load_class(name: str) -> type:
 
     Raises:
         KeyError: no backend has that name.
+        PluginError: its declared ``module:Class`` cannot be imported or has no such class.
     """
     decl = declarations()[name]
     module, _, attr = decl.backend.partition(":")
-    return getattr(importlib.import_module(module), attr)
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except Exception as exc:  # a missing module or class, or the module's own error: one line naming the plug-in
+        raise PluginError(f"backend {name!r} ({origin(name)}): cannot load its class {decl.backend} "
+                          f"({type(exc).__name__}: {exc})") from None

@@ -21,6 +21,20 @@ from typing import Any
 from cache_backends.kv_spec import KVSpec, Quantization, StreamSpec
 
 
+INT64_MAX = (1 << 63) - 1
+"""The largest integer any setting or spec option takes: the engine core's messages (msgspec) carry no larger, and
+a larger value passed validation only to end the core at start-up."""
+
+MAX_TOKENS = 1 << 24
+"""The largest token count an option takes (a window, sinks, a residual): 16,777,216, more than any model's context
+(Llama 4 Scout's is 10M), so that a typo's 20 digits are refused at once, naming the option."""
+
+
+MAX_GROUP = 1024
+"""The largest quantization group (tokens): a KV block is rounded up to whole groups, and holds at most 1024 tokens
+(``KV_BLOCK_SIZE``'s bound); a larger group made each page too large for any budget."""
+
+
 @dataclass(frozen=True)
 class Option:
     """One option of a backend spec (``int8:group_size=64``) and, where it has one, its setting.
@@ -31,6 +45,8 @@ class Option:
         default: the value served when neither spec nor setting gives one; ``None``: chosen from the model (or
             by the quality budget) at start-up.
         low: the smallest value allowed (numbers), else ``None``.
+        high: the largest value allowed (numbers), else ``None``: an ``int`` option is then still at most
+            :data:`INT64_MAX` (what the engine core's messages carry); a token count is at most :data:`MAX_TOKENS`.
         choices: the allowed values (a ``str`` option's words, or a closed set of integers such as bit widths).
         setting: the :class:`server.config.Settings` field that gives it (``kv_int8_group_size``: variable
             ``KV_INT8_GROUP_SIZE``, flag ``--kv-int8-group-size``); ``None``: a spec-only option (the estimator's
@@ -44,10 +60,17 @@ class Option:
     kind: type
     default: Any = None
     low: float | None = None
+    high: float | None = None
     choices: tuple = ()
     setting: str | None = None
     help: str = ""
     estimate_only: bool = False
+
+    def highest(self) -> float | None:
+        """The largest value it takes: :attr:`high`, else :data:`INT64_MAX` for an ``int`` option, else ``None``."""
+        if self.kind not in (int, float):
+            return None
+        return self.high if self.high is not None else INT64_MAX if self.kind is int else None
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,8 @@ def _value(key: str, text: str, spec: str):
         value = int(value)
     if low is not None and value < low:
         raise ValueError(f"{spec}: {key} must be >= {low}, got {text}")
+    if (high := option.highest() if option else None) is not None and value > high:
+        raise ValueError(f"{spec}: {key} must be <= {high}, got {text}")
     return value
 
 
@@ -59,7 +61,7 @@ def parse_spec(spec: str) -> tuple[str, dict]:
     Raises:
         ValueError: on an option without ``=``, one given twice (``rank=8,rank=16``: the last silently won), a
             value of the wrong type (``rank=abc``, ``groups=1.5``) or below its bound (``groups=0``,
-            ``residual=-1``), naming the spec.
+            ``residual=-1``) or above it (``window=99999999999999999999``), naming the spec.
     """
     name, _, rest = spec.partition(":")
     options = {}
@@ -130,6 +132,9 @@ def check_options(name: str, options: dict) -> None:
             option = decl.option(key)
             if option and option.low is not None and isinstance(value, (int, float)) and value < option.low:
                 raise ValueError(f"{format_spec(name, options)}: {key} must be >= {option.low}, got {value}")
+            high = option.highest() if option else None
+            if high is not None and isinstance(value, (int, float)) and value > high:
+                raise ValueError(f"{format_spec(name, options)}: {key} must be <= {high}, got {value}")
         if decl.check is not None:
             decl.check(format_spec(name, options), options)
 

@@ -190,7 +190,7 @@ def rows_from_estimate(model: str, dtype: str, context: int, specs: list[str] | 
     if over_positions(shape, [context]):
         raise ValueError(f"--context {context} is more than {model}'s {shape.max_positions} positions "
                          "(max_position_embeddings): the model cannot hold that context")
-    parsed = resolve_specs(shape, specs, DTYPE_BYTES[dtype])
+    parsed = resolve_specs(shape, specs, DTYPE_BYTES[dtype], block_flag=None)  # advise has no --block-size
     sums = estimate_rows(shape, parsed, [context], [1], DTYPE_BYTES[dtype])
     book = load_prices(model)
     # elastic fits where its fully compressed size does (its least; it is exact while the budget allows more)

@@ -60,7 +60,8 @@ def check_pool(backends: dict, dtype, block_size: int, budget_bytes: int | None)
     """Lay out the KV pool of ``backends`` as the engine will (:func:`server.engine.kv_cache.page_layouts`), from the
     model's config alone, and refuse what it would refuse after the weights load: a layout a backend cannot take
     (``window``'s sinks wider than one page at ``KV_BLOCK_SIZE``) and a ``KV_CACHE_BUDGET_BYTES`` that holds fewer
-    than two KV pages (:func:`server.engine.setup.pages_in_budget`; checked only when ``budget_bytes`` is given).
+    than two KV pages (:func:`server.engine.setup.pages_in_budget`) or more than the machine's memory (checked only
+    when ``budget_bytes`` is given).
 
     Raises:
         ConfigError: the layout's one-line reason with ``KV_BLOCK_SIZE``'s value, or naming
@@ -77,7 +78,21 @@ def check_pool(backends: dict, dtype, block_size: int, budget_bytes: int | None)
     except ValueError as exc:
         raise ConfigError(f"{exc} (KV_BLOCK_SIZE is {block_size})") from None
     if budget_bytes is not None:
+        memory = physical_memory()
+        if memory and budget_bytes > memory:  # the pool is allocated whole: it failed after the load, exit 1
+            raise ConfigError(f"invalid KV_CACHE_BUDGET_BYTES={budget_bytes}: more than this machine's memory "
+                              f"({memory} bytes); the KV pool is allocated whole at start-up")
         try:
             pages_in_budget(budget_bytes, page_bytes)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+
+
+def physical_memory() -> int | None:
+    """This machine's memory in bytes (``sysconf``), or ``None`` where it cannot be read."""
+    import os
+
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None

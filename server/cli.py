@@ -153,9 +153,14 @@ def run(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
     subparser = args.__dict__.pop("subparser")
     if unknown:  # `kvserve serve --bogus 1`: one line naming serve and the flag (exit 2), not the top-level parser
         subparser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    from cache_backends.catalog import PluginError
+
     try:
         status = args.func(args)
         sys.stdout.flush()  # here, not at exit: a closed pipe is then caught below
+    except PluginError as exc:  # a plug-in's backend class that cannot load (estimate's and advise's default rows)
+        print(f"{subparser.prog}: {exc}", file=sys.stderr)
+        return 2
     except BrokenPipeError:
         import os
 

@@ -14,7 +14,7 @@ from pydantic import AfterValidator, BeforeValidator, Field, ValidationError, cr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from cache_backends import catalog
-from cache_backends.declaration import Option
+from cache_backends.declaration import INT64_MAX, Option
 from server.long_context import parse_long_context
 
 
@@ -160,7 +160,7 @@ class _GeneralSettings(BaseSettings):
         None, description="The quality budget's long input, tokens: a backend that can drop far tokens (window, "
         "window+int8/int4) is also priced on one input this long (perplexity on its last 256 tokens and 4 needles "
         "to retrieve), and a warning says when it loses what full keeps. Unset or `auto`: 8192, capped by the "
-        "model's positions and MAX_TOTAL_TOKENS; `off` or 0: none; else at least 512.")
+        "model's positions and MAX_TOTAL_TOKENS; `off` or 0: none; else at least 1024.")
 
     @field_validator("kv_backend")
     @classmethod
@@ -187,6 +187,15 @@ class _GeneralSettings(BaseSettings):
                 check_composition(name)  # a composition a part declares it cannot make names why
             if name not in available():
                 raise ValueError(f"unknown backend {name!r}; allowed: {', '.join(available())}{budget_hint(name)}")
+        return v
+
+    @field_validator("*")
+    @classmethod
+    def _int64(cls, v):
+        """Any integer setting is at most :data:`INT64_MAX`: a larger one passed validation, then ended the engine
+        core at start-up (its messages carry int64) with a traceback and exit 1."""
+        if isinstance(v, int) and not isinstance(v, bool) and v > INT64_MAX:
+            raise ValueError(f"must be at most {INT64_MAX}")
         return v
 
     @field_validator("kv_quality_budget", "kv_quality_min_agreement", mode="before")
@@ -307,6 +316,8 @@ def _setting_field(option: Option) -> tuple[Any, Any]:
     if option.default is None:
         kind, checks = kind | None, [BeforeValidator(_empty_is_none), *checks]
     bounds: dict = {"ge": option.low} if option.low is not None and option.kind in (int, float) else {}
+    if (high := option.highest()) is not None:
+        bounds["le"] = high
     if option.kind is float:
         bounds["allow_inf_nan"] = False
     annotation = Annotated[kind, *checks] if checks else kind
@@ -314,10 +325,18 @@ def _setting_field(option: Option) -> tuple[Any, Any]:
 
 
 def _backend_settings() -> dict[str, tuple[Any, Any]]:
-    """One field per setting a backend declares (the first declaration of a shared setting gives its field)."""
+    """One field per setting a backend declares (the first declaration of a shared setting gives its field).
+
+    Raises:
+        ValueError: a backend's setting is one of kvserve's own (a plug-in's ``setting="port"``), naming both.
+    """
     fields: dict[str, tuple[Any, Any]] = {}
     for decl in catalog.declarations().values():
         for option in decl.options:
+            if option.setting and option.setting.lower() in _GeneralSettings.model_fields:
+                origin = catalog.setting_origins()[option.setting.lower()]
+                raise ValueError(f"setting {option.setting.upper()} is declared twice (kvserve's settings and "
+                                 f"{origin}, option {decl.name}:{option.name})")
             if option.setting and option.setting not in fields:
                 fields[option.setting] = _setting_field(option)
     return fields

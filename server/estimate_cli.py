@@ -10,7 +10,7 @@ from pathlib import Path
 
 from cache_backends import catalog
 from cache_backends.estimate import DTYPE_BYTES, PRESETS, Shape, bytes_per_token_per_layer, default_specs, estimate_rows
-from cache_backends.spec import check_options, parse_spec
+from cache_backends.spec import check_options, format_spec, parse_spec
 from server.cached_prices import dtype_note, load_prices, price_text
 
 
@@ -25,19 +25,25 @@ ESTIMATE_ONLY = tuple(sorted({o.name for d in catalog.declarations().values() fo
 """Options only the sums take (a latent's rope width, ``dca``'s share of reused layers, measured when served)."""
 
 
-def check_served(shape: Shape, spec: tuple[str, dict], dtype_bytes: int, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+def check_served(shape: Shape, spec: tuple[str, dict], dtype_bytes: int, block_size: int = DEFAULT_BLOCK_SIZE,
+                 block_flag: str | None = "--block-size") -> None:
     """Refuse ``spec`` as ``kvserve serve`` would on this model: the backend built with its options
     (:func:`cache_backends.registry.create`, less :data:`ESTIMATE_ONLY`) and its KV pool laid out at ``block_size``
     tokens a block (:func:`server.engine.kv_cache.page_layouts`, the backend served alone). A per-head spec named on a
     natively-MLA model is sized as its expanded K and V heads, which the server does not serve: not checked.
 
+    ``block_flag``: the command's option that sets ``block_size`` (``estimate``'s ``--block-size``), or ``None``
+    where it has none (``advise`` checks at the server's default): what a refusal of the layout names.
+
     Raises:
-        ValueError: the server's own one-line message (a layout's with ``KV_BLOCK_SIZE``'s value).
+        ValueError: the server's own one-line message (a layout's with the block size and the option setting it;
+            sinks over a page naming the spec's option, not the server's variables, which the command does not read).
     """
     import torch
 
     from cache_backends.geometry import ModelGeometry
     from cache_backends.registry import create
+    from cache_backends.window.backend import SinksOverPage
     from server.engine.kv_cache import page_layouts
 
     name, options = spec
@@ -54,8 +60,14 @@ def check_served(shape: Shape, spec: tuple[str, dict], dtype_bytes: int, block_s
         page_layouts({name: backend}, dtype, block_size)
     except RuntimeError:  # dca knows its layout only once calibrated
         return
+    except SinksOverPage as exc:
+        at, fix = ((f"--block-size {block_size}", "raise --block-size") if block_flag else
+                   (f"the default block of {block_size}", "check a larger block with kvserve estimate --block-size"))
+        raise ValueError(f"{format_spec(*spec)}: sinks={exc.sinks} must fit one page of its sink tier ({exc.per} "
+                         f"tokens a page at {at}): lower sinks or {fix}") from None
     except ValueError as exc:
-        raise ValueError(f"{exc} (KV_BLOCK_SIZE is {block_size})") from None
+        raise ValueError(f"{exc} (" + (f"{block_flag} is {block_size}" if block_flag else
+                                       f"at the default block of {block_size} tokens") + ")") from None
 
 
 def applies(shape: Shape, spec: tuple[str, dict], dtype_bytes: int) -> bool:
@@ -76,10 +88,11 @@ def applies(shape: Shape, spec: tuple[str, dict], dtype_bytes: int) -> bool:
     return True
 
 
-def resolve_specs(shape: Shape, specs: list[str] | None, dtype_bytes: int,
-                  block_size: int = DEFAULT_BLOCK_SIZE) -> list[tuple[str, dict]]:
-    """``specs`` parsed, each checked as the server checks it (:func:`check_served`, after the sums' own checks);
-    without any, :data:`DEFAULT_SPECS` less what this model cannot take.
+def resolve_specs(shape: Shape, specs: list[str] | None, dtype_bytes: int, block_size: int = DEFAULT_BLOCK_SIZE,
+                  block_flag: str | None = "--block-size") -> list[tuple[str, dict]]:
+    """``specs`` parsed, each checked as the server checks it (:func:`check_served`, after the sums' own checks, at
+    ``block_size`` set by the command's ``block_flag``); without any, :data:`DEFAULT_SPECS` less what this model
+    cannot take.
 
     Raises:
         ValueError: for a malformed spec (see :func:`parse_spec`), or one the server refuses (its message).
@@ -90,7 +103,7 @@ def resolve_specs(shape: Shape, specs: list[str] | None, dtype_bytes: int,
     for spec in parsed:
         check_options(*spec)
         bytes_per_token_per_layer(shape, *spec, dtype_bytes, 1)  # the sums' own message first
-        check_served(shape, spec, dtype_bytes, block_size)
+        check_served(shape, spec, dtype_bytes, block_size, block_flag)
     return parsed
 
 

@@ -36,8 +36,34 @@ def _metavar(annotation) -> str:
     return {bool: "BOOL", int: "N", float: "X"}.get(annotation, "TEXT")
 
 
+SHOWN_DEFAULTS = {"kv_quality_long_context": "auto"}
+"""Defaults a help line states as the docs spell them, where the field holds ``None`` for them."""
+
+
+def budget_chosen() -> dict[str, object]:
+    """Settings field -> its static default, for each option the quality budget chooses when it is left unset
+    (:attr:`cache_backends.declaration.BackendDecl.budget_axis`: ``KV_GQA_GROUPS``, ``KV_MLA_RANK``...)."""
+    from cache_backends import catalog
+
+    return {o.setting: o.default for d in catalog.declarations().values() if d.budget_axis
+            for o in d.options if o.name == d.budget_axis and o.setting}
+
+
+def _default(name: str, info: FieldInfo) -> str:
+    """What a help line states as the default of field ``name``."""
+    static = ("computed" if info.default_factory else "unset" if info.default is None else
+              str(info.default).lower() if isinstance(info.default, bool) else repr(info.default))  # true: as typed
+    if name in SHOWN_DEFAULTS:
+        return SHOWN_DEFAULTS[name]
+    chosen = budget_chosen()
+    if name in chosen:  # a static value only without a budget
+        without = "from the model" if chosen[name] is None else str(chosen[name]).lower()
+        return f"chosen by the quality budget (KV_QUALITY_BUDGET=off: {without})"
+    return static
+
+
 def _help(name: str, info: FieldInfo) -> str:
-    default = "computed" if info.default_factory else "unset" if info.default is None else repr(info.default)
+    default = _default(name, info)
     text = f"{info.description} " if info.description else ""
     # a description that says what the default is ("Default: MODEL_ID as given") is not contradicted by the
     # field's placeholder value ('' or unset)

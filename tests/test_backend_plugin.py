@@ -141,3 +141,88 @@ def test_a_plugin_that_cannot_be_imported_ends_any_command_with_one_line(tmp_pat
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert p.stderr == ("kvserve: backend plug-in entry point 'broken': cannot import brokenpkg.spec (RuntimeError: "
                         "half written)\n")
+
+
+def make_plugin(root: Path, package: str, spec: str, backend: str = "") -> dict:
+    """A plug-in distribution ``package`` under ``root`` (its ``spec.py``: ``spec``; its ``backend.py``:
+    ``backend``), found through the entry point; the environment that puts it (and kvserve) on the path."""
+    (root / package).mkdir()
+    (root / package / "__init__.py").write_text("")
+    (root / package / "spec.py").write_text(textwrap.dedent(spec))
+    if backend:
+        (root / package / "backend.py").write_text(textwrap.dedent(backend))
+    info = root / f"{package}-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {package}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[kvserve.backends]\n{package} = {package}.spec\n")
+    return {"PYTHONPATH": os.pathsep.join([str(root), str(REPO)])}
+
+
+@pytest.mark.parametrize("setting, first", [
+    ("port", "kvserve's settings"),
+    ("kv_window_size", "cache_backends/window"),
+    ("KV_INT8_GROUP_SIZE", "cache_backends/elastic"),  # the first of the two built-ins reading it
+])
+def test_a_plugin_option_taking_over_another_setting_is_refused(tmp_path, setting, first):
+    """A plug-in's ``Option(setting="port")`` used to take PORT over silently (its default, its bound, its help)."""
+    env = make_plugin(tmp_path, "grabber", f"""
+        from cache_backends.declaration import BackendDecl, Option
+        DECLARATIONS = (BackendDecl(name="grab", backend="cache_backends.full.backend:FullBackend",
+                                    options=(Option("n", int, 7, low=1, setting={setting!r}),)),)
+    """)
+    for args in (("serve", "--help"), ("estimate", "--model", "llama-3-8b")):
+        p = run(tmp_path, "", "-m", "server.cli", *args, env=env)
+        assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+        assert p.stderr == (f"kvserve: setting {setting.upper()} is declared twice ({first} and entry point "
+                            "'grabber', option grab:n)\n")
+
+
+def test_backends_of_one_plugin_may_share_a_setting(tmp_path):
+    """As elastic reads int8's KV_INT8_GROUP_SIZE, two backends of one package may read one variable."""
+    env = make_plugin(tmp_path, "pair", """
+        from cache_backends.declaration import BackendDecl, Option
+        N = Option("n", int, 7, low=1, setting="kv_pair_n", help="pair: n.")
+        DECLARATIONS = (BackendDecl(name="one", backend="cache_backends.full.backend:FullBackend", options=(N,)),
+                        BackendDecl(name="two", backend="cache_backends.full.backend:FullBackend", options=(N,)))
+    """)
+    p = run(tmp_path, """
+        from server.config import load_settings
+        s = load_settings(kv_pair_n="9")
+        print(s.backend_options("one"), s.backend_options("two"))
+    """, env=env)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "{'n': 9} {'n': 9}"
+
+
+@pytest.mark.parametrize("args", [("estimate", "--model", "llama-3-8b"),
+                                  ("advise", "--model", "llama-3-8b", "--context", "4096", "--memory-budget", "10GB"),
+                                  ("serve", "--kv-backend", "nocls")])
+def test_a_plugin_whose_class_is_missing_ends_the_command_with_one_line(tmp_path, args):
+    """A declaration whose ``backend`` names a module that does not exist ended estimate and advise (where the
+    plug-in is among the default rows, named or not) and serve with ModuleNotFoundError's traceback, exit 1."""
+    env = make_plugin(tmp_path, "nocls", """
+        from cache_backends.declaration import BackendDecl
+        DECLARATIONS = (BackendDecl(name="nocls", backend="nocls.backend:Missing", order=60),)
+    """)
+    p = run(tmp_path, "", "-m", "server.cli", *args, env={**env, "MODEL_ID": str(REPO / "models" / "kjv-llama-mha")})
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert p.stderr == (f"kvserve {args[0]}: backend 'nocls' (entry point 'nocls'): cannot load its class "
+                        "nocls.backend:Missing (ModuleNotFoundError: No module named 'nocls.backend')\n")
+
+
+def test_a_refusal_of_the_plugin_names_the_plugin_and_its_option(site):
+    """``lastn+int8:n=8`` was refused as "window+int8: window=8 ...": a backend and an option the user never wrote."""
+    p = run(site, "", "-m", "server.cli", "estimate", "--model", "llama-3-8b", "lastn+int8:n=8")
+    assert p.returncode == 2
+    assert p.stderr == ("kvserve estimate: lastn+int8: n=8 must be >= residual + group_size = 64 (the tokens the "
+                        "quantized tier reads exact must lie inside the window)\n")
+    p = run(site, """
+        from cache_backends.geometry import ModelGeometry
+        from cache_backends.registry import create
+        try:
+            create("lastn", ModelGeometry(num_layers=2, num_attention_heads=4, num_key_value_heads=4, head_dim=8,
+                                          dtype_bytes=4), n=True)
+        except ValueError as exc:
+            print(exc)
+    """)
+    assert p.stdout == "lastn: n must be an integer >= 1, got True\n", p.stderr

@@ -85,9 +85,10 @@ def test_advise_ranks_the_measured_settings(quick_report):
     (["--rounds", "0"], "--rounds must be at least 1"),
     (["--needle-context", "-1"], "--needle-context must be between 0 (off) and 1012"),
     (["--needle-context", "1013"], "--needle-context must be between 0 (off) and 1012"),
-    (["--long-context", "100"], "--long-context must be 0 (off) or between 512 and 1024 (the model's positions)"),
-    (["--long-context", "1025"], "--long-context must be 0 (off) or between 512 and 1024"),
-    (["--long-context", "512"], "--long-context 512: a long input of 512 tokens leaves"),
+    (["--long-context", "100"], "--long-context must be 0 (off) or 1024 (the model has 1024 positions), got 100"),
+    (["--long-context", "1025"], "--long-context must be 0 (off) or 1024 (the model has 1024 positions)"),
+    # 512-600 passed the bound, then the long input did not fit (601 tokens on this tokenizer)
+    (["--long-context", "600"], "--long-context must be 0 (off) or 1024"),
     (["--model", "/nonexistent"], "no config.json"),
     (["--backends", "mla@budget", "--budget", "nan"], "--budget must be a finite number"),
     (["--backends", "mla@budget", "--budget", "-1"], "--budget must be a finite number of percent, at least 0"),

@@ -27,6 +27,51 @@ def test_bad_value_names_the_variable(monkeypatch, env, var):
         load_settings()
 
 
+HUGE = "99999999999999999999"
+
+
+@pytest.mark.parametrize("var, why", [
+    # passed validation, then the engine core died on msgspec's int64 limit (exit 1, tracebacks)
+    ("KV_WINDOW_SIZE", "less than or equal to 16777216"), ("KV_INT8_RESIDUAL", "less than or equal to 16777216"),
+    ("KV_DCA_PROBE_INTERVAL", "less than or equal to 9223372036854775807"),
+    ("MAX_BATCH_SIZE", "at most 9223372036854775807"), ("KV_CACHE_BUDGET_BYTES", "at most 9223372036854775807"),
+    ("MAX_TOTAL_TOKENS", "at most 9223372036854775807")])
+def test_a_huge_integer_is_refused_naming_the_variable(monkeypatch, var, why):
+    monkeypatch.setenv(var, HUGE)
+    with pytest.raises(ConfigError, match=f"invalid {var}='{HUGE}': .*{why}"):
+        load_settings()
+
+
+def test_a_quantization_group_larger_than_a_block_is_refused_at_once(monkeypatch):
+    """A huge KV_INT8_GROUP_SIZE ended start-up (exit 1) blaming KV_CACHE_BUDGET_BYTES: a block is rounded up to
+    whole groups, so no budget held a page."""
+    monkeypatch.setenv("KV_INT8_GROUP_SIZE", "99999999")
+    with pytest.raises(ConfigError, match="invalid KV_INT8_GROUP_SIZE='99999999': .*less than or equal to 1024"):
+        load_settings()
+    monkeypatch.setenv("KV_INT8_GROUP_SIZE", "1024")
+    assert load_settings().kv_int8_group_size == 1024
+
+
+@pytest.mark.parametrize("spec, why", [
+    (f"window:window={HUGE}", f"window must be <= 16777216, got {HUGE}"),
+    ("int8:group_size=2048", "group_size must be <= 1024, got 2048"),
+    (f"dca:probe_interval={HUGE}", f"probe_interval must be <= 9223372036854775807, got {HUGE}")])
+def test_a_spec_option_above_its_bound_is_refused(spec, why):
+    from cache_backends.spec import check_options, parse_spec
+
+    with pytest.raises(ValueError, match=f"^{spec}: {why}$"):
+        parse_spec(spec)
+    with pytest.raises(ValueError, match=why):
+        check_options(spec.split(":")[0], {spec.split(":")[1].split("=")[0]: int(spec.split("=")[1])})
+
+
+def test_serve_refuses_a_huge_window_with_one_line():
+    p = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--kv-backend", "window"], cwd=REPO,
+                       env={**os.environ, "KV_WINDOW_SIZE": HUGE}, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and p.stderr.startswith(f"kvserve: invalid KV_WINDOW_SIZE='{HUGE}'")
+    assert len(p.stderr.strip().splitlines()) == 1
+
+
 def test_unknown_backend_lists_allowed_values(monkeypatch):
     monkeypatch.setenv("KV_BACKEND", "nope")
     with pytest.raises(ConfigError, match="allowed: .*full"):
@@ -193,6 +238,22 @@ def test_serve_help_states_defaults_and_statuses_as_they_are():
     assert "default: ''" not in text
     assert "larger gets 422 (400 on the OpenAI routes). [env PAYLOAD_LIMIT; default: 2000000]" in text
     assert "Default: MAX_TOTAL_TOKENS - 1. [env MAX_INPUT_TOKENS]" in text
+
+
+def test_serve_help_states_the_defaults_the_docs_and_the_budget_give():
+    """``--kv-quality-long-context`` said "default: unset" where the docs say `auto`; the options the quality budget
+    chooses when left unset said their static default (``KV_DCA_THRESHOLD``'s 0.95, ``KV_INT4_ROTATE``'s False);
+    booleans were Python's (True, False)."""
+    from server.cli import build_parser
+
+    serve = build_parser().parse_known_args(["serve"])[0].subparser
+    text = " ".join(serve.format_help().split())
+    assert "[env KV_QUALITY_LONG_CONTEXT; default: auto]" in text
+    for var, without in [("KV_GQA_GROUPS", "from the model"), ("KV_MLA_RANK", "from the model"),
+                         ("KV_DCA_THRESHOLD", "0.95"), ("KV_INT4_ROTATE", "false")]:
+        assert f"[env {var}; default: chosen by the quality budget (KV_QUALITY_BUDGET=off: {without})]" in text
+    # int8's is not the budget's to choose; a boolean as the variable takes it (true/false, not Python's False)
+    assert "[env KV_INT8_ROTATE; default: false]" in text and "[env KV_PREFIX_CACHING; default: true]" in text
 
 
 @pytest.mark.parametrize("cpu_max,want", [(None, 63), ("max 100000", 63), ("200000 100000", 1), ("350000 100000", 3)])

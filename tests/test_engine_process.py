@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 
 import pytest
 
@@ -17,7 +18,7 @@ from server.engine.core_client import CoreClient, CoreDied
 from server.engine.sampling import SamplingParams
 from server.engine.sequence import FinishReason
 from server.service import GenerationRequest, GenerationService, Limits
-from tests.conftest import MODEL_DIR
+from tests.conftest import MODEL_DIR, REPO
 from tests.engine_helpers import make_engine, make_seq, run_all
 
 PROMPTS = ["In the beginning God created", "And the earth was without form"]
@@ -437,6 +438,59 @@ def test_socket_folders_of_servers_that_are_gone_are_swept_at_the_next_start(tmp
     finally:
         c.stop()
     assert not own.exists()  # stopped before it started: its folder goes too
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGHUP])
+def test_the_socket_folder_of_a_server_killed_goes_at_once(tmp_path, sig):
+    """A server killed with SIGKILL, or by a signal it does not handle (SIGHUP: its terminal closed), left its
+    sockets' folder behind until some later server's start swept it: its janitor removes it within a second."""
+    import subprocess
+    import sys
+
+    code = ("import time\nfrom server.engine.core_sockets import new_socket_dir\nprint(new_socket_dir(), flush=True)\n"
+            "time.sleep(120)")
+    server = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=REPO,
+                              env={**os.environ, "TMPDIR": str(tmp_path)})
+    try:
+        folder = server.stdout.readline().strip()
+        assert os.path.dirname(folder) == str(tmp_path) and os.path.isdir(folder)
+        server.send_signal(sig)
+        assert server.wait(10) == -sig
+        deadline = time.monotonic() + 5
+        while os.path.isdir(folder) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not os.path.exists(folder), "the socket folder was left behind"
+    finally:
+        if server.poll() is None:
+            server.kill()
+
+
+def test_a_server_that_removed_its_socket_folder_ends_its_janitor(tmp_path, monkeypatch):
+    """The janitor is no child of the server (whose children are counted as its engine core's), and it ends once
+    the server has removed the folder itself."""
+    import shutil
+    import tempfile
+
+    from bench.serving import child_pids
+    from server.engine import core_sockets
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    folder = core_sockets.new_socket_dir()
+    janitor = core_sockets.janitor_pids[-1]
+    assert janitor not in child_pids(os.getpid())
+    shutil.rmtree(folder)
+    deadline = time.monotonic() + 5
+    while _running(janitor) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _running(janitor)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return False
 
 
 @pytest.mark.parametrize("how", ["environment", "file", "flag"])

@@ -95,8 +95,7 @@ def test_cli_without_specs_lists_the_quantized_widths_and_elastic_too():
 
 @pytest.mark.parametrize("spec, options", [("window+int8:window=40", {"window": 40}),
                                            ("window+int4:window=63", {"window": 63}),
-                                           ("window:sinks=8,window=4", {"sinks": 8, "window": 4}),
-                                           ("window:sinks=40", {"sinks": 40})])
+                                           ("window:sinks=8,window=4", {"sinks": 8, "window": 4})])
 def test_estimate_refuses_what_the_server_refuses_with_its_message(model_dir, capsys, spec, options):
     """``window+int8:window=40`` (a window narrower than the residual window and the forming group) and window sinks
     wider than one KV page were sized, where ``kvserve serve`` refuses them: estimate now exits 2 with the server's
@@ -121,6 +120,23 @@ def test_estimate_refuses_what_the_server_refuses_with_its_message(model_dir, ca
     args = build_parser().parse_args(["estimate", "--model", str(model_dir), "--dtype", "fp32", spec])
     assert args.func(args) == 2
     assert capsys.readouterr().err == f"kvserve estimate: {served}\n"
+
+
+def test_sinks_wider_than_a_page_are_refused_naming_the_commands_own_options(model_dir, capsys):
+    """The server's line ("lower KV_WINDOW_SINKS or raise KV_BLOCK_SIZE (KV_BLOCK_SIZE is 16)") named variables
+    estimate and advise do not read: estimate names the spec's option and its --block-size, advise (no block size
+    option) the default block it checks at."""
+    from server.cli import main
+
+    assert main(["estimate", "--model", str(model_dir), "--dtype", "fp32", "window:sinks=40"]) == 2
+    assert capsys.readouterr().err == ("kvserve estimate: window:sinks=40: sinks=40 must fit one page of its sink tier "
+                                       "(16 tokens a page at --block-size 16): lower sinks or raise --block-size\n")
+    assert main(["advise", "--model", str(model_dir), "--context", "512", "--memory-budget", "1GiB", "--backends",
+                 "window:sinks=40"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("kvserve advise: window:sinks=40: sinks=40 must fit one page of its sink tier (16 tokens a page at "
+                   "the default block of 16): lower sinks or check a larger block with kvserve estimate --block-size\n")
+    assert "KV_" not in err
 
 
 def test_estimate_checks_window_sinks_at_the_block_size_given(model_dir, capsys):

@@ -23,7 +23,7 @@ from server.config import ConfigError, load_settings
 from server.long_context import DEPTHS, MIN_LONG_CONTEXT, build_long_probe, long_context_length
 from server.quality_budget import Choice, choose
 from server.quality_price import LongPrice, Price, Scorer
-from tests.conftest import RunningServer
+from tests.conftest import MODEL_DIR, REPO, RunningServer
 
 LENGTH = 1000
 SMALL = {"window": 64, "sinks": 4}
@@ -143,12 +143,30 @@ def test_the_long_context_setting(monkeypatch, value, expected):
     assert load_settings().kv_quality_long_context == expected
 
 
-@pytest.mark.parametrize("value", ["-1", "100", "511", "8k", "4096.5", "true"])
+@pytest.mark.parametrize("value", ["-1", "100", "511", "512", "600", "1023", "8k", "4096.5", "true"])
 def test_a_bad_long_context_is_refused_naming_it(monkeypatch, value):
+    """512-600 was accepted, then the long input (601 tokens at least on the reference tokenizer) could not be built:
+    nothing was long-priced, with a warning in the log alone and no reason in /info."""
     monkeypatch.setenv("KV_QUALITY_LONG_CONTEXT", value)
     with pytest.raises(ConfigError, match=f"invalid KV_QUALITY_LONG_CONTEXT='{value}': must be auto, off \\(or 0\\), "
-                                          "or a number of tokens >= 512"):
+                                          "or a number of tokens >= 1024"):
         load_settings()
+
+
+@pytest.mark.parametrize("model", [MODEL_DIR, REPO / "models" / "smollm2-135m-instruct",
+                                   REPO / "models" / "gemma3-270m"])
+def test_the_shortest_long_input_is_built_on_every_tokenizer(model):
+    """The bound is what the probe needs: a long input of MIN_LONG_CONTEXT tokens is built (its filler holds the
+    scored tail) on the reference model's tokenizer, SmolLM2's and Gemma 3's."""
+    from transformers import AutoTokenizer
+
+    if not (Path(model) / "config.json").is_file():
+        pytest.skip(f"{model} is not fetched")
+    tok = AutoTokenizer.from_pretrained(model)
+    text = (REPO / "cache_backends" / "data" / "calibration.txt").read_text()
+    ids = tok.encode(text[:200_000], add_special_tokens=False)
+    probe = build_long_probe(tok, ids, MIN_LONG_CONTEXT)
+    assert len(probe.ids) == MIN_LONG_CONTEXT and probe.scored[0] >= 64
 
 
 def test_serve_refuses_a_bad_long_context_with_exit_2():
@@ -183,7 +201,6 @@ def test_calibrate_fills_the_long_price_and_a_start_reads_it_back(tmp_path, ref_
     import os
 
     from cache_backends.calibration import calibration_ids
-    from tests.conftest import MODEL_DIR, REPO
 
     env = {**os.environ, "MODEL_ID": str(MODEL_DIR), "KV_CALIBRATION_CACHE_DIR": str(tmp_path), "KV_WINDOW_SIZE": "64",
            "KV_WINDOW_SINKS": "4"}

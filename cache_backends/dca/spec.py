@@ -1,7 +1,7 @@
 """``dca``'s declaration: cross-layer KV reuse through a calibrated map, with a runtime fall-back (after
 MiniCache, arXiv 2405.14366, and CLA, arXiv 2405.12981)."""
 
-from cache_backends.declaration import BackendDecl, Option
+from cache_backends.declaration import MAX_TOKENS, BackendDecl, Option
 from cache_backends.kv_spec import KVSpec
 from cache_backends.sizes import Shape, dca_window_tokens
 
@@ -37,7 +37,7 @@ DECLARATIONS = (
                         help="dca: decode steps between similarity probes."),
                  Option("align", str, "linear", choices=("linear", "none"), setting="kv_dca_align",
                         help="dca: how a layer's K/V are predicted."),
-                 Option("window", int, 32, low=0, setting="kv_dca_window",
+                 Option("window", int, 32, low=0, high=MAX_TOKENS, setting="kv_dca_window",
                         help="dca: a reuse layer keeps its own K/V for its newest window..2*window-1 tokens "
                              "(residual window); 0: none."),
                  Option("reuse_fraction", float, None, low=0, estimate_only=True)),

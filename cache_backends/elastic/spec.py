@@ -1,6 +1,6 @@
 """``elastic``'s declaration: exact while the KV pool has room, the oldest tokens quantized on demand."""
 
-from cache_backends.declaration import BackendDecl, Option
+from cache_backends.declaration import BackendDecl, MAX_GROUP, MAX_TOKENS, Option
 from cache_backends.kv_spec import Quantization
 from cache_backends.quant_formats import BITS, bits_choices
 from cache_backends.sizes import Shape, per_head_streams
@@ -24,9 +24,9 @@ DECLARATIONS = (
         name="elastic", backend="cache_backends.elastic.backend:ElasticBackend",
         summary="exact while the budget holds every token, int8 for the oldest tokens only under pressure (sized "
                 "here fully compressed)",
-        options=(Option("group_size", int, 32, low=1, setting="kv_int8_group_size",
+        options=(Option("group_size", int, 32, low=1, high=MAX_GROUP, setting="kv_int8_group_size",
                         help="int8: tokens per key quantization group."),
-                 Option("window", int, 32, low=0, setting="kv_elastic_window",
+                 Option("window", int, 32, low=0, high=MAX_TOKENS, setting="kv_elastic_window",
                         help="elastic: newest tokens of a sequence that stay exact when the pool runs short (its "
                              "group size is KV_INT8_GROUP_SIZE)."),
                  Option("bits", int, 8, choices=BITS, setting="kv_elastic_bits",

@@ -1,16 +1,16 @@
 """``int8``'s and ``int4``'s declarations: KIVI-style quantized K/V (arXiv 2402.02750) with an exact residual
 window, optionally Hadamard-rotated (QuaRot, arXiv 2404.00456). One backend, two default widths."""
 
-from cache_backends.declaration import BackendDecl, Option
+from cache_backends.declaration import BackendDecl, MAX_GROUP, MAX_TOKENS, Option
 from cache_backends.kv_spec import Quantization
 from cache_backends.quant_formats import BITS, bits_choices
 
 
 def _options(name: str, bits: int) -> tuple[Option, ...]:
     widths = bits_choices(bits)  # "8 or 4": this name's width first
-    return (Option("group_size", int, 32, low=1, setting=f"kv_{name}_group_size",
+    return (Option("group_size", int, 32, low=1, high=MAX_GROUP, setting=f"kv_{name}_group_size",
                    help=f"{name}: tokens per key quantization group."),
-            Option("residual", int, 32, low=0, setting=f"kv_{name}_residual",
+            Option("residual", int, 32, low=0, high=MAX_TOKENS, setting=f"kv_{name}_residual",
                    help=f"{name}: newest tokens kept in full precision."),
             Option("key_bits", int, bits, choices=BITS, setting=f"kv_{name}_key_bits",
                    help=f"{name}: bits per key code, {widths}."),

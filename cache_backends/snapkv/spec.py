@@ -1,7 +1,7 @@
 """``snapkv``'s declaration: a prompt's tokens selected per layer and K/V head by its observation window's attention
 (SnapKV, arXiv 2404.14469)."""
 
-from cache_backends.declaration import BackendDecl, Option
+from cache_backends.declaration import MAX_TOKENS, BackendDecl, Option
 from cache_backends.kv_spec import KVSpec
 from cache_backends.sizes import Shape
 
@@ -58,13 +58,13 @@ DECLARATIONS = (
         name="snapkv", backend="cache_backends.snapkv.backend:SnapKVBackend",
         summary="keeps, per layer and K/V head, the prompt tokens the prompt's last queries attend to most (SnapKV): "
                 "a long prompt costs its capacity, decode tokens are all kept; what it dropped is lost",
-        options=(Option("capacity", int, DEFAULT_CAPACITY, low=2, setting="kv_snapkv_capacity",
+        options=(Option("capacity", int, DEFAULT_CAPACITY, low=2, high=MAX_TOKENS, setting="kv_snapkv_capacity",
                         help="snapkv: prompt tokens each layer keeps, the observation window included (the paper's "
                              "max_capacity_prompt); a prompt of at most this many is kept whole."),
-                 Option("window", int, DEFAULT_WINDOW, low=1, setting="kv_snapkv_window",
+                 Option("window", int, DEFAULT_WINDOW, low=1, high=MAX_TOKENS, setting="kv_snapkv_window",
                         help="snapkv: the observation window, the prompt's last tokens whose queries vote (and which "
                              "are always kept)."),
-                 Option("kernel", int, DEFAULT_KERNEL, low=1, setting="kv_snapkv_kernel",
+                 Option("kernel", int, DEFAULT_KERNEL, low=1, high=MAX_TOKENS, setting="kv_snapkv_kernel",
                         help="snapkv: the pooling kernel (odd) smoothing the votes over neighbouring tokens."),
                  Option("pooling", str, "avg", choices=POOLINGS, setting="kv_snapkv_pooling",
                         help="snapkv: how the votes are pooled, avg or max (the paper's code offers both).")),

@@ -75,9 +75,19 @@ class WindowLayer(InnerLayer):
         return attend_kv(query, keys, values, scaling, self.window, self.sinks)
 
 
-def _int_option(name: str, value, low: int) -> int:
+class SinksOverPage(ValueError):
+    """The sinks do not fit one page of their tier. Its message names the server's settings; ``kvserve estimate``
+    and ``advise`` word it with their own options from ``backend``, ``sinks`` and ``per`` (tokens a page)."""
+
+    def __init__(self, backend: str, sinks: int, per: int):
+        super().__init__(f"{backend}: sinks={sinks} (KV_WINDOW_SINKS) must fit one page of its sink tier ({per} "
+                         "tokens a page): lower KV_WINDOW_SINKS or raise KV_BLOCK_SIZE")
+        self.backend, self.sinks, self.per = backend, sinks, per
+
+
+def _int_option(backend: str, name: str, value, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"window: {name} must be an integer >= {low}, got {value!r}")
+        raise ValueError(f"{backend}: {name} must be an integer >= {low}, got {value!r}")
     return value
 
 
@@ -99,15 +109,20 @@ class WindowBackend(OuterBackend):
     name = "window"
     windowed_pool = True
     attends_in_place = True
+    spelled: dict[str, str] = {}
+    """How a subclass under its own name spells ``window``'s options (``lastn``: ``{"window": "n"}``), so that a
+    refusal names the backend and the option the user wrote."""
 
     def __init__(self, geometry: ModelGeometry, sinks: int = DEFAULT_SINKS, window: int = DEFAULT_WINDOW,
                  inner: KVBackend | None = None):
-        sinks, window = _int_option("sinks", sinks, 0), _int_option("window", window, 1)
+        says = {o: self.spelled.get(o, o) for o in ("sinks", "window")}
+        sinks = _int_option(self.name, says["sinks"], sinks, 0)
+        window = _int_option(self.name, says["window"], window, 1)
         check_sinks(sinks, window)
         inner = inner if inner is not None else FullBackend(geometry)
         q = inner.quantization
         if q is not None and window < q.residual + q.group_size:
-            raise ValueError(f"window+{inner.name}: window={window} must be >= residual + group_size = "
+            raise ValueError(f"{self.name}+{inner.name}: {says['window']}={window} must be >= residual + group_size = "
                              f"{q.residual + q.group_size} (the tokens the quantized tier reads exact must lie "
                              "inside the window)")
         super().__init__(geometry, sinks=sinks, window=window, **inner.options)
@@ -147,9 +162,9 @@ class WindowBackend(OuterBackend):
         """One :class:`cache_backends.hybrid.HybridLayout` group per (window, sinks) rule.
 
         Raises:
-            ValueError: when the sinks do not fit one page of the sink tier (the quantized tier's on a quantized
-                inner backend, else the exact tier's), naming ``KV_WINDOW_SINKS`` and ``KV_BLOCK_SIZE`` (the pool's
-                page holds whole blocks: :func:`server.engine.kv_cache.page_layouts`).
+            SinksOverPage: when the sinks do not fit one page of the sink tier (the quantized tier's on a
+                quantized inner backend, else the exact tier's), naming ``KV_WINDOW_SINKS`` and ``KV_BLOCK_SIZE``
+                (the pool's page holds whole blocks: :func:`server.engine.kv_cache.page_layouts`).
         """
         spec = self.kv_spec()
         groups = self.groups()
@@ -157,8 +172,7 @@ class WindowBackend(OuterBackend):
         for layout, (_, sinks, _) in zip(layouts, groups):
             per = layout.q_tokens if layout.quantization else layout.exact_tokens
             if sinks and sinks > per:
-                raise ValueError(f"{self.name}: sinks={sinks} (KV_WINDOW_SINKS) must fit one page of its sink "
-                                 f"tier ({per} tokens a page): lower KV_WINDOW_SINKS or raise KV_BLOCK_SIZE")
+                raise SinksOverPage(self.name, sinks, per)
         return HybridLayout(layouts, [w for w, _, _ in groups], [layers for _, _, layers in groups],
                             [s for _, s, _ in groups])
 

@@ -1,6 +1,6 @@
 """``window``'s declaration: attention sinks plus a recent window on every layer (StreamingLLM, arXiv 2309.17453)."""
 
-from cache_backends.declaration import BackendDecl, Option
+from cache_backends.declaration import MAX_TOKENS, BackendDecl, Option
 from cache_backends.kv_spec import KVSpec
 from cache_backends.sizes import Shape, window_rules, windowed_bytes_per_token_per_layer
 
@@ -45,10 +45,10 @@ DECLARATIONS = (
         name="window", backend="cache_backends.window.backend:WindowBackend",
         summary="attention sinks and a recent window: the cache stops growing at the window, but what it dropped is "
                 "lost (a fact older than the window is not retrieved)",
-        options=(Option("sinks", int, DEFAULT_SINKS, low=0, setting="kv_window_sinks",
+        options=(Option("sinks", int, DEFAULT_SINKS, low=0, high=MAX_TOKENS, setting="kv_window_sinks",
                         help="window: attention-sink tokens (the first ones) every query keeps seeing "
                              "(StreamingLLM, arXiv 2309.17453)."),
-                 Option("window", int, DEFAULT_WINDOW, low=1, setting="kv_window_size",
+                 Option("window", int, DEFAULT_WINDOW, low=1, high=MAX_TOKENS, setting="kv_window_size",
                         help="window: recent tokens each query sees, itself included; older ones but the sinks "
                              "are dropped from the pool.")),
         inners=("int8", "int4"),

@@ -420,8 +420,9 @@ def check_long_context(args: argparse.Namespace, config) -> None:
     if length == 0:
         return
     if not MIN_LONG_CONTEXT <= length <= most:
-        raise ValueError(f"--long-context must be 0 (off) or between {MIN_LONG_CONTEXT} and {most} (the model's "
-                         f"positions), got {length}")
+        allowed = (f"between {MIN_LONG_CONTEXT} and {most}" if most > MIN_LONG_CONTEXT else str(most)
+                   if most == MIN_LONG_CONTEXT else f"nothing else: a long input is at least {MIN_LONG_CONTEXT} tokens")
+        raise ValueError(f"--long-context must be 0 (off) or {allowed} (the model has {most} positions), got {length}")
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)

@@ -8,6 +8,7 @@ class LastNBackend(WindowBackend):
     """The newest ``n`` tokens of every layer (itself included); older pages go back to the pool."""
 
     name = "lastn"
+    spelled = {"window": "n"}
 
     def __init__(self, geometry, n: int = 64, inner=None):
         super().__init__(geometry, sinks=0, window=n, inner=inner)

@@ -1,6 +1,6 @@
 """``lastn``'s declaration: everything kvserve reads about it (no torch)."""
 
-from cache_backends.declaration import BackendDecl, Option
+from cache_backends.declaration import MAX_TOKENS, BackendDecl, Option
 from cache_backends.window.spec import window_bytes
 
 
@@ -12,6 +12,7 @@ DECLARATIONS = (
     BackendDecl(
         name="lastn", backend="kvserve_lastn.backend:LastNBackend",
         summary="the newest n tokens alone: a fixed size, and everything older is lost",
-        options=(Option("n", int, 64, low=1, setting="kv_lastn_n", help="lastn: newest tokens each query sees."),),
+        options=(Option("n", int, 64, low=1, high=MAX_TOKENS, setting="kv_lastn_n",
+                        help="lastn: newest tokens each query sees."),),
         inners=("int8",), order=50, bytes_per_token=_bytes),
 )
