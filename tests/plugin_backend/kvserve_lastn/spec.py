@@ -1,6 +1,6 @@
 """``lastn``'s declaration: everything kvserve reads about it (no torch)."""
 
-from cache_backends.declaration import BackendDecl, Option
+from cache_backends.declaration import BackendDecl, Metric, Option
 from cache_backends.window.spec import window_bytes
 
 
@@ -13,5 +13,7 @@ DECLARATIONS = (
         name="lastn", backend="kvserve_lastn.backend:LastNBackend",
         summary="the newest n tokens alone: a fixed size, and everything older is lost",
         options=(Option("n", int, 64, low=1, setting="kv_lastn_n", help="lastn: newest tokens each query sees."),),
-        inners=("int8",), order=50, bytes_per_token=_bytes),
+        inners=("int8",), order=50, bytes_per_token=_bytes,
+        metrics=(Metric("kvserve_lastn_dropped_tokens", "gauge", "lastn: tokens older than the newest n, no longer "
+                        "held, summed over live sequences.", "dropped_tokens"),)),
 )
