@@ -6,8 +6,8 @@ declaration: the spec parser (:mod:`cache_backends.spec`: option types and bound
 (:mod:`cache_backends.registry`: the class, how it composes), the settings and ``kvserve serve``'s flags
 (:mod:`server.config`: one ``KV_*`` variable per :attr:`Option.setting`), the estimator
 (:mod:`cache_backends.estimate`: streams, quantized tier, bytes), ``kvserve advise`` (:attr:`BackendDecl.summary`),
-the built-in page's sums (:attr:`BackendDecl.order`, :attr:`BackendDecl.extra_rows`) and the quality budget
-(:attr:`BackendDecl.budget_axis`). Adding a backend is adding its package.
+the built-in page's sums (:attr:`BackendDecl.order`, :attr:`BackendDecl.extra_rows`), the quality budget
+(:attr:`BackendDecl.budget_axis`) and its own Prometheus metrics (:attr:`BackendDecl.metrics`, :mod:`server.metrics`). Adding a backend is adding its package.
 
 This module imports nothing from kvserve but :mod:`cache_backends.kv_spec` (no torch).
 """
@@ -74,6 +74,26 @@ class Option:
 
 
 @dataclass(frozen=True)
+class Metric:
+    """One Prometheus metric of a backend's own (labels ``model`` and ``backend``), exported for it and for every
+    composition it is a part of.
+
+    Attributes:
+        name: the metric's name (``kvserve_dca_reuse_layers``; a counter's samples add ``_total``).
+        kind: ``gauge``: the figure ``key`` of each live sequence's store stats (``KVStore.stats``), summed after
+            every step; ``counter``: adds the figure ``key`` of each finished request's store stats and each count
+            of that name the engine reports (``compressed_blocks``, ``preemptions_avoided``: an on-demand tier).
+        help: its ``# HELP`` line.
+        key: the figure it reads.
+    """
+
+    name: str
+    kind: str
+    help: str
+    key: str
+
+
+@dataclass(frozen=True)
 class BackendDecl:
     """Everything kvserve reads about one backend, torch-free.
 
@@ -117,6 +137,7 @@ class BackendDecl:
             serving refuses.
         uncompressed: ``(params, tokens) -> sentence``: why a request of ``tokens`` tokens held ``full``'s bytes
             under it (the built-in page says it), or ``None`` where that is not its reason.
+        metrics: its own Prometheus metrics (:class:`Metric`), besides those every backend has.
     """
 
     name: str
@@ -144,6 +165,7 @@ class BackendDecl:
     min_bytes_per_token: Callable[[Any, dict, int, int], float] | None = None
     check: Callable[[str, dict], None] | None = None
     uncompressed: Callable[[dict, int], str | None] | None = None
+    metrics: tuple[Metric, ...] = ()
 
     def option(self, name: str) -> Option | None:
         """Its option called ``name``, else ``None``."""

@@ -6,11 +6,19 @@ module touches prometheus-client. Definitions follow vLLM/TGI: TTFT = arrival �
 token; TPOT = (last token − first token) / (generated tokens − 1), one value per request;
 inter-token latency = the gap between consecutive tokens of a request, one value per gap;
 e2e = arrival → last token; queue time = arrival → start of prefill.
+
+A backend's own metrics (a layer-reuse gauge, a compression counter) are those its declaration lists
+(:attr:`cache_backends.declaration.BackendDecl.metrics`): this module names no backend.
 """
 
 from __future__ import annotations
 
+import functools
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+
+from cache_backends import catalog
+from cache_backends.declaration import Metric
 
 # `_created` timestamps double the series count and no dashboard uses them.
 disable_created_metrics()
@@ -23,9 +31,15 @@ BYTES_BUCKETS = tuple(float(2**k) for k in range(10, 37, 2))  # 1 KiB … 64 GiB
 LABELS = ("model", "backend")
 
 
-def is_dca(backend: str) -> bool:
-    """Whether ``backend`` reuses layers (``dca`` or a composition with it, e.g. ``dca+int8``)."""
-    return "dca" in backend.split("+")
+@functools.cache
+def backend_metrics(backend: str) -> tuple[Metric, ...]:
+    """The metrics of ``backend``'s own: those its parts declare (``outer+inner``: both parts')."""
+    found = {}
+    for part in backend.split("+"):
+        decl = catalog.get(part)
+        for metric in decl.metrics if decl is not None else ():
+            found.setdefault(metric.name, metric)
+    return tuple(found.values())
 
 
 class Metrics:
@@ -96,16 +110,12 @@ class Metrics:
         self.tier_tokens = Gauge("kvserve_kv_cache_tier_tokens", "Tokens cached by all live sequences per stored "
                                  "form: tier exact (model dtype), or the codes of a quantized tier (int8, int4, "
                                  "k8v4).", LABELS + ("tier",), registry=r)
-        self.compressed_blocks = Counter("kvserve_elastic_compressed_blocks", "elastic: KV blocks freed by re-encoding "
-                                         "exact tokens to int8 because the pool ran short.", LABELS, registry=r)
-        self.preemptions_avoided = Counter("kvserve_elastic_preemptions_avoided", "elastic: times the pool ran out "
-                                           "of blocks and compressing made room instead of a preemption.", LABELS,
-                                           registry=r)
-        self.dca_reuse_layers = Gauge("kvserve_dca_reuse_layers",
-                                      "dca: layers currently reusing another layer's K/V, summed over live sequences.",
-                                      LABELS, registry=r)
-        self.dca_fallbacks = Counter("kvserve_dca_fallbacks", "dca: reuse layers that fell back to their own K/V "
-                                     "after a failed similarity probe.", LABELS, registry=r)
+        self.backend_own: dict[str, Gauge | Counter] = {}  # every declared backend's own metrics, by name
+        for decl in catalog.declarations().values():
+            for metric in decl.metrics:
+                if metric.name not in self.backend_own:
+                    kind = {"gauge": Gauge, "counter": Counter}[metric.kind]
+                    self.backend_own[metric.name] = kind(metric.name, metric.help, LABELS, registry=r)
 
 
 class Recorder:
@@ -135,12 +145,10 @@ class Recorder:
             for reason in ("length", "eos_token", "stop_sequence", "cancelled", "error"):
                 metrics.requests.labels(model, b, reason)
             metrics.tier_tokens.labels(model, b, "exact").set(0)
-            if b == "elastic":
-                metrics.compressed_blocks.labels(model, b)
-                metrics.preemptions_avoided.labels(model, b)
-            if is_dca(b):
-                metrics.dca_reuse_layers.labels(model, b).set(0)
-                metrics.dca_fallbacks.labels(model, b)
+            for metric in backend_metrics(b):
+                child = metrics.backend_own[metric.name].labels(model, b)
+                if metric.kind == "gauge":
+                    child.set(0)
 
         metrics.kv_usage.labels(model).set(0)
         metrics.prefix_blocks.labels(model).set(0)
@@ -166,13 +174,17 @@ class Recorder:
         self.m.prefix_queries.labels(**labels).inc(queried)
         self.m.prefix_hits.labels(**labels).inc(hit)
 
-    def compressed(self, seq, blocks: int) -> None:
-        """Compressing an ``elastic`` sequence's oldest exact tokens freed ``blocks`` blocks."""
-        self.m.compressed_blocks.labels(**self._l(seq.backend_name)).inc(blocks)
+    def count(self, seq, key: str, value: int = 1) -> None:
+        """The engine counted ``value`` of ``key`` for ``seq`` (``compressed_blocks``: blocks freed by compressing
+        an on-demand tier; ``preemptions_avoided``: compressing made room instead of a preemption): added to
+        the counters of ``seq``'s backend that read ``key``."""
+        self._add(seq.backend_name, {key: value})
 
-    def preemption_avoided(self, seq) -> None:
-        """The pool was out of blocks and compressing made room (``seq``: one compressed) instead of a preemption."""
-        self.m.preemptions_avoided.labels(**self._l(seq.backend_name)).inc()
+    def _add(self, backend: str, figures: dict) -> None:
+        """Add ``figures`` (key -> number) to ``backend``'s own counters that read them."""
+        for metric in backend_metrics(backend):
+            if metric.kind == "counter" and figures.get(metric.key):
+                self.m.backend_own[metric.name].labels(**self._l(backend)).inc(figures[metric.key])
 
     def preempted(self, seq) -> None:
         self.m.preemptions.labels(**self._l(seq.backend_name)).inc()
@@ -187,8 +199,7 @@ class Recorder:
         t = seq.times
         n = len(seq.output_ids)
         self.m.requests.labels(finish_reason=seq.finish_reason.value, **labels).inc()
-        if seq.kv_stats.get("dca_fallbacks"):
-            self.m.dca_fallbacks.labels(**labels).inc(seq.kv_stats["dca_fallbacks"])
+        self._add(seq.backend_name, seq.kv_stats)
         self.m.generation_tokens.labels(**labels).inc(n)
         if t.prefill_start is None:
             return  # cancelled while queued: it never reached the model
@@ -217,18 +228,19 @@ class Recorder:
         self.publish(*live_rows(running), waiting, usage, cached_blocks)
 
     def publish(self, rows: dict[str, list[int]], tier_tokens: dict[tuple[str, str], int], generating: dict[str, int],
-                waiting: dict[str, int] | None, usage: float | None = None, cached_blocks: int | None = None) -> None:
+                own: dict[str, dict[str, float]], waiting: dict[str, int] | None, usage: float | None = None,
+                cached_blocks: int | None = None) -> None:
         """Set the live gauges from plain numbers (:func:`live_rows`' and :meth:`step_state`'s others; the engine
         core sends them, :mod:`server.engine.core`)."""
         if usage is not None:
             self.m.kv_usage.labels(self.model).set(usage)
         if cached_blocks is not None:
             self.m.prefix_blocks.labels(self.model).set(cached_blocks)
-        per_backend: dict[str, list[int]] = {b: [0, 0, 0, 0, 0] for b in self.backends}
+        per_backend: dict[str, list[int]] = {b: [0, 0, 0, 0] for b in self.backends}
         per_backend.update(rows)
         generated = {**dict.fromkeys(self.backends, 0), **generating}
         tiers = {**dict.fromkeys(self._tiers_seen, 0), **tier_tokens}  # a tier no live sequence holds now reads 0
-        for backend, (count, nbytes, tokens, reuse, allocated) in per_backend.items():
+        for backend, (count, nbytes, tokens, allocated) in per_backend.items():
             labels = self._l(backend)
             self.m.running.labels(**labels).set(count)
             self.m.kv_held_bytes.labels(**labels).set(allocated)
@@ -236,8 +248,10 @@ class Recorder:
             self.m.kv_tokens.labels(**labels).set(tokens)
             # 0 when nothing is cached, rather than the last sequence's figure
             self.m.kv_bytes_per_token.labels(**labels).set(nbytes / tokens if tokens else 0)
-            if is_dca(backend):
-                self.m.dca_reuse_layers.labels(**labels).set(reuse)
+            figures = own.get(backend, {})
+            for metric in backend_metrics(backend):
+                if metric.kind == "gauge":
+                    self.m.backend_own[metric.name].labels(**labels).set(figures.get(metric.name, 0))
         for (backend, tier), n in tiers.items():
             self.m.tier_tokens.labels(self.model, backend, tier).set(n)
         self._tiers_seen |= tiers.keys()
@@ -249,23 +263,30 @@ class Recorder:
             self.m.pod_waiting.labels(self.model).set(sum(waiting.values()))
 
 
-def live_rows(running: list) -> tuple[dict[str, list[int]], dict[tuple[str, str], int], dict[str, int]]:
+def live_rows(running: list) -> tuple[dict[str, list[int]], dict[tuple[str, str], int], dict[str, int],
+                                     dict[str, dict[str, float]]]:
     """Plain numbers of the running sequences for :meth:`Recorder.publish`: by backend ``[sequences with a store,
-    bytes of their cached tokens, tokens, dca reuse layers, bytes allocated]``; tokens by ``(backend, tier)``;
-    tokens generated so far by backend."""
+    bytes of their cached tokens, tokens, bytes allocated]``; tokens by ``(backend, tier)``; tokens generated so far
+    by backend; by backend, its own gauges (:func:`backend_metrics`) as ``{metric name: value}``, their stores'
+    figures summed."""
     rows: dict[str, list[int]] = {}
     tiers: dict[tuple[str, str], int] = {}
     generated: dict[str, int] = {}
+    own: dict[str, dict[str, float]] = {}
     for seq in running:
         for tier, n in seq.kv_tiers.items():
             tiers[seq.backend_name, tier] = tiers.get((seq.backend_name, tier), 0) + n
         generated[seq.backend_name] = generated.get(seq.backend_name, 0) + len(seq.output_ids)
         if seq.store is None:
             continue
-        row = rows.setdefault(seq.backend_name, [0, 0, 0, 0, 0])
+        row = rows.setdefault(seq.backend_name, [0, 0, 0, 0])
         row[0] += 1
         row[1] += seq.kv_stored_bytes  # measured by the engine once per step (it may be below the peak)
         row[2] += seq.store.num_tokens()
-        row[3] += seq.store.stats().get("dca_reuse_layers", 0)
-        row[4] += seq.kv_held_bytes
-    return rows, tiers, generated
+        row[3] += seq.kv_held_bytes
+        gauges = [m for m in backend_metrics(seq.backend_name) if m.kind == "gauge"]
+        if gauges:
+            stats, figures = seq.store.stats(), own.setdefault(seq.backend_name, {})
+            for metric in gauges:
+                figures[metric.name] = figures.get(metric.name, 0) + stats.get(metric.key, 0)
+    return rows, tiers, generated, own

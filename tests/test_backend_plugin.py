@@ -1,7 +1,8 @@
 """A backend is one declaration: ``lastn`` (tests/plugin_backend/kvserve_lastn), a package kvserve's files never
 name, installed through the ``kvserve.backends`` entry point, is served, configured, sized and listed everywhere a
 built-in backend is: the spec parser, the registry and its compositions, the settings and ``kvserve serve``'s
-flags, ``kvserve estimate``, ``kvserve advise`` and an engine's greedy tokens (those of ``window`` with no sinks)."""
+flags, ``kvserve estimate``, ``kvserve advise``, an engine's greedy tokens (those of ``window`` with no sinks) and
+its own Prometheus gauge."""
 
 from __future__ import annotations
 
@@ -93,10 +94,12 @@ def test_the_plugin_has_its_flag_and_its_estimate_row(site):
 
 def test_the_plugin_serves_the_tokens_of_a_window_without_sinks(site):
     """Greedy tokens through an engine (the paged pool, the kernel or torch path, pages freed as the window moves):
-    ``lastn:n=24`` gives ``window:sinks=0,window=24``'s, on a prompt four times as long as the window."""
+    ``lastn:n=24`` gives ``window:sinks=0,window=24``'s, on a prompt four times as long as the window. Its own
+    gauge, ``kvserve_lastn_dropped_tokens`` (its declaration's, named by no kvserve file), follows each step."""
     p = run(site, """
         import json
         from transformers import AutoModelForCausalLM, AutoTokenizer
+        from server.metrics import Metrics, Recorder
         from tests.conftest import MODEL_DIR
         from tests.engine_helpers import make_engine, make_seq, run_all
 
@@ -106,15 +109,25 @@ def test_the_plugin_serves_the_tokens_of_a_window_without_sinks(site):
         out = {}
         for name, options in (("lastn", {"n": 24}), ("window", {"sinks": 0, "window": 24})):
             engine = make_engine(model, tokenizer, name, **options)
+            metrics = Metrics()
+            engine.recorder = Recorder(metrics, "m", [name])
             seq = make_seq(tokenizer, prompt, 24, backend=name)
+            dropped = []
+            seq.emit = lambda event: dropped.append(metrics.registry.get_sample_value(
+                "kvserve_lastn_dropped_tokens", {"model": "m", "backend": name}))
             run_all(engine, [seq])
-            out[name] = {"ids": seq.output_ids, "prompt": len(seq.prompt_ids)}
+            out[name] = {"ids": seq.output_ids, "prompt": len(seq.prompt_ids), "dropped": dropped}
         print(json.dumps(out))
     """)
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout.strip().splitlines()[-1])
-    assert out["lastn"]["prompt"] >= 4 * 24 and len(out["lastn"]["ids"]) == 24
+    prompt = out["lastn"]["prompt"]
+    assert prompt >= 4 * 24 and len(out["lastn"]["ids"]) == 24
     assert out["lastn"]["ids"] == out["window"]["ids"]
+    # each token's event comes after its step's report: k tokens cached past the prompt, n = 24 of them kept
+    assert out["lastn"]["dropped"][:-1] == [prompt + k - 24 for k in range(23)]
+    assert out["lastn"]["dropped"][-1] == 0  # the last event: the request is off the gauges
+    assert out["window"]["dropped"] == [None] * 24  # window declares no such gauge
 
 
 def test_a_plugin_whose_name_is_taken_is_refused(site, tmp_path):

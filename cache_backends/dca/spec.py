@@ -1,7 +1,7 @@
 """``dca``'s declaration: cross-layer KV reuse through a calibrated map, with a runtime fall-back (after
 MiniCache, arXiv 2405.14366, and CLA, arXiv 2405.12981)."""
 
-from cache_backends.declaration import MAX_TOKENS, BackendDecl, Option
+from cache_backends.declaration import MAX_TOKENS, BackendDecl, Metric, Option
 from cache_backends.kv_spec import KVSpec
 from cache_backends.sizes import Shape, dca_window_tokens
 
@@ -45,5 +45,10 @@ DECLARATIONS = (
                         "not see alike (their windows differ)",
         inners=("int8", "mla", "int4"), calibrates=True, budget_axis="threshold", order=6,
         estimate_defaults=lambda shape: {"reuse_fraction": 0.5, "window": 32}, bytes_per_token=_bytes,
-        uncompressed=_uncompressed),
+        uncompressed=_uncompressed,
+        metrics=(Metric("kvserve_dca_reuse_layers", "gauge",
+                        "dca: layers currently reusing another layer's K/V, summed over live sequences.",
+                        "dca_reuse_layers"),
+                 Metric("kvserve_dca_fallbacks", "counter", "dca: reuse layers that fell back to their own K/V "
+                        "after a failed similarity probe.", "dca_fallbacks"))),
 )

@@ -1,6 +1,6 @@
 """``elastic``'s declaration: exact while the KV pool has room, the oldest tokens quantized on demand."""
 
-from cache_backends.declaration import BackendDecl, MAX_GROUP, MAX_TOKENS, Option
+from cache_backends.declaration import MAX_GROUP, MAX_TOKENS, BackendDecl, Metric, Option
 from cache_backends.kv_spec import Quantization
 from cache_backends.quant_formats import BITS, bits_choices
 from cache_backends.sizes import Shape, per_head_streams
@@ -33,5 +33,9 @@ DECLARATIONS = (
                         help=f"elastic: code width of the compressed tier, {bits_choices(8)}.")),
         size_is_range=True, order=5,
         quantization=lambda p: Quantization(p["group_size"], None, p["bits"], p["bits"], window=p["window"]),
-        min_bytes_per_token=_least, uncompressed=_uncompressed),
+        min_bytes_per_token=_least, uncompressed=_uncompressed,
+        metrics=(Metric("kvserve_elastic_compressed_blocks", "counter", "elastic: KV blocks freed by re-encoding "
+                        "exact tokens to int8 because the pool ran short.", "compressed_blocks"),
+                 Metric("kvserve_elastic_preemptions_avoided", "counter", "elastic: times the pool ran out of blocks "
+                        "and compressing made room instead of a preemption.", "preemptions_avoided"))),
 )

@@ -180,13 +180,13 @@ class EngineCore:
         from server.metrics import live_rows
 
         e, r = self.engine, self.recorder
-        rows, tiers, generated = r.state if r.state is not None else live_rows(e.running)
+        rows, tiers, generated, own = r.state if r.state is not None else live_rows(e.running)
         waiting = len(e.waiting) + len(e.compiling)  # a grammar's compile is waiting too
         return m.CoreStats(running=len(e.running), waiting=waiting, kv_held_bytes=e.kv_held_bytes(),
                            kv_stored_bytes=e.kv_stored_bytes(), kv_usage=e.kv.usage(),
                            evictable_blocks=e.kv.blocks.num_evictable, rows=rows,
                            tiers=[(b, t, n) for (b, t), n in tiers.items()], generated=generated,
-                           waiting_by_backend=dict(r.waiting))
+                           waiting_by_backend=dict(r.waiting), own=own)
 
     def take_output(self, with_stats: bool = True) -> m.StepOutput | None:
         """What was collected since the last call, as one message (``None`` when nothing was)."""

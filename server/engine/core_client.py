@@ -409,19 +409,17 @@ class CoreClient:
             seq = _Named(c.backend)
             if c.kind == "prefix_cache":
                 r.prefix_cache(seq, c.value, c.hit)
-            elif c.kind == "compressed":
-                r.compressed(seq, c.value)
-            elif c.kind == "preemption_avoided":
-                r.preemption_avoided(seq)
             elif c.kind == "preempted":
                 r.preempted(seq)
+            else:  # a backend's own count (its declaration's counters read it)
+                r.count(seq, c.kind, c.value)
         for rid, start in out.prefilled:
             if (e := live.get(rid)) is not None:
                 e.seq.times.prefill_start = start
                 r.prefill_done(e.seq)
         st = out.stats
         if st is not None:
-            r.publish(st.rows, {(b, t): n for b, t, n in st.tiers}, st.generated, st.waiting_by_backend,
+            r.publish(st.rows, {(b, t): n for b, t, n in st.tiers}, st.generated, st.own, st.waiting_by_backend,
                       st.kv_usage, st.evictable_blocks)
 
     def _token(self, e: _Live, t: m.NewToken, fin: m.Finished | None) -> None:

@@ -23,11 +23,8 @@ class CoreRecorder:
     def prefix_cache(self, seq, queried: int, hit: int) -> None:
         self.counters.append(m.Counter("prefix_cache", seq.backend_name, queried, hit))
 
-    def compressed(self, seq, blocks: int) -> None:
-        self.counters.append(m.Counter("compressed", seq.backend_name, blocks))
-
-    def preemption_avoided(self, seq) -> None:
-        self.counters.append(m.Counter("preemption_avoided", seq.backend_name))
+    def count(self, seq, key: str, value: int = 1) -> None:
+        self.counters.append(m.Counter(key, seq.backend_name, value))
 
     def preempted(self, seq) -> None:
         self.counters.append(m.Counter("preempted", seq.backend_name))

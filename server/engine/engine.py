@@ -185,9 +185,9 @@ class Engine:
             for seq in ev.preempted:
                 self.recorder.preempted(seq)
             for seq in ev.avoided:
-                self.recorder.preemption_avoided(seq)
+                self.recorder.count(seq, "preemptions_avoided")
             for seq, freed in ev.compressed:
-                self.recorder.compressed(seq, freed)
+                self.recorder.count(seq, "compressed_blocks", freed)
 
     def _execute(self, out) -> None:
         """Run ``out`` (:meth:`ModelRunner.execute`), commit each row that ran, and accept every sampled token; a

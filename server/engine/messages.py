@@ -153,11 +153,13 @@ class CoreStats(msgspec.Struct, frozen=True):
         kv_stored_bytes: bytes of the live sequences' cached tokens (<= ``kv_held_bytes``).
         kv_usage: fraction of the pool's pages in use (0-1), or ``None`` without a pool.
         evictable_blocks: cached blocks no sequence holds (the prefix cache's, reusable).
-        rows: by backend, ``[sequences with a store, bytes of their cached tokens, tokens, dca reuse layers,
-            bytes allocated]`` (:func:`server.metrics.live_rows`).
+        rows: by backend, ``[sequences with a store, bytes of their cached tokens, tokens, bytes allocated]``
+            (:func:`server.metrics.live_rows`).
         tiers: ``(backend, tier, tokens)`` the running sequences hold.
         generated: tokens the running sequences have generated so far, by backend.
         waiting_by_backend: queued sequences by backend.
+        own: by backend, its own gauges (its declaration's :attr:`~cache_backends.declaration.BackendDecl.metrics`)
+            as ``{metric name: value}``.
     """
 
     running: int = 0
@@ -170,12 +172,14 @@ class CoreStats(msgspec.Struct, frozen=True):
     tiers: list[tuple[str, str, int]] = []
     generated: dict[str, int] = {}
     waiting_by_backend: dict[str, int] = {}
+    own: dict[str, dict[str, float]] = {}
 
 
 class Counter(msgspec.Struct, array_like=True, frozen=True):
     """One event the engine counted during the step, for the HTTP process's Prometheus counters: ``kind`` one of
-    ``prefix_cache`` (``value``: context tokens looked up, ``hit``: of them cached), ``compressed`` (``value``: blocks
-    freed), ``preemption_avoided``, ``preempted``; ``backend``: the sequence's KV backend."""
+    ``prefix_cache`` (``value``: context tokens looked up, ``hit``: of them cached), ``preempted``, or a figure a
+    backend's own counters read (``compressed_blocks``, ``preemptions_avoided``: :meth:`server.metrics.Recorder.
+    count`); ``backend``: the sequence's KV backend."""
 
     kind: str
     backend: str
