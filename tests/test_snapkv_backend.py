@@ -24,6 +24,7 @@ from cache_backends.geometry import ModelGeometry
 from cache_backends.registry import create
 from cache_backends.store_path import StorePath
 from server.engine.kv_cache import PagedStore
+from server.engine.sequence import FinishReason
 from tests.engine_helpers import PagedDriver, make_engine, make_seq, run_all, with_eager_twin
 
 CAPACITY, WINDOW, KERNEL, PROMPT, DECODE = 24, 4, 3, 50, 8
@@ -358,3 +359,42 @@ def test_smollm2_pool_tokens_are_its_stores_tokens_on_both_paths():
             tokens, _, blocks = _generate(driver, ids, DECODE)
         assert tokens == expected, mode
         assert (blocks.first, blocks.exact_len) == (300 - 128, 128 + DECODE)
+
+
+def test_a_preempted_sequence_that_can_never_be_readmitted_ends_and_frees_the_queue(ref_model):
+    """A preempted ``snapkv`` sequence recomputes its prompt and generated tokens in one prefill step, which holds
+    every one of them; once they outgrow the pool it could never start again, and the queue behind it waited for
+    ever with nothing running (the pool of 31 pages below; 331-token prompts compacted to 64 tokens and decoding
+    to 731). Such a sequence now ends with an error naming the pool, and the others finish."""
+    model, tokenizer = ref_model
+    prompt = " ".join(["In the beginning God created the heaven and the earth."] * 30)
+    engine = make_engine(model, tokenizer, "snapkv", budget=8 * 1024 * 1024, capacity=64, window=8)
+    events: dict[int, list] = {}
+    seqs = []
+    for i in range(3):
+        seq = make_seq(tokenizer, f"{i} {prompt}", 400, backend="snapkv", events=events.setdefault(i, []))
+        seqs.append(seq)
+    late = make_seq(tokenizer, "Hi", 3, backend="snapkv", events=events.setdefault(3, []))
+    assert engine.kv.blocks.usable_pages * 16 < 508  # a recompute of 508 tokens needs more pages than the pool has
+    run_all(engine, seqs + [late], max_steps=3000)
+    ended = {s.request_id: s.finish_reason for s in seqs + [late]}
+    assert late.finish_reason == FinishReason.LENGTH and len(late.output_ids) == 3, ended
+    errors = [ev[-1].error for ev in events.values() if ev and ev[-1].finish_reason == FinishReason.ERROR]
+    assert errors and all("KV blocks" in e and "after a preemption" in e for e in errors), errors
+    assert engine.kv.blocks.num_free == engine.kv.blocks.usable_pages  # every page back
+
+
+@pytest.mark.parametrize("spec,options,expected", [("snapkv", {"capacity": 64, "window": 8}, 1024.0),
+                                                   ("snapkv+int4", {"capacity": 64, "window": 8}, 592.0),
+                                                   ("window", {"sinks": 4, "window": 64}, 1072.0)])
+def test_kvserve_bench_measures_what_the_pool_holds_of_a_backend_that_drops_tokens(ref_model, spec, options,
+                                                                                   expected):
+    """``kvserve bench``'s bytes per token at 1024 tokens: measured on the per-sequence reference store, which keeps
+    every token, they read ``full``'s 16384 (1.00x) for ``snapkv`` and ``window``; they are now the pool's, equal to
+    the sums (fp32, 8 layers of 8 heads of 32: ``full`` 16384; 64 tokens kept of 1024, 68 for window's sinks)."""
+    from server.bench_cmd.fidelity import measured_bytes_per_token
+
+    model, tokenizer = ref_model
+    backend = create(spec, _geometry(model), **options)
+    ids = tokenizer.encode(" ".join(["In the beginning God created the heaven and the earth."] * 100))
+    assert measured_bytes_per_token(model, backend, ids, 1024) == (expected, expected)

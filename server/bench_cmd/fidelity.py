@@ -150,7 +150,17 @@ def agreement(ours: list[list[int]], reference: list[list[int]]) -> float:
 def measured_bytes_per_token(model, backend, token_ids: list[int], context: int = 1024) -> tuple[float, float]:
     """Bytes the store holds after ``context`` tokens (prefill then one decode step), per token (all layers),
     and the sums' figure for that same store: the backend's formula at ``context``, or for dca (whose reuse
-    depends on the input) the formula over this sequence's own reuse decisions."""
+    depends on the input) the formula over this sequence's own reuse decisions.
+
+    A backend that drops tokens at ``context`` (:meth:`cache_backends.base.KVBackend.drops_tokens`: ``window``,
+    ``snapkv``) is measured in the paged pool the server serves it from, after a prompt of ``context`` tokens (the
+    prompt its formula counts): its per-sequence reference store keeps every token and attends under a mask, so its
+    bytes would be ``full``'s."""
+    if backend.drops_tokens(context):
+        seq = PagedSequence(model, backend, context)
+        seq.step(token_ids[:context])
+        return (seq.layout.stored_bytes(seq.blocks) / context,
+                backend.bytes_per_token_per_layer(context) * backend.geometry.num_layers)
     runner = _runner(model, backend)
     store = backend.new_store()
     runner.prefill(token_ids[: context - 1], store)

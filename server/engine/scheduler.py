@@ -228,6 +228,8 @@ class Scheduler:
                 break
             self._preempt(ev, unfair, at_head=False)
         admitted = self.admit(self.waiting, self.running)
+        if not admitted and not self.running and self.waiting:
+            self._end_unadmittable(ev)
         for seq in [s for s in self.running if s.cancelled]:
             self._end(ev, seq, FinishReason.CANCELLED)
         for seq in admitted:
@@ -253,6 +255,23 @@ class Scheduler:
             if seq in self.running:
                 out.rows.append(self._row(seq, [seq.output_ids[-1]], res, True, True))
         return out, ev
+
+    def _end_unadmittable(self, ev: StepEvents) -> None:
+        """With nothing running, nothing admitted and the pool free, end the first waiting sequence if its admission
+        alone needs more pages than the pool has: it could never start, and every sequence behind it would wait for
+        it for ever. A request is refused at submission when it could never finish (:meth:`fits_alone`); this is
+        the sequence whose recompute after a preemption outgrew the pool (its prompt and generated tokens written
+        in one prefill step, as ``snapkv``'s and ``dca``'s are)."""
+        seq = self._order(self.waiting, self.running)[0]
+        need = self.cost(seq, 0)[0]
+        usable = self.kv.blocks.usable_pages
+        if need <= usable:
+            return
+        self.waiting.remove(seq)
+        what = (f"recomputing its {len(seq.context_ids)} tokens after a preemption" if seq.output_ids else
+                f"its {len(seq.context_ids)} prompt tokens")
+        self._end(ev, seq, FinishReason.ERROR, f"{what} needs {need} KV blocks at once; the KV pool has {usable} "
+                                               "(KV_CACHE_BUDGET_BYTES)")
 
     def _row(self, seq: Sequence, tokens: list[int], res: Reservation, decode: bool, sample: bool,
              alone: bool = False, all_logits: bool = False) -> RowPlan:
