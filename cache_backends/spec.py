@@ -109,6 +109,24 @@ def budget_hint(name: str, served: bool = True) -> str:
     return f" ('@budget' is kvserve bench's alone: it measures the setting the quality budget chooses; here {then})"
 
 
+def served_spec_hint(name: str) -> str:
+    """What to say beside "unknown backend" for a ``KV_BACKEND``/``KV_BACKENDS`` entry written as a spec
+    (``snapkv:capacity=64``): a served backend takes its options from settings, which it names; ``""`` for a name
+    without options or whose base is not a backend."""
+    base, _, rest = name.partition(":")
+    if not rest or base.strip() not in catalog.available():
+        return ""
+    settings = []
+    for pair in filter(None, (p.strip() for p in rest.split(","))):
+        key, _, value = pair.partition("=")
+        option = _option(key.strip(), name)
+        if option is not None and option.setting:
+            settings.append(f"{option.setting.upper()}={value.strip()}")
+    said = " ".join(settings) or f"the {base.strip().upper().replace('+', '_')} settings (kvserve serve --help)"
+    return (f" (a served backend is named alone and takes its options from settings: {base.strip()} with {said}; "
+            "name:key=value specs are for kvserve estimate, advise and bench)")
+
+
 def check_options(name: str, options: dict) -> None:
     """Refuse a name that is neither a backend nor a supported composition, and options that backend ``name`` (or
     each part of a composition like ``mla+int8``) does not take.

@@ -165,20 +165,21 @@ class _GeneralSettings(BaseSettings):
     @field_validator("kv_backend")
     @classmethod
     def _known_backend(cls, v: str) -> str:
-        from cache_backends.spec import budget_hint, check_composition
+        from cache_backends.spec import budget_hint, check_composition, served_spec_hint
 
         available = catalog.available
 
         if _declares_refusals(v):
             check_composition(v)  # a composition a part declares it cannot make names why
         if v not in available():
-            raise ValueError(f"unknown backend {v!r}; allowed: {', '.join(available())}{budget_hint(v)}")
+            raise ValueError(f"unknown backend {v!r}; allowed: {', '.join(available())}{budget_hint(v)}"
+                             f"{served_spec_hint(v)}")
         return v
 
     @field_validator("kv_backends")
     @classmethod
     def _known_backends(cls, v: str | None) -> str | None:
-        from cache_backends.spec import budget_hint, check_composition
+        from cache_backends.spec import budget_hint, check_composition, served_spec_hint
 
         available = catalog.available
 
@@ -186,7 +187,8 @@ class _GeneralSettings(BaseSettings):
             if _declares_refusals(name):
                 check_composition(name)  # a composition a part declares it cannot make names why
             if name not in available():
-                raise ValueError(f"unknown backend {name!r}; allowed: {', '.join(available())}{budget_hint(name)}")
+                raise ValueError(f"unknown backend {name!r}; allowed: {', '.join(available())}{budget_hint(name)}"
+                                 f"{served_spec_hint(name)}")
         return v
 
     @field_validator("*")

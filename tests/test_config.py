@@ -85,6 +85,19 @@ def test_a_bench_budget_name_as_a_served_backend_says_whose_it_is(monkeypatch):
         load_settings()
 
 
+@pytest.mark.parametrize("variable,value,says", [
+    ("KV_BACKEND", "snapkv:capacity=64,window=8", "snapkv with KV_SNAPKV_CAPACITY=64 KV_SNAPKV_WINDOW=8"),
+    ("KV_BACKEND", "window:sinks=4,window=64", "window with KV_WINDOW_SINKS=4 KV_WINDOW_SIZE=64"),
+    ("KV_BACKENDS", "full,int8:value_bits=4", "int8 with KV_INT8_VALUE_BITS=4"),
+])
+def test_a_spec_as_a_served_backend_names_the_settings_that_take_its_options(monkeypatch, variable, value, says):
+    """The docs write settings as specs (``snapkv:capacity=64``), which estimate, advise and bench take; the server
+    said only "unknown backend", though each option has its setting."""
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ConfigError, match="takes its options from settings: " + says.replace("+", r"\+")):
+        load_settings()
+
+
 def test_serve_exits_nonzero_with_one_line():
     env = {**os.environ, "KV_BACKEND": "nope"}
     p = subprocess.run([sys.executable, "-m", "server.cli", "serve"], env=env, cwd=REPO, capture_output=True,
