@@ -6,8 +6,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from server.long_context import MIN_LONG_CONTEXT
-
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_SPECS = ["full", "gqa:groups=4,method=mean", "gqa:groups=4,method=pca", "gqa:groups=2,method=mean",
                  "gqa:groups=2,method=pca", "mla:rank=128", "mla:rank=64", "mla:rank=32",
@@ -60,8 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--long-context", type=int, default=0,
                    help="also price every setting on one input of this many tokens, as the quality budget's long "
                         "price does (KV_QUALITY_LONG_CONTEXT): perplexity change implied by the KL from full and "
-                        f"top-1 agreement on its last 256 tokens, and 4 needles at chosen depths; at least "
-                        f"{MIN_LONG_CONTEXT} tokens and at most the model's positions (default 0: off)")
+                        "top-1 agreement on its last 256 tokens, and 4 needles at chosen depths; at least the least "
+                        "KV_QUALITY_LONG_CONTEXT takes and at most the model's positions (default 0: off)")
 
 
 def command_line(args: argparse.Namespace) -> str:
