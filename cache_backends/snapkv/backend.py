@@ -172,11 +172,9 @@ class SnapLayout(PageLayout):
         super().__init__(spec, dtype, page_bytes)
         self.capacity = capacity
         self.plain = TierPlan(self.exact_tokens, self.q_tokens, self.quantization)  # the inner layout's planning
-
-    def kept_drained(self) -> int:
-        """Of the ``capacity`` kept tokens, those held as codes (whole groups before the residual window), as a
-        sequence of ``capacity`` tokens written at once holds them; 0 without a quantized tier."""
-        return self.plain.plan(SeqBlocks(), self.capacity).drained
+        # of the kept tokens, those held as codes (whole groups before the residual window), as a sequence of
+        # ``capacity`` tokens written at once holds them; 0 without a quantized tier
+        self.kept_drained = self.plain.plan(SeqBlocks(), capacity).drained
 
     def plan(self, blocks: SeqBlocks, n: int) -> Plan:
         """The inner layout's plan; for a first step of more than ``capacity`` tokens a :class:`SnapPlan`."""
@@ -191,7 +189,7 @@ class SnapLayout(PageLayout):
         kept = getattr(plan, "kept", 0)
         if not kept:
             return super().commit(blocks, plan, feedback)
-        te, drained = self.exact_tokens, self.kept_drained()
+        te, drained = self.exact_tokens, self.kept_drained
         lo, hi = drained // te, math.ceil(kept / te)
         freed = blocks.exact[:lo] + blocks.exact[hi:]
         blocks.exact[:] = blocks.exact[lo:hi]
@@ -223,7 +221,7 @@ class _Compaction:
     """
 
     def __init__(self, layout: SnapLayout, rows: list[SeqBlocks], device):
-        te, kept, drained = layout.exact_tokens, layout.capacity, layout.kept_drained()
+        te, kept, drained = layout.exact_tokens, layout.capacity, layout.kept_drained
         pages = [b.exact[j // te] for b in rows for j in range(kept)]
         as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
         self.write_pages, self.write_slots = as_long(pages), as_long([j % te for _ in rows for j in range(kept)])
