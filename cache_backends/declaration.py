@@ -14,6 +14,8 @@ This module imports nothing from kvserve but :mod:`cache_backends.kv_spec` (no t
 
 from __future__ import annotations
 
+import re
+
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,12 +87,20 @@ class Metric:
             of that name the engine reports (``compressed_blocks``, ``preemptions_avoided``: an on-demand tier).
         help: its ``# HELP`` line.
         key: the figure it reads.
+        title: its Grafana panel's title (``scripts/make_dashboard.py`` draws a panel per metric of kvserve's own
+            backends: a gauge summed by backend, a counter's rate per second); empty: the help line's first clause.
     """
 
     name: str
     kind: str
     help: str
     key: str
+    title: str = ""
+
+    @property
+    def panel_title(self) -> str:
+        """The dashboard panel's title: :attr:`title`, else :attr:`help` up to its first comma or full stop."""
+        return self.title or re.split(r"[,.]", self.help, maxsplit=1)[0]
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Write deploy/grafana/dashboards/kvserve.json (the Grafana dashboard) from the panel list below.
+"""Write deploy/grafana/dashboards/kvserve.json (the Grafana dashboard) from the panel list below and
+the metrics kvserve's backends declare (`BackendDecl.metrics`).
 
     python scripts/make_dashboard.py           # write the JSON
     python scripts/make_dashboard.py --check   # exit 1 when the committed JSON differs from the generated one
@@ -19,6 +20,8 @@ from grafana_foundation_sdk.builders import common, dashboard, prometheus, times
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models.common import LegendDisplayMode, LegendPlacement
 from grafana_foundation_sdk.models.dashboard import DataSourceRef
+
+from cache_backends.catalog import declarations, origin
 
 OUT = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "dashboards" / "kvserve.json"
 # The data source provisioned by deploy/grafana/provisioning/datasources/prometheus.yml.
@@ -50,10 +53,26 @@ PANELS = [
          "e2e p95 {{backend}}"),
         ("histogram_quantile(0.95, sum by (le, backend) (rate(kvserve_request_queue_time_seconds_bucket[1m])))",
          "queue p95 {{backend}}")]),
-    ("dca: reuse layers (live sequences)", "short", [("sum by (backend) (kvserve_dca_reuse_layers)", "{{backend}}")]),
-    ("dca: fall-backs / s", "suffix: /s", [("sum by (backend) (rate(kvserve_dca_fallbacks_total[5m]))",
-                                             "{{backend}}")]),
 ]
+
+
+
+
+def backend_panels() -> list[tuple[str, str, list[tuple[str, str]]]]:
+    """A panel per metric that kvserve's own backends declare (:attr:`cache_backends.declaration.BackendDecl.metrics`,
+    plug-ins left out so the committed JSON does not depend on what is installed): a gauge summed by backend, a
+    counter's rate per second over 5 minutes."""
+    found = []
+    for name, decl in declarations().items():
+        if not origin(name).startswith("cache_backends/"):
+            continue
+        for m in decl.metrics:
+            if m.kind == "gauge":
+                found.append((m.panel_title, "short", [(f"sum by (backend) ({m.name})", "{{backend}}")]))
+            else:
+                found.append((f"{m.panel_title} / s", "suffix: /s",
+                              [(f"sum by (backend) (rate({m.name}_total[5m]))", "{{backend}}")]))
+    return found
 
 
 def panel(i: int, title: str, unit: str, targets: list[tuple[str, str]]) -> timeseries.Panel:
@@ -68,10 +87,10 @@ def panel(i: int, title: str, unit: str, targets: list[tuple[str, str]]) -> time
 
 
 def dashboard_json() -> dict:
-    """The dashboard as Grafana's JSON model (a dict), panels in PANELS order."""
+    """The dashboard as Grafana's JSON model (a dict): :data:`PANELS`, then :func:`backend_panels`."""
     d = (dashboard.Dashboard("kvserve").uid("kvserve").tags(["kvserve", "llm", "kv-cache"]).refresh("5s")
          .time("now-15m", "now"))
-    for i, p in enumerate(PANELS):
+    for i, p in enumerate(PANELS + backend_panels()):
         d = d.with_panel(panel(i, *p))
     return json.loads(JSONEncoder(sort_keys=True, indent=2).encode(d.build()))
 

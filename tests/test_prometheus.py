@@ -45,6 +45,20 @@ def dashboard_exprs() -> list[str]:
     return [t["expr"] for p in panels for t in p["targets"]]
 
 
+def test_every_declared_backend_metric_has_a_panel():
+    """The dashboard's backend panels come from the declarations (nothing listed by hand): each metric a kvserve
+    backend declares is drawn, under its declared title."""
+    from cache_backends.catalog import declarations, origin
+
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    declared = [m for name, d in declarations().items() if origin(name).startswith("cache_backends/") for m in d.metrics]
+    assert {m.name for m in declared} >= {"kvserve_dca_reuse_layers", "kvserve_elastic_compressed_blocks"}
+    for m in declared:
+        drawn = [p for p in panels if any(m.name in t["expr"] for t in p["targets"])]
+        assert len(drawn) == 1, m.name
+        assert drawn[0]["title"].startswith(m.panel_title), (m.name, drawn[0]["title"])
+
+
 def test_every_panel_sets_a_unit():
     for p in json.loads(DASHBOARD.read_text())["panels"]:
         assert p["fieldConfig"]["defaults"].get("unit"), p["title"]
@@ -77,7 +91,7 @@ def test_promtool_checks_the_shipped_config():
 @pytest.fixture(scope="module")
 def stack(starts_server):
     prometheus = find_or_install("prometheus")
-    kv = RunningServer({"KV_BACKEND": "full", "KV_BACKENDS": "full,dca", "KV_DCA_THRESHOLD": "0.5",
+    kv = RunningServer({"KV_BACKEND": "full", "KV_BACKENDS": "full,dca,elastic", "KV_DCA_THRESHOLD": "0.5",
                         "KV_DCA_PROBE_INTERVAL": "4"})
     tmp = tempfile.mkdtemp(prefix="kvserve-prom-")
     cfg = Path(tmp) / "prometheus.yml"

@@ -48,7 +48,7 @@ DECLARATIONS = (
         uncompressed=_uncompressed,
         metrics=(Metric("kvserve_dca_reuse_layers", "gauge",
                         "dca: layers currently reusing another layer's K/V, summed over live sequences.",
-                        "dca_reuse_layers"),
+                        "dca_reuse_layers", title="dca: reuse layers (live sequences)"),
                  Metric("kvserve_dca_fallbacks", "counter", "dca: reuse layers that fell back to their own K/V "
-                        "after a failed similarity probe.", "dca_fallbacks"))),
+                        "after a failed similarity probe.", "dca_fallbacks", title="dca: fall-backs"))),
 )

@@ -35,7 +35,9 @@ DECLARATIONS = (
         quantization=lambda p: Quantization(p["group_size"], None, p["bits"], p["bits"], window=p["window"]),
         min_bytes_per_token=_least, uncompressed=_uncompressed,
         metrics=(Metric("kvserve_elastic_compressed_blocks", "counter", "elastic: KV blocks freed by re-encoding "
-                        "exact tokens to int8 because the pool ran short.", "compressed_blocks"),
+                        "exact tokens to int8 because the pool ran short.", "compressed_blocks",
+                        title="elastic: blocks compressed"),
                  Metric("kvserve_elastic_preemptions_avoided", "counter", "elastic: times the pool ran out of blocks "
-                        "and compressing made room instead of a preemption.", "preemptions_avoided"))),
+                        "and compressing made room instead of a preemption.", "preemptions_avoided",
+                        title="elastic: preemptions avoided"))),
 )

@@ -15,9 +15,9 @@ failed compression the sequences it compressed (their block tables already name 
 runner raises every sequence of the step; each ends with ``error`` and its KV freed, and the engine goes on.
 
 An admitted sequence starts from the longest run of cached blocks its context begins with (the prefix cache,
-:mod:`server.engine.kv_cache`). When the pool has no page for a step, ``elastic`` sequences are compressed
-first (their oldest exact groups re-encoded to int8); only then is the most recently admitted sequence
-preempted.
+:mod:`server.engine.kv_cache`). When the pool has no page for a step, the sequences whose layout keeps an
+on-demand tier (``on_demand``: exact tokens re-encoded only when the pool runs short) are compressed first, their
+oldest exact groups re-encoded; only then is the most recently admitted sequence preempted.
 
 A step that completes the prefill of a prompt of at least
 :data:`~server.engine.malloc_tuning.HAND_BACK_PROMPT_TOKENS` tokens hands the memory its chunks left behind back to
