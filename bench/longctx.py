@@ -2,7 +2,8 @@
 
 For each context (prompt tokens) and backend, the server's engine in-process (:func:`bench.budget.new_engine`, one
 sequence, prompts prefilled in chunks of ``--chunk`` tokens as ``MAX_NUM_BATCHED_TOKENS`` does) measures the time to
-the first token (the whole chunked prefill) and the median decode step over ``--decode-steps`` steps, once with
+the first token (the whole chunked prefill), the KV bytes the sequence then holds (as the engine measures them: a
+model's sliding-window layers count their window only) and the median decode step over ``--decode-steps`` steps, once with
 each attention path (``KV_ATTENTION``: ``kernel``, ``torch``). The streams of one context (every backend on every
 path) take turns step by step (:func:`interleave`), so a drifting machine slows them alike. Each figure is also given as a ratio to ``full``'s
 on the same path, beside the *byte-bound ratio*: (weights + the backend's KV bytes at that context) / (weights +
@@ -37,6 +38,7 @@ class Stream:
                             stop=[], backend_name=backend.name)
         self.engine.submit(self.seq)
         self.prefill_s = 0.0
+        self.kv_bytes = 0
         self.step_s: list[float] = []
 
     def step(self) -> float:
@@ -63,13 +65,15 @@ def interleave(streams: list[Stream], steps: int) -> list[dict]:
         for s in streams:
             if not s.seq.output_ids:
                 s.prefill_s += s.step()
+                s.kv_bytes = s.seq.kv_stored_bytes  # what it holds once its prompt is cached
     for _ in range(steps):
         for s in streams:
             s.step_s.append(s.step())
     out = []
     for s in streams:
         s.close()
-        out.append({"ttft_s": round(s.prefill_s, 3), "tpot_ms": round(statistics.median(s.step_s) * 1000, 2)})
+        out.append({"ttft_s": round(s.prefill_s, 3), "tpot_ms": round(statistics.median(s.step_s) * 1000, 2),
+                    "kv_bytes_at_context": s.kv_bytes})
     return out
 
 
@@ -98,8 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         streams = [Stream(model, tok, backends[spec], path, ids, args.chunk, args.decode_steps)
                    for spec, path in runs]
         for (spec, path), r in zip(runs, interleave(streams, args.decode_steps)):
-            row = {"context": context, "backend": spec, "path": path, **r, "weights_bytes": weights,
-                   "kv_bytes_at_context": backends[spec].kv_spec().bytes_at(context)}
+            row = {"context": context, "backend": spec, "path": path, **r, "weights_bytes": weights}
             rows.append(row)
             print(json.dumps(row), flush=True)
         del streams
