@@ -14,6 +14,7 @@ A backend's own metrics (a layer-reuse gauge, a compression counter) are those i
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
@@ -215,7 +216,7 @@ class Recorder:
                 itl.observe(b - a)
 
     def step_state(self, running: list, waiting: dict[str, int] | None, usage: float | None = None,
-                   cached_blocks: int | None = None) -> None:
+                   cached_blocks: int | None = None, *, store: Callable) -> None:
         """Update the live gauges (after every engine step, and when a sequence finishes).
 
         Args:
@@ -224,8 +225,10 @@ class Recorder:
                 they are.
             usage: the pool's blocks in use / blocks, 0-1, or ``None`` to leave it.
             cached_blocks: the prefix cache's evictable blocks, or ``None`` to leave it.
+            store: ``store(seq)``, a sequence's KV view (:meth:`server.engine.kv_cache.KVCacheManager.store`), or
+                ``None`` if it holds none.
         """
-        self.publish(*live_rows(running), waiting, usage, cached_blocks)
+        self.publish(*live_rows(running, store), waiting, usage, cached_blocks)
 
     def publish(self, rows: dict[str, list[int]], tier_tokens: dict[tuple[str, str], int], generating: dict[str, int],
                 own: dict[str, dict[str, float]], waiting: dict[str, int] | None, usage: float | None = None,
@@ -263,12 +266,13 @@ class Recorder:
             self.m.pod_waiting.labels(self.model).set(sum(waiting.values()))
 
 
-def live_rows(running: list) -> tuple[dict[str, list[int]], dict[tuple[str, str], int], dict[str, int],
-                                     dict[str, dict[str, float]]]:
-    """Plain numbers of the running sequences for :meth:`Recorder.publish`: by backend ``[sequences with a store,
-    bytes of their cached tokens, tokens, bytes allocated]``; tokens by ``(backend, tier)``; tokens generated so far
-    by backend; by backend, its own gauges (:func:`backend_metrics`) as ``{metric name: value}``, their stores'
-    figures summed."""
+def live_rows(running: list, store: Callable) -> tuple[dict[str, list[int]], dict[tuple[str, str], int],
+                                                      dict[str, int], dict[str, dict[str, float]]]:
+    """Plain numbers of the running sequences for :meth:`Recorder.publish`, each sequence's KV read through
+    ``store(seq)`` (:meth:`server.engine.kv_cache.KVCacheManager.store`; ``None``: it holds none): by backend
+    ``[sequences with a store, bytes of their cached tokens, tokens, bytes allocated]``; tokens by
+    ``(backend, tier)``; tokens generated so far by backend; by backend, its own gauges (:func:`backend_metrics`)
+    as ``{metric name: value}``, their stores' figures summed."""
     rows: dict[str, list[int]] = {}
     tiers: dict[tuple[str, str], int] = {}
     generated: dict[str, int] = {}
@@ -277,16 +281,17 @@ def live_rows(running: list) -> tuple[dict[str, list[int]], dict[tuple[str, str]
         for tier, n in seq.kv_tiers.items():
             tiers[seq.backend_name, tier] = tiers.get((seq.backend_name, tier), 0) + n
         generated[seq.backend_name] = generated.get(seq.backend_name, 0) + len(seq.output_ids)
-        if seq.store is None:
+        kv = store(seq)
+        if kv is None:
             continue
         row = rows.setdefault(seq.backend_name, [0, 0, 0, 0])
         row[0] += 1
         row[1] += seq.kv_stored_bytes  # measured by the engine once per step (it may be below the peak)
-        row[2] += seq.store.num_tokens()
+        row[2] += kv.num_tokens()
         row[3] += seq.kv_held_bytes
         gauges = [m for m in backend_metrics(seq.backend_name) if m.kind == "gauge"]
         if gauges:
-            stats, figures = seq.store.stats(), own.setdefault(seq.backend_name, {})
+            stats, figures = kv.stats(), own.setdefault(seq.backend_name, {})
             for metric in gauges:
                 figures[metric.name] = figures.get(metric.name, 0) + stats.get(metric.key, 0)
     return rows, tiers, generated, own

@@ -335,14 +335,14 @@ def test_a_reuse_layer_holds_only_its_window_in_the_pool(setup, window):
     seq.prompt_ids = calib[:100]
     engine.submit(seq)
     run_step(engine)
-    blocks = seq.blocks
+    blocks = engine.kv.table(seq)
     assert blocks.groups[0].tokens == 100 and blocks.reuse_layers() == 4
     own = 36 if window else 0
     for group in blocks.groups[1:]:
         assert group.tokens == own and group.first == 100 - own
         assert len(group.pages()) == (-(-own // layout.groups[1].exact_tokens) if window else 1)
     per_token = 2 * geometry.num_key_value_heads * geometry.head_dim * 4
-    assert seq.store.nbytes() == per_token * (4 * 100 + 4 * own)
+    assert engine.kv.store(seq).nbytes() == per_token * (4 * 100 + 4 * own)
     kept_pages = -(-100 // layout.groups[0].exact_tokens)
     assert engine.kv.held(seq) == kept_pages + sum(len(g.pages()) for g in blocks.groups[1:])
     full = make_engine(model, tok, "full")

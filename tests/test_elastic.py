@@ -89,7 +89,7 @@ def test_a_failed_compression_ends_the_sequences_it_compressed(ref_model, monkey
     failed = [s for s in seqs if s.finish_reason == FinishReason.ERROR]
     assert compressed and {s.seq_id for s in failed} == set(compressed) and len(failed) < len(seqs)
     for s, ev in zip(seqs, events):
-        assert [e.index for e in ev[:-1]] == list(range(len(ev) - 1)) and s.store is None
+        assert [e.index for e in ev[:-1]] == list(range(len(ev) - 1)) and engine.kv.table(s) is None
         if s in failed:
             assert ev[-1].finish_reason == FinishReason.ERROR and ev[-1].error == "compression failed: boom"
         else:

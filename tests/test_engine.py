@@ -68,7 +68,7 @@ def test_kv_is_freed_when_sequences_finish_or_are_cancelled(ref_model):
     bytes_two = engine.kv_held_bytes()
     cancelled.cancel()
     run_step(engine)
-    assert cancelled.finish_reason == FinishReason.CANCELLED and cancelled.store is None
+    assert cancelled.finish_reason == FinishReason.CANCELLED and engine.kv.table(cancelled) is None
     assert 0 < engine.kv_held_bytes() < bytes_two
     run_all(engine, [])
     assert done.finish_reason == FinishReason.LENGTH and len(done.output_ids) == 4
@@ -316,7 +316,7 @@ def test_a_failed_forward_ends_only_its_own_rows(ref_model):
     engine.runner.run_paged = run_paged
     assert calls == [True, False]
     assert batch.finish_reason == FinishReason.ERROR and events[0][-1].error == "decode failed: boom"
-    assert batch.store is None
+    assert engine.kv.table(batch) is None
     run_all(engine, [])
     assert apart.finish_reason == FinishReason.LENGTH and len(apart.output_ids) == 6
     assert apart.output_ids == reference_greedy(model, tok, "In the beginning", 6)
@@ -340,7 +340,7 @@ def test_a_step_whose_runner_raises_ends_every_request_of_the_step(ref_model, mo
     monkeypatch.setattr(engine.runner.pool, "zero", raising_once(engine.runner.pool.zero))
     run_step(engine)  # both decode rows: the runner raises
     for s, ev in zip(seqs, events):
-        assert s.finish_reason == FinishReason.ERROR and s.store is None
+        assert s.finish_reason == FinishReason.ERROR and engine.kv.table(s) is None
         assert ev[-1].error == "step failed: boom" and [e.index for e in ev] == [0, 1]
     assert not engine.running and engine.kv.blocks.num_free == free
     later = make_seq(tok, "Blessed are the", 5)
@@ -364,7 +364,7 @@ def test_a_cancellation_in_the_step_that_admits_a_per_sequence_store(ref_model):
     running.cancel()
     run_step(engine)
     assert running.finish_reason == FinishReason.CANCELLED and events[0][-1].finish_reason == FinishReason.CANCELLED
-    assert admitted.store is not None and admitted.detok is not None
+    assert engine.kv.table(admitted) is not None and admitted.detok is not None
     run_all(engine, [])
     assert admitted.finish_reason == FinishReason.LENGTH and len(admitted.output_ids) == 5
     assert [e.index for e in events[1]] == list(range(5))

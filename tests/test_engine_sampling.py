@@ -35,7 +35,7 @@ def test_one_rows_sampling_failure_fails_that_request_only(ref_model, monkeypatc
     seqs = [make_seq(tok, pr, 12, params=p, events=ev) for pr, p, ev in zip(PROMPTS, params, events)]
     run_all(engine, seqs)
     assert seqs[1].finish_reason == FinishReason.ERROR and "injected" in events[1][-1].error
-    assert len(seqs[1].output_ids) == 3 and seqs[1].store is None
+    assert len(seqs[1].output_ids) == 3 and engine.kv.table(seqs[1]) is None
     for i in (0, 2):
         assert seqs[i].finish_reason == FinishReason.LENGTH and seqs[i].output_ids == alone[i]
         assert [e.token_id for e in events[i]] == alone[i]  # one event per token, none repeated or lost

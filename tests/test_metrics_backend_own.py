@@ -42,6 +42,11 @@ def _seq(backend: str, widgets: int):
                            output_ids=[1], kv_tiers={"exact": 10}, kv_stats={"spins": 4})
 
 
+def _store(seq):
+    """The fake sequence's KV view (the KV cache manager's ``store``)."""
+    return seq.store
+
+
 def _value(registry, name: str, backend: str) -> float | None:
     return registry.get_sample_value(name, {"model": "m", "backend": backend})
 
@@ -57,7 +62,7 @@ def test_a_declared_gauge_and_counter_are_exported_for_the_backend_and_its_compo
         assert _value(r, "kvserve_toy_widgets", b) == 0 and _value(r, "kvserve_toy_spins_total", b) == 0
     assert _value(r, "kvserve_toy_widgets", "full") is None and _value(r, "kvserve_toy_spins_total", "full") is None
 
-    recorder.step_state([_seq("toy", 3), _seq("toy", 2), _seq("toy+int8", 1), _seq("full", 9)], {})
+    recorder.step_state([_seq("toy", 3), _seq("toy", 2), _seq("toy+int8", 1), _seq("full", 9)], {}, store=_store)
     assert _value(r, "kvserve_toy_widgets", "toy") == 5
     assert _value(r, "kvserve_toy_widgets", "toy+int8") == 1
     assert _value(r, "kvserve_toy_widgets", "full") is None
@@ -65,7 +70,7 @@ def test_a_declared_gauge_and_counter_are_exported_for_the_backend_and_its_compo
     recorder.count(_seq("full", 0), "spins", 2)  # full declares no counter reading it
     assert _value(r, "kvserve_toy_spins_total", "toy") == 2
     assert _value(r, "kvserve_toy_spins_total", "full") is None
-    recorder.step_state([], {})
+    recorder.step_state([], {}, store=_store)
     assert _value(r, "kvserve_toy_widgets", "toy") == 0  # no live sequence: 0, not the last figure
 
 
@@ -73,7 +78,7 @@ def test_the_core_carries_a_backends_own_figures_to_the_http_recorder(toy):
     """The engine core's recorder measures and counts; its StepOutput goes through msgpack; the HTTP side's replay
     (:meth:`CoreClient._record`) sets the gauge and adds the counter."""
     core = CoreRecorder()
-    core.step_state([_seq("toy+int8", 3), _seq("toy+int8", 4)], {"toy+int8": 1})
+    core.step_state([_seq("toy+int8", 3), _seq("toy+int8", 4)], {"toy+int8": 1}, store=_store)
     core.count(_seq("toy+int8", 0), "spins", 5)
     rows, tiers, generated, own = core.state
     assert own == {"toy+int8": {"kvserve_toy_widgets": 7}}

@@ -100,7 +100,8 @@ def test_dca_metrics_exist_for_every_dca_composition():
         assert _value(r, "kvserve_dca_fallbacks_total", b) == 0, b
     for b in ("full", "int8"):
         assert _value(r, "kvserve_dca_reuse_layers", b) is None
-    recorder.step_state([_fake_seq("dca+int8", 3), _fake_seq("dca+mla", 2), _fake_seq("dca+mla", 1)], {})
+    recorder.step_state([_fake_seq("dca+int8", 3), _fake_seq("dca+mla", 2), _fake_seq("dca+mla", 1)], {},
+                        store=lambda seq: seq.store)
     assert _value(r, "kvserve_dca_reuse_layers", "dca+int8") == 3
     assert _value(r, "kvserve_dca_reuse_layers", "dca+mla") == 3
     assert _value(r, "kvserve_dca_reuse_layers", "dca") == 0

@@ -115,7 +115,7 @@ def test_blocks_are_taken_on_demand_and_given_back(ref_model):
     assert engine.kv.held(seq) == 1 and engine.kv_held_bytes() == engine.kv.page_bytes
     for _ in range(14):
         run_step(engine)
-    assert seq.store.num_tokens() == 17 and engine.kv.held(seq) == 2  # a second block when the first filled
+    assert engine.kv.store(seq).num_tokens() == 17 and engine.kv.held(seq) == 2  # a second block when the first filled
     seq.cancel()
     run_step(engine)
     assert engine.kv_held_bytes() == 0 and engine.kv.blocks.num_free == engine.kv.blocks.usable_pages
@@ -139,10 +139,10 @@ def test_int8_window_pages_are_returned_as_groups_quantize(ref_model):
     engine.submit(seq)
     while seq.prefilled < len(seq.prompt_ids):
         run_step(engine)
-    blocks = seq.blocks
+    blocks = engine.kv.table(seq)
     assert blocks.exact_len < 32 + 32 and blocks.q_len % 32 == 0
     assert len(blocks.exact) <= -(-(blocks.start + blocks.exact_len) // layout.exact_tokens)
-    assert seq.store.nbytes() == layout.stored_bytes(blocks)
+    assert engine.kv.store(seq).nbytes() == layout.stored_bytes(blocks)
     assert engine.kv_held_bytes() == len(blocks.pages()) * engine.kv.page_bytes
 
 
@@ -437,12 +437,13 @@ def test_4bit_pages_hold_packed_codes_and_cost_the_sums(ref_model, name, options
     seen = set()
     while seq.finish_reason is None:
         run_step(engine)
-        t = seq.blocks.tokens if seq.blocks is not None else 0
+        table = engine.kv.table(seq)
+        t = table.tokens if table is not None else 0
         if t and t not in seen and (t % 7 == 0 or seq.prefilled == len(seq.prompt_ids) and not seen):
             seen.add(t)
             want = sums.bytes_per_token_per_layer(t) * t * geometry.num_layers
-            assert layout.stored_bytes(seq.blocks) == pytest.approx(want, rel=1e-12), t
-            q_len = seq.blocks.q_len
+            assert layout.stored_bytes(table) == pytest.approx(want, rel=1e-12), t
+            q_len = table.q_len
     assert len(seen) >= 5 and len(seq.output_ids) == 70 and q_len > 0  # the 4-bit tier was exercised
 
 
@@ -470,7 +471,7 @@ def test_admission_charges_the_stored_form_not_the_chunks_exact_pages(ref_model,
 
         def spy_commit(seq, res, feedback=None):
             commit(seq, res, feedback)
-            if not seq.output_ids and seq.blocks.tokens == len(seq.prompt_ids):
+            if not seq.output_ids and kv.table(seq).tokens == len(seq.prompt_ids):
                 after[seq.request_id] = kv.held(seq)
 
         kv.commit = spy_commit

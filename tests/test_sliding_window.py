@@ -511,7 +511,7 @@ def test_a_hybrid_hit_shares_the_pages_of_a_running_request(tiny):
     engine.submit(a)
     while len(a.output_ids) < 3:
         run_step(engine)
-    shared = a.blocks.groups[0].exact[:5]  # its global blocks of [0, 60)
+    shared = kv.table(a).groups[0].exact[:5]  # its global blocks of [0, 60)
     b = Sequence(request_id="b", prompt_ids=second, max_new_tokens=12, params=SamplingParams(ignore_eos=True),
                  stop=[], emit=None, backend_name="full")
     engine.submit(b)

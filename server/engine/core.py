@@ -180,7 +180,7 @@ class EngineCore:
         from server.metrics import live_rows
 
         e, r = self.engine, self.recorder
-        rows, tiers, generated, own = r.state if r.state is not None else live_rows(e.running)
+        rows, tiers, generated, own = r.state if r.state is not None else live_rows(e.running, e.kv.store)
         waiting = len(e.waiting) + len(e.compiling)  # a grammar's compile is waiting too
         return m.CoreStats(running=len(e.running), waiting=waiting, kv_held_bytes=e.kv_held_bytes(),
                            kv_stored_bytes=e.kv_stored_bytes(), kv_usage=e.kv.usage(),

@@ -36,10 +36,10 @@ class CoreRecorder:
         pass  # the HTTP side counts it from the Finished message
 
     def step_state(self, running: list, waiting: dict[str, int] | None, usage: float | None = None,
-                   cached_blocks: int | None = None) -> None:
+                   cached_blocks: int | None = None, *, store) -> None:
         from server.metrics import live_rows
 
-        self.state = live_rows(running)
+        self.state = live_rows(running, store)
         if waiting is not None:
             self.waiting = waiting
         if usage is not None:

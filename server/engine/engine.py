@@ -252,7 +252,7 @@ class Engine:
         """Record each store's bytes now (once per sequence per step) and keep the largest seen: the bytes
         of the cached tokens (``kv_stored_bytes``) and the bytes of the pages it holds (``kv_held_bytes``)."""
         for seq in seqs:
-            seq.kv_stored_bytes = seq.store.nbytes()
+            seq.kv_stored_bytes = self.kv.store(seq).nbytes()
             seq.kv_held_bytes = self.kv.held_bytes(seq)
             seq.kv_tiers = self.kv.tier_tokens(seq)
             seq.peak_kv_stored_bytes = max(seq.peak_kv_stored_bytes, seq.kv_stored_bytes)
@@ -306,7 +306,8 @@ class Engine:
             waiting = {}
             for seq in [*self.waiting, *(s for s, _ in self.compiling)]:  # a grammar's compile is waiting too
                 waiting[seq.backend_name] = waiting.get(seq.backend_name, 0) + 1
-        self.recorder.step_state(self.running, waiting, self.kv.usage(), self.kv.blocks.num_evictable)
+        self.recorder.step_state(self.running, waiting, self.kv.usage(), self.kv.blocks.num_evictable,
+                                 store=self.kv.store)
 
     # ---- introspection --------------------------------------------------------------------------
     def kv_held_bytes(self) -> int:
@@ -315,4 +316,5 @@ class Engine:
 
     def kv_stored_bytes(self) -> int:
         """Bytes of the cached tokens of every live sequence (<= :meth:`kv_held_bytes`)."""
-        return sum(s.store.nbytes() for s in list(self.running) if s.store is not None)
+        stores = [self.kv.store(s) for s in list(self.running)]
+        return sum(store.nbytes() for store in stores if store is not None)

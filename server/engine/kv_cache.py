@@ -28,6 +28,11 @@ quantized pages (whole groups, whose codes depend on the tokens before them only
 group's blocks on its own chain and hits a prefix only where its global groups hold every block and its sliding
 groups the blocks of their last window (:mod:`cache_backends.hybrid`, vLLM's rule): its sliding groups' blocks the
 window leaves stay cached, evictable, as a finished sequence's do.
+
+The manager owns every sequence's block tables (:attr:`KVCacheManager.tables`, by ``seq_id``: a sequence
+has an entry from :meth:`KVCacheManager.start` to :meth:`KVCacheManager.release`) and its prefix-cache keys
+(:class:`server.engine.prefix_cache.PrefixIndex`); the scheduler and the runner read them
+(:meth:`KVCacheManager.table`), and only the manager changes them.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from cache_backends.base import KVBackend
 from cache_backends.page_plan import NULL_PAGE, Plan, SeqBlocks
 from cache_backends.page_layout import PageLayout
 from server.engine.block_manager import BlockManager
-from server.engine.prefix_cache import extend_hashes, group_root, root_key
+from server.engine.prefix_cache import PrefixIndex
 from server.engine.sequence import Sequence
 from server.engine.step_plan import MIN_PREFILL_CHUNK
 
@@ -107,9 +112,6 @@ class PagedStore:
     def stats(self) -> dict:
         return self.layout.stats(self.blocks)
 
-    def release(self) -> None:
-        """Nothing to drop here: the manager returns the pages (:meth:`KVCacheManager.release`)."""
-
 
 @dataclass
 class Reservation:
@@ -138,6 +140,20 @@ class KVCacheManager:
         self.chunk = prefill_chunk_tokens
         self.prefix_caching = prefix_caching
         self.watermark = max(1, int(WATERMARK * self.blocks.usable_pages))
+        # by Sequence.seq_id, not request_id: request ids may repeat in a process (an engine stepped directly by
+        # tests and benchmarks), and the step's rows and results are keyed by seq_id too
+        self.tables: dict[int, SeqBlocks] = {}  # each started sequence's block tables (dca: DCABlocks)
+        self.prefix = PrefixIndex(backends, layouts, self.blocks)
+
+    def table(self, seq: Sequence) -> SeqBlocks | None:
+        """``seq``'s block tables (the manager's own object: read it, never change it), or ``None`` while it holds
+        none (waiting, preempted, ended)."""
+        return self.tables.get(seq.seq_id)
+
+    def store(self, seq: Sequence) -> PagedStore | None:
+        """A view of ``seq``'s tables for measurements (:class:`PagedStore`), or ``None`` while it holds none."""
+        table = self.tables.get(seq.seq_id)
+        return None if table is None else PagedStore(table, self.layouts[seq.backend_name])
 
     @property
     def num_pages(self) -> int:
@@ -177,8 +193,9 @@ class KVCacheManager:
     def _prefill_start(self, seq: Sequence) -> SeqBlocks:
         """The tables ``seq``'s remaining prefill starts from: its own once started, else its prefix-cache hit
         (``seq.prefix_hit``, from :meth:`admission_cost`) or none."""
-        if seq.blocks is not None:
-            return seq.blocks
+        table = self.tables.get(seq.seq_id)
+        if table is not None:
+            return table
         return self.layouts[seq.backend_name].cached_prefix(getattr(seq, "prefix_hit", None) or [])
 
     def _stored(self, seq: Sequence) -> SeqBlocks:
@@ -292,75 +309,31 @@ class KVCacheManager:
         wants every position's log-probability (those come from its own prefill of the whole prompt)."""
         return self.caches_backend(seq.backend_name) and not (seq.want_prompt_logprobs and not seq.output_ids)
 
-    def _hashes(self, seq: Sequence, tokens: list[int]) -> list[bytes]:
-        layout = self.layouts[seq.backend_name]
-        if seq.hash_root is None:
-            seq.hash_root = root_key(seq.backend_name, self.backends[seq.backend_name].params(), seq.cache_salt)
-        return extend_hashes(seq.block_hashes, seq.hash_root, tokens, layout.cache_block_tokens)
-
-    def _group_hashes(self, seq: Sequence, tokens: list[int]) -> list[list[bytes]]:
-        """A hybrid model's chains: each window group's keys of its full blocks of ``tokens``."""
-        layout = self.layouts[seq.backend_name]
-        if seq.hash_root is None:
-            seq.hash_root = root_key(seq.backend_name, self.backends[seq.backend_name].params(), seq.cache_salt)
-        if not seq.group_hashes:
-            seq.group_hashes = [[] for _ in layout.groups]
-        return [extend_hashes(own, group_root(seq.hash_root, g), tokens, group.exact_tokens)
-                for g, (own, group) in enumerate(zip(seq.group_hashes, layout.groups))]
-
     def lookup(self, seq: Sequence) -> list[int]:
         """The cached pages of the longest run of full blocks ``seq``'s context starts with, leaving at least its
         last token to prefill (its logits give the next token); ``[]`` when it is not :meth:`cacheable`. A hybrid
         model's: every group's blocks of the longest prefix its rule hits, null where a window needs none
         (:meth:`cache_backends.hybrid.HybridLayout.cache_hit`)."""
-        if not self.cacheable(seq):
-            return []
-        context, layout = seq.context_ids, self.layouts[seq.backend_name]
-        bt = layout.cache_block_tokens
-        if hasattr(layout, "cache_hit"):
-            most = (len(context) - 1) // bt * bt
-            return layout.cache_hit(self.blocks.cached_page, self._group_hashes(seq, context[:most]), most)
-        hashes = self._hashes(seq, context)[: (len(context) - 1) // bt]
-        return self.blocks.lookup(hashes)
-
-    def _register(self, seq: Sequence) -> None:
-        """Register the full blocks ``seq`` has completed since the last call."""
-        blocks, layout = seq.blocks, self.layouts[seq.backend_name]
-        full = (blocks.q_len if layout.quantization else blocks.exact_len) // layout.cache_block_tokens
-        if full <= seq.registered_blocks:
-            return
-        pages = blocks.q if layout.quantization else blocks.exact
-        tokens = (seq.prompt_ids + seq.output_ids)[: full * layout.cache_block_tokens]
-        hashes = self._hashes(seq, tokens)
-        for i in range(seq.registered_blocks, full):
-            self.blocks.register(pages[i], hashes[i])
-        seq.registered_blocks = full
-
-    def _register_hybrid(self, seq: Sequence, plan) -> None:
-        """Register, under each group's chain, the blocks of a hybrid model's ``seq`` that the step of ``plan``
-        completed (:meth:`cache_backends.hybrid.HybridLayout.full_blocks`)."""
-        done = self.layouts[seq.backend_name].full_blocks(seq.blocks, plan)
-        if done:
-            hashes = self._group_hashes(seq, (seq.prompt_ids + seq.output_ids)[: seq.blocks.length + plan.n])
-            for g, b, page in done:
-                self.blocks.register(page, hashes[g][b])
+        return self.prefix.lookup(seq) if self.cacheable(seq) else []
 
     def held(self, seq: Sequence) -> int:
         """Pages ``seq`` holds now."""
-        return len(seq.blocks.pages()) if seq.blocks is not None else 0
+        table = self.tables.get(seq.seq_id)
+        return len(table.pages()) if table is not None else 0
 
     def held_bytes(self, seq: Sequence) -> int:
         """Bytes of the pages ``seq`` holds, a page shared through the prefix cache split between its holders (so
         the sequences' figures add up to :meth:`used_bytes`)."""
-        if seq.blocks is None:
+        table = self.tables.get(seq.seq_id)
+        if table is None:
             return 0
         ref = self.blocks.ref
-        return round(self.page_bytes * sum(1 / ref[p] for p in seq.blocks.pages()))
+        return round(self.page_bytes * sum(1 / ref[p] for p in table.pages()))
 
     # ---- life of a sequence ---------------------------------------------------------------------------
     def start(self, seq: Sequence) -> int:
-        """Give an admitted sequence its block tables — the cached blocks :meth:`admission_cost` found, if any,
-        its context then counting as prefilled up to them.
+        """Give an admitted sequence its block tables (its entry in :attr:`tables`) — the cached blocks
+        :meth:`admission_cost` found, if any, its context then counting as prefilled up to them.
 
         Returns:
             the context tokens served from the prefix cache.
@@ -368,23 +341,22 @@ class KVCacheManager:
         layout = self.layouts[seq.backend_name]
         hit = getattr(seq, "prefix_hit", None) or []
         self.blocks.acquire([p for p in hit if p != NULL_PAGE])
-        seq.blocks = layout.cached_prefix(hit)
-        seq.store = PagedStore(seq.blocks, layout)
-        seq.registered_blocks = len(hit)
-        seq.prefilled = seq.blocks.tokens
+        table = self.tables[seq.seq_id] = layout.cached_prefix(hit)
+        self.prefix.started(seq, len(hit))
+        seq.prefilled = table.tokens
         seq.prefix_hit = []
-        return seq.blocks.tokens
+        return table.tokens
 
     def reserve(self, seq: Sequence, n: int) -> Reservation | None:
         """Pages for writing ``n`` more tokens of ``seq`` (added to its tables now), or ``None`` if too few are
         free (nothing is taken then)."""
-        layout = self.layouts[seq.backend_name]
-        plan = layout.plan(seq.blocks, n)
+        layout, table = self.layouts[seq.backend_name], self.tables[seq.seq_id]
+        plan = layout.plan(table, n)
         if plan.pages_needed > self.blocks.num_free:
             return None
         exact = self.blocks.allocate(plan.new_exact_pages)
         q = self.blocks.allocate(plan.new_q_pages)
-        layout.extend(seq.blocks, plan, exact, q)
+        layout.extend(table, plan, exact, q)
         return Reservation(plan, exact + q)
 
     def commit(self, seq: Sequence, plan: Plan, feedback=None) -> None:
@@ -392,13 +364,13 @@ class KVCacheManager:
         in the prefix cache (a prompt that wanted every position's log-probability too: it hit nothing, but its
         blocks serve later requests, even when it ends after one token, as ``echo`` with ``max_tokens: 0``).
         ``feedback``: what the runner measured for the row (``dca``'s similarities: its decisions)."""
-        layout = self.layouts[seq.backend_name]
+        layout, table = self.layouts[seq.backend_name], self.tables[seq.seq_id]
         caching, hybrid = self.caches_backend(seq.backend_name), hasattr(layout, "full_blocks")
         if caching and hybrid:
-            self._register_hybrid(seq, plan)  # before the commit frees the pages a sliding window leaves
-        self.blocks.free(layout.commit(seq.blocks, plan, feedback))
+            self.prefix.register_hybrid(seq, table, plan)  # before the commit frees the pages a window leaves
+        self.blocks.free(layout.commit(table, plan, feedback))
         if caching and not hybrid:
-            self._register(seq)
+            self.prefix.register(seq, table)
 
     # ---- compression under pressure (elastic) --------------------------------------------------------
     def plan_compression(self, running: list[Sequence], need: int) -> list[tuple[Sequence, Reservation]]:
@@ -411,20 +383,21 @@ class KVCacheManager:
         """
         out, gained = [], 0
         candidates = [s for s in running if self.layouts[s.backend_name].on_demand]
-        for seq in sorted(candidates, key=lambda s: -self.layouts[s.backend_name].compressible(s.blocks)):
+        tables = self.tables
+        for seq in sorted(candidates, key=lambda s: -self.layouts[s.backend_name].compressible(tables[s.seq_id])):
             if self.blocks.num_free + gained >= need:
                 break
-            layout = self.layouts[seq.backend_name]
-            g, most = layout.quantization.group_size, layout.compressible(seq.blocks)
+            layout, table = self.layouts[seq.backend_name], tables[seq.seq_id]
+            g, most = layout.quantization.group_size, layout.compressible(table)
             plan = None
             for tokens in range(g, most + 1, g):  # the fewest groups that free what is missing
-                plan = layout.plan_compress(seq.blocks, tokens)
+                plan = layout.plan_compress(table, tokens)
                 if plan.free_front - plan.new_q_pages >= need - self.blocks.num_free - gained:
                     break
             if plan is None or plan.free_front - plan.new_q_pages <= 0:
                 continue
-            reused = seq.blocks.exact[: plan.new_q_pages]  # whole pages of drained tokens: free once read
-            layout.extend(seq.blocks, plan, [], reused)
+            reused = table.exact[: plan.new_q_pages]  # whole pages of drained tokens: free once read
+            layout.extend(table, plan, [], reused)
             gained += plan.free_front - plan.new_q_pages
             out.append((seq, Reservation(plan, reused)))
         return out
@@ -432,41 +405,50 @@ class KVCacheManager:
     def commit_compression(self, seq: Sequence, res: Reservation) -> None:
         """A compression ran: update ``seq``'s lengths and free the exact pages it left, but those it reused for
         its codes."""
-        freed = self.layouts[seq.backend_name].commit(seq.blocks, res.plan)
+        freed = self.layouts[seq.backend_name].commit(self.tables[seq.seq_id], res.plan)
         self.blocks.free([p for p in freed if p not in res.pages])
 
     def pages_needed(self, seq: Sequence, n: int) -> int:
         """Pages writing ``n`` more tokens of ``seq`` takes."""
-        return self.layouts[seq.backend_name].plan(seq.blocks, n).pages_needed
+        return self.layouts[seq.backend_name].plan(self.tables[seq.seq_id], n).pages_needed
 
     def compressible_pages(self, running: list[Sequence]) -> int:
         """Pages compressing every compressible group of the running on-demand-tier sequences would free."""
         total = 0
         for seq in running:
             layout = self.layouts.get(seq.backend_name)
-            if layout is not None and layout.on_demand and seq.blocks is not None:
-                plan = layout.plan_compress(seq.blocks, layout.compressible(seq.blocks))
+            table = self.tables.get(seq.seq_id)
+            if layout is not None and layout.on_demand and table is not None:
+                plan = layout.plan_compress(table, layout.compressible(table))
                 total += max(0, plan.free_front - plan.new_q_pages)
         return total
 
     def tier_tokens(self, seq: Sequence) -> dict[str, int]:
         """Tokens ``seq`` holds per tier (``exact``, and for quantized layouts ``int8``, ``int4`` or ``k8v4``)."""
-        if seq.blocks is None:
-            return {"exact": seq.store.num_tokens() if seq.store is not None else 0}
-        return self.layouts[seq.backend_name].tier_tokens(seq.blocks)
+        table = self.tables.get(seq.seq_id)
+        if table is None:
+            return {"exact": 0}
+        return self.layouts[seq.backend_name].tier_tokens(table)
 
     def release(self, seq: Sequence) -> None:
         """Return every page ``seq`` holds (finished, cancelled or preempted); its cached blocks stay in the
-        prefix cache, the deepest first in line for eviction."""
-        if seq.blocks is not None:
+        prefix cache, the deepest first in line for eviction. Its tables' entry goes; its prefix-cache keys stay
+        (a preempted sequence's tokens are the same when readmitted) until :meth:`forget`."""
+        table = self.tables.pop(seq.seq_id, None)
+        if table is not None:
             layout = self.layouts[seq.backend_name]
             if hasattr(layout, "release_order"):  # a hybrid model's groups
-                self.blocks.free(layout.release_order(seq.blocks))
+                self.blocks.free(layout.release_order(table))
             elif layout.cacheable:
-                self.blocks.free(seq.blocks.exact[::-1] + seq.blocks.q[::-1])
+                self.blocks.free(table.exact[::-1] + table.q[::-1])
             else:
-                self.blocks.free(seq.blocks.pages())
-            seq.blocks = None
+                self.blocks.free(table.pages())
+
+    def forget(self, seq: Sequence) -> None:
+        """``seq`` ended (finished, cancelled or failed): :meth:`release` its pages and drop its prefix-cache keys;
+        the manager then keeps nothing of it."""
+        self.release(seq)
+        self.prefix.forget(seq)
 
     # ---- figures --------------------------------------------------------------------------------------
     def usage(self) -> float:

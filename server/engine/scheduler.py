@@ -275,10 +275,10 @@ class Scheduler:
 
     def _row(self, seq: Sequence, tokens: list[int], res: Reservation, decode: bool, sample: bool,
              alone: bool = False, all_logits: bool = False) -> RowPlan:
-        """The runner's row for ``seq``'s reservation (its tables as they stand once the step is planned: nothing
-        changes them until the row is committed, so they are not copied)."""
-        return RowPlan(seq.seq_id, seq.backend_name, tuple(tokens), seq.blocks, res.plan, decode, sample, alone,
-                       all_logits)
+        """The runner's row for ``seq``'s reservation (the manager's tables as they stand once the step is planned:
+        nothing changes them until the row is committed, so they are not copied)."""
+        return RowPlan(seq.seq_id, seq.backend_name, tuple(tokens), self.kv.table(seq), res.plan, decode, sample,
+                       alone, all_logits)
 
     def _prefill_rows(self, out: SchedulerOutput, ev: StepEvents, decoding: int) -> list[tuple]:
         """Choose this step's prefill chunks within its token budget, and reserve their pages, in admission order:
@@ -366,7 +366,7 @@ class Scheduler:
         groups: dict[str, tuple[list, list, list]] = {}
         for seq, res in plans:
             rows, pages, ids = groups.setdefault(seq.backend_name, ([], [], []))
-            rows.append((snapshot(seq.blocks), res.plan))
+            rows.append((snapshot(self.kv.table(seq)), res.plan))
             pages += res.pages
             ids.append(seq.seq_id)
         out.compress += [CompressPlan(name, tuple(rows), tuple(pages), tuple(ids))
@@ -412,22 +412,24 @@ class Scheduler:
         was_running = seq in self.running
         if was_running:
             self.running.remove(seq)
-        if seq.store is not None:
-            seq.peak_kv_stored_bytes = max(seq.peak_kv_stored_bytes, seq.store.nbytes())
-            seq.kv_stats = seq.store.stats()
+        store = self.kv.store(seq)
+        if store is not None:
+            seq.peak_kv_stored_bytes = max(seq.peak_kv_stored_bytes, store.nbytes())
+            seq.kv_stats = store.stats()
             layout = self.kv.layouts.get(seq.backend_name)
             if layout is not None and layout.on_demand:
                 tiers = self.kv.tier_tokens(seq)
                 seq.kv_stats["compressed_fraction"] = tiers[layout.q_tier] / max(1, sum(tiers.values()))
-        self.drop_kv(seq)
+        self.drop_kv(seq, ended=True)
         return was_running
 
-    def drop_kv(self, seq: Sequence) -> None:
-        """Free ``seq``'s pages and store now."""
-        if seq.store is not None:
-            seq.store.release()
-            seq.store = None
-        self.kv.release(seq)
+    def drop_kv(self, seq: Sequence, ended: bool = False) -> None:
+        """Free ``seq``'s pages now (:meth:`KVCacheManager.release`); ``ended``: the manager forgets it too
+        (:meth:`KVCacheManager.forget`), else (a preemption) it keeps its prefix-cache keys for its readmission."""
+        if ended:
+            self.kv.forget(seq)
+        else:
+            self.kv.release(seq)
         seq.kv_stored_bytes = seq.kv_held_bytes = 0
 
     def commit(self, seq: Sequence, row: RowPlan, feedback=None) -> bool:

@@ -1,5 +1,5 @@
-"""One request's state inside the engine: tokens, sampling parameters, status and its KV store (no torch import:
-the scheduler reads it)."""
+"""One request's state inside the engine: tokens, sampling parameters and status; its KV is the KV cache manager's
+(no torch import: the scheduler reads it)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any, Callable
 if TYPE_CHECKING:  # annotations only: the scheduler reads sequences and stays torch-free
     import torch
 
-    from cache_backends.kv_store import KVStore
     from server.engine.sampling import SamplingParams
 
 _ids = itertools.count()
@@ -90,7 +89,6 @@ class Sequence:
     backend_name: str
     emit: Callable[[TokenEvent], None] | None = None
     output_ids: list[int] = field(default_factory=list)
-    store: KVStore | None = None
     generator: torch.Generator | None = None
     detok: Any = None
     cancelled: bool = False
@@ -101,16 +99,11 @@ class Sequence:
     peak_kv_stored_bytes: int = 0  # the largest stored bytes measured (int8-family sequences shrink when they drain)
     kv_stats: dict = field(default_factory=dict)
     prefilled: int = 0  # tokens of context_ids written to the KV cache (chunked prefill; decode adds one a step)
-    blocks: Any = None  # cache_backends.page_plan.SeqBlocks: its block tables, while it holds pool pages
     preemptions: int = 0  # times the engine preempted it (its KV freed, recomputed at readmission)
     group: str | None = None  # the HTTP request it belongs to (n > 1, best_of, prompt lists); None: its own
     cache_salt: str | None = None  # mixed into its prefix-cache block hashes: only requests with the same salt share
     cached_tokens: int = 0  # prompt tokens served from the prefix cache at its first admission (OpenAI cached_tokens)
     prefix_hit: list[int] = field(default_factory=list)  # cached pages admission found, taken at start
-    hash_root: bytes | None = None  # its prefix-cache root key (backend, options, salt)
-    block_hashes: list[bytes] = field(default_factory=list)  # chained keys of its full blocks so far
-    group_hashes: list[list[bytes]] = field(default_factory=list)  # a hybrid model's: each window group's chain
-    registered_blocks: int = 0  # of its blocks, those registered in the prefix cache
     kv_tiers: dict = field(default_factory=dict)  # tokens it holds per tier (exact, int8) at the last measurement
     grammar: Any = None  # server.engine.grammar.GrammarState of a structured output: advanced by each accepted token
     seq_id: int = field(default_factory=lambda: next(_ids))  # unique in the process (request ids may repeat)
