@@ -59,33 +59,59 @@ def check_backend(settings, model_source: str = "MODEL_ID") -> None:
 def check_pool(backends: dict, dtype, block_size: int, budget_bytes: int | None) -> None:
     """Lay out the KV pool of ``backends`` as the engine will (:func:`server.engine.kv_cache.page_layouts`), from the
     model's config alone, and refuse what it would refuse after the weights load: a layout a backend cannot take
-    (``window``'s sinks wider than one page at ``KV_BLOCK_SIZE``) and a ``KV_CACHE_BUDGET_BYTES`` that holds fewer
+    (``window``'s sinks wider than one page at ``KV_BLOCK_SIZE``, whatever is served beside it:
+    :func:`possible_pages`) and a ``KV_CACHE_BUDGET_BYTES`` that holds fewer
     than two KV pages (:func:`server.engine.setup.pages_in_budget`) or more than the machine's memory (checked only
-    when ``budget_bytes`` is given).
+    when ``budget_bytes`` is given; against two pages only where the page is known before calibration).
 
     Raises:
         ConfigError: the layout's one-line reason with ``KV_BLOCK_SIZE``'s value, or naming
             ``KV_CACHE_BUDGET_BYTES``, the page's bytes and the least budget that serves.
     """
     from server.config import ConfigError
-    from server.engine.kv_cache import page_layouts
     from server.engine.setup import pages_in_budget
 
-    try:
-        page_bytes = page_layouts(backends, dtype, block_size)[0]
-    except RuntimeError:  # dca knows its layout only once calibrated: the engine checks the pool then
-        return
-    except ValueError as exc:
-        raise ConfigError(f"{exc} (KV_BLOCK_SIZE is {block_size})") from None
+    pages = possible_pages(backends, dtype, block_size)
     if budget_bytes is not None:
         memory = physical_memory()
         if memory and budget_bytes > memory:  # the pool is allocated whole: it failed after the load, exit 1
             raise ConfigError(f"invalid KV_CACHE_BUDGET_BYTES={budget_bytes}: more than this machine's memory "
                               f"({memory} bytes); the KV pool is allocated whole at start-up")
+    if budget_bytes is not None and len(pages) == 1:  # else the page is known once dca is calibrated
         try:
-            pages_in_budget(budget_bytes, page_bytes)
+            pages_in_budget(budget_bytes, pages.pop())
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+
+
+def possible_pages(backends: dict, dtype, block_size: int) -> set[int]:
+    """The page sizes the engine's pool may take for ``backends`` (:func:`server.engine.kv_cache.page_layouts`): one
+    where every layout is known from the model's config; with ``dca``, whose layout calibration sets, one per layout
+    it may be calibrated to (:meth:`~cache_backends.base.KVBackend.layout_variants`), so that what every one of them
+    refuses (``window``'s sinks over a page, whatever is served beside it) is refused before the weights load.
+
+    Raises:
+        ConfigError: the layout's one-line reason with ``KV_BLOCK_SIZE``'s value, when every possible pool refuses
+            it (of the sinks' refusals, the one with the most tokens a page).
+    """
+    import itertools
+
+    from server.config import ConfigError
+    from server.engine.kv_cache import page_layouts
+
+    names = list(backends)
+    pages, refused = set(), []
+    for variant in itertools.product(*(backends[n].layout_variants() for n in names)):
+        try:
+            pages.add(page_layouts(dict(zip(names, variant)), dtype, block_size)[0])
+        except RuntimeError:  # a layout still unknown before the load: the engine checks the pool then
+            return set()
+        except ValueError as exc:
+            refused.append(exc)
+    if not pages:
+        exc = max(refused, key=lambda e: getattr(e, "per", 0))
+        raise ConfigError(f"{exc} (KV_BLOCK_SIZE is {block_size})") from None
+    return pages
 
 
 def physical_memory() -> int | None:
