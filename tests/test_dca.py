@@ -414,3 +414,21 @@ def test_the_pages_known_before_calibration_hold_the_calibrated_one(setup, thres
         check_pool({"window": wide, "dca": unprepared}, torch.float32, 16, None)
     with pytest.raises(ValueError, match=r"sinks=20 \(KV_WINDOW_SINKS\) must fit one page"):  # as after the load
         page_layouts({"window": wide, "dca": calibrated}, torch.float32, 16)
+
+
+def test_past_the_most_pools_laid_out_the_pool_is_checked_after_the_load(setup, monkeypatch):
+    """Each dca backend multiplies the pools to lay out (5 each on 8 layers): past
+    :data:`server.backend_check.MAX_POOL_VARIANTS` none is laid out before the load (the engine checks the pool
+    once calibrated), rather than start-up spending seconds on them."""
+    import server.backend_check as backend_check
+    from cache_backends.registry import create
+    from server.config import ConfigError
+
+    geometry = setup[2]
+    served = {"window": create("window", geometry, sinks=20, window=64), "dca": create("dca", geometry),
+              "dca+int8": create("dca+int8", geometry)}
+    with pytest.raises(ConfigError, match="sinks=20"):  # 25 pools, every one refusing the sinks
+        backend_check.check_pool(served, torch.float32, 16, None)
+    monkeypatch.setattr(backend_check, "MAX_POOL_VARIANTS", 24)
+    assert backend_check.possible_pages(served, torch.float32, 16) == set()
+    backend_check.check_pool(served, torch.float32, 16, None)
