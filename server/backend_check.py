@@ -65,9 +65,9 @@ def check_pool(backends: dict, dtype, block_size: int, budget_bytes: int | None)
     """Lay out the KV pool of ``backends`` as the engine will (:func:`server.engine.kv_cache.page_layouts`), from the
     model's config alone, and refuse what it would refuse after the weights load: a layout a backend cannot take
     (``window``'s sinks wider than one page at ``KV_BLOCK_SIZE``, whatever is served beside it:
-    :func:`possible_pages`) and a ``KV_CACHE_BUDGET_BYTES`` that holds fewer
-    than two KV pages (:func:`server.engine.setup.pages_in_budget`) or more than the machine's memory (checked only
-    when ``budget_bytes`` is given; against two pages only where the page is known before calibration).
+    :func:`possible_pages`) and a ``KV_CACHE_BUDGET_BYTES`` that holds fewer than two KV pages
+    (:func:`server.engine.setup.pages_in_budget`; only where the page is known before calibration) or more than the
+    machine's memory (both checked only when ``budget_bytes`` is given).
 
     Raises:
         ConfigError: the layout's one-line reason with ``KV_BLOCK_SIZE``'s value, or naming
