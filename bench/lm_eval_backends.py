@@ -151,13 +151,15 @@ def _fmt(v, spec: str) -> str:
 def table(entries: list[dict]) -> str:
     """The markdown table: backend, the server's settings, bytes/token, acc, acc_norm (each +- stderr),
     delta acc vs ``full``."""
+    from cache_backends.spec import format_options
+
     rows = ["| backend | settings (/info kv_backend_params) | KV bytes/token | acc | acc_norm | delta acc vs full |",
             "|---|---|---|---|---|---|"]
     for e in entries:
         if "error" in e:
             rows.append(f"| {e['backend']} | {e.get('params', '-')} | - | error: {e['error'][:120]} | - | - |")
             continue
-        params = ", ".join(f"{k}={v}" for k, v in (e["params"] or {}).items()) or "-"
+        params = format_options(e["params"] or {}, ", ") or "-"
         rows.append(f"| {e['backend']} | {params} | {e['kv_bytes_per_token']:.0f} | "
                     f"{e['acc']:.3f} ± {e['acc_stderr']:.3f} | {e['acc_norm']:.3f} ± {e['acc_norm_stderr']:.3f} | "
                     f"{_fmt(e.get('delta_acc_vs_full'), '+.3f')} |")

@@ -159,6 +159,13 @@ class KVBackend(ABC):
         return HybridLayout([PageLayout(spec.with_layers(len(layers)), dtype, page_bytes) for _, layers in groups],
                             [w for w, _ in groups], [layers for _, layers in groups])
 
+    def layout_variants(self) -> list[KVBackend]:
+        """The backends whose pool layouts (:meth:`block_bytes`, :meth:`page_layout`) this one may have once
+        prepared: ``[self]`` where the model's config alone sets them; a backend that knows its layout only once
+        calibrated (``dca``) gives one stand-in per layout calibration may choose. For the pool's checks before the
+        weights load (:func:`server.backend_check.check_pool`)."""
+        return [self]
+
     def step_meta(self, layout, rows: list, device):
         """One step's metadata for this backend's rows ``[(blocks, plan), ...]`` (:class:`cache_backends.paged.
         StepMeta`, or a :class:`cache_backends.hybrid.HybridStepMeta` on a hybrid layout), built once before the

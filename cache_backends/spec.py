@@ -157,5 +157,17 @@ def check_options(name: str, options: dict) -> None:
             decl.check(format_spec(name, options), options)
 
 
+def format_options(options: dict, sep: str = ",") -> str:
+    """``options`` as ``key=value`` pairs joined by ``sep``, a boolean written ``true``/``false`` as specs and
+    ``KV_*`` settings take it (``rotate=true``, whichever of ``TRUE``, ``True``, ``true`` was given)."""
+    def text(value) -> str:
+        return ("true" if value else "false") if isinstance(value, bool) else str(value)
+    return sep.join(f"{k}={text(v)}" for k, v in options.items())
+
+
 def format_spec(name: str, options: dict) -> str:
-    return name + (":" + ",".join(f"{k}={v}" for k, v in options.items()) if options else "")
+    """The spec ``name:key=value,...`` that :func:`parse_spec` reads back into ``(name, options)``, in one
+    canonical spelling (booleans ``true``/``false``, :func:`format_options`): the form every echo of a spec uses
+    (``/info``, ``kvserve estimate``/``advise``/``bench``) and the key of a price in the calibration cache, so that
+    ``int8:rotate=TRUE`` and ``int8:rotate=true`` are one setting and one cache entry."""
+    return name + (":" + format_options(options) if options else "")

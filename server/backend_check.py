@@ -5,6 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 
+#: The most pools :func:`possible_pages` lays out before the load (about 10 ms each on SmolLM2's 30 layers, where one
+#: dca backend gives 16 and two 256: seconds of start-up, left to the check after the load).
+MAX_POOL_VARIANTS = 64
+
+
 def check_model_folder(model_id: str, source: str = "MODEL_ID") -> None:
     """Refuse a local model folder without ``config.json``, or a path (``/...``, ``./...``, ``~/...``) that does not
     exist, naming ``source`` (the variable or flag) and the folder: transformers would say "Unrecognized model ...
@@ -59,33 +64,64 @@ def check_backend(settings, model_source: str = "MODEL_ID") -> None:
 def check_pool(backends: dict, dtype, block_size: int, budget_bytes: int | None) -> None:
     """Lay out the KV pool of ``backends`` as the engine will (:func:`server.engine.kv_cache.page_layouts`), from the
     model's config alone, and refuse what it would refuse after the weights load: a layout a backend cannot take
-    (``window``'s sinks wider than one page at ``KV_BLOCK_SIZE``) and a ``KV_CACHE_BUDGET_BYTES`` that holds fewer
-    than two KV pages (:func:`server.engine.setup.pages_in_budget`) or more than the machine's memory (checked only
-    when ``budget_bytes`` is given).
+    (``window``'s sinks wider than one page at ``KV_BLOCK_SIZE``, whatever is served beside it:
+    :func:`possible_pages`) and a ``KV_CACHE_BUDGET_BYTES`` that holds fewer than two KV pages
+    (:func:`server.engine.setup.pages_in_budget`; only where the page is known before calibration) or more than the
+    machine's memory (both checked only when ``budget_bytes`` is given).
 
     Raises:
         ConfigError: the layout's one-line reason with ``KV_BLOCK_SIZE``'s value, or naming
             ``KV_CACHE_BUDGET_BYTES``, the page's bytes and the least budget that serves.
     """
     from server.config import ConfigError
-    from server.engine.kv_cache import page_layouts
     from server.engine.setup import pages_in_budget
 
-    try:
-        page_bytes = page_layouts(backends, dtype, block_size)[0]
-    except RuntimeError:  # dca knows its layout only once calibrated: the engine checks the pool then
-        return
-    except ValueError as exc:
-        raise ConfigError(f"{exc} (KV_BLOCK_SIZE is {block_size})") from None
+    pages = possible_pages(backends, dtype, block_size)
     if budget_bytes is not None:
         memory = physical_memory()
         if memory and budget_bytes > memory:  # the pool is allocated whole: it failed after the load, exit 1
             raise ConfigError(f"invalid KV_CACHE_BUDGET_BYTES={budget_bytes}: more than this machine's memory "
                               f"({memory} bytes); the KV pool is allocated whole at start-up")
+    if budget_bytes is not None and len(pages) == 1:  # else the page is known once dca is calibrated
         try:
-            pages_in_budget(budget_bytes, page_bytes)
+            pages_in_budget(budget_bytes, pages.pop())
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+
+
+def possible_pages(backends: dict, dtype, block_size: int) -> set[int]:
+    """The page sizes the engine's pool may take for ``backends`` (:func:`server.engine.kv_cache.page_layouts`): one
+    where every layout is known from the model's config; with ``dca``, whose layout calibration sets, one per layout
+    it may be calibrated to (:meth:`~cache_backends.base.KVBackend.layout_variants`), so that what every one of them
+    refuses (``window``'s sinks over a page, whatever is served beside it) is refused before the weights load. No
+    page (nothing checked before the load) where a layout is unknown still, or past :data:`MAX_POOL_VARIANTS` pools.
+
+    Raises:
+        ConfigError: the layout's one-line reason with ``KV_BLOCK_SIZE``'s value, when every possible pool refuses
+            it (of the sinks' refusals, the one with the most tokens a page).
+    """
+    import itertools
+    import math
+
+    from server.config import ConfigError
+    from server.engine.kv_cache import page_layouts
+
+    names = list(backends)
+    variants = [backends[n].layout_variants() for n in names]
+    if math.prod(map(len, variants)) > MAX_POOL_VARIANTS:  # several dca backends on a deep model: checked after
+        return set()
+    pages, refused = set(), []
+    for variant in itertools.product(*variants):
+        try:
+            pages.add(page_layouts(dict(zip(names, variant)), dtype, block_size)[0])
+        except RuntimeError:  # a layout still unknown before the load: the engine checks the pool then
+            return set()
+        except ValueError as exc:
+            refused.append(exc)
+    if not pages:
+        exc = max(refused, key=lambda e: getattr(e, "per", 0))
+        raise ConfigError(f"{exc} (KV_BLOCK_SIZE is {block_size})") from None
+    return pages
 
 
 def physical_memory() -> int | None:

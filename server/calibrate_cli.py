@@ -48,7 +48,9 @@ def _figures_lines(kind: str, figures: dict) -> list[str]:
 
 def report(name: str, backend, events, seconds: float) -> list[str]:
     """The lines printed for one backend: each artefact (fitted or loaded, time, entry, figures)."""
-    params = ", ".join(f"{k}={v}" for k, v in backend.params().items())
+    from cache_backends.spec import format_options
+
+    params = format_options(backend.params(), ", ")
     lines = [f"{name}{f' ({params})' if params else ''}: " + (f"{seconds:.2f} s" if events else "nothing to fit")]
     for e in events:
         how = "fitted" if e.source == "fitted" else "loaded from the cache"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from cache_backends import catalog
 from cache_backends.estimate import DTYPE_BYTES, PRESETS, Shape, bytes_per_token_per_layer, default_specs, estimate_rows
-from cache_backends.spec import check_options, format_spec, parse_spec
+from cache_backends.spec import check_options, format_options, format_spec, parse_spec
 from server.cached_prices import dtype_note, load_prices, price_text
 
 
@@ -200,7 +200,7 @@ def main(args: argparse.Namespace) -> int:
         table.add_column(col, justify="right" if col not in ("backend", "params", "price") else "left",
                          overflow="fold" if col in ("params", "price") else "ellipsis")  # wrapped, never cut off
     for r in rows:
-        params = ", ".join(f"{k}={v}" for k, v in r["params"].items()) or "-"
+        params = format_options(r["params"], ", ") or "-"
         per, total = f"{r['bytes_per_token_per_layer']:.0f}", human(r["total_bytes"])
         if "min_bytes_per_token_per_layer" in r:  # elastic: from every compressible group quantized to all exact
             per, total = f"{r['min_bytes_per_token_per_layer']:.0f}-{per}", f"{human(r['min_total_bytes'])}-{total}"

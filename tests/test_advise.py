@@ -158,7 +158,7 @@ def test_min_agreement_flags_the_setting_whose_own_price_misses_it(model_dir, tm
     assert main(["advise", "--model", str(model_dir), "--dtype", "fp32", "--context", "512", "--memory-budget",
                  "1GiB", "--backends", "int4", "int4:rotate=true"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[1].startswith(" 1. int4:rotate=True: ") and lines[1].endswith("top-1 agreement 0.950")
+    assert lines[1].startswith(" 1. int4:rotate=true: ") and lines[1].endswith("top-1 agreement 0.950")
     assert lines[2].startswith(" 2. int4 (outside the quality bound): ")
     assert lines[2].endswith("price +0.90% perplexity, top-1 agreement 0.850 (under the bound, 0.9)")
 

@@ -40,6 +40,18 @@ def test_spec_values_convert():
     assert parse_spec("int8:value_bits=4,rotate=False") == ("int8", {"value_bits": 4, "rotate": False})
 
 
+@pytest.mark.parametrize("spelling, no", [("TRUE", "FALSE"), ("True", "False"), ("true", "false")])
+def test_a_boolean_is_echoed_in_one_spelling(spelling, no):
+    """However the user writes a boolean, ``kvserve estimate`` echoes it as the docs and ``KV_*`` settings spell it
+    (``format_spec`` is also the key of a price in the calibration cache: one setting, one key)."""
+    from cache_backends.spec import format_spec
+
+    assert format_spec(*parse_spec(f"int8:rotate={spelling},value_bits=4")) == "int8:rotate=true,value_bits=4"
+    assert format_spec(*parse_spec(f"int8:rotate={no}")) == "int8:rotate=false"
+    p = kvserve("estimate", f"int8:rotate={spelling}", "--seq-len", "1024", "--batch", "1")
+    assert p.returncode == 0 and "rotate=true" in p.stdout and "True" not in p.stdout, p.stdout + p.stderr
+
+
 def kvserve(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "server.cli", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=120)

@@ -386,3 +386,49 @@ def test_a_quantized_inner_is_not_priced_above_dca_for_a_request_to_fit_alone(se
         seq.prompt_ids = calib[:351]
         need[name] = engine.kv.pages_to_finish(seq) * engine.kv.page_bytes
     assert need["dca+int8"] < need["dca"], need
+
+
+@pytest.mark.parametrize("threshold", [0.0, 0.9, 1.1])
+def test_the_pages_known_before_calibration_hold_the_calibrated_one(setup, threshold):
+    """Before the weights load, dca's layout is unknown (calibration picks its reuse layers), so a ``window`` served
+    beside it had its sinks checked only after the load. :func:`server.backend_check.possible_pages` lays the pool
+    out for every number of reuse layers calibration may pick: the page of the calibrated pool is one of them, sinks
+    over a page are refused before the load as ``window`` alone is, and sinks that fit one page are not."""
+    from server.backend_check import check_pool, possible_pages
+    from server.config import ConfigError
+    from server.engine.kv_cache import page_layouts
+
+    geometry = setup[2]
+    calibrated = make(setup, threshold=threshold)
+    window = get_backend_class("window")(geometry, sinks=16, window=64)
+    unprepared = get_backend_class("dca")(geometry, threshold=threshold)
+    assert len(unprepared.layout_variants()) == geometry.num_layers // 2 + 1
+    pages = possible_pages({"window": window, "dca": unprepared}, torch.float32, 16)
+    assert page_layouts({"window": window, "dca": calibrated}, torch.float32, 16)[0] in pages
+    assert page_layouts({"dca": calibrated}, torch.float32, 16)[0] in possible_pages({"dca": unprepared},
+                                                                                      torch.float32, 16)
+    check_pool({"window": window, "dca": unprepared}, torch.float32, 16, None)
+    wide = get_backend_class("window")(geometry, sinks=20, window=64)
+    with pytest.raises(ConfigError, match=r"^window: sinks=20 \(KV_WINDOW_SINKS\) must fit one page of its sink tier "
+                                          r"\(16 tokens a page\).* \(KV_BLOCK_SIZE is 16\)$"):
+        check_pool({"window": wide, "dca": unprepared}, torch.float32, 16, None)
+    with pytest.raises(ValueError, match=r"sinks=20 \(KV_WINDOW_SINKS\) must fit one page"):  # as after the load
+        page_layouts({"window": wide, "dca": calibrated}, torch.float32, 16)
+
+
+def test_past_the_most_pools_laid_out_the_pool_is_checked_after_the_load(setup, monkeypatch):
+    """Each dca backend multiplies the pools to lay out (5 each on 8 layers): past
+    :data:`server.backend_check.MAX_POOL_VARIANTS` none is laid out before the load (the engine checks the pool
+    once calibrated), rather than start-up spending seconds on them."""
+    import server.backend_check as backend_check
+    from cache_backends.registry import create
+    from server.config import ConfigError
+
+    geometry = setup[2]
+    served = {"window": create("window", geometry, sinks=20, window=64), "dca": create("dca", geometry),
+              "dca+int8": create("dca+int8", geometry)}
+    with pytest.raises(ConfigError, match="sinks=20"):  # 25 pools, every one refusing the sinks
+        backend_check.check_pool(served, torch.float32, 16, None)
+    monkeypatch.setattr(backend_check, "MAX_POOL_VARIANTS", 24)
+    assert backend_check.possible_pages(served, torch.float32, 16) == set()
+    backend_check.check_pool(served, torch.float32, 16, None)

@@ -4,7 +4,7 @@ RoPE base 10,000 on sliding layers and 1,000,000 on global ones. Skipped when th
 
 * the folder is the published model (its shape, and the hash its summary records);
 * ``full`` through the engine is token-identical to ``model.generate()`` (transformers' own cache and masks) on
-  prompts of 600-1500 tokens, longer than the window: in one batch with chunked prefills beside decodes, on the
+  eight prompts of 600-2000 tokens, longer than the window: in one batch with chunked prefills beside decodes, on the
   attention kernel, and alone on the torch path;
 * ``full`` holds every token in the global layers and the newest 511 in the sliding ones, the bytes its sums say;
 * ``full`` prefix-caches a prefix longer than the window (vLLM's hybrid rule): a hit, fewer pages, a miss's tokens;
@@ -31,7 +31,10 @@ pytestmark = [pytest.mark.real_model, pytest.mark.skipif(
     not is_current(GEMMA3_DIR, GEMMA3), reason=f"Gemma 3 270M is not fetched: kvserve fetch-model --gemma3 "
                                                f"(writes {GEMMA3_DIR})")]
 
-LENGTHS = (600, 900, 1200, 1500)  # prompt tokens, each longer than the 512-token window
+# prompt tokens, each longer than the 512-token window: #44's eight prompts of 600-2000 tokens; the first four (and
+# their texts) are those the tests of one prompt or two were measured on
+LENGTHS = (600, 900, 1200, 1500, 800, 1000, 1800, 2000)
+LONG = LENGTHS.index(1500)  # the prompt of the tests of one long prompt
 NEW_TOKENS = 24
 
 
@@ -48,7 +51,7 @@ def prompts(gemma):
     from cache_backends.calibration import calibration_ids
 
     _, tok = gemma
-    ids = calibration_ids(gemma[0], tok, max_tokens=8192)
+    ids = calibration_ids(gemma[0], tok, max_tokens=1 + 1500 * (len(LENGTHS) - 1) + max(LENGTHS))
     texts = []
     for i, n in enumerate(LENGTHS):
         start = 1 + 1500 * i  # past the BOS calibration_ids may begin with
@@ -89,7 +92,8 @@ def test_the_prompts_are_longer_than_the_window(gemma, prompts):
 
 
 def test_full_is_token_identical_to_generate_in_one_batch(gemma, prompts, expected):
-    """The four prompts together: 256-token prefill chunks beside the decodes of the rows already prefilled."""
+    """The eight prompts of 600-2000 tokens together (#44's target): 256-token prefill chunks beside the decodes of the
+    rows already prefilled."""
     model, tok = gemma
     engine = make_engine(model, tok, "full", prefill_chunk_tokens=256)
     seqs = [make_seq(tok, p, NEW_TOKENS) for p in prompts]
@@ -101,9 +105,9 @@ def test_full_is_token_identical_to_generate_on_the_torch_path(gemma, prompts, e
     model, tok = gemma
     with kernels.using("torch"):
         engine = make_engine(model, tok, "full", prefill_chunk_tokens=512)
-        seq = make_seq(tok, prompts[-1], NEW_TOKENS)
+        seq = make_seq(tok, prompts[LONG], NEW_TOKENS)
         run_all(engine, [seq])
-    assert seq.output_ids == expected[-1]
+    assert seq.output_ids == expected[LONG]
 
 
 def test_full_holds_the_global_layers_every_token_and_the_sliding_layers_their_window(gemma, prompts):
@@ -115,7 +119,7 @@ def test_full_holds_the_global_layers_every_token_and_the_sliding_layers_their_w
     model, tok = gemma
     backend = create("full", ModelGeometry.from_config(model.config, torch.float32))
     driver = PagedDriver(model, backend, pages=200, block_size=16)
-    ids = tok.encode(prompts[-1])
+    ids = tok.encode(prompts[LONG])
     blocks = driver.new_blocks()
     for start in range(0, len(ids), 256):
         driver.step([blocks], [ids[start : start + 256]])
@@ -164,7 +168,7 @@ def test_quantized_backends_hold_the_sliding_layers_window_in_whole_code_pages(g
 
     model, tok = gemma
     geometry = ModelGeometry.from_config(model.config, torch.float32)
-    ids = tok.encode(prompts[-1])
+    ids = tok.encode(prompts[LONG])
     out = {}
     for windowed in (True, False):
         backend = create(name, geometry)

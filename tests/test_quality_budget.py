@@ -361,3 +361,21 @@ def test_a_bisection_with_no_setting_within_the_agreement_bound_serves_the_close
     backend, choice = choose("mla", geometry, {}, set(), model, ids, fits(model), looser, 1.0)
     assert backend.params()["rank"] == ranks[-1] and "over the quality budget of +1% (no setting within it)" \
         in choice.message
+
+
+def test_a_boolean_spelled_either_way_is_one_spec_and_one_cached_price(setup, tmp_path):
+    """``int4:rotate=TRUE`` and ``int4:rotate=true`` are one setting: echoed alike, in the spelling the docs and the
+    ``KV_*`` settings use (``rotate=true``, never Python's ``True``), and priced once: the second is read back from
+    the cache entry the first wrote, whose key is that canonical spec."""
+    from cache_backends.calibration_cache import CalibrationCache, entries
+    from cache_backends.spec import parse_spec
+
+    model, geometry, ids, _ = setup
+    upper, lower = (create(*parse_spec(s)[:1], geometry, **parse_spec(s)[1])
+                    for s in ("int4:rotate=TRUE", "int4:rotate=true"))
+    assert format_spec(upper.name, upper.params()) == format_spec(lower.name, lower.params()) \
+        == "int4:group_size=32,residual=32,rotate=true"
+    scorer = Scorer(model, geometry, ids, CalibrationCache(tmp_path), windows=2, window=384, prefix=128)
+    first = scorer.price(upper)
+    assert scorer.price(lower) == first and [e.source for e in scorer.cache.events] == ["fitted", "cache"]
+    assert [e["params"]["spec"] for e in entries(str(tmp_path), "price")] == [format_spec("int4", lower.params())]

@@ -522,3 +522,79 @@ def test_a_hybrid_hit_shares_the_pages_of_a_running_request(tiny):
     assert a.output_ids == serve_counting_pages(alone, first, 30)[0].output_ids
     assert b.output_ids == serve_counting_pages(alone, second, 12)[0].output_ids
     assert kv.blocks.num_free == kv.blocks.usable_pages
+
+
+def _preempted_readmission(tiny, second_prompt: int):
+    """Two requests on a pool of 18 pages that cannot hold both: the second is preempted (its pages released, its
+    blocks left in the prefix cache) and readmitted once the first ends. Returns the sequences, what the second held
+    per group when preempted and, at its readmission, ``(context tokens, prefix-cache hit, tokens served from it)``."""
+    from transformers import AutoTokenizer
+
+    from server.engine.sampling import SamplingParams
+    from server.engine.sequence import Sequence
+    from server.engine.setup import build_engine
+    from tests.conftest import MODEL_DIR
+    from tests.engine_helpers import run_all
+
+    torch.manual_seed(5)
+    ids = [torch.randint(3, 128, (60,)).tolist() for _ in range(2)]
+    prompts = [ids[0][:36], ids[1][:second_prompt]]
+    backend = create("full", ModelGeometry.from_config(tiny[0].config, torch.float32))
+    page = -(-backend.block_bytes(4) // 64) * 64
+    engine = build_engine(tiny[0], AutoTokenizer.from_pretrained(str(MODEL_DIR)), {"full": backend}, set(),
+                          max_batch_size=4, budget_bytes=18 * page, max_total_tokens=256, block_size=4,
+                          prefill_chunk_tokens=16)
+    kv = engine.scheduler.kv
+    held, readmitted = [], []
+    release, start = kv.release, kv.start
+
+    def on_release(seq):  # the second's first release is its preemption
+        if seq.request_id == "b" and seq.blocks is not None:
+            held.append([list(g.exact) for g in seq.blocks.groups])
+        release(seq)
+
+    def on_start(seq):
+        hit, served = list(seq.prefix_hit), start(seq)
+        if seq.preemptions:
+            readmitted.append((len(seq.context_ids), hit, served))
+        return served
+
+    kv.release, kv.start = on_release, on_start
+    seqs = [Sequence(request_id=r, prompt_ids=p, max_new_tokens=n, params=SamplingParams(ignore_eos=True), stop=[],
+                     emit=None, backend_name="full") for r, p, n in zip("ab", prompts, (30, 40))]
+    run_all(engine, seqs)
+    alone = [_tiny_serve_n(tiny, p, n) for p, n in zip(prompts, (30, 40))]
+    return seqs, alone, held, readmitted
+
+
+def _tiny_serve_n(tiny, ids: list[int], n: int) -> list[int]:
+    from tests.engine_helpers import serve_counting_pages
+
+    return serve_counting_pages(_tiny_engine(tiny, prefix_caching=False), ids, n)[0].output_ids
+
+
+def test_a_preempted_hybrid_sequence_takes_its_own_blocks_back(tiny):
+    """#44: preempted at 61 tokens, the sequence's readmission hits its own blocks under the hybrid rule: every global
+    block of [0, 60) (the pages its global layer held) and, of the sliding blocks, only those of the last window,
+    [53, 60) (the two pages its sliding layers held; the earlier ones null). It recomputes the one token left and
+    decodes what it decodes unpreempted."""
+    seqs, alone, held, readmitted = _preempted_readmission(tiny, 34)
+    assert [s.preemptions for s in seqs] == [0, 1]
+    (context, hit, served), = readmitted
+    assert (context, served) == (61, 60)  # 60 from the cache, 1 recomputed
+    glob, sliding = held[0]
+    assert hit[:5] == glob[:5]  # [0, 60) in 12-token pages
+    assert hit[5:] == [0] * 13 + sliding[:2]  # 4-token blocks 0-12 null, 13-14 ([52, 60)) the pages it held
+    assert [s.output_ids for s in seqs] == alone
+
+
+@pytest.mark.xfail(strict=True, reason="#44: a hit must end on a global block (12 tokens) before the last token, "
+                                       "and the sliding blocks of that earlier window were evicted before the "
+                                       "preemption (the pool was exhausted): the whole context is recomputed")
+def test_a_sequence_preempted_past_a_global_block_recomputes_only_the_rest(tiny):
+    """Preempted at 64 tokens, the sequence holds every global block of [0, 60) and its window [57, 64); the hit
+    at 60 needs the sliding blocks of [53, 60), which left the window (and the pool) before the preemption."""
+    seqs, alone, _, readmitted = _preempted_readmission(tiny, 40)
+    assert [s.preemptions for s in seqs] == [0, 1] and [s.output_ids for s in seqs] == alone
+    (context, _, served), = readmitted
+    assert context == 64 and served > 0

@@ -25,6 +25,7 @@ from cache_backends.registry import create
 from cache_backends.store_path import StorePath
 from server.engine.kv_cache import PagedStore
 from server.engine.sequence import FinishReason
+from tests.conftest import MODEL_DIR
 from tests.engine_helpers import PagedDriver, make_engine, make_seq, run_all, with_eager_twin
 
 CAPACITY, WINDOW, KERNEL, PROMPT, DECODE = 24, 4, 3, 50, 8
@@ -278,6 +279,10 @@ def test_snapkv_int8_serves_through_the_engine(ref_model):
     ("snapkv:pooling=sum", "pooling"),
     ("snapkv:capacity=32,window=32", r"window=32 must be below capacity=32"),
     ("snapkv:kernel=4", r"kernel=4 must be odd"),
+    ("snapkv:capacity=16,window=8,kernel=9", r"^snapkv: kernel=9 must be at most capacity - window = 16 - 8 = 8 "
+     r"\(KV_SNAPKV_KERNEL <= KV_SNAPKV_CAPACITY - KV_SNAPKV_WINDOW: the pooling would spread each vote over more "
+     r"tokens than it selects\)$"),
+    ("snapkv+int8:capacity=64,kernel=1001", r"kernel=1001 must be at most capacity - window = 64 - 32 = 32"),
     ("snapkv:sinks=4", "snapkv takes no option sinks"),
     ("snapkv+gqa", "gqa's shared heads"),
     ("snapkv+window", "window drops tokens by position"),
@@ -303,6 +308,23 @@ def test_bad_values_are_refused_at_construction(tiny):
         create("snapkv+int8", geometry, capacity=64, window=64)
     with pytest.raises(ValueError, match=r"kernel=6 must be odd"):
         create("snapkv", geometry, kernel=6)
+    with pytest.raises(ValueError, match=r"kernel=9 must be at most capacity - window = 16 - 8 = 8"):
+        create("snapkv", geometry, capacity=16, window=8, kernel=9)
+    assert create("snapkv", geometry, capacity=17, window=8, kernel=9).params()["kernel"] == 9  # the bound itself
+
+
+def test_a_kernel_wider_than_the_selection_stops_start_up_before_the_load():
+    """``KV_SNAPKV_KERNEL`` over ``KV_SNAPKV_CAPACITY - KV_SNAPKV_WINDOW`` was served: each vote pooled over more
+    tokens than the layer keeps. The start-up check (config only, no weights) refuses it naming the three values."""
+    from server.backend_check import check_backend
+    from server.config import ConfigError, load_settings
+
+    settings = load_settings(model_id=str(MODEL_DIR), kv_backend="snapkv", kv_backends="", kv_snapkv_capacity=64,
+                             kv_snapkv_window=8, kv_snapkv_kernel=57)
+    with pytest.raises(ConfigError, match=r"^snapkv: kernel=57 must be at most capacity - window = 64 - 8 = 56 "):
+        check_backend(settings)
+    check_backend(load_settings(model_id=str(MODEL_DIR), kv_backend="snapkv", kv_backends="", kv_snapkv_capacity=64,
+                                kv_snapkv_window=8, kv_snapkv_kernel=55))
 
 
 def test_settings_carry_the_options():

@@ -24,9 +24,9 @@ def test_backend_that_cannot_calibrate_exits_1_with_one_line(tmp_path):
 
 def test_settings_found_wrong_before_the_load_exit_2_with_one_line(tmp_path):
     """A missing KV_CALIBRATION_FILE, a KV_CACHE_BUDGET_BYTES under two KV pages or over the machine's memory and
-    window sinks wider than one KV page are known from the settings and the model's config: exit 2 before the
-    weights load, one line and no traceback, as every other bad setting (before: exit 1 after the load, a missing
-    file with two tracebacks)."""
+    window sinks wider than one KV page (whatever is served beside the window) are known from the settings and the
+    model's config: exit 2 before the weights load, one line and no traceback, as every other bad setting (before:
+    exit 1 after the load, a missing file with two tracebacks)."""
     for extra, said in [({"KV_BACKEND": "gqa", "KV_CALIBRATION_FILE": str(tmp_path / "missing.txt")},
                          f"invalid KV_CALIBRATION_FILE={str(tmp_path / 'missing.txt')!r}: no such file"),
                         ({"KV_CACHE_BUDGET_BYTES": "600000"}, "KV_CACHE_BUDGET_BYTES=600000 holds fewer than 2 KV"),
@@ -36,6 +36,9 @@ def test_settings_found_wrong_before_the_load_exit_2_with_one_line(tmp_path):
                         ({"KV_BACKEND": "window", "KV_WINDOW_SINKS": "20"},
                          "window: sinks=20 (KV_WINDOW_SINKS) must fit one page of its sink tier (16 tokens a page): "
                          "lower KV_WINDOW_SINKS or raise KV_BLOCK_SIZE (KV_BLOCK_SIZE is 16)"),
+                        # dca beside it: its layout is calibrated, the sinks were checked after the load (exit 1)
+                        ({"KV_BACKEND": "window", "KV_WINDOW_SINKS": "20", "KV_BACKENDS": "dca"},
+                         "window: sinks=20 (KV_WINDOW_SINKS) must fit one page of its sink tier (16 tokens a page)"),
                         ({"KV_BACKEND": "window+int8", "KV_WINDOW_SINKS": "40", "KV_BACKENDS": ""},
                          "window+int8: sinks=40 (KV_WINDOW_SINKS) must fit one page of its sink tier (32 tokens")]:
         env = {**os.environ, "MODEL_ID": str(MODEL_DIR), "PORT": str(free_port()), **extra}

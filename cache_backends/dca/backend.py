@@ -3,6 +3,7 @@ similarity and runtime thresholds, the reuse candidates), the estimator's figure
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 
@@ -249,6 +250,20 @@ class DCABackend(KVBackend):
             raise RuntimeError("dca backend used before prepare(model)")
         candidates = list(self.reuse_candidates)
         return [layer for layer in range(self.geometry.num_layers) if layer not in candidates], candidates
+
+    def layout_variants(self) -> list[DCABackend]:
+        """Prepared, ``[self]``; before :meth:`prepare`, one stand-in per number of reuse candidates calibration may
+        choose, from none to every other layer from layer 1 (no two adjacent): the page and this layout depend on
+        that number alone (layers 1, 3, 5... stand for the candidates). Only their layouts may be used."""
+        if self.maps is not None:
+            return [self]
+        twins = []
+        for count in range(self.geometry.num_layers // 2 + 1):
+            twin = copy.copy(self)
+            twin.maps, twin.reuse_candidates = [], list(range(1, 2 * count, 2))
+            twin.layer_thresholds = {layer: {} for layer in twin.reuse_candidates}
+            twins.append(twin)
+        return twins
 
     def block_bytes(self, block_size: int) -> int:
         """One block of the kept layers' group (a candidate's page holds one layer: more tokens of it)."""

@@ -241,7 +241,8 @@ class SnapKVBackend(OuterBackend):
         inner: what the kept tokens are stored as: ``full`` (default) or ``int8``/``int4`` (``snapkv+int8``).
 
     Raises:
-        ValueError: an option out of its bounds (naming it), ``window >= capacity``, an even ``kernel``.
+        ValueError: an option out of its bounds (naming it), ``window >= capacity``, an even ``kernel`` or one over
+            ``capacity - window``.
     """
 
     name = "snapkv"

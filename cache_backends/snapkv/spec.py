@@ -24,8 +24,10 @@ def _bytes(shape: Shape, params: dict, inner: KVSpec, dtype_bytes: int, seq_len:
 
 
 def check_options(capacity: int, window: int, kernel: int) -> None:
-    """Refuse an observation window that leaves nothing to select, and an even pooling kernel (the backend at
-    construction, and ``kvserve estimate``, with one message).
+    """Refuse an observation window that leaves nothing to select, an even pooling kernel, and one wider than the
+    ``capacity - window`` tokens selected (its pooling would spread each vote over more tokens than can be kept: a
+    swapped or mistyped value, refused rather than served) (the backend at construction, ``kvserve serve`` before
+    the weights load, ``kvserve estimate`` and ``advise``, with one message).
 
     Raises:
         ValueError: naming the values and the variables.
@@ -36,6 +38,10 @@ def check_options(capacity: int, window: int, kernel: int) -> None:
     if kernel % 2 == 0:
         raise ValueError(f"snapkv: kernel={kernel} must be odd (KV_SNAPKV_KERNEL: the pooling is centred on each "
                          "token)")
+    if kernel > capacity - window:
+        raise ValueError(f"snapkv: kernel={kernel} must be at most capacity - window = {capacity} - {window} = "
+                         f"{capacity - window} (KV_SNAPKV_KERNEL <= KV_SNAPKV_CAPACITY - KV_SNAPKV_WINDOW: the "
+                         "pooling would spread each vote over more tokens than it selects)")
 
 
 def check(name: str, params: dict) -> None:

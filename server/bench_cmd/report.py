@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from cache_backends.geometry import ModelGeometry
 from cache_backends.registry import create
-from cache_backends.spec import format_spec, parse_spec
+from cache_backends.spec import format_options, format_spec, parse_spec
 from cache_backends.store_path import StorePath
 from server.bench_cmd import needle
 from server.bench_cmd.fidelity import (PagedSequence, agreement, cache_path_perplexity, greedy_tokens,
@@ -237,7 +237,7 @@ def markdown(result: dict) -> str:
         head += f" Δ ppl @{longs[0]['context']} (KL) | needles @{longs[0]['context']} |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in result["rows"]:
-        params = ", ".join(f"{k}={v}" for k, v in r["params"].items()) or "-"
+        params = format_options(r["params"], ", ") or "-"
         per_round = r.get("speed_samples", {})
         tp = " | ".join(spread(r["tpot_s"][c], per_round.get("tpot_s", {}).get(c), 1000) for c in ctx)
         tps = " | ".join(spread(r["tokens_per_s"][n], per_round.get("tokens_per_s", {}).get(n)) for n in (1, 8))
@@ -292,7 +292,7 @@ def served_threshold_rows(result: dict, layers: list[int]) -> list[str]:
 def short_label(row: dict) -> str:
     """A backend and its distinguishing settings, for plot legends."""
     skip = {"probe_interval", "residual"}
-    params = ",".join(f"{k}={v}" for k, v in row["params"].items() if k not in skip)
+    params = format_options({k: v for k, v in row["params"].items() if k not in skip})
     return f"{row['backend']}({params})" if params else row["backend"]
 
 
