@@ -549,8 +549,8 @@ def _preempted_readmission(tiny, second_prompt: int):
     release, start = kv.release, kv.start
 
     def on_release(seq):  # the second's first release is its preemption
-        if seq.request_id == "b" and seq.blocks is not None:
-            held.append([list(g.exact) for g in seq.blocks.groups])
+        if seq.request_id == "b" and (table := kv.table(seq)) is not None:
+            held.append([list(g.exact) for g in table.groups])
         release(seq)
 
     def on_start(seq):
