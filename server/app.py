@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
@@ -38,11 +39,11 @@ def create_app(settings: Settings, load_in_background: bool = True, exit_on_load
     """
     state = ServerState(settings, exit_on_fatal=exit_on_load_error)
 
-    def load() -> None:
+    def load(loop: asyncio.AbstractEventLoop) -> None:
         from server.engine.core_client import StartStopped
 
         try:
-            state.load()
+            state.load(loop)
         except StartStopped:  # SIGTERM or Ctrl-C while loading: the stop ended the core, no failure to report
             log.info("stopped before the engine core was ready")
         except Exception as exc:  # noqa: BLE001 - reported through /health, and logged
@@ -56,12 +57,13 @@ def create_app(settings: Settings, load_in_background: bool = True, exit_on_load
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
+        loop = asyncio.get_running_loop()  # the engine core's outputs are read by a task on it
         if load_in_background:
-            threading.Thread(target=load, name="kvserve-load", daemon=True).start()
+            threading.Thread(target=load, args=(loop,), name="kvserve-load", daemon=True).start()
         else:
-            load()
+            load(loop)
         yield
-        state.shutdown()
+        await asyncio.to_thread(state.shutdown)  # the loop reads the core's last outputs while it drains
 
     # A body without Content-Type is read as JSON (as vLLM does); one of another type gets 415 (JsonContentType).
     app = FastAPI(title="kvserve", version=__version__, lifespan=lifespan, strict_content_type=False,

@@ -1,7 +1,9 @@
 """Every Prometheus metric kvserve exports, defined once, and the recorder that updates them.
 
 Each metric carries the labels ``model`` and ``backend`` (the KV backend a request actually used).
-The engine hands the recorder plain objects (a finished ``Sequence``, the running batch); only this
+The recorder is handed plain objects: each finished request's HTTP-side state
+(:class:`server.engine.request_state.RequestState`, from the engine core's client; an engine driven in-process, as
+the tests do, hands its ``Sequence``, which has the same fields) and the engine's running batch; only this
 module touches prometheus-client. Definitions follow vLLM/TGI: TTFT = arrival → first generated
 token; TPOT = (last token − first token) / (generated tokens − 1), one value per request;
 inter-token latency = the gap between consecutive tokens of a request, one value per gap;
@@ -191,11 +193,15 @@ class Recorder:
         self.m.preemptions.labels(**self._l(seq.backend_name)).inc()
 
     def prefill_done(self, seq) -> None:
+        """``seq`` (a :class:`~server.engine.request_state.RequestState`: ``backend_name``, ``times``,
+        ``prompt_ids``) started its prefill at ``seq.times.prefill_start``: its queue time and prompt tokens."""
         labels = self._l(seq.backend_name)
         self.m.queue.labels(**labels).observe(seq.times.prefill_start - seq.times.arrival)
         self.m.prompt_tokens.labels(**labels).inc(len(seq.prompt_ids))
 
     def request_done(self, seq) -> None:
+        """``seq`` (a :class:`~server.engine.request_state.RequestState`) ended with ``seq.finish_reason``: its
+        count, tokens, latencies (seconds, from ``seq.times``), KV peak (bytes) and its backend's own figures."""
         labels = self._l(seq.backend_name)
         t = seq.times
         n = len(seq.output_ids)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-import threading
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -12,8 +11,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from server.engine.grammar import use_vocabulary
+from server.engine.request_state import RequestState
 from server.engine.sampling import SamplingParams
-from server.engine.sequence import FinishReason, Sequence, TokenEvent
+from server.engine.sequence import FinishReason, TokenEvent
 from server.prompt_tail import tail_ids
 
 if TYPE_CHECKING:  # annotation only: the client imports the engine core, which imports this module's limits
@@ -172,8 +172,6 @@ class GenerationService:
         self.tokenize_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="kvserve-tokenize")
         self.shut_down = False
         """Set by :meth:`abort_all`: a cancelled generation was ended by the shutdown, not by its client."""
-        self._live: dict[str, Sequence] = {}  # request_id -> the sequences queued or running
-        self._live_lock = threading.Lock()
 
     async def off_loop(self, fn: Callable, *args):
         """``fn(*args)`` in the tokenizer threads, so that a long prompt does not stall the event loop (every
@@ -224,12 +222,12 @@ class GenerationService:
 
     def abort_all(self) -> int:
         """End every generation still queued or running (a shutdown's grace period is over): each gets its
-        closing event, which :meth:`is_shutdown_end` recognizes. Returns how many were ended."""
+        closing event, which :meth:`is_shutdown_end` recognizes. Returns how many were ended. Thread-safe (the
+        drain calls it from its thread)."""
         self.shut_down = True
-        with self._live_lock:
-            live = list(self._live.values())
-        for seq in live:
-            self._cancel(seq)
+        live = self.engine.live_requests()
+        for req in live:
+            self._cancel(req)
         return len(live)
 
     @staticmethod
@@ -245,8 +243,9 @@ class GenerationService:
             seed=seed if seed is not None else secrets.randbits(63),
         )
 
-    def build_sequence(self, req: GenerationRequest, emit: Callable[[TokenEvent], None]) -> Sequence:
-        """Tokenize and check limits (blocking: :meth:`run` calls it in the tokenizer threads).
+    def build_request(self, req: GenerationRequest) -> RequestState:
+        """Tokenize and check limits (blocking: :meth:`run` calls it in the tokenizer threads); the HTTP side's state
+        of the new generation.
 
         Raises:
             InvalidRequest: empty prompt, text that is not valid Unicode (a lone surrogate), token ids outside
@@ -311,82 +310,62 @@ class GenerationService:
         if max_new < 1:
             raise InvalidRequest(f"the prompt leaves no room for new tokens (MAX_TOTAL_TOKENS="
                                  f"{lim.max_total_tokens}, prompt {len(ids)} tokens)", inputs)
-        return Sequence(request_id=uuid.uuid4().hex, prompt_ids=ids, max_new_tokens=max_new, params=req.params,
-                        stop=list(req.stop), emit=emit, backend_name=req.backend,
-                        want_prompt_logprobs=req.want_prompt_logprobs, group=req.group, cache_salt=req.cache_salt)
+        return RequestState(request_id=uuid.uuid4().hex, prompt_ids=ids, max_new_tokens=max_new, params=req.params,
+                            stop=list(req.stop), backend_name=req.backend,
+                            want_prompt_logprobs=req.want_prompt_logprobs, group=req.group, cache_salt=req.cache_salt)
 
     async def run(self, req: GenerationRequest, receive: Callable[[], Awaitable[dict]] | None = None
-                  ) -> tuple[Sequence, AsyncIterator[TokenEvent]]:
-        """Submit ``req``; return its sequence and an async iterator over its events.
+                  ) -> tuple[RequestState, AsyncIterator[TokenEvent]]:
+        """Submit ``req``; return its state and an async iterator over its events.
 
-        The returned sequence is the HTTP side's record of the request (tokens, times, the core's per-request
-        stats once it finished); the engine core holds its own. The iterator ends after the event that carries
-        ``finish_reason``. The request is aborted (the engine core drops it, and frees its KV, at its next step)
-        as soon as the client leaves: when ``receive`` (the request's ASGI receive channel, read after the body) yields
-        ``http.disconnect``, whether or not anyone is iterating the events at that moment, or when the
+        The returned :class:`~server.engine.request_state.RequestState` is the HTTP side's record of the request
+        (tokens, times, the core's per-request stats once it finished); the engine core holds its own. The iterator
+        reads its event queue (filled by the engine core's client on this event loop) and ends after the event that
+        carries ``finish_reason``. The request is aborted (the engine core drops it, and frees its KV, at its next
+        step) as soon as the client leaves: when ``receive`` (the request's ASGI receive channel, read after the body)
+        yields ``http.disconnect``, whether or not anyone is iterating the events at that moment, or when the
         consumer stops iterating early.
 
         Raises:
-            InvalidRequest: see :meth:`build_sequence`, or the request can never fit the KV budget.
+            InvalidRequest: see :meth:`build_request`, or the request can never fit the KV budget.
             server.engine.engine.Overloaded: the queue is full.
             server.engine.core_client.CoreDied: the engine core has ended.
         """
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
-
-        def emit(event: TokenEvent) -> None:
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, event)
-            except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
-                seq.cancel()
-
-        def emit_and_track(event: TokenEvent) -> None:
-            if event.finish_reason is not None:
-                with self._live_lock:
-                    self._live.pop(seq.request_id, None)
-            emit(event)
-
-        seq = await self.off_loop(self.build_sequence, req, emit_and_track)
-        with self._live_lock:
-            self._live[seq.request_id] = seq
+        state = await self.off_loop(self.build_request, req)
         try:
-            await self.engine.submit(seq)  # the engine core answers whether it took the request
-        except BaseException as exc:
-            with self._live_lock:
-                self._live.pop(seq.request_id, None)
-            if isinstance(exc, ValueError):
-                raise InvalidRequest(str(exc)) from None
-            raise
-        watcher = asyncio.create_task(self._cancel_on_disconnect(seq, receive)) if receive is not None else None
+            await self.engine.submit(state)  # the engine core answers whether it took the request
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
+        watcher = asyncio.create_task(self._cancel_on_disconnect(state, receive)) if receive is not None else None
 
         async def events() -> AsyncIterator[TokenEvent]:
             try:
                 while True:
-                    event = await queue.get()
+                    event = await state.events.get()
                     yield event
                     if event.finish_reason is not None:
                         return
             finally:
                 if watcher is not None:
                     watcher.cancel()
-                self._cancel(seq)
+                self._cancel(state)
 
-        return seq, events()
+        return state, events()
 
-    async def _cancel_on_disconnect(self, seq: Sequence, receive: Callable[[], Awaitable[dict]]) -> None:
-        await self.cancel_on_disconnect([seq], receive)
+    async def _cancel_on_disconnect(self, req: RequestState, receive: Callable[[], Awaitable[dict]]) -> None:
+        await self.cancel_on_disconnect([req], receive)
 
-    async def cancel_on_disconnect(self, seqs: list[Sequence], receive: Callable[[], Awaitable[dict]]) -> None:
-        """Wait for ``http.disconnect`` on ``receive``, then cancel every sequence of ``seqs`` still going."""
+    async def cancel_on_disconnect(self, reqs: list[RequestState], receive: Callable[[], Awaitable[dict]]) -> None:
+        """Wait for ``http.disconnect`` on ``receive``, then cancel every generation of ``reqs`` still going."""
         try:
             while (await receive())["type"] != "http.disconnect":
                 pass
         except (OSError, RuntimeError):  # the channel itself broke: the client is gone just the same
             pass
-        for seq in seqs:
-            self._cancel(seq)
+        for req in reqs:
+            self._cancel(req)
 
-    def _cancel(self, seq: Sequence) -> None:
-        if seq.finish_reason is None and not seq.cancelled:
-            seq.cancel()
+    def _cancel(self, req: RequestState) -> None:
+        if req.finish_reason is None and not req.cancelled:
+            req.cancel()
             self.engine.wake()

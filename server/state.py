@@ -3,6 +3,7 @@ model's names, limits and ``/info``)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,10 +43,11 @@ class ServerState:
     """Stop the server (SIGINT to this process; ``kvserve serve`` then exits 1 naming ``load_error``) when the engine
     core dies (its process, or its thread with ``ENGINE_PROCESS=false``)."""
 
-    def load(self) -> None:
+    def load(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         """Start the engine core (:class:`server.engine.core_client.CoreClient`: it loads the model and the KV
         backends in its own process, or in a thread of this one with ``ENGINE_PROCESS=false``), wait for it to be
-        ready (``loading`` follows its stages) and serve through it. Blocking: runs in a background thread at
+        ready (``loading`` follows its stages) and serve through it, its outputs read by a task on ``loop`` (the
+        server's event loop; ``None``: on the loop of the first request). Blocking: runs in a background thread at
         start-up.
 
         Raises:
@@ -68,6 +70,8 @@ class ServerState:
         self.service = GenerationService(self.core, self.core.tokenizer,
                                          Limits(max_input, max_total, s.max_stop_sequences), s.kv_backend,
                                          prefix_caching=s.kv_prefix_caching)
+        if loop is not None:
+            self.core.listen(loop)  # a core that dies while no request runs turns /health 503 all the same
 
     def server_info(self, max_input: int, max_total: int, names: list[str]) -> dict:
         """``/info``'s facts of the settings and the limits (the engine core's:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from cache_backends.geometry import ModelGeometry
@@ -13,7 +15,7 @@ from server.engine.block_manager import BlockManager
 from server.engine.runner import ModelRunner
 from server.engine.engine import Engine
 from server.engine.sampling import SamplingParams
-from server.engine.sequence import Sequence
+from server.engine.sequence import Sequence, TokenEvent
 from server.engine.setup import build_engine
 from tests.conftest import fits
 
@@ -38,18 +40,29 @@ def make_engine(model, tokenizer, backend: str = "full", max_batch_size: int = 8
                         prefix_caching=prefix_caching)
 
 
+_LISTENERS: dict[int, Callable[[TokenEvent], None]] = {}  # seq_id -> the test's callback for its events
+
+
+def on_events(seq: Sequence, fn: Callable[[TokenEvent], None]) -> Sequence:
+    """Hand each event of ``seq`` that :func:`run_step` takes from the engine to ``fn`` (the engine's sequences have
+    no callback: :meth:`Engine.step` returns the events); returns ``seq``."""
+    _LISTENERS[seq.seq_id] = fn
+    return seq
+
+
 def make_seq(tokenizer, prompt: str, max_new_tokens: int, backend: str = "full", params: SamplingParams = None,
              stop=(), events=None) -> Sequence:
-    events = events if events is not None else []
-    return Sequence(request_id=prompt, prompt_ids=tokenizer.encode(prompt), max_new_tokens=max_new_tokens,
-                    params=params or SamplingParams(), stop=list(stop), emit=events.append, backend_name=backend)
+    """An engine sequence of ``prompt``; its events go to the list ``events``, when given (:func:`run_step`)."""
+    seq = Sequence(request_id=prompt, prompt_ids=tokenizer.encode(prompt), max_new_tokens=max_new_tokens,
+                   params=params or SamplingParams(), stop=list(stop), backend_name=backend)
+    return on_events(seq, events.append) if events is not None else seq
 
 
 def run_step(engine: Engine) -> None:
-    """One engine step, each of its events handed to its sequence's ``emit`` (a test's list of events)."""
+    """One engine step, each of its events handed to its sequence's listener (:func:`on_events`)."""
     for seq, event in engine.step():
-        if seq.emit is not None:
-            seq.emit(event)
+        if (fn := _LISTENERS.get(seq.seq_id)) is not None:
+            fn(event)
 
 
 def run_all(engine: Engine, seqs: list[Sequence], max_steps: int = 10_000) -> None:
@@ -96,7 +109,7 @@ def serve_counting_pages(engine: Engine, prompt_ids: list[int], max_new_tokens: 
     allocate = blocks.allocate
     blocks.allocate = lambda n: taken.extend(allocate(n)) or taken[len(taken) - n:]
     seq = Sequence(request_id=str(prompt_ids[:4]), prompt_ids=list(prompt_ids), max_new_tokens=max_new_tokens,
-                   params=SamplingParams(ignore_eos=True), stop=[], emit=None, backend_name=backend)
+                   params=SamplingParams(ignore_eos=True), stop=[], backend_name=backend)
     try:
         run_all(engine, [seq])
     finally:

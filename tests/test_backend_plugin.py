@@ -101,7 +101,7 @@ def test_the_plugin_serves_the_tokens_of_a_window_without_sinks(site):
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from server.metrics import Metrics, Recorder
         from tests.conftest import MODEL_DIR
-        from tests.engine_helpers import make_engine, make_seq, run_all
+        from tests.engine_helpers import make_engine, make_seq, on_events, run_all
 
         model = AutoModelForCausalLM.from_pretrained(MODEL_DIR).eval()
         tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
@@ -113,8 +113,8 @@ def test_the_plugin_serves_the_tokens_of_a_window_without_sinks(site):
             engine.recorder = Recorder(metrics, "m", [name])
             seq = make_seq(tokenizer, prompt, 24, backend=name)
             dropped = []
-            seq.emit = lambda event: dropped.append(metrics.registry.get_sample_value(
-                "kvserve_lastn_dropped_tokens", {"model": "m", "backend": name}))
+            on_events(seq, lambda event: dropped.append(metrics.registry.get_sample_value(
+                "kvserve_lastn_dropped_tokens", {"model": "m", "backend": name})))
             run_all(engine, [seq])
             out[name] = {"ids": seq.output_ids, "prompt": len(seq.prompt_ids), "dropped": dropped}
         print(json.dumps(out))

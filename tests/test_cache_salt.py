@@ -45,14 +45,14 @@ def client():
     app = _app()
     with TestClient(app) as c:
         service = app.state.kvserve.service
-        built, build = [], service.build_sequence
+        built, build = [], service.build_request
 
-        def recording(req, emit):
-            seq = build(req, emit)
+        def recording(req):
+            seq = build(req)
             built.append(seq)
             return seq
 
-        service.build_sequence = recording
+        service.build_request = recording
         c.built = built
         yield c
 
@@ -118,20 +118,20 @@ def test_without_the_prefix_cache_a_salt_is_refused():
     refused naming the field in the route's words; a request without one is served as before."""
     service = _service(prefix_caching=False)
     with pytest.raises(InvalidRequest, match="cache_salt.*KV_PREFIX_CACHING=false") as exc:
-        service.build_sequence(_request(SALT), lambda ev: None)
+        service.build_request(_request(SALT))
     assert exc.value.param == "cache_salt"
     with pytest.raises(InvalidRequest) as exc:
-        service.build_sequence(_request(SALT, fields={"cache_salt": "parameters.cache_salt"}), lambda ev: None)
+        service.build_request(_request(SALT, fields={"cache_salt": "parameters.cache_salt"}))
     assert exc.value.param == "parameters.cache_salt"
-    assert service.build_sequence(_request(None), lambda ev: None).cache_salt is None
-    assert _service(prefix_caching=True).build_sequence(_request(SALT), lambda ev: None).cache_salt == SALT
+    assert service.build_request(_request(None)).cache_salt is None
+    assert _service(prefix_caching=True).build_request(_request(SALT)).cache_salt == SALT
 
 
 @pytest.mark.parametrize("bad", BAD.values(), ids=list(BAD))
 def test_the_service_refuses_a_bad_salt_itself(bad):
     """The schemas refuse these first; a GenerationRequest built elsewhere is checked the same."""
     with pytest.raises(InvalidRequest) as exc:
-        _service(prefix_caching=True).build_sequence(_request(bad), lambda ev: None)
+        _service(prefix_caching=True).build_request(_request(bad))
     assert exc.value.param == "cache_salt"
 
 
@@ -140,8 +140,8 @@ def test_a_salt_for_a_backend_that_is_never_cached_is_taken():
     request shares nothing, as the salt promises: it is taken (a client salting every request per tenant must not
     break on a dca or elastic server)."""
     service = _service(prefix_caching=True)
-    seq = service.build_sequence(GenerationRequest(prompt="And God said", max_new_tokens=4, params=SamplingParams(),
-                                                   stop=[], backend="dca", cache_salt=SALT), lambda ev: None)
+    seq = service.build_request(GenerationRequest(prompt="And God said", max_new_tokens=4, params=SamplingParams(),
+                                                  stop=[], backend="dca", cache_salt=SALT))
     assert seq.cache_salt == SALT and seq.backend_name == "dca"
 
 

@@ -39,7 +39,7 @@ def submitted_ids(service: GenerationService, reqs) -> list[int]:
     """The prompt ids the engine receives for the first request."""
 
     async def submit():
-        await service.engine.submit(service.build_sequence(reqs[0], lambda event: None))
+        await service.engine.submit(service.build_request(reqs[0]))
 
     asyncio.run(submit())
     return service.engine.submitted[0].prompt_ids

@@ -309,7 +309,7 @@ def test_the_pool_serves_what_a_per_sequence_store_serves(setup, name, options):
     engine = make_engine(model, tok, name, prepared=backend)
     assert type(engine.kv.layouts[name]).__name__ == "DCALayout"
     seqs = [Sequence(request_id=str(i), prompt_ids=list(p), max_new_tokens=n, params=SamplingParams(), stop=[],
-                     emit=lambda e: None, backend_name=name) for i, p in enumerate(prompts)]
+                     backend_name=name) for i, p in enumerate(prompts)]
     run_all(engine, seqs)
     for (tokens, store), seq in zip(refs, seqs):
         assert seq.output_ids == tokens

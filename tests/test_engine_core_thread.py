@@ -18,6 +18,8 @@ from server.app import create_app
 from server.config import Settings
 from server.engine.core import EngineCore
 from server.engine.engine import Engine
+from server.engine.request_state import RequestState
+from server.engine.sequence import Sequence
 from server.service import GenerationService
 from tests.conftest import MODEL_DIR, RunningServer
 
@@ -51,17 +53,17 @@ sys.exit(main(["serve"]))
 
 def test_the_http_sides_sequences_are_never_the_cores(monkeypatch):
     http_side, core_side = [], []
-    build, submit = GenerationService.build_sequence, Engine.submit
+    build, submit = GenerationService.build_request, Engine.submit
 
-    def built(self, req, emit):
-        http_side.append(seq := build(self, req, emit))
+    def built(self, req):
+        http_side.append(seq := build(self, req))
         return seq
 
     def submitted(self, seq):  # in the core thread: the sequence the scheduler queues
         core_side.append(seq)
         return submit(self, seq)
 
-    monkeypatch.setattr(GenerationService, "build_sequence", built)
+    monkeypatch.setattr(GenerationService, "build_request", built)
     monkeypatch.setattr(Engine, "submit", submitted)
     app = create_app(Settings(**SETTINGS), load_in_background=False)
     with TestClient(app) as client:
@@ -73,12 +75,58 @@ def test_the_http_sides_sequences_are_never_the_cores(monkeypatch):
     assert sorted(s.request_id for s in http_side) == sorted(s.request_id for s in core_side)
     for mine in http_side:
         theirs = next(s for s in core_side if s.request_id == mine.request_id)
-        assert theirs is not mine and theirs.emit is None  # the core's step returns its events: no callback
+        assert type(mine) is RequestState and type(theirs) is Sequence  # the HTTP side's own record, not the engine's
+        assert not hasattr(theirs, "emit")  # the core's step returns its events: no callback
         assert [f for f in ("prompt_ids", "output_ids", "params", "times", "kv_stats", "stop")
                 if getattr(theirs, f) is getattr(mine, f)] == []
         assert theirs.output_ids == mine.output_ids and len(mine.output_ids) == 6  # the same tokens, each its own
     assert not app.state.kvserve.core.host.thread.is_alive()  # the server's shutdown drained and ended the core
     assert "kvserve-engine-core" not in {t.name for t in threading.enumerate()}
+
+
+def test_the_core_is_read_by_a_task_on_the_servers_event_loop(monkeypatch):
+    """The core's outputs are read by an asyncio task on the server's event loop (from start-up, before any
+    request), which owns every request's state: no reader thread while a request streams; the requests are
+    submitted on the same loop, and a second running loop cannot submit beside it."""
+    import asyncio
+
+    from server.engine.core_client import READER, CoreClient
+    from server.engine.sampling import SamplingParams
+
+    loops, submit = [], CoreClient.submit
+
+    def submitted(self, req):
+        loops.append(asyncio.get_running_loop())
+        return submit(self, req)
+
+    monkeypatch.setattr(CoreClient, "submit", submitted)
+    app = create_app(Settings(**SETTINGS), load_in_background=False)
+    with TestClient(app) as client:
+        core = app.state.kvserve.core
+        reader = core._task
+        assert reader is not None and reader.get_name() == READER and not reader.done()  # from start-up
+        with client.stream("POST", "/generate_stream",
+                           json={"inputs": "In the beginning", "parameters": {"max_new_tokens": 40}}) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))
+            threads = {t.name for t in threading.enumerate()}
+            live = core.live_requests()
+            assert core._task is reader and not reader.done()
+            rest = [line for line in lines if line.startswith("data:")]
+        assert READER not in threads and "kvserve-core-reader" not in threads
+        assert [type(req) for req in live] == [RequestState]
+        assert loops == [reader.get_loop()] and reader.get_loop().is_running()
+        assert json.loads(rest[-1][5:])["details"]["generated_tokens"] == 40
+
+        async def beside():
+            req = RequestState(request_id="beside", prompt_ids=[1, 2, 3], max_new_tokens=2, params=SamplingParams(),
+                               stop=[], backend_name="full")
+            core.submit(req)
+
+        with pytest.raises(RuntimeError, match="another running event loop"):
+            asyncio.run(beside())
+        assert core.live_requests() == []
+    assert reader.done()  # the server's stop ended it
 
 
 def test_a_core_thread_that_fails_ends_the_stream_with_an_error_and_health_says_why(monkeypatch):

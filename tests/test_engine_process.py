@@ -15,6 +15,7 @@ import pytest
 
 from server.config import Settings
 from server.engine.core_client import CoreClient, CoreDied
+from server.engine.request_state import RequestState
 from server.engine.sampling import SamplingParams
 from server.engine.sequence import FinishReason
 from server.service import GenerationRequest, GenerationService, Limits
@@ -118,13 +119,10 @@ def test_a_submitter_that_stops_waiting_for_the_answer_aborts_the_request(ref_mo
     _, tok = ref_model
 
     async def main():
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-        seq = make_seq(tok, PROMPTS[0], 900, params=SamplingParams(ignore_eos=True),
-                       events=None)
-        seq.emit = lambda e: loop.call_soon_threadsafe(events.put_nowait, e)
+        seq = RequestState(request_id="gave-up", prompt_ids=tok.encode(PROMPTS[0]), max_new_tokens=900,
+                           params=SamplingParams(ignore_eos=True), stop=[], backend_name="full")
         client.submit(seq).cancel()  # the route was cancelled while it awaited the core's answer
-        while (e := await asyncio.wait_for(events.get(), 60)).finish_reason is None:
+        while (e := await asyncio.wait_for(seq.events.get(), 60)).finish_reason is None:
             pass
         return seq, e
 
@@ -528,9 +526,9 @@ def test_a_stream_a_stop_string_ended_closes_with_stop_when_the_core_dies_before
     """A stop string ends the stream on the HTTP side, which holds the last event until the core's ``Finished``; a
     core that dies meanwhile closes that stream with ``stop_sequence`` (its text is whole), and the others with an
     error, each counted once."""
-    from server.engine.core_client import _Live
+    from server.engine.core_streams import _Live
     from server.engine.detokenize import IncrementalDetokenizer
-    from server.engine.sequence import Sequence, TokenEvent
+    from server.engine.sequence import TokenEvent
 
     class Counted:
         def __init__(self):
@@ -544,13 +542,15 @@ def test_a_stream_a_stop_string_ended_closes_with_stop_when_the_core_dies_before
     c.recorder = Counted()
     loop = asyncio.new_event_loop()
     try:
-        events = {}
+        reqs = {}
         for rid, stopped in (("stopped", TokenEvent(0, 5, "Amen", 0.0, False)), ("running", None)):
-            seq = Sequence(request_id=rid, prompt_ids=[1], max_new_tokens=4, params=SamplingParams(), stop=[],
-                           backend_name="full", emit=lambda e, rid=rid: events.setdefault(rid, e), output_ids=[5])
-            c._live[rid] = _Live(seq, IncrementalDetokenizer(None, [], set()), loop, loop.create_future(),
+            reqs[rid] = RequestState(request_id=rid, prompt_ids=[1], max_new_tokens=4, params=SamplingParams(),
+                                     stop=[], backend_name="full", output_ids=[5])
+            c._live[rid] = _Live(reqs[rid], IncrementalDetokenizer(None, [], set()), loop, loop.create_future(),
                                  stopped=stopped)
         c._died("the engine core process was killed by signal 9")
+        events = {rid: req.events.get_nowait() for rid, req in reqs.items()}
+        assert all(req.events.empty() for req in reqs.values())  # one closing event each
         assert events["stopped"].finish_reason == FinishReason.STOP and events["stopped"].text == "Amen"
         assert events["running"].finish_reason == FinishReason.ERROR and events["running"].error.endswith("signal 9")
         assert sorted(c.recorder.reasons) == sorted([FinishReason.STOP, FinishReason.ERROR])

@@ -186,7 +186,7 @@ def test_a_completion_without_max_tokens_is_not_refused_as_if_it_had_sent_one():
 
     def build(**fields):
         _, reqs, _ = completion_requests(CompletionRequest(prompt=prompt, **fields), service)
-        return service.build_sequence(reqs[0], lambda event: None)
+        return service.build_request(reqs[0])
 
     with pytest.raises(InvalidRequest) as unsent:
         build()

@@ -36,6 +36,7 @@ TORCH_FREE = (
     "cache_backends.dca.plan",  # dca's groups of pages and its per-sequence reuse decisions
     "server.engine.step_plan",  # the scheduler's and the runner's plain step records
     "server.engine.sequence",  # a request's state in the engine
+    "server.engine.request_state",  # a request's state on the HTTP side
     "server.engine.messages",  # the engine core's messages (the HTTP process reads them)
     "server.engine.block_manager",  # free list, reference counts, the prefix cache's table
     "server.engine.prefix_cache",  # block hashes

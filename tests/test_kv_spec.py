@@ -164,7 +164,7 @@ def test_a_quantized_request_is_not_charged_its_generated_tokens_as_prompt_chunk
     need = {}
     for name in backends:
         seq = Sequence(request_id=name, prompt_ids=[1, 2, 3, 4, 5], max_new_tokens=300, params=SamplingParams(),
-                       stop=[], emit=lambda e: None, backend_name=name)
+                       stop=[], backend_name=name)
         need[name] = kv.pages_to_finish(seq)
     assert need["full"] == 10 and need["int8"] < need["full"]
     assert need["int8"] <= _walk(layouts["int8"], 5, 305, 256) + 2

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 from tests.closed_forms import full_bytes_per_token_per_layer, int8_bytes_per_token_per_layer
 from server.metrics import Metrics, Recorder
 from server.engine.sequence import FinishReason
-from tests.engine_helpers import make_engine, make_seq, run_all, run_step
+from tests.engine_helpers import make_engine, make_seq, on_events, run_all, run_step
 
 MODEL = "m"
 
@@ -44,7 +44,8 @@ def test_gauges_drop_a_request_before_its_last_event(ref_model):
 
     done = make_seq(tok, "And God said", 6)
     cancelled = make_seq(tok, "In the beginning", 300)
-    done.emit = cancelled.emit = emit
+    on_events(done, emit)
+    on_events(cancelled, emit)
     engine.submit(done)
     engine.submit(cancelled)
     run_step(engine)
@@ -123,8 +124,7 @@ def test_a_dca_composition_reports_its_reuse_layers_from_a_real_store(ref_model,
         if event.finish_reason is None:
             seen.append(_value(registry, "kvserve_dca_reuse_layers", "dca+int8"))
 
-    seq = make_seq(tok, "And God said, Let there be light", 5, backend="dca+int8")
-    seq.emit = emit
+    seq = on_events(make_seq(tok, "And God said, Let there be light", 5, backend="dca+int8"), emit)
     run_all(engine, [seq])
     # each token is delivered once its step is over (Engine.step returns its events), after that step's report
     assert seen == [4.0, 4.0, 4.0, 4.0]

@@ -507,13 +507,13 @@ def test_a_hybrid_hit_shares_the_pages_of_a_running_request(tiny):
     engine = _tiny_engine(tiny)
     kv = engine.scheduler.kv
     a = Sequence(request_id="a", prompt_ids=first, max_new_tokens=30, params=SamplingParams(ignore_eos=True), stop=[],
-                 emit=None, backend_name="full")
+                 backend_name="full")
     engine.submit(a)
     while len(a.output_ids) < 3:
         run_step(engine)
     shared = kv.table(a).groups[0].exact[:5]  # its global blocks of [0, 60)
     b = Sequence(request_id="b", prompt_ids=second, max_new_tokens=12, params=SamplingParams(ignore_eos=True),
-                 stop=[], emit=None, backend_name="full")
+                 stop=[], backend_name="full")
     engine.submit(b)
     run_step(engine)
     assert b.cached_tokens == 60 and [kv.blocks.ref[p] for p in shared] == [2] * 5

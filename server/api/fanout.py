@@ -6,10 +6,11 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from server.engine.sequence import Sequence, TokenEvent
+from server.engine.request_state import RequestState
+from server.engine.sequence import TokenEvent
 from server.service import ClientGone, GenerationRequest, GenerationService
 
-Started = list[tuple[Sequence, AsyncIterator[TokenEvent]]]
+Started = list[tuple[RequestState, AsyncIterator[TokenEvent]]]
 
 
 async def submit_all(service: GenerationService, requests: list[GenerationRequest],
@@ -22,13 +23,13 @@ async def submit_all(service: GenerationService, requests: list[GenerationReques
             disconnect while the requests are being submitted cancels those submitted and submits no more.
 
     Returns:
-        ``(sequence, events)`` per request, in order (see :meth:`GenerationService.run`).
+        ``(state, events)`` per request, in order (see :meth:`GenerationService.run`).
 
     Raises:
         ClientGone: the client disconnected before every request was submitted.
     """
     started: Started = []
-    seqs: list[Sequence] = []  # the watcher's list: it cancels those in it when the client leaves
+    seqs: list[RequestState] = []  # the watcher's list: it cancels those in it when the client leaves
     group = uuid.uuid4().hex
     watcher = asyncio.create_task(service.cancel_on_disconnect(seqs, receive)) if receive is not None else None
     try:

@@ -10,7 +10,8 @@ from server.api.structured import NO_GRAMMAR, request_grammar
 from server.api.tools import ToolPlan, check_turns, plan, tool_dicts, turns, with_tools_system
 from server.api.validation import refuse_unimplemented
 from server.engine.sampling import SamplingParams
-from server.engine.sequence import FinishReason, Sequence, TokenEvent
+from server.engine.request_state import RequestState
+from server.engine.sequence import FinishReason, TokenEvent
 from server.service import MAX_SEQUENCES_PER_REQUEST, GenerationRequest, GenerationService, InvalidRequest
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
@@ -249,7 +250,7 @@ Entry = tuple[int, float | None, list[tuple[int, float]] | None]
 """One position: token id, its log-probability (None for a prompt's first token), top alternatives."""
 
 
-def prompt_entries(seq: Sequence) -> list[Entry]:
+def prompt_entries(seq: RequestState) -> list[Entry]:
     tops = seq.prompt_top_logprobs or [None] * len(seq.prompt_ids)
     return list(zip(seq.prompt_ids, seq.prompt_logprobs or [None] * len(seq.prompt_ids), tops))
 

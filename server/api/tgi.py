@@ -24,7 +24,8 @@ from server.api.types import sse_schema
 from server.api.validation import refuse_unimplemented
 from server.engine.grammar import GRAMMAR_FAILED
 from server.engine.sampling import SamplingParams
-from server.engine.sequence import FinishReason, Sequence, TokenEvent
+from server.engine.request_state import RequestState
+from server.engine.sequence import FinishReason, TokenEvent
 from server.errors import NotReady, error_response
 from server.service import SHUTDOWN_FINISH_REASON, GenerationRequest, GenerationService, InvalidRequest
 
@@ -92,7 +93,7 @@ class _TopTokens:
                 for t, lp in ev.top]
 
 
-def _reported_seed(seq: Sequence) -> int | None:
+def _reported_seed(seq: RequestState) -> int | None:
     return seq.params.seed if seq.params.do_sample else None
 
 

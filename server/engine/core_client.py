@@ -2,46 +2,51 @@
 
 :class:`CoreClient` starts the core (its own process, or a thread of this one with ``ENGINE_PROCESS=false``:
 :mod:`server.engine.core_host`), sends it :class:`~server.engine.messages.AddRequest` and
-:class:`~server.engine.messages.Abort`, and runs a reader thread that turns each
-:class:`~server.engine.messages.StepOutput` into the :class:`~server.engine.sequence.TokenEvent` stream of each
-request: it detokenizes (:class:`~server.engine.detokenize.IncrementalDetokenizer`), checks stop strings (a match
-ends the stream and aborts the request in the core) and calls the request's thread-safe ``Sequence.emit``. It
-offers what :class:`server.service.GenerationService` uses of the engine: ``backends``, ``special_ids``,
-``submit`` (awaitable: the core answers whether it took the request), ``wake`` (sends the aborts of cancelled
-sequences), ``recorder`` and ``stop``.
+:class:`~server.engine.messages.Abort`, and reads its :class:`~server.engine.messages.StepOutput` in an asyncio task
+on the server's event loop (:meth:`CoreClient.listen`; :meth:`CoreClient.submit` starts it on its own loop when
+none reads yet), which turns them into the :class:`~server.engine.sequence.TokenEvent` stream of each request: it
+detokenizes (:class:`~server.engine.detokenize.IncrementalDetokenizer`), checks stop strings (a match ends the
+stream and aborts the request in the core) and puts each event in the request's queue
+(:attr:`~server.engine.request_state.RequestState.events`). While the core sends nothing the task looks every
+:data:`POLL_MS` whether it died or hangs. It offers what :class:`server.service.GenerationService` uses of the
+engine: ``backends``, ``special_ids``, ``submit`` (awaitable: the core answers whether it took the request),
+``wake`` (sends the aborts of cancelled requests), ``live_requests``, ``recorder`` and ``stop``.
 
-The HTTP side's ``Sequence`` objects are its own: the core holds others; only messages pass between them.
+The HTTP side's records are :class:`~server.engine.request_state.RequestState` objects, each owned by the event loop
+(the reader task and the routes run there): the core holds its own ``Sequence`` of each request; only messages pass
+between them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import logging
 import shutil
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import zmq
 
 from server.engine import messages as m
-from server.engine import output_processor as output
 from server.engine.core_host import CoreProcess, CoreThread, start_core
 from server.engine.core_sockets import new_socket_dir
+from server.engine.core_streams import CoreStreams, _Live
 from server.engine.detokenize import IncrementalDetokenizer
-from server.engine.engine import Overloaded
+from server.engine.request_state import RequestState
 from server.engine.sampling import SamplingParams
-from server.engine.sequence import FinishReason, Sequence, TokenEvent
 
 log = logging.getLogger("kvserve.core_client")
 
 READY_TIMEOUT_S = 1800.0
 """Longest wait for the core's ``Ready`` (seconds): loading, calibrating and pricing the backends takes minutes."""
 POLL_MS = 100
-"""How often the reader looks whether the core is still alive while it sends nothing (milliseconds)."""
+"""How often the reader task looks whether the core is still alive while it sends nothing (milliseconds)."""
+READER = "kvserve-core-reader"
+"""The name of the reader task (:meth:`CoreClient.listen`)."""
 STOPPED_GRACE_S = 5.0
 """How long a busy core process may stay stopped by a signal before it counts as hung (seconds)."""
 STOPPED = "the server stopped before the engine core was ready"
@@ -61,65 +66,34 @@ class StartStopped(RuntimeError):
     """:meth:`CoreClient.start` ended because :meth:`CoreClient.stop` was called meanwhile (the server is stopping)."""
 
 
-@dataclass
-class _Live:
-    """A request the core has (or is being asked to take): the HTTP side's sequence and its detokenizer."""
-
-    seq: Sequence
-    detok: IncrementalDetokenizer
-    loop: asyncio.AbstractEventLoop
-    answer: asyncio.Future
-    abort_sent: bool = False
-    stopped: TokenEvent | None = None  # its last event, held until the core's Finished brings its stats
-
-
-@dataclass(frozen=True)
-class _Named:
-    """What the recorder reads of a sequence for a counter: its backend."""
-
-    backend_name: str
-
-
-def _resolve(fut: asyncio.Future, exc: BaseException | None) -> None:
-    if not fut.done():
-        if exc is None:
-            fut.set_result(None)
-        else:
-            fut.set_exception(exc)
-
-
-class CoreClient:
-    """The engine core and the per-request streams fed from it.
+class CoreClient(CoreStreams):
+    """The engine core and the per-request streams fed from it (:class:`~server.engine.core_streams.CoreStreams`).
 
     Args:
         settings: the server's settings (``engine_process``: where the core runs; the core loads from them).
-        on_death: called once (from the reader thread) with a one-line reason when the core ends unasked.
+        on_death: called once (from the reader task, on its event loop) with a one-line reason when the core ends
+            unasked.
     """
 
     def __init__(self, settings, on_death: Callable[[str], None] | None = None):
+        super().__init__()
         self.settings = settings
         self.on_death = on_death
         self.ready: m.Ready | None = None
         self.backends: dict[str, None] = {}
         self.tokenizer = None
-        self.special_ids: set[int] = set()
         self.eos_token_ids: set[int] = set()
-        self.recorder = None
-        self.last_stats: m.CoreStats | None = None
-        """The core's numbers after its latest step."""
         self.dead: str | None = None
         self.host: CoreProcess | CoreThread | None = None
         """Where the core runs, once started (:mod:`server.engine.core_host`)."""
-        self._live: dict[str, _Live] = {}
-        self._lock = threading.Lock()  # _live, and the send socket (ZMQ sockets are not thread-safe)
         self._life = threading.Lock()  # _starting, _stopping, _shut: start() and stop() come from different threads
         self._starting = False  # start() is under way: it owns the sockets, and stop() leaves the shutdown to it
         self._stopping = False  # stop() was called (the core's end is then asked for, not a death)
         self._shut = False
         self._closed = False
         self._left_running = False  # stop() gave up waiting for a core thread: the reader ends without it
-        self._reader: threading.Thread | None = None
-        self._heard = time.monotonic()  # when the core last sent something (the reader thread's)
+        self._task: asyncio.Task | None = None  # the reader (on the loop that reads the core's outputs)
+        self._heard = time.monotonic()  # when the core last sent something (the reader task's)
         self._busy_since: float | None = None  # since when requests have been live without a pause
         # a process connects over ipc:// (a socket file in a folder of its own); a thread over inproc://, in
         # this context, which both share
@@ -138,6 +112,7 @@ class CoreClient:
         self._tx.setsockopt(zmq.SNDHWM, 0)  # no limit while the core reads: a send waits only for a missing core
         self._tx.bind(self._in_addr)
         self._rx.bind(self._out_addr)
+        self._rx_fd = self._rx.getsockopt(zmq.FD)  # what the reader task's loop watches
         atexit.register(self._at_exit)
 
     # ---- start-up -------------------------------------------------------------------------------
@@ -198,35 +173,150 @@ class CoreClient:
         self.backends = dict.fromkeys(first.backends)
         self.eos_token_ids = set(first.eos_token_ids)
         self.special_ids = set(self.tokenizer.all_special_ids) | self.eos_token_ids
-        self._reader = threading.Thread(target=self._read, name="kvserve-core-reader", daemon=True)
-        self._reader.start()
         return first
 
+    # ---- the reader task -----------------------------------------------------------------------
+    def listen(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Read the core's outputs in a task on ``loop`` (the server's event loop) from now on, so that the core's
+        death is seen, and ``/health`` told, while no request runs. Safe from any thread: from another one than
+        ``loop``'s, the task starts at ``loop``'s next turn. Nothing once the client is stopped or its core dead.
+
+        Raises:
+            RuntimeError: another running event loop reads them (see :meth:`submit`).
+        """
+        try:
+            here = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            here = False
+        if here:
+            self._listen_here(loop)
+        elif not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # closed meanwhile: the server is gone, nothing to read for
+                loop.call_soon_threadsafe(self._listen_here, loop)
+
+    def _listen_here(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start the reader task on ``loop`` (the running one) unless it runs there; a reader left on a loop that no
+        longer runs (a test's earlier ``asyncio.run``) is replaced, and the requests submitted from that loop are
+        aborted: nobody reads their events any more."""
+        if self._stopping or self._shut or self.dead is not None or self.host is None:
+            return
+        task = self._task
+        if task is not None and not task.done():
+            old = task.get_loop()
+            if old is loop:
+                return
+            if old.is_running():
+                raise RuntimeError("the engine core's outputs are read on another running event loop")
+            if not old.is_closed():
+                self._unwatch(old)
+                task.cancel()  # its loop is idle: ends when (if ever) it runs again
+        with self._lock:
+            stale = [rid for rid, e in self._live.items() if e.loop is not loop]
+            for rid in stale:
+                del self._live[rid]
+            if stale:
+                self._send(m.Abort(stale))
+        self._heard = time.monotonic()
+        self._task = loop.create_task(self._read(), name=READER)
+
+    async def _read(self) -> None:
+        """The reader: every message the core sent, as it arrives (``loop.add_reader`` on the socket's descriptor);
+        after :data:`POLL_MS` of silence, whether the core died or hangs. Ends with the core or the client."""
+        loop = asyncio.get_running_loop()
+        arrived = asyncio.Event()
+        loop.add_reader(self._rx_fd, arrived.set)
+        try:
+            while not self._closed:
+                arrived.clear()  # before reading: a message after the read sets it again
+                if self._read_all():
+                    await asyncio.sleep(0)  # the streams' consumers run before the next messages are read
+                    continue
+                try:
+                    async with asyncio.timeout(POLL_MS / 1000):
+                        await arrived.wait()
+                    continue
+                except TimeoutError:
+                    pass
+                if self._quiet():
+                    return
+        finally:
+            self._unwatch(loop)
+
+    def _unwatch(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Take the socket's descriptor off ``loop`` (idempotent)."""
+        if not self._closed and not loop.is_closed():
+            with contextlib.suppress(OSError, ValueError, RuntimeError):
+                loop.remove_reader(self._rx_fd)
+
+    def _read_all(self) -> bool:
+        """Dispatch every message waiting on the socket (ZMQ's descriptor signals a change, not each message: read
+        until ``EVENTS`` has no ``POLLIN``); whether there was one."""
+        got = False
+        while not self._closed and self._rx.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            raw = self._rx.recv(zmq.NOBLOCK)
+            got = True
+            self._heard = time.monotonic()
+            try:
+                out = m.decode_output(raw)
+            except Exception:  # noqa: BLE001 - a bad message is the core's bug; the stream goes on
+                log.exception("engine core sent a bad message")
+                continue
+            if isinstance(out, m.StepOutput):
+                try:
+                    self._dispatch(out)
+                except Exception:  # noqa: BLE001 - a bug here must not end the reader, and with it every stream
+                    log.exception("the engine core's output could not be dispatched")
+        return got
+
+    def _quiet(self) -> bool:
+        """The core sent nothing for :data:`POLL_MS`: report its death, or end it if it hangs; whether the reader is
+        done (the core ended, or a stop left a core thread running)."""
+        ended = self.host.ended()
+        if ended is not None and not self._stopping:
+            self._died(ended)
+        if ended is not None or self._left_running:
+            return True
+        hung = None if self._stopping else self._hung()
+        if hung is not None:
+            log.error("%s: ending it", hung)
+            if isinstance(self.host, CoreProcess):
+                self.host.kill(5.0)  # SIGKILL ends a stopped process too
+            self._died(hung)
+            return True
+        return False
+
     # ---- requests -------------------------------------------------------------------------------
-    def submit(self, seq: Sequence) -> asyncio.Future:
-        """Send ``seq`` to the core; the returned future (on the running loop) resolves once the core took it.
+    def submit(self, req: RequestState) -> asyncio.Future:
+        """Send ``req`` to the core; the returned future (on the running loop) resolves once the core took it. Its
+        events then arrive in ``req.events``, put there by the reader task, which this starts on the running loop if
+        none reads yet (:meth:`listen`).
 
         The future raises :class:`~server.engine.engine.Overloaded` (the core's queue is full), ``ValueError``
         (it can never fit the KV budget, or the core is draining) or :class:`CoreDied`.
+
+        Raises:
+            RuntimeError: no running event loop, or another running loop reads the core's outputs (one loop
+                serves a client; a loop that has ended may hand it over to the next).
         """
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         if self.dead:
             fut.set_exception(CoreDied(self.dead))
             return fut
-        msg = m.AddRequest(seq.request_id, seq.prompt_ids, seq.max_new_tokens, sampling_fields(seq.params),
-                           seq.backend_name,
-                           group=seq.group, cache_salt=seq.cache_salt, want_prompt_logprobs=seq.want_prompt_logprobs)
-        entry = _Live(seq, IncrementalDetokenizer(self.tokenizer, seq.stop, self.special_ids), loop, fut)
-        fut.add_done_callback(lambda f: self._gave_up(seq) if f.cancelled() else None)
+        self._listen_here(loop)
+        msg = m.AddRequest(req.request_id, req.prompt_ids, req.max_new_tokens, sampling_fields(req.params),
+                           req.backend_name,
+                           group=req.group, cache_salt=req.cache_salt, want_prompt_logprobs=req.want_prompt_logprobs)
+        entry = _Live(req, IncrementalDetokenizer(self.tokenizer, req.stop, self.special_ids), loop, fut)
+        fut.add_done_callback(lambda f: self._gave_up(req) if f.cancelled() else None)
         with self._lock:
-            self._live[seq.request_id] = entry
+            self._live[req.request_id] = entry
             self._send(msg)
         return fut
 
-    def _gave_up(self, seq: Sequence) -> None:
+    def _gave_up(self, req: RequestState) -> None:
         """The submitter stopped waiting for the core's answer (its client left): abort the request."""
-        seq.cancel()
+        req.cancel()
         self.wake()
 
     def _send(self, msg: m.CoreInput) -> None:
@@ -238,19 +328,11 @@ class CoreClient:
             except zmq.Again:
                 log.warning("the engine core is not connected: %s not sent", type(msg).__name__)
 
-    def wake(self) -> None:
-        """Send an ``Abort`` for every sequence cancelled since the last call (the core frees their KV at its next
-        step; their closing ``cancelled`` events follow)."""
-        with self._lock:
-            ids = [rid for rid, e in self._live.items() if e.seq.cancelled and not e.abort_sent]
-            for rid in ids:
-                self._live[rid].abort_sent = True
-            if ids:
-                self._send(m.Abort(ids))
-
     def stop(self, timeout: float = 5.0) -> None:
         """Abort every request, tell the core to drain and wait ``timeout`` seconds for it to end (then kill a
-        process; a thread is left to end with this process); close the sockets and remove their folder. Once only;
+        process; a thread is left to end with this process), end the reader task (on a loop running in another
+        thread it reads the core's last outputs first: call this off the loop, as the server's shutdown does); close
+        the sockets and remove their folder. Once only;
         while :meth:`start` is under way in another thread, that thread does it when its wait ends (within 0.1 s).
         For a core process this waits for it: a server stopped while its core loads (SIGTERM at start-up) ends only
         once the core has, and leaves no socket folder behind (a core thread ends with the process all the same)."""
@@ -287,8 +369,7 @@ class CoreClient:
             if not self.host.wait(timeout):
                 self.host.kill(timeout)
                 self._left_running = self.host.ended() is None
-        if self._reader is not None:
-            self._reader.join(timeout)
+        self._end_reader(timeout)
         with self._lock:
             self._closed = True
             self._tx.close()
@@ -297,6 +378,30 @@ class CoreClient:
             self._ctx.term()
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
+
+    def _end_reader(self, timeout: float) -> None:
+        """Let the reader task end before the sockets close: on a loop running in another thread it ends by itself
+        once the core has (within :data:`POLL_MS`, after the core's last outputs; waited for up to ``timeout``
+        seconds, then cancelled); on this thread's loop, or one that is not running, it cannot run before the
+        sockets close: it is cancelled and its socket taken off the loop here."""
+        task = self._task
+        if task is None or task.done() or task.get_loop().is_closed():
+            return
+        loop = task.get_loop()
+        try:
+            here = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            here = False
+        if here or not loop.is_running():
+            self._unwatch(loop)
+            task.cancel()
+            return
+        ended = threading.Event()
+        loop.call_soon_threadsafe(task.add_done_callback, lambda _: ended.set())
+        if not ended.wait(timeout):
+            loop.call_soon_threadsafe(task.cancel)
+            if not ended.wait(1.0):
+                log.warning("the engine core's reader task did not end; closing its socket beneath it")
 
     def _at_exit(self) -> None:
         """At this process's exit without :meth:`stop` having ended (a port already taken, an error before the server
@@ -307,32 +412,7 @@ class CoreClient:
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
 
-    # ---- the reader thread ----------------------------------------------------------------------
-    def _read(self) -> None:
-        while True:
-            if self._rx.poll(POLL_MS):
-                self._heard = time.monotonic()
-                try:
-                    out = m.decode_output(self._rx.recv())
-                except Exception:  # noqa: BLE001 - a bad message is the core's bug; the stream goes on
-                    log.exception("engine core sent a bad message")
-                    continue
-                if isinstance(out, m.StepOutput):
-                    self._dispatch(out)
-                continue
-            ended = self.host.ended()
-            if ended is not None and not self._stopping:
-                self._died(ended)
-            if ended is not None or self._left_running:
-                return
-            hung = None if self._stopping else self._hung()
-            if hung is not None:
-                log.error("%s: ending it", hung)
-                if isinstance(self.host, CoreProcess):
-                    self.host.kill(5.0)  # SIGKILL ends a stopped process too
-                self._died(hung)
-                return
-
+    # ---- what the reader task does with the core's outputs ------------------------------------------
     def _hung(self) -> str | None:
         """Why the core counts as hung, or ``None``: requests are live and it has sent nothing for
         ``ENGINE_STEP_TIMEOUT_S`` seconds, or for :data:`STOPPED_GRACE_S` while its process is stopped."""
@@ -354,112 +434,9 @@ class CoreClient:
         return None
 
     def _died(self, reason: str) -> None:
-        """Report ``reason``, then end every live request with an ``error`` event."""
+        """Report ``reason``, then end every live request with an ``error`` event (on the reader's loop)."""
         self.dead = reason
         log.error("%s; ending %d requests", reason, len(self._live))
         if self.on_death is not None:  # first: /health says so before any client sees its error
             self.on_death(reason)
-        with self._lock:
-            live, self._live = list(self._live.values()), {}
-        for e in live:
-            e.loop.call_soon_threadsafe(_resolve, e.answer, CoreDied(reason))
-            if e.stopped is not None:  # a stop string ended it: its text is whole, only the core's stats are missing
-                self._close(e, e.stopped, FinishReason.STOP)
-            else:
-                self._close(e, output.end_event(e.seq, error=reason), FinishReason.ERROR)
-
-    def _dispatch(self, out: m.StepOutput) -> None:
-        """One StepOutput: the metrics first (so that a finished request's KV is off the gauges before its last
-        event goes out), answer the adds, then each request's token, then the finished requests."""
-        with self._lock:
-            live = dict(self._live)
-        if out.stats is not None:
-            self.last_stats = out.stats
-        if self.recorder is not None:
-            self._record(out, live)
-        for rid in out.accepted:
-            if (e := live.get(rid)) is not None:
-                e.loop.call_soon_threadsafe(_resolve, e.answer, None)
-        for r in out.rejected:
-            if (e := live.get(r.request_id)) is not None:
-                with self._lock:
-                    self._live.pop(r.request_id, None)
-                exc = Overloaded(r.message) if r.kind == "overloaded" else ValueError(r.message)
-                e.loop.call_soon_threadsafe(_resolve, e.answer, exc)
-        done = {f.request_id: f for f in out.finished}
-        for t in out.new:
-            e = live.get(t.request_id)
-            if e is not None and e.stopped is None:
-                self._token(e, t, done.get(t.request_id))
-        for f in out.finished:
-            e = live.get(f.request_id)
-            if e is None:
-                continue
-            if e.stopped is not None:  # a stop string ended it here; the core's Finished brings its stats
-                self._fill(e.seq, f)
-                self._close(e, e.stopped, FinishReason.STOP)
-            elif e.seq.finish_reason is None:  # ended without a token this step (cancelled, error)
-                self._fill(e.seq, f)
-                self._close(e, output.end_event(e.seq, error=f.error), FinishReason(f.reason))
-
-    def _record(self, out: m.StepOutput, live: dict[str, _Live]) -> None:
-        """Replay the core's plain numbers into the Prometheus recorder (:class:`server.metrics.Recorder`)."""
-        r = self.recorder
-        for c in out.counters:
-            seq = _Named(c.backend)
-            if c.kind == "prefix_cache":
-                r.prefix_cache(seq, c.value, c.hit)
-            elif c.kind == "preempted":
-                r.preempted(seq)
-            else:  # a backend's own count (its declaration's counters read it)
-                r.count(seq, c.kind, c.value)
-        for rid, start in out.prefilled:
-            if (e := live.get(rid)) is not None:
-                e.seq.times.prefill_start = start
-                r.prefill_done(e.seq)
-        st = out.stats
-        if st is not None:
-            r.publish(st.rows, {(b, t): n for b, t, n in st.tiers}, st.generated, st.own, st.waiting_by_backend,
-                      st.kv_usage, st.evictable_blocks)
-
-    def _token(self, e: _Live, t: m.NewToken, fin: m.Finished | None) -> None:
-        """Append, detokenize and emit one token (:mod:`server.engine.output_processor`); end the stream on the core's
-        finish (EOS before a stop string, a stop string before ``length``) or on a stop string (then abort in the
-        core)."""
-        seq = e.seq
-        text = output.add_token(seq, e.detok, t.token_id)
-        ending = FinishReason(fin.reason) if fin is not None else None
-        event, reason = output.token_event(seq, e.detok, t.token_id, text, t.logprob, [tuple(p) for p in t.top],
-                                           self.special_ids, ending)
-        if reason is None:
-            seq.emit(event)
-        elif fin is not None:
-            self._fill(seq, fin)
-            event.error = fin.error
-            self._close(e, event, reason)
-        else:  # a stop string: hold the last event until the core has freed its KV and sent its stats
-            seq.finish_reason = reason
-            e.stopped = event
-            with self._lock:
-                e.abort_sent = True
-                self._send(m.Abort([seq.request_id]))
-
-    @staticmethod
-    def _fill(seq: Sequence, f: m.Finished) -> None:
-        """Copy the core's per-request stats onto the HTTP side's sequence."""
-        seq.cached_tokens, seq.kv_stored_bytes, seq.peak_kv_stored_bytes = f.cached_tokens, f.kv_stored_bytes, f.peak_kv_stored_bytes
-        seq.kv_stats = dict(f.kv_stats)
-        seq.prompt_logprobs = f.prompt_logprobs
-        seq.prompt_top_logprobs = ([None if top is None else [tuple(p) for p in top] for top in f.prompt_top_logprobs]
-                                   if f.prompt_top_logprobs is not None else None)
-        seq.preemptions = f.preemptions
-        seq.times.prefill_start = f.timings.prefill_start
-
-    def _close(self, e: _Live, last: TokenEvent, reason: FinishReason) -> None:
-        """Send ``e``'s closing event and forget it."""
-        with self._lock:
-            self._live.pop(e.seq.request_id, None)
-        e.seq.finish_reason = reason
-        if self.recorder is not None:
-            self.recorder.request_done(e.seq)
-        e.seq.emit(output.close_event(last, reason, e.detok))
+        self._end_all(reason, CoreDied(reason))

@@ -1,8 +1,10 @@
 """One generated token turned into its request's output: the part the engine and the HTTP side share.
 
 Both sides keep a request's tokens: the engine (:meth:`server.engine.engine.Engine._accept`, in the engine core)
-as it samples them, the HTTP side (:meth:`server.engine.core_client.CoreClient._token`) as the core's
-:class:`~server.engine.messages.NewToken` arrive. Each token is appended and stamped (:func:`add_token`, which also
+on its :class:`~server.engine.sequence.Sequence` as it samples them, the HTTP side
+(:meth:`server.engine.core_client.CoreClient._token`) on its :class:`~server.engine.request_state.RequestState` as
+the core's :class:`~server.engine.messages.NewToken` arrive; either is a
+:class:`~server.engine.request_state.TokenRecord`. Each token is appended and stamped (:func:`add_token`, which also
 detokenizes it), then its caller decides what the token itself ends (the engine: end-of-text, a grammar that can
 only end, ``max_new_tokens``; the HTTP side: the core's ``Finished``), and :func:`token_event` settles the finish
 reason with the stop strings, releases the held-back text of a last token and makes its
@@ -17,10 +19,15 @@ from __future__ import annotations
 
 import time
 
-from server.engine.sequence import FinishReason, Sequence, TokenEvent
+from typing import TYPE_CHECKING
+
+from server.engine.sequence import FinishReason, TokenEvent
+
+if TYPE_CHECKING:
+    from server.engine.request_state import TokenRecord
 
 
-def add_token(seq: Sequence, detok, token_id: int) -> str:
+def add_token(seq: TokenRecord, detok, token_id: int) -> str:
     """Append ``token_id`` to ``seq``'s output, stamp its time and detokenize it.
 
     Returns:
@@ -43,7 +50,7 @@ def finish_reason(ending: FinishReason | None, stopped: bool) -> FinishReason | 
     return ending
 
 
-def token_event(seq: Sequence, detok, token_id: int, text: str, logprob: float, top, special_ids: set[int],
+def token_event(seq: TokenRecord, detok, token_id: int, text: str, logprob: float, top, special_ids: set[int],
                 ending: FinishReason | None = None) -> tuple[TokenEvent, FinishReason | None]:
     """The event of ``seq``'s newest token (:func:`add_token` released ``text``) and the reason the sequence ends
     with it (:func:`finish_reason`), or ``None``. When it ends, the text still held back is released into the
@@ -56,7 +63,7 @@ def token_event(seq: Sequence, detok, token_id: int, text: str, logprob: float, 
     return event, reason
 
 
-def end_event(seq: Sequence, error: str | None = None) -> TokenEvent:
+def end_event(seq: TokenRecord, error: str | None = None) -> TokenEvent:
     """The last event of a sequence that ends without a new token (cancelled, failed)."""
     return TokenEvent(index=len(seq.output_ids), token_id=-1, text="", logprob=0.0, special=True, error=error)
 

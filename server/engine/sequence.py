@@ -7,7 +7,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # annotations only: the scheduler reads sequences and stays torch-free
     import torch
@@ -66,8 +66,9 @@ class RequestTimes:
 
 
 @dataclass
-class Sequence:
-    """A request in the engine.
+class RequestSpec:
+    """What a request asks for: the fields the engine's :class:`Sequence` and the HTTP side's
+    :class:`server.engine.request_state.RequestState` both begin with.
 
     Attributes:
         request_id: unique id.
@@ -75,10 +76,7 @@ class Sequence:
         max_new_tokens: generation budget (tokens).
         params: sampling parameters.
         stop: stop sequences.
-        backend_name: the KV backend this sequence uses.
-        emit: on the HTTP side, the thread-safe callback receiving each :class:`TokenEvent`
-            (:mod:`server.engine.core_client` calls it); the engine never does: its step returns its events
-            (:meth:`server.engine.engine.Engine.step`), and the core's sequences have none.
+        backend_name: the KV backend the request uses.
     """
 
     request_id: str
@@ -87,7 +85,16 @@ class Sequence:
     params: SamplingParams
     stop: list[str]
     backend_name: str
-    emit: Callable[[TokenEvent], None] | None = None
+
+
+@dataclass
+class Sequence(RequestSpec):
+    """A request in the engine (its first fields: :class:`RequestSpec`).
+
+    The engine's step returns each sequence's events (:meth:`server.engine.engine.Engine.step`); the HTTP side
+    keeps its own record of the request (:class:`server.engine.request_state.RequestState`).
+    """
+
     output_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
     detok: Any = None
