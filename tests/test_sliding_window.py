@@ -561,7 +561,7 @@ def _preempted_readmission(tiny, second_prompt: int):
 
     kv.release, kv.start = on_release, on_start
     seqs = [Sequence(request_id=r, prompt_ids=p, max_new_tokens=n, params=SamplingParams(ignore_eos=True), stop=[],
-                     emit=None, backend_name="full") for r, p, n in zip("ab", prompts, (30, 40))]
+                     backend_name="full") for r, p, n in zip("ab", prompts, (30, 40))]
     run_all(engine, seqs)
     alone = [_tiny_serve_n(tiny, p, n) for p, n in zip(prompts, (30, 40))]
     return seqs, alone, held, readmitted
