@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 from tests.conftest import MODEL_DIR, free_port
 
@@ -96,8 +97,14 @@ def test_health_says_when_the_model_is_loaded_and_the_backends_are_being_priced(
     with TestClient(app) as client:
         try:
             assert entered.wait(120)
+            # the core reports its stage just before it prices; the client reads that message a moment later (on
+            # a loaded machine, after the hold began): poll while the hold keeps the stage where it is
             for path in ("/health", "/info", "/v1/models"):
-                r = client.get(path)
+                for _ in range(300):
+                    r = client.get(path)
+                    if "calibrating and pricing the KV backends" in r.text:
+                        break
+                    time.sleep(0.1)
                 assert r.status_code == 503 and "calibrating and pricing the KV backends" in r.text, (path, r.text)
         finally:
             release.set()
