@@ -31,20 +31,27 @@ besides its live ones (:meth:`HybridLayout.stored_bytes`), in at most ``ceil(sin
 
 An on-demand tier (``elastic``, quantized when the pool runs short) keeps every token in every layer.
 
-*Prefix caching* (vLLM's hybrid KV cache manager: ``HybridKVCacheCoordinator``, ``SlidingWindowManager``), exact
-layouts with no sinks (:attr:`HybridLayout.cacheable`). Each group keys its full blocks on its own chain of hashes
-(the sequence's root and the group's index, then the tokens, ``exact_tokens`` of the group a block: one entry per
-group for the same tokens, :func:`server.engine.prefix_cache.group_root`), registered as a step completes them
-(:meth:`HybridLayout.full_blocks`, before the window's commit can free them). A sliding group's block is a whole
-aligned page (its FIFO's pages hold positions ``[b * exact_tokens, (b + 1) * exact_tokens)``, its first live slot
-moving inside the first one); a page the window leaves goes back to the pool as any released cached page does:
-kept, evictable, until the pool needs it. A cached prefix of ``L`` tokens (a multiple of
-:attr:`HybridLayout.cache_block_tokens`, every group's block size) is a hit only if every global group holds each
-of its blocks of ``[0, L)`` and every sliding group of window ``W`` the blocks that cover ``[L - W + 1, L)`` (what
-the next query sees); its earlier blocks are not needed (null) (:meth:`HybridLayout.cache_hit`: the longest such
-``L``). A quantized layout is not cached: a sliding group's window is its exact residual (rewritten as it slides,
-never shared) over whole code pages that leave by another rule, so a hit would need its own walk. Neither is a
-``window`` group (sinks): a hit would need its sink pages beside the window's blocks.
+*Prefix caching* (vLLM's hybrid KV cache manager: ``HybridKVCacheCoordinator``, ``SlidingWindowManager``), every
+layout with no sinks (:attr:`HybridLayout.cacheable`). A group's *block* is the page the prefix cache shares
+(:attr:`cache_backends.page_plan.TierPlan.cache_block_tokens`): an exact layout's exact page, a quantized layout's
+code page (its exact pages are the residual window, rewritten as it slides: never shared). Each group keys its full
+blocks on its own chain of hashes (the sequence's root and the group's index, then each block's tokens: one entry
+per group for the same tokens, :func:`server.engine.prefix_cache.group_root`), registered as a
+step completes them (:meth:`HybridLayout.full_blocks`, before the window's commit can free them: a step that drains
+and drops a code page registers it first). A sliding group's block is a whole aligned page (its exact FIFO's pages
+hold positions ``[b * exact_tokens, (b + 1) * exact_tokens)``, its first live slot moving inside the first one; its
+code pages ``[b * q_tokens, (b + 1) * q_tokens)``, ``first`` a page's start); a page the window leaves goes back to
+the pool as any released cached page does: kept, evictable, until the pool needs it. A cached prefix of ``L``
+tokens (a multiple of :attr:`HybridLayout.cache_block_tokens`, every group's block size) is a hit only if every
+global group holds each of its blocks of ``[0, L)`` and every sliding group of window ``W`` the blocks that cover
+``[L - W + 1, L)`` (what the next query sees); its earlier blocks are not needed (null) (:meth:`HybridLayout.
+cache_hit`: the longest such ``L``). On a quantized layout a hit's ``L`` tokens are all codes, as without windows
+(:meth:`cache_backends.page_plan.TierPlan.cached_prefix`): the tokens after ``L`` are prefilled, their residual window
+exact, and the codes a hit supplies are those the sequence writes itself (a code page holds whole key groups, as
+``q_tokens`` is a multiple of ``group_size``, and a group's codes depend on the tokens up to it alone); only the up to
+``residual + group_size`` tokens before ``L`` are then read as codes by the next few queries where a miss reads them
+exact, as without windows. A ``window`` group (sinks) is not cached: a hit would need its sink pages beside the
+window's blocks; nor is an on-demand tier (``elastic``), which is no hybrid layout.
 
 Plain Python but for :class:`HybridStepMeta` (torch, through :class:`cache_backends.step_meta.StepMeta`).
 """
@@ -108,9 +115,10 @@ class HybridLayout:
         self.quantization = groups[0].quantization  # every group's: one backend's tier
         self.page_bytes = groups[0].page_bytes
         self.exact_tokens = min(g.exact_tokens for g in groups)
-        # prefix caching (the module): exact layouts, no sinks; a hit is whole blocks of every group
-        self.cacheable = not self.quantization and all(s is None for s in self.sinks)
-        self.cache_block_tokens = math.lcm(*(g.exact_tokens for g in groups)) if self.cacheable else self.exact_tokens
+        # prefix caching (the module): no sinks; a hit is whole blocks (exact or code pages) of every group
+        self.cacheable = all(s is None for s in self.sinks)
+        self.cache_block_tokens = (math.lcm(*(g.cache_block_tokens for g in groups)) if self.cacheable
+                                   else self.exact_tokens)
         where = {layer: (g, j) for g, group in enumerate(layers) for j, layer in enumerate(group)}
         self.where = [where[layer] for layer in range(len(where))]  # layer → (group, index in the group)
 
@@ -122,26 +130,34 @@ class HybridLayout:
     # ---- tables ---------------------------------------------------------------------------------------
     def cached_prefix(self, pages: list[int]) -> HybridBlocks:
         """The tables of a sequence that starts with a prefix-cache hit (:meth:`cache_hit`): ``pages`` lists each
-        group's blocks of the ``L`` cached tokens in group order, ``L / exact_tokens`` of them a group, a sliding
-        group's blocks before its window null. A sliding group's tables are then what a step ending at ``L`` leaves
-        (:meth:`commit`): its pages from the one that holds ``L - W + 1`` on. ``[]``: empty tables."""
+        group's blocks of the ``L`` cached tokens in group order, ``L / cache_block_tokens`` of them a group (the
+        group's :attr:`~cache_backends.page_plan.TierPlan.cache_block_tokens`), a sliding group's blocks before its
+        window null. A sliding group's tables are then what a step ending at ``L`` leaves (:meth:`commit`): its
+        pages from the one that holds ``L - W + 1`` on. On a quantized layout every group holds its ``L`` tokens
+        as codes (``q_len``), none exact. ``[]``: empty tables.
+
+        Raises:
+            ValueError: for a layout that is not :attr:`cacheable`.
+        """
         if not pages:
             return HybridBlocks([SeqBlocks() for _ in self.groups])
         if not self.cacheable:
             raise ValueError("these hybrid blocks are not prefix-cached")
         bt = self.cache_block_tokens
-        length = len(pages) // sum(bt // g.exact_tokens for g in self.groups) * bt
+        length = len(pages) // sum(bt // g.cache_block_tokens for g in self.groups) * bt
         tables, i = [], 0
         for layout, window in zip(self.groups, self.windows):
-            te = layout.exact_tokens
-            own, i = pages[i : i + length // te], i + length // te
-            if window is None:
+            tb = layout.cache_block_tokens
+            own, i = pages[i : i + length // tb], i + length // tb
+            first = 0 if window is None else max(0, length - (window - 1))
+            lo = first // tb
+            if layout.quantization:  # whole code pages from a page's start (the drop rule's)
+                tables.append(SeqBlocks(q=list(own[lo:]), q_len=length - lo * tb, first=lo * tb))
+            elif window is None:
                 tables.append(SeqBlocks(exact=list(own), exact_len=length))
-                continue
-            first = max(0, length - (window - 1))
-            lo = first // te
-            tables.append(SeqBlocks(exact=list(own[lo:]), start=first - lo * te, exact_len=length - first,
-                                    first=first))
+            else:
+                tables.append(SeqBlocks(exact=list(own[lo:]), start=first - lo * tb, exact_len=length - first,
+                                        first=first))
         return HybridBlocks(tables, length)
 
     def cache_hit(self, cached, hashes: list[list[bytes]], most: int) -> list[int]:
@@ -150,23 +166,24 @@ class HybridLayout:
 
         Args:
             cached: a block's hash -> the page that holds it, or ``None``.
-            hashes: each group's chain of block hashes of the context (at least its first ``most`` tokens').
+            hashes: each group's chain of block hashes of the context (at least its first ``most`` tokens'), a
+                block being the group's :attr:`~cache_backends.page_plan.TierPlan.cache_block_tokens` tokens.
             most: the most tokens the hit may cover.
         """
         bt = self.cache_block_tokens
         length = most // bt * bt
         for layout, window, own in zip(self.groups, self.windows, hashes):
             if window is None:  # the longest run of blocks from position 0
-                te, run = layout.exact_tokens, 0
-                while run < length // te and cached(own[run]) is not None:
+                tb, run = layout.cache_block_tokens, 0
+                while run < length // tb and cached(own[run]) is not None:
                     run += 1
-                length = min(length, run * te // bt * bt)
+                length = min(length, run * tb // bt * bt)
 
         def window_held(end: int) -> bool:
             for layout, window, own in zip(self.groups, self.windows, hashes):
-                te = layout.exact_tokens
+                tb = layout.cache_block_tokens
                 if window is not None and any(cached(h) is None
-                                              for h in own[max(0, end - (window - 1)) // te : end // te]):
+                                              for h in own[max(0, end - (window - 1)) // tb : end // tb]):
                     return False
             return True
 
@@ -174,18 +191,23 @@ class HybridLayout:
             length -= bt
         out = []
         for layout, window, own in zip(self.groups, self.windows, hashes):
-            te = layout.exact_tokens
-            lo = 0 if window is None else max(0, length - (window - 1)) // te
-            out += [NULL_PAGE] * lo + [cached(h) for h in own[lo : length // te]]
+            tb = layout.cache_block_tokens
+            lo = 0 if window is None else max(0, length - (window - 1)) // tb
+            out += [NULL_PAGE] * lo + [cached(h) for h in own[lo : length // tb]]
         return out
 
     def full_blocks(self, blocks: HybridBlocks, plan: HybridPlan) -> list[tuple[int, int, int]]:
         """``(group, block, page)`` of each block a step of ``plan`` completes (between the step and its
-        :meth:`commit`, which may free a sliding group's: register them first). A block ``b`` of a group holds
-        positions ``[b * exact_tokens, (b + 1) * exact_tokens)``; a sliding group's first page holds block
-        ``(first - start) / exact_tokens``."""
+        :meth:`commit`, which may free a sliding group's: register them first). An exact layout's block ``b`` holds
+        positions ``[b * exact_tokens, (b + 1) * exact_tokens)``, a sliding group's first page block
+        ``(first - start) / exact_tokens``; a quantized layout's the codes of ``[b * q_tokens, (b + 1) * q_tokens)``
+        (completed by the step's drained tokens), its first code page block ``first / q_tokens``."""
         end, out = blocks.length + plan.n, []
-        for g, (layout, own) in enumerate(zip(self.groups, blocks.groups)):
+        for g, (layout, own, p) in enumerate(zip(self.groups, blocks.groups, plan.groups)):
+            if layout.quantization:
+                tq, done = layout.q_tokens, own.first + own.q_len
+                out += [(g, b, own.q[b - own.first // tq]) for b in range(done // tq, (done + p.drained) // tq)]
+                continue
             te = layout.exact_tokens
             base = (own.first - own.start) // te
             out += [(g, b, own.exact[b - base]) for b in range(blocks.length // te, end // te)]

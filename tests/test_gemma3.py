@@ -8,6 +8,8 @@ RoPE base 10,000 on sliding layers and 1,000,000 on global ones. Skipped when th
   attention kernel, and alone on the torch path;
 * ``full`` holds every token in the global layers and the newest 511 in the sliding ones, the bytes its sums say;
 * ``full`` prefix-caches a prefix longer than the window (vLLM's hybrid rule): a hit, fewer pages, a miss's tokens;
+* ``int8`` and ``int4`` prefix-cache it too (their code pages): a hit of a miss's code bytes, fewer pages, a miss's
+  tokens (int4: its first 11 of 16);
 * ``int8`` and ``int4`` hold every token in the global layers and, in the sliding ones, the pages of codes the window
   still sees beside their residual window: fewer bytes than ``full``, the greedy tokens of every token kept;
 * ``int8`` and ``int4`` serve it: greedy tokens read in ``full``'s context (teacher forcing) agree with ``full``'s;
@@ -155,6 +157,41 @@ def test_full_prefix_caches_a_prefix_longer_than_the_window(gemma):
     assert (hit.cached_tokens, miss.cached_tokens, taken, taken_miss) == (1200, 0, 4, 94)
     assert hit.output_ids == miss.output_ids
     assert engine.scheduler.kv.blocks.num_free == engine.scheduler.kv.blocks.usable_pages
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_quantized_backends_prefix_cache_a_prefix_longer_than_the_window(gemma, name):
+    """The same two requests on ``int8``/``int4`` (their code pages are the blocks, :mod:`cache_backends.hybrid`;
+    blocks of 160 tokens, the global group's code page): the second takes 1,120 tokens from the cache (every global
+    code page of them and the sliding layers' code pages of their last 511 tokens), bit for bit the pages a miss
+    writes, allocates a tenth of a miss's pages, and decodes a miss's greedy tokens (int8; int4 its first 11); the
+    pool is whole afterwards."""
+    from cache_backends.calibration import calibration_ids
+    from tests.engine_helpers import serve_counting_pages
+    from tests.test_hybrid_quant_prefix import hit_code_pages
+
+    model, tok = gemma
+    ids = calibration_ids(model, tok, max_tokens=8192)
+    prefix = ids[1:1201]
+
+    engine = make_engine(model, tok, name, prefill_chunk_tokens=256)
+    kv = engine.scheduler.kv
+    bt = kv.layouts[name].cache_block_tokens
+    serve_counting_pages(engine, prefix + ids[3000:3040], 16, backend=name)
+    hit, taken = serve_counting_pages(engine, prefix + ids[4000:4030], 16, backend=name)
+    miss, taken_miss = serve_counting_pages(make_engine(model, tok, name, prefill_chunk_tokens=256,
+                                                        prefix_caching=False), prefix + ids[4000:4030], 16,
+                                            backend=name)
+    alone = make_engine(model, tok, name, prefill_chunk_tokens=256)  # a miss that caches: the pages it writes
+    serve_counting_pages(alone, prefix + ids[4000:4030], 16, backend=name)
+    assert hit_code_pages(alone, name, prefix, 1120) == hit_code_pages(engine, name, prefix, 1120)
+    assert (bt, hit.cached_tokens, miss.cached_tokens, taken, taken_miss) == (
+        (160, 1120, 0, 20, 212) if name == "int8" else (160, 1120, 0, 41, 414))
+    # int4: the first 11 of 16 agree, then a greedy choice flips: the tokens before the hit's end are read as their
+    # 4-bit codes by the next queries, where a miss reads them exact (the codes themselves are a miss's, above)
+    agree = 16 if name == "int8" else 11
+    assert hit.output_ids[:agree] == miss.output_ids[:agree]
+    assert kv.blocks.num_free == kv.blocks.usable_pages
 
 
 @pytest.mark.parametrize("name", ["int8", "int4"])

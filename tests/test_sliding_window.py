@@ -400,8 +400,8 @@ def _hybrid_layout(tiny, name: str = "full", **options):
 def test_a_hybrid_hit_needs_every_global_block_and_the_sliding_blocks_of_the_last_window(tiny):
     """The rule on keys alone: the global group (12 tokens a page, one layer) must hold every block of ``[0, L)``,
     the sliding group (4 tokens a page, three layers, window 8) the blocks of ``[L - 7, L)``; its earlier blocks are
-    null in the hit. The hit's tables are what a walk to ``L`` leaves, and quantized or ``window`` layouts are not
-    cached."""
+    null in the hit. The hit's tables are what a walk to ``L`` leaves, and ``window`` layouts are not cached
+    (quantized layouts are: ``tests/test_hybrid_quant_prefix.py``)."""
     layout = _hybrid_layout(tiny)
     (te_g, te_s), bt = [g.exact_tokens for g in layout.groups], layout.cache_block_tokens
     assert (te_g, te_s, bt, layout.windows) == (12, 4, 12, [None, WINDOW]) and layout.cacheable
@@ -427,8 +427,6 @@ def test_a_hybrid_hit_needs_every_global_block_and_the_sliding_blocks_of_the_las
     assert layout.cached_prefix(hit(missing=[hashes[1][11], hashes[1][14]])).length == 36  # 48 needs [44, 48)
     assert layout.cached_prefix(hit(missing=[hashes[0][2]])).length == 24  # the global run ends at block 2
     assert hit(missing=[hashes[0][0]]) == [] and hit(missing=hashes[1][2:]) == []
-    for name, options in QUANTIZED:
-        assert not _hybrid_layout(tiny, name, **options).cacheable
     assert not _hybrid_layout(tiny, "window", window=16, sinks=4).cacheable
 
 

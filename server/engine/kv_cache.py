@@ -24,10 +24,11 @@ under its chained hash (:mod:`server.engine.prefix_cache`); at admission a seque
 cached blocks its context starts with, and prefills only the rest. An int8-family backend shares its
 quantized pages (whole groups, whose codes depend on the tokens before them only,
 :class:`cache_backends.step_meta.StepMeta`); its exact pages are the residual window and are never shared.
-``dca``, whose reuse is decided from the whole prompt, is not cached. A hybrid model's exact layout keys each window
-group's blocks on its own chain and hits a prefix only where its global groups hold every block and its sliding
-groups the blocks of their last window (:mod:`cache_backends.hybrid`, vLLM's rule): its sliding groups' blocks the
-window leaves stay cached, evictable, as a finished sequence's do.
+``dca``, whose reuse is decided from the whole prompt, is not cached. A hybrid model's layout keys each window
+group's blocks (exact pages, or an int8-family backend's code pages) on its own chain and hits a prefix only where
+its global groups hold every block and its sliding groups the blocks of their last window
+(:mod:`cache_backends.hybrid`, vLLM's rule): its sliding groups' blocks the window leaves stay cached, evictable,
+as a finished sequence's do.
 
 The manager owns every sequence's block tables (:attr:`KVCacheManager.tables`, by ``seq_id``: a sequence
 has an entry from :meth:`KVCacheManager.start` to :meth:`KVCacheManager.release`) and its prefix-cache keys

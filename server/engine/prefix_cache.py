@@ -95,7 +95,7 @@ class PrefixIndex:
         layout, keys = self.layouts[seq.backend_name], self._keys(seq)
         if not keys.groups:
             keys.groups = [[] for _ in layout.groups]
-        return [extend_hashes(own, group_root(keys.root, g), tokens, group.exact_tokens)
+        return [extend_hashes(own, group_root(keys.root, g), tokens, group.cache_block_tokens)
                 for g, (own, group) in enumerate(zip(keys.groups, layout.groups))]
 
     def lookup(self, seq: Sequence) -> list[int]:
