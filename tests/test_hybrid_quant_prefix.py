@@ -229,14 +229,14 @@ def test_a_quantized_hybrid_hit_shares_the_code_pages_of_a_running_request(tiny,
     engine = _engine(tiny, name, options)
     kv = engine.scheduler.kv
     a = Sequence(request_id="a", prompt_ids=first, max_new_tokens=30, params=SamplingParams(ignore_eos=True), stop=[],
-                 emit=None, backend_name=name)
+                 backend_name=name)
     engine.submit(a)
     while len(a.output_ids) < 3:
         run_step(engine)
     hit = 60 // kv.layouts[name].cache_block_tokens * kv.layouts[name].cache_block_tokens
     shared = kv.table(a).groups[0].q[: hit // kv.layouts[name].groups[0].q_tokens]  # its global code pages
     b = Sequence(request_id="b", prompt_ids=second, max_new_tokens=12, params=SamplingParams(ignore_eos=True),
-                 stop=[], emit=None, backend_name=name)
+                 stop=[], backend_name=name)
     engine.submit(b)
     run_step(engine)
     assert b.cached_tokens == hit and [kv.blocks.ref[p] for p in shared] == [2] * len(shared) and shared
