@@ -156,8 +156,12 @@ class KVBackend(ABC):
         if groups is None:
             return PageLayout(self.kv_spec(), dtype, page_bytes)
         spec = self.kv_spec()
-        return HybridLayout([PageLayout(spec.with_layers(len(layers)), dtype, page_bytes) for _, layers in groups],
-                            [w for w, _ in groups], [layers for _, layers in groups])
+        layouts = [PageLayout(spec.with_layers(len(layers)), dtype, page_bytes) for _, layers in groups]
+        if spec.quantization:  # code pages that line up every max(q_tokens) tokens: the prefix cache's block
+            least = min(layout.q_tokens for layout in layouts)
+            layouts = [PageLayout(spec.with_layers(len(layers)), dtype, page_bytes, q_multiple=least)
+                       for _, layers in groups]
+        return HybridLayout(layouts, [w for w, _ in groups], [layers for _, layers in groups])
 
     def layout_variants(self) -> list[KVBackend]:
         """The backends whose pool layouts (:meth:`block_bytes`, :meth:`page_layout`) this one may have once

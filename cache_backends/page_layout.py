@@ -59,13 +59,18 @@ class PageLayout(TierPlan):
             ``elastic``, never by writes).
         dtype: the model dtype (exact tokens, scales and zero points), of ``spec.dtype_bytes`` bytes.
         page_bytes: bytes per page.
+        q_multiple: a page's quantized tokens are rounded down to a multiple of this (0: as many as fit). A hybrid
+            model's groups take their smallest group's count, so that their blocks line up every
+            ``max(q_tokens)`` tokens, not every ``lcm(q_tokens)`` (the prefix cache's block,
+            :attr:`cache_backends.hybrid.HybridLayout.cache_block_tokens`); the page then holds fewer codes than
+            fit, at most one such multiple fewer.
 
     Raises:
         ValueError: if a page cannot hold one exact token, or one quantization group, or ``dtype`` is not the
             spec's element size.
     """
 
-    def __init__(self, spec: KVSpec, dtype: torch.dtype, page_bytes: int):
+    def __init__(self, spec: KVSpec, dtype: torch.dtype, page_bytes: int, q_multiple: int = 0):
         if dtype.itemsize != spec.dtype_bytes:
             raise ValueError(f"a {dtype} pool cannot hold a KV spec of {spec.dtype_bytes}-byte elements")
         self.spec, self.streams, self.num_layers = spec, spec.streams, spec.num_layers
@@ -73,6 +78,8 @@ class PageLayout(TierPlan):
         q = spec.quantization
         exact_tokens = self._fit(lambda t: spec.exact_bytes(t, aligned=True), 1)
         q_tokens = self._fit(lambda t: spec.q_bytes(t, aligned=True), q.group_size) if q else 0
+        if q and q_multiple and q_tokens >= q_multiple:
+            q_tokens -= q_tokens % q_multiple
         super().__init__(exact_tokens, q_tokens, q)
         self.exact_slabs = self._slabs_exact(self.exact_tokens)
         if q:

@@ -283,3 +283,23 @@ def test_under_one_budget_the_windows_admit_more_streams(tmp_path):
     assert every["most_running"] == 1 < windowed["most_running"]
     assert every["within_budget"] and windowed["within_budget"]
     assert every["finished"] == windowed["finished"] == 3
+
+
+def test_quantized_hybrid_blocks_line_up_beside_full():
+    """Served beside ``full`` (whose block sets the page), the int8 family's groups fit 832 and 160 codes a page
+    (int4: 1664 and 320) on Gemma 3, so their prefix-cache block was their least common multiple, 4,160 (8,320)
+    tokens: no prefix under that could hit. Each group now rounds its codes a page down to a multiple of the
+    smallest group's, and the block is the largest group's page: 800 (1,600) tokens."""
+    from transformers import AutoConfig
+
+    from server.engine.kv_cache import page_layouts
+
+    geometry = ModelGeometry.from_config(AutoConfig.from_pretrained(str(GEMMA3_DIR)), torch.float32)
+    page, layouts = page_layouts({n: create(n, geometry) for n in ("full", "int8", "int4")}, torch.float32, 16)
+    for name, block in (("int8", 800), ("int4", 1600)):
+        groups = layouts[name].groups
+        least = min(g.q_tokens for g in groups)
+        assert all(g.q_tokens % least == 0 for g in groups)
+        assert layouts[name].cache_block_tokens == max(g.q_tokens for g in groups) == block
+        assert all(g.used_bytes() <= page for g in groups)
+    assert layouts["full"].cache_block_tokens == 240
