@@ -413,6 +413,33 @@ def test_a_hung_core_is_ended_and_its_requests_end_with_an_error(timeout, why):
         c.stop()
 
 
+def test_an_idle_core_stopped_by_a_signal_is_ended_too():
+    """A core process stopped (SIGSTOP) while no request runs would take the next request and never answer: the
+    reader sees it stopped for 5 s and reports its death (``on_death``: /health 503, then exit 1) without waiting
+    for a request."""
+    import time
+
+    deaths = []
+    c = CoreClient(Settings(model_id=str(MODEL_DIR), kv_backends="full", device="cpu", dtype="float32",
+                            log_level="warning", engine_process=True), on_death=deaths.append)
+    c.start()
+    try:
+        async def main():
+            c.listen(asyncio.get_running_loop())
+            os.kill(c.host.proc.pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            while not deaths and time.monotonic() - t0 < 30:
+                await asyncio.sleep(0.1)
+            return time.monotonic() - t0
+
+        waited = asyncio.run(main())
+        assert deaths and "stopped by a signal" in deaths[0], deaths
+        assert 5 <= waited < 15
+        assert c.host.proc.wait(10) == -signal.SIGKILL
+    finally:
+        c.stop()
+
+
 def test_socket_folders_of_servers_that_are_gone_are_swept_at_the_next_start(tmp_path, monkeypatch):
     """A server killed with SIGKILL cannot remove its sockets' folder: the next one does, and only those whose server
     pid is gone (the pid is in the folder's name)."""

@@ -95,6 +95,7 @@ class CoreClient(CoreStreams):
         self._task: asyncio.Task | None = None  # the reader (on the loop that reads the core's outputs)
         self._heard = time.monotonic()  # when the core last sent something (the reader task's)
         self._busy_since: float | None = None  # since when requests have been live without a pause
+        self._stopped_since: float | None = None  # since when the core process has been seen stopped
         # a process connects over ipc:// (a socket file in a folder of its own); a thread over inproc://, in
         # this context, which both share
         self._down = threading.Event()  # set once _shut_down has run (stop() waits for start()'s own shutdown)
@@ -414,9 +415,17 @@ class CoreClient(CoreStreams):
 
     # ---- what the reader task does with the core's outputs ------------------------------------------
     def _hung(self) -> str | None:
-        """Why the core counts as hung, or ``None``: requests are live and it has sent nothing for
-        ``ENGINE_STEP_TIMEOUT_S`` seconds, or for :data:`STOPPED_GRACE_S` while its process is stopped."""
+        """Why the core counts as hung, or ``None``: its process has been stopped (SIGSTOP) for
+        :data:`STOPPED_GRACE_S` seconds, busy or idle (an idle stopped core would take the next request and never
+        answer), or requests are live and it has sent nothing for ``ENGINE_STEP_TIMEOUT_S`` seconds."""
         now = time.monotonic()
+        if isinstance(self.host, CoreProcess) and self.host.stopped():
+            self._stopped_since = now if self._stopped_since is None else self._stopped_since
+            silent = now - max(self._heard, self._stopped_since)
+            if silent >= STOPPED_GRACE_S:
+                return f"the engine core process is stopped by a signal and has sent nothing for {silent:.0f} s"
+        else:
+            self._stopped_since = None
         with self._lock:
             busy = bool(self._live)
         if not busy:
@@ -425,8 +434,6 @@ class CoreClient(CoreStreams):
         if self._busy_since is None:
             self._busy_since = now
         silent = now - max(self._heard, self._busy_since)
-        if silent >= STOPPED_GRACE_S and isinstance(self.host, CoreProcess) and self.host.stopped():
-            return f"the engine core process is stopped by a signal and has sent nothing for {silent:.0f} s"
         limit = self.settings.engine_step_timeout_s
         if limit and silent >= limit:
             return (f"the engine core finished no step in {silent:.0f} s with requests waiting "
