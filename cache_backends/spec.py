@@ -20,14 +20,19 @@ def _option(key: str, spec: str) -> Option | None:
     return next((d.option(key) for d in decls if d.option(key)), None)
 
 
+TRUE = frozenset({"true", "t", "1", "yes", "y", "on"})
+FALSE = frozenset({"false", "f", "0", "no", "n", "off"})
+"""A boolean option's spellings in a spec, case aside: those pydantic reads for a ``KV_*`` boolean setting."""
+
+
 def _value(key: str, text: str, spec: str):
     option = _option(key, spec)
     kind = option.kind if option else None
     low = (option.choices or option.low) if option else None
-    if kind is bool:
-        if text.lower() not in ("true", "false"):
-            raise ValueError(f"{spec}: {key} must be true or false, got {text!r}")
-        return text.lower() == "true"
+    if kind is bool:  # the spellings the KV_* settings take (pydantic's booleans), so a spec reads as they do
+        if text.lower() not in TRUE | FALSE:
+            raise ValueError(f"{spec}: {key} must be true or false (or 1/0, yes/no, on/off), got {text!r}")
+        return text.lower() in TRUE
     if isinstance(low, tuple) and kind is int:  # a closed set of integers (bit widths)
         if text not in {str(v) for v in low}:
             raise ValueError(f"{spec}: {key} must be one of {', '.join(map(str, low))}, got {text!r}")

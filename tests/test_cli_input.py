@@ -3,6 +3,7 @@ never a traceback, a default silently put in its place, or nonsense printed with
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -23,12 +24,12 @@ from tests.conftest import REPO
     ("dca:threshold=nan", "threshold must be a finite number, got 'nan'"),
     ("dca:reuse_fraction=1e400", "reuse_fraction must be a finite number"),
     ("dca:window=-1", "window must be >= 0, got -1"),
-    ("int4:rotate=maybe", "rotate must be true or false, got 'maybe'"),
+    ("int4:rotate=maybe", "rotate must be true or false (or 1/0, yes/no, on/off), got 'maybe'"),
     ("int8:key_bits=3", "key_bits must be one of 4, 8, got '3'"),
     ("int4:value_bits=4.0", "value_bits must be one of 4, 8"),
 ])
 def test_spec_values_are_typed_and_bounded(spec, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         parse_spec(spec)
 
 
@@ -36,6 +37,17 @@ def test_spec_values_convert():
     assert parse_spec("dca:threshold=0.9,probe_interval=8,align=none") == (
         "dca", {"threshold": 0.9, "probe_interval": 8, "align": "none"})
     assert parse_spec("int8:residual=0") == ("int8", {"residual": 0})
+
+
+@pytest.mark.parametrize("text, value", [("yes", True), ("1", True), ("ON", True), ("True", True), ("no", False),
+                                         ("0", False), ("off", False), ("F", False)])
+def test_a_spec_reads_a_boolean_as_the_settings_do(text, value):
+    """``KV_INT8_ROTATE=yes`` is accepted (pydantic's booleans): ``int8:rotate=yes`` in estimate and advise too, and
+    it echoes as ``true``/``false``."""
+    from cache_backends.spec import format_spec
+
+    assert parse_spec(f"int8:rotate={text}") == ("int8", {"rotate": value})
+    assert format_spec("int8", {"rotate": value}) == f"int8:rotate={str(value).lower()}"
     assert parse_spec("int4:rotate=true,key_bits=8") == ("int4", {"rotate": True, "key_bits": 8})
     assert parse_spec("int8:value_bits=4,rotate=False") == ("int8", {"value_bits": 4, "rotate": False})
 
@@ -61,7 +73,7 @@ def kvserve(*args: str) -> subprocess.CompletedProcess:
     (["estimate", "gqa:groups=0"], "groups must be >= 1"),
     (["estimate", "mla:rank=abc"], "rank must be an integer"),
     (["estimate", "full:foo=1"], "full takes no option foo"),
-    (["estimate", "int4:rotate=yes"], "rotate must be true or false"),
+    (["estimate", "int4:rotate=maybe"], "rotate must be true or false"),
     (["estimate", "mla+int4:key_bits=2"], "key_bits must be one of 4, 8"),
     (["estimate", "gqa:rotate=true"], "gqa takes no option rotate"),
     (["estimate", "--seq-len", "-5"], "whole numbers >= 1"),
