@@ -14,14 +14,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 
 from bench.serving import REPO, free_port, running
+
+MOST_IDS = 4_000_000
+"""The most token ids one body carries (about 16 MB of JSON): the server refuses larger bodies anyway."""
 
 
 def latencies(url: str, stop: threading.Event, every: float) -> list[float]:
@@ -55,8 +60,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--every", type=float, default=0.01, help="seconds between /health probes")
     ap.add_argument("--out", default=None, help="write the result as JSON here")
     args = ap.parse_args(argv)
-    if min(args.bodies, args.prompts, args.ids, args.rounds) < 1 or args.every <= 0:
-        ap.error("--bodies, --prompts, --ids and --rounds must be >= 1, --every > 0")
+    if not (1 <= args.bodies <= 64 and 1 <= args.rounds <= 10000 and 1 <= args.prompts and 1 <= args.ids
+            and args.prompts * args.ids <= MOST_IDS):
+        ap.error(f"--bodies must be in [1, 64], --rounds in [1, 10000], --prompts and --ids >= 1 with "
+                 f"--prompts x --ids <= {MOST_IDS}")
+    if not (math.isfinite(args.every) and 0 < args.every <= 60) or args.max_tokens < 1:
+        ap.error("--every must be in (0, 60] seconds, --max-tokens >= 1")
+    if not Path(args.model).is_dir():
+        ap.error(f"--model {args.model}: no such model folder")
+    if args.out and not Path(args.out).resolve().parent.is_dir():
+        ap.error(f"--out {args.out}: its folder does not exist")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {"MODEL_ID": args.model, "PORT": str(port), "HOST": "127.0.0.1"}

@@ -17,17 +17,23 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import random
 import statistics
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 
 from bench.serving import REPO, free_port, running
 
 _seeds = itertools.count(1)
+MOST_SECONDS = 86400.0
+"""The longest period, run or wait the command takes (seconds): a bounded benchmark."""
+MOST_TOKENS = 1 << 20
+"""The longest prompt it sends (tokens)."""
 
 
 def first_token_seconds(url: str, prompt_tokens: int, timeout: float) -> float | str | None:
@@ -106,8 +112,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=300.0, help="most seconds waited for a first token")
     ap.add_argument("--out", default=None, help="write the result as JSON here")
     args = ap.parse_args(argv)
-    if min(args.short_every, args.long_every, args.duration, args.timeout) <= 0 or args.alone < 1:
-        ap.error("--short-every, --long-every, --duration and --timeout must be > 0, --alone >= 1")
+    times = (args.short_every, args.long_every, args.duration, args.timeout)
+    if not all(math.isfinite(t) and 0 < t <= MOST_SECONDS for t in times) or not 1 <= args.alone <= 1000:
+        ap.error(f"--short-every, --long-every, --duration and --timeout must be > 0 and <= {MOST_SECONDS:g} "
+                 f"seconds, --alone in [1, 1000]")
+    if not all(1 <= n <= MOST_TOKENS for n in (args.short_tokens, args.long_tokens)):
+        ap.error(f"--short-tokens and --long-tokens must be in [1, {MOST_TOKENS}]")
+    if not Path(args.model).is_dir():
+        ap.error(f"--model {args.model}: no such model folder")
+    if args.out and not Path(args.out).resolve().parent.is_dir():
+        ap.error(f"--out {args.out}: its folder does not exist")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {"MODEL_ID": args.model, "PORT": str(port), "HOST": "127.0.0.1"}

@@ -13,3 +13,14 @@ def test_summary_counts_timeouts_and_refusals_apart():
     s = sa.summary([0.1, 0.3, None, 0.2, "400 too long"])
     assert s == {"n": 5, "missing": 2, "p50_s": 0.2, "p95_s": 0.3, "max_s": 0.3, "errors": ["400 too long"]}
     assert sa.summary([None]) == {"n": 1, "missing": 1, "errors": []}
+
+
+def test_bad_flags_are_refused_with_a_usage_line(capsys):
+    import pytest
+
+    for argv in (["--duration", "nan"], ["--short-tokens", "0"], ["--long-tokens", "100000000"],
+                 ["--model", "/nonexistent"], ["--out", "/nonexistent/x.json"]):
+        with pytest.raises(SystemExit) as e:
+            sa.main(argv)
+        assert e.value.code == 2, argv
+        assert "error:" in capsys.readouterr().err
