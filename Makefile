@@ -64,7 +64,7 @@ test: $(STAMP) browser real-model
 FAST_TESTS   := not server and not external and not real_model and not slow
 SERVER_TESTS := server and not external and not real_model
 test-fast: $(STAMP)
-	DTYPE=$${DTYPE:-float32} $(BIN)/python -m pytest -q --durations=10 -m "$(FAST_TESTS)"
+	DTYPE=$${DTYPE:-float32} $(BIN)/python -m pytest -q --durations=10 -n $(TEST_WORKERS) --dist loadfile -m "$(FAST_TESTS)"
 
 test-server: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=10 -m "$(SERVER_TESTS)"

@@ -84,7 +84,16 @@ def test_fast_tier_starts_no_server_and_runs_fp32_only(venv, tmp_path):
     (venv / ".kvserve-installed").touch()
     (venv / ".kvserve-runtime").touch()
     (line,) = [line for line in dry_run("test-fast", venv) if "-m pytest" in line]
-    args = [a for a in shlex.split(line.split("-m pytest", 1)[1]) if a != "-q"]  # one -q below: one id a line
+    words = shlex.split(line.split("-m pytest", 1)[1])
+    args, skip = [], False
+    for a in words:  # one -q below (one id a line), and collected in this process, not by xdist's workers
+        if skip or a == "-q":
+            skip = False
+            continue
+        skip = a in ("-n", "--dist")
+        if not skip:
+            args.append(a)
+    assert "-n" in words, line  # the tier runs in TEST_WORKERS processes, as make test does
     env_part = line.split("-m pytest", 1)[0].split()
     assert env_part[0] == "DTYPE=${DTYPE:-float32}", line
     (tmp_path / "tier_check.py").write_text(TIER_CHECK)
