@@ -37,10 +37,43 @@ def test_nothing_to_share():
     assert prefill_shares([100, 5], 0) == [0, 0]
 
 
-@pytest.mark.parametrize("left,budget", [([0], 10), ([5], -1)])
-def test_bad_arguments_are_refused(left, budget):
+def record_steps(engine) -> list[dict]:
+    """The rows of each step ``engine`` runs from now on, as ``{seq_id: (tokens, decode)}``, appended to the list."""
+    steps, execute = [], engine.runner.execute
+
+    def spy(out, *args):
+        steps.append({r.seq_id: (len(r.token_ids), r.decode) for r in out.rows})
+        return execute(out, *args)
+
+    engine.runner.execute = spy
+    return steps
+
+
+@pytest.mark.parametrize("left,budget,bound", [([0], 10, None), ([5], -1, None), ([5], 10, -1)])
+def test_bad_arguments_are_refused(left, budget, bound):
     with pytest.raises(ValueError, match="budget >= 0 and positive tokens left"):
-        prefill_shares(left, budget)
+        prefill_shares(left, budget, bound)
+
+
+def test_a_step_that_finishes_a_prompt_bounds_the_ones_it_does_not_finish():
+    """A 32-token prompt beside a 5,900-token one, nothing decoding: its step carried the long one's 224-token rest of
+    the budget (a whole long chunk's cost for its first token); the long one now gets the bound of a step with decode
+    tokens, and the short one its whole prompt."""
+    assert prefill_shares([5900, 32], 256) == [224, 32]  # no bound: as before
+    assert prefill_shares([5900, 32], 256, 40) == [40, 32]
+    assert prefill_shares([5900, 12, 14, 11, 13], 256, 16) == [16, 12, 14, 11, 13]  # several short ones
+    assert prefill_shares([5900, 3000, 60], 256, 40) == [20, 20, 60]  # two long ones share the bound
+    assert prefill_shares([5900, 3001, 60], 256, 41) == [21, 20, 60]  # the remainder to the most left
+    assert prefill_shares([5900, 20], 48, 40) == [28, 20]  # within the bound already
+
+
+def test_without_a_prompt_to_finish_the_bound_does_not_apply():
+    """No starvation: with nothing short waiting the long prompts get the whole budget, and so do prompts that all
+    finish in the step."""
+    assert prefill_shares([5900], 256, 16) == [256]
+    assert prefill_shares([5900, 3000], 256, 16) == [128, 128]
+    assert prefill_shares([100, 50], 256, 16) == [100, 50]
+    assert prefill_shares([5900, 300, 200], 256, 16) == [86, 85, 85]  # 200 > its share: not finished
 
 
 def test_short_requests_are_prefilled_beside_a_long_one_not_after_it(ref_model):
@@ -60,13 +93,7 @@ def test_short_requests_are_prefilled_beside_a_long_one_not_after_it(ref_model):
         alone.append(seq.output_ids)
 
     engine = make_engine(model, tok, prefill_chunk_tokens=64)
-    steps, execute = [], engine.runner.execute
-
-    def spy(out, *args):
-        steps.append({r.seq_id: (len(r.token_ids), r.decode) for r in out.rows})
-        return execute(out, *args)
-
-    engine.runner.execute = spy
+    steps = record_steps(engine)
     long = make_seq(tok, long_prompt, 2)
     engine.submit(long)
     run_step(engine)
@@ -82,3 +109,46 @@ def test_short_requests_are_prefilled_beside_a_long_one_not_after_it(ref_model):
     assert long.prefilled < len(long.prompt_ids) - 64 * 3
     run_all(engine, [])
     assert [s.output_ids for s in short] == alone
+
+
+@pytest.mark.parametrize("measured", [True, False])
+def test_a_short_prompts_step_beside_a_long_one_costs_a_step_with_decode_tokens(ref_model, measured):
+    """Nothing decodes while a long prompt is written in 256-token chunks; a short prompt arrives: its step writes it
+    whole and the long one's chunk only as a step with decode tokens would (``PREFILL_ITL_RATIO``: 40 tokens from the
+    figures set here, one block before anything is measured), not the 256-token budget's rest (before: 256 less the
+    short prompt). The long one gets the whole budget again once the short request is done; both outputs equal
+    those each gets alone (greedy)."""
+    from server.engine.itl_budget import MIN_ITL_CHUNK, ChunkBudget
+    from tests.engine_helpers import make_engine, make_seq, run_all, run_step
+    from tests.test_itl_budget import measured as measured_budget
+
+    model, tok = ref_model
+    long_prompt = "And God said, Let there be light: and there was light. " * 60  # ~780 tokens
+    alone = []
+    for p, n in ((long_prompt, 2), ("In the beginning", 2)):
+        seq = make_seq(tok, p, n)
+        run_all(make_engine(model, tok, prefill_chunk_tokens=256), [seq])
+        alone.append(seq.output_ids)
+
+    engine = make_engine(model, tok, prefill_chunk_tokens=256)
+    if measured:
+        engine.scheduler.itl = measured_budget(ratio=1.4, decode_s=0.010, token_s=0.0001)  # a bound of 40 tokens
+        engine.scheduler.itl.weight = 0.0  # the test's figures, not this machine's steps
+    else:
+        engine.scheduler.itl = ChunkBudget(2.0)
+    steps = record_steps(engine)
+    long = make_seq(tok, long_prompt, 2)
+    engine.submit(long)
+    run_step(engine)
+    assert steps[-1] == {long.seq_id: (256, False)}  # alone: the whole budget
+    short = make_seq(tok, "In the beginning", 2)
+    engine.submit(short)
+    run_step(engine)
+    assert steps[-1] == {short.seq_id: (len(short.prompt_ids), False),
+                         long.seq_id: (40 if measured else MIN_ITL_CHUNK, False)}
+    while short.finish_reason is None:
+        run_step(engine)
+    run_step(engine)
+    assert steps[-1] == {long.seq_id: (256, False)}  # the short request done: the whole budget again
+    run_all(engine, [])
+    assert [long.output_ids, short.output_ids] == alone

@@ -9,7 +9,9 @@ cannot fit every model and device (a GPU's step costs about the same for 8 token
 moving averages over the engine's own steps; it then sizes a step's prefill tokens so that the step costs at most
 ``ratio`` decode steps. A prompt then reaches its first token later (its chunks are smaller), and the running
 streams keep their pace: the trade vLLM's chunked prefill makes by scheduling decode tokens first, made here
-with a measured bound.
+with a measured bound. A step that finishes a short prompt beside a long one is bounded the same way, the short one
+counted as a decode row (its first token is then not held by a whole long chunk; the scheduler asks
+:meth:`ChunkBudget.tokens` for it, :func:`server.engine.prefill_share.prefill_shares` applies it).
 
 A prefilled token's cost is pooled over the steps with a chunk (the moving average of their time over a decode
 step, over the moving average of their prefilled tokens), not averaged step by step: a decode step measured slower

@@ -31,7 +31,9 @@ sequence is never preempted for another, so two long requests cannot evict each 
 out during a step, the victim is the newest generation of the wide request holding the most pages, or else
 the most recently admitted sequence. A step's prefill tokens are shared the same way: the sequences still
 prefilling split the step's budget (:mod:`server.engine.prefill_share`), so a long prompt cannot hold a short one
-admitted after it for more than a step.
+admitted after it for more than a step, and the step that writes the short prompt's last tokens gives the long one
+no more than a step with decode tokens would (:meth:`ChunkBudget.tokens`), so that step costs about what a decode
+step beside a chunk costs, not a whole long chunk.
 """
 
 from __future__ import annotations
@@ -293,18 +295,24 @@ class Scheduler:
         v1's scheduler), so it does not stall running streams. The budget is shared between the sequences still
         prefilling (:func:`~server.engine.prefill_share.prefill_shares`: equal shares, a prompt that needs less
         taking only what it needs), so a short prompt admitted behind a long one is written in its first step, not
-        after every chunk of the long one; a prompt written whole takes all its tokens when it is served. A paged
-        prompt's step is shortened, down to :data:`MIN_PREFILL_CHUNK` tokens, when the pages of a whole one (a
-        quantized prompt's: its exact pages) are not free (:meth:`KVCacheManager.step_tokens`). The first chunk of
-        the mixed batch may preempt (:meth:`_reserve`), and so may a prompt that runs alone; a later chunk of the
-        mixed batch whose pages are not free waits for the next step, and so does a second prompt that runs alone
-        (admission keeps one chunk's transient pages free, not two; a row's drained pages go back only when the
-        step is committed).
+        after every chunk of the long one; and when the step finishes a prompt beside one it does not, the
+        unfinished ones together get at most what a step with decode tokens may prefill (``ChunkBudget.tokens``
+        with the finishing prompts as its decode rows), so the short prompt's first token is not held by a whole
+        long chunk either (a short request that finishes in a few steps left most steps without a decode row, and
+        its first step carried the long prompt's rest of the budget). A prompt written whole takes all its tokens
+        when it is served. A paged prompt's step is shortened, down to :data:`MIN_PREFILL_CHUNK` tokens, when the
+        pages of a whole one (a quantized prompt's: its exact pages) are not free (:meth:`KVCacheManager.step_tokens`).
+        The first chunk of the mixed batch may preempt (:meth:`_reserve`), and so may a prompt that runs alone; a
+        later chunk of the mixed batch whose pages are not free waits for the next step, and so does a second prompt
+        that runs alone (admission keeps one chunk's transient pages free, not two; a row's drained pages go back
+        only when the step is committed).
         """
         chunk = self.prefill_chunk_tokens
-        budget = self.itl.tokens(decoding, None if not chunk else max(MIN_PREFILL_CHUNK, chunk - decoding))
+        configured = None if not chunk else max(MIN_PREFILL_CHUNK, chunk - decoding)
+        budget = self.itl.tokens(decoding, configured)
+        bound = self.itl.tokens(max(decoding, 1), configured)  # a prompt finished this step decodes from the next
         prefilling = [s for s in self.running if s.prefilled < len(s.context_ids)]
-        shares = prefill_shares([len(s.context_ids) - s.prefilled for s in prefilling], budget) \
+        shares = prefill_shares([len(s.context_ids) - s.prefilled for s in prefilling], budget, bound) \
             if budget is not None else [None] * len(prefilling)
         chunks: list[tuple] = []
         for seq, share in zip(prefilling, shares):
