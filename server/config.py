@@ -121,11 +121,12 @@ class _GeneralSettings(BaseSettings):
                                         "sequence's one, prompt chunks the rest (chunked prefill); 0 prefills "
                                         "whole prompts.")
     prefill_itl_ratio: float = Field(2.0, ge=0, allow_inf_nan=False,
-                                     description="While sequences decode, a step that also prefills prompt chunks "
-                                     "costs at most this many decode steps (both measured as the engine runs): "
-                                     "the running streams' inter-token latency stays within it when long prompts "
-                                     "arrive, and those prompts' first tokens come later; 0: chunks of "
-                                     "MAX_NUM_BATCHED_TOKENS alone.")
+                                     description="While sequences decode, or a step writes a short prompt whole "
+                                     "beside a long one, a step that also prefills prompt chunks costs at most "
+                                     "this many decode steps (both measured as the engine runs): the running "
+                                     "streams' inter-token latency and a short prompt's first token stay within "
+                                     "it when long prompts arrive, and those prompts' first tokens come later; "
+                                     "0: chunks of MAX_NUM_BATCHED_TOKENS alone.")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log and access-log level.")
     payload_limit: int = Field(2_000_000, ge=1, description="Largest request body (bytes); larger gets 422 (400 on "
                                "the OpenAI routes).")
