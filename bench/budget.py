@@ -35,7 +35,7 @@ import torch
 
 from cache_backends.geometry import ModelGeometry
 from cache_backends.registry import create
-from cache_backends.spec import format_spec, parse_spec
+from cache_backends.spec import echo_recorded, format_spec, parse_spec
 from server.bench_cmd.in_process import new_engine  # the other benchmarks take it from here too
 from server.bench_cmd.quality import EVAL_SLICE, model_slice_ids
 
@@ -240,7 +240,7 @@ def table(results: list[dict], args) -> str:
     base = results[0]["output_tokens_per_s"]
     for r in results:
         ppl = "" if r.get("ppl") is None else f"{r['ppl']:.2f} ({r['ppl_change_pct']:+.2f}%)"
-        lines.append(f"| {r['spec']} | {r['output_tokens_per_s']:.0f} | {r['output_tokens_per_s'] / base:.2f}x | "
+        lines.append(f"| {echo_recorded(r['spec'])} | {r['output_tokens_per_s']:.0f} | {r['output_tokens_per_s'] / base:.2f}x | "
                      f"{r['decode_tokens_per_s']:.0f} | {r['ttft_p50_s']:.2f} / {r['ttft_p95_s']:.2f} | "
                      f"{1e3 * r['tpot_p50_s']:.1f} / {1e3 * r['tpot_p95_s']:.1f} | {r['most_running']} | "
                      f"{r['preemptions']} | {r['peak_kv_allocated_bytes'] / r['budget_bytes']:.2f} | {ppl} |")
@@ -257,7 +257,7 @@ def scaling_table(scaling: dict) -> str:
              "| backend | " + " | ".join(f"batch {b}: ms / ops" for b in batches) + " |",
              "|---|" + "---|" * len(batches)]
     for spec, s in scaling.items():
-        lines.append(f"| {spec} | " + " | ".join(f"{1e3 * s['batch'][b]:.1f} / {s['ops'][b]}" for b in batches) + " |")
+        lines.append(f"| {echo_recorded(spec)} | " + " | ".join(f"{1e3 * s['batch'][b]:.1f} / {s['ops'][b]}" for b in batches) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -27,7 +27,7 @@ from bench.fidelity import agreement, greedy_tokens
 from bench.quality import CALIB_SLICE, EVAL_SLICE, model_slice_ids
 from cache_backends.geometry import ModelGeometry
 from cache_backends.registry import create
-from cache_backends.spec import format_spec, parse_spec
+from cache_backends.spec import echo_recorded, format_spec, parse_spec
 
 REPO = Path(__file__).resolve().parents[1]
 SPECS = ["full", "dca:window=0", "dca", "dca:window=64", "dca+int8", "dca+mla:rank=128"]
@@ -63,7 +63,7 @@ def table(rows: list[dict], args) -> str:
         common = max(map(tuple, r["reuse_layers"]), key=r["reuse_layers"].count) if r["reuse_layers"] else ()
         thresholds = "; ".join(f"{layer}: {t['1']:.3f} / {t['16']:.3f} / {t['1024']:.3f}"
                                for layer, t in r.get("runtime_thresholds_by_layer", {}).items())
-        lines.append(f"| {r['spec']} | {r['compression']:.2f}x | {r['prefix_agreement']:.3f} | "
+        lines.append(f"| {echo_recorded(r['spec'])} | {r['compression']:.2f}x | {r['prefix_agreement']:.3f} | "
                      f"{r['position_agreement']:.3f} | {', '.join(map(str, common)) or '-'} | {r['fallbacks']} | "
                      f"{', '.join(map(str, r.get('reuse_candidates', []))) or '-'} | {thresholds or '-'} |")
     return "\n".join(lines) + "\n"

@@ -190,10 +190,44 @@ class TierPlan:
                 self.commit(blocks, c)
         return most
 
+    def prefill_peak(self, prompt: int, chunk: int | None = None) -> int:
+        """The most pages a sequence holds writing its ``prompt`` tokens in steps of at most ``chunk`` tokens cut
+        anywhere (default: in one step; an on-demand tier compressing what it may after each step), not only in
+        whole chunks from position 0 (:meth:`pages_for`): the scheduler shortens a step where the pages are short
+        (``step_tokens``) and shares a step's budget with the decoding sequences and the other prefills, so a step
+        of ``chunk`` tokens may start at any position ``p``. Between steps a sequence's tables are those of its
+        ``p`` tokens whatever the chunking (:meth:`written`: a group drains once ``residual`` newer tokens exist, and
+        exact pages are aligned to positions), and a step holds more the more tokens it writes, so the peak is the
+        most over ``p`` of a step of ``min(chunk, prompt - p)`` tokens from there (:meth:`prefill_pages`).
+
+        Only some ``p`` need a look: past the residual window, a step of ``chunk`` tokens holds the quantized pages
+        of ``Q(p + chunk)`` tokens (``Q``: the tokens quantized, whole groups: growing with ``p``) and exact pages
+        that depend on ``p`` modulo ``lcm(group_size, exact_tokens)`` only, so the last such period of starts
+        holds the most of all the earlier ones; a last, shorter step (from ``p > prompt - chunk``) holds what
+        ``Q(p)`` says, so one ``p`` per group."""
+        q = self.quantization
+        if not q:  # every token's exact pages, however the prompt is cut
+            return self.pages_for(prompt)
+        if not chunk:
+            return self.pages_for(prompt, compress=self.on_demand)
+        chunk = min(chunk, prompt)
+        peaks = self.__dict__.setdefault("_peaks", {})
+        if (prompt, chunk) in peaks:
+            return peaks[prompt, chunk]
+        r, g = (q.window if q.on_demand else q.residual), q.group_size
+        last = prompt - chunk  # the last start of a whole chunk
+        starts = {*range(min(last, r + g) + 1), *range(max(0, last - math.lcm(g, self.exact_tokens) + 1), last + 1),
+                  *(p for p in range(last + 1, prompt) if p == last + 1 or (p >= r and (p - r) % g == 0))}
+        most = max(self.prefill_pages(self.written(SeqBlocks(), p), min(chunk, prompt - p)) for p in starts)
+        if len(peaks) > 4096:
+            peaks.clear()
+        peaks[prompt, chunk] = most
+        return most
+
     def pages_to_generate(self, prompt: int, total: int, chunk: int | None = None) -> int:
-        """At most the pages a sequence holds writing its ``prompt`` tokens in chunks of ``chunk`` (default: at once)
-        and then its generated tokens one a step until it holds ``total`` (an on-demand tier compressing what it may
-        after each step: the least it can hold; fit checks).
+        """At most the pages a sequence holds writing its ``prompt`` tokens in steps of at most ``chunk`` (default:
+        at once), cut anywhere (:meth:`prefill_peak`), and then its generated tokens one a step until it holds
+        ``total`` (an on-demand tier compressing what it may after each step: the least it can hold; fit checks).
 
         After the prompt, a step writes one token: its quantized pages grow to those of the ``total`` tokens at
         most, and its exact tokens during a step are at most the window (``residual``, or an on-demand tier's
@@ -202,7 +236,7 @@ class TierPlan:
         tokens take. A bound, not a walk of every step: at most two pages above the walk where a quantized page holds
         at least an exact page's tokens (``tests/test_kv_spec.py``).
         """
-        most = self.pages_for(prompt, chunk, compress=self.on_demand)
+        most = self.prefill_peak(prompt, chunk)
         if total <= prompt:
             return most
         final = self.written(SeqBlocks(), total)

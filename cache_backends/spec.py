@@ -8,6 +8,7 @@ spec and the option, never replaced by a default.
 from __future__ import annotations
 
 import math
+import re
 
 from cache_backends import catalog
 from cache_backends.declaration import Option
@@ -168,6 +169,16 @@ def format_options(options: dict, sep: str = ",") -> str:
     def text(value) -> str:
         return ("true" if value else "false") if isinstance(value, bool) else str(value)
     return sep.join(f"{k}={text(v)}" for k, v in options.items())
+
+
+_PYTHON_BOOLEAN = re.compile(r"(?<==)(True|False)\b")
+
+
+def echo_recorded(spec: str) -> str:
+    """A spec recorded as text (a ``spec`` field of a benchmark's JSON, written before specs echoed their booleans
+    ``true``/``false``) in the spelling :func:`format_spec` echoes: ``rotate=True`` as ``rotate=true``; the rest as
+    it is (a note such as `` (every token kept)``, options in the order recorded)."""
+    return _PYTHON_BOOLEAN.sub(lambda m: m.group(1).lower(), spec)
 
 
 def format_spec(name: str, options: dict) -> str:

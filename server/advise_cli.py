@@ -26,7 +26,7 @@ from pathlib import Path
 
 from cache_backends.estimate import DTYPE_BYTES, estimate_rows
 from cache_backends import catalog
-from cache_backends.spec import format_spec
+from cache_backends.spec import echo_recorded, format_spec
 from server.cached_prices import dtype_note, load_prices, price_text
 from server.estimate_cli import DEFAULT_SPECS as ESTIMATE_SPECS
 from server.estimate_cli import human, load_shape, over_positions, resolve_specs
@@ -152,7 +152,7 @@ def _rows_from_bench(data) -> list[dict]:
         tpot = r.get("tpot_s")
         if not isinstance(tpot, dict) or not all(k.isdigit() for k in tpot):
             raise ValueError(f"rows[{i}].tpot_s is missing or not seconds by context length")
-        rows.append({"spec": r["spec"], "backend": r["backend"],
+        rows.append({"spec": echo_recorded(r["spec"]), "backend": r["backend"],
                      "bytes_per_token": _bench_number(r, "bytes_per_token", i, low=0, open_low=True),
                      "ppl_change_pct": _bench_number(r, "perplexity_change_pct", i, low=-100),
                      "tpot": {int(k): _bench_number(tpot, k, i, low=0, where="tpot_s") for k in tpot},

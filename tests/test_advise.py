@@ -171,3 +171,30 @@ def test_min_agreement_off_holds_no_agreement_against_a_setting():
     assert ranked["int4"]["quality_ok"] and ranked["mla"]["quality_ok"]
     assert "bound" not in ranked["int4"]["reason"] + ranked["mla"]["reason"]
     assert not any(r["quality_ok"] for r in advise(rows, 1024, 1, 2**30, None))  # the default bound, 0.9
+
+
+def test_a_recorded_spec_is_echoed_with_the_server_s_booleans():
+    """A results.json recorded before specs echoed ``true``/``false`` names ``int4:...,rotate=True``; advise, the
+    tables rendered from recorded rows and the docs print it as the server echoes it, ``rotate=true``."""
+    import re
+    from argparse import Namespace
+
+    from bench.budget import table
+    from cache_backends.spec import echo_recorded, format_spec, parse_spec
+    from server.advise_cli import rows_from_bench
+    from tests.conftest import REPO
+
+    recorded = "int4:group_size=32,residual=32,rotate=True"
+    assert echo_recorded(recorded) == format_spec(*parse_spec(recorded)) == "int4:group_size=32,residual=32,rotate=true"
+    assert echo_recorded("int8:rotate=False (every token kept)") == "int8:rotate=false (every token kept)"
+    specs = [r["spec"] for r in rows_from_bench(str(REPO / "docs" / "bench" / "real" / "results.json"))]
+    assert "int4:group_size=32,residual=32,rotate=true" in specs and not any("True" in s for s in specs)
+    row = {"spec": "int4:rotate=True", "budget_bytes": 1, "output_tokens_per_s": 1.0, "decode_tokens_per_s": 1.0,
+           "ttft_p50_s": 0.0, "ttft_p95_s": 0.0, "tpot_p50_s": 0.0, "tpot_p95_s": 0.0, "most_running": 1,
+           "preemptions": 0, "peak_kv_allocated_bytes": 1}
+    args = Namespace(streams=1, prompt_tokens=1, new_tokens=1, budget_seqs=1, context=1)
+    assert "| int4:rotate=true |" in table([row], args)
+    pages = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+    python_booleans = [f"{p.relative_to(REPO)}: {m.group(0)}" for p in pages
+                       for m in re.finditer(r"\b[a-z_]+=(True|False)\b", p.read_text())]
+    assert not python_booleans

@@ -198,3 +198,37 @@ def test_a_completion_without_max_tokens_is_not_refused_as_if_it_had_sent_one():
         build(max_tokens=16)
     assert sent.value.param == "max_tokens" and "and 16 `max_tokens`" in str(sent.value)
     assert build(max_tokens=room).max_new_tokens == room
+
+
+def test_a_failed_tgi_stream_ends_with_tgi_s_compact_error_event(monkeypatch):
+    """TGI's router writes a failed stream's last event with serde_json (``impl From<InferError> for Event``):
+    ``data:{"error":"...","error_type":"generation"}``, compact, its text UTF-8, as every other event of the stream
+    is written; kvserve wrote that one with ``json.dumps``'s defaults (``{"error": "...", "error_type": ...}``,
+    non-ASCII escaped)."""
+    import json
+    from dataclasses import replace
+
+    from server.engine.sequence import FinishReason
+    from tests.conftest import MODEL_DIR
+
+    app = create_app(load_settings(model_id=str(MODEL_DIR)), load_in_background=False)
+    with TestClient(app) as client:
+        service = app.state.kvserve.service
+        run = service.run
+
+        async def failing(req, receive):  # the request's last event a failure, after its first tokens
+            seq, events = await run(req, receive)
+
+            async def stream():
+                got = [ev async for ev in events]
+                for ev in got[:-1]:
+                    yield ev
+                yield replace(got[-1], finish_reason=FinishReason.ERROR, error="décodage: boom")
+            return seq, stream()
+
+        monkeypatch.setattr(service, "run", failing)
+        body = {"inputs": "And God said", "parameters": {"max_new_tokens": 3}}
+        with client.stream("POST", "/generate_stream", json=body) as r:
+            data = [line.removeprefix("data:").strip() for line in r.iter_lines() if line.startswith("data:")]
+    assert len(data) == 3 and all(json.loads(d)["token"] for d in data[:-1])
+    assert data[-1] == '{"error":"décodage: boom","error_type":"generation"}'

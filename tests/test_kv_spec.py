@@ -137,16 +137,65 @@ def _walk(plan: TierPlan, prompt: int, total: int, chunk: int) -> int:
 @pytest.mark.parametrize("on_demand", [False, True])
 def test_the_pages_to_finish_bound_the_walk_of_every_step_closely(on_demand):
     """A fit check's pages (prompt in chunks, then one token a step) are never below what the steps hold, and at
-    most two pages above, for every layout whose quantized page holds at least an exact page's tokens."""
+    most two pages above them or above the prompt's peak cut anywhere (:meth:`TierPlan.prefill_peak`), for every
+    layout whose quantized page holds at least an exact page's tokens."""
     for te, tq, g, r in [(10, 32, 16, 8), (10, 96, 32, 32), (32, 32, 32, 32), (32, 96, 32, 32), (32, 64, 16, 0),
                          (96, 96, 32, 8)]:
         plan = TierPlan(te, tq, Quantization(g, None, window=r) if on_demand else Quantization(g, r))
         for prompt in (1, 5, 40, 300):
             for total in (prompt, prompt + 1, prompt + 7, prompt + 63, prompt + 300):
                 walked, bound = _walk(plan, prompt, total, 256), plan.pages_to_generate(prompt, total, 256)
-                assert walked <= bound <= walked + 2, (te, tq, g, r, prompt, total)
+                # above the walk of whole chunks by the peak of a prompt cut anywhere (the test below), which is tight
+                assert walked <= bound <= max(walked, plan.prefill_peak(prompt, 256)) + 2, (te, tq, g, r, prompt, total)
     exact = TierPlan(32, 0)
     assert exact.pages_to_generate(5, 305, 256) == _walk(exact, 5, 305, 256) == 10
+
+
+def _random_walk(plan: TierPlan, prompt: int, chunk: int, rng) -> int:
+    """The most pages a sequence holds writing its prompt in steps of at most ``chunk`` tokens, each cut at random
+    (as a step budget shared with other sequences cuts them: an on-demand tier compressing all it may after each)."""
+    blocks, most, left = SeqBlocks(), 0, prompt
+    while left:
+        n = min(left, rng.choice([chunk, chunk, rng.randint(1, chunk)]))
+        p = plan.plan(blocks, n)
+        plan.extend(blocks, p, [0] * p.new_exact_pages, [0] * p.new_q_pages)
+        most = max(most, len(blocks.pages()))
+        plan.commit(blocks, p)
+        left -= n
+        if plan.on_demand:
+            c = plan.plan_compress(blocks, plan.compressible(blocks))
+            plan.extend(blocks, c, [], blocks.exact[: c.new_q_pages])
+            plan.commit(blocks, c)
+    return most
+
+
+@pytest.mark.parametrize("on_demand", [False, True])
+def test_the_pages_to_generate_bound_every_cut_of_the_prompt_into_steps(on_demand):
+    """The scheduler cuts a prompt's steps anywhere (a budget shared with decoding sequences and other prefills,
+    :meth:`KVCacheManager.step_tokens`), not in whole chunks from position 0, and a step that starts where the
+    residual window is fullest and the exact pages least aligned holds more: a 141-token int8 prompt in steps of 95
+    (a 100-token chunk beside 5 decoding tokens) held 15 pages where the bound, walking steps of 100, said 12. The
+    bound is the most over every start ``p`` of a step of ``min(chunk, prompt - p)`` tokens (no looser: some cut
+    reaches it), and no random cut holds more."""
+    import random
+
+    rng = random.Random(0)
+    for te, tq, g, r in [(10, 32, 32, 32), (5, 32, 32, 32), (16, 16, 16, 16), (16, 48, 32, 32), (48, 160, 32, 32),
+                         (7, 20, 8, 5), (10, 32, 16, 0), (3, 64, 32, 8), (96, 96, 32, 8)]:
+        plan = TierPlan(te, tq, Quantization(g, None, window=r) if on_demand else Quantization(g, r))
+        for prompt in (1, 5, 33, 75, 141, 300):
+            for chunk in (1, 7, 16, 24, 64, 95, 100, 256):
+                bound = plan.pages_to_generate(prompt, prompt, chunk)
+                most = max(plan.prefill_pages(plan.written(SeqBlocks(), p), min(chunk, prompt - p))
+                           for p in range(prompt))
+                assert bound == most, (te, tq, g, r, prompt, chunk)
+                for _ in range(3):
+                    assert _random_walk(plan, prompt, chunk, rng) <= bound, (te, tq, g, r, prompt, chunk)
+                for total in (prompt + 1, prompt + 40):
+                    assert plan.pages_to_generate(prompt, total, chunk) >= bound
+    int8 = TierPlan(10, 32, Quantization(32, 32))  # the reference model's int8 pages
+    assert (int8.pages_for(141, 100), int8.pages_for(141, 95)) == (12, 15)
+    assert int8.pages_to_generate(141, 141, 100) == 18  # a step of 100 from position 41 on, after one of 41
 
 
 def test_a_quantized_request_is_not_charged_its_generated_tokens_as_prompt_chunks():

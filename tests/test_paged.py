@@ -17,6 +17,7 @@ from cache_backends.page_plan import SeqBlocks
 from cache_backends.registry import create
 from cache_backends.store_path import StorePath
 from server.engine.sampling import SamplingParams
+from server.engine.sequence import Sequence
 from tests.conftest import fits
 from tests.precision import LOGIT_FACTOR
 from tests.engine_helpers import PagedDriver, make_engine, make_seq, reference_greedy, run_all, run_step
@@ -565,3 +566,33 @@ def test_zero_clears_exactly_the_pages_given():
     pool.arena.fill_(7)
     pool.zero([2, 4])
     assert pool.arena[[2, 4]].eq(0).all() and pool.arena[[1, 3, 5]].eq(7).all()
+
+
+@pytest.mark.parametrize("backend", ["int8", "int4", "full"])
+@pytest.mark.parametrize("chunk, decoding", [(100, 5), (24, 3)])
+def test_a_prompt_cut_by_the_decoding_tokens_holds_no_more_than_admission_bounds(ref_model, backend, chunk, decoding):
+    """Beside ``decoding`` sequences a prompt's steps are ``chunk - decoding`` tokens (never fewer than
+    MIN_PREFILL_CHUNK: with a chunk of 24, steps of 64), cut where the chunk's walk does not cut it: a 141-token int8
+    prompt held 15 pages in steps of 95 where :meth:`KVCacheManager.pages_to_finish` (walking steps of 100) said
+    12. The pages it holds during each step stay within the bound."""
+    model, tok = ref_model
+    engine = make_engine(model, tok, backend, prefill_chunk_tokens=chunk, block_size=16)
+    kv = engine.kv
+    ids = tok.encode(" ".join(TEXTS * 4))
+    assert len(ids) >= 141
+    long = Sequence(request_id="long", prompt_ids=ids[:141], max_new_tokens=2, params=SamplingParams(), stop=[],
+                    backend_name=backend)
+    peak, commit = [], kv.commit
+
+    def held_then_commit(seq, plan, feedback=None):
+        if seq is long:
+            peak.append(kv.held(seq))
+        return commit(seq, plan, feedback)
+
+    kv.commit = held_then_commit
+    for i in range(decoding):
+        engine.submit(Sequence(request_id=f"d{i}", prompt_ids=ids[i : i + 3], max_new_tokens=30,
+                               params=SamplingParams(), stop=[], backend_name=backend))
+    run_step(engine)
+    run_all(engine, [long])
+    assert max(peak) <= kv.pages_to_finish(long), (peak, kv.pages_to_finish(long))

@@ -7,7 +7,6 @@ Sampling follows TGI's rule: it is on when ``do_sample`` is true or when ``tempe
 
 from __future__ import annotations
 
-import json
 import secrets
 
 from fastapi import APIRouter, Request
@@ -184,8 +183,8 @@ async def generate_stream(body: TGIRequest, request: Request):
             shutdown = service.is_shutdown_end(ev)
             if ev.finish_reason == FinishReason.CANCELLED and not shutdown:
                 return
-            if (failure := _failure(ev)) is not None:
-                yield {"data": json.dumps(failure)}
+            if (failure := _failure(ev)) is not None:  # as TGI's router writes it (serde_json): compact, UTF-8
+                yield {"data": ErrorBody(**failure).model_dump_json()}
                 return
             out = TGIStreamEvent(index=ev.index, token=_token(ev), top_tokens=top(ev) if top else None)
             if ev.finish_reason is not None:

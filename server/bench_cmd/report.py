@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from cache_backends.geometry import ModelGeometry
 from cache_backends.registry import create
-from cache_backends.spec import format_options, format_spec, parse_spec
+from cache_backends.spec import echo_recorded, format_options, format_spec, parse_spec
 from cache_backends.store_path import StorePath
 from server.bench_cmd import needle
 from server.bench_cmd.fidelity import (PagedSequence, agreement, cache_path_perplexity, greedy_tokens,
@@ -281,9 +281,10 @@ def served_threshold_rows(result: dict, layers: list[int]) -> list[str]:
             continue
         served = {int(k): v for k, v in details["served_similarity_by_layer"].items()}
         spans = {int(k): v for k, v in details["runtime_thresholds_by_layer"].items()}
-        lines.append(f"| served similarity, `{r['spec']}` | "
+        spec = echo_recorded(r["spec"])
+        lines.append(f"| served similarity, `{spec}` | "
                      + " | ".join(f"{served[x]:.3f}" if x in served else "-" for x in layers) + " |")
-        lines.append(f"| runtime threshold at 1 / 16 / 1024 tokens, `{r['spec']}` | "
+        lines.append(f"| runtime threshold at 1 / 16 / 1024 tokens, `{spec}` | "
                      + " | ".join(f"{spans[x]['1']:.3f} / {spans[x]['16']:.3f} / {spans[x]['1024']:.3f}"
                                   if x in spans else "not a candidate" for x in layers) + " |")
     return lines

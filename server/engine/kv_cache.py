@@ -181,11 +181,20 @@ class KVCacheManager:
         layout = self.layouts[seq.backend_name]
         return layout.pages_for(tokens, self.prefill_chunk(seq), compress=layout.on_demand)
 
+    def largest_step(self, seq: Sequence) -> int | None:
+        """The most prompt tokens one prefill step of ``seq`` may write (``None``: its context is written in one
+        step): the engine's chunk, or :data:`MIN_PREFILL_CHUNK` if larger (the scheduler's step budget is never
+        below it: :meth:`server.engine.scheduler.Scheduler._prefill_rows`)."""
+        chunk = self.prefill_chunk(seq)
+        return None if chunk is None else max(chunk, MIN_PREFILL_CHUNK)
+
     def pages_to_finish(self, seq: Sequence) -> int:
         """The most pages ``seq`` holds on its own from admission to its last token: its prompt as it is prefilled,
-        and every token once generated (an on-demand tier compressed as it grows)."""
+        in steps of at most :meth:`largest_step` tokens cut anywhere (the budget a step shares with the decoding
+        sequences and the other prefills, and :meth:`step_tokens`, cut them short), and every token once generated
+        (an on-demand tier compressed as it grows)."""
         total = len(seq.prompt_ids) + seq.max_new_tokens
-        return self.layouts[seq.backend_name].pages_to_generate(len(seq.prompt_ids), total, self.prefill_chunk(seq))
+        return self.layouts[seq.backend_name].pages_to_generate(len(seq.prompt_ids), total, self.largest_step(seq))
 
     def fits_alone(self, seq: Sequence) -> bool:
         """Whether ``seq`` could finish with the pool to itself (:meth:`pages_to_finish`)."""
