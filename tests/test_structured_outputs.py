@@ -33,6 +33,11 @@ MESSAGES = [{"role": "user", "content": "Who was the first king of Israel? Answe
 SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
 
 
+def MANY(n: int, prefix: str = "p") -> dict:  # noqa: N802 - reads as a constant in the tables
+    """An object schema of ``n`` optional string properties."""
+    return {"type": "object", "properties": {f"{prefix}{i}": {"type": "string"} for i in range(n)}}
+
+
 def valid(text: str, schema: dict) -> dict:
     value = json.loads(text)
     jsonschema.validate(value, schema)
@@ -402,6 +407,15 @@ BAD = [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "many", "schema": {
         "type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(600)}}}}},
      "response_format.json_schema.schema"),
+    # found by an attack: these passed the check (its forced tokens stop before the object opens) and failed
+    # mid-output, mid-stream too: "Current row has 2399 items; max is 2000"
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "nested", "schema": {
+        "type": "object", "properties": {"x": {"type": "string", "maxLength": 12}, "y": MANY(600)},
+        "required": ["x", "y"]}}}}, "response_format.json_schema.schema"),
+    ({"guided_json": {"anyOf": [MANY(260), MANY(260, "q")]}}, "guided_json"),
+    ({"guided_json": {"type": "array", "items": {"$ref": "#/$defs/o"}, "$defs": {"o": MANY(501)}}}, "guided_json"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": MANY(600)}}], "tool_choice": "required"},
+     "tools[0].function.parameters"),
     ({"guided_regex": "(a{1000}){1000}"}, "guided_regex"),
     ({"guided_regex": "ab\\"}, "guided_regex"),  # a lone trailing backslash was dropped, not refused
     ({"guided_json": "[" * 20000 + "]" * 20000}, "guided_json"),  # JSON text nested past Python's recursion: a 500
@@ -508,3 +522,29 @@ def test_a_schema_is_read_strictly_unless_it_allows_more():
     assert props["d"]["anyOf"][0]["additionalProperties"] is False and "additionalProperties" not in props["d"]["anyOf"][1]
     assert props["e"]["additionalProperties"] is True and out["$defs"]["x"]["additionalProperties"] is False
     assert "additionalProperties" not in schema  # the caller's schema is left as it was
+
+
+def test_the_check_counts_optional_properties_where_an_object_opens(ref_model):
+    """The matcher's row holds 4 n - 1 items for the n optional properties that may start at one position (the
+    alternatives of an ``anyOf`` add up): up to 500 the schema is followed into its object; past it the check
+    refuses it before the request is queued, nested, behind a ``$ref`` or an ``anyOf`` too (an attack: such a schema
+    passed the check and failed mid-output)."""
+    from server.engine.grammar import GrammarError, check
+
+    model, tok = ref_model
+    grammars = Grammars(tok, model.config.vocab_size, [tok.eos_token_id])
+
+    def follows(schema: dict, text: str) -> bool:
+        state = grammars.state("json_schema", schema_text(schema))
+        return all(state.accept(t) and state.error is None for t in tok.encode(text, add_special_tokens=False))
+
+    for schema, text in [(MANY(500), "{"), ({"anyOf": [MANY(250), MANY(250, "q")]}, "{"),
+                         ({"type": "object", "properties": {"a": MANY(300), "b": MANY(300, "q")}}, '{"b": {')]:
+        check("json_schema", schema_text(schema))
+        assert follows(schema, text)
+    for schema, text in [(MANY(501), "{"), ({"anyOf": [MANY(300), MANY(201, "q")]}, "{"),
+                         ({"type": "object", "properties": {"y": MANY(600)}, "required": ["y"]}, '{"y": {'),
+                         ({"$defs": {"o": MANY(501)}, "type": "array", "items": {"$ref": "#/$defs/o"}}, "[{")]:
+        with pytest.raises(GrammarError, match="optional properties"):
+            check("json_schema", schema_text(schema))
+        assert not follows(schema, text)
