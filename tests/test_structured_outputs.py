@@ -9,6 +9,7 @@ import json
 
 import httpx
 import jsonschema
+import pydantic
 import pytest
 import torch
 
@@ -301,6 +302,41 @@ def test_a_named_tool_choice_answers_one_call_of_it(server):
     assert not any(c["choices"][0]["delta"].get("content") for c in chunks)
 
 
+class _TgiFunction(pydantic.BaseModel):  # text-generation 0.7.0's types.py: what its chat(stream=True) parses
+    name: str | None
+    arguments: str
+
+
+class _TgiDeltaToolCall(pydantic.BaseModel):
+    index: int
+    id: str
+    type: str
+    function: _TgiFunction
+
+
+class _TgiDelta(pydantic.BaseModel):
+    role: str
+    content: str | None = None
+    tool_calls: _TgiDeltaToolCall | None
+
+
+@pytest.mark.parametrize("tool_choice", [{"type": "function", "function": {"name": "get_weather"}}, "required"],
+                         ids=["named", "required"])
+def test_a_tgi_shaped_stream_sends_one_call_object_per_delta(server, tool_choice):
+    """``model: "tgi"`` streams TGI's shape: ``delta.tool_calls`` one call object (index, id, type, function with
+    name and arguments), as TGI's client ``text-generation`` 0.7 declares it, not OpenAI's list (an attack: the
+    client failed to parse the list); the pieces add up to the call the OpenAI shape streams."""
+    body = {"messages": MESSAGES, "max_tokens": 60, "stream": True, "temperature": 0, "tools": [WEATHER, TIME],
+            "tool_choice": tool_choice, "parallel_tool_calls": False}
+    (want,) = _calls(sse(server, "/v1/chat/completions", body))
+    deltas = [_TgiDelta.model_validate(c["choices"][0]["delta"])
+              for c in sse(server, "/v1/chat/completions", {**body, "model": "tgi"})]
+    calls = [d.tool_calls for d in deltas if d.tool_calls is not None]
+    assert calls and calls[0].id.startswith("call_") and calls[0].function.name == want["name"]
+    assert all(c.index == 0 and c.type == "function" and c.function.name is None for c in calls[1:])
+    assert "".join(c.function.arguments for c in calls) == want["arguments"]
+
+
 @pytest.mark.parametrize("sampling", [{"temperature": 0, "parallel_tool_calls": False},
                                       {"temperature": 1.0, "seed": 5}], ids=["greedy-one-call", "seeded"])
 def test_required_answers_calls_that_follow_their_schemas(server, sampling):
@@ -351,7 +387,7 @@ def test_the_openai_sdk_parses_answers_and_tool_calls(server):
         age: int = Field(ge=0, le=150)
 
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
-    ask = {"model": "tgi", "temperature": 0, "max_tokens": 150, "messages": [{"role": "user", "content": "A king"}]}
+    ask = {"model": "dummy", "temperature": 0, "max_tokens": 150, "messages": [{"role": "user", "content": "A king"}]}
     answer = client.chat.completions.parse(response_format=Person, **ask).choices[0]
     assert isinstance(answer.message.parsed, Person) and answer.finish_reason == "stop"
     tools = [openai.pydantic_function_tool(Person, name="add_person")]
