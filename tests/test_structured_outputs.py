@@ -302,6 +302,22 @@ def test_a_named_tool_choice_answers_one_call_of_it(server):
     assert not any(c["choices"][0]["delta"].get("content") for c in chunks)
 
 
+def test_a_tool_choice_string_naming_a_tool_is_that_named_function(server):
+    """TGI takes ``tool_choice`` as a function's name (its client ``text-generation`` sends it so): the same
+    answer as OpenAI's ``{"type": "function", ...}``; a string naming no tool is 400 naming ``tool_choice``."""
+    body = {"messages": MESSAGES, "max_tokens": 60, "temperature": 0, "tools": [WEATHER, TIME]}
+    want = post(server, "/v1/chat/completions", {**body, "tool_choice": {"type": "function",
+                                                                          "function": {"name": "get_time"}}})
+    out = post(server, "/v1/chat/completions", {**body, "tool_choice": "get_time"})
+    (call,) = out["choices"][0]["message"]["tool_calls"]
+    assert call["function"] == want["choices"][0]["message"]["tool_calls"][0]["function"]
+    assert call["function"]["name"] == "get_time" and out["choices"][0]["finish_reason"] == "tool_calls"
+    for choice in ("get_weathr", "named"):
+        r = httpx.post(server.url + "/v1/chat/completions", json={**body, "tool_choice": choice}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
+        assert choice in r.json()["error"]["message"], r.text
+
+
 class _TgiFunction(pydantic.BaseModel):  # text-generation 0.7.0's types.py: what its chat(stream=True) parses
     name: str | None
     arguments: str

@@ -214,9 +214,10 @@ class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[Tool] | None = Field(None, description="Functions the model may call: rendered into the prompt by "
                                      "the chat template (docs/http-api.md, Tool calls).")
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | str | None = Field(
         None, description="`auto` (the default with tools): the output is parsed for calls; `required` or a named "
-        "function: the output is constrained to a call; `none`: no call.")
+        "function: the output is constrained to a call; `none`: no call. Another string names a function of "
+        "`tools`, as TGI takes it (its client sends the name).")
     parallel_tool_calls: bool | None = Field(None, description="With `tool_choice: required`: false allows one "
                                              "call only (default: one or more).")
     logprobs: bool = Field(False, description="Return each generated token's log-probability.")
