@@ -298,6 +298,11 @@ def test_a_named_tool_choice_answers_one_call_of_it(server):
     chunks = sse(server, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 60, "stream": True, **body})
     (streamed,) = _calls(chunks)
     assert streamed["name"] == "get_weather" and streamed["arguments"] == call["function"]["arguments"]
+    # one entry per index in a delta, as vLLM and OpenAI send (an attack: the header and the first piece of the
+    # arguments came as two entries of index 0), the first with the id, the name and arguments
+    entries = [c["choices"][0]["delta"]["tool_calls"] for c in chunks if c["choices"][0]["delta"].get("tool_calls")]
+    assert all(len(e) == 1 for e in entries), entries[:2]
+    assert entries[0][0]["function"]["name"] == "get_weather" and entries[0][0]["function"]["arguments"]
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
     assert not any(c["choices"][0]["delta"].get("content") for c in chunks)
 

@@ -345,14 +345,12 @@ class ToolStream:
         mode = self.tools.mode
         if mode == "none" or not piece:
             return piece, []
-        if mode == "named":
-            out = []
+        if mode == "named":  # one entry per index in a delta (vLLM's, OpenAI's): the header with the first piece
             if not self.called:
                 self.called = True
-                out.append(DeltaToolCall(index=0, id=call_id(), type="function",
-                                         function=DeltaFunction(name=self.tools.named, arguments="")))
-            out.append(DeltaToolCall(index=0, function=DeltaFunction(arguments=piece)))
-            return "", out
+                return "", [DeltaToolCall(index=0, id=call_id(), type="function",
+                                          function=DeltaFunction(name=self.tools.named, arguments=piece))]
+            return "", [DeltaToolCall(index=0, function=DeltaFunction(arguments=piece))]
         self.held += piece
         if mode == "required" or self.holding:
             return "", []
