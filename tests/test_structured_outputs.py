@@ -525,6 +525,20 @@ def test_bad_grammars_on_completions_and_tgi(server):
         assert r.status_code == 422 and field in r.json()["error"], r.text
 
 
+@pytest.mark.parametrize("fields,reason", [
+    ({"guided_json": {"$ref": "#"}}, "the schema only refers to itself: no value matches it"),
+    ({"guided_json": {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}},
+     "the schema only refers to itself: no value matches it"),
+    ({"guided_regex": "[^\\s\\S]"}, "no string matches the regular expression")], ids=["self", "cycle", "regex"])
+def test_a_grammar_nothing_matches_is_refused_in_words(server, fields, reason):
+    """llguidance says "NoExtensionBias" where no token can start a grammar: the 400 says why instead."""
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 4, **fields},
+                   timeout=60)
+    (param,) = fields
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert r.json()["error"]["message"] == f"`{param}` cannot be followed: {reason}", r.text
+
+
 # ---- the real model ---------------------------------------------------------------------------------
 
 @pytest.mark.real_model

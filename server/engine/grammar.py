@@ -234,12 +234,39 @@ def check(kind: str, grammar: str) -> None:
             checker.check(kind, grammar)
         else:
             _validate(_grammar_text(kind, grammar))
-    except GrammarError:
+    except GrammarError as exc:
+        if str(exc) == NO_EXTENSION:
+            raise GrammarError(_matches_nothing(kind, grammar)) from None
         raise
     except RecursionError:
         raise GrammarError("nested too deeply") from None
     except Exception as exc:  # noqa: BLE001 - llguidance and json raise ValueError/RuntimeError with the reason
         raise GrammarError(_reason(str(exc) or type(exc).__name__)) from None
+
+
+NO_EXTENSION = "NoExtensionBias"
+"""llguidance's whole message where no token can start the grammar: nothing matches it."""
+
+
+_REF_ONLY = {"$ref", "$defs", "definitions", "$schema", "$id", "title", "description"}
+"""Keys of a schema that is its ``$ref`` and nothing more."""
+
+
+def _matches_nothing(kind: str, grammar: str) -> str:
+    """Why a grammar no token can start (llguidance's :data:`NO_EXTENSION`) cannot be followed, in words."""
+    if kind == "regex":
+        return "no string matches the regular expression"
+    try:
+        root = json.loads(grammar)
+    except ValueError:
+        root = None
+    node, seen = root, []
+    while isinstance(node, dict) and "$ref" in node and not set(node) - _REF_ONLY:  # a $ref and nothing else
+        if any(node is s for s in seen):
+            return "the schema only refers to itself: no value matches it"
+        seen.append(node)
+        node = _resolve(root, node["$ref"])
+    return "no JSON value matches the schema"
 
 
 def _reason(text: str) -> str:
