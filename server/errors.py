@@ -21,10 +21,11 @@ def is_openai(request: Request | None) -> bool:
 
 
 def error_response(status: int, message: str, error_type: str, request: Request | None = None,
-                   param: str | None = None) -> JSONResponse:
+                   param: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
     """TGI's ``{"error", "error_type"}``, or on ``/v1`` routes OpenAI's ``{"error": {"message", "type",
-    "param", "code"}}`` (``param``: the request field at fault, if one is)."""
-    return JSONResponse(status_code=status, content=error_body(is_openai(request), message, error_type, param))
+    "param", "code"}}`` (``param``: the request field at fault, if one is), with ``headers`` (a 405's ``Allow``)."""
+    return JSONResponse(status_code=status, content=error_body(is_openai(request), message, error_type, param),
+                        headers=headers)
 
 
 def validation_error(request: Request, message: str, param: str | None) -> JSONResponse:
@@ -122,7 +123,13 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException):
         if exc.status_code == 400:  # FastAPI could not decode the body (e.g. invalid UTF-8)
             return validation_error(request, f"invalid request body: {_parse_failure(exc)}", None)
-        return error_response(exc.status_code, str(exc.detail), "http", request)
+        # the exception's headers kept: a 405 names the methods the path takes in Allow (RFC 9110 section 15.5.6),
+        # HEAD beside GET (every GET route answers it, server.middleware)
+        headers = dict(exc.headers or {})
+        allow = [m.strip() for m in headers.get("Allow", "").split(",") if m.strip()]
+        if "GET" in allow and "HEAD" not in allow:
+            headers["Allow"] = ", ".join([*allow, "HEAD"])
+        return error_response(exc.status_code, str(exc.detail), "http", request, headers=headers or None)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):

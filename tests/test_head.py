@@ -69,3 +69,16 @@ def test_head_meets_the_key_check_as_get():
         get, head = client.get(path), client.head(path)
         assert head.status_code == get.status_code == status and head.content == b"" and get.content
         assert path in MOVING or head.headers["content-length"] == get.headers["content-length"]
+
+
+def test_a_405_names_the_allowed_methods():
+    """RFC 9110 requires ``Allow`` on a 405: Starlette's exception carries it and the error handler dropped it (an
+    attack: ``DELETE /health`` answered 405 without it); the body stays the error body of the route's family."""
+    from fastapi.testclient import TestClient
+
+    client = TestClient(create_app(load_settings()))  # no lifespan: the model never loads
+    for method, path, allow in [("DELETE", "/health", "GET, HEAD"), ("GET", "/generate", "POST"),
+                                ("PUT", "/v1/chat/completions", "POST")]:
+        r = client.request(method, path)
+        assert r.status_code == 405 and r.headers.get("allow") == allow, (method, path, r.headers)
+        assert r.json()["error"] if path.startswith("/v1") else r.json()["error_type"] == "http", r.text

@@ -96,7 +96,7 @@ def test_litellm_openai_and_text_completion_providers(server, oai):
 TGI_CLIENT_SCRIPT = r"""
 import asyncio, json, sys
 from text_generation import AsyncClient, Client
-from text_generation.types import Message
+from text_generation.types import Message, Tool
 
 url = sys.argv[1]
 client, aclient = Client(url, timeout=120), AsyncClient(url, timeout=120)
@@ -133,6 +133,16 @@ async def run_async_chat():
     return ["".join(pieces)]
 
 out["async_chat_stream"] = asyncio.run(run_async_chat())
+
+# a tool call streamed: the client sends tool_choice as the function's name and parses each delta's tool_calls as
+# one object (ChoiceDeltaToolCall)
+weather = Tool(type="function", function={"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"]}})
+tool_chunks = list(client.chat(messages, max_tokens=40, temperature=0, stream=True, tools=[weather],
+                               tool_choice="get_weather"))
+calls = [ch.choices[0].delta.tool_calls for ch in tool_chunks if ch.choices[0].delta.tool_calls]
+out["tool_stream"] = [calls[0].function.name, "".join(c.function.arguments for c in calls),
+                      tool_chunks[-1].choices[0].finish_reason]
 print(json.dumps(out))
 """
 
@@ -168,6 +178,8 @@ def test_text_generation_client_and_async_client(server, text_generation_path):
     assert reply and out["chat"] == [reply, want["choices"][0]["finish_reason"], want["usage"]["completion_tokens"]]
     assert out["chat_stream"] == [reply, ["assistant"], want["choices"][0]["finish_reason"]]
     assert out["async_chat_stream"] == [reply]
+    name, arguments, reason = out["tool_stream"]
+    assert name == "get_weather" and isinstance(json.loads(arguments)["city"], str) and reason == "tool_calls"
 
 
 def test_openai_stream_helper_accumulates_one_role(server, oai):

@@ -41,6 +41,22 @@ def test_a_lone_surrogate_is_a_4xx_naming_the_field(robust_server, path, body, f
     assert field in message and (isinstance(err, str) or err["param"] == field)
 
 
+def test_inputs_name_a_lone_surrogate_after_a_pair_as_stop_and_prompt_do(robust_server):
+    """After a valid pair, a lone surrogate in ``inputs`` got pydantic's "unable to parse raw data as a unicode
+    string" (its ``min_length`` check reads the text as UTF-8), naming neither the character nor where it is; now
+    ``inputs`` is named as ``parameters.stop`` and OpenAI's ``prompt`` are."""
+    text = "ab\\ud800\\udc00x\\ud800"
+    stop = post_raw(robust_server, "/generate", '{"inputs": "a", "parameters": {"stop": ["%s"]}}' % text)
+    prompt = post_raw(robust_server, "/v1/completions", '{"prompt": "%s", "max_tokens": 2}' % text)
+    assert stop.status_code == 422 and prompt.status_code == 400, (stop.text, prompt.text)
+    message = prompt.json()["error"]["message"]
+    assert "surrogates not allowed at character" in message, message
+    for path in ("/generate", "/generate_stream"):
+        r = post_raw(robust_server, path, '{"inputs": "%s"}' % text)
+        assert r.status_code == 422 and r.json()["error"] == message.replace("`prompt`", "`inputs`"), r.text
+    assert stop.json()["error"].split(": ", 1)[1] == message.split(": ", 1)[1], stop.text
+
+
 def test_a_run_of_lone_surrogates_is_named_by_its_first_never_echoed():
     """A 1.98 MB body of lone surrogates came back as a 4.62 MB error: the message echoed the whole run, each
     escaped. It names the first, its position and the run's length."""

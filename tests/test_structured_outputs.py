@@ -9,6 +9,7 @@ import json
 
 import httpx
 import jsonschema
+import pydantic
 import pytest
 import torch
 
@@ -31,6 +32,11 @@ TIME = {"type": "function", "function": {
                                        "required": ["zone"], "additionalProperties": False}}}
 MESSAGES = [{"role": "user", "content": "Who was the first king of Israel? Answer as JSON."}]
 SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+
+
+def MANY(n: int, prefix: str = "p") -> dict:  # noqa: N802 - reads as a constant in the tables
+    """An object schema of ``n`` optional string properties."""
+    return {"type": "object", "properties": {f"{prefix}{i}": {"type": "string"} for i in range(n)}}
 
 
 def valid(text: str, schema: dict) -> dict:
@@ -292,8 +298,64 @@ def test_a_named_tool_choice_answers_one_call_of_it(server):
     chunks = sse(server, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 60, "stream": True, **body})
     (streamed,) = _calls(chunks)
     assert streamed["name"] == "get_weather" and streamed["arguments"] == call["function"]["arguments"]
+    # one entry per index in a delta, as vLLM and OpenAI send (an attack: the header and the first piece of the
+    # arguments came as two entries of index 0), the first with the id, the name and arguments
+    entries = [c["choices"][0]["delta"]["tool_calls"] for c in chunks if c["choices"][0]["delta"].get("tool_calls")]
+    assert all(len(e) == 1 for e in entries), entries[:2]
+    assert entries[0][0]["function"]["name"] == "get_weather" and entries[0][0]["function"]["arguments"]
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
     assert not any(c["choices"][0]["delta"].get("content") for c in chunks)
+
+
+def test_a_tool_choice_string_naming_a_tool_is_that_named_function(server):
+    """TGI takes ``tool_choice`` as a function's name (its client ``text-generation`` sends it so): the same
+    answer as OpenAI's ``{"type": "function", ...}``; a string naming no tool is 400 naming ``tool_choice``."""
+    body = {"messages": MESSAGES, "max_tokens": 60, "temperature": 0, "tools": [WEATHER, TIME]}
+    want = post(server, "/v1/chat/completions", {**body, "tool_choice": {"type": "function",
+                                                                          "function": {"name": "get_time"}}})
+    out = post(server, "/v1/chat/completions", {**body, "tool_choice": "get_time"})
+    (call,) = out["choices"][0]["message"]["tool_calls"]
+    assert call["function"] == want["choices"][0]["message"]["tool_calls"][0]["function"]
+    assert call["function"]["name"] == "get_time" and out["choices"][0]["finish_reason"] == "tool_calls"
+    for choice in ("get_weathr", "named"):
+        r = httpx.post(server.url + "/v1/chat/completions", json={**body, "tool_choice": choice}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
+        assert choice in r.json()["error"]["message"], r.text
+
+
+class _TgiFunction(pydantic.BaseModel):  # text-generation 0.7.0's types.py: what its chat(stream=True) parses
+    name: str | None
+    arguments: str
+
+
+class _TgiDeltaToolCall(pydantic.BaseModel):
+    index: int
+    id: str
+    type: str
+    function: _TgiFunction
+
+
+class _TgiDelta(pydantic.BaseModel):
+    role: str
+    content: str | None = None
+    tool_calls: _TgiDeltaToolCall | None
+
+
+@pytest.mark.parametrize("tool_choice", [{"type": "function", "function": {"name": "get_weather"}}, "required"],
+                         ids=["named", "required"])
+def test_a_tgi_shaped_stream_sends_one_call_object_per_delta(server, tool_choice):
+    """``model: "tgi"`` streams TGI's shape: ``delta.tool_calls`` one call object (index, id, type, function with
+    name and arguments), as TGI's client ``text-generation`` 0.7 declares it, not OpenAI's list (an attack: the
+    client failed to parse the list); the pieces add up to the call the OpenAI shape streams."""
+    body = {"messages": MESSAGES, "max_tokens": 60, "stream": True, "temperature": 0, "tools": [WEATHER, TIME],
+            "tool_choice": tool_choice, "parallel_tool_calls": False}
+    (want,) = _calls(sse(server, "/v1/chat/completions", body))
+    deltas = [_TgiDelta.model_validate(c["choices"][0]["delta"])
+              for c in sse(server, "/v1/chat/completions", {**body, "model": "tgi"})]
+    calls = [d.tool_calls for d in deltas if d.tool_calls is not None]
+    assert calls and calls[0].id.startswith("call_") and calls[0].function.name == want["name"]
+    assert all(c.index == 0 and c.type == "function" and c.function.name is None for c in calls[1:])
+    assert "".join(c.function.arguments for c in calls) == want["arguments"]
 
 
 @pytest.mark.parametrize("sampling", [{"temperature": 0, "parallel_tool_calls": False},
@@ -346,7 +408,7 @@ def test_the_openai_sdk_parses_answers_and_tool_calls(server):
         age: int = Field(ge=0, le=150)
 
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
-    ask = {"model": "tgi", "temperature": 0, "max_tokens": 150, "messages": [{"role": "user", "content": "A king"}]}
+    ask = {"model": "dummy", "temperature": 0, "max_tokens": 150, "messages": [{"role": "user", "content": "A king"}]}
     answer = client.chat.completions.parse(response_format=Person, **ask).choices[0]
     assert isinstance(answer.message.parsed, Person) and answer.finish_reason == "stop"
     tools = [openai.pydantic_function_tool(Person, name="add_person")]
@@ -402,6 +464,15 @@ BAD = [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "many", "schema": {
         "type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(600)}}}}},
      "response_format.json_schema.schema"),
+    # found by an attack: these passed the check (its forced tokens stop before the object opens) and failed
+    # mid-output, mid-stream too: "Current row has 2399 items; max is 2000"
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "nested", "schema": {
+        "type": "object", "properties": {"x": {"type": "string", "maxLength": 12}, "y": MANY(600)},
+        "required": ["x", "y"]}}}}, "response_format.json_schema.schema"),
+    ({"guided_json": {"anyOf": [MANY(260), MANY(260, "q")]}}, "guided_json"),
+    ({"guided_json": {"type": "array", "items": {"$ref": "#/$defs/o"}, "$defs": {"o": MANY(501)}}}, "guided_json"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": MANY(600)}}], "tool_choice": "required"},
+     "tools[0].function.parameters"),
     ({"guided_regex": "(a{1000}){1000}"}, "guided_regex"),
     ({"guided_regex": "ab\\"}, "guided_regex"),  # a lone trailing backslash was dropped, not refused
     ({"guided_json": "[" * 20000 + "]" * 20000}, "guided_json"),  # JSON text nested past Python's recursion: a 500
@@ -452,6 +523,20 @@ def test_bad_grammars_on_completions_and_tgi(server):
                            ({"type": "xml", "value": "x"}, "grammar")]:
         r = httpx.post(server.url + "/generate", json={"inputs": "a", "parameters": {"grammar": grammar}}, timeout=60)
         assert r.status_code == 422 and field in r.json()["error"], r.text
+
+
+@pytest.mark.parametrize("fields,reason", [
+    ({"guided_json": {"$ref": "#"}}, "the schema only refers to itself: no value matches it"),
+    ({"guided_json": {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}},
+     "the schema only refers to itself: no value matches it"),
+    ({"guided_regex": "[^\\s\\S]"}, "no string matches the regular expression")], ids=["self", "cycle", "regex"])
+def test_a_grammar_nothing_matches_is_refused_in_words(server, fields, reason):
+    """llguidance says "NoExtensionBias" where no token can start a grammar: the 400 says why instead."""
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 4, **fields},
+                   timeout=60)
+    (param,) = fields
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert r.json()["error"]["message"] == f"`{param}` cannot be followed: {reason}", r.text
 
 
 # ---- the real model ---------------------------------------------------------------------------------
@@ -508,3 +593,29 @@ def test_a_schema_is_read_strictly_unless_it_allows_more():
     assert props["d"]["anyOf"][0]["additionalProperties"] is False and "additionalProperties" not in props["d"]["anyOf"][1]
     assert props["e"]["additionalProperties"] is True and out["$defs"]["x"]["additionalProperties"] is False
     assert "additionalProperties" not in schema  # the caller's schema is left as it was
+
+
+def test_the_check_counts_optional_properties_where_an_object_opens(ref_model):
+    """The matcher's row holds 4 n - 1 items for the n optional properties that may start at one position (the
+    alternatives of an ``anyOf`` add up): up to 500 the schema is followed into its object; past it the check
+    refuses it before the request is queued, nested, behind a ``$ref`` or an ``anyOf`` too (an attack: such a schema
+    passed the check and failed mid-output)."""
+    from server.engine.grammar import GrammarError, check
+
+    model, tok = ref_model
+    grammars = Grammars(tok, model.config.vocab_size, [tok.eos_token_id])
+
+    def follows(schema: dict, text: str) -> bool:
+        state = grammars.state("json_schema", schema_text(schema))
+        return all(state.accept(t) and state.error is None for t in tok.encode(text, add_special_tokens=False))
+
+    for schema, text in [(MANY(500), "{"), ({"anyOf": [MANY(250), MANY(250, "q")]}, "{"),
+                         ({"type": "object", "properties": {"a": MANY(300), "b": MANY(300, "q")}}, '{"b": {')]:
+        check("json_schema", schema_text(schema))
+        assert follows(schema, text)
+    for schema, text in [(MANY(501), "{"), ({"anyOf": [MANY(300), MANY(201, "q")]}, "{"),
+                         ({"type": "object", "properties": {"y": MANY(600)}, "required": ["y"]}, '{"y": {'),
+                         ({"$defs": {"o": MANY(501)}, "type": "array", "items": {"$ref": "#/$defs/o"}}, "[{")]:
+        with pytest.raises(GrammarError, match="optional properties"):
+            check("json_schema", schema_text(schema))
+        assert not follows(schema, text)

@@ -26,7 +26,7 @@ from server.api.openai_convert import (TokenText, chat_logprobs, chat_requests, 
 from server.api.openai_schemas import (ChatChoice, ChatChunk, ChatChunkChoice, ChatDelta, ChatRequest,
                                        ChatResponse, ChatResponseMessage, CompletionChoice, CompletionRequest,
                                        CompletionResponse, ModelCard, ModelList, OpenAIError, PromptTokensDetails,
-                                       Usage)
+                                       TgiDeltaToolCall, Usage)
 from server.api.threaded_body import ThreadedBodyRoute
 from server.api.tools import ToolStream, finish_reason as tool_finish, parse as parse_tool_calls, response_calls
 from server.api.types import sse_schema
@@ -195,7 +195,8 @@ async def chat_completions(body: ChatRequest, request: Request):
     accumulates deltas, as the ``openai`` package's ``chat.completions.stream``, adds up every string it gets, and
     would read ``assistantassistant...``), ``content`` where there is text, ``{}`` with the finish reason. A request
     whose ``model`` is ``"tgi"`` (what TGI's own client, ``text-generation``, always sends) gets TGI's shape, which
-    that client needs: every delta carries ``role``, ``content`` (a string) and ``tool_calls`` (null), and the stream
+    that client needs: every delta carries ``role``, ``content`` (a string) and ``tool_calls`` (null, or one call
+    object per delta, not a list), and the stream
     ends with its last chunk, without ``[DONE]`` (text-generation 0.7 reads every ``data:`` line as JSON; TGI 2.0
     sent none).
     """
@@ -225,8 +226,9 @@ async def chat_completions(body: ChatRequest, request: Request):
     tgi_shape = body.model == TGI_CLIENT_MODEL
 
     def chunk(k: int, delta: ChatDelta, reason: str | None = None, entries=None) -> dict:
-        if tgi_shape:
-            delta = ChatDelta(role="assistant", content=delta.content or "", tool_calls=delta.tool_calls)
+        if tgi_shape:  # one call per delta (the stream sends them one by one), as an object
+            calls = TgiDeltaToolCall.of(delta.tool_calls[0]) if delta.tool_calls else None
+            delta = ChatDelta(role="assistant", content=delta.content or "", tool_calls=calls)
         logprobs = chat_logprobs(entries, text) if body.logprobs and entries else None
         usage = _usage(seqs, seqs[:1]) if _continuous_usage(body) else None
         choice = ChatChunkChoice(index=k, delta=delta, finish_reason=reason, logprobs=logprobs)
@@ -255,8 +257,8 @@ async def chat_completions(body: ChatRequest, request: Request):
                 if content:
                     yield chunk(k, ChatDelta(content=content), entries=pending[k])
                     pending[k] = []
-                if calls:
-                    yield chunk(k, ChatDelta(tool_calls=calls), entries=pending[k])
+                for part in ([[c] for c in calls] if tgi_shape else [calls] if calls else []):
+                    yield chunk(k, ChatDelta(tool_calls=part), entries=pending[k])
                     pending[k] = []
             if ev.finish_reason is not None:
                 yield chunk(k, ChatDelta(), tool_finish(finish(ev.finish_reason), streams[k].called),

@@ -214,9 +214,10 @@ class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[Tool] | None = Field(None, description="Functions the model may call: rendered into the prompt by "
                                      "the chat template (docs/http-api.md, Tool calls).")
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | str | None = Field(
         None, description="`auto` (the default with tools): the output is parsed for calls; `required` or a named "
-        "function: the output is constrained to a call; `none`: no call.")
+        "function: the output is constrained to a call; `none`: no call. Another string names a function of "
+        "`tools`, as TGI takes it (its client sends the name).")
     parallel_tool_calls: bool | None = Field(None, description="With `tool_choice: required`: false allows one "
                                              "call only (default: one or more).")
     logprobs: bool = Field(False, description="Return each generated token's log-probability.")
@@ -350,14 +351,36 @@ class DeltaToolCall(BaseModel):
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
+class TgiDeltaFunction(BaseModel):
+    """TGI's streamed function: ``name`` (null after the call's first delta) and ``arguments`` always present."""
+
+    name: str | None = None
+    arguments: str = ""
+
+
+class TgiDeltaToolCall(BaseModel):
+    """TGI's streamed tool call: one object per delta, not a list, with every key its client
+    (``text-generation``'s ``ChoiceDeltaToolCall``) requires: ``id`` is ``""`` after the call's first delta."""
+
+    index: int
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: TgiDeltaFunction
+
+    @classmethod
+    def of(cls, call: DeltaToolCall) -> "TgiDeltaToolCall":
+        return cls(index=call.index, id=call.id or "",
+                   function=TgiDeltaFunction(name=call.function.name, arguments=call.function.arguments))
+
+
 class ChatDelta(BaseModel):
     """A stream chunk's delta; keys not set are left out (the last chunk's delta is ``{}``)."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
-    tool_calls: list[DeltaToolCall] | None = Field(None, description="Tool calls in pieces (OpenAI's stream shape); "
-                                                   "null on every delta in a stream asked for with `model: \"tgi\"` "
-                                                   "(TGI's client needs the key).")
+    tool_calls: list[DeltaToolCall] | TgiDeltaToolCall | None = Field(
+        None, description="Tool calls in pieces (OpenAI's stream shape); in a stream asked for with `model: \"tgi\"`, "
+        "one call object per delta (TGI's shape), null on deltas without one (TGI's client needs the key).")
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+from pydantic_core import PydanticCustomError
 
 from server.api.request_model import RequestModel
 from server.api.openai_schemas import CACHE_SALT
@@ -63,7 +64,19 @@ class TGIRequest(RequestModel):
 
     model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 
-    inputs: str = Field(min_length=1, description="The prompt.")
+    inputs: str = Field(description="The prompt.", json_schema_extra={"minLength": 1})
+
+    @field_validator("inputs")
+    @classmethod
+    def _not_empty(cls, value: str) -> str:
+        """pydantic's ``min_length`` check, by hand: pydantic-core's own reads the text as UTF-8 and refuses text
+        with a lone surrogate (``"\\ud800"``, which JSON escapes can carry) with a message that names neither the
+        character nor where it is; this leaves it to the service's check, which does (as for ``stop`` and
+        ``prompt``)."""
+        if not value:
+            raise PydanticCustomError("string_too_short", "String should have at least {min_length} character",
+                                      {"min_length": 1})
+        return value
     parameters: TGIParameters = Field(default_factory=TGIParameters)
     stream: bool = False
 

@@ -94,22 +94,32 @@ def plan(body: ChatRequest, constrained: bool) -> ToolPlan:
         json_schema_grammar(params, f"tools[{i}].function.parameters")
         schemas.append(params)
     choice = body.tool_choice
-    mode = (choice if isinstance(choice, str) else "named") if choice is not None else ("auto" if tools else "none")
+    named, field = None, ""
+    if choice is None:
+        mode = "auto" if tools else "none"
+    elif not isinstance(choice, str):
+        mode, named, field = "named", choice.function.name, "tool_choice.function.name"
+    elif choice in ("none", "auto", "required"):
+        mode = choice
+    else:  # TGI's: a function's name as a plain string (what its client sends)
+        if tools and choice not in names:
+            raise InvalidRequest(f"`tool_choice` {choice!r} is none of `none`, `auto` and `required` and names no "
+                                 f"function of `tools` ({', '.join(names)})", "tool_choice")
+        mode, named, field = "named", choice, "tool_choice"
     if body.parallel_tool_calls is not None and not tools:
         raise InvalidRequest("`parallel_tool_calls` needs `tools`", "parallel_tool_calls")
     if mode != "none" and not tools:
-        raise InvalidRequest(f"`tool_choice` {mode!r} needs `tools`", "tool_choice")
+        raise InvalidRequest(f"`tool_choice` {choice if isinstance(choice, str) else mode!r} needs `tools`",
+                             "tool_choice")
     if mode in ("required", "named") and constrained:
         raise InvalidRequest(f"`tool_choice` {mode!r} constrains the output; it cannot go with a `response_format` "
                              "(or vLLM's `structured_outputs`, `guided_*`) that does", "tool_choice")
     single = body.parallel_tool_calls is False
     if mode == "named":
-        name = choice.function.name
-        if name not in names:
-            raise InvalidRequest(f"`tool_choice.function.name` {name!r} is not among `tools` ({', '.join(names)})",
-                                 "tool_choice.function.name")
-        return ToolPlan("named", names, name, True, checked("json_schema", schema_text(schemas[names.index(name)]),
-                                                             "tool_choice.function.name"))
+        if named not in names:
+            raise InvalidRequest(f"`{field}` {named!r} is not among `tools` ({', '.join(names)})", field)
+        return ToolPlan("named", names, named, True, checked("json_schema", schema_text(schemas[names.index(named)]),
+                                                              field))
     if mode == "required":  # each tool's parameters under $defs, their own local $refs rebased there
         call = {"anyOf": [{"type": "object", "properties": {"name": {"const": n}, "arguments": {"$ref": f"#/$defs/t{i}"}},
                            "required": ["name", "arguments"], "additionalProperties": False}
@@ -335,14 +345,12 @@ class ToolStream:
         mode = self.tools.mode
         if mode == "none" or not piece:
             return piece, []
-        if mode == "named":
-            out = []
+        if mode == "named":  # one entry per index in a delta (vLLM's, OpenAI's): the header with the first piece
             if not self.called:
                 self.called = True
-                out.append(DeltaToolCall(index=0, id=call_id(), type="function",
-                                         function=DeltaFunction(name=self.tools.named, arguments="")))
-            out.append(DeltaToolCall(index=0, function=DeltaFunction(arguments=piece)))
-            return "", out
+                return "", [DeltaToolCall(index=0, id=call_id(), type="function",
+                                          function=DeltaFunction(name=self.tools.named, arguments=piece))]
+            return "", [DeltaToolCall(index=0, function=DeltaFunction(arguments=piece))]
         self.held += piece
         if mode == "required" or self.holding:
             return "", []

@@ -103,6 +103,89 @@ def _grammar_text(kind: str, grammar: str) -> str:
     raise GrammarError(f"unknown grammar kind {kind!r}; one of {', '.join(KINDS)}")
 
 
+_ITEMS_PER_OPTIONAL = 4
+"""Earley items one optional property adds to the row the matcher predicts where its object may start (measured on
+llguidance 1.9: an object of ``n`` optional properties makes a row of ``4 n - 1`` items, alternatives of an
+``anyOf`` at one position add up)."""
+
+
+def _max_optional() -> int:
+    """The most optional properties the objects that may start at one position can hold together."""
+    return (_llguidance().LLParserLimits().max_items_in_row + 1) // _ITEMS_PER_OPTIONAL
+
+
+def _resolve(root: Any, ref: Any) -> Any:
+    """The local ``$ref`` (``#`` or ``#/a/b``) in ``root``, or ``None`` (a remote or unknown one)."""
+    if not isinstance(ref, str) or not ref.startswith("#"):
+        return None
+    node = root
+    for part in [p for p in ref[1:].split("/") if p]:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def _starting_optional(root: Any, schema: Any, seen: frozenset = frozenset()) -> int:
+    """Optional properties of the objects that may start where ``schema`` starts: its own, its ``anyOf``,
+    ``oneOf`` and ``allOf`` parts' and its ``$ref``'s (counted whether or not a required property comes first: an
+    upper bound)."""
+    if not isinstance(schema, dict) or id(schema) in seen:
+        return 0
+    seen = seen | {id(schema)}
+    count = 0
+    props = schema.get("properties")
+    if isinstance(props, dict):
+        required = schema.get("required") if isinstance(schema.get("required"), list) else []
+        count += len([name for name in props if name not in required])
+    for key in ("anyOf", "oneOf", "allOf"):
+        if isinstance(schema.get(key), list):
+            count += sum(_starting_optional(root, s, seen) for s in schema[key])
+    if "$ref" in schema:
+        count += _starting_optional(root, _resolve(root, schema["$ref"]), seen)
+    return count
+
+
+def _subschemas(schema: Any):
+    """``schema`` and every schema inside it."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        yield node
+        stack.extend(node[k] for k in _SUBSCHEMAS + _SCHEMA_LISTS if isinstance(node.get(k), (dict, list)))
+        stack.extend(v for k in _SCHEMA_MAPS if isinstance(node.get(k), dict) for v in node[k].values())
+        if isinstance(node.get("additionalProperties"), dict):
+            stack.append(node["additionalProperties"])
+
+
+def _check_optional(grammar: str) -> None:
+    """Refuse a schema whose objects hold more optional properties at one position than the matcher's row holds:
+    it compiles and starts, then fails where the object opens ("Current row has N items; max is 2000"), mid-output.
+
+    Raises:
+        GrammarError: such a schema (a schema that is not JSON is left to the compiler to say so).
+    """
+    try:
+        schema = json.loads(grammar)
+    except ValueError:
+        return
+    bound = _max_optional()
+    for node in _subschemas(schema):
+        count = _starting_optional(schema, node)
+        if count > bound:
+            raise GrammarError(f"an object of {count} optional properties (with its alternatives): the matcher "
+                               f"holds at most {bound} where an object opens")
+
+
 def _validate(text: str) -> None:
     """Check ``text`` alone, without a vocabulary (what :func:`check` does before :func:`use_vocabulary`)."""
     error = _llguidance().LLMatcher.validate_grammar(text, None)
@@ -145,16 +228,45 @@ def check(kind: str, grammar: str) -> None:
     if checker is not None and checker.vocab is None:  # a tokenizer llguidance cannot read: checked alone
         checker = None
     try:
+        if kind == "json_schema":
+            _check_optional(grammar)
         if checker is not None:
             checker.check(kind, grammar)
         else:
             _validate(_grammar_text(kind, grammar))
-    except GrammarError:
+    except GrammarError as exc:
+        if str(exc) == NO_EXTENSION:
+            raise GrammarError(_matches_nothing(kind, grammar)) from None
         raise
     except RecursionError:
         raise GrammarError("nested too deeply") from None
     except Exception as exc:  # noqa: BLE001 - llguidance and json raise ValueError/RuntimeError with the reason
         raise GrammarError(_reason(str(exc) or type(exc).__name__)) from None
+
+
+NO_EXTENSION = "NoExtensionBias"
+"""llguidance's whole message where no token can start the grammar: nothing matches it."""
+
+
+_REF_ONLY = {"$ref", "$defs", "definitions", "$schema", "$id", "title", "description"}
+"""Keys of a schema that is its ``$ref`` and nothing more."""
+
+
+def _matches_nothing(kind: str, grammar: str) -> str:
+    """Why a grammar no token can start (llguidance's :data:`NO_EXTENSION`) cannot be followed, in words."""
+    if kind == "regex":
+        return "no string matches the regular expression"
+    try:
+        root = json.loads(grammar)
+    except ValueError:
+        root = None
+    node, seen = root, []
+    while isinstance(node, dict) and "$ref" in node and not set(node) - _REF_ONLY:  # a $ref and nothing else
+        if any(node is s for s in seen):
+            return "the schema only refers to itself: no value matches it"
+        seen.append(node)
+        node = _resolve(root, node["$ref"])
+    return "no JSON value matches the schema"
 
 
 def _reason(text: str) -> str:
