@@ -596,3 +596,34 @@ def test_a_prompt_cut_by_the_decoding_tokens_holds_no_more_than_admission_bounds
     run_step(engine)
     run_all(engine, [long])
     assert max(peak) <= kv.pages_to_finish(long), (peak, kv.pages_to_finish(long))
+
+
+@pytest.mark.parametrize("backend", ["window+int8", "window+int4"])
+def test_a_windowed_prompt_cut_by_the_decoding_tokens_holds_no_more_than_admission_bounds(ref_model, backend):
+    """On a layout of window groups (``window`` with sinks 4 and a window of 64, over int8/int4) too: beside 5
+    sequences that decode 3 tokens, a 300-token prompt's steps are 95, 95, then 100 from position 190, where the
+    window's pages are least aligned: it held 23 pages (int4: 39) where :meth:`KVCacheManager.pages_to_finish`,
+    walking steps of 100 from position 0, said 19 (int4: 33). The pages it holds during each step stay within the
+    bound."""
+    model, tok = ref_model
+    engine = make_engine(model, tok, backend, prefill_chunk_tokens=100, block_size=16, sinks=4, window=64)
+    kv = engine.kv
+    ids = tok.encode(" ".join(TEXTS * 8))
+    long = Sequence(request_id="long", prompt_ids=ids[:300], max_new_tokens=2, params=SamplingParams(), stop=[],
+                    backend_name=backend)
+    peak, steps, commit = [], [], kv.commit
+
+    def held_then_commit(seq, plan, feedback=None):
+        if seq is long:
+            peak.append(kv.held(seq))
+            steps.append(plan.n)
+        return commit(seq, plan, feedback)
+
+    kv.commit = held_then_commit
+    for i in range(5):
+        engine.submit(Sequence(request_id=f"d{i}", prompt_ids=ids[i : i + 3], max_new_tokens=3,
+                               params=SamplingParams(), stop=[], backend_name=backend))
+    run_step(engine)
+    run_all(engine, [long])
+    assert steps[:3] == [95, 95, 100]  # the cut the bound must allow for
+    assert max(peak) <= kv.pages_to_finish(long), (peak, kv.pages_to_finish(long))

@@ -262,14 +262,98 @@ def test_admission_reserves_what_a_request_holds_and_not_a_sink_page_more(name, 
     assert layout.pages_to_generate(10, 30, 256) == _walked_pages(layout, 10, 30, 256) == 1
 
 
+GEMMA_LIKE = ModelGeometry(num_layers=6, num_attention_heads=8, num_key_value_heads=4, head_dim=64, dtype_bytes=4,
+                           layer_windows=(64, 64, None, 64, 64, None), rope_per_layer_type=True)
+
+
+def _cut_pages(layout, steps: list[int]) -> int:
+    """The most pages a sequence holds writing its prompt in ``steps`` (tokens a step)."""
+    blocks, most = layout.cached_prefix([]), 0
+    for n in steps:
+        plan = layout.plan(blocks, n)
+        layout.extend(blocks, plan, [0] * plan.new_exact_pages, [0] * plan.new_q_pages)
+        most = max(most, len(blocks.pages()))
+        layout.commit(blocks, plan)
+    return most
+
+
+def _random_cut(prompt: int, chunk: int, rng) -> list[int]:
+    """A prompt's steps of at most ``chunk`` tokens, each cut at random (as a step budget shared with decoding
+    sequences and other prefills cuts them)."""
+    steps = []
+    while sum(steps) < prompt:
+        steps.append(min(prompt - sum(steps), rng.choice([chunk, chunk, rng.randint(1, chunk)])))
+    return steps
+
+
+@pytest.mark.parametrize("name, geometry, options", [
+    ("window", SMOLLM2, {"sinks": 4, "window": 64}), ("window+int8", SMOLLM2, {"sinks": 4, "window": 64}),
+    ("window+int4", SMOLLM2, {"sinks": 4, "window": 64}), ("window+int8", SMOLLM2, {"sinks": 16, "window": 100}),
+    ("full", GEMMA_LIKE, {}), ("int8", GEMMA_LIKE, {}), ("int4", GEMMA_LIKE, {}),
+    ("window", GEMMA_LIKE, {"sinks": 4, "window": 128})], ids=lambda v: getattr(v, "num_layers", v))
+def test_the_pages_to_generate_bound_every_cut_of_a_hybrid_prompt_into_steps(name, geometry, options):
+    """The scheduler cuts a prompt's steps anywhere (:meth:`KVCacheManager.step_tokens`, a budget shared with the
+    decoding sequences), and on a layout of window groups a step that starts where the window's pages are least
+    aligned holds more than the walk of whole chunks from position 0: a 300-token ``window+int8`` prompt (sinks 4,
+    window 64) in steps of 95, 95 (a 100-token chunk beside 5 decoding tokens), then 100 (the decoding sequences
+    done) held 7 pages where the bound, walking steps of 100, said 6. The bound is the most over every start ``p`` of a step of ``min(chunk, prompt - p)``
+    tokens, the groups' pages added in the same step (no looser: some cut reaches it), and no random cut holds
+    more; on a Gemma-3-like model (sliding layers of window 64 beside global ones) too."""
+    import random
+
+    from server.engine.kv_cache import page_layouts
+
+    served = {name: create(name, geometry, **options), **{n: create(n, geometry) for n in ("full", "int8")}}
+    layout = page_layouts(served, torch.float32, 16)[1][name]
+    rng = random.Random(0)
+    for prompt in (1, 33, 75, 141, 300, 457):
+        for chunk in (1, 24, 64, 95, 100, 256):
+            bound = layout.pages_to_generate(prompt, prompt, chunk)
+            most = max(layout.prefill_pages(layout.written(layout.cached_prefix([]), p), min(chunk, prompt - p))
+                       for p in range(prompt))
+            assert bound == most, (prompt, chunk)
+            for _ in range(3):
+                assert _cut_pages(layout, _random_cut(prompt, chunk, rng)) <= bound, (prompt, chunk)
+            for total in (prompt + 1, prompt + 200):
+                assert layout.pages_to_generate(prompt, total, chunk) >= bound
+    if (name, geometry, options) == ("window+int8", SMOLLM2, {"sinks": 4, "window": 64}):
+        assert (_walked_pages(layout, 300, 300, 100), _cut_pages(layout, [95, 95, 100, 10])) == (6, 7)
+        assert layout.pages_to_generate(300, 300, 100) == 7
+
+
+@pytest.mark.parametrize("name", ["full", "int8", "int4"])
+def test_a_hybrid_bound_over_too_many_starts_adds_the_groups_own_peaks(monkeypatch, name):
+    """Where the groups' periods make more starts than :data:`cache_backends.hybrid.MOST_STARTS` (page sizes of a
+    large ``lcm``), :meth:`HybridLayout.prefill_peak` adds each group's own peak: still at least what every start's
+    step holds, and a page above the joint peak at most."""
+    from cache_backends import hybrid
+    from server.engine.kv_cache import page_layouts
+
+    def layout():
+        served = {name: create(name, GEMMA_LIKE), **{n: create(n, GEMMA_LIKE) for n in ("full", "int8")}}
+        return page_layouts(served, torch.float32, 16)[1][name]
+
+    joint, apart = layout(), layout()
+    monkeypatch.setattr(hybrid, "MOST_STARTS", 0)
+    for prompt in (75, 300, 457):
+        for chunk in (24, 95, 256):
+            most = max(apart.prefill_pages(apart.written(apart.cached_prefix([]), p), min(chunk, prompt - p))
+                       for p in range(prompt))
+            assert most <= apart.prefill_peak(prompt, chunk) <= most + 1, (prompt, chunk)
+            monkeypatch.setattr(hybrid, "MOST_STARTS", 4096)
+            assert joint.prefill_peak(prompt, chunk) == most, (prompt, chunk)
+            monkeypatch.setattr(hybrid, "MOST_STARTS", 0)
+
+
 def test_window_int8_holds_its_two_tiers_pages_beside_the_window():
     """Why ``window+int8`` can need more pages than ``window`` for one request on a small pool (inherent, not an
     over-reservation): it keeps its residual window and forming group exact (up to residual + group_size - 1 = 63
     tokens) and the older tokens the window sees as codes in pages of their own, freed only once every token in
     them left the window, and a prefill step writes its chunk exact before it drains it. In one pool (48 exact tokens
     or 160 codes a page), ``window:window=64`` holds 80 tokens in 2 pages (positions 17-79 and the sinks), and
-    ``window+int8`` in 3: tokens 0-31 as codes in one page, 32-79 exact in two; a 256-token chunk holds 6 exact pages
-    under both, and under ``window+int8`` its 2 pages of codes too. With a window of 1024 at 600 tokens it is the
+    ``window+int8`` in 3: tokens 0-31 as codes in one page, 32-79 exact in two; a 256-token step holds up to 7 exact
+    pages under both (one from position 33 to 44, the prompt's first step cut short, holds every token up to 289 or
+    more before the window drops any), and under ``window+int8`` its 2 pages of codes too. With a window of 1024 at 600 tokens it is the
     other way round: the codes' smaller size outweighs the tiers' pages (docs/backends.md, ``window``)."""
     from server.engine.kv_cache import page_layouts
 
@@ -282,8 +366,8 @@ def test_window_int8_holds_its_two_tiers_pages_beside_the_window():
 
     assert pages(64, 10, 63) == [2, 2]  # nothing quantized yet: the same exact pages
     assert pages(64, 40, 80) == [2, 3]
-    assert pages(64, 300, 600) == [6, 8]
-    assert pages(1024, 300, 600) == [13, 8]
+    assert pages(64, 300, 600) == [7, 9]
+    assert pages(1024, 300, 600) == [13, 9]
 
 
 @pytest.mark.parametrize("mode", _attention_modes())
