@@ -62,11 +62,10 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from cache_backends import hybrid_peak
 from cache_backends.page_layout import PageLayout
 from cache_backends.page_plan import NULL_PAGE, GroupedBlocks, GroupedPlan, Plan, SeqBlocks
 from cache_backends.step_meta import StepMeta
-
-MOST_STARTS = 4096  # the most starts HybridLayout.prefill_peak walks jointly (tens of ms); past it, groups apart
 
 
 @dataclass
@@ -314,77 +313,9 @@ class HybridLayout:
 
     def prefill_peak(self, prompt: int, chunk: int | None = None) -> int:
         """The most pages a sequence holds writing its ``prompt`` tokens in steps of at most ``chunk`` tokens cut
-        anywhere (default: in one step), as :meth:`cache_backends.page_plan.TierPlan.prefill_peak` does for one
-        group: the scheduler's steps start at any position ``p``, between steps every group's tables are those of
-        its ``p`` tokens whatever the chunking (:meth:`written`: a window frees the pages, and pins the sink pages,
-        that lie wholly before ``p - W + 1``, a quantized one whole code pages, ``first`` a page's start), and a
-        step holds more the more tokens it writes, so the peak is the most over ``p`` of a step of
-        ``min(chunk, prompt - p)`` tokens from there (the groups' pages added in the same step: the sum of each
-        group's own peak is a page looser at times, the groups peaking at different ``p``).
-
-        Only some ``p`` need a look. A step that ends at ``prompt`` (``p >= prompt - chunk``) holds less the later
-        it starts (every group's pages from what ``p`` still holds to ``prompt``), so ``p = prompt - chunk``. A
-        whole chunk from ``p`` holds in each group: a global group the pages of ``p + chunk`` tokens (growing with
-        ``p``) and, quantized, exact pages that repeat with ``p`` modulo ``lcm(group_size, exact_tokens)`` once
-        ``p >= residual``; a sliding group of window ``W`` and ``s`` sinks, once its window has passed its sinks'
-        pages (``p >= W - 1 + s`` rounded up to a page of its tier; a quantized group's window starts at
-        ``max(residual, W - 1)``: codes only cover tokens drained), pages that repeat with ``p`` modulo
-        ``exact_tokens`` (quantized: ``lcm(group_size, exact_tokens, q_tokens)``), and before, the pages of a
-        global group. Between those breaks the sum repeats with ``p`` modulo the periods' ``lcm`` but for a part
-        that grows, so the last period before each break holds the most of its stretch; the first ``residual +
-        group_size`` starts are all looked at (cached per prompt and chunk). Where the groups' periods make more
-        than :data:`MOST_STARTS` starts (page sizes whose ``lcm`` is large), the groups' own peaks are added
-        instead: each group's period is its own, and the sum is a page above the joint peak at most on the layouts
-        of ``tests/test_window_backend.py``."""
-        if not chunk or chunk >= prompt:
-            return self.pages_for(prompt)
-        peaks = self.__dict__.setdefault("_peaks", {})
-        if (prompt, chunk) in peaks:
-            return peaks[prompt, chunk]
-        starts = self._peak_starts(prompt, chunk)
-        if len(starts) > MOST_STARTS and len(self.groups) > 1:
-            most = sum(alone.prefill_peak(prompt, chunk) for alone in self._groups_alone())
-        else:
-            most, blocks, at = 0, self.cached_prefix([]), 0
-            for p in sorted(starts):
-                if p > at:  # the tables of p tokens (any chunking's), written in place
-                    plan = self.plan(blocks, p - at)
-                    self.extend(blocks, plan, [NULL_PAGE] * plan.new_exact_pages, [NULL_PAGE] * plan.new_q_pages)
-                    self.commit(blocks, plan)
-                    at = p
-                held = sum(len(g.exact) + len(g.q) + len(g.sink) for g in blocks.groups)
-                most = max(most, held + self.plan(blocks, min(chunk, prompt - p)).pages_needed)
-        if len(peaks) > 4096:
-            peaks.clear()
-        peaks[prompt, chunk] = most
-        return most
-
-    def _groups_alone(self) -> list["HybridLayout"]:
-        """Each group as a layout of its own (:meth:`prefill_peak`)."""
-        if "_alone" not in self.__dict__:
-            self._alone = [HybridLayout([g], [w], [list(range(len(layers)))], [s])
-                           for g, w, layers, s in zip(self.groups, self.windows, self.layers, self.sinks)]
-        return self._alone
-
-    def _peak_starts(self, prompt: int, chunk: int) -> set[int]:
-        """The starts :meth:`prefill_peak` looks at for steps of ``chunk < prompt`` tokens."""
-        last = prompt - chunk  # the last start of a whole chunk: later ones hold less
-        head, breaks, period = 0, {last + 1}, 1
-        for layout, window, sinks in zip(self.groups, self.windows, self.sinks):
-            te, q = layout.exact_tokens, layout.quantization
-            if q:
-                head = max(head, q.residual + q.group_size)
-                period = math.lcm(period, q.group_size, te)
-            if window is not None:
-                tier = layout.q_tokens if q else te
-                opens = max(q.residual, window - 1) if q else window - 1
-                breaks |= {opens, opens + math.ceil((sinks or 0) / tier) * tier}
-                period = math.lcm(period, te, tier)
-        starts, low = set(range(min(head, last) + 1)), 0
-        for end in sorted(b for b in breaks if b <= last + 1):
-            starts.update(range(max(low, end - period), end))
-            low = end
-        return starts
+        anywhere (default: in one step), the groups' pages added in the same step
+        (:func:`cache_backends.hybrid_peak.prefill_peak`: which starts it walks, and why)."""
+        return hybrid_peak.prefill_peak(self, prompt, chunk)
 
     def pages_to_generate(self, prompt: int, total: int, chunk: int | None = None) -> int:
         """At most the pages a sequence holds writing its ``prompt`` in steps of at most ``chunk`` cut anywhere

@@ -323,10 +323,10 @@ def test_the_pages_to_generate_bound_every_cut_of_a_hybrid_prompt_into_steps(nam
 
 @pytest.mark.parametrize("name", ["full", "int8", "int4"])
 def test_a_hybrid_bound_over_too_many_starts_adds_the_groups_own_peaks(monkeypatch, name):
-    """Where the groups' periods make more starts than :data:`cache_backends.hybrid.MOST_STARTS` (page sizes of a
+    """Where the groups' periods make more starts than :data:`cache_backends.hybrid_peak.MOST_STARTS` (page sizes of a
     large ``lcm``), :meth:`HybridLayout.prefill_peak` adds each group's own peak: still at least what every start's
     step holds, and a page above the joint peak at most."""
-    from cache_backends import hybrid
+    from cache_backends import hybrid_peak
     from server.engine.kv_cache import page_layouts
 
     def layout():
@@ -334,15 +334,15 @@ def test_a_hybrid_bound_over_too_many_starts_adds_the_groups_own_peaks(monkeypat
         return page_layouts(served, torch.float32, 16)[1][name]
 
     joint, apart = layout(), layout()
-    monkeypatch.setattr(hybrid, "MOST_STARTS", 0)
+    monkeypatch.setattr(hybrid_peak, "MOST_STARTS", 0)
     for prompt in (75, 300, 457):
         for chunk in (24, 95, 256):
             most = max(apart.prefill_pages(apart.written(apart.cached_prefix([]), p), min(chunk, prompt - p))
                        for p in range(prompt))
             assert most <= apart.prefill_peak(prompt, chunk) <= most + 1, (prompt, chunk)
-            monkeypatch.setattr(hybrid, "MOST_STARTS", 4096)
+            monkeypatch.setattr(hybrid_peak, "MOST_STARTS", 4096)
             assert joint.prefill_peak(prompt, chunk) == most, (prompt, chunk)
-            monkeypatch.setattr(hybrid, "MOST_STARTS", 0)
+            monkeypatch.setattr(hybrid_peak, "MOST_STARTS", 0)
 
 
 def test_window_int8_holds_its_two_tiers_pages_beside_the_window():
