@@ -130,13 +130,17 @@ def _resolve(root: Any, ref: Any) -> Any:
     return node
 
 
-def _starting_optional(root: Any, schema: Any, seen: frozenset = frozenset()) -> int:
+def _starting_optional(root: Any, schema: Any, memo: dict[int, int]) -> int:
     """Optional properties of the objects that may start where ``schema`` starts: its own, its ``anyOf``,
     ``oneOf`` and ``allOf`` parts' and its ``$ref``'s (counted whether or not a required property comes first: an
-    upper bound)."""
-    if not isinstance(schema, dict) or id(schema) in seen:
+    upper bound). ``memo`` holds each schema's count by ``id``, so that parts shared through ``$ref`` are counted
+    once each, not once per path to them (a chain of ``anyOf`` pairs of one ``$ref`` made the paths 2^n); a schema
+    met again while it is counted (a cycle) counts 0 there."""
+    if not isinstance(schema, dict):
         return 0
-    seen = seen | {id(schema)}
+    if id(schema) in memo:
+        return memo[id(schema)]
+    memo[id(schema)] = 0  # a cycle back to it adds nothing
     count = 0
     props = schema.get("properties")
     if isinstance(props, dict):
@@ -144,9 +148,10 @@ def _starting_optional(root: Any, schema: Any, seen: frozenset = frozenset()) ->
         count += len([name for name in props if name not in required])
     for key in ("anyOf", "oneOf", "allOf"):
         if isinstance(schema.get(key), list):
-            count += sum(_starting_optional(root, s, seen) for s in schema[key])
+            count += sum(_starting_optional(root, s, memo) for s in schema[key])
     if "$ref" in schema:
-        count += _starting_optional(root, _resolve(root, schema["$ref"]), seen)
+        count += _starting_optional(root, _resolve(root, schema["$ref"]), memo)
+    memo[id(schema)] = count
     return count
 
 
@@ -178,9 +183,9 @@ def _check_optional(grammar: str) -> None:
         schema = json.loads(grammar)
     except ValueError:
         return
-    bound = _max_optional()
+    bound, memo = _max_optional(), {}
     for node in _subschemas(schema):
-        count = _starting_optional(schema, node)
+        count = _starting_optional(schema, node, memo)
         if count > bound:
             raise GrammarError(f"an object of {count} optional properties (with its alternatives): the matcher "
                                f"holds at most {bound} where an object opens")
