@@ -308,6 +308,11 @@ def oa_stream(srv, tok):
                                                "temperature": 0, "stream": True})
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert chunks[-1]["choices"][0]["delta"] == {} and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    for path, body in (("/v1/completions", {"prompt": PROMPT}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})):
+        for options in ({"include_usage": True}, {"continuous_usage_stats": True}):  # would do nothing: refused
+            refused(srv, path, {**body, "max_tokens": 2, "stream_options": options}, "stream_options", 400)
+        assert post(srv, path, {**body, "max_tokens": 2, "stream_options": {"include_usage": False}})["choices"]
 
 
 def oa_chat_messages(srv, tok):

@@ -78,6 +78,10 @@ def sampling_params(body: _Sampling, vocab: int, top_n: int, grammar: tuple[str,
 
 def _check_common(body: _Sampling, max_tokens: int | None) -> None:
     refuse_unimplemented(body)
+    options = body.stream_options
+    if not body.stream and options is not None and (options.include_usage or options.continuous_usage_stats):
+        raise InvalidRequest("`stream_options` applies to a streamed response only: set `stream` to true, or leave "
+                             "it out (as OpenAI's and vLLM's servers refuse it)", "stream_options")
     field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     if max_tokens is not None and body.min_tokens > max(max_tokens, 1):
         raise InvalidRequest(f"`min_tokens` ({body.min_tokens}) must not exceed `{field}` ({max_tokens})",
