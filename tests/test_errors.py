@@ -232,3 +232,42 @@ def test_a_failed_tgi_stream_ends_with_tgi_s_compact_error_event(monkeypatch):
             data = [line.removeprefix("data:").strip() for line in r.iter_lines() if line.startswith("data:")]
     assert len(data) == 3 and all(json.loads(d)["token"] for d in data[:-1])
     assert data[-1] == '{"error":"décodage: boom","error_type":"generation"}'
+
+
+@pytest.mark.parametrize("path, body, done", [
+    ("/v1/completions", {"prompt": "And God said", "max_tokens": 3, "stream": True}, True),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "stream": True}, True),
+    ("/v1/chat/completions", {"model": "tgi", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
+                              "stream": True}, False)])
+def test_a_failed_openai_stream_ends_with_its_error_then_done(monkeypatch, path, body, done):
+    """vLLM ends a stream that fails with the error event and then ``data: [DONE]`` (its serving_chat and
+    serving_completion), so a client that reads up to ``[DONE]`` stops; kvserve ended it after the error event.
+    TGI's chat shape sends no ``[DONE]`` at all (its client reads every line as JSON)."""
+    import json
+    from dataclasses import replace
+
+    from server.engine.sequence import FinishReason
+    from tests.conftest import MODEL_DIR
+
+    app = create_app(load_settings(model_id=str(MODEL_DIR)), load_in_background=False)
+    with TestClient(app) as client:
+        service = app.state.kvserve.service
+        run = service.run
+
+        async def failing(req, receive=None):  # the request's last event a failure, after its first tokens
+            seq, events = await run(req, receive)
+
+            async def stream():
+                got = [ev async for ev in events]
+                for ev in got[:-1]:
+                    yield ev
+                yield replace(got[-1], finish_reason=FinishReason.ERROR, error="boom")
+            return seq, stream()
+
+        monkeypatch.setattr(service, "run", failing)
+        with client.stream("POST", path, json=body) as r:
+            data = [line.removeprefix("data:").strip() for line in r.iter_lines() if line.startswith("data:")]
+    errors = [i for i, d in enumerate(data) if d != "[DONE]" and "error" in json.loads(d)]
+    assert len(errors) == 1 and json.loads(data[errors[0]])["error"] == {"message": "boom", "type": "server_error",
+                                                                         "param": None, "code": None}, data
+    assert data[errors[0] + 1:] == (["[DONE]"] if done else []), data

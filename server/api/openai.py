@@ -162,8 +162,9 @@ async def completions(body: CompletionRequest, request: Request):
                 continue
             if ev.finish_reason == FinishReason.CANCELLED:
                 return
-            if ev.finish_reason == FinishReason.ERROR:
+            if ev.finish_reason == FinishReason.ERROR:  # then [DONE], as vLLM ends a failed stream
                 yield _error_event(ev)
+                yield {"data": "[DONE]"}
                 return
             if not echoed[k]:  # after the prefill, which computed the prompt's log-probabilities
                 echoed[k] = True
@@ -246,8 +247,10 @@ async def chat_completions(body: ChatRequest, request: Request):
                 continue
             if ev.finish_reason == FinishReason.CANCELLED:
                 return
-            if ev.finish_reason == FinishReason.ERROR:
+            if ev.finish_reason == FinishReason.ERROR:  # then [DONE], as vLLM ends a failed stream (not TGI's shape)
                 yield _error_event(ev)
+                if not tgi_shape:
+                    yield {"data": "[DONE]"}
                 return
             pending[k] += token_entries([ev])
             pieces = [streams[k].feed(ev.text)]
