@@ -200,12 +200,9 @@ def test_a_completion_without_max_tokens_is_not_refused_as_if_it_had_sent_one():
     assert build(max_tokens=room).max_new_tokens == room
 
 
-def test_a_failed_tgi_stream_ends_with_tgi_s_compact_error_event(monkeypatch):
-    """TGI's router writes a failed stream's last event with serde_json (``impl From<InferError> for Event``):
-    ``data:{"error":"...","error_type":"generation"}``, compact, its text UTF-8, as every other event of the stream
-    is written; kvserve wrote that one with ``json.dumps``'s defaults (``{"error": "...", "error_type": ...}``,
-    non-ASCII escaped)."""
-    import json
+def failed_stream_data(monkeypatch, path: str, body: dict, error: str) -> list[str]:
+    """The ``data:`` lines of a stream on an in-process app whose request's last event is made a failure with
+    ``error``, after its first tokens."""
     from dataclasses import replace
 
     from server.engine.sequence import FinishReason
@@ -216,20 +213,30 @@ def test_a_failed_tgi_stream_ends_with_tgi_s_compact_error_event(monkeypatch):
         service = app.state.kvserve.service
         run = service.run
 
-        async def failing(req, receive):  # the request's last event a failure, after its first tokens
+        async def failing(req, receive=None):
             seq, events = await run(req, receive)
 
             async def stream():
                 got = [ev async for ev in events]
                 for ev in got[:-1]:
                     yield ev
-                yield replace(got[-1], finish_reason=FinishReason.ERROR, error="décodage: boom")
+                yield replace(got[-1], finish_reason=FinishReason.ERROR, error=error)
             return seq, stream()
 
         monkeypatch.setattr(service, "run", failing)
-        body = {"inputs": "And God said", "parameters": {"max_new_tokens": 3}}
-        with client.stream("POST", "/generate_stream", json=body) as r:
-            data = [line.removeprefix("data:").strip() for line in r.iter_lines() if line.startswith("data:")]
+        with client.stream("POST", path, json=body) as r:
+            return [line.removeprefix("data:").strip() for line in r.iter_lines() if line.startswith("data:")]
+
+
+def test_a_failed_tgi_stream_ends_with_tgi_s_compact_error_event(monkeypatch):
+    """TGI's router writes a failed stream's last event with serde_json (``impl From<InferError> for Event``):
+    ``data:{"error":"...","error_type":"generation"}``, compact, its text UTF-8, as every other event of the stream
+    is written; kvserve wrote that one with ``json.dumps``'s defaults (``{"error": "...", "error_type": ...}``,
+    non-ASCII escaped)."""
+    import json
+
+    body = {"inputs": "And God said", "parameters": {"max_new_tokens": 3}}
+    data = failed_stream_data(monkeypatch, "/generate_stream", body, "décodage: boom")
     assert len(data) == 3 and all(json.loads(d)["token"] for d in data[:-1])
     assert data[-1] == '{"error":"décodage: boom","error_type":"generation"}'
 
@@ -244,29 +251,8 @@ def test_a_failed_openai_stream_ends_with_its_error_then_done(monkeypatch, path,
     serving_completion), so a client that reads up to ``[DONE]`` stops; kvserve ended it after the error event.
     TGI's chat shape sends no ``[DONE]`` at all (its client reads every line as JSON)."""
     import json
-    from dataclasses import replace
 
-    from server.engine.sequence import FinishReason
-    from tests.conftest import MODEL_DIR
-
-    app = create_app(load_settings(model_id=str(MODEL_DIR)), load_in_background=False)
-    with TestClient(app) as client:
-        service = app.state.kvserve.service
-        run = service.run
-
-        async def failing(req, receive=None):  # the request's last event a failure, after its first tokens
-            seq, events = await run(req, receive)
-
-            async def stream():
-                got = [ev async for ev in events]
-                for ev in got[:-1]:
-                    yield ev
-                yield replace(got[-1], finish_reason=FinishReason.ERROR, error="boom")
-            return seq, stream()
-
-        monkeypatch.setattr(service, "run", failing)
-        with client.stream("POST", path, json=body) as r:
-            data = [line.removeprefix("data:").strip() for line in r.iter_lines() if line.startswith("data:")]
+    data = failed_stream_data(monkeypatch, path, body, "boom")
     errors = [i for i, d in enumerate(data) if d != "[DONE]" and "error" in json.loads(d)]
     assert len(errors) == 1 and json.loads(data[errors[0]])["error"] == {"message": "boom", "type": "server_error",
                                                                          "param": None, "code": None}, data
