@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from cache_backends.page_plan import NULL_PAGE
+from cache_backends.page_plan import NULL_PAGE, cached_peak
 
 MOST_STARTS = 4096
 """The most starts :func:`prefill_peak` walks with the groups together (tens of ms); past it, each group apart."""
@@ -47,25 +47,23 @@ def prefill_peak(layout, prompt: int, chunk: int | None = None) -> int:
     """
     if not chunk or chunk >= prompt:
         return layout.pages_for(prompt)
-    peaks = layout.__dict__.setdefault("_peaks", {})
-    if (prompt, chunk) in peaks:
-        return peaks[prompt, chunk]
+    return cached_peak(layout, prompt, chunk, lambda: _walk(layout, prompt, chunk))
+
+
+def _walk(layout, prompt: int, chunk: int) -> int:
+    """:func:`prefill_peak` for ``0 < chunk < prompt``, not cached: the starts that can peak, walked in place."""
     starts = peak_starts(layout, prompt, chunk)
     if len(starts) > MOST_STARTS and len(layout.groups) > 1:
-        most = sum(alone.prefill_peak(prompt, chunk) for alone in _groups_alone(layout))
-    else:
-        most, blocks, at = 0, layout.cached_prefix([]), 0
-        for p in sorted(starts):
-            if p > at:  # the tables of p tokens (any chunking's), written in place
-                plan = layout.plan(blocks, p - at)
-                layout.extend(blocks, plan, [NULL_PAGE] * plan.new_exact_pages, [NULL_PAGE] * plan.new_q_pages)
-                layout.commit(blocks, plan)
-                at = p
-            held = sum(len(g.exact) + len(g.q) + len(g.sink) for g in blocks.groups)
-            most = max(most, held + layout.plan(blocks, min(chunk, prompt - p)).pages_needed)
-    if len(peaks) > 4096:
-        peaks.clear()
-    peaks[prompt, chunk] = most
+        return sum(alone.prefill_peak(prompt, chunk) for alone in _groups_alone(layout))
+    most, blocks, at = 0, layout.cached_prefix([]), 0
+    for p in sorted(starts):
+        if p > at:  # the tables of p tokens (any chunking's), written in place
+            plan = layout.plan(blocks, p - at)
+            layout.extend(blocks, plan, [NULL_PAGE] * plan.new_exact_pages, [NULL_PAGE] * plan.new_q_pages)
+            layout.commit(blocks, plan)
+            at = p
+        held = sum(len(g.exact) + len(g.q) + len(g.sink) for g in blocks.groups)
+        most = max(most, held + layout.plan(blocks, min(chunk, prompt - p)).pages_needed)
     return most
 
 

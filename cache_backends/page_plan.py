@@ -14,6 +14,21 @@ from dataclasses import dataclass, field
 
 from cache_backends.kv_spec import Quantization
 
+MOST_PEAKS = 4096
+"""The most ``(prompt, chunk)`` peaks a layout keeps (:func:`cached_peak`): past it the cache starts over."""
+
+
+def cached_peak(layout, prompt: int, chunk: int, walk) -> int:
+    """``walk()``, the most pages a sequence of ``layout`` holds prefilling ``prompt`` tokens in steps of at most
+    ``chunk`` (``TierPlan.prefill_peak``, ``HybridLayout.prefill_peak``), kept on ``layout`` per ``(prompt, chunk)``:
+    admission asks it for every request, and a layout's sequences share a few prompt lengths."""
+    peaks = layout.__dict__.setdefault("_peaks", {})
+    if (prompt, chunk) not in peaks:
+        if len(peaks) >= MOST_PEAKS:
+            peaks.clear()
+        peaks[prompt, chunk] = walk()
+    return peaks[prompt, chunk]
+
 NULL_PAGE = 0  # zeros, never allocated: pads block tables
 
 
@@ -211,18 +226,16 @@ class TierPlan:
         if not chunk:
             return self.pages_for(prompt, compress=self.on_demand)
         chunk = min(chunk, prompt)
-        peaks = self.__dict__.setdefault("_peaks", {})
-        if (prompt, chunk) in peaks:
-            return peaks[prompt, chunk]
+        return cached_peak(self, prompt, chunk, lambda: self._peak(prompt, chunk))
+
+    def _peak(self, prompt: int, chunk: int) -> int:
+        """:meth:`prefill_peak`'s walk of the starts that can peak, for ``0 < chunk <= prompt``."""
+        q = self.quantization
         r, g = (q.window if q.on_demand else q.residual), q.group_size
         last = prompt - chunk  # the last start of a whole chunk
         starts = {*range(min(last, r + g) + 1), *range(max(0, last - math.lcm(g, self.exact_tokens) + 1), last + 1),
                   *(p for p in range(last + 1, prompt) if p == last + 1 or (p >= r and (p - r) % g == 0))}
-        most = max(self.prefill_pages(self.written(SeqBlocks(), p), min(chunk, prompt - p)) for p in starts)
-        if len(peaks) > 4096:
-            peaks.clear()
-        peaks[prompt, chunk] = most
-        return most
+        return max(self.prefill_pages(self.written(SeqBlocks(), p), min(chunk, prompt - p)) for p in starts)
 
     def pages_to_generate(self, prompt: int, total: int, chunk: int | None = None) -> int:
         """At most the pages a sequence holds writing its ``prompt`` tokens in steps of at most ``chunk`` (default:
