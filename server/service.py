@@ -220,6 +220,14 @@ class GenerationService:
         """Whether ``event`` ended its generation because the server shut down (:meth:`abort_all`)."""
         return event.finish_reason == FinishReason.CANCELLED and self.shut_down
 
+    def core_end(self, event: TokenEvent) -> str | None:
+        """Why the engine core ended ``event``'s generation (it died or hung, and every request with it), or
+        ``None``: an error event of a request the core itself failed, or no error at all. A non-streamed answer
+        to a core's end is 503 (the server is going; another replica can answer), not a generation failure."""
+        if event.finish_reason != FinishReason.ERROR:
+            return None
+        return getattr(self.engine, "dead", None)
+
     def abort_all(self) -> int:
         """End every generation still queued or running (a shutdown's grace period is over): each gets its
         closing event, which :meth:`is_shutdown_end` recognizes. Returns how many were ended. Thread-safe (the

@@ -189,13 +189,19 @@ def test_a_stop_while_the_core_loads_ends_the_start_and_the_core(held_pricing):
     ("/v1/completions", {"model": str(MODEL_DIR), "prompt": "In the beginning", "max_tokens": 900}),
     ("/v1/chat/completions", {"model": str(MODEL_DIR), "messages": [{"role": "user", "content": "Hi"}],
                               "max_tokens": 900}),
-    ("/v1/responses", {"model": str(MODEL_DIR), "input": "In the beginning", "max_output_tokens": 900})])
-def test_a_generation_the_core_ended_is_a_500_saying_why_on_the_openai_routes(monkeypatch, path, body):
-    """A non-streaming OpenAI answer whose generation ended with an error names the cause in OpenAI's error object
-    (it was ``internal error: RuntimeError``, the TGI routes naming it)."""
+    ("/v1/responses", {"model": str(MODEL_DIR), "input": "In the beginning", "max_output_tokens": 900}),
+    ("/generate", {"inputs": "In the beginning", "parameters": {"max_new_tokens": 900}})])
+def test_a_generation_the_core_ended_is_a_503_saying_why(monkeypatch, path, body):
+    """A non-streaming answer whose generation the engine core's end cut short is 503 (the server is going; another
+    replica can answer) naming the cause, in OpenAI's error object or TGI's body: not a 500 (TGI's route answered
+    500 with ``error_type`` ``generation``), since neither the request nor its generation failed."""
     monkeypatch.setattr(EngineCore, "step", failing_at_the_third(EngineCore.step))
     app = create_app(Settings(**SETTINGS), load_in_background=False)
     with TestClient(app) as client:
         r = client.post(path, json=body)
-    assert r.status_code == 500, r.text
-    assert r.json()["error"]["message"] == REASON and r.json()["error"]["type"] == "server_error", r.text
+    assert r.status_code == 503, r.text
+    if path == "/generate":
+        assert r.json() == {"error": REASON, "error_type": "unhealthy"}, r.text
+    else:
+        assert r.json()["error"]["message"] == REASON, r.text
+        assert r.json()["error"]["type"] == "service_unavailable_error", r.text

@@ -203,6 +203,13 @@ def test_a_completion_without_max_tokens_is_not_refused_as_if_it_had_sent_one():
 def failed_stream_data(monkeypatch, path: str, body: dict, error: str) -> list[str]:
     """The ``data:`` lines of a stream on an in-process app whose request's last event is made a failure with
     ``error``, after its first tokens."""
+    return failed_request(monkeypatch, path, body, error, lambda r: [
+        line.removeprefix("data:").strip() for line in r.iter_lines() if line.startswith("data:")])
+
+
+def failed_request(monkeypatch, path: str, body: dict, error: str, read):
+    """``read(response)`` of a request on an in-process app whose last event is made a failure with ``error`` (the
+    engine failed that generation; the core goes on), after its first tokens."""
     from dataclasses import replace
 
     from server.engine.sequence import FinishReason
@@ -225,7 +232,17 @@ def failed_stream_data(monkeypatch, path: str, body: dict, error: str) -> list[s
 
         monkeypatch.setattr(service, "run", failing)
         with client.stream("POST", path, json=body) as r:
-            return [line.removeprefix("data:").strip() for line in r.iter_lines() if line.startswith("data:")]
+            return read(r)
+
+
+def test_a_failed_tgi_generation_is_a_424_as_tgi_answers_it(monkeypatch):
+    """TGI answers a generation that failed (``InferError::GenerationError``) with 424 Failed Dependency and
+    ``error_type`` ``generation``; kvserve's ``/generate`` answered 500."""
+    import json
+
+    body = {"inputs": "And God said", "parameters": {"max_new_tokens": 3}}
+    status, got = failed_request(monkeypatch, "/generate", body, "boom", lambda r: (r.status_code, json.loads(r.read())))
+    assert (status, got) == (424, {"error": "boom", "error_type": "generation"})
 
 
 def test_a_failed_tgi_stream_ends_with_tgi_s_compact_error_event(monkeypatch):

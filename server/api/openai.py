@@ -77,6 +77,8 @@ def _check(events: list[TokenEvent], service) -> TokenEvent:
         raise NotReady(SHUTDOWN_MESSAGE)
     if last is None or last.finish_reason == FinishReason.CANCELLED:
         raise InvalidRequest("client closed request")
+    if (died := service.core_end(last)) is not None:
+        raise NotReady(died)
     if last.finish_reason == FinishReason.ERROR:
         raise GenerationFailed(last.error or "generation failed")
     return last

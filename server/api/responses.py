@@ -247,6 +247,8 @@ async def responses(body: ResponsesRequest, request: Request):
             raise NotReady(SHUTDOWN_MESSAGE)
         if last.finish_reason == FinishReason.CANCELLED:
             raise InvalidRequest("client closed request")
+        if (died := service.core_end(last)) is not None:
+            raise NotReady(died)
         if last.finish_reason == FinishReason.ERROR:
             raise GenerationFailed(last.error or "generation failed")
 

@@ -111,10 +111,13 @@ async def _generate(body: TGIRequest, request: Request):
     for events in results:
         if events and service.is_shutdown_end(events[-1]):
             raise NotReady(SHUTDOWN_MESSAGE)
+        if events and (died := service.core_end(events[-1])) is not None:
+            raise NotReady(died)
         if not events or events[-1].finish_reason == FinishReason.CANCELLED:
             return error_response(499, "client closed request", "cancelled")
         if (failure := _failure(events[-1])) is not None:
-            return error_response(422 if failure["error_type"] == "validation" else 500, failure["error"],
+            # as TGI: 422 for the request's input, 424 Failed Dependency for a generation that failed
+            return error_response(422 if failure["error_type"] == "validation" else 424, failure["error"],
                                   failure["error_type"])
     p = body.parameters
     top = _TopTokens(service.tokenizer, service.engine.special_ids)
