@@ -29,7 +29,6 @@ connections alike. :func:`bounded_h11` extends uvicorn's h11 protocol instead:
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import time
@@ -37,7 +36,7 @@ import time
 import h11
 from uvicorn.protocols.http.h11_impl import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE, STATUS_PHRASES, H11Protocol
 
-from server.error_body import error_body, openai_path
+from server.error_body import error_body, error_bytes, openai_path
 from server.middleware import OPEN_PATHS
 
 log = logging.getLogger("kvserve")
@@ -56,7 +55,7 @@ def _raw_response(status: int, body: dict, default_headers: list[tuple[bytes, by
                   extra: list[tuple[bytes, bytes]] = ()) -> bytes:
     """An HTTP/1.1 response that closes its connection, written without h11 (which sends no response before it
     has parsed a request)."""
-    payload = json.dumps(body).encode()
+    payload = error_bytes(body)
     headers = [*default_headers, (b"content-type", b"application/json"),
                (b"content-length", str(len(payload)).encode()), *extra, (b"connection", b"close")]
     lines = [b"HTTP/1.1 %d %s" % (status, STATUS_PHRASES[status])] + [name + b": " + value for name, value in headers]
@@ -198,7 +197,7 @@ def bounded_h11(head_timeout: float, max_connections: int) -> type[H11Protocol]:
                 self.cycle.keep_alive = False
                 return await self.config.loaded_app(scope, receive, send)
             body = _error_body(scope["path"], _over_bound_message(max_connections), "overloaded")
-            payload = json.dumps(body).encode()
+            payload = error_bytes(body)
             await send({"type": "http.response.start", "status": 503, "headers": [
                 (b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
                 (b"retry-after", b"1"), (b"connection", b"close")]})

@@ -28,3 +28,11 @@ def error_body(openai: bool, message: str, error_type: str, param: str | None = 
         return {"error": {"message": message, "type": OPENAI_TYPES.get(error_type, error_type), "param": param,
                           "code": error_type}}
     return {"error": message, "error_type": error_type}
+
+
+def error_bytes(body: dict) -> bytes:
+    """``body`` written as the routes' ``JSONResponse`` writes every other answer: compact (no spaces after ``,``
+    and ``:``), its text UTF-8 rather than ``\\u`` escapes, as TGI's serde_json and vLLM write theirs."""
+    import json
+
+    return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()

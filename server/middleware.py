@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import threading
 
-from server.error_body import error_body, openai_path
+from server.error_body import error_body, error_bytes, openai_path
 
 OPEN_PATHS = ("/health", "/metrics")
 
 
 async def _send_error(send, path: str, status: int, message: str, error_type: str, param: str | None = None) -> None:
-    payload = json.dumps(error_body(openai_path(path), message, error_type, param)).encode()
+    payload = error_bytes(error_body(openai_path(path), message, error_type, param))
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
     if status == 401:
         headers.append((b"www-authenticate", b"Bearer"))

@@ -51,6 +51,16 @@ def test_a_form_body_gets_415_in_openai_form(server):
                                   "type": "invalid_request_error", "param": None, "code": "validation"}}
 
 
+def test_an_edge_error_is_written_compact_and_utf8_as_every_other_answer(server):
+    """The errors the ASGI edge writes itself (415 here; 401, 408, 429 and the connection bound the same way) had
+    ``json.dumps``' default spacing and ``\\u`` escapes, where the routes' answers (and TGI's, vLLM's) are compact
+    UTF-8 (:func:`server.error_body.error_bytes`)."""
+    r = httpx.post(server.url + "/generate", content="{}", headers={"Content-Type": "text/plain"}, timeout=30)
+    assert r.status_code == 415
+    assert r.content == ('{"error":"Content-Type `text/plain` is not supported: send the body as JSON, with '
+                         '`Content-Type: application/json`","error_type":"validation"}').encode()
+
+
 @pytest.mark.parametrize("headers", [{"Content-Type": "application/json; charset=utf-8"},
                                      {"Content-Type": "Application/JSON"},
                                      {"Content-Type": "application/vnd.api+json"}, {}])
