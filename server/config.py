@@ -71,6 +71,12 @@ class _GeneralSettings(BaseSettings):
     served_model_name: str = Field("", description="Comma list of the names the OpenAI routes accept in `model` "
                                    "(vLLM's --served-model-name); the first is the one answers carry. Default: "
                                    "MODEL_ID as given (as vLLM names it), and a local model folder's name as well.")
+    tool_call_parser: Literal["hermes", "none"] = Field("hermes", description="How `tool_choice: auto` (the "
+                                                        "default with `tools`) finds calls in a chat answer: `hermes` "
+                                                        "(`<tool_call>` JSON, or a bare JSON call); `none` refuses "
+                                                        "`auto` with a 400 (vLLM's --tool-call-parser).")
+    chat_template: str | None = Field(None, description="A Jinja chat template, or a file holding one, used in "
+                                                        "place of the tokenizer's (vLLM's --chat-template).")
     shutdown_grace_seconds: float = Field(30.0, ge=0, allow_inf_nan=False, description="On SIGTERM: seconds the "
                                           "requests in flight have to finish before the rest are ended.")
     max_header_bytes: int = Field(16384, ge=1024, description="Largest request head (request line + headers, "
@@ -240,6 +246,28 @@ class _GeneralSettings(BaseSettings):
             raise ValueError(f"MAX_TOTAL_TOKENS ({self.max_total_tokens}) must be greater than "
                              f"MAX_INPUT_TOKENS ({self.max_input_tokens})")
         return self
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_text(cls, v: str | None) -> str | None:
+        """The template itself: read from the file ``v`` names when it holds no Jinja, then parsed (a syntax error
+        fails the start, not the first chat request)."""
+        if not v:
+            return None
+        if "{{" not in v and "{%" not in v:
+            if not Path(v).is_file():  # a FIFO or a device would block the start
+                raise ValueError("is neither a Jinja template nor a regular file holding one")
+            try:
+                v = Path(v).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ValueError(f"is neither a Jinja template nor a readable template file ({exc})") from None
+        import jinja2
+
+        try:
+            jinja2.Environment().parse(v)
+        except jinja2.TemplateSyntaxError as exc:
+            raise ValueError(f"is not a valid Jinja template: {exc.message} (line {exc.lineno})") from None
+        return v
 
     @field_validator("prefill_itl_ratio")
     @classmethod

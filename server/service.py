@@ -157,15 +157,18 @@ class GenerationService:
         default_backend: backend name used when a request names none.
         prefix_caching: whether the engine runs its prefix cache (``KV_PREFIX_CACHING``); without it a request's
             ``cache_salt`` would do nothing, and is refused.
+        tool_call_parser: how ``tool_choice: auto`` finds calls (``TOOL_CALL_PARSER``: ``hermes``, or ``none``,
+            which refuses ``auto``).
     """
 
     def __init__(self, engine: CoreClient, tokenizer, limits: Limits, default_backend: str,
-                 prefix_caching: bool = True):
+                 prefix_caching: bool = True, tool_call_parser: str = "hermes"):
         self.engine = engine
         self.tokenizer = tokenizer
         self.limits = limits
         self.default_backend = default_backend
         self.prefix_caching = prefix_caching
+        self.tool_call_parser = tool_call_parser
         self.max_token_bytes = max_bytes_per_token(tokenizer)
         eos = getattr(tokenizer, "eos_token_id", None)
         use_vocabulary(tokenizer, len(tokenizer), [] if eos is None else [eos])  # grammars checked on its tokens

@@ -69,7 +69,7 @@ class ServerState:
         self.info = {**self.server_info(max_input, max_total, ready.backends), **ready.info, "version": __version__}
         self.service = GenerationService(self.core, self.core.tokenizer,
                                          Limits(max_input, max_total, s.max_stop_sequences), s.kv_backend,
-                                         prefix_caching=s.kv_prefix_caching)
+                                         prefix_caching=s.kv_prefix_caching, tool_call_parser=s.tool_call_parser)
         if loop is not None:
             self.core.listen(loop)  # a core that dies while no request runs turns /health 503 all the same
 

@@ -354,3 +354,22 @@ def test_a_key_on_the_command_line_is_served_with_a_warning():
     assert warning == ("kvserve: warning: --api-key puts the key in the process list, where every local user can read "
                        "it; give it with --api-key-file PATH or the API_KEY environment variable")
     assert "HOST (--host)" in host and "s3cret" not in p.stderr
+
+
+def test_chat_template_is_text_or_a_regular_file_and_must_parse(tmp_path, monkeypatch):
+    """``CHAT_TEMPLATE`` takes the template or a file holding it (as vLLM's ``--chat-template``), checked at start:
+    a missing file, a FIFO (whose open would block the start) and a Jinja syntax error are one-line errors."""
+    import os
+
+    from server.config import Settings
+
+    text = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (tmp_path / "t.jinja").write_text(text)
+    assert Settings(chat_template=text).chat_template == text
+    assert Settings(chat_template=str(tmp_path / "t.jinja")).chat_template == text
+    os.mkfifo(tmp_path / "fifo")
+    for bad, why in [(str(tmp_path / "missing.jinja"), "regular file"), (str(tmp_path / "fifo"), "regular file"),
+                     ("{% for m in messages %}", "not a valid Jinja template")]:
+        monkeypatch.setenv("CHAT_TEMPLATE", bad)
+        with pytest.raises(ConfigError, match=f"invalid CHAT_TEMPLATE=.*{why}"):
+            load_settings()

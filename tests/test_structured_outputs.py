@@ -639,3 +639,42 @@ def test_the_check_counts_optional_properties_where_an_object_opens(ref_model):
         with pytest.raises(GrammarError, match="optional properties"):
             check("json_schema", schema_text(schema))
         assert not follows(schema, text)
+
+
+# ---- TOOL_CALL_PARSER and CHAT_TEMPLATE (vLLM's --tool-call-parser, --chat-template) -------------------------------
+
+@pytest.mark.parametrize("choice", ["auto", None])
+def test_auto_is_refused_naming_the_setting_without_a_parser(choice):
+    """With ``TOOL_CALL_PARSER=none`` nothing would parse an ``auto`` answer's calls: vLLM refuses ``auto`` without
+    ``--tool-call-parser``, and so does kvserve (``auto`` is the default with ``tools``); every other choice runs."""
+    from server.service import InvalidRequest
+
+    body = {"messages": MESSAGES, "tools": [WEATHER, TIME], **({"tool_choice": choice} if choice else {})}
+    with pytest.raises(InvalidRequest, match="TOOL_CALL_PARSER=none.*TOOL_CALL_PARSER=hermes") as refused:
+        plan(ChatRequest.model_validate(body), constrained=False, parser="none")
+    assert refused.value.param == "tool_choice"
+    for other in ("none", "required", {"type": "function", "function": {"name": "get_time"}}):
+        assert plan(ChatRequest.model_validate({**body, "tool_choice": other}), constrained=False,
+                    parser="none").mode in ("none", "required", "named")
+
+
+def test_a_chat_template_setting_replaces_the_tokenizer_s_and_the_parser_setting_holds():
+    """``CHAT_TEMPLATE`` (template text here) renders every chat prompt in place of the tokenizer's; with
+    ``TOOL_CALL_PARSER=none`` a chat with tools and no ``tool_choice`` gets 400 naming ``tool_choice``."""
+    from fastapi.testclient import TestClient
+    from transformers import AutoTokenizer
+
+    from server.app import create_app
+    from server.config import Settings
+    from tests.conftest import MODEL_DIR
+
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant]"
+    app = create_app(Settings(model_id=str(MODEL_DIR), kv_backends="full", engine_process=False, log_level="warning",
+                              chat_template=template, tool_call_parser="none"), load_in_background=False)
+    with TestClient(app) as client:
+        got = client.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi there"}]})
+        refused = client.post("/v1/chat/completions", json={"messages": MESSAGES, "tools": [WEATHER], "max_tokens": 2})
+    expected = AutoTokenizer.from_pretrained(str(MODEL_DIR))("[user] Hi there\n[assistant]",
+                                                             add_special_tokens=False)["input_ids"]
+    assert got.status_code == 200 and got.json()["tokens"] == expected, got.text
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "tool_choice", refused.text

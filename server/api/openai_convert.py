@@ -224,7 +224,7 @@ def chat_requests(body: ChatRequest, service: GenerationService) -> tuple[list[G
         raise InvalidRequest("`top_logprobs` needs `logprobs: true`", "top_logprobs")
     check_turns(body.messages)
     grammar = request_grammar(body)
-    tools = plan(body, constrained=grammar != NO_GRAMMAR)
+    tools = plan(body, constrained=grammar != NO_GRAMMAR, parser=service.tool_call_parser)
     _with_grammar(body, tools.grammar if tools.grammar != NO_GRAMMAR else grammar)
     prompt, special = chat_prompt(service.tokenizer, body, tools=tool_dicts(body) or None)
     params = sampling_params(body, len(service.tokenizer), (body.top_logprobs or 0) if body.logprobs else 0,

@@ -67,12 +67,14 @@ class ToolPlan:
         return self.mode != "none"
 
 
-def plan(body: ChatRequest, constrained: bool) -> ToolPlan:
+def plan(body: ChatRequest, constrained: bool, parser: str = "hermes") -> ToolPlan:
     """Check a chat request's ``tools``, ``tool_choice`` and ``parallel_tool_calls`` and say what they ask.
 
     Args:
         body: the request.
         constrained: whether ``response_format`` already constrains the output.
+        parser: ``TOOL_CALL_PARSER``: ``hermes`` parses ``auto`` answers; ``none`` refuses ``auto`` (given, or the
+            default with ``tools``), as vLLM does without ``--tool-call-parser``.
 
     Raises:
         InvalidRequest: naming the field: two tools with one name, a ``parameters`` schema that cannot be
@@ -111,6 +113,10 @@ def plan(body: ChatRequest, constrained: bool) -> ToolPlan:
     if mode != "none" and not tools:
         raise InvalidRequest(f"`tool_choice` {choice if isinstance(choice, str) else mode!r} needs `tools`",
                              "tool_choice")
+    if mode == "auto" and parser == "none":
+        raise InvalidRequest("`tool_choice` \"auto\" (the default with `tools`) needs a tool-call parser, and this "
+                             "server runs with TOOL_CALL_PARSER=none: start it with TOOL_CALL_PARSER=hermes, or send "
+                             "`tool_choice` \"required\", \"none\" or a named function", "tool_choice")
     if mode in ("required", "named") and constrained:
         raise InvalidRequest(f"`tool_choice` {mode!r} constrains the output; it cannot go with a `response_format` "
                              "(or vLLM's `structured_outputs`, `guided_*`) that does", "tool_choice")

@@ -152,6 +152,8 @@ class CoreClient(CoreStreams):
 
         self.host = start_core(self.settings, self._ctx, self._in_addr, self._out_addr)
         self.tokenizer = AutoTokenizer.from_pretrained(self.settings.model_id)
+        if self.settings.chat_template:  # CHAT_TEMPLATE: in place of the tokenizer's own (vLLM's --chat-template)
+            self.tokenizer.chat_template = self.settings.chat_template
         deadline = time.monotonic() + timeout
         while True:
             while not self._rx.poll(POLL_MS):
