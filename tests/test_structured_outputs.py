@@ -525,13 +525,22 @@ def test_bad_grammars_on_completions_and_tgi(server):
         assert r.status_code == 422 and field in r.json()["error"], r.text
 
 
+INFINITE = ("the schema requires a value of itself inside itself (a required property, `allOf`, `$ref` or `minItems` "
+            "leads back to it): no finite JSON value matches it")
+
+
 @pytest.mark.parametrize("fields,reason", [
     ({"guided_json": {"$ref": "#"}}, "the schema only refers to itself: no value matches it"),
     ({"guided_json": {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}},
      "the schema only refers to itself: no value matches it"),
-    ({"guided_regex": "[^\\s\\S]"}, "no string matches the regular expression")], ids=["self", "cycle", "regex"])
+    ({"guided_regex": "[^\\s\\S]"}, "no string matches the regular expression"),
+    ({"guided_json": {"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}},
+                                      "required": ["next"]}}, "$ref": "#/$defs/n"}}, INFINITE),
+    ({"guided_json": {"type": "array", "items": {"$ref": "#"}, "minItems": 1}}, INFINITE)],
+    ids=["self", "cycle", "regex", "required-cycle", "nonempty-nesting"])
 def test_a_grammar_nothing_matches_is_refused_in_words(server, fields, reason):
-    """llguidance says "NoExtensionBias" where no token can start a grammar: the 400 says why instead."""
+    """llguidance says "NoExtensionBias" where no token can start a grammar, and "Too many items" for a schema that
+    requires itself (the nesting: it passed the check and ran to ``max_tokens`` as ``[[[[...``): the 400 says why."""
     r = httpx.post(server.url + "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 4, **fields},
                    timeout=60)
     (param,) = fields

@@ -155,6 +155,46 @@ def _starting_optional(root: Any, schema: Any, memo: dict[int, int]) -> int:
     return count
 
 
+def _mandatory_parts(root: Any, schema: dict):
+    """The schemas a value of ``schema`` must hold a value of: its required properties', its ``allOf`` parts, its
+    ``$ref``, and its ``items`` when ``minItems`` is at least 1 (``anyOf``/``oneOf`` offer a way out: not followed)."""
+    props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    for name in schema.get("required") if isinstance(schema.get("required"), list) else []:
+        if isinstance(name, str) and name in props:
+            yield props[name]
+    if isinstance(schema.get("allOf"), list):
+        yield from schema["allOf"]
+    if "$ref" in schema:
+        yield _resolve(root, schema["$ref"])
+    min_items = schema.get("minItems")
+    if isinstance(min_items, int) and not isinstance(min_items, bool) and min_items >= 1:
+        yield schema.get("items")
+
+
+def _requires_itself(root: Any) -> bool:
+    """Whether a value of ``root`` must hold, nested, a value of a schema that holds it in turn (a required property
+    whose ``$ref`` leads back): no finite JSON value matches, and llguidance fails with "Too many items" at the
+    check or runs to ``max_tokens``. Each schema visited once (three colours, by ``id``)."""
+    state: dict[int, int] = {}  # 1: on the path, 2: done
+    stack = [(root, iter(_mandatory_parts(root, root)))] if isinstance(root, dict) else []
+    if stack:
+        state[id(root)] = 1
+    while stack:
+        node, parts = stack[-1]
+        part = next(parts, None)
+        if part is None:
+            state[id(node)] = 2
+            stack.pop()
+        elif isinstance(part, dict):
+            seen = state.get(id(part))
+            if seen == 1:
+                return True
+            if seen is None:
+                state[id(part)] = 1
+                stack.append((part, iter(_mandatory_parts(root, part))))
+    return False
+
+
 def _subschemas(schema: Any):
     """``schema`` and every schema inside it."""
     stack = [schema]
@@ -183,6 +223,9 @@ def _check_optional(grammar: str) -> None:
         schema = json.loads(grammar)
     except ValueError:
         return
+    if _requires_itself(schema) and not _only_refers_to_itself(schema):  # the latter: llguidance says so
+        raise GrammarError("the schema requires a value of itself inside itself (a required property, `allOf`, "
+                           "`$ref` or `minItems` leads back to it): no finite JSON value matches it")
     bound, memo = _max_optional(), {}
     for node in _subschemas(schema):
         count = _starting_optional(schema, node, memo)
@@ -265,13 +308,20 @@ def _matches_nothing(kind: str, grammar: str) -> str:
         root = json.loads(grammar)
     except ValueError:
         root = None
+    if _only_refers_to_itself(root):
+        return "the schema only refers to itself: no value matches it"
+    return "no JSON value matches the schema"
+
+
+def _only_refers_to_itself(root: Any) -> bool:
+    """Whether ``root`` is a ``$ref`` and nothing more whose chain of such ``$ref``s comes back to itself."""
     node, seen = root, []
     while isinstance(node, dict) and "$ref" in node and not set(node) - _REF_ONLY:  # a $ref and nothing else
         if any(node is s for s in seen):
-            return "the schema only refers to itself: no value matches it"
+            return True
         seen.append(node)
         node = _resolve(root, node["$ref"])
-    return "no JSON value matches the schema"
+    return False
 
 
 def _reason(text: str) -> str:
