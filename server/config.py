@@ -40,6 +40,18 @@ def default_calibration_cache_dir() -> str:
     return str(Path(base) / "kvserve" / "calibration")
 
 
+def _is_file(text: str) -> bool:
+    """Whether ``text`` names a regular file (False for a name the system refuses: too long, a NUL in it)."""
+    try:
+        return Path(text).is_file()
+    except (OSError, ValueError):
+        return False
+
+
+MAX_CHAT_TEMPLATE_BYTES = 1 << 20
+"""Largest ``CHAT_TEMPLATE`` file read (bytes): the largest templates published are about 20 KB."""
+
+
 class ConfigError(ValueError):
     """A setting is invalid; the message is one line naming the variable and the allowed values."""
 
@@ -254,17 +266,22 @@ class _GeneralSettings(BaseSettings):
         fails the start, not the first chat request)."""
         if not v:
             return None
-        if "{{" not in v and "{%" not in v:
-            if not Path(v).is_file():  # a FIFO or a device would block the start
+        if _is_file(v) or ("{{" not in v and "{%" not in v):  # a path (even one holding "{{"), else text
+            path = Path(v)
+            if not _is_file(v):  # a FIFO or a device would block the start
                 raise ValueError("is neither a Jinja template nor a regular file holding one")
+            if path.stat().st_size > MAX_CHAT_TEMPLATE_BYTES:
+                raise ValueError(f"names a file of {path.stat().st_size} bytes; a chat template has at most "
+                                 f"{MAX_CHAT_TEMPLATE_BYTES}")
             try:
-                v = Path(v).read_text(encoding="utf-8")
+                v = path.read_text(encoding="utf-8")
             except (OSError, UnicodeDecodeError) as exc:
                 raise ValueError(f"is neither a Jinja template nor a readable template file ({exc})") from None
         import jinja2
+        from transformers.utils import chat_template_utils
 
-        try:
-            jinja2.Environment().parse(v)
+        try:  # as transformers compiles it: its sandbox, loop controls and {% generation %} tag
+            chat_template_utils._compile_jinja_template(v)
         except jinja2.TemplateSyntaxError as exc:
             raise ValueError(f"is not a valid Jinja template: {exc.message} (line {exc.lineno})") from None
         return v

@@ -367,9 +367,17 @@ def test_chat_template_is_text_or_a_regular_file_and_must_parse(tmp_path, monkey
     (tmp_path / "t.jinja").write_text(text)
     assert Settings(chat_template=text).chat_template == text
     assert Settings(chat_template=str(tmp_path / "t.jinja")).chat_template == text
+    odd = tmp_path / "a{{b}}"  # a path holding "{{" is still a path
+    odd.mkdir()
+    (odd / "t.jinja").write_text(text)
+    assert Settings(chat_template=str(odd / "t.jinja")).chat_template == text
+    loops = "{% for m in messages %}{% break %}{% endfor %}{% generation %}x{% endgeneration %}"
+    assert Settings(chat_template=loops).chat_template == loops  # transformers' extensions, as it compiles them
+    (tmp_path / "big.jinja").write_text("{#" + "x" * (1 << 20) + "#}" + text)
     os.mkfifo(tmp_path / "fifo")
     for bad, why in [(str(tmp_path / "missing.jinja"), "regular file"), (str(tmp_path / "fifo"), "regular file"),
-                     ("{% for m in messages %}", "not a valid Jinja template")]:
+                     ("{% for m in messages %}", "not a valid Jinja template"),
+                     (str(tmp_path / "big.jinja"), "a chat template has at most 1048576")]:
         monkeypatch.setenv("CHAT_TEMPLATE", bad)
         with pytest.raises(ConfigError, match=f"invalid CHAT_TEMPLATE=.*{why}"):
             load_settings()

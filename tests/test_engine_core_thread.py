@@ -185,6 +185,19 @@ def test_a_stop_while_the_core_loads_ends_the_start_and_the_core(held_pricing):
     assert not client.host.thread.is_alive()
 
 
+def test_a_tgi_stream_the_core_ended_says_unhealthy(monkeypatch):
+    """A ``/generate_stream`` the engine core's end cut short closes with ``error_type`` ``unhealthy`` (as the
+    non-streamed route's 503 says), not ``generation``: neither the request nor its generation failed."""
+    import json
+
+    monkeypatch.setattr(EngineCore, "step", failing_at_the_third(EngineCore.step))
+    app = create_app(Settings(**SETTINGS), load_in_background=False)
+    with TestClient(app) as client, client.stream("POST", "/generate_stream", json={
+            "inputs": "In the beginning", "parameters": {"max_new_tokens": 900}}) as r:
+        data = [json.loads(line[5:]) for line in r.iter_lines() if line.startswith("data:")]
+    assert data[-1] == {"error": REASON, "error_type": "unhealthy"}, data[-1]
+
+
 @pytest.mark.parametrize("path, body", [
     ("/v1/completions", {"model": str(MODEL_DIR), "prompt": "In the beginning", "max_tokens": 900}),
     ("/v1/chat/completions", {"model": str(MODEL_DIR), "messages": [{"role": "user", "content": "Hi"}],

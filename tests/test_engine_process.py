@@ -549,6 +549,29 @@ def test_the_core_process_is_not_given_the_api_key(monkeypatch, tmp_path, how):
     assert '"model_id"' in env[m.SETTINGS_ENV] and "api_key" not in env[m.SETTINGS_ENV]
 
 
+def test_the_core_process_is_not_given_the_chat_template(monkeypatch, tmp_path):
+    """A chat template passed in the core's environment (its text in ``KVSERVE_CORE_SETTINGS``) past 128 KiB
+    stopped the start with "Argument list too long" reported as a model that failed to load; the core never renders
+    a chat, so it is given neither the template nor ``CHAT_TEMPLATE``."""
+    import types
+
+    from server.config import load_settings
+    from server.engine import core_host
+    from server.engine import messages as m
+
+    template = "{#" + "x" * 200_000 + "#}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (tmp_path / "t.jinja").write_text(template)
+    monkeypatch.setenv("CHAT_TEMPLATE", str(tmp_path / "t.jinja"))
+    settings = load_settings(model_id=str(tmp_path), kv_backends="full", tool_call_parser="none")
+    assert settings.chat_template == template
+    env = {}
+    popen = lambda argv, **kw: env.update(kw["env"])  # noqa: E731 - the core's environment, no process
+    monkeypatch.setattr(core_host, "subprocess", types.SimpleNamespace(Popen=popen))
+    core_host.CoreProcess(settings, f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out")
+    assert "CHAT_TEMPLATE" not in env and "chat_template" not in env[m.SETTINGS_ENV]
+    assert max(len(v) for v in env.values()) < 128 * 1024
+
+
 def test_a_stream_a_stop_string_ended_closes_with_stop_when_the_core_dies_before_its_finished():
     """A stop string ends the stream on the HTTP side, which holds the last event until the core's ``Finished``; a
     core that dies meanwhile closes that stream with ``stop_sequence`` (its text is whole), and the others with an

@@ -667,6 +667,56 @@ def test_auto_is_refused_naming_the_setting_without_a_parser(choice):
                     parser="none").mode in ("none", "required", "named")
 
 
+RAISING_TEMPLATE = ("{% for m in messages %}{% if m['content'] == 'RAISE' %}{{ raise_exception('roles must alternate') }}"
+                    "{% elif m['content'] == 'IDX' %}{{ messages[99].content }}{% elif m['content'] == 'EMPTY' %}"
+                    "{% else %}[{{ m['role'] }}] {{ m['content'] }}\n{% endif %}{% endfor %}"
+                    "{% if messages[-1]['content'] != 'EMPTY' %}[assistant]{% endif %}")
+CALL = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+
+
+def test_a_chat_template_that_fails_or_renders_nothing_is_the_request_s_400():
+    """A template's ``raise_exception`` (how templates refuse a conversation, e.g. roles that do not alternate), a
+    fault in it, or an empty rendering was a 500 "internal error: TemplateError" on every chat route: now 400 (422 on
+    the page's route) naming the field, with the template's message. Earlier assistant calls, which this template
+    ignores, reach the prompt as ``<tool_call>`` text when the request has no ``tools``."""
+    from fastapi.testclient import TestClient
+
+    from server.app import create_app
+    from server.config import Settings
+    from tests.conftest import MODEL_DIR
+
+    app = create_app(Settings(model_id=str(MODEL_DIR), kv_backends="full", engine_process=False, log_level="warning",
+                              chat_template=RAISING_TEMPLATE), load_in_background=False)
+    user = {"role": "user"}
+    with TestClient(app) as client:
+        for path, body, field in [
+                ("/v1/chat/completions", {"messages": [{**user, "content": "RAISE"}], "max_tokens": 2}, "messages"),
+                ("/v1/chat/completions", {"messages": [{**user, "content": "IDX"}], "max_tokens": 2, "stream": True},
+                 "messages"),
+                ("/v1/responses", {"input": "RAISE", "max_output_tokens": 2}, "input"),
+                ("/tokenize", {"messages": [{**user, "content": "RAISE"}]}, "messages")]:
+            r = client.post(path, json=body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == field, (path, r.text)
+            assert r.json()["error"]["message"].startswith(f"the chat template cannot render `{field}`: "), r.text
+        r = client.post("/v1/chat/completions", json={"messages": [{**user, "content": "RAISE"}], "max_tokens": 2})
+        assert "roles must alternate" in r.json()["error"]["message"], r.text
+        r = client.post("/ui/api/generate", json={"prompt": "RAISE", "chat": True, "kv_backend": "full"})
+        assert r.status_code == 422 and r.json()["error_type"] == "validation" and "`prompt`" in r.json()["error"]
+        r = client.post("/v1/chat/completions", json={"messages": [{**user, "content": "EMPTY"}], "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["message"] == (
+            "the chat template rendered `messages` as an empty prompt"), r.text
+        history = [{**user, "content": "a"}, {"role": "assistant", "tool_calls": [CALL]},
+                   {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+        r = client.post("/tokenize", json={"messages": history, "return_token_strs": True})
+        assert r.status_code == 200 and "get_weather" in "".join(r.json()["token_strs"]), r.text
+
+
+def test_a_call_whose_arguments_hold_nan_is_no_call():
+    """Python's JSON reads ``NaN``; OpenAI's ``arguments`` must be JSON text, so such an output is content."""
+    text = '<tool_call>{"name": "get_time", "arguments": {"zone": NaN}}</tool_call>'
+    assert parse(text, _plan()) == (text, [])
+
+
 def test_a_chat_template_setting_replaces_the_tokenizer_s_and_the_parser_setting_holds():
     """``CHAT_TEMPLATE`` (template text here) renders every chat prompt in place of the tokenizer's; with
     ``TOOL_CALL_PARSER=none`` a chat with tools and no ``tool_choice`` gets 400 naming ``tool_choice``."""

@@ -176,7 +176,7 @@ def check_parts(messages: list[ChatMessage], field: str = "messages") -> None:
 
 
 def chat_prompt(tokenizer, body: ChatRequest | list[ChatMessage], add_generation_prompt: bool = True,
-                tools: list[dict] | None = None) -> tuple[str, bool]:
+                tools: list[dict] | None = None, field: str = "messages") -> tuple[str, bool]:
     """The prompt for a chat (a request or its messages) and whether the tokenizer should add its special tokens
     when encoding it.
 
@@ -188,16 +188,30 @@ def chat_prompt(tokenizer, body: ChatRequest | list[ChatMessage], add_generation
 
     ``tools`` (OpenAI's tool objects) go to the template (``apply_chat_template(tools=...)``); a template that does not
     render them (the same text without them), and the plain template, get them as a system turn and earlier calls
-    as ``<tool_call>`` text (:mod:`server.api.tools`).
+    as ``<tool_call>`` text (:mod:`server.api.tools`); so do earlier calls in ``messages`` without ``tools`` when the
+    template ignores them.
+
+    Raises:
+        InvalidRequest: naming ``field``: the template failed (its ``raise_exception`` included) or rendered nothing.
     """
     messages = body.messages if isinstance(body, ChatRequest) else body
     if getattr(tokenizer, "chat_template", None):
         def render(chat: list[dict], with_tools: list[dict] | None) -> str:
-            return tokenizer.apply_chat_template(chat, tools=with_tools, tokenize=False,
-                                                 add_generation_prompt=add_generation_prompt)
+            try:
+                text = tokenizer.apply_chat_template(chat, tools=with_tools, tokenize=False,
+                                                     add_generation_prompt=add_generation_prompt)
+            except Exception as exc:  # noqa: BLE001 - the template's own checks (raise_exception) and its faults
+                raise InvalidRequest(f"the chat template cannot render `{field}`: "
+                                     f"{str(exc).strip() or type(exc).__name__}", field) from None
+            if not isinstance(text, str) or not text:
+                raise InvalidRequest(f"the chat template rendered `{field}` as an empty prompt", field)
+            return text
 
         if not tools:
-            return render(turns(messages), None), False
+            text = render(turns(messages), None)
+            if any(m.tool_calls for m in messages) and text == render(turns(messages, drop_calls=True), None):
+                return render(turns(messages, calls_as_text=True), None), False  # it ignores calls: written as text
+            return text, False
         text = render(turns(messages), tools)
         if text != render(turns(messages), None):
             return text, False
@@ -208,8 +222,10 @@ def chat_prompt(tokenizer, body: ChatRequest | list[ChatMessage], add_generation
     return text + ("Assistant:" if add_generation_prompt else ""), True
 
 
-def chat_requests(body: ChatRequest, service: GenerationService) -> tuple[list[GenerationRequest], ToolPlan]:
-    """The engine requests for a chat body, one per choice, and what its tools ask for (the answer's parsing).
+def chat_requests(body: ChatRequest, service: GenerationService,
+                  messages_field: str = "messages") -> tuple[list[GenerationRequest], ToolPlan]:
+    """The engine requests for a chat body, one per choice, and what its tools ask for (the answer's parsing);
+    ``messages_field`` names the request's messages in errors of the chat template (``input`` on ``/v1/responses``).
 
     Raises:
         InvalidRequest: naming the field.
@@ -226,7 +242,8 @@ def chat_requests(body: ChatRequest, service: GenerationService) -> tuple[list[G
     grammar = request_grammar(body)
     tools = plan(body, constrained=grammar != NO_GRAMMAR, parser=service.tool_call_parser)
     _with_grammar(body, tools.grammar if tools.grammar != NO_GRAMMAR else grammar)
-    prompt, special = chat_prompt(service.tokenizer, body, tools=tool_dicts(body) or None)
+    prompt, special = chat_prompt(service.tokenizer, body, tools=tool_dicts(body) or None,
+                                  field=messages_field)
     params = sampling_params(body, len(service.tokenizer), (body.top_logprobs or 0) if body.logprobs else 0,
                              tools.grammar if tools.grammar != NO_GRAMMAR else grammar)
     backend = body.kv_backend or service.default_backend

@@ -216,7 +216,7 @@ async def responses(body: ResponsesRequest, request: Request):
     refuse_unimplemented(body)
     chat = ChatRequest(messages=_messages(body), max_tokens=body.max_output_tokens, temperature=body.temperature,
                        top_p=body.top_p, user=body.user, kv_backend=body.kv_backend, cache_salt=body.cache_salt)
-    reqs, _ = chat_requests(chat, service)
+    reqs, _ = chat_requests(chat, service, messages_field="input")
     for req in reqs:
         req.fields = FIELDS
     started = await submit_all(service, reqs, request.receive)

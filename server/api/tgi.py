@@ -96,10 +96,12 @@ def _reported_seed(seq: RequestState) -> int | None:
     return seq.params.seed if seq.params.do_sample else None
 
 
-def _failure(ev: TokenEvent) -> dict | None:
+def _failure(ev: TokenEvent, service) -> dict | None:
     if ev.finish_reason == FinishReason.ERROR:
         error = ev.error or "generation failed"  # a grammar with no way on is the request's: TGI's validation
-        return {"error": error, "error_type": "validation" if GRAMMAR_FAILED in error else "generation"}
+        kind = ("unhealthy" if service.core_end(ev) is not None else  # the engine core died or hung: the server's
+                "validation" if GRAMMAR_FAILED in error else "generation")
+        return {"error": error, "error_type": kind}
     return None
 
 
@@ -115,7 +117,7 @@ async def _generate(body: TGIRequest, request: Request):
             raise NotReady(died)
         if not events or events[-1].finish_reason == FinishReason.CANCELLED:
             return error_response(499, "client closed request", "cancelled")
-        if (failure := _failure(events[-1])) is not None:
+        if (failure := _failure(events[-1], service)) is not None:
             # as TGI: 422 for the request's input, 424 Failed Dependency for a generation that failed
             return error_response(422 if failure["error_type"] == "validation" else 424, failure["error"],
                                   failure["error_type"])
@@ -186,7 +188,7 @@ async def generate_stream(body: TGIRequest, request: Request):
             shutdown = service.is_shutdown_end(ev)
             if ev.finish_reason == FinishReason.CANCELLED and not shutdown:
                 return
-            if (failure := _failure(ev)) is not None:  # as TGI's router writes it (serde_json): compact, UTF-8
+            if (failure := _failure(ev, service)) is not None:  # as TGI's router writes it (serde_json): compact, UTF-8
                 yield {"data": ErrorBody(**failure).model_dump_json()}
                 return
             out = TGIStreamEvent(index=ev.index, token=_token(ev), top_tokens=top(ev) if top else None)

@@ -189,14 +189,15 @@ def check_turns(messages: list[ChatMessage]) -> None:
                 raise InvalidRequest(f"`{field}` {m.tool_call_id!r} answers no earlier assistant `tool_calls`", field)
 
 
-def turns(messages: list[ChatMessage], calls_as_text: bool = False) -> list[dict]:
+def turns(messages: list[ChatMessage], calls_as_text: bool = False, drop_calls: bool = False) -> list[dict]:
     """The messages as the chat template takes them: an assistant's ``tool_calls`` with their arguments parsed (as
-    vLLM hands them to templates), or, with ``calls_as_text``, written into its content as ``<tool_call>`` text;
-    a tool turn with its ``tool_call_id``."""
+    vLLM hands them to templates), or, with ``calls_as_text``, written into its content as ``<tool_call>`` text,
+    or with ``drop_calls`` left out (to see whether a template renders them); a tool turn with its
+    ``tool_call_id``."""
     out = []
     for m in messages:
         turn: dict = {"role": m.role, "content": m.text()}
-        if m.tool_calls:
+        if m.tool_calls and not drop_calls:
             calls = [{"id": c.id, "type": "function",
                       "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
                      for c in m.tool_calls]
@@ -238,7 +239,10 @@ def _as_call(obj: Any, names: tuple[str, ...]) -> tuple[str, str] | None:
             return None
     if not isinstance(args, dict):
         return None
-    return obj["name"], json.dumps(args, ensure_ascii=False)
+    try:  # NaN and Infinity, which Python's JSON reads, are not JSON: such arguments are no call
+        return obj["name"], json.dumps(args, ensure_ascii=False, allow_nan=False)
+    except ValueError:
+        return None
 
 
 def _calls_in(text: str, names: tuple[str, ...]) -> list[tuple[str, str]] | None:

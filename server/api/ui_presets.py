@@ -40,7 +40,7 @@ def has_chat_template(tokenizer) -> bool:
 def chat_turn(tokenizer, text: str) -> tuple[str, bool]:
     """``text`` as one user turn through the tokenizer's chat template, and whether the tokenizer should add its
     special tokens when encoding it (:func:`server.api.openai_convert.chat_prompt`)."""
-    return chat_prompt(tokenizer, [ChatMessage(role="user", content=text)])
+    return chat_prompt(tokenizer, [ChatMessage(role="user", content=text)], field="prompt")
 
 
 def is_chat_model(tokenizer) -> bool:

@@ -21,10 +21,11 @@ log = logging.getLogger("kvserve.core_client")
 
 OUTBOX_LINGER_MS = 2000
 """How long the core's output socket may hold its last messages (its ``Failed``, its last step) at close (ms)."""
-SERVER_ONLY = ("api_key", "api_key_file")
-"""Settings a core process is not given, in its settings or its environment (``API_KEY``, ``API_KEY_FILE``, in
-any case): the HTTP side checks the key; the core, whose environment other tools read (``/proc/<pid>/environ``,
-crash reports), never needs it."""
+SERVER_ONLY = ("api_key", "api_key_file", "chat_template", "tool_call_parser")
+"""Settings a core process is not given, in its settings or its environment (``API_KEY``, ``API_KEY_FILE``,
+``CHAT_TEMPLATE``, ``TOOL_CALL_PARSER``, in any case): the HTTP side checks the key, renders chats and parses tool
+calls; the core, whose environment other tools read (``/proc/<pid>/environ``, crash reports), never needs the key,
+and a chat template's text can pass the 128 KiB the kernel allows one environment string."""
 
 
 class CoreProcess:
