@@ -27,6 +27,8 @@ from pathlib import Path
 import torch
 
 PARTS = ("model matmuls", "model other ops", "kvserve KV path", "engine outside the forward")
+MATMUL_OPS = ("linear", "mm", "addmm", "skinny_linear")
+"""The ops of the model's linear layers (``skinny_linear``: a decode step's few rows, server.engine.decode_linear)."""
 
 
 class _Regions:
@@ -73,7 +75,7 @@ def count_ops(engine, regions: _Regions) -> dict[str, int]:
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if not func.is_view and func.namespace != "profiler":  # not the regions' own record_function ops
                 part = regions.stack[-1]
-                if part == "model other ops" and func.__name__.split(".")[0] in ("linear", "mm", "addmm"):
+                if part == "model other ops" and func.__name__.split(".")[0] in MATMUL_OPS:
                     part = "model matmuls"
                 counts[part] += 1
             return func(*args, **(kwargs or {}))
@@ -94,8 +96,10 @@ def time_shares(engine, steps: int) -> dict[str, float]:
             engine.step()
         wall = time.perf_counter() - t
     totals = {e.key: e.cpu_time_total for e in prof.key_averages()}
-    # the model's linear layers are aten::mm/addmm; the KV path's products are bmm and attention kernels
-    model_matmul = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in ("aten::mm", "aten::addmm"))
+    # the model's linear layers are aten::mm/addmm or kvserve::skinny_linear; the KV path's products are bmm and
+    # attention kernels
+    model_matmul = sum(e.self_cpu_time_total for e in prof.key_averages()
+                       if e.key.split("::")[-1] in MATMUL_OPS and e.key.split("::")[0] in ("aten", "kvserve"))
     kv = totals.get("kvserve KV path", 0.0)
     forward = totals.get("model other ops", 0.0)
     wall_us = wall * 1e6

@@ -40,7 +40,7 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("ops.cpp", "attention_avx2.cpp", "attention_portable.cpp")
+SOURCES = ("ops.cpp", "attention_avx2.cpp", "attention_portable.cpp", "linear_avx2.cpp")
 HEADERS = ("paged_args.h", "attention_impl.h")
 CFLAGS = ("-O3", "-std=c++17", "-fopenmp", "-fno-math-errno")
 MODES = ("auto", "kernel", "torch")
@@ -125,6 +125,10 @@ def _register_fake() -> None:
     @torch.library.register_fake("kvserve::paged_attention")
     def _(query, arena, exact_table, q_table, ranges, layout, rotation, scaling):
         return query.new_empty(*query.shape[:-1], layout[2] if layout[20] else layout[3])  # a latent: r wide
+
+    @torch.library.register_fake("kvserve::skinny_linear")
+    def _(x, weight, bias):
+        return x.new_empty(*x.shape[:-1], weight.shape[0])
 
     @torch.library.register_fake("kvserve::paged_write")
     def _(arena, key, value, write_pages, write_slots, layout):

@@ -22,6 +22,7 @@ from cache_backends.base import KVBackend
 from cache_backends.paged import PoolViews, drain_layer, drain_sources
 from cache_backends.step_meta import Drain, StepMeta
 from cache_backends.pool import KVPool
+from server.engine.decode_linear import install as install_decode_linear
 from server.engine.sampling import RowRequest, prompt_logprobs, sample_batch
 from server.engine.step_plan import CompressPlan, RowPlan, RunnerOutput, SchedulerOutput
 
@@ -174,6 +175,7 @@ class ModelRunner:
     def __init__(self, model, num_layers: int, pool: KVPool):
         self.model = model
         install_attention(model)  # the pool's reads are attended by kvserve's attention function
+        install_decode_linear(model)  # a decode step's few rows through kvserve's linear kernel (CPU, fp32)
         self.num_layers = num_layers
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype

@@ -207,6 +207,33 @@ void paged_write(torch::Tensor arena, const torch::Tensor& key, const torch::Ten
   }
 }
 
+// x W^T + bias through the AVX2 kernel for x of at most SKINNY_MAX_ROWS rows (after flattening its leading
+// dimensions) in fp32, W contiguous fp32 (N x K); any other case through at::linear. Work split over blocks of
+// SKINNY_BLOCK weight rows, each block read from memory once for every row of x.
+constexpr int64_t SKINNY_BLOCK = 32;
+torch::Tensor skinny_linear(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias) {
+  const bool fits = use_avx2() && x.scalar_type() == torch::kFloat && weight.scalar_type() == torch::kFloat &&
+                    weight.dim() == 2 && weight.is_contiguous() && x.dim() >= 1 && x.size(-1) == weight.size(1) &&
+                    (!bias.has_value() || (bias->scalar_type() == torch::kFloat && bias->dim() == 1 &&
+                                           bias->size(0) == weight.size(0)));
+  if (!fits) return at::linear(x, weight, bias);
+  const int64_t K = weight.size(1), N = weight.size(0);
+  auto x2 = x.reshape({-1, K}).contiguous();
+  const int64_t M = x2.size(0);
+  auto out_sizes = x.sizes().vec();
+  out_sizes.back() = N;
+  auto y = torch::empty({M, N}, x.options());
+  auto b = bias.has_value() ? bias->contiguous() : torch::Tensor();
+  const float* xp = x2.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, (N + SKINNY_BLOCK - 1) / SKINNY_BLOCK, 1, [&](int64_t begin, int64_t end) {
+    skinny_linear_avx2(xp, wp, bp, yp, M, K, N, begin * SKINNY_BLOCK, std::min(N, end * SKINNY_BLOCK));
+  });
+  return y.view(out_sizes);
+}
+
 }  // namespace
 
 std::string isa() { return use_avx2() ? "avx2" : "portable"; }
@@ -216,12 +243,14 @@ TORCH_LIBRARY(kvserve, m) {
         "int[] layout, Tensor? rotation, float scaling) -> Tensor");
   m.def("paged_write(Tensor(a!) arena, Tensor key, Tensor value, Tensor write_pages, Tensor write_slots, "
         "int[] layout) -> ()");
+  m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("kernel_isa() -> str", &isa);
 }
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
   m.impl("paged_attention", &paged_attention);
   m.impl("paged_write", &paged_write);
+  m.impl("skinny_linear", &skinny_linear);
 }
 
 }  // namespace kvserve

@@ -48,5 +48,8 @@ void paged_attention_portable(const PagedArgs& a, int64_t begin, int64_t end);
 // Items [begin, end) with splits > 1: their units' partial results combined into the output.
 void paged_merge_avx2(const PagedArgs& a, int64_t begin, int64_t end);
 void paged_merge_portable(const PagedArgs& a, int64_t begin, int64_t end);
+// Columns [n0, n1) of y (M x N) = x (M x K) w^T (w: N x K, row-major) + bias (nullptr: none); fp32, AVX2 + FMA.
+void skinny_linear_avx2(const float* x, const float* w, const float* bias, float* y, int64_t M, int64_t K, int64_t N,
+                        int64_t n0, int64_t n1);
 
 }  // namespace kvserve
