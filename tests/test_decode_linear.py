@@ -67,6 +67,9 @@ def test_the_module_sends_only_a_decode_step_s_rows_to_the_op(monkeypatch):
     calls.clear()
     layer(torch.randn(6, 32)).sum().backward()  # the weight requires grad: F.linear, and a gradient
     assert calls == [] and layer.weight.grad is not None
+    with torch.no_grad(), kernels.using("torch"):  # the reference path, though installed before
+        layer(torch.randn(6, 32))
+    assert calls == []
 
 
 def test_install_turns_fp32_cpu_linears_only_where_the_kernels_serve():

@@ -618,7 +618,7 @@ def test_the_optional_property_count_visits_each_shared_schema_once(monkeypatch)
     defs = {f"d{i}": {"anyOf": [{"$ref": f"#/$defs/d{i + 1}"}, {"$ref": f"#/$defs/d{i + 1}"}]} for i in range(links)}
     defs[f"d{links}"] = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
     grammar._check_optional(json.dumps({"$defs": defs, "$ref": "#/$defs/d0"}))  # nothing optional: accepted
-    assert len(looked_up) <= 2 * links + 1, len(looked_up)
+    assert len(looked_up) <= 2 * links + 2, len(looked_up)  # + 1: the walk for a schema that requires itself
     defs[f"d{links}"]["required"] = []
     with pytest.raises(grammar.GrammarError, match=f"an object of {2 ** links} optional properties"):
         grammar._check_optional(json.dumps({"$defs": defs, "$ref": "#/$defs/d0"}))

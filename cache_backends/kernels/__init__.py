@@ -164,6 +164,11 @@ def using(mode: str):
         _state["mode"] = before
 
 
+def mode() -> str:
+    """``KV_ATTENTION`` as set now: ``auto``, ``kernel`` or ``torch`` (:func:`configure`, :func:`using`)."""
+    return _state["mode"]
+
+
 def active(device) -> bool:
     """Whether steps on ``device`` attend through the kernel (loading it on first use)."""
     if _state["mode"] == "torch" or torch.device(device).type != "cpu":
