@@ -245,3 +245,13 @@ def test_truncate_tokenizes_only_the_tail_it_keeps(monkeypatch):
         small = client.post("/generate", json={"inputs": verse * 4, "parameters": params}).json()
         assert big.json()["details"]["prefill"] == small["details"]["prefill"]
         assert len(small["details"]["prefill"]) == 12 and big.json()["generated_text"] == small["generated_text"]
+
+
+@pytest.mark.parametrize("item", [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                                  {"type": "function_call_output", "call_id": "c1", "output": "sunny"}])
+def test_a_responses_item_of_another_type_is_named_by_its_type(robust_server, item):
+    """A ``function_call`` item was refused naming ``input[0].call_id`` ("not supported"), a field of the item the
+    server does not take at all: the 400 names the item's type."""
+    r = httpx.post(robust_server.url + "/v1/responses", json={"input": [item], "max_output_tokens": 2}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input[0].type", r.text
+

@@ -536,13 +536,19 @@ INFINITE = ("the schema requires a value of itself inside itself (a required pro
     ({"guided_regex": "[^\\s\\S]"}, "no string matches the regular expression"),
     ({"guided_json": {"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}},
                                       "required": ["next"]}}, "$ref": "#/$defs/n"}}, INFINITE),
-    ({"guided_json": {"type": "array", "items": {"$ref": "#"}, "minItems": 1}}, INFINITE)],
-    ids=["self", "cycle", "regex", "required-cycle", "nonempty-nesting"])
+    ({"guided_json": {"type": "array", "items": {"$ref": "#"}, "minItems": 1}}, INFINITE),
+    ({"guided_json": {"type": "object", "properties": {"\ud800": {"type": "string"}}}},
+     "it holds text that is not valid Unicode: surrogates not allowed in `\\ud800`"),
+    ({"guided_json": {"type": "integer", "minimum": 1e300}},
+     "an integer's `minimum` or `maximum` is beyond the 64-bit integers the matcher bounds")],
+    ids=["self", "cycle", "regex", "required-cycle", "nonempty-nesting", "lone-surrogate", "huge-integer-bound"])
 def test_a_grammar_nothing_matches_is_refused_in_words(server, fields, reason):
-    """llguidance says "NoExtensionBias" where no token can start a grammar, and "Too many items" for a schema that
-    requires itself (the nesting: it passed the check and ran to ``max_tokens`` as ``[[[[...``): the 400 says why."""
-    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 4, **fields},
-                   timeout=60)
+    """llguidance says "NoExtensionBias" where no token can start a grammar, "Too many items" for a schema that
+    requires itself (the nesting: it passed the check and ran to ``max_tokens`` as ``[[[[...``), "unexpected end of
+    hex escape" for a lone surrogate, and "min=Some(9223372036854775807)" for a bound the client never sent: the 400
+    says why."""
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, headers={"content-type": "application/json"},
+                   content=json.dumps({"messages": MESSAGES, "max_tokens": 4, **fields}))  # \ud800 escaped
     (param,) = fields
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert r.json()["error"]["message"] == f"`{param}` cannot be followed: {reason}", r.text
@@ -609,11 +615,11 @@ def test_the_optional_property_count_visits_each_shared_schema_once(monkeypatch)
     on the count above: 18 links, 1.4 KB of schema, held the check 12 s, and each link doubled it) the check would
     never end; each schema is counted once, and a shared one's count is reused (here 2^n optional properties: refused
     for the bound, in a few dozen ``$ref`` lookups)."""
-    from server.engine import grammar
+    from server.engine import grammar, schema_walk
 
     looked_up = []
-    resolve = grammar._resolve
-    monkeypatch.setattr(grammar, "_resolve", lambda root, ref: looked_up.append(ref) or resolve(root, ref))
+    resolve = schema_walk.resolve
+    monkeypatch.setattr(schema_walk, "resolve", lambda root, ref: looked_up.append(ref) or resolve(root, ref))
     links = 40
     defs = {f"d{i}": {"anyOf": [{"$ref": f"#/$defs/d{i + 1}"}, {"$ref": f"#/$defs/d{i + 1}"}]} for i in range(links)}
     defs[f"d{links}"] = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}

@@ -184,9 +184,9 @@ def _messages(body: ResponsesRequest) -> list[dict]:
     if not body.input:
         raise InvalidRequest("`input` must not be empty", "input")
     for i, item in enumerate(body.input):
-        refuse_unimplemented(item, f"input[{i}].")
-        if item.type != "message":
+        if item.type != "message":  # first: a function_call item's own fields (call_id...) are not its fault
             raise InvalidRequest(f"`input[{i}].type` {item.type!r} is not supported; only 'message'", f"input[{i}].type")
+        refuse_unimplemented(item, f"input[{i}].")
         if item.role not in ROLES:
             raise InvalidRequest(f"`input[{i}].role` must be one of {', '.join(ROLES)}", f"input[{i}].role")
         if item.content is None:

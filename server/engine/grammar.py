@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from server.engine import schema_walk
+
 log = logging.getLogger(__name__)
 
 KINDS = ("json_object", "json_schema", "regex")
@@ -56,11 +58,6 @@ def _llguidance():
     return llguidance
 
 
-_SUBSCHEMAS = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames")
-_SCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-
-
 def strict_schema(schema: Any) -> Any:
     """``schema`` with ``"additionalProperties": false`` on every object schema that does not say otherwise, as
     OpenAI's strict structured outputs and xgrammar's strict mode read a schema: an object holds the properties its
@@ -70,13 +67,13 @@ def strict_schema(schema: Any) -> Any:
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
-    for key in _SUBSCHEMAS:
+    for key in schema_walk.SUBSCHEMAS:
         if isinstance(out.get(key), (dict, list)):
             out[key] = strict_schema(out[key])
-    for key in _SCHEMA_LISTS:
+    for key in schema_walk.SCHEMA_LISTS:
         if isinstance(out.get(key), list):
             out[key] = [strict_schema(s) for s in out[key]]
-    for key in _SCHEMA_MAPS:
+    for key in schema_walk.SCHEMA_MAPS:
         if isinstance(out.get(key), dict):
             out[key] = {name: strict_schema(s) for name, s in out[key].items()}
     if isinstance(out.get("additionalProperties"), dict):
@@ -114,104 +111,6 @@ def _max_optional() -> int:
     return (_llguidance().LLParserLimits().max_items_in_row + 1) // _ITEMS_PER_OPTIONAL
 
 
-def _resolve(root: Any, ref: Any) -> Any:
-    """The local ``$ref`` (``#`` or ``#/a/b``) in ``root``, or ``None`` (a remote or unknown one)."""
-    if not isinstance(ref, str) or not ref.startswith("#"):
-        return None
-    node = root
-    for part in [p for p in ref[1:].split("/") if p]:
-        part = part.replace("~1", "/").replace("~0", "~")
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            return None
-    return node
-
-
-def _starting_optional(root: Any, schema: Any, memo: dict[int, int]) -> int:
-    """Optional properties of the objects that may start where ``schema`` starts: its own, its ``anyOf``,
-    ``oneOf`` and ``allOf`` parts' and its ``$ref``'s (counted whether or not a required property comes first: an
-    upper bound). ``memo`` holds each schema's count by ``id``, so that parts shared through ``$ref`` are counted
-    once each, not once per path to them (a chain of ``anyOf`` pairs of one ``$ref`` made the paths 2^n); a schema
-    met again while it is counted (a cycle) counts 0 there."""
-    if not isinstance(schema, dict):
-        return 0
-    if id(schema) in memo:
-        return memo[id(schema)]
-    memo[id(schema)] = 0  # a cycle back to it adds nothing
-    count = 0
-    props = schema.get("properties")
-    if isinstance(props, dict):
-        required = schema.get("required") if isinstance(schema.get("required"), list) else []
-        count += len([name for name in props if name not in required])
-    for key in ("anyOf", "oneOf", "allOf"):
-        if isinstance(schema.get(key), list):
-            count += sum(_starting_optional(root, s, memo) for s in schema[key])
-    if "$ref" in schema:
-        count += _starting_optional(root, _resolve(root, schema["$ref"]), memo)
-    memo[id(schema)] = count
-    return count
-
-
-def _mandatory_parts(root: Any, schema: dict):
-    """The schemas a value of ``schema`` must hold a value of: its required properties', its ``allOf`` parts, its
-    ``$ref``, and its ``items`` when ``minItems`` is at least 1 (``anyOf``/``oneOf`` offer a way out: not followed)."""
-    props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
-    for name in schema.get("required") if isinstance(schema.get("required"), list) else []:
-        if isinstance(name, str) and name in props:
-            yield props[name]
-    if isinstance(schema.get("allOf"), list):
-        yield from schema["allOf"]
-    if "$ref" in schema:
-        yield _resolve(root, schema["$ref"])
-    min_items = schema.get("minItems")
-    if isinstance(min_items, int) and not isinstance(min_items, bool) and min_items >= 1:
-        yield schema.get("items")
-
-
-def _requires_itself(root: Any) -> bool:
-    """Whether a value of ``root`` must hold, nested, a value of a schema that holds it in turn (a required property
-    whose ``$ref`` leads back): no finite JSON value matches, and llguidance fails with "Too many items" at the
-    check or runs to ``max_tokens``. Each schema visited once (three colours, by ``id``)."""
-    state: dict[int, int] = {}  # 1: on the path, 2: done
-    stack = [(root, iter(_mandatory_parts(root, root)))] if isinstance(root, dict) else []
-    if stack:
-        state[id(root)] = 1
-    while stack:
-        node, parts = stack[-1]
-        part = next(parts, None)
-        if part is None:
-            state[id(node)] = 2
-            stack.pop()
-        elif isinstance(part, dict):
-            seen = state.get(id(part))
-            if seen == 1:
-                return True
-            if seen is None:
-                state[id(part)] = 1
-                stack.append((part, iter(_mandatory_parts(root, part))))
-    return False
-
-
-def _subschemas(schema: Any):
-    """``schema`` and every schema inside it."""
-    stack = [schema]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, list):
-            stack.extend(node)
-            continue
-        if not isinstance(node, dict):
-            continue
-        yield node
-        stack.extend(node[k] for k in _SUBSCHEMAS + _SCHEMA_LISTS if isinstance(node.get(k), (dict, list)))
-        stack.extend(v for k in _SCHEMA_MAPS if isinstance(node.get(k), dict) for v in node[k].values())
-        if isinstance(node.get("additionalProperties"), dict):
-            stack.append(node["additionalProperties"])
-
-
 def _check_optional(grammar: str) -> None:
     """Refuse a schema whose objects hold more optional properties at one position than the matcher's row holds:
     it compiles and starts, then fails where the object opens ("Current row has N items; max is 2000"), mid-output.
@@ -223,12 +122,13 @@ def _check_optional(grammar: str) -> None:
         schema = json.loads(grammar)
     except ValueError:
         return
-    if _requires_itself(schema) and not _only_refers_to_itself(schema):  # the latter: llguidance says so
+    # a $ref loop and nothing more: llguidance refuses it, and _matches_nothing says why
+    if schema_walk.requires_itself(schema) and not schema_walk.only_refers_to_itself(schema):
         raise GrammarError("the schema requires a value of itself inside itself (a required property, `allOf`, "
                            "`$ref` or `minItems` leads back to it): no finite JSON value matches it")
     bound, memo = _max_optional(), {}
-    for node in _subschemas(schema):
-        count = _starting_optional(schema, node, memo)
+    for node in schema_walk.subschemas(schema):
+        count = schema_walk.starting_optional(schema, node, memo)
         if count > bound:
             raise GrammarError(f"an object of {count} optional properties (with its alternatives): the matcher "
                                f"holds at most {bound} where an object opens")
@@ -270,6 +170,7 @@ def check(kind: str, grammar: str) -> None:
     """
     if kind == "json_object":
         return
+    _check_unicode(kind, grammar)
     if kind == "regex" and (len(grammar) - len(grammar.rstrip("\\"))) % 2:
         raise GrammarError("the regular expression ends in a lone backslash")
     checker = _CHECKER[0] if _CHECKER else None
@@ -292,12 +193,25 @@ def check(kind: str, grammar: str) -> None:
         raise GrammarError(_reason(str(exc) or type(exc).__name__)) from None
 
 
+def _check_unicode(kind: str, grammar: str) -> None:
+    """Refuse a grammar holding text that is not valid Unicode (a lone surrogate, which JSON's ``\\u`` escapes
+    carry): llguidance's own message for it ("unexpected end of hex escape") names neither the text nor the cause."""
+    texts = [grammar]
+    if kind == "json_schema":
+        try:
+            texts = [t for node in schema_walk.subtexts(json.loads(grammar)) for t in node]
+        except ValueError:
+            return  # not JSON: the compiler says so
+    for text in texts:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise GrammarError(f"it holds text that is not valid Unicode: {exc.reason} in "
+                               f"`{text[:40].encode('utf-8', 'backslashreplace').decode()}`") from None
+
+
 NO_EXTENSION = "NoExtensionBias"
 """llguidance's whole message where no token can start the grammar: nothing matches it."""
-
-
-_REF_ONLY = {"$ref", "$defs", "definitions", "$schema", "$id", "title", "description"}
-"""Keys of a schema that is its ``$ref`` and nothing more."""
 
 
 def _matches_nothing(kind: str, grammar: str) -> str:
@@ -308,20 +222,9 @@ def _matches_nothing(kind: str, grammar: str) -> str:
         root = json.loads(grammar)
     except ValueError:
         root = None
-    if _only_refers_to_itself(root):
+    if schema_walk.only_refers_to_itself(root):
         return "the schema only refers to itself: no value matches it"
     return "no JSON value matches the schema"
-
-
-def _only_refers_to_itself(root: Any) -> bool:
-    """Whether ``root`` is a ``$ref`` and nothing more whose chain of such ``$ref``s comes back to itself."""
-    node, seen = root, []
-    while isinstance(node, dict) and "$ref" in node and not set(node) - _REF_ONLY:  # a $ref and nothing else
-        if any(node is s for s in seen):
-            return True
-        seen.append(node)
-        node = _resolve(root, node["$ref"])
-    return False
 
 
 def _reason(text: str) -> str:
@@ -329,6 +232,8 @@ def _reason(text: str) -> str:
     ``error: ...`` line a regular expression's parse error carries further down."""
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     first = lines[0] if lines else "invalid grammar"
+    if "regex for integer range" in first:  # its bound clamped to 64 bits: a value the client never sent
+        return "an integer's `minimum` or `maximum` is beyond the 64-bit integers the matcher bounds"
     if first.startswith("at ") and "): " in first:
         first = first.split("): ", 1)[1]
     detail = next((line for line in lines[1:] if line.startswith("error:")), None)
