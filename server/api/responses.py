@@ -169,6 +169,18 @@ class StreamEvent(BaseModel):
     sequence_number: int
 
 
+def _check_item_types(body: ResponsesRequest) -> None:
+    """Refuse an ``input`` item that is not a message naming its type, before any of its fields: a
+    ``function_call`` item's ``call_id`` is not what the server lacks.
+
+    Raises:
+        InvalidRequest: naming ``input[i].type``.
+    """
+    for i, item in enumerate(body.input if isinstance(body.input, list) else []):
+        if item.type != "message":
+            raise InvalidRequest(f"`input[{i}].type` {item.type!r} is not supported; only 'message'", f"input[{i}].type")
+
+
 def _messages(body: ResponsesRequest) -> list[dict]:
     """``instructions`` and ``input`` as chat messages.
 
@@ -184,8 +196,6 @@ def _messages(body: ResponsesRequest) -> list[dict]:
     if not body.input:
         raise InvalidRequest("`input` must not be empty", "input")
     for i, item in enumerate(body.input):
-        if item.type != "message":  # first: a function_call item's own fields (call_id...) are not its fault
-            raise InvalidRequest(f"`input[{i}].type` {item.type!r} is not supported; only 'message'", f"input[{i}].type")
         refuse_unimplemented(item, f"input[{i}].")
         if item.role not in ROLES:
             raise InvalidRequest(f"`input[{i}].role` must be one of {', '.join(ROLES)}", f"input[{i}].role")
@@ -213,6 +223,7 @@ async def responses(body: ResponsesRequest, request: Request):
     """Text in, text out (OpenAI's Responses API); ``stream: true`` answers its event stream."""
     service = get_service(request)
     check_model(request, body.model)
+    _check_item_types(body)
     refuse_unimplemented(body)
     chat = ChatRequest(messages=_messages(body), max_tokens=body.max_output_tokens, temperature=body.temperature,
                        top_p=body.top_p, user=body.user, kv_backend=body.kv_backend, cache_salt=body.cache_salt)
