@@ -266,9 +266,10 @@ class _GeneralSettings(BaseSettings):
         fails the start, not the first chat request)."""
         if not v:
             return None
-        if _is_file(v) or ("{{" not in v and "{%" not in v):  # a path (even one holding "{{"), else text
-            path = Path(v)
-            if not _is_file(v):  # a FIFO or a device would block the start
+        path_like = "\n" not in v and v.startswith(("/", "./", "../", "~"))  # no template starts so
+        if _is_file(v) or path_like or ("{{" not in v and "{%" not in v):  # a path (even holding "{{"), else text
+            path = Path(v).expanduser()
+            if not _is_file(str(path)):  # a FIFO or a device would block the start
                 raise ValueError("is neither a Jinja template nor a regular file holding one")
             if path.stat().st_size > MAX_CHAT_TEMPLATE_BYTES:
                 raise ValueError(f"names a file of {path.stat().st_size} bytes; a chat template has at most "

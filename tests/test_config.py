@@ -377,7 +377,8 @@ def test_chat_template_is_text_or_a_regular_file_and_must_parse(tmp_path, monkey
     os.mkfifo(tmp_path / "fifo")
     for bad, why in [(str(tmp_path / "missing.jinja"), "regular file"), (str(tmp_path / "fifo"), "regular file"),
                      ("{% for m in messages %}", "not a valid Jinja template"),
-                     (str(tmp_path / "big.jinja"), "a chat template has at most 1048576")]:
+                     (str(tmp_path / "big.jinja"), "a chat template has at most 1048576"),
+                     (str(tmp_path / "miss{{ing}}.jinja"), "regular file")]:  # a path, though it holds "{{"
         monkeypatch.setenv("CHAT_TEMPLATE", bad)
         with pytest.raises(ConfigError, match=f"invalid CHAT_TEMPLATE=.*{why}"):
             load_settings()

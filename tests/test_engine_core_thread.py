@@ -198,6 +198,21 @@ def test_a_tgi_stream_the_core_ended_says_unhealthy(monkeypatch):
     assert data[-1] == {"error": REASON, "error_type": "unhealthy"}, data[-1]
 
 
+def test_an_openai_stream_the_core_ended_says_service_unavailable(monkeypatch):
+    """A chat stream the engine core's end cut short says so as the non-streamed 503 does
+    (``service_unavailable_error``, code ``unhealthy``), not ``server_error``."""
+    import json
+
+    monkeypatch.setattr(EngineCore, "step", failing_at_the_third(EngineCore.step))
+    app = create_app(Settings(**SETTINGS), load_in_background=False)
+    with TestClient(app) as client, client.stream("POST", "/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 900, "stream": True}) as r:
+        data = [line[5:].strip() for line in r.iter_lines() if line.startswith("data:")]
+    assert data[-1] == "[DONE]"
+    assert json.loads(data[-2])["error"] == {"message": REASON, "type": "service_unavailable_error", "param": None,
+                                             "code": "unhealthy"}, data[-2]
+
+
 @pytest.mark.parametrize("path, body", [
     ("/v1/completions", {"model": str(MODEL_DIR), "prompt": "In the beginning", "max_tokens": 900}),
     ("/v1/chat/completions", {"model": str(MODEL_DIR), "messages": [{"role": "user", "content": "Hi"}],

@@ -717,6 +717,76 @@ def test_a_chat_template_that_fails_or_renders_nothing_is_the_request_s_400():
         assert r.status_code == 200 and "get_weather" in "".join(r.json()["token_strs"]), r.text
 
 
+def _app(template: str | None = None):
+    from server.app import create_app
+    from server.config import Settings
+    from tests.conftest import MODEL_DIR
+
+    return create_app(Settings(model_id=str(MODEL_DIR), kv_backends="full", engine_process=False, log_level="warning",
+                               chat_template=template), load_in_background=False)
+
+
+NO_SYSTEM = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}"
+             "[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant]")
+TOOLS_UNGUARDED = "{% for t in tools %}{{ t.function.name }};{% endfor %}{{ messages[-1]['content'] }}"
+CALLS_UNGUARDED = "{{ messages[1].tool_calls[0].function.name }}|{{ messages[-1]['content'] }}"
+
+
+def test_templates_that_take_no_system_turn_or_read_tools_unguarded_serve_tools():
+    """The server's own renders must not fail a request a template serves: tools for a template that refuses system
+    turns go in the first user turn (a Mistral-style template answered every request with tools 400 "roles must
+    alternate"); the comparison renders without tools, or without earlier calls, that such templates fail on are
+    read as "the template uses them" (a 400 "'NoneType' object is not iterable" before)."""
+    from fastapi.testclient import TestClient
+
+    user = {"role": "user", "content": "Paris?"}
+    history = [{"role": "user", "content": "a"}, {"role": "assistant", "tool_calls": [CALL]},
+               {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    for template, body in [(NO_SYSTEM, {"messages": [user], "tools": [WEATHER], "tool_choice": "none"}),
+                           (TOOLS_UNGUARDED, {"messages": [user], "tools": [WEATHER], "tool_choice": "none"}),
+                           (CALLS_UNGUARDED, {"messages": history})]:
+        with TestClient(_app(template)) as client:
+            r = client.post("/v1/chat/completions", json={**body, "max_tokens": 1})
+        assert r.status_code == 200, (template, r.text)
+    with TestClient(_app(NO_SYSTEM)) as client:
+        with_tools = client.post("/v1/chat/completions", json={"messages": [user], "tools": [WEATHER],
+                                                              "tool_choice": "none", "max_tokens": 1})
+        without = client.post("/v1/chat/completions", json={"messages": [user], "max_tokens": 1})
+    assert with_tools.json()["usage"]["prompt_tokens"] > without.json()["usage"]["prompt_tokens"] + 20
+
+
+def test_text_and_arguments_are_checked_before_a_template_renders_them():
+    """A lone surrogate in a message that a failing template quotes was a 500 (its message not UTF-8): the message
+    is refused first, naming it; earlier call ``arguments`` nested past Python's reader (a RecursionError, 500 on
+    ``/tokenize``) or holding NaN (not JSON, accepted) are refused as not JSON, on ``/tokenize`` as on chat."""
+    import json as _json
+
+    from fastapi.testclient import TestClient
+
+    quoting = "{{ raise_exception('bad ' ~ messages[-1]['content']) }}"
+    deep = {**CALL, "function": {**CALL["function"], "arguments": "[" * 3000}}
+    nan = {**CALL, "function": {**CALL["function"], "arguments": '{"x": NaN}'}}
+    with TestClient(_app(quoting)) as client:
+        r = client.post("/v1/chat/completions", headers={"content-type": "application/json"}, content=_json.dumps(
+            {"messages": [{"role": "user", "content": "\ud800 lone"}], "max_tokens": 1}))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content", r.text
+    with TestClient(_app()) as client:
+        for call in (deep, nan):
+            history = [{"role": "user", "content": "a"}, {"role": "assistant", "tool_calls": [call]},
+                       {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+            for path, extra in (("/tokenize", {}), ("/v1/chat/completions", {"max_tokens": 1})):
+                r = client.post(path, json={"messages": history, **extra})
+                field = "messages[1].tool_calls[0].function.arguments"
+                assert r.status_code == 400 and r.json()["error"]["param"] == field, (path, r.text)
+
+
+@pytest.mark.parametrize("text", ["[" * 3000, "<tool_call>" + "[" * 3000, '{"name": "get_time", "arguments": ' * 1200])
+def test_output_nested_past_python_s_reader_is_content_not_a_500(text):
+    """A client can constrain an ``auto`` answer (``guided_regex``) to ``[[[[...``: Python's JSON reader raised
+    RecursionError out of the parser (a 500, a stream cut without ``[DONE]``). Such output is content."""
+    assert parse(text, _plan()) == (text, [])
+
+
 def test_a_call_whose_arguments_hold_nan_is_no_call():
     """Python's JSON reads ``NaN``; OpenAI's ``arguments`` must be JSON text, so such an output is content."""
     text = '<tool_call>{"name": "get_time", "arguments": {"zone": NaN}}</tool_call>'

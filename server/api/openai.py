@@ -93,9 +93,12 @@ def _continuous_usage(body) -> bool:
     return bool(body.stream_options and body.stream_options.continuous_usage_stats)
 
 
-def _error_event(ev: TokenEvent) -> dict:
+def _error_event(ev: TokenEvent, service) -> dict:
+    """A failed stream's error chunk; the engine core's end (it died or hung) as the non-streamed 503 says it."""
+    died = service.core_end(ev) is not None
     return {"data": OpenAIError(error={"message": ev.error or "generation failed",
-                                       "type": "server_error"}).model_dump_json()}
+                                       "type": "service_unavailable_error" if died else "server_error",
+                                       "code": "unhealthy" if died else None}).model_dump_json()}
 
 
 @router.get("/models", response_model=ModelList)
@@ -165,7 +168,7 @@ async def completions(body: CompletionRequest, request: Request):
             if ev.finish_reason == FinishReason.CANCELLED:
                 return
             if ev.finish_reason == FinishReason.ERROR:  # then [DONE], as vLLM ends a failed stream
-                yield _error_event(ev)
+                yield _error_event(ev, service)
                 yield {"data": "[DONE]"}
                 return
             if not echoed[k]:  # after the prefill, which computed the prompt's log-probabilities
@@ -250,7 +253,7 @@ async def chat_completions(body: ChatRequest, request: Request):
             if ev.finish_reason == FinishReason.CANCELLED:
                 return
             if ev.finish_reason == FinishReason.ERROR:  # then [DONE], as vLLM ends a failed stream (not TGI's shape)
-                yield _error_event(ev)
+                yield _error_event(ev, service)
                 if not tgi_shape:
                     yield {"data": "[DONE]"}
                 return

@@ -12,7 +12,8 @@ from server.api.validation import refuse_unimplemented
 from server.engine.sampling import SamplingParams
 from server.engine.request_state import RequestState
 from server.engine.sequence import FinishReason, TokenEvent
-from server.service import MAX_SEQUENCES_PER_REQUEST, GenerationRequest, GenerationService, InvalidRequest
+from server.service import (MAX_SEQUENCES_PER_REQUEST, GenerationRequest, GenerationService, InvalidRequest,
+                            utf8_error)
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 MAX_SEQUENCES = MAX_SEQUENCES_PER_REQUEST
@@ -159,11 +160,13 @@ def completion_requests(body: CompletionRequest, service: GenerationService
 
 
 def check_parts(messages: list[ChatMessage], field: str = "messages") -> None:
-    """Refuse content parts other than text, and text parts without their text, naming the part.
+    """Refuse content parts other than text, text parts without their text, and text that is not valid Unicode,
+    naming the part or the message (before a template renders it: its position in the message, and a template's
+    error that quotes it is not a 500).
 
     Raises:
         InvalidRequest: ``messages[i].content[j].type`` not ``text``, or its ``text`` missing or null (required
-            in OpenAI's schema).
+            in OpenAI's schema); ``messages[i].content`` holding a lone surrogate.
     """
     for i, m in enumerate(messages):
         for j, part in enumerate(m.content if isinstance(m.content, list) else []):
@@ -173,6 +176,8 @@ def check_parts(messages: list[ChatMessage], field: str = "messages") -> None:
             if part.text is None:
                 raise InvalidRequest(f"`{field}[{i}].content[{j}].text` is required in a 'text' part",
                                      f"{field}[{i}].content[{j}].text")
+        if (err := utf8_error(m.text(), f"{field}[{i}].content")) is not None:
+            raise err
 
 
 def chat_prompt(tokenizer, body: ChatRequest | list[ChatMessage], add_generation_prompt: bool = True,
@@ -201,21 +206,31 @@ def chat_prompt(tokenizer, body: ChatRequest | list[ChatMessage], add_generation
                 text = tokenizer.apply_chat_template(chat, tools=with_tools, tokenize=False,
                                                      add_generation_prompt=add_generation_prompt)
             except Exception as exc:  # noqa: BLE001 - the template's own checks (raise_exception) and its faults
-                raise InvalidRequest(f"the chat template cannot render `{field}`: "
-                                     f"{str(exc).strip() or type(exc).__name__}", field) from None
+                why = (str(exc).strip() or type(exc).__name__).encode("utf-8", "backslashreplace").decode()
+                raise InvalidRequest(f"the chat template cannot render `{field}`: {why}", field) from None
             if not isinstance(text, str) or not text:
                 raise InvalidRequest(f"the chat template rendered `{field}` as an empty prompt", field)
             return text
 
+        def same(text: str, chat: list[dict]) -> bool:  # a comparison render that fails differs: `text` stands
+            try:
+                return text == render(chat, None)
+            except InvalidRequest:
+                return False
+
         if not tools:
             text = render(turns(messages), None)
-            if any(m.tool_calls for m in messages) and text == render(turns(messages, drop_calls=True), None):
+            if any(m.tool_calls for m in messages) and same(text, turns(messages, drop_calls=True)):
                 return render(turns(messages, calls_as_text=True), None), False  # it ignores calls: written as text
             return text, False
         text = render(turns(messages), tools)
-        if text != render(turns(messages), None):
+        if not same(text, turns(messages)):
             return text, False
-        return render(with_tools_system(turns(messages, calls_as_text=True), tools), None), False
+        plain = turns(messages, calls_as_text=True)
+        try:
+            return render(with_tools_system(plain, tools), None), False
+        except InvalidRequest:  # a template that takes no system turn (roles must alternate): in the first user turn
+            return render(with_tools_system(plain, tools, in_user_turn=True), None), False
     chat = turns(messages, calls_as_text=True)
     chat = with_tools_system(chat, tools) if tools else chat
     text = "".join(f"{ROLE_NAMES[t['role']]}: {t['content']}\n" for t in chat)
@@ -230,7 +245,7 @@ def chat_requests(body: ChatRequest, service: GenerationService,
     Raises:
         InvalidRequest: naming the field.
     """
-    check_parts(body.messages)
+    check_parts(body.messages, messages_field)
     max_tokens = body.new_tokens()
     _check_common(body, max_tokens)
     field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"

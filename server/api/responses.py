@@ -192,6 +192,8 @@ def _messages(body: ResponsesRequest) -> list[dict]:
         raise err
     out = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
     if isinstance(body.input, str):
+        if (err := utf8_error(body.input, "input")) is not None:
+            raise err
         return out + [{"role": "user", "content": body.input}]
     if not body.input:
         raise InvalidRequest("`input` must not be empty", "input")
@@ -287,7 +289,8 @@ async def responses(body: ResponsesRequest, request: Request):
         text = ""
         async for _, ev in merged(started):
             if ev.finish_reason == FinishReason.ERROR:
-                yield event("error", code="server_error", message=ev.error or "generation failed", param=None)
+                yield event("error", code="unhealthy" if service.core_end(ev) is not None else "server_error",
+                            message=ev.error or "generation failed", param=None)
                 return
             if ev.finish_reason == FinishReason.CANCELLED and not service.is_shutdown_end(ev):
                 return

@@ -17,12 +17,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from server.api.common import check_model, get_service
 from server.api.openai_convert import chat_prompt, check_parts
+from server.api.tools import check_turns
 from server.api.openai_schemas import ChatMessage, OpenAIError
 from server.api.request_model import RequestModel
 from server.api.threaded_body import ThreadedBodyRoute
 from server.api.types import Int
 from server.api.validation import refuse_unimplemented
-from server.service import InvalidRequest, utf8_error
+from server.service import InvalidRequest
 
 router = APIRouter(tags=["tokenizer"], route_class=ThreadedBodyRoute)
 ERRORS = {code: {"model": OpenAIError} for code in (400, 401, 404, 503)}
@@ -65,9 +66,7 @@ def _tokenize(service, body: TokenizeRequest) -> TokenizeResponse:
     tok, limit = service.tokenizer, service.limits.max_total_tokens
     if body.messages is not None:
         check_parts(body.messages)
-        for i, m in enumerate(body.messages):
-            if (err := utf8_error(m.text(), f"messages[{i}].content")) is not None:
-                raise err
+        check_turns(body.messages)
         text, special = chat_prompt(tok, body.messages, body.add_generation_prompt)
         field = "messages"
     else:

@@ -158,9 +158,31 @@ def tool_dicts(body: ChatRequest) -> list[dict]:
     return [t.model_dump(exclude_none=True) for t in body.tools or []]
 
 
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+_STRICT = json.JSONDecoder(parse_constant=_no_constant)
+"""JSON as OpenAI's ``arguments`` must be: no ``NaN`` or ``Infinity``, which Python's reader takes."""
+
+
+def strict_json(text: str, at: int | None = None) -> Any:
+    """``text`` parsed as strict JSON (``NaN`` and ``Infinity`` refused), or with ``at`` the value that starts
+    there and where it ends (``raw_decode``).
+
+    Raises:
+        ValueError: not strict JSON, or nested too deeply for Python's reader (its ``RecursionError``: a model's
+            ``[[[[...`` output, or a client's).
+    """
+    try:
+        return _STRICT.decode(text) if at is None else _STRICT.raw_decode(text, at)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
 def _arguments(text: str) -> Any:
     try:
-        return json.loads(text)
+        return strict_json(text)
     except ValueError:
         return text
 
@@ -176,8 +198,8 @@ def check_turns(messages: list[ChatMessage]) -> None:
     for i, m in enumerate(messages):
         for j, c in enumerate(m.tool_calls or []):
             try:
-                json.loads(c.function.arguments)
-            except (TypeError, ValueError, RecursionError):
+                strict_json(c.function.arguments)
+            except (TypeError, ValueError):
                 field = f"messages[{i}].tool_calls[{j}].function.arguments"
                 raise InvalidRequest(f"`{field}` must be JSON text", field) from None
             calls.add(c.id)
@@ -213,11 +235,15 @@ def turns(messages: list[ChatMessage], calls_as_text: bool = False, drop_calls: 
     return out
 
 
-def with_tools_system(rendered_turns: list[dict], tools: list[dict]) -> list[dict]:
-    """``rendered_turns`` with the tools in a system turn (:data:`TOOLS_SYSTEM`), before a system turn's own text."""
+def with_tools_system(rendered_turns: list[dict], tools: list[dict], in_user_turn: bool = False) -> list[dict]:
+    """``rendered_turns`` with the tools in a system turn (:data:`TOOLS_SYSTEM`), before a system turn's own text;
+    with ``in_user_turn``, before the first user turn's text instead (a template that refuses system turns)."""
     text = TOOLS_SYSTEM.format(tools="\n".join(json.dumps(t) for t in tools))
-    if rendered_turns and rendered_turns[0]["role"] in ("system", "developer"):
-        return [{**rendered_turns[0], "content": text + "\n\n" + rendered_turns[0]["content"]}, *rendered_turns[1:]]
+    roles = ("user",) if in_user_turn else ("system", "developer")
+    at = next((i for i, t in enumerate(rendered_turns) if t["role"] in roles), None)
+    if at is not None and (in_user_turn or at == 0):
+        turn = rendered_turns[at]
+        return [*rendered_turns[:at], {**turn, "content": text + "\n\n" + turn["content"]}, *rendered_turns[at + 1:]]
     return [{"role": "system", "content": text}, *rendered_turns]
 
 
@@ -234,7 +260,7 @@ def _as_call(obj: Any, names: tuple[str, ...]) -> tuple[str, str] | None:
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):
         try:
-            args = json.loads(args)
+            args = strict_json(args)
         except ValueError:
             return None
     if not isinstance(args, dict):
@@ -248,7 +274,7 @@ def _as_call(obj: Any, names: tuple[str, ...]) -> tuple[str, str] | None:
 def _calls_in(text: str, names: tuple[str, ...]) -> list[tuple[str, str]] | None:
     """The calls a JSON text holds (one object or a list of them), or None when it holds something else."""
     try:
-        value = json.loads(text)
+        value = strict_json(text)
     except ValueError:
         return None
     items = value if isinstance(value, list) else [value]
@@ -258,14 +284,14 @@ def _calls_in(text: str, names: tuple[str, ...]) -> list[tuple[str, str]] | None
 
 def _complete_items(text: str, names: tuple[str, ...]) -> list[tuple[str, str]] | None:
     """The whole calls at the start of a JSON list cut short (an output that ran out of tokens), or None."""
-    decoder, at, calls = json.JSONDecoder(), text.find("[") + 1, []
+    at, calls = text.find("[") + 1, []
     if at == 0 or text[:at - 1].strip():
         return None
     while True:
         while at < len(text) and text[at] in " \n\t,":
             at += 1
         try:
-            value, at = decoder.raw_decode(text, at)
+            value, at = strict_json(text, at)
         except ValueError:
             break
         call = _as_call(value, names)
