@@ -472,7 +472,10 @@ def test_the_socket_folder_of_a_server_killed_goes_at_once(tmp_path, sig):
     import subprocess
     import sys
 
-    code = ("import time\nfrom server.engine.core_sockets import new_socket_dir\nprint(new_socket_dir(), flush=True)\n"
+    # SIGHUP's default action, as a server started from a terminal has it (a suite run under nohup ignores it, and
+    # its children would inherit that)
+    code = ("import signal, time\nsignal.signal(signal.SIGHUP, signal.SIG_DFL)\n"
+            "from server.engine.core_sockets import new_socket_dir\nprint(new_socket_dir(), flush=True)\n"
             "time.sleep(120)")
     server = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=REPO,
                               env={**os.environ, "TMPDIR": str(tmp_path)})
