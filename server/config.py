@@ -271,9 +271,8 @@ class _GeneralSettings(BaseSettings):
             path = Path(v).expanduser()
             if not _is_file(str(path)):  # a FIFO or a device would block the start
                 raise ValueError("is neither a Jinja template nor a regular file holding one")
-            if path.stat().st_size > MAX_CHAT_TEMPLATE_BYTES:
-                raise ValueError(f"names a file of {path.stat().st_size} bytes; a chat template has at most "
-                                 f"{MAX_CHAT_TEMPLATE_BYTES}")
+            if (size := path.stat().st_size) > MAX_CHAT_TEMPLATE_BYTES:
+                raise ValueError(f"names a file of {size} bytes; a chat template has at most {MAX_CHAT_TEMPLATE_BYTES}")
             try:
                 v = path.read_text(encoding="utf-8")
             except (OSError, UnicodeDecodeError) as exc:

@@ -7,8 +7,9 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from sse_starlette.sse import EventSourceResponse
 
-from server.errors import ModelNotFound, NotReady
-from server.service import GenerationService
+from server.engine.sequence import FinishReason, TokenEvent
+from server.errors import GenerationFailed, ModelNotFound, NotReady
+from server.service import GenerationService, InvalidRequest
 
 SHUTDOWN_MESSAGE = "the server shut down before the request finished (SHUTDOWN_GRACE_SECONDS)"
 PLACEHOLDER_MODELS = ("tgi", "dummy")
@@ -49,3 +50,24 @@ def get_service(request: Request) -> GenerationService:
     if state.service is None:
         raise NotReady(state.load_error or state.loading)
     return state.service
+
+
+def finished(events: list[TokenEvent], service: GenerationService) -> TokenEvent:
+    """The last event of a non-streamed generation on the OpenAI routes; raise for one that did not finish.
+
+    Raises:
+        NotReady: the shutdown ended it, or the engine core died or hung under it (503: another replica can answer).
+        InvalidRequest: the client closed the request.
+        GenerationFailed: the generation failed while the core went on.
+    """
+    last = events[-1] if events else None
+    if last is not None and service.is_shutdown_end(last):
+        raise NotReady(SHUTDOWN_MESSAGE)
+    if last is None or last.finish_reason == FinishReason.CANCELLED:
+        raise InvalidRequest("client closed request")
+    if (died := service.core_end(last)) is not None:
+        raise NotReady(died)
+    if last.finish_reason == FinishReason.ERROR:
+        raise GenerationFailed(last.error or "generation failed")
+    return last
+

@@ -19,7 +19,7 @@ import uuid
 from fastapi import APIRouter, Request
 
 from server import __version__
-from server.api.common import SHUTDOWN_MESSAGE, TGI_CLIENT_MODEL, check_model, event_stream, get_service
+from server.api.common import TGI_CLIENT_MODEL, check_model, event_stream, finished, get_service
 from server.api.fanout import collect_all, merged, submit_all
 from server.api.openai_convert import (TokenText, chat_logprobs, chat_requests, completion_logprobs,
                                        completion_requests, finish, prompt_entries, token_entries)
@@ -31,8 +31,7 @@ from server.api.threaded_body import ThreadedBodyRoute
 from server.api.tools import ToolStream, finish_reason as tool_finish, parse as parse_tool_calls, response_calls
 from server.api.types import sse_schema
 from server.engine.sequence import FinishReason, TokenEvent
-from server.errors import GenerationFailed, NotReady
-from server.service import SHUTDOWN_FINISH_REASON, InvalidRequest
+from server.service import SHUTDOWN_FINISH_REASON
 
 router = APIRouter(prefix="/v1", tags=["OpenAI"], route_class=ThreadedBodyRoute)
 ERRORS = {code: {"model": OpenAIError} for code in (400, 401, 404, 422, 429, 503)}
@@ -67,21 +66,6 @@ def _usage(seqs, counted_prompts, echo_only: bool = False) -> Usage:
 def system_fingerprint(seqs) -> str:
     """``system_fingerprint`` of a chat answer: ``kvserve-<version>-<backend>`` (the backend its sequences ran on)."""
     return f"kvserve-{__version__}-{seqs[0].backend_name}"
-
-
-def _check(events: list[TokenEvent], service) -> TokenEvent:
-    """The last event of a finished generation; raise for a failed or cancelled one (503 when the shutdown ended
-    it: another replica can answer)."""
-    last = events[-1] if events else None
-    if last is not None and service.is_shutdown_end(last):
-        raise NotReady(SHUTDOWN_MESSAGE)
-    if last is None or last.finish_reason == FinishReason.CANCELLED:
-        raise InvalidRequest("client closed request")
-    if (died := service.core_end(last)) is not None:
-        raise NotReady(died)
-    if last.finish_reason == FinishReason.ERROR:
-        raise GenerationFailed(last.error or "generation failed")
-    return last
 
 
 def _wants_usage(body) -> bool:
@@ -133,7 +117,7 @@ async def completions(body: CompletionRequest, request: Request):
 
     if not body.stream:
         results = await collect_all(started)
-        lasts = [_check(events, service) for events in results]
+        lasts = [finished(events, service) for events in results]
         choices = []
         for i in range(len(prompts)):
             ks = list(range(i * per_prompt, (i + 1) * per_prompt))
@@ -218,7 +202,7 @@ async def chat_completions(body: ChatRequest, request: Request):
         results = await collect_all(started)
         choices = []
         for k, events in enumerate(results):
-            last = _check(events, service)
+            last = finished(events, service)
             logprobs = chat_logprobs(token_entries(events), text) if body.logprobs else None
             content, calls = parse_tool_calls(last.generated_text or "", tools)
             reason = tool_finish(finish(last.finish_reason), bool(calls))

@@ -223,8 +223,9 @@ def chat_prompt(tokenizer, body: ChatRequest | list[ChatMessage], add_generation
             if any(m.tool_calls for m in messages) and same(text, turns(messages, drop_calls=True)):
                 return render(turns(messages, calls_as_text=True), None), False  # it ignores calls: written as text
             return text, False
-        text = render(turns(messages), tools)
-        if not same(text, turns(messages)):
+        chat = turns(messages)
+        text = render(chat, tools)
+        if not same(text, chat):
             return text, False
         plain = turns(messages, calls_as_text=True)
         try:

@@ -25,7 +25,7 @@ from typing import Any, Literal
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
-from server.api.common import SHUTDOWN_MESSAGE, check_model, event_stream, get_service
+from server.api.common import check_model, event_stream, finished, get_service
 from server.api.fanout import collect_all, merged, submit_all
 from server.api.openai_convert import chat_requests
 from server.api.openai_schemas import CACHE_SALT, ChatRequest, OpenAIError
@@ -34,7 +34,6 @@ from server.api.threaded_body import ThreadedBodyRoute
 from server.api.types import KV_COMPRESSED_FRACTION, Int, drop_unset_extensions, sse_schema
 from server.api.validation import refuse_unimplemented
 from server.engine.sequence import FinishReason
-from server.errors import GenerationFailed, NotReady
 from server.service import MAX_CACHE_SALT_CHARS, InvalidRequest, utf8_error
 
 router = APIRouter(prefix="/v1", tags=["OpenAI"], route_class=ThreadedBodyRoute)
@@ -255,20 +254,9 @@ async def responses(body: ResponsesRequest, request: Request):
     def status_of(reason: FinishReason) -> str:
         return "incomplete" if reason == FinishReason.LENGTH else "completed"
 
-    def failed(last) -> None:
-        if service.is_shutdown_end(last):
-            raise NotReady(SHUTDOWN_MESSAGE)
-        if last.finish_reason == FinishReason.CANCELLED:
-            raise InvalidRequest("client closed request")
-        if (died := service.core_end(last)) is not None:
-            raise NotReady(died)
-        if last.finish_reason == FinishReason.ERROR:
-            raise GenerationFailed(last.error or "generation failed")
-
     if not body.stream:
         (events,) = await collect_all(started)
-        last = events[-1]
-        failed(last)
+        last = finished(events, service)
         return response(status_of(last.finish_reason), last.generated_text or "")
 
     async def stream():
