@@ -7,11 +7,13 @@ Shapes are SmolLM2-135M's by default (30 layers, 3 KV heads, 9 query heads, head
 K/V are random (the kernel's speed does not depend on the values). Prints per form the median time of a step's
 layers, its ratio to ``exact``, and the ratio of the bytes it reads (the byte bound).
 
-``--form latent`` times a native-MLA model's absorbed attention instead (its latent and rope key in exact pages),
-the kernel reading the pages in place against the torch path (the pages gathered, then torch ops), interleaved;
-DeepSeek-V2-Lite's widths by default (kv_lora_rank 512, rope key 64, 16 query heads of 128 + 64, values of 128):
+``--form latent`` times a native-MLA model's absorbed attention instead (its latent and rope key in exact pages, or
+with ``--tiers int8 int4`` quantized per channel as ``mla+int8`` / ``mla+int4`` store them), the kernel reading the
+pages in place against the torch path (the pages gathered, then torch ops), interleaved; DeepSeek-V2-Lite's widths
+by default (kv_lora_rank 512, rope key 64, 16 query heads of 128 + 64, values of 128):
 
     python -m bench.kernel_step --form latent --context 2000 8000 --layers 4 --dtype bfloat16
+    python -m bench.kernel_step --form latent --tiers int8 int4 --context 2000 8000 --layers 4
 """
 
 from __future__ import annotations
@@ -98,17 +100,18 @@ class Row:
 
 class LatentRow(Row):
     """``batch`` sequences of a native-MLA model's entries (latent ``rank`` wide, rope key ``rope`` wide, one head
-    each, exact pages), ``context`` tokens each, and a random ``kv_b_proj`` of ``q_heads`` heads."""
+    each, exact pages or ``tier``'s codes), ``context`` tokens each, and a random ``kv_b_proj`` of ``q_heads`` heads."""
 
     def __init__(self, layers: int, rank: int, rope: int, q_heads: int, nope: int, v: int, context: int,
                  tokens_per_page: int, batch: int = 1, chunk: int = 1, dtype: torch.dtype = torch.float32,
-                 seed: int = 0):
+                 seed: int = 0, tier: str = "exact"):
         from types import SimpleNamespace
 
-        spec = KVSpec((StreamSpec(1, rank), StreamSpec(1, rope)), layers, dtype.itemsize, None)
-        page = -(-spec.exact_bytes(tokens_per_page, aligned=True) // 64) * 64
+        spec = KVSpec((StreamSpec(1, rank), StreamSpec(1, rope)), layers, dtype.itemsize, TIERS[tier])
+        page = -(-spec.block_bytes(tokens_per_page) // 64) * 64  # a quantized tier's: whole groups, as served
         self.layout = PageLayout(spec, dtype, page)
-        pages = batch * (context // tokens_per_page + 8) + 8
+        per_page = min(t for t in (self.layout.exact_tokens, self.layout.q_tokens) if t)
+        pages = batch * (context // per_page + 8) + 8
         self.pool = KVPool(pages, self.layout.page_bytes, {"b": self.layout}, "cpu")
         self.views = self.pool.views["b"]
         self.layers, self.dtype, self.batch, self.widths = layers, dtype, batch, (rank, rope)
@@ -150,16 +153,17 @@ def latent_main(args) -> int:
     print(f"native-MLA latent: {args.batch} row(s) + {args.chunk} new, {args.layers} layers, r {args.rank}, rope "
           f"{args.rope}, {args.q_heads} query heads (nope {args.nope}, v {args.v_dim}), {args.dtype}, "
           f"{args.threads} thread(s), median of {args.rounds}")
-    print(f"{'context':>8}{'kernel ms':>11}{'torch ms':>10}{'torch/kernel':>14}")
-    for context in args.context:
-        row = LatentRow(args.layers, args.rank, args.rope, args.q_heads, args.nope, args.v_dim, context,
-                        args.page_tokens, args.batch, args.chunk, dtype)
-        times = {"kernel": [], "torch": []}
-        for _ in range(args.rounds):
-            for mode in times:
-                times[mode].append(row.latent_step(mode))
-        k, t = statistics.median(times["kernel"]), statistics.median(times["torch"])
-        print(f"{context:>8}{k * 1e3:>11.2f}{t * 1e3:>10.2f}{t / k:>14.2f}")
+    print(f"{'form':<14}{'context':>8}{'kernel ms':>11}{'torch ms':>10}{'torch/kernel':>14}")
+    for tier in args.tiers or ["exact"]:
+        for context in args.context:
+            row = LatentRow(args.layers, args.rank, args.rope, args.q_heads, args.nope, args.v_dim, context,
+                            args.page_tokens, args.batch, args.chunk, dtype, tier=tier)
+            times = {"kernel": [], "torch": []}
+            for _ in range(args.rounds):
+                for mode in times:
+                    times[mode].append(row.latent_step(mode))
+            k, t = statistics.median(times["kernel"]), statistics.median(times["torch"])
+            print(f"{tier:<14}{context:>8}{k * 1e3:>11.2f}{t * 1e3:>10.2f}{t / k:>14.2f}")
     return 0
 
 
@@ -168,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--form", choices=["kv", "latent"], default="kv",
                    help="kv: K/V pairs per --tiers; latent: a native-MLA model's latent, the kernel vs torch")
     p.add_argument("--context", type=int, nargs="+", default=[8000])
-    p.add_argument("--tiers", nargs="+", default=["exact", "int8", "int4"], choices=list(TIERS))
+    p.add_argument("--tiers", nargs="+", choices=list(TIERS),
+                   help="stored forms (default: exact int8 int4; latent: exact)")
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--heads", type=int, default=3, help="KV heads")
     p.add_argument("--rep", type=int, default=3, help="query heads per KV head")
@@ -190,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     if args.form == "latent":
         return latent_main(args)
-    args.context = args.context[0]
+    args.context, args.tiers = args.context[0], args.tiers or ["exact", "int8", "int4"]
     rows = {t: Row(t, args.layers, args.heads, args.head_dim, args.context, args.page_tokens, args.batch,
                    args.chunk)
             for t in args.tiers}

@@ -1,8 +1,9 @@
 """The attention kernel (``torch.ops.kvserve.paged_attention``) against the torch path it replaces: the same pool, the
 same step, the same queries, read in place by the kernel or gathered and attended by
 :func:`cache_backends.paged_attention.attend_pair`, for every stored form a K/V pair takes (exact fp32/bf16/fp16,
-int8, int4, k8v4, a rotated tier, an on-demand tier), GQA ratios 1/3/8, head_dim 64/128/256, page sizes that leave
-rows ending on and off a page boundary, shuffled block tables, ragged decode batches and prefill chunks."""
+int8, int4, k8v4, a rotated tier, an on-demand tier) and a native-MLA latent takes (exact, ``mla+int8``, ``mla+int4``,
+rotated), GQA ratios 1/3/8, head_dim 64/128/256, page sizes that leave rows ending on and off a page boundary,
+shuffled block tables, ragged decode batches and prefill chunks."""
 
 from __future__ import annotations
 
@@ -225,7 +226,7 @@ def test_a_bad_mode_is_refused():
 
 
 @pytest.mark.parametrize("dtype", [d for d in KERNEL_DTYPES if d != torch.float16], ids=str)
-@pytest.mark.parametrize("tier", ["exact", "int8", "int4-rotated", "native-mla"])
+@pytest.mark.parametrize("tier", ["exact", "int8", "int4-rotated", "native-mla", "native-mla-int8"])
 def test_the_fused_write_stores_what_the_torch_write_stores(tier, dtype):
     """The same steps (prefill chunks and decode steps of a ragged batch; int8 groups drain) written by
     ``kvserve::paged_write`` and by the torch path's indexed copies leave the same bytes in the pool (and a
@@ -233,8 +234,8 @@ def test_the_fused_write_stores_what_the_torch_write_stores(tier, dtype):
     arenas = []
     for mode in ("kernel", "torch"):
         with kernels.using(mode):
-            pool = LatentPool(32, 8, 2, 16, 16, dtype, tokens_per_page=16, seed=11) if tier == "native-mla" else \
-                Pool(tier, 2, 64, dtype, tokens_per_page=16, seed=11)
+            pool = LatentPool(32, 8, 2, 16, 16, dtype, tokens_per_page=16, seed=11, tier=tier[11:] or "exact") \
+                if tier.startswith("native-mla") else Pool(tier, 2, 64, dtype, tokens_per_page=16, seed=11)
             rows = [SeqBlocks() for _ in range(3)]
             _grow(pool, rows, [5, 33, 70], chunk=20)
             for _ in range(4):
@@ -300,19 +301,23 @@ def test_a_kernel_that_cannot_load_is_said_and_the_torch_path_serves(tmp_path):
 # tests/test_mla_native.py, a wider rope key, and DeepSeek-V2-Lite's widths (r 512, rope 64, 16 heads of 128)
 LATENT_SHAPES = [(16, 8, 4, 16, 16), (32, 64, 3, 32, 32), (512, 64, 16, 128, 128)]
 LATENT_IDS = [f"r{r}-rope{p}-h{h}" for r, p, h, _, _ in LATENT_SHAPES]
+# a latent's stored forms: exact pages (``full``, ``mla``), and ``mla+int8`` / ``mla+int4`` (rotated or not): the
+# latent and the rope key both per channel over groups of 8 tokens, the newest 8 exact
+LATENT_TIERS = ["exact", "int8", "int4", "int4-rotated"]
 
 
 class LatentPool(Pool):
     """A pool of a native-MLA model's entries over two layers (``full``'s and ``mla``'s: the latent c_KV and the
-    shared rope key, one head each, exact pages), with a random ``kv_b_proj`` of the model's widths."""
+    shared rope key, one head each; exact pages, or under ``tier`` (:data:`TIERS`) both quantized per channel, as
+    ``mla+int8`` / ``mla+int4`` store them), with a random ``kv_b_proj`` of the model's widths."""
 
     def __init__(self, rank: int, rope: int, heads: int, nope: int, v: int, dtype: torch.dtype, tokens_per_page: int,
-                 seed: int):
+                 seed: int, tier: str = "exact"):
         from types import SimpleNamespace
 
         from cache_backends.kv_spec import StreamSpec
 
-        spec = KVSpec((StreamSpec(1, rank), StreamSpec(1, rope)), 2, dtype.itemsize, None)
+        spec = KVSpec((StreamSpec(1, rank), StreamSpec(1, rope)), 2, dtype.itemsize, TIERS[tier])
         page = -(-spec.exact_bytes(tokens_per_page, aligned=True) // 64) * 64
         self.layout = PageLayout(spec, dtype, page)
         assert kernels.fits(self.layout) and kernels.is_latent(self.layout)
@@ -327,7 +332,7 @@ class LatentPool(Pool):
             return SimpleNamespace(qk_nope_head_dim=nope, v_head_dim=v, kv_b_proj=SimpleNamespace(weight=weight.to(dtype)))
 
         proj = torch.randn(heads * (nope + v), rank, generator=self.gen) * rank ** -0.5
-        self.modules = [module(nope, v, proj, dtype)]
+        self.modules = [module(nope, v, proj, dtype), module(nope, v, proj, torch.float32)]
         # W_UK = W_UV = I (nope = v = r): absorbed attention is then the latent MQA alone, exactly in any dtype, so
         # the kernel's sums are compared with nothing else's rounding in between
         eye = torch.eye(rank).repeat(2 * heads, 1)
@@ -353,9 +358,16 @@ class LatentPool(Pool):
             gold = self._absorbed(self.identity[torch.float32], self._query.float(), list(map(_fp32, reads)), meta)
             torch.testing.assert_close(got.float(), gold, rtol=tol, atol=tol)
             assert (got.float() - gold).abs().max() <= max((ref.float() - gold).abs().max(), tol)
-            # with the model's W_UK and W_UV (applied in the model dtype by both paths): the torch path's output
+            # with the model's W_UK and W_UV (applied in the model dtype by both paths): the torch path's output; on
+            # codes, the torch path's sums round in the model dtype (a bf16 query times the scales, plus the zero
+            # points' bias: a difference of two rounded terms), the kernel's in fp32: no further than it from the
+            # sums in fp32
             got, ref = self._both(self.modules[0], meta, reads, in_place)
-            torch.testing.assert_close(got.float(), ref.float(), rtol=2 * tol, atol=2 * tol)
+            if self.layout.quantization is None:
+                torch.testing.assert_close(got.float(), ref.float(), rtol=2 * tol, atol=2 * tol)
+            else:
+                gold = self._absorbed(self.modules[1], self._query.float(), list(map(_fp32, reads)), meta)
+                assert (got.float() - gold).abs().max() <= max((ref.float() - gold).abs().max(), 2 * tol)
 
     def _both(self, a, meta: StepMeta, reads: list, in_place: list) -> tuple:
         """Absorbed attention of one random query through the kernel and through the torch path."""
@@ -373,68 +385,89 @@ class LatentPool(Pool):
         return absorbed_attention(query, reads[0], reads[1], meta, (a.qk_nope_head_dim + self.rope) ** -0.5, a)
 
 
+@pytest.mark.parametrize("tier", LATENT_TIERS)
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
 @pytest.mark.parametrize("rank,rope,heads,nope,v", LATENT_SHAPES, ids=LATENT_IDS)
-def test_native_mla_decode_of_a_ragged_batch_matches_absorbed_attention(rank, rope, heads, nope, v, dtype):
+def test_native_mla_decode_of_a_ragged_batch_matches_absorbed_attention(rank, rope, heads, nope, v, dtype, tier):
     """A native-MLA model's latent and rope key read in place (MQA over (c_t, k_rope_t), values c_t, W_UK and W_UV
-    applied in torch): rows of 1, 7, 16 (a page boundary), 45 and 130 tokens decoding together give absorbed
-    attention's output over the gathered pages."""
-    pool = LatentPool(rank, rope, heads, nope, v, dtype, tokens_per_page=16, seed=rank + rope)
+    applied in torch), exact or quantized (scores and values on the codes' groups, then the exact window): rows of
+    1, 7, 16 (a page boundary), 45 and 130 tokens decoding together (quantized tiers drain a group inside the steps)
+    give absorbed attention's output over the gathered pages."""
+    pool = LatentPool(rank, rope, heads, nope, v, dtype, tokens_per_page=16, seed=rank + rope, tier=tier)
     lengths = [1, 7, 16, 45, 130]
     rows = [SeqBlocks() for _ in lengths]
     _grow(pool, rows, lengths, chunk=24)
-    for _ in range(2):
+    for _ in range(3 if tier != "exact" else 2):
         pool.compare(pool.write(rows, [1] * len(rows), commit=False))
         pool.commit()
 
 
+@pytest.mark.parametrize("tier", LATENT_TIERS)
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
 @pytest.mark.parametrize("rank,rope,heads,nope,v", LATENT_SHAPES, ids=LATENT_IDS)
-def test_native_mla_prefill_chunk_over_stored_pages_matches_absorbed_attention(rank, rope, heads, nope, v, dtype):
-    """A 37-token chunk (causal within it) after 70 stored tokens, and the first chunk of an empty row."""
-    pool = LatentPool(rank, rope, heads, nope, v, dtype, tokens_per_page=16, seed=3 * rank + rope)
+def test_native_mla_prefill_chunk_over_stored_pages_matches_absorbed_attention(rank, rope, heads, nope, v, dtype,
+                                                                               tier):
+    """A 37-token chunk (causal within it; quantized tiers drain groups inside it) after 70 stored tokens (most of
+    them codes when quantized), and the first chunk of an empty row."""
+    pool = LatentPool(rank, rope, heads, nope, v, dtype, tokens_per_page=16, seed=3 * rank + rope, tier=tier)
     rows = [SeqBlocks()]
     _grow(pool, rows, [70], chunk=32)
     pool.compare(pool.write(rows, [37], commit=False))
     pool.compare(pool.write([SeqBlocks()], [37], commit=False))
 
 
+@pytest.mark.parametrize("tier", LATENT_TIERS)
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("tokens_per_page", [8, 13])
-def test_native_mla_pages_splits_and_shuffled_tables(tokens_per_page, splits, monkeypatch):
+def test_native_mla_pages_splits_and_shuffled_tables(tokens_per_page, splits, tier, monkeypatch):
     """Pages of 8 and 13 tokens (rows ending on and off a boundary), a shuffled free list, each row's blocks whole
-    or split over work units: absorbed attention's output for a ragged decode and a prefill chunk."""
+    or split over work units (a split's share of a quantized row may start or end inside a group): absorbed
+    attention's output for a ragged decode and a prefill chunk."""
     monkeypatch.setenv("KVSERVE_KERNEL_SPLITS", str(splits))
-    pool = LatentPool(32, 64, 3, 32, 32, torch.float32, tokens_per_page=tokens_per_page, seed=tokens_per_page)
+    pool = LatentPool(32, 64, 3, 32, 32, torch.float32, tokens_per_page=tokens_per_page, seed=tokens_per_page,
+                      tier=tier)
     rows = [SeqBlocks() for _ in range(3)]
     _grow(pool, rows, [9, 40, 300], chunk=64)
-    assert [p for b in rows for p in b.exact] != sorted(p for b in rows for p in b.exact)
+    pages = [p for b in rows for p in b.q + b.exact]
+    assert pages != sorted(pages)
     pool.compare(pool.write(rows, [1, 1, 1], commit=False))
     pool.compare(pool.write([rows[1]], [29], commit=False))
 
 
 def test_native_mla_portable_kernel_matches_absorbed_attention():
-    """The portable C++ path on a native-MLA latent, in a child process (the instruction set is chosen once)."""
+    """The portable C++ path on a native-MLA latent, exact and quantized, in a child process (the instruction set is
+    chosen once)."""
     import subprocess
     import sys
 
     code = ("import torch, tests.test_kernels as t; from cache_backends import kernels; "
             "assert torch.ops.kvserve.kernel_isa() == 'portable' if kernels.load() else False; "
-            "t.test_native_mla_decode_of_a_ragged_batch_matches_absorbed_attention(32, 64, 3, 32, 32, torch.bfloat16); "
+            "t.test_native_mla_decode_of_a_ragged_batch_matches_absorbed_attention(32, 64, 3, 32, 32, torch.bfloat16, "
+            "'exact'); "
             "t.test_native_mla_prefill_chunk_over_stored_pages_matches_absorbed_attention(16, 8, 4, 16, 16, "
-            "torch.float32)")
+            "torch.float32, 'exact'); "
+            "t.test_native_mla_decode_of_a_ragged_batch_matches_absorbed_attention(32, 64, 3, 32, 32, torch.bfloat16, "
+            "'int8'); "
+            "t.test_native_mla_decode_of_a_ragged_batch_matches_absorbed_attention(16, 8, 4, 16, 16, torch.float32, "
+            "'int4-rotated'); "
+            "t.test_native_mla_prefill_chunk_over_stored_pages_matches_absorbed_attention(32, 64, 3, 32, 32, "
+            "torch.float32, 'int4')")
     env = {**os.environ, "KVSERVE_KERNEL_PORTABLE": "1"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-def test_a_quantized_native_mla_latent_is_left_to_the_torch_path():
-    """``mla+int8`` on a native-MLA model: the kernel does not read its codes, so its reads are gathered."""
-    from cache_backends.kv_spec import StreamSpec
-
-    spec = KVSpec((StreamSpec(1, 32), StreamSpec(1, 8)), 2, 4, Quantization(8, 8))
-    layout = PageLayout(spec, torch.float32, -(-spec.exact_bytes(16, aligned=True) // 64) * 64 * 4)
-    assert kernels.is_latent(layout) and not kernels.fits(layout)
-    pool = KVPool(4, layout.page_bytes, {"b": layout}, "cpu")
-    with kernels.using("kernel"):
-        assert in_place_layer(pool.views["b"], 0) is None
+@pytest.mark.parametrize("splits", [2, 5])
+@pytest.mark.parametrize("tier", ["int8", "int4"])
+def test_a_quantized_native_mla_latent_is_read_in_place_and_split(tier, splits, monkeypatch):
+    """``mla+int8`` / ``mla+int4`` on a native-MLA model at DeepSeek-V2-Lite's widths: the kernel reads the codes
+    (:func:`kernels.fits`, in-place reads), a long row's blocks split over units (shares starting inside a group)
+    and merged, beside short rows, give the torch path's output."""
+    monkeypatch.setenv("KVSERVE_KERNEL_SPLITS", str(splits))
+    pool = LatentPool(512, 64, 16, 128, 128, torch.float32, tokens_per_page=16, seed=splits, tier=tier)
+    assert pool.layout.q_tokens and kernels.fits(pool.layout)
+    rows = [SeqBlocks() for _ in range(3)]
+    _grow(pool, rows, [3, 45, 333], chunk=128)
+    for _ in range(2):
+        pool.compare(pool.write(rows, [1, 1, 1], commit=False))
+        pool.commit()

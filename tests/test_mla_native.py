@@ -150,16 +150,19 @@ def _check_int8_read(layer, a, precision, gen):
                            factor=32)
 
 
-@pytest.mark.parametrize("name", ["full", "mla"])
-def test_greedy_tokens_through_the_kernel_equal_the_torch_paths(tiny_deepseek, precision, name):
+@pytest.mark.parametrize("name,options", [("full", {}), ("mla", {}), ("mla+int8", {"group_size": 8, "residual": 8}),
+                                          ("mla+int4", {"group_size": 8, "residual": 8, "rotate": True})],
+                         ids=["full", "mla", "mla+int8", "mla+int4:rotate=true"])
+def test_greedy_tokens_through_the_kernel_equal_the_torch_paths(tiny_deepseek, precision, name, options):
     """A ragged batch (prompts of 9, 23 and 40 tokens, the last prefilled in two chunks) decoded greedily through the
-    pool, its latent and rope key read in place by the attention kernel (KV_ATTENTION=kernel) and gathered
-    (KV_ATTENTION=torch): the same tokens (up to a near-tie, :meth:`Precision.assert_greedy_agrees`), and the
-    kernel's step logits within the dtype's tolerance of the torch path's."""
+    pool, its latent and rope key (exact, or quantized per channel with an exact window) read in place by the
+    attention kernel (KV_ATTENTION=kernel) and gathered (KV_ATTENTION=torch): the same tokens (up to a near-tie,
+    :meth:`Precision.assert_greedy_agrees`), and the kernel's step logits within the dtype's tolerance of the torch
+    path's."""
     if not kernels.load():
         pytest.skip(f"the attention kernel is not available: {kernels.status()['reason']}")
     model = tiny_deepseek
-    backend = create(name, ModelGeometry.from_config(model.config, model.dtype))
+    backend = create(name, ModelGeometry.from_config(model.config, model.dtype), **options)
     backend.prepare(model)
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (9, 23, 40)]

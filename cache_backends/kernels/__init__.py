@@ -4,9 +4,10 @@
 block tables, in every stored form a K/V pair of streams takes: exact pages (fp32, bf16, fp16), the int8 family
 (int8 keys per channel over token groups and values per token, int4 two codes a byte, k8v4, a Hadamard-rotated tier
 scored with the query rotated instead of the keys) with the exact residual window in the same call; and a native-MLA
-model's own entries (DeepSeek-V2/V3: its latent c_KV and shared rope key, in exact pages) with absorbed attention
-(DeepSeek-V2, arXiv 2405.04434, section 2.1.2): multi-query attention of every head's query, W_UK folded in, over
-the key (c_t, k_rope_t) and the value c_t, W_UV applied by the caller
+model's own entries (DeepSeek-V2/V3: its latent c_KV and shared rope key, in exact pages, or under ``mla+int8`` /
+``mla+int4`` both quantized per channel over token groups, rotated or not, with their exact residual window) with
+absorbed attention (DeepSeek-V2, arXiv 2405.04434, section 2.1.2): multi-query attention of every head's query, W_UK
+folded in, over the key (c_t, k_rope_t) and the value c_t, W_UV applied by the caller
 (:func:`cache_backends.absorbed_mla.absorbed_attention`). All query heads of one KV head are scored together (GQA),
 the softmax is computed online (FlashAttention, arXiv 2205.14135), decode rows of different lengths and the tokens
 of a prefill chunk go through the same call (each query token's visible tokens are intervals,
@@ -28,6 +29,7 @@ error), ``torch`` (today's reference path).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -191,17 +193,19 @@ def status(device="cpu") -> dict:
 def layout_args(layout, layer: int) -> list[int]:
     """The op's ``layout`` argument for one layer of a :class:`cache_backends.page_layout.PageLayout`: page bytes,
     heads, the two streams' widths, the exact tier's dtype, tokens per page and slab offsets, the quantized tier's
-    (tokens per page, group size, bits, scale dtypes, slab offsets; zeros when there is none), and the form: 0 for
-    keys and values, 1 for a native-MLA model's latent and rope key (:func:`is_latent`)."""
+    (tokens per page, group size, each stream's bits and scale dtype, slab offsets; zeros when there is none), and
+    the form: 0 for keys and values, 1 for a native-MLA model's latent and rope key (:func:`is_latent`; quantized,
+    both per channel: the second stream's scales are per group and channel, not per token)."""
     k, v = layout.exact_slabs[layer]
     args = [layout.page_bytes, k.heads, k.width, v.width, _DTYPES[layout.dtype], layout.exact_tokens, k.offset,
             v.offset]
-    q = layout.quantization
+    q, form = layout.quantization, int(is_latent(layout))
     if not q:
-        return args + [0] * 12 + [int(is_latent(layout))]
+        return args + [0] * 12 + [form]
     (kc, ks, kz), (vc, vs, vz) = layout.q_slabs[layer]
-    return args + [layout.q_tokens, q.group_size, q.bits("channel"), q.bits("token"), _DTYPES[ks.dtype],
-                   _DTYPES[vs.dtype], kc.offset, ks.offset, kz.offset, vc.offset, vs.offset, vz.offset, 0]
+    k_spec, v_spec = layout.streams
+    return args + [layout.q_tokens, q.group_size, q.bits(k_spec.axis), q.bits(v_spec.axis), _DTYPES[ks.dtype],
+                   _DTYPES[vs.dtype], kc.offset, ks.offset, kz.offset, vc.offset, vs.offset, vz.offset, form]
 
 
 def is_latent(layout) -> bool:
@@ -214,13 +218,13 @@ def is_latent(layout) -> bool:
 def fits(layout) -> bool:
     """Whether a page layout is one the kernel reads, in fp32/bf16/fp16: two streams, keys per channel and values
     per token with as many heads, a rotated tier only with keys and values as wide; or a native-MLA latent and rope
-    key in exact pages (absorbed attention; a quantized latent, ``mla+int8``, goes through the torch path)."""
+    key (absorbed attention), in exact pages or quantized (``mla+int8``, ``mla+int4``, rotated or not)."""
     streams = layout.streams
     if len(streams) != 2 or layout.dtype not in _DTYPES:
         return False
-    q = layout.quantization
     if is_latent(layout):
-        return not q
+        return True
+    q = layout.quantization
     k, v = streams
     if k.axis != "channel" or v.axis != "token" or k.heads != v.heads:
         return False
@@ -247,11 +251,19 @@ def paged_attention(query: torch.Tensor, keys, values, meta, scaling: float) -> 
     q = views.layout.quantization
     rotation = None
     if q and q.rotate and meta.q_width:
-        from cache_backends.quant import hadamard  # noqa: PLC0415 - a leaf; only rotated tiers need it
-
-        rotation = hadamard(args[2], torch.float32, query.device)
+        rotation = _rotation(args[2], args[3] if args[20] else 0, query.device)
     return torch.ops.kvserve.paged_attention(query, views.arena, meta.exact_table, meta.q_table, meta.ranges, args,
                                              rotation, scaling)
+
+
+@functools.lru_cache(maxsize=16)
+def _rotation(width: int, rope: int, device: torch.device) -> torch.Tensor:
+    """The op's ``rotation``: the (d, d) Hadamard rotation of keys ``width`` wide; a latent's (``rope`` > 0), the
+    latent's rotation then the rope key's, block-diagonal (each stream is rotated on its own when it drains)."""
+    from cache_backends.quant import hadamard  # noqa: PLC0415 - a leaf; only rotated tiers need it
+
+    r = hadamard(width, torch.float32, device)
+    return torch.block_diag(r, hadamard(rope, torch.float32, device)) if rope else r
 
 
 def _layer_args(views, layer: int) -> list[int]:

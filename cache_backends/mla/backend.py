@@ -273,7 +273,8 @@ class MLABackend(KVBackend):
     @property
     def attends_in_place(self) -> bool:
         """Native: the model's latent and rope key go through the attention kernel (absorbed attention) where it reads
-        their pages (exact ones: ``mla+int8`` is gathered, :func:`cache_backends.kernels.fits`); post-hoc: no."""
+        their pages (exact ones, and ``mla+int8`` / ``mla+int4``'s codes, :func:`cache_backends.kernels.fits`);
+        post-hoc: no."""
         return self.native
 
     def new_store(self) -> KVStore:

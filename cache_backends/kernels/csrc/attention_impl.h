@@ -7,13 +7,15 @@
 // rep = Hq / H heads that share it) are scored together against the row's tokens, read straight from its pages
 // through the block tables, in blocks of at most BN tokens (across pages): the quantized tier first (keys per
 // channel over groups of `group` tokens, values per token; 8-bit codes or two 4-bit codes a byte), then the
-// exact tier. A chunk's keys and values are used in place when they are fp32 exact tokens, else widened into
-// an fp32 scratch of BN tokens; the softmax is computed online (FlashAttention, arXiv 2205.14135), so nothing
-// the size of the context is allocated. Each query token sees the quantized tokens [q0, q) and the exact tokens
-// [lo, hi) of its `ranges` entry (q, lo, hi[, q0]; q0 is 0 when absent, a sliding window's start otherwise): the
-// step's mask (cache_backends/step_meta.py) as intervals. A 6-column entry (q, lo, hi, q0, s0, s1) adds the
-// attention sinks (StreamingLLM, arXiv 2309.17453): slots [s0, s1) of the sink tier (the quantized tier when the
-// layout has one, else the exact tier), disjoint from the others, attended first by split 0 of the item.
+// exact tier. A native-MLA latent (a.latent) is one head read by every query head: its key is (c_t, k_rope_t),
+// its value c_t, both streams per channel over groups when quantized. A chunk's keys and values are used in place
+// when they are fp32 exact tokens, else widened into an fp32 scratch of BN tokens; the softmax is computed online
+// (FlashAttention, arXiv 2205.14135), so nothing the size of the context is allocated. Each query token sees the
+// quantized tokens [q0, q) and the exact tokens [lo, hi) of its `ranges` entry (q, lo, hi[, q0]; q0 is 0 when
+// absent, a sliding window's start otherwise): the step's mask (cache_backends/step_meta.py) as intervals. A
+// 6-column entry (q, lo, hi, q0, s0, s1) adds the attention sinks (StreamingLLM, arXiv 2309.17453): slots [s0, s1)
+// of the sink tier (the quantized tier when the layout has one, else the exact tier), disjoint from the others,
+// attended first by split 0 of the item.
 
 constexpr int64_t BN = 64;  // tokens per block (across pages)
 #ifndef KVK_LATENT_BN
@@ -538,10 +540,11 @@ inline void prefetch_range(const uint8_t* from, const uint8_t* to) {
 }
 
 // The quantized tokens [t0, t1) of row b, KV head h brought into the cache ahead of their block: their key and
-// value codes, value scales and zero points, and their key groups' scales and zero points. A quantized page's
-// slabs lie apart and its pages anywhere in the pool, so the hardware's stream prefetch does not see them coming.
+// value codes, value scales and zero points, and their key groups' scales and zero points (a latent: the codes of
+// the latent and the rope key, and both streams' groups' scales and zero points). A quantized page's slabs lie
+// apart and its pages anywhere in the pool, so the hardware's stream prefetch does not see them coming.
 inline void prefetch_quant(const PagedArgs& a, int64_t b, int64_t h, int64_t t0, int64_t t1) {
-  const int64_t kcw = a.d * a.k_bits / 8, vcw = a.dv * a.v_bits / 8, groups = a.tq / a.group;
+  const int64_t kcw = a.kw * a.k_bits / 8, vcw = a.vw * a.v_bits / 8, groups = a.tq / a.group;
   const int64_t kse = a.ks_dtype == F32 ? 4 : 2, vse = a.vs_dtype == F32 ? 4 : 2;
   while (t0 < t1) {
     const int64_t page = t0 / a.tq, u0 = t0 % a.tq, u1 = std::min(a.tq, u0 + t1 - t0);
@@ -550,10 +553,15 @@ inline void prefetch_quant(const PagedArgs& a, int64_t b, int64_t h, int64_t t0,
                   g1 = h * groups + (u1 - 1) / a.group + 1;
     prefetch_range(base + a.kc_off + s0 * kcw, base + a.kc_off + s1 * kcw);
     prefetch_range(base + a.vc_off + s0 * vcw, base + a.vc_off + s1 * vcw);
-    prefetch_range(base + a.vs_off + s0 * vse, base + a.vs_off + s1 * vse);
-    prefetch_range(base + a.vz_off + s0 * vse, base + a.vz_off + s1 * vse);
-    prefetch_range(base + a.ks_off + g0 * a.d * kse, base + a.ks_off + g1 * a.d * kse);
-    prefetch_range(base + a.kz_off + g0 * a.d * kse, base + a.kz_off + g1 * a.d * kse);
+    if (a.latent) {  // the rope key's scales and zero points: per channel over groups, as the latent's
+      prefetch_range(base + a.vs_off + g0 * a.vw * vse, base + a.vs_off + g1 * a.vw * vse);
+      prefetch_range(base + a.vz_off + g0 * a.vw * vse, base + a.vz_off + g1 * a.vw * vse);
+    } else {
+      prefetch_range(base + a.vs_off + s0 * vse, base + a.vs_off + s1 * vse);
+      prefetch_range(base + a.vz_off + s0 * vse, base + a.vz_off + s1 * vse);
+    }
+    prefetch_range(base + a.ks_off + g0 * a.kw * kse, base + a.ks_off + g1 * a.kw * kse);
+    prefetch_range(base + a.kz_off + g0 * a.kw * kse, base + a.kz_off + g1 * a.kw * kse);
     t0 += u1 - u0;
   }
 }
@@ -712,7 +720,7 @@ inline void finalize(const PagedArgs& a, const Rows& x, const float* acc_e, cons
       const float inv = l[row] > 0.f ? 1.f / l[row] : 0.f;
       for (int64_t c = 0; c < dv; ++c) {
         float o = acc_e[row * dv + c];
-        if (acc_q != nullptr) o += dot(acc_q + row * dv, a.rotation + c * dv, dv);
+        if (acc_q != nullptr) o += dot(acc_q + row * dv, a.rotation + c * a.d, dv);  // R's first dv x dv
         dst[c] = o * inv;
       }
     }
@@ -744,8 +752,10 @@ inline void run_item(const PagedArgs& a, int64_t unit, Scratch& w) {
         slo[row] = rg[4];
         shi[row] = rg[5];
       }
-      const float* src = a.query + ((b * a.Hq + h * rep + r) * a.n + i) * d;
-      for (int64_t c = 0; c < d; ++c) w.q[row * d + c] = src[c] * a.scaling;
+      const int64_t at = ((b * a.Hq + h * rep + r) * a.n + i) * d;
+      for (int64_t c = 0; c < d; ++c) w.q[row * d + c] = a.query[at + c] * a.scaling;
+      if (a.query_rot != nullptr)  // q R (R symmetric): scores against rotated codes
+        for (int64_t c = 0; c < d; ++c) w.qr[row * d + c] = a.query_rot[at + c] * a.scaling;
     }
     if (q > lo) {
       q_min = std::min<int64_t>(q_min, lo);
@@ -777,17 +787,17 @@ inline void run_item(const PagedArgs& a, int64_t unit, Scratch& w) {
   if (rotated) {
     std::fill(w.acc_q.begin(), w.acc_q.begin() + M * dv, 0.f);
     acc_q = w.acc_q.data();
-    for (int64_t r = 0; r < M; ++r)  // q R (R symmetric): scores against rotated codes
-      for (int64_t c = 0; c < d; ++c) w.qr[r * d + c] = dot(w.q.data() + r * d, a.rotation + c * d, d);
   }
   const float** kp = w.kp.data();
   const float** vp = w.vp.data();
-  // the quantized tier: keys per channel over groups, values per token; read from the codes where it can be
-  // (attend_quant), else widened into the scratch
+  // the quantized tier: keys per channel over groups, values per token (a latent: the latent and the rope key
+  // both per channel over groups); read from the codes where it can be (attend_quant), else widened into the
+  // scratch
 #ifdef KVK_AVX2
   // fused for a few rows (a decode: the query heads of one KV head); many rows (a prefill tile) amortize one
-  // widening of each token over all of them instead
-  const bool fused = d % 16 == 0 && dv % 16 == 0 && M <= 8;
+  // widening of each token over all of them instead, as do a latent's rows (every query head of the layer reads
+  // its one head: one widening of a token serves them all, where folding scales into the query costs each row)
+  const bool fused = !a.latent && d % 16 == 0 && dv % 16 == 0 && M <= 8;
 #else
   const bool fused = false;
 #endif
@@ -799,24 +809,30 @@ inline void run_item(const PagedArgs& a, int64_t unit, Scratch& w) {
                  rotated ? acc_e : nullptr);
 #endif
   if (qb > qa && !fused) {
-    const int64_t kcw = d * a.k_bits / 8, vcw = dv * a.v_bits / 8, groups = a.tq / a.group;
-    const int64_t kse = a.ks_dtype == F32 ? 4 : 2;
-    prefetch_quant(a, b, h, qa, std::min(qb, qa + BN));
-    for (int64_t t0 = qa; t0 < qb; t0 += BN) {
-      const int64_t nj = std::min(BN, qb - t0);
-      if (t0 + BN < qb) prefetch_quant(a, b, h, t0 + BN, std::min(qb, t0 + 2 * BN));
+    const int64_t kcw = a.kw * a.k_bits / 8, vcw = a.vw * a.v_bits / 8, groups = a.tq / a.group;
+    const int64_t kse = a.ks_dtype == F32 ? 4 : 2, vse = a.vs_dtype == F32 ? 4 : 2;
+    const int64_t bn = a.latent ? KVK_LATENT_BN : BN;  // a latent's keys are wide: a block stays in L1 (exact_pass)
+    prefetch_quant(a, b, h, qa, std::min(qb, qa + bn));
+    for (int64_t t0 = qa; t0 < qb; t0 += bn) {
+      const int64_t nj = std::min(bn, qb - t0);
+      if (t0 + bn < qb) prefetch_quant(a, b, h, t0 + bn, std::min(qb, t0 + 2 * bn));
       for (int64_t j = 0; j < nj; ++j) {
-        const int64_t t = t0 + j, u = t % a.tq, g = u / a.group;
+        const int64_t t = t0 + j, u = t % a.tq, g = h * groups + u / a.group, slot = h * a.tq + u;
         const uint8_t* base = a.arena + a.q_table[b * a.pq + t / a.tq] * a.page_bytes;
         float* kj = w.k.data() + j * d;
-        float* vj = w.v.data() + j * dv;
-        widen_channel(base + a.kc_off + (h * a.tq + u) * kcw, a.k_bits,
-                      base + a.ks_off + (h * groups + g) * d * kse, base + a.kz_off + (h * groups + g) * d * kse,
-                      a.ks_dtype, d, kj);
-        widen_token(base + a.vc_off + (h * a.tq + u) * vcw, a.v_bits, load_one(base + a.vs_off, a.vs_dtype, h * a.tq + u),
-                    load_one(base + a.vz_off, a.vs_dtype, h * a.tq + u), dv, vj);
+        widen_channel(base + a.kc_off + slot * kcw, a.k_bits, base + a.ks_off + g * a.kw * kse,
+                      base + a.kz_off + g * a.kw * kse, a.ks_dtype, a.kw, kj);
+        if (a.latent) {  // key (c_t, k_rope_t): the rope key per channel over the group too; the value c_t
+          widen_channel(base + a.vc_off + slot * vcw, a.v_bits, base + a.vs_off + g * a.vw * vse,
+                        base + a.vz_off + g * a.vw * vse, a.vs_dtype, a.vw, kj + a.kw);
+          vp[j] = kj;
+        } else {
+          float* vj = w.v.data() + j * dv;
+          widen_token(base + a.vc_off + slot * vcw, a.v_bits, load_one(base + a.vs_off, a.vs_dtype, slot),
+                      load_one(base + a.vz_off, a.vs_dtype, slot), dv, vj);
+          vp[j] = vj;
+        }
         kp[j] = kj;
-        vp[j] = vj;
       }
       attend_block(M, d, dv, rotated ? w.qr.data() : w.q.data(), kp, vp, t0, nj, lo_r, hi_r, w, acc_q,
                    rotated ? acc_e : nullptr);

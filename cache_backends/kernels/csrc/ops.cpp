@@ -1,9 +1,10 @@
 // kvserve's custom ops (torch.library): `kvserve::paged_write`, a step's new K/V copied into their exact slots, and
 // `kvserve::paged_attention`, attention of a step's queries over one layer's
 // K/V read in place from the paged pool, every stored form (exact fp32/bf16/fp16 pages, int8/int4/k8v4 codes with
-// their scales, a Hadamard-rotated tier, the exact residual window) in one call. The kernel is chosen once per
-// process from what the CPU reports (AVX2 + FMA + F16C, else portable C++) and split over the work items
-// (row, KV head, query tile) with at::parallel_for.
+// their scales, a Hadamard-rotated tier, the exact residual window; a native-MLA latent and rope key, exact or
+// int8/int4 per channel over groups) in one call. The kernel is chosen once per process from what the CPU reports
+// (AVX2 + FMA + F16C, else portable C++) and split over the work items (row, KV head, query tile) with
+// at::parallel_for.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <torch/types.h>
@@ -61,6 +62,8 @@ int64_t splits_for(const PagedArgs& a, int64_t items) {
 // latent (absorbed attention, DeepSeek-V2 arXiv 2405.04434 section 2.1.2): the K slab holds the latent c_t (k_width
 // = r), the V slab the shared rope key (v_width = rope), one head each; the query is (q_latent, q_rope), d = r + rope
 // wide, every query head shares the one KV head (MQA), the key is (c_t, k_rope_t) and the value c_t: out is r wide.
+// A latent's quantized tier holds both streams per channel over groups: kc/ks/kz the latent's codes, scales and
+// zero points, vc/vs/vz the rope key's (k_bits and v_bits their code widths, ks_dtype and vs_dtype their scales').
 constexpr int64_t LAYOUT_LEN = 21;
 
 torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& arena, const torch::Tensor& exact_table,
@@ -89,7 +92,6 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& a
   TORCH_CHECK(layout[20] == 0 || layout[20] == 1, "layout's form must be 0 (K/V) or 1 (latent)");
   if (a.latent) {
     TORCH_CHECK(layout[2] + layout[3] == a.d, "the query's width must be the latent's plus the rope key's");
-    TORCH_CHECK(layout[8] == 0, "a latent is read from exact pages only");
     a.dv = layout[2];
     a.kw = layout[2];
     a.vw = layout[3];
@@ -122,11 +124,14 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& a
   TORCH_CHECK(a.te > 0, "an exact page must hold a token");
   TORCH_CHECK(a.tq == 0 || (a.group > 0 && a.tq % a.group == 0), "quantized pages hold whole groups");
   auto out = torch::empty({a.B, a.Hq, a.n, a.dv}, q.options());
-  torch::Tensor rot;
+  torch::Tensor rot, q_rot;
   if (rotation.has_value() && rotation->defined()) {
     rot = rotation->to(torch::kFloat).contiguous();
-    TORCH_CHECK(rot.size(0) == a.d && rot.size(1) == a.d && a.d == a.dv, "rotation must be (d, d), d == dv");
+    TORCH_CHECK(rot.dim() == 2 && rot.size(0) == a.d && rot.size(1) == a.d && (a.d == a.dv || a.latent),
+                "rotation must be (d, d), d == dv (a latent's: block-diagonal, the latent's then the rope key's)");
     a.rotation = rot.data_ptr<float>();
+    q_rot = at::matmul(q, rot).contiguous();  // once per query row, not once per work unit that reads it
+    a.query_rot = q_rot.data_ptr<float>();
   }
   a.query = q.data_ptr<float>();
   a.out = out.data_ptr<float>();

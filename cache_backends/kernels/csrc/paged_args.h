@@ -22,7 +22,9 @@ struct PagedArgs {
                             // (q0 = 0 without a fourth column) and exact tokens [lo, hi)
   int64_t rstride;          // 3; 4 with each token's first code seen (a window's start); 6 with the sinks [s0, s1) of the
                             // sink tier (quantized when tq > 0, else exact)
-  const float* rotation;    // (d, d) Hadamard rotation of the quantized tier, or nullptr
+  const float* rotation;    // (d, d) Hadamard rotation of the quantized tier, or nullptr; a latent's is block-diagonal
+                            // (the latent's rotation, then the rope key's: each stream is rotated on its own)
+  const float* query_rot;   // (B, Hq, n, d) the query times `rotation` (with one), else nullptr
   int64_t B, Hq, H, n, d, dv;
   int kv_dtype;             // DType of the exact tier
   int64_t te, k_off, v_off; // exact tokens per page, byte offsets of layer's K and V slabs (heads, te, width)
@@ -33,7 +35,9 @@ struct PagedArgs {
   int64_t tq, group;        // quantized tokens per page (0: none), key group size (tokens)
   int k_bits, v_bits;       // 8 or 4
   int ks_dtype, vs_dtype;   // DType of the scales and zero points
-  int64_t kc_off, ks_off, kz_off, vc_off, vs_off, vz_off;  // byte offsets of the quantized slabs
+  int64_t kc_off, ks_off, kz_off, vc_off, vs_off, vz_off;  // byte offsets of the quantized slabs: the keys' codes,
+                            // scales and zero points (per channel over groups), the values' (per token); a latent's:
+                            // the latent's, then the rope key's, both per channel over groups
   float scaling;            // softmax scale
   int64_t tile_tokens;      // query tokens per work item
   int64_t tiles;            // ceil(n / tile_tokens)
