@@ -137,6 +137,23 @@ def test_stop_sequence_ends_generation_without_the_stop_text(ref_model):
     assert out == events[-1].generated_text == text[: text.index(stop)]
 
 
+@pytest.mark.parametrize("backend", ["int8", "int4", "full"])
+def test_the_default_pool_holds_the_longest_request_alone(ref_model, backend):
+    """With no KV budget set the pool holds ``max_batch_size`` sequences of ``max_total_tokens``: one request of that
+    many tokens is admitted whatever its prompt's share, its prompt prefilled in steps cut anywhere as admission
+    counts it (the pool was sized for steps of a fixed phase: on SmolLM2 an int4 prompt of 8000 tokens with 26 new
+    needed 328 pages of the 327 the default pool had)."""
+    from server.engine.sequence import Sequence
+
+    model, tok = ref_model
+    engine = make_engine(model, tok, backend, max_batch_size=1)
+    total = model.config.max_position_embeddings
+    for prompt in range(total // 2, total + 1, 7):
+        seq = Sequence(request_id="0", prompt_ids=[1] * prompt, max_new_tokens=total - prompt,
+                       params=SamplingParams(), stop=[], backend_name=backend)
+        assert engine.scheduler.fits_alone(seq), (prompt, engine.kv.pages_to_finish(seq), engine.kv.blocks.usable_pages)
+
+
 def test_kv_budget_is_a_hard_cap_for_every_backend(ref_model):
     """Concurrent requests under a small budget: the KV bytes allocated (the gauge's value) never exceed the
     budget after any step, and every request completes (before: int8 peaked at 1.95x the budget, since

@@ -13,6 +13,7 @@ from server.engine.itl_budget import ChunkBudget
 from server.engine.kv_cache import KVCacheManager, page_layouts
 from server.engine.runner import ModelRunner
 from server.engine.scheduler import Scheduler
+from server.engine.step_plan import MIN_PREFILL_CHUNK
 
 DEFAULT_BLOCK_SIZE = 16  # tokens per block (vLLM's default)
 MEMORY_FRACTION = 0.25  # of the memory free at start-up, the most an unset KV budget takes
@@ -31,10 +32,18 @@ def free_memory_bytes(device: torch.device) -> int:
 def default_budget(backends: dict[str, KVBackend], layouts: dict, page_bytes: int, max_batch_size: int,
                    max_total_tokens: int, prefill_chunk_tokens: int | None, device: torch.device) -> int:
     """The KV budget when ``KV_CACHE_BUDGET_BYTES`` is unset (bytes): the pages ``max_batch_size`` sequences of
-    ``max_total_tokens`` tokens of the costliest served backend can hold at once (an int8-family prompt's
-    exact pages while it is prefilled included), plus the null page; at most :data:`MEMORY_FRACTION` of the
-    memory free now."""
-    pages = max(layout.pages_for(max_total_tokens, prefill_chunk_tokens) for layout in layouts.values())
+    ``max_total_tokens`` tokens of the costliest served backend can hold at once, plus the null page; at most
+    :data:`MEMORY_FRACTION` of the memory free now. A sequence counts as admission counts it
+    (:meth:`KVCacheManager.pages_to_finish`): a prompt of ``max_total_tokens`` prefilled in steps cut anywhere (an
+    int8-family prompt's exact pages while it is prefilled included), so that the longest request fits alone."""
+    step = None if prefill_chunk_tokens is None else max(prefill_chunk_tokens, MIN_PREFILL_CHUNK)
+
+    def most(name: str, layout) -> int:
+        chunk = step if backends[name].chunked_prefill else None
+        return max(layout.pages_for(max_total_tokens, prefill_chunk_tokens),
+                   layout.pages_to_generate(max_total_tokens, max_total_tokens, chunk))
+
+    pages = max(most(name, layout) for name, layout in layouts.items())
     need = (max_batch_size * pages + 1) * page_bytes
     return int(min(need, MEMORY_FRACTION * free_memory_bytes(device)))
 
