@@ -2,6 +2,7 @@
 rows at a long context, a decode or a prefill chunk, per stored form, the forms timed in turn so that a drifting machine moves them alike.
 
     python -m bench.kernel_step --context 8000 --tiers exact int8 int4 --threads 1
+    python -m bench.kernel_step --context 2000 8000 --tiers exact int4 int4-rotated --exact-sums
 
 Shapes are SmolLM2-135M's by default (30 layers, 3 KV heads, 9 query heads, head_dim 64, pages of 16 tokens); the
 K/V are random (the kernel's speed does not depend on the values). Prints per form the median time of a step's
@@ -189,30 +190,42 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nope", type=int, default=128, help="latent: qk_nope_head_dim")
     p.add_argument("--v-dim", type=int, default=128, help="latent: v_head_dim")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="latent: pages")
+    p.add_argument("--exact-sums", action="store_true",
+                   help="kv: time each tier with 4-bit keys also with fp32 sums (KVSERVE_KERNEL_EXACT_SUMS=1)")
     args = p.parse_args(argv)
     if not kernels.load():
         raise SystemExit(f"the attention kernel is not available: {kernels.status()['reason']}")
     torch.set_num_threads(args.threads)
     if args.form == "latent":
         return latent_main(args)
-    args.context, args.tiers = args.context[0], args.tiers or ["exact", "int8", "int4"]
-    rows = {t: Row(t, args.layers, args.heads, args.head_dim, args.context, args.page_tokens, args.batch,
-                   args.chunk)
-            for t in args.tiers}
-    times: dict[str, list[float]] = {t: [] for t in args.tiers}
-    with kernels.using("kernel"):
-        for _ in range(args.rounds):
-            for t, row in rows.items():
-                times[t].append(row.step(args.rep))
-    base = statistics.median(times[args.tiers[0]])
-    print(f"{args.batch} row(s) of {args.context} tokens + {args.chunk} new, {args.layers} layers, "
-          f"{args.heads}x{args.rep} heads, head_dim {args.head_dim}, {args.threads} thread(s), median of {args.rounds}")
-    print(f"{'form':<14}{'ms/step':>10}{'vs ' + args.tiers[0]:>12}{'bytes vs':>10}")
-    for t, row in rows.items():
-        med = statistics.median(times[t])
-        print(f"{t:<14}{med * 1e3:>10.2f}{med / base:>12.2f}{row.bytes / rows[args.tiers[0]].bytes:>10.2f}")
+    args.tiers = args.tiers or ["exact", "int8", "int4"]
+    for context in args.context:
+        kv_main(args, context)
     return 0
 
+
+def kv_main(args, context: int) -> None:
+    """``--form kv`` at one context: each tier's step (and with ``--exact-sums`` each 4-bit-key tier's again with
+    fp32 sums, ``KVSERVE_KERNEL_EXACT_SUMS=1``), timed in turn."""
+    runs = [(t, False) for t in args.tiers]
+    if args.exact_sums:
+        runs += [(t, True) for t in args.tiers if TIERS[t] is not None and TIERS[t].key_bits == 4]
+    rows = {t: Row(t, args.layers, args.heads, args.head_dim, context, args.page_tokens, args.batch, args.chunk)
+            for t in args.tiers}
+    times: dict[tuple[str, bool], list[float]] = {r: [] for r in runs}
+    with kernels.using("kernel"):
+        for _ in range(args.rounds):
+            for t, exact in runs:
+                with kernels.exact_sums(exact):
+                    times[(t, exact)].append(rows[t].step(args.rep))
+    base = statistics.median(times[runs[0]])
+    print(f"{args.batch} row(s) of {context} tokens + {args.chunk} new, {args.layers} layers, "
+          f"{args.heads}x{args.rep} heads, head_dim {args.head_dim}, {args.threads} thread(s), median of {args.rounds}")
+    print(f"{'form':<24}{'ms/step':>10}{'vs ' + args.tiers[0]:>12}{'bytes vs':>10}")
+    for t, exact in runs:
+        med = statistics.median(times[(t, exact)])
+        label = f"{t} (fp32 sums)" if exact else t
+        print(f"{label:<24}{med * 1e3:>10.2f}{med / base:>12.2f}{rows[t].bytes / rows[args.tiers[0]].bytes:>10.2f}")
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -4,7 +4,8 @@ For each context (prompt tokens) and backend, the server's engine in-process (:f
 sequence, prompts prefilled in chunks of ``--chunk`` tokens as ``MAX_NUM_BATCHED_TOKENS`` does) measures the time to
 the first token (the whole chunked prefill), the KV bytes the sequence then holds (as the engine measures them: a
 model's sliding-window layers count their window only) and the median decode step over ``--decode-steps`` steps, once with
-each attention path (``KV_ATTENTION``: ``kernel``, ``torch``). The streams of one context (every backend on every
+each attention path (``KV_ATTENTION``: ``kernel``, ``torch``; ``kernel-exact``: the kernel with
+``KVSERVE_KERNEL_EXACT_SUMS=1``, a decode's 4-bit keys scored in fp32 instead of in integers). The streams of one context (every backend on every
 path) take turns step by step (:func:`interleave`), so a drifting machine slows them alike. Each figure is also given as a ratio to ``full``'s
 on the same path, beside the *byte-bound ratio*: (weights + the backend's KV bytes at that context) / (weights +
 ``full``'s), what a decode step bound by the bytes it reads would cost.
@@ -45,7 +46,8 @@ class Stream:
         """One engine step on this stream's path; its seconds."""
         from cache_backends import kernels
 
-        with kernels.using(self.path):
+        exact = self.path == "kernel-exact"
+        with kernels.using("kernel" if exact else self.path), kernels.exact_sums(exact):
             t = time.perf_counter()
             self.engine.step()
             return time.perf_counter() - t
@@ -84,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="models/smollm2-135m-instruct")
     p.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 8000])
     p.add_argument("--backends", nargs="+", default=["full", "int8", "int4"])
-    p.add_argument("--paths", nargs="+", default=["kernel", "torch"], choices=["kernel", "torch"])
+    p.add_argument("--paths", nargs="+", default=["kernel", "torch"], choices=["kernel", "torch", "kernel-exact"])
     p.add_argument("--chunk", type=int, default=256, help="prefill tokens per step (MAX_NUM_BATCHED_TOKENS)")
     p.add_argument("--decode-steps", type=int, default=16)
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: the server's default on 2 cores)")
@@ -119,6 +121,8 @@ def _ratios(rows: list[dict]) -> None:
     full = {(r["context"], r["path"]): r for r in rows if r["backend"] == "full"}
     for r in rows:
         f = full.get((r["context"], r["path"]))
+        if f is None and r["path"] == "kernel-exact":  # full holds no 4-bit codes: its kernel row is its own
+            f = full.get((r["context"], "kernel"))
         if f is None:
             continue
         r["ttft_vs_full"] = round(r["ttft_s"] / f["ttft_s"], 3)

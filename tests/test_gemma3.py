@@ -177,13 +177,16 @@ def test_quantized_backends_prefix_cache_a_prefix_longer_than_the_window(gemma, 
     engine = make_engine(model, tok, name, prefill_chunk_tokens=256)
     kv = engine.scheduler.kv
     bt = kv.layouts[name].cache_block_tokens
-    serve_counting_pages(engine, prefix + ids[3000:3040], 16, backend=name)
-    hit, taken = serve_counting_pages(engine, prefix + ids[4000:4030], 16, backend=name)
-    miss, taken_miss = serve_counting_pages(make_engine(model, tok, name, prefill_chunk_tokens=256,
-                                                        prefix_caching=False), prefix + ids[4000:4030], 16,
-                                            backend=name)
-    alone = make_engine(model, tok, name, prefill_chunk_tokens=256)  # a miss that caches: the pages it writes
-    serve_counting_pages(alone, prefix + ids[4000:4030], 16, backend=name)
+    # 4-bit keys scored in fp32 (as the stores do): the greedy tokens below then part where the hit's codes part
+    # from a miss's exact reads, not where the kernel's integer sums of the query add a near-tie of their own
+    with kernels.exact_sums(name == "int4"):
+        serve_counting_pages(engine, prefix + ids[3000:3040], 16, backend=name)
+        hit, taken = serve_counting_pages(engine, prefix + ids[4000:4030], 16, backend=name)
+        miss, taken_miss = serve_counting_pages(make_engine(model, tok, name, prefill_chunk_tokens=256,
+                                                            prefix_caching=False), prefix + ids[4000:4030], 16,
+                                                backend=name)
+        alone = make_engine(model, tok, name, prefill_chunk_tokens=256)  # a miss that caches: the pages it writes
+        serve_counting_pages(alone, prefix + ids[4000:4030], 16, backend=name)
     assert hit_code_pages(alone, name, prefix, 1120) == hit_code_pages(engine, name, prefix, 1120)
     assert (bt, hit.cached_tokens, miss.cached_tokens, taken, taken_miss) == (
         (160, 1120, 0, 20, 212) if name == "int8" else (160, 1120, 0, 41, 414))

@@ -40,6 +40,9 @@ SHAPES = [(2, 1, 64), (1, 3, 128), (1, 8, 256), (3, 3, 64)]
 KERNEL_DTYPES = [d for d in (torch.float32, torch.bfloat16, torch.float16)
                  if os.environ.get("DTYPE", "auto") in ("", "auto") or DTYPES.get(os.environ["DTYPE"]) == d]
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 8e-3, torch.float16: 1e-3}  # about 2 roundings of the output
+# tiers with 4-bit keys: a decode's few rows score them in integers (the query rounded to int8 once per key group),
+# which the torch path does not do; they are compared with fp32 sums too (KVSERVE_KERNEL_EXACT_SUMS=1)
+FOUR_BIT = {t for t, q in TIERS.items() if q is not None and q.key_bits == 4}
 
 
 def _fp32(read):
@@ -65,11 +68,20 @@ class Pool:
         self.free = list(range(1, 400))
         random.Random(seed).shuffle(self.free)
         self.heads, self.width, self.dtype = heads, width, dtype
+        # a 4-bit tier's exact twin: the same tokens in exact pages, for the error the codes themselves make
+        self.twin = Pool("exact", heads, width, dtype, tokens_per_page, seed) if tier in FOUR_BIT else None
+        self.twin_rows: dict[int, SeqBlocks] = {}
 
-    def write(self, rows: list[SeqBlocks], lengths: list[int], commit: bool = True) -> StepMeta:
-        """Write ``lengths[i]`` random tokens into row ``i`` (one step) and return the step's metadata; ``commit``:
-        apply the step to the tables now (else :meth:`commit` does, after a comparison)."""
+    def write(self, rows: list[SeqBlocks], lengths: list[int], commit: bool = True,
+              tokens: list[list[torch.Tensor]] | None = None) -> StepMeta:
+        """Write ``lengths[i]`` random tokens (``tokens``: these, per layer) into row ``i`` (one step) and return the
+        step's metadata; ``commit``: apply the step to the tables now (else :meth:`commit` does, after a
+        comparison). A twin is written the same tokens."""
         n = lengths[0]
+        tokens = tokens or [self.new_tokens(len(rows), n) for _ in range(2)]
+        if getattr(self, "twin", None) is not None:
+            self.twin_meta = self.twin.write([self.twin_rows.setdefault(id(b), SeqBlocks()) for b in rows], lengths,
+                                             commit, tokens)
         plans = []
         for blocks in rows:
             plan = self.layout.plan(blocks, n)
@@ -79,7 +91,7 @@ class Pool:
             plans.append(plan)
         meta = StepMeta(self.layout, list(zip(rows, plans)), "cpu")
         for layer in range(2):
-            write_layer(self.views, layer, meta, self.new_tokens(len(rows), n))
+            write_layer(self.views, layer, meta, tokens[layer])
         self.pending = list(zip(rows, plans))
         if commit:
             self.commit()
@@ -93,9 +105,17 @@ class Pool:
         for blocks, plan in self.pending:
             self.free.extend(self.layout.commit(blocks, plan))
         self.pending = []
+        if getattr(self, "twin", None) is not None:
+            self.twin.commit()
 
-    def compare(self, meta: StepMeta, rep: int) -> None:
-        """Both paths over every layer with random queries: equal within the dtype's tolerance."""
+    def compare(self, meta: StepMeta, rep: int, window: int | None = None) -> None:
+        """Both paths over every layer with random queries (``window``: as a sliding-window layer of that many
+        tokens): equal within the dtype's tolerance. A 4-bit tier's kernel sums in fp32 are held to that too;
+        its integer sums add at most a third of the codes' own error (against its exact twin) and leave the error
+        within 15% of the torch path's."""
+        twin_meta = None if self.twin is None else self.twin_meta
+        if window is not None:
+            meta, twin_meta = meta.windowed(window), twin_meta and twin_meta.windowed(window)
         for layer in range(2):
             query = torch.randn(meta.batch, self.heads * rep, meta.n, self.width, generator=self.gen).to(self.dtype)
             with kernels.using("torch"):
@@ -104,12 +124,28 @@ class Pool:
                 gold = attend_pair(query.float(), *map(_fp32, reads), meta, self.width ** -0.5)
             with kernels.using("kernel"):
                 got = attend_pair(query, *in_place_layer(self.views, layer), meta, self.width ** -0.5)
+                if self.twin is not None:
+                    with kernels.exact_sums():
+                        exact_sums = attend_pair(query, *in_place_layer(self.views, layer), meta, self.width ** -0.5)
             assert got.shape == ref.shape and got.dtype == ref.dtype
+            if self.twin is not None:
+                with kernels.using("torch"):  # the same queries over the same tokens never quantized
+                    truth = attend_pair(query.float(), *map(_fp32, read_layer(self.twin.views, layer, twin_meta)),
+                                        twin_meta, self.width ** -0.5)
+                codes, ours = _rms(gold - truth), _rms(got.float() - truth)
+                assert _rms(got.float() - gold) <= max(codes / 3, TOLERANCE[self.dtype]), (codes, ours)
+                assert ours <= max(1.15 * codes, TOLERANCE[self.dtype]), (codes, ours)
+                got = exact_sums
             # the kernel computes in fp32 whatever the dtype: within the output's rounding of the torch path run in
             # fp32 on the same stored K/V, and no further from it than the torch path in the model dtype
             tol = TOLERANCE[self.dtype]
             torch.testing.assert_close(got.float(), gold, rtol=tol, atol=tol)
             assert (got.float() - gold).abs().max() <= max((ref.float() - gold).abs().max(), tol)
+
+
+def _rms(x: torch.Tensor) -> float:
+    return float(x.float().pow(2).mean().sqrt())
+
 
 
 def _grow(pool: Pool, rows: list[SeqBlocks], lengths: list[int], chunk: int) -> None:
@@ -177,9 +213,28 @@ def test_a_sliding_window_matches_the_torch_path(tier, window, splits, monkeypat
     rows = [SeqBlocks() for _ in lengths]
     _grow(pool, rows, lengths, chunk=24)
     for _ in range(2):
-        pool.compare(pool.write(rows, [1] * len(rows), commit=False).windowed(window), 3)
+        pool.compare(pool.write(rows, [1] * len(rows), commit=False), 3, window)
         pool.commit()
-    pool.compare(pool.write([rows[2]], [37], commit=False).windowed(window), 3)
+    pool.compare(pool.write([rows[2]], [37], commit=False), 3, window)
+
+
+@pytest.mark.parametrize("tier", sorted(FOUR_BIT))
+def test_a_4_bit_decode_is_summed_in_integers_unless_exact_sums_are_asked(tier):
+    """A decode scores 4-bit keys in integers (its output differs from the fp32 sums') unless
+    KVSERVE_KERNEL_EXACT_SUMS is set; a prefill chunk's many rows widen the codes and sum in fp32 either way."""
+    pool = Pool(tier, 1, 64, torch.float32, tokens_per_page=16, seed=7)
+    rows = [SeqBlocks()]
+    _grow(pool, rows, [200], chunk=64)
+    for n, differs in ((1, True), (37, False)):
+        meta = pool.write(rows, [n], commit=False)
+        query = torch.randn(1, 3, n, 64, generator=pool.gen)
+        outs = []
+        for exact in (False, True):
+            with kernels.using("kernel"), kernels.exact_sums(exact):
+                outs.append(attend_pair(query, *in_place_layer(pool.views, 0), meta, 0.125))
+        # a prefill chunk's last tile may hold few rows and take the decode's sums: compare the chunk's first token
+        assert bool((outs[0][..., :1, :] != outs[1][..., :1, :]).any()) == differs, (tier, n)
+        pool.commit()
 
 
 @pytest.mark.parametrize("tokens_per_page", [8, 13, 64])
@@ -328,6 +383,7 @@ class LatentPool(Pool):
         self.free = list(range(1, 400))
         random.Random(seed).shuffle(self.free)
         self.dtype, self.rank, self.rope, self.q_heads = dtype, rank, rope, heads
+        self.twin = None
         def module(nope: int, v: int, weight: torch.Tensor, dtype: torch.dtype):
             return SimpleNamespace(qk_nope_head_dim=nope, v_head_dim=v, kv_b_proj=SimpleNamespace(weight=weight.to(dtype)))
 

@@ -166,6 +166,24 @@ def using(mode: str):
         _state["mode"] = before
 
 
+@contextlib.contextmanager
+def exact_sums(on: bool = True):
+    """Run a block with ``KVSERVE_KERNEL_EXACT_SUMS`` set (``on``) or unset: with it the kernel scores a decode's
+    4-bit keys in fp32, as the torch path does, instead of in integers (the query, the key group's scales folded
+    in, rounded to int8 once per group and multiplied with the codes in int8 dot products, as llama.cpp's CPU flash
+    attention scores its quantized keys). The kernel reads the variable on every call; the tests,
+    ``bench.longctx --paths kernel-exact`` and ``bench.exact_sums`` compare the two with it."""
+    before = os.environ.pop("KVSERVE_KERNEL_EXACT_SUMS", None)
+    if on:
+        os.environ["KVSERVE_KERNEL_EXACT_SUMS"] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop("KVSERVE_KERNEL_EXACT_SUMS", None)
+        if before is not None:
+            os.environ["KVSERVE_KERNEL_EXACT_SUMS"] = before
+
+
 def mode() -> str:
     """``KV_ATTENTION`` as set now: ``auto``, ``kernel`` or ``torch`` (:func:`configure`, :func:`using`)."""
     return _state["mode"]

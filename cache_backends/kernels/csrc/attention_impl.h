@@ -384,7 +384,8 @@ inline void widen_token(const uint8_t* codes, int bits, float s, float z, int64_
 // The quantized tier attended straight from its codes (AVX2, head_dim a multiple of 16): a key group's scales fold
 // into the query (q·(code*s + z) = (q*s)·code + q·z), a token's value scale into its softmax weight and its zero
 // point into one sum per row, so each code is converted once in registers and used by every query row at once; no
-// widened copy is written. The same sums as the widening path, in another order (fp32 throughout).
+// widened copy is written. The same sums as the widening path, in another order (fp32 throughout), but for 4-bit
+// keys' scores, summed in integers (q_scores_i8) unless the call asks for fp32 sums (PagedArgs::int_sums).
 
 inline __m256 cvt8_i8(const uint8_t* p) {  // 8 int8 codes → fp32
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
@@ -449,6 +450,89 @@ inline void q_scores(const float* qg, const float* bias, int64_t d, int bits, co
     }
 }
 
+// 4-bit keys scored with 8-bit integer dot products, as llama.cpp's CPU flash attention scores its quantized keys
+// (ggml-cpu: the query quantized once per row): a row's query, its key group's scales folded in (qg), is rounded
+// once per group to int8 codes q8 = round(qg * 127 / max|qg|) with one scale sig = max|qg| / 127, laid out as the
+// key codes are (for each 16 code bytes: the 16 channels of their low nibbles, then the 16 of their high nibbles),
+// and s = sig * Σ q8 · code + bias, the sum exact in integers (maddubs: pairs of 15 x 127 at most, at most 8 per
+// int16 lane for head_dim <= 256). The query's rounding adds to a score an error of about a sixth (RMS) of what the
+// 4-bit keys' own rounding puts there; 8-bit keys, whose rounding is 17x finer, keep the fp32 sums of q_scores.
+inline bool int8_dot(int bits, int64_t d) { return bits == 4 && d % 32 == 0 && d <= 256; }
+
+// q8 (d int8, the codes' layout) and sig from one row's qg (d floats).
+inline void quantize_query_i8(const float* qg, int64_t d, int8_t* q8, float* sig) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 mx = _mm256_setzero_ps();
+  for (int64_t c = 0; c < d; c += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(qg + c)));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  const float m = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+  if (!(m > 0.f)) {  // a zero query row (or a group of zero scales): every score is its bias
+    std::memset(q8, 0, d);
+    *sig = 0.f;
+    return;
+  }
+  *sig = m / 127.f;
+  const __m256 inv = _mm256_set1_ps(127.f / m);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  const int64_t half = d / 2;
+  for (int64_t c = 0; c < half; c += 16) {  // 32 codes: channels c..c+15, then half+c..half+c+15
+    const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(qg + c), inv));
+    const __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(qg + c + 8), inv));
+    const __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(qg + half + c), inv));
+    const __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(qg + half + c + 8), inv));
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q8 + 2 * c), _mm256_permutevar8x32_epi32(packed, order));
+  }
+}
+
+// s[r * BN + j] = sig_r * (q8_r · code_j) + bias_r for R rows and the tokens j in [ja, jb) of one key group (4-bit
+// codes, token j's at kc[j]), two tokens at a time.
+template <int R>
+inline void q_scores_i8(const int8_t* q8, const float* sig, const float* bias, int64_t d, const uint8_t* const* kc,
+                        int64_t ja, int64_t jb, float* s) {
+  const int64_t half = d / 2;
+  const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  auto nibbles = [&](const uint8_t* p) {  // 16 code bytes → their 16 low nibbles, then their 16 high ones
+    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(x), _mm_srli_epi16(x, 4), 1), low);
+  };
+  int64_t j = ja;
+  for (; j + 2 <= jb; j += 2) {
+    __m256i acc[2 * R];
+    for (int i = 0; i < 2 * R; ++i) acc[i] = _mm256_setzero_si256();
+    for (int64_t c = 0; c < half; c += 16) {
+      const __m256i x0 = nibbles(kc[j] + c), x1 = nibbles(kc[j + 1] + c);
+      for (int r = 0; r < R; ++r) {
+        const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8 + r * d + 2 * c));
+        acc[r] = _mm256_add_epi16(acc[r], _mm256_maddubs_epi16(x0, qv));
+        acc[R + r] = _mm256_add_epi16(acc[R + r], _mm256_maddubs_epi16(x1, qv));
+      }
+    }
+    __m256 f[8];
+    for (int i = 0; i < 8; ++i) f[i] = _mm256_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      f[r] = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[r], ones));
+      f[4 + r] = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[R + r], ones));
+    }
+    alignas(32) float out[8];
+    _mm256_store_ps(out, hsum8x8(f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7]));
+    for (int r = 0; r < R; ++r) {
+      s[r * BN + j] = out[r] * sig[r] + bias[r];
+      s[r * BN + j + 1] = out[4 + r] * sig[r] + bias[r];
+    }
+  }
+  for (; j < jb; ++j)
+    for (int r = 0; r < R; ++r) {
+      int32_t sum = 0;
+      for (int64_t c = 0; c < half; ++c) {
+        const int64_t at = r * d + 2 * (c & ~int64_t{15}) + (c & 15);
+        sum += q8[at] * (kc[j][c] & 15) + q8[at + 16] * (kc[j][c] >> 4);
+      }
+      s[r * BN + j] = static_cast<float>(sum) * sig[r] + bias[r];
+    }
+}
+
 // acc_r += zs_r + Σ_j p[r * BN + j] code_j (every channel) for R rows, token j's value codes at vc[j], j < nj.
 template <int R>
 inline void q_values(const float* p, const float* zs, float* acc, int64_t dv, int bits, const uint8_t* const* vc,
@@ -488,7 +572,8 @@ inline void q_values(const float* p, const float* zs, float* acc, int64_t dv, in
 
 // ---------------------------------------------------------------------------------------------- the work item
 struct Scratch {
-  std::vector<float> q, qr, acc_q, acc_e, m, l, s, p, k, v, qg, bias, vs, vz, zs;
+  std::vector<float> q, qr, acc_q, acc_e, m, l, s, p, k, v, qg, bias, vs, vz, zs, sig;
+  std::vector<int8_t> q8;
   std::vector<const float*> kp, vp;
   std::vector<const uint8_t*> kc, vc;
 };
@@ -589,6 +674,9 @@ inline void attend_quant(const PagedArgs& a, int64_t b, int64_t h, int64_t M, co
   const int64_t d = a.d, dv = a.dv, kcw = d * a.k_bits / 8, vcw = dv * a.v_bits / 8, groups = a.tq / a.group;
   const int64_t kse = a.ks_dtype == F32 ? 4 : 2;
   float *s = w.s.data(), *p = w.p.data(), *qg = w.qg.data(), *bias = w.bias.data(), *zs = w.zs.data();
+  float* sig = w.sig.data();
+  int8_t* q8 = w.q8.data();
+  const bool i8 = a.int_sums && int8_dot(a.k_bits, d);
   const uint8_t** kc = w.kc.data();
   const uint8_t** vc = w.vc.data();
   prefetch_quant(a, b, h, qa, std::min(qb, qa + BN));
@@ -626,9 +714,20 @@ inline void attend_quant(const PagedArgs& a, int64_t b, int64_t h, int64_t M, co
           bv = _mm256_fmadd_ps(qv, load8(zr + c * kse, a.ks_dtype), bv);
         }
         bias[r] = hsum8(bv);
+        if (i8) quantize_query_i8(qg + r * d, d, q8 + r * d, sig + r);
       }
       for (int64_t r0 = 0; r0 < M; r0 += 4) {
         const float *qr = qg + r0 * d, *br = bias + r0;
+        if (i8) {
+          const int8_t* q8r = q8 + r0 * d;
+          switch (std::min<int64_t>(4, M - r0)) {
+            case 4: q_scores_i8<4>(q8r, sig + r0, br, d, kc, ja, jb, s + r0 * BN); break;
+            case 3: q_scores_i8<3>(q8r, sig + r0, br, d, kc, ja, jb, s + r0 * BN); break;
+            case 2: q_scores_i8<2>(q8r, sig + r0, br, d, kc, ja, jb, s + r0 * BN); break;
+            default: q_scores_i8<1>(q8r, sig + r0, br, d, kc, ja, jb, s + r0 * BN); break;
+          }
+          continue;
+        }
         switch (std::min<int64_t>(4, M - r0)) {
           case 4: q_scores<4>(qr, br, d, a.k_bits, kc, ja, jb, s + r0 * BN); break;
           case 3: q_scores<3>(qr, br, d, a.k_bits, kc, ja, jb, s + r0 * BN); break;
@@ -944,6 +1043,8 @@ inline Scratch scratch(const PagedArgs& a) {
   w.s.resize(std::max<int64_t>(rows, 2) * BN);
   w.p.resize(std::max<int64_t>(rows, 2) * BN);
   w.qg.resize(rows * a.d);
+  w.q8.resize(rows * a.d);
+  w.sig.resize(rows);
   w.bias.resize(rows);
   w.zs.resize(rows);
   w.vs.resize(BN);

@@ -87,6 +87,7 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& a
   a.n = q.size(2);
   a.d = q.size(3);
   a.page_bytes = layout[0];
+  a.int_sums = std::getenv("KVSERVE_KERNEL_EXACT_SUMS") == nullptr;
   a.H = layout[1];
   a.latent = layout[20] == 1;
   TORCH_CHECK(layout[20] == 0 || layout[20] == 1, "layout's form must be 0 (K/V) or 1 (latent)");

@@ -39,6 +39,8 @@ struct PagedArgs {
                             // scales and zero points (per channel over groups), the values' (per token); a latent's:
                             // the latent's, then the rope key's, both per channel over groups
   float scaling;            // softmax scale
+  bool int_sums;            // a decode's 4-bit keys scored in integers (the query rounded to int8 once per key
+                            // group); false: fp32 sums throughout (KVSERVE_KERNEL_EXACT_SUMS=1)
   int64_t tile_tokens;      // query tokens per work item
   int64_t tiles;            // ceil(n / tile_tokens)
   int64_t splits;           // work units per item (its KV blocks split between them), 1: none
