@@ -5,8 +5,8 @@ computes), beside ``full``'s.
 
 Each of ``--windows`` windows of ``--window`` held-out tokens is prefilled up to ``--prefix`` tokens, then decoded
 one token a step through the paged pool and the kernel (the windows batched, one row each, as the server steps
-them: :func:`bench.fidelity.paged_perplexity`); the perplexity is over the decoded positions, so every scored token
-is predicted by a decode step that reads the stored codes. Speed is :mod:`bench.longctx`'s ``--paths kernel
+them: :func:`bench.fidelity.paged_perplexity`); the perplexity is over the positions after the prefix, every one of
+them but the first of each window predicted by a decode step that reads the stored codes. Speed is :mod:`bench.longctx`'s ``--paths kernel
 kernel-exact``.
 
     python -m bench.exact_sums --model models/smollm2-135m-instruct --backends int4 int4:rotate=true --window 2048 --prefix 1536

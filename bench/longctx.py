@@ -121,8 +121,6 @@ def _ratios(rows: list[dict]) -> None:
     full = {(r["context"], r["path"]): r for r in rows if r["backend"] == "full"}
     for r in rows:
         f = full.get((r["context"], r["path"]))
-        if f is None and r["path"] == "kernel-exact":  # full holds no 4-bit codes: its kernel row is its own
-            f = full.get((r["context"], "kernel"))
         if f is None:
             continue
         r["ttft_vs_full"] = round(r["ttft_s"] / f["ttft_s"], 3)

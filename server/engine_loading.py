@@ -127,7 +127,8 @@ def load_weights(settings: Settings):
     kernels.configure(settings.kv_attention)  # KV_ATTENTION=kernel and no kernel: ValueError, before the weights
     attention = kernels.status(device)
     log.info("attention over the KV pool: %s%s", attention["path"],
-             f" ({attention['isa']})" if attention["isa"] else f" ({attention['reason']})")
+             f" ({attention['isa']}; 4-bit keys scored in {attention['int4_key_scores']})" if attention["isa"]
+             else f" ({attention['reason']})")
     model, tokenizer = load_model(settings.model_id, device, dtype)
     return model, tokenizer, device, dtype, ModelGeometry.from_config(model.config, dtype)
 

@@ -70,7 +70,7 @@ class Pool:
         self.heads, self.width, self.dtype = heads, width, dtype
         # a 4-bit tier's exact twin: the same tokens in exact pages, for the error the codes themselves make
         self.twin = Pool("exact", heads, width, dtype, tokens_per_page, seed) if tier in FOUR_BIT else None
-        self.twin_rows: dict[int, SeqBlocks] = {}
+        self.twin_rows: dict[int, tuple[SeqBlocks, SeqBlocks]] = {}  # id(row): (row, kept alive; its twin's row)
 
     def write(self, rows: list[SeqBlocks], lengths: list[int], commit: bool = True,
               tokens: list[list[torch.Tensor]] | None = None) -> StepMeta:
@@ -80,8 +80,8 @@ class Pool:
         n = lengths[0]
         tokens = tokens or [self.new_tokens(len(rows), n) for _ in range(2)]
         if getattr(self, "twin", None) is not None:
-            self.twin_meta = self.twin.write([self.twin_rows.setdefault(id(b), SeqBlocks()) for b in rows], lengths,
-                                             commit, tokens)
+            twins = [self.twin_rows.setdefault(id(b), (b, SeqBlocks()))[1] for b in rows]
+            self.twin_meta = self.twin.write(twins, lengths, commit, tokens)
         plans = []
         for blocks in rows:
             plan = self.layout.plan(blocks, n)
@@ -229,12 +229,26 @@ def test_a_4_bit_decode_is_summed_in_integers_unless_exact_sums_are_asked(tier):
         meta = pool.write(rows, [n], commit=False)
         query = torch.randn(1, 3, n, 64, generator=pool.gen)
         outs = []
-        for exact in (False, True):
-            with kernels.using("kernel"), kernels.exact_sums(exact):
+        for exact in (False, True, "0"):  # "0": the variable set to 0 is not asking for fp32 sums
+            with kernels.using("kernel"), kernels.exact_sums(exact is True):
+                if exact == "0":
+                    os.environ["KVSERVE_KERNEL_EXACT_SUMS"] = "0"
                 outs.append(attend_pair(query, *in_place_layer(pool.views, 0), meta, 0.125))
         # a prefill chunk's last tile may hold few rows and take the decode's sums: compare the chunk's first token
         assert bool((outs[0][..., :1, :] != outs[1][..., :1, :]).any()) == differs, (tier, n)
+        assert torch.equal(outs[0], outs[2])
         pool.commit()
+
+
+def test_status_says_how_4_bit_keys_are_scored(monkeypatch):
+    """``/info``'s ``kv_attention`` and the start-up log name the sums: int8 on AVX2, fp32 when asked (any value
+    of the variable but empty or ``0``)."""
+    isa = torch.ops.kvserve.kernel_isa()
+    assert kernels.status()["int4_key_scores"] == ("int8" if isa == "avx2" else "fp32")
+    with kernels.exact_sums():
+        assert kernels.status()["int4_key_scores"] == "fp32"
+    monkeypatch.setenv("KVSERVE_KERNEL_EXACT_SUMS", "0")
+    assert kernels.status()["int4_key_scores"] == ("int8" if isa == "avx2" else "fp32")
 
 
 @pytest.mark.parametrize("tokens_per_page", [8, 13, 64])

@@ -168,7 +168,8 @@ def using(mode: str):
 
 @contextlib.contextmanager
 def exact_sums(on: bool = True):
-    """Run a block with ``KVSERVE_KERNEL_EXACT_SUMS`` set (``on``) or unset: with it the kernel scores a decode's
+    """Run a block with ``KVSERVE_KERNEL_EXACT_SUMS=1`` (``on``) or unset: with it (any value but empty or ``0``)
+    the kernel scores a decode's
     4-bit keys in fp32, as the torch path does, instead of in integers (the query, the key group's scales folded
     in, rounded to int8 once per group and multiplied with the codes in int8 dot products, as llama.cpp's CPU flash
     attention scores its quantized keys). The kernel reads the variable on every call; the tests,
@@ -198,14 +199,18 @@ def active(device) -> bool:
 
 def status(device="cpu") -> dict:
     """What attends a step on ``device``, for the start-up log and ``/info``: ``{"path": "cpu-kernel" | "torch",
-    "isa": "avx2" | "portable" | None, "reason": str | None}``."""
+    "isa": "avx2" | "portable" | None, "reason": str | None}``, and with the kernel ``"int4_key_scores": "int8" |
+    "fp32"``: how a decode scores 4-bit keys (int8 dot products on AVX2 unless :func:`exact_sums`)."""
     if _state["mode"] == "torch":
         return {"path": "torch", "isa": None, "reason": "KV_ATTENTION=torch"}
     if torch.device(device).type != "cpu":
         return {"path": "torch", "isa": None, "reason": f"the kernel is CPU-only; the device is {device}"}
     if not load():
         return {"path": "torch", "isa": None, "reason": _state["error"]}
-    return {"path": "cpu-kernel", "isa": torch.ops.kvserve.kernel_isa(), "reason": None}
+    isa = torch.ops.kvserve.kernel_isa()
+    exact = os.environ.get("KVSERVE_KERNEL_EXACT_SUMS", "") not in ("", "0")
+    return {"path": "cpu-kernel", "isa": isa, "reason": None,
+            "int4_key_scores": "int8" if isa == "avx2" and not exact else "fp32"}
 
 
 def layout_args(layout, layer: int) -> list[int]:

@@ -35,7 +35,8 @@ def default_budget(backends: dict[str, KVBackend], layouts: dict, page_bytes: in
     ``max_total_tokens`` tokens of the costliest served backend can hold at once, plus the null page; at most
     :data:`MEMORY_FRACTION` of the memory free now. A sequence counts as admission counts it
     (:meth:`KVCacheManager.pages_to_finish`): a prompt of ``max_total_tokens`` prefilled in steps cut anywhere (an
-    int8-family prompt's exact pages while it is prefilled included), so that the longest request fits alone."""
+    int8-family prompt's exact pages while it is prefilled included), so that the longest request fits alone. A
+    prompt that asks for every position's log-probability is prefilled in one step and may need more."""
     step = None if prefill_chunk_tokens is None else max(prefill_chunk_tokens, MIN_PREFILL_CHUNK)
 
     def most(name: str, layout) -> int:

@@ -462,14 +462,20 @@ inline bool int8_dot(int bits, int64_t d) { return bits == 4 && d % 32 == 0 && d
 // q8 (d int8, the codes' layout) and sig from one row's qg (d floats).
 inline void quantize_query_i8(const float* qg, int64_t d, int8_t* q8, float* sig) {
   const __m256 sign = _mm256_set1_ps(-0.f);
-  __m256 mx = _mm256_setzero_ps();
-  for (int64_t c = 0; c < d; c += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(qg + c)));
+  __m256 mx = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+  for (int64_t c = 0; c < d; c += 8) {
+    const __m256 v = _mm256_loadu_ps(qg + c);
+    mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v));
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  }
   __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
   m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
   const float m = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-  if (!(m > 0.f)) {  // a zero query row (or a group of zero scales): every score is its bias
+  if (!(m > 0.f) || std::isinf(m) || _mm256_movemask_ps(nan) != 0) {
+    // a zero query row (or a group of zero scales): every score is its bias; a NaN or infinite one: every score
+    // NaN, as the fp32 sums give
     std::memset(q8, 0, d);
-    *sig = 0.f;
+    *sig = m > 0.f || _mm256_movemask_ps(nan) != 0 ? std::numeric_limits<float>::quiet_NaN() : 0.f;
     return;
   }
   *sig = m / 127.f;

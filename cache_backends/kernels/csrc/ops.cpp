@@ -87,7 +87,8 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& a
   a.n = q.size(2);
   a.d = q.size(3);
   a.page_bytes = layout[0];
-  a.int_sums = std::getenv("KVSERVE_KERNEL_EXACT_SUMS") == nullptr;
+  const char* exact = std::getenv("KVSERVE_KERNEL_EXACT_SUMS");  // set, and neither empty nor "0": fp32 sums
+  a.int_sums = exact == nullptr || exact[0] == '\0' || (exact[0] == '0' && exact[1] == '\0');
   a.H = layout[1];
   a.latent = layout[20] == 1;
   TORCH_CHECK(layout[20] == 0 || layout[20] == 1, "layout's form must be 0 (K/V) or 1 (latent)");
