@@ -79,7 +79,7 @@ class Pool:
         comparison). A twin is written the same tokens."""
         n = lengths[0]
         tokens = tokens or [self.new_tokens(len(rows), n) for _ in range(2)]
-        if getattr(self, "twin", None) is not None:
+        if self.twin is not None:
             twins = [self.twin_rows.setdefault(id(b), (b, SeqBlocks()))[1] for b in rows]
             self.twin_meta = self.twin.write(twins, lengths, commit, tokens)
         plans = []
@@ -105,7 +105,7 @@ class Pool:
         for blocks, plan in self.pending:
             self.free.extend(self.layout.commit(blocks, plan))
         self.pending = []
-        if getattr(self, "twin", None) is not None:
+        if self.twin is not None:
             self.twin.commit()
 
     def compare(self, meta: StepMeta, rep: int, window: int | None = None) -> None:

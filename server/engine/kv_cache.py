@@ -54,6 +54,13 @@ from server.engine.step_plan import MIN_PREFILL_CHUNK
 WATERMARK = 0.01  # share of the pool admission keeps free for running sequences' next blocks (vLLM's default)
 
 
+def largest_step(chunk: int | None) -> int | None:
+    """The most prompt tokens one prefill step writes for a prefill ``chunk`` (``None``: a context written in one
+    step): the chunk, or :data:`MIN_PREFILL_CHUNK` if larger (the scheduler's step budget is never below it:
+    :meth:`server.engine.scheduler.Scheduler._prefill_rows`)."""
+    return None if chunk is None else max(chunk, MIN_PREFILL_CHUNK)
+
+
 def page_layouts(backends: dict[str, KVBackend], dtype: torch.dtype, block_size: int) -> tuple[int, dict]:
     """The pool's page size and each paged backend's layout.
 
@@ -182,11 +189,8 @@ class KVCacheManager:
         return layout.pages_for(tokens, self.prefill_chunk(seq), compress=layout.on_demand)
 
     def largest_step(self, seq: Sequence) -> int | None:
-        """The most prompt tokens one prefill step of ``seq`` may write (``None``: its context is written in one
-        step): the engine's chunk, or :data:`MIN_PREFILL_CHUNK` if larger (the scheduler's step budget is never
-        below it: :meth:`server.engine.scheduler.Scheduler._prefill_rows`)."""
-        chunk = self.prefill_chunk(seq)
-        return None if chunk is None else max(chunk, MIN_PREFILL_CHUNK)
+        """The most prompt tokens one prefill step of ``seq`` may write: :func:`largest_step` of its chunk."""
+        return largest_step(self.prefill_chunk(seq))
 
     def pages_to_finish(self, seq: Sequence) -> int:
         """The most pages ``seq`` holds on its own from admission to its last token: its prompt as it is prefilled,

@@ -10,10 +10,9 @@ from cache_backends.base import KVBackend
 from cache_backends.pool import KVPool
 from server.engine.engine import Engine
 from server.engine.itl_budget import ChunkBudget
-from server.engine.kv_cache import KVCacheManager, page_layouts
+from server.engine.kv_cache import KVCacheManager, largest_step, page_layouts
 from server.engine.runner import ModelRunner
 from server.engine.scheduler import Scheduler
-from server.engine.step_plan import MIN_PREFILL_CHUNK
 
 DEFAULT_BLOCK_SIZE = 16  # tokens per block (vLLM's default)
 MEMORY_FRACTION = 0.25  # of the memory free at start-up, the most an unset KV budget takes
@@ -37,10 +36,8 @@ def default_budget(backends: dict[str, KVBackend], layouts: dict, page_bytes: in
     (:meth:`KVCacheManager.pages_to_finish`): a prompt of ``max_total_tokens`` prefilled in steps cut anywhere (an
     int8-family prompt's exact pages while it is prefilled included), so that the longest request fits alone. A
     prompt that asks for every position's log-probability is prefilled in one step and may need more."""
-    step = None if prefill_chunk_tokens is None else max(prefill_chunk_tokens, MIN_PREFILL_CHUNK)
-
     def most(name: str, layout) -> int:
-        chunk = step if backends[name].chunked_prefill else None
+        chunk = largest_step(prefill_chunk_tokens if backends[name].chunked_prefill else None)
         return max(layout.pages_for(max_total_tokens, prefill_chunk_tokens),
                    layout.pages_to_generate(max_total_tokens, max_total_tokens, chunk))
 
