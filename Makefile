@@ -25,19 +25,27 @@ $(BIN)/python:
 kernels: $(RUNTIME_STAMP)
 	$(BIN)/python -m cache_backends.kernels build
 
-# Reinstall when the project's dependency files change. pip shows its progress (the first install downloads
-# torch and transformers: a few minutes).
+# Reinstall when the project's dependency files change. pip installs torch (from TORCH_INDEX_URL when set, else as
+# pip resolves it: PyPI's wheel, or one the machine's pip configuration offers) and uv; uv then installs kvserve and
+# the rest against that torch, pinned by the same constraints, in seconds where pip takes minutes (about 10 s against
+# 2 minutes for the test extras). Where uv fails (an index it cannot reach: it reads no pip configuration), pip
+# installs them. Both show their progress (the first install downloads torch: a few minutes). $(1): the extras.
+define INSTALL
+$(BIN)/python -m pip install -c constraints.txt $(if $(TORCH_INDEX_URL),--index-url "$(TORCH_INDEX_URL)" )torch
+$(BIN)/python -m pip install -c constraints.txt uv
+$(BIN)/python -m uv pip install --python $(BIN)/python -c constraints.txt -e ".[$(1)]" \
+  || $(BIN)/python -m pip install -c constraints.txt -e ".[$(1)]"
+endef
+
 $(RUNTIME_STAMP): $(BIN)/python pyproject.toml constraints.txt
 	@echo "installing kvserve and its runtime dependencies into $(VENV)"
-	$(if $(TORCH_INDEX_URL),$(BIN)/python -m pip install -c constraints.txt --index-url "$(TORCH_INDEX_URL)" torch)
-	$(BIN)/python -m pip install -c constraints.txt -e ".[real]"
+	$(call INSTALL,real)
 	$(KERNELS)
 	touch $(RUNTIME_STAMP)
 
 $(STAMP): $(BIN)/python pyproject.toml constraints.txt
 	@echo "installing kvserve with its test dependencies into $(VENV)"
-	$(if $(TORCH_INDEX_URL),$(BIN)/python -m pip install -c constraints.txt --index-url "$(TORCH_INDEX_URL)" torch)
-	$(BIN)/python -m pip install -c constraints.txt -e ".[test]"
+	$(call INSTALL,test)
 	$(KERNELS)
 	touch $(STAMP) $(RUNTIME_STAMP)
 

@@ -23,7 +23,14 @@ def dry_run(target: str, venv, **variables: str) -> list[str]:
 
 
 def pip_lines(lines: list[str]) -> list[str]:
-    return [line for line in lines if "-m pip install" in line]
+    """The install commands, pip's and uv's, in order."""
+    return [line for line in lines if "pip install" in line]
+
+
+def project_line(lines: list[str]) -> str:
+    """The one command that installs kvserve itself (uv, falling back to pip)."""
+    (line,) = [line for line in pip_lines(lines) if '-e ".[' in line]
+    return line
 
 
 @pytest.fixture
@@ -35,17 +42,24 @@ def venv(tmp_path):
 
 
 def test_serve_installs_the_runtime_dependencies_only_with_progress(venv):
-    pip = pip_lines(dry_run("serve", venv))
-    assert len(pip) == 1 and pip[0].endswith('-e ".[real]"')  # the whole test stack (2.6 GB) was installed here
-    assert "--quiet" not in pip[0] and "-q" not in pip[0].split()
+    lines = dry_run("serve", venv)
+    pip = pip_lines(lines)
+    # pip takes torch (a machine's own wheel, or TORCH_INDEX_URL's) and uv; uv the rest, pip where uv fails
+    assert pip[0].endswith("-m pip install -c constraints.txt torch") and pip[1].endswith("install -c constraints.txt uv")
+    line = project_line(lines)
+    uv, fallback = line.split(" || ")
+    assert "-m uv pip install" in uv and "-c constraints.txt" in uv and uv.endswith('-e ".[real]"')  # not ".[test]":
+    assert fallback.endswith('-m pip install -c constraints.txt -e ".[real]"')  # the test stack is 2.6 GB
+    assert len(pip) == 3
+    for command in pip:
+        assert "--quiet" not in command and "-q" not in command.split(), command  # progress shown
     assert pip_lines(dry_run("install", venv)) == pip
 
 
 def test_test_after_serve_adds_the_test_extras(venv):
     (venv / ".kvserve-runtime").touch()  # `make serve` has run
     assert pip_lines(dry_run("serve", venv)) == []
-    pip = pip_lines(dry_run("test", venv))
-    assert len(pip) == 1 and pip[0].endswith('-e ".[test]"')
+    assert project_line(dry_run("test", venv)).endswith('-m pip install -c constraints.txt -e ".[test]"')
     (venv / ".kvserve-installed").touch()  # and `make test`: nothing left to install for either
     assert pip_lines(dry_run("test", venv)) == [] and pip_lines(dry_run("serve", venv)) == []
 
@@ -53,7 +67,13 @@ def test_test_after_serve_adds_the_test_extras(venv):
 def test_torch_index_url_installs_torch_from_it_first(venv):
     url = "https://download.pytorch.org/whl/cpu"
     pip = pip_lines(dry_run("serve", venv, TORCH_INDEX_URL=url))
-    assert len(pip) == 2 and f'--index-url "{url}" torch' in pip[0] and "-c constraints.txt" in pip[0]
+    assert len(pip) == 3 and f'--index-url "{url}" torch' in pip[0] and "-c constraints.txt" in pip[0]
+    assert "--index-url" not in pip[2]  # the rest from the default index
+
+
+def test_the_installers_are_pinned():
+    pins = [line.split("#")[0].strip() for line in (REPO / "constraints.txt").read_text().splitlines()]
+    assert "torch==2.13.0" in pins and any(p.startswith("uv==") for p in pins)
 
 
 TIER_CHECK = '''
