@@ -1,6 +1,10 @@
 # kvserve — `make serve` and `make test` do all set-up on a fresh machine with Python 3.11.
 PYTHON ?= python3
 VENV   ?= .venv
+# make splits a path at its spaces: the venv would be made at the first word, and `make clean` would remove each word
+ifneq ($(words $(VENV)),1)
+$(error VENV must be one path without spaces or be unset (got "$(VENV)"))
+endif
 BIN    := $(VENV)/bin
 # Two installs, each with its stamp: the server's runtime dependencies (`make serve`, `make install`), and those
 # plus the test extras (`make test` and the targets that need them); `make test` after `make serve` adds the extras.
@@ -25,16 +29,19 @@ $(BIN)/python:
 kernels: $(RUNTIME_STAMP)
 	$(BIN)/python -m cache_backends.kernels build
 
-# Reinstall when the project's dependency files change. pip installs torch (from TORCH_INDEX_URL when set, else as
-# pip resolves it: PyPI's wheel, or one the machine's pip configuration offers) and uv; uv then installs kvserve and
-# the rest against that torch, pinned by the same constraints, in seconds where pip takes minutes (about 10 s against
-# 2 minutes for the test extras). Where uv fails (an index it cannot reach: it reads no pip configuration), pip
-# installs them. Both show their progress (the first install downloads torch: a few minutes). $(1): the extras.
+# Reinstall when the project's dependency files change. pip installs torch (from TORCH_INDEX_URL when set, and from
+# any index or folder the machine's pip configuration adds; else as pip resolves it: PyPI's wheel, or one the pip
+# configuration offers), then uv, which installs kvserve and the rest against that torch, pinned by the same
+# constraints, in seconds where pip takes minutes (about 10 s against 2 minutes for the test extras). uv reads no pip
+# configuration: it takes them from PyPI, or from UV_DEFAULT_INDEX / UV_INDEX when set. Where uv cannot be installed
+# or fails (an index it cannot reach), pip installs them, saying so. Both show their progress (the first install
+# downloads torch: a few minutes). $(1): the extras.
 define INSTALL
 $(BIN)/python -m pip install -c constraints.txt $(if $(TORCH_INDEX_URL),--index-url "$(TORCH_INDEX_URL)" )torch
-$(BIN)/python -m pip install -c constraints.txt uv
-$(BIN)/python -m uv pip install --python $(BIN)/python -c constraints.txt -e ".[$(1)]" \
-  || $(BIN)/python -m pip install -c constraints.txt -e ".[$(1)]"
+{ $(BIN)/python -m pip install -c constraints.txt uv \
+  && $(BIN)/python -m uv pip install --python $(BIN)/python -c constraints.txt -e ".[$(1)]"; } \
+  || { echo "kvserve: uv did not install the dependencies (above); pip installs them instead"; \
+       $(BIN)/python -m pip install -c constraints.txt -e ".[$(1)]"; }
 endef
 
 $(RUNTIME_STAMP): $(BIN)/python pyproject.toml constraints.txt
