@@ -77,14 +77,15 @@ def client_script(name: str, requirement: str, script: str, lowest: tuple[int, i
     target = str(venv / "bin" / "python")
     # uv (the project's installer, `make install`) where this venv has it: seconds where pip took a minute (aiperf:
     # 66 s); the venv's pip where uv is missing or fails
-    install = None
+    installers = [[target, "-m", "pip", "install"]]
     if importlib.util.find_spec("uv") is not None:
-        install = subprocess.run([sys.executable, "-m", "uv", "pip", "install", "-q", "--python", target, requirement],
-                                 capture_output=True, text=True, timeout=INSTALL_TIMEOUT)
-    if install is None or install.returncode != 0:
-        install = subprocess.run([target, "-m", "pip", "install", "-q", requirement], capture_output=True, text=True,
+        installers.insert(0, [sys.executable, "-m", "uv", "pip", "install", "--python", target])
+    for installer in installers:
+        install = subprocess.run([*installer, "-q", requirement], capture_output=True, text=True,
                                  timeout=INSTALL_TIMEOUT)
-    if install.returncode != 0:
+        if install.returncode == 0:
+            break
+    else:
         raise RuntimeError(f"pip install {requirement} failed:\n{install.stdout[-3000:]}\n{install.stderr[-3000:]}")
     stamp.write_text(requirement + "\n")
     return exe
