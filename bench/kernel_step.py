@@ -15,6 +15,13 @@ by default (kv_lora_rank 512, rope key 64, 16 query heads of 128 + 64, values of
 
     python -m bench.kernel_step --form latent --context 2000 8000 --layers 4 --dtype bfloat16
     python -m bench.kernel_step --form latent --tiers int8 int4 --context 2000 8000 --layers 4
+
+``--form posthoc`` times ``mla``'s post-hoc latent on an MHA/GQA model (SmolLM2-135M's shapes, a random orthonormal
+basis of ``--rank``, exact pages or ``--tiers int8 int4``): the op rebuilding each KV head's keys block by block
+inside it against the torch path (the latent gathered, keys rebuilt as one matmul, RoPE, then torch attention),
+interleaved, the value side (absorbed) in both:
+
+    python -m bench.kernel_step --form posthoc --rank 48 336 --context 2000 8000 --layers 4
 """
 
 from __future__ import annotations
@@ -112,7 +119,7 @@ class LatentRow(Row):
         page = -(-spec.block_bytes(tokens_per_page) // 64) * 64  # a quantized tier's: whole groups, as served
         self.layout = PageLayout(spec, dtype, page)
         per_page = min(t for t in (self.layout.exact_tokens, self.layout.q_tokens) if t)
-        pages = batch * (context // per_page + 8) + 8
+        pages = batch * ((context + chunk) // per_page + 8) + 8
         self.pool = KVPool(pages, self.layout.page_bytes, {"b": self.layout}, "cpu")
         self.views = self.pool.views["b"]
         self.layers, self.dtype, self.batch, self.widths = layers, dtype, batch, (rank, rope)
@@ -148,6 +155,79 @@ class LatentRow(Row):
             return time.perf_counter() - t
 
 
+class PosthocRow(Row):
+    """``batch`` sequences of ``mla``'s post-hoc latent (one head, ``rank`` wide, exact pages or ``tier``'s codes),
+    ``context`` tokens each, served by an :class:`cache_backends.mla.MLABackend` of random orthonormal bases."""
+
+    def __init__(self, layers: int, heads: int, rep: int, head_dim: int, rank: int, context: int,
+                 tokens_per_page: int, batch: int = 1, chunk: int = 1, dtype: torch.dtype = torch.float32,
+                 seed: int = 0, tier: str = "exact"):
+        from cache_backends.geometry import ModelGeometry
+        from cache_backends.mla.backend import LatentBasis, MLABackend
+        from cache_backends.rope import RopeTable
+
+        self.gen = torch.Generator().manual_seed(seed)
+        geometry = ModelGeometry(layers, heads * rep, heads, head_dim, dtype.itemsize)
+        self.backend = MLABackend(geometry, rank=rank, quantization=TIERS[tier])
+        width = 2 * heads * head_dim
+        self.backend.bases = [LatentBasis(torch.linalg.qr(torch.randn(width, rank, generator=self.gen))[0],
+                                          0.3 * torch.randn(width, generator=self.gen)) for _ in range(layers)]
+        self.backend.rope = RopeTable.llama(head_dim, context + chunk + 64, dtype=dtype)
+        spec = self.backend.kv_spec()
+        self.layout = PageLayout(spec, dtype, -(-spec.block_bytes(tokens_per_page) // 64) * 64)
+        per_page = min(t for t in (self.layout.exact_tokens, self.layout.q_tokens) if t)
+        pages = batch * ((context + chunk) // per_page + 8) + 8
+        self.pool = KVPool(pages, self.layout.page_bytes, {"b": self.layout}, "cpu")
+        self.views = self.pool.views["b"]
+        self.layers, self.dtype, self.batch, self.rank = layers, dtype, batch, rank
+        self.free = list(range(1, pages))
+        self.q_shape = (batch, heads * rep, chunk, head_dim)
+        rows = [SeqBlocks() for _ in range(batch)]
+        for blocks in rows:
+            for n in [min(512, context - t) for t in range(0, context, 512)]:
+                self._write([blocks], n)
+                self._commit()
+        self.meta = self._write(rows, chunk)
+        self.bytes = sum(self.layout.stored_bytes(b) for b in rows)
+
+    def new_tokens(self, batch: int, n: int) -> list[torch.Tensor]:
+        """One layer's random new latents, (batch, 1, n, rank)."""
+        return [(3 * torch.randn(batch, 1, n, self.rank, generator=self.gen)).to(self.dtype)]
+
+    def posthoc_step(self, mode: str) -> float:
+        """Seconds of one step's attention over every layer (:meth:`MLABackend.attend_paged`): ``kernel`` reads the
+        latent in place, ``torch`` gathers it."""
+        query = torch.randn(*self.q_shape).to(self.dtype)
+        scaling = self.q_shape[-1] ** -0.5
+        with kernels.using(mode):
+            t = time.perf_counter()
+            for layer in range(self.layers):
+                reads = in_place_layer(self.views, layer) if mode == "kernel" else \
+                    read_layer(self.views, layer, self.meta)
+                self.backend.attend_paged(layer, query, reads, self.meta, scaling)
+            return time.perf_counter() - t
+
+
+def posthoc_main(args) -> int:
+    """``--form posthoc``: the kernel against the torch path, per tier, rank and context, interleaved."""
+    dtype = getattr(torch, args.dtype)
+    print(f"post-hoc mla latent: {args.batch} row(s) + {args.chunk} new, {args.layers} layers, {args.heads}x{args.rep} "
+          f"heads of {args.head_dim}, {args.dtype}, {args.threads} thread(s), median of {args.rounds}")
+    print(f"{'form':<10}{'rank':>6}{'context':>8}{'kernel ms':>11}{'torch ms':>10}{'torch/kernel':>14}")
+    for tier in args.tiers or ["exact"]:
+        for rank in args.rank:
+            for context in args.context:
+                row = PosthocRow(args.layers, args.heads, args.rep, args.head_dim, rank, context, args.page_tokens,
+                                 args.batch, args.chunk, dtype, tier=tier)
+                times = {"kernel": [], "torch": []}
+                for _ in range(args.rounds):
+                    for mode in times:
+                        times[mode].append(row.posthoc_step(mode))
+                k, t = statistics.median(times["kernel"]), statistics.median(times["torch"])
+                print(f"{tier:<10}{rank:>6}{context:>8}{k * 1e3:>11.2f}{t * 1e3:>10.2f}{t / k:>14.2f}")
+    return 0
+
+
 def latent_main(args) -> int:
     """``--form latent``: the kernel against the torch path, per context, interleaved."""
     dtype = getattr(torch, args.dtype)
@@ -170,8 +250,9 @@ def latent_main(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.kernel_step", description=__doc__.split("\n\n")[0])
-    p.add_argument("--form", choices=["kv", "latent"], default="kv",
-                   help="kv: K/V pairs per --tiers; latent: a native-MLA model's latent, the kernel vs torch")
+    p.add_argument("--form", choices=["kv", "latent", "posthoc"], default="kv",
+                   help="kv: K/V pairs per --tiers; latent: a native-MLA model's latent, the kernel vs torch; "
+                        "posthoc: mla's post-hoc latent, the kernel vs torch")
     p.add_argument("--context", type=int, nargs="+", default=[8000])
     p.add_argument("--tiers", nargs="+", choices=list(TIERS),
                    help="stored forms (default: exact int8 int4; latent: exact)")
@@ -184,12 +265,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk", type=int, default=1, help="new tokens a row (1: a decode step; more: a prefill chunk)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--rounds", type=int, default=15)
-    p.add_argument("--rank", type=int, default=512, help="latent: kv_lora_rank")
+    p.add_argument("--rank", type=int, nargs="+", default=None,
+                   help="latent: kv_lora_rank (default 512); posthoc: the latent's ranks (default 48)")
     p.add_argument("--rope", type=int, default=64, help="latent: qk_rope_head_dim")
     p.add_argument("--q-heads", type=int, default=16, help="latent: query heads")
     p.add_argument("--nope", type=int, default=128, help="latent: qk_nope_head_dim")
     p.add_argument("--v-dim", type=int, default=128, help="latent: v_head_dim")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="latent: pages")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="latent, posthoc: pages")
     p.add_argument("--exact-sums", action="store_true",
                    help="kv: time each tier with 4-bit keys also with fp32 sums (KVSERVE_KERNEL_EXACT_SUMS=1)")
     args = p.parse_args(argv)
@@ -197,7 +280,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"the attention kernel is not available: {kernels.status()['reason']}")
     torch.set_num_threads(args.threads)
     if args.form == "latent":
+        args.rank = (args.rank or [512])[0]
         return latent_main(args)
+    if args.form == "posthoc":
+        args.rank = args.rank or [48]
+        return posthoc_main(args)
     args.tiers = args.tiers or ["exact", "int8", "int4"]
     for context in args.context:
         kv_main(args, context)

@@ -33,6 +33,19 @@ class RopeTable:
         self.param = next(model.parameters())
         self._build(max_positions)
 
+    @classmethod
+    def llama(cls, head_dim: int, positions: int, base: float = 10_000.0,
+              dtype: torch.dtype = torch.float32) -> "RopeTable":
+        """A table of plain RoPE (``theta_i = base^(-2i/d)``, transformers' Llama layout) without a model, ``positions``
+        rows in ``dtype``: for benchmarks and tests of the backends that re-apply RoPE. It does not grow."""
+        table = cls.__new__(cls)
+        inv = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        angles = torch.arange(positions, dtype=torch.float64)[:, None] * inv[None]
+        table.cos = torch.cat([angles.cos(), angles.cos()], -1).to(dtype)
+        table.sin = torch.cat([angles.sin(), angles.sin()], -1).to(dtype)
+        table.norm = (table.cos.float() ** 2 + table.sin.float() ** 2).to(dtype)
+        return table
+
     def _build(self, max_positions: int) -> None:
         p = self.param
         positions = torch.arange(max_positions, device=p.device).unsqueeze(0)
@@ -45,8 +58,17 @@ class RopeTable:
     def _cover(self, stop: int) -> None:
         """Grow the tables (doubling) so positions up to ``stop`` exist: a served context may be set
         longer than ``max_position_embeddings`` (``MAX_TOTAL_TOKENS``)."""
-        if stop > self.cos.shape[0]:
+        if stop > self.cos.shape[0] and hasattr(self, "rotary"):
             self._build(max(stop, 2 * self.cos.shape[0]))
+
+    def float_tables(self, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin, (rows, head_dim) each in fp32 (the model dtype's values widened), rows covering the positions
+        below ``stop``: what the attention kernel rotates rebuilt keys with (``mla``). Kept until the tables grow."""
+        self._cover(stop)
+        cached = getattr(self, "_float", None)
+        if cached is None or cached[0].shape[0] != self.cos.shape[0]:
+            cached = self._float = (self.cos.float().contiguous(), self.sin.float().contiguous())
+        return cached
 
     def apply(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """Rotate ``x`` (..., seq_len, head_dim) as positions ``start .. start + seq_len - 1``."""

@@ -8,7 +8,10 @@ model's own entries (DeepSeek-V2/V3: its latent c_KV and shared rope key, in exa
 ``mla+int4`` both quantized per channel over token groups, rotated or not, with their exact residual window) with
 absorbed attention (DeepSeek-V2, arXiv 2405.04434, section 2.1.2): multi-query attention of every head's query, W_UK
 folded in, over the key (c_t, k_rope_t) and the value c_t, W_UV applied by the caller
-(:func:`cache_backends.absorbed_mla.absorbed_attention`). All query heads of one KV head are scored together (GQA),
+(:func:`cache_backends.absorbed_mla.absorbed_attention`). ``torch.ops.kvserve.paged_latent_attention`` attends a
+post-hoc latent (``mla`` on an MHA/GQA model, exact or ``mla+int8`` / ``mla+int4``, :func:`latent_attention`): each
+KV head's keys rebuilt block by block inside the op and rotated at each token's position, the values absorbed. All
+query heads of one KV head are scored together (GQA),
 the softmax is computed online (FlashAttention, arXiv 2205.14135), decode rows of different lengths and the tokens
 of a prefill chunk go through the same call (each query token's visible tokens are intervals,
 :attr:`cache_backends.step_meta.StepMeta.ranges`), and the work (row, KV head, query tile) is split over the
@@ -128,6 +131,11 @@ def _register_fake() -> None:
     def _(query, arena, exact_table, q_table, ranges, layout, rotation, scaling):
         return query.new_empty(*query.shape[:-1], layout[2] if layout[20] else layout[3])  # a latent: r wide
 
+    @torch.library.register_fake("kvserve::paged_latent_attention")
+    def _(query, arena, exact_table, q_table, ranges, layout, key_up, key_mean, value_up, value_mean, positions,
+          cos, sin, scaling):
+        return query.new_empty(query.shape)  # (B, Hq, n, head_dim)
+
     @torch.library.register_fake("kvserve::skinny_linear")
     def _(x, weight, bias):
         return x.new_empty(*x.shape[:-1], weight.shape[0])
@@ -218,7 +226,17 @@ def layout_args(layout, layer: int) -> list[int]:
     heads, the two streams' widths, the exact tier's dtype, tokens per page and slab offsets, the quantized tier's
     (tokens per page, group size, each stream's bits and scale dtype, slab offsets; zeros when there is none), and
     the form: 0 for keys and values, 1 for a native-MLA model's latent and rope key (:func:`is_latent`; quantized,
-    both per channel: the second stream's scales are per group and channel, not per token)."""
+    both per channel: the second stream's scales are per group and channel, not per token), 2 for a post-hoc latent
+    (:func:`is_posthoc_latent`: one stream, the second's entries zero)."""
+    if is_posthoc_latent(layout):
+        (k,) = layout.exact_slabs[layer]
+        args = [layout.page_bytes, k.heads, k.width, 0, _DTYPES[layout.dtype], layout.exact_tokens, k.offset, 0]
+        q = layout.quantization
+        if not q:
+            return args + [0] * 12 + [2]
+        ((kc, ks, kz),) = layout.q_slabs[layer]
+        return args + [layout.q_tokens, q.group_size, q.bits(layout.streams[0].axis), 0, _DTYPES[ks.dtype], 0,
+                       kc.offset, ks.offset, kz.offset, 0, 0, 0, 2]
     k, v = layout.exact_slabs[layer]
     args = [layout.page_bytes, k.heads, k.width, v.width, _DTYPES[layout.dtype], layout.exact_tokens, k.offset,
             v.offset]
@@ -238,12 +256,25 @@ def is_latent(layout) -> bool:
     return len(streams) == 2 and all(s.heads == 1 and s.axis == "channel" for s in streams)
 
 
+def is_posthoc_latent(layout) -> bool:
+    """Whether a layout holds a post-hoc latent: one stream of one head (``mla`` and ``mla+int8`` / ``mla+int4`` on an
+    MHA/GQA model, :class:`cache_backends.mla.MLABackend`), read by :func:`latent_attention`."""
+    streams = layout.streams
+    return len(streams) == 1 and streams[0].heads == 1
+
+
 def fits(layout) -> bool:
     """Whether a page layout is one the kernel reads, in fp32/bf16/fp16: two streams, keys per channel and values
     per token with as many heads, a rotated tier only with keys and values as wide; or a native-MLA latent and rope
-    key (absorbed attention), in exact pages or quantized (``mla+int8``, ``mla+int4``, rotated or not)."""
+    key (absorbed attention), in exact pages or quantized (``mla+int8``, ``mla+int4``, rotated or not); or a post-hoc
+    latent (:func:`is_posthoc_latent`), in exact pages or quantized per channel, not rotated."""
     streams = layout.streams
-    if len(streams) != 2 or layout.dtype not in _DTYPES:
+    if layout.dtype not in _DTYPES:
+        return False
+    if is_posthoc_latent(layout):
+        q = layout.quantization
+        return streams[0].axis == "channel" and not (q and q.rotate)
+    if len(streams) != 2:
         return False
     if is_latent(layout):
         return True
@@ -277,6 +308,34 @@ def paged_attention(query: torch.Tensor, keys, values, meta, scaling: float) -> 
         rotation = _rotation(args[2], args[3] if args[20] else 0, query.device)
     return torch.ops.kvserve.paged_attention(query, views.arena, meta.exact_table, meta.q_table, meta.ranges, args,
                                              rotation, scaling)
+
+
+def latent_attention(query: torch.Tensor, latent, meta, scaling: float, bases: tuple, cos: torch.Tensor,
+                     sin: torch.Tensor) -> torch.Tensor:
+    """Attention of a step's queries over one layer's post-hoc latent (``mla`` on an MHA/GQA model; Palu, arXiv
+    2407.21118; MHA2MLA, arXiv 2502.14837) read in place from the pool, in one op. Each KV head's keys are rebuilt
+    block by block inside the op, ``RoPE_pos(c_t P_k,h + mu_k,h)`` at each token's position (the RoPE on every key
+    channel keeps P_k,h out of the query). The values are absorbed, ``(Σ_t p_t c_t) P_v,h + mu_v,h`` once a row,
+    or, where a tile's rows outnumber what that saves (a prefill chunk at a rank above head_dim), rebuilt block by
+    block: nothing the size of the context is written either way.
+
+    Args:
+        query: (B, Hq, n, d) after RoPE, Hq a multiple of H.
+        latent: the layer's :class:`cache_backends.paged.InPlaceRead` of the latent stream.
+        meta: the step's :class:`cache_backends.step_meta.StepMeta` (block tables, :attr:`ranges`, :attr:`positions`).
+        bases: ``(key_up, key_mean, value_up, value_mean)``: (H, r, d), (H, d), (H, r, d), (H, d), fp32.
+        cos, sin: (rows, d) RoPE per position, fp32; a position past the last row takes the last.
+
+    Returns:
+        (B, Hq, n, d) in the query's dtype.
+
+    Raises:
+        RuntimeError: (from the op) for shapes that do not agree with the layout or each other.
+    """
+    views = latent.views
+    return torch.ops.kvserve.paged_latent_attention(query, views.arena, meta.exact_table, meta.q_table, meta.ranges,
+                                                    _layer_args(views, latent.layer), *bases, meta.positions, cos,
+                                                    sin, scaling)
 
 
 @functools.lru_cache(maxsize=16)

@@ -35,7 +35,8 @@ from cache_backends.kv_store import KVLayer, KVStore
 from cache_backends.full.backend import FullLayer
 from cache_backends.int8.backend import make_storage, quant_spec, storage_reserved_bytes
 from cache_backends.kv_spec import KVSpec, Quantization, StreamSpec
-from cache_backends.paged import StreamRead
+from cache_backends.paged import InPlaceRead, StreamRead
+from cache_backends import kernels
 from cache_backends.paged_attention import group_mask, grouped_rows, masked_softmax, ungroup_rows
 from cache_backends.quant_formats import width_refusal
 from cache_backends.rope import RopeTable
@@ -270,12 +271,11 @@ class MLABackend(KVBackend):
         g = self.geometry
         return MLALayer(self.bases[index], self.rope, g.num_key_value_heads, g.head_dim, self.quantization, position_offset)
 
-    @property
-    def attends_in_place(self) -> bool:
-        """Native: the model's latent and rope key go through the attention kernel (absorbed attention) where it reads
-        their pages (exact ones, and ``mla+int8`` / ``mla+int4``'s codes, :func:`cache_backends.kernels.fits`);
-        post-hoc: no."""
-        return self.native
+    #: Native: the model's latent and rope key go through the attention kernel (absorbed attention); post-hoc: the
+    #: latent goes through its post-hoc form (:func:`cache_backends.kernels.latent_attention`: keys rebuilt block by
+    #: block inside the op, values absorbed); both where the kernel reads the pages (exact ones, and ``mla+int8`` /
+    #: ``mla+int4``'s codes; a rotated post-hoc tier is gathered, :func:`cache_backends.kernels.fits`).
+    attends_in_place = True
 
     def new_store(self) -> KVStore:
         """One sequence's store; on a native-MLA model it is read in place by absorbed attention."""
@@ -303,21 +303,37 @@ class MLABackend(KVBackend):
     def attend_paged(self, layer, query, reads, meta, scaling, module=None):
         """Native: absorbed attention over the latent and rope key (:func:`absorbed_attention`). Post-hoc: keys
         rebuilt from the latent and rotated at each token's position (the RoPE price), values absorbed:
-        ``o_h = (p_h C) P_v,h^T + mu_v,h``."""
+        ``o_h = (p_h C) P_v,h^T + mu_v,h``; in place, one op (:func:`cache_backends.kernels.latent_attention`), else
+        over the gathered latent with torch ops."""
         if self.native:
             return absorbed_attention(query, reads[0], reads[1], meta, scaling, module)
         g, p = self.geometry, self.bases[layer]
         h, d, b, hq = g.num_key_value_heads, g.head_dim, query.shape[0], query.shape[1]
+        if isinstance(reads[0], InPlaceRead):  # one op: keys (and for a prefill, values) rebuilt block by block
+            cos, sin = self.rope.float_tables(_rope_stop(meta))
+            return kernels.latent_attention(query, reads[0], meta, scaling, self._kernel_bases(layer), cos, sin)
         latent = reads[0].read()[0]  # (B, T, r)
         keys = latent @ p.basis[: h * d].to(latent.dtype).T + p.mean[: h * d].to(latent.dtype)
         keys = self.rope.apply_at(keys.reshape(b, -1, h, d).transpose(1, 2), meta.positions)  # (B, H, T, d)
         q = grouped_rows(query, h)  # (B, H, rep * n, d)
         probs = masked_softmax(q @ keys.transpose(-1, -2), group_mask(meta.mask, hq // h), scaling)
         rows = q.shape[2]
-        mixed = reads[0].weighted_sum(probs.reshape(1, b, h * rows, -1))[0].reshape(b, h, rows, -1)  # (B, H, rows, r)
+        mixed = reads[0].weighted_sum(probs.reshape(1, b, h * rows, -1))[0].reshape(b, h, rows, -1)
         value_up = p.basis[h * d :].reshape(h, d, -1).transpose(1, 2)  # (H, r, d)
         value_mean = p.mean[h * d :].reshape(h, 1, d)
         return ungroup_rows(mixed @ value_up.to(mixed.dtype) + value_mean.to(mixed.dtype), hq)
+
+    def _kernel_bases(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """Layer ``layer``'s bases per KV head for the kernel, in fp32, built once: the keys' (H, r, d) and mean (H, d),
+        the values' (H, r, d) and mean (H, d)."""
+        cache = self.__dict__.setdefault("_kernel_basis_cache", {})
+        if layer not in cache:
+            g, p = self.geometry, self.bases[layer]
+            h, d = g.num_key_value_heads, g.head_dim
+            up = p.basis.float().reshape(2, h, d, -1).transpose(2, 3)  # (K/V, H, r, d)
+            mean = p.mean.float().reshape(2, h, d)
+            cache[layer] = (up[0].contiguous(), mean[0].contiguous(), up[1].contiguous(), mean[1].contiguous())
+        return cache[layer]
 
     def _rebuild(self, layer: int, latent: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, T, r) latent at ``positions`` (B, T) → keys after RoPE and values, (B, H, T, d) each."""
@@ -357,3 +373,11 @@ class MLABackend(KVBackend):
         if self.native:
             return super().reserved_bytes(max_tokens)
         return storage_reserved_bytes(self.quantization, "channel", max_tokens, 1, self.rank, g.dtype_bytes) * g.num_layers
+
+
+def _rope_stop(meta) -> int:
+    """Above every position a step reads (its newest query's, plus one), worked out once per step."""
+    stop = getattr(meta, "rope_stop", None)
+    if stop is None:
+        stop = meta.rope_stop = int(meta.query_positions.max()) + 1 if meta.query_positions.numel() else 1
+    return stop

@@ -21,6 +21,9 @@ constexpr int64_t BN = 64;  // tokens per block (across pages)
 #ifndef KVK_LATENT_BN
 #define KVK_LATENT_BN 16  // tokens per block of a native-MLA latent (at most BN)
 #endif
+#ifndef KVK_POSTHOC_BN
+#define KVK_POSTHOC_BN 32  // tokens per block of a post-hoc latent (at most BN): its rebuilt keys stay in L1
+#endif
 
 // ---------------------------------------------------------------------------------------------- scalars
 inline float bf16_to_f32(uint16_t x) {
@@ -229,6 +232,17 @@ inline void weighted_values(float* acc0, float alpha0, const float* p0, float* a
       _mm256_storeu_ps(acc0 + c + 24, o3);
     }
   }
+  for (; c + 8 <= dv; c += 8) {  // widths not a multiple of 32 (a post-hoc latent's rank): eight channels at a time
+    __m256 o = _mm256_mul_ps(_mm256_loadu_ps(acc0 + c), al0);
+    __m256 u = acc1 != nullptr ? _mm256_mul_ps(_mm256_loadu_ps(acc1 + c), al1) : _mm256_setzero_ps();
+    for (int64_t j = j0; j < j1; ++j) {
+      const __m256 t = _mm256_loadu_ps(vp[j] + c);
+      o = _mm256_fmadd_ps(_mm256_set1_ps(p0[j]), t, o);
+      if (acc1 != nullptr) u = _mm256_fmadd_ps(_mm256_set1_ps(p1[j]), t, u);
+    }
+    _mm256_storeu_ps(acc0 + c, o);
+    if (acc1 != nullptr) _mm256_storeu_ps(acc1 + c, u);
+  }
 #endif
   for (; c < dv; ++c) {
     float o = acc0[c] * alpha0;
@@ -377,6 +391,101 @@ inline void widen_token(const uint8_t* codes, int bits, float s, float z, int64_
     dst[c] = (codes[c] & 15) * s + z;
     dst[half + c] = (codes[c] >> 4) * s + z;
   }
+}
+
+// ---------------------------------------------------------------------------------------------- post-hoc latent
+// out_j = c_j P + mu for the nj tokens of a block (c_j at cp[j], r wide; P (r x d) row-major, mu (d)), written to
+// out + j * d: a post-hoc latent's (mla on an MHA/GQA model; Palu, arXiv 2407.21118; MHA2MLA, arXiv 2502.14837)
+// keys or values of one KV head, rebuilt for one block only: nothing the size of the context is written, and the
+// latent is read where it lies (fp32) or from the block's widened copy. AVX2: four tokens by sixteen channels at a
+// time in registers (d a multiple of 16).
+inline void project(const float* P, const float* mu, int64_t r, int64_t d, const float* const* cp, int64_t nj,
+                    float* out) {
+  int64_t j = 0;
+#ifdef KVK_AVX2
+  if (d % 16 == 0) {
+    for (; j + 4 <= nj; j += 4) {
+      const float *c0 = cp[j], *c1 = cp[j + 1], *c2 = cp[j + 2], *c3 = cp[j + 3];
+      for (int64_t i = 0; i < d; i += 16) {
+        const __m256 m0 = _mm256_loadu_ps(mu + i), m1 = _mm256_loadu_ps(mu + i + 8);
+        __m256 o00 = m0, o01 = m1, o10 = m0, o11 = m1, o20 = m0, o21 = m1, o30 = m0, o31 = m1;
+        for (int64_t c = 0; c < r; ++c) {
+          const __m256 p0 = _mm256_loadu_ps(P + c * d + i), p1 = _mm256_loadu_ps(P + c * d + i + 8);
+          __m256 x = _mm256_broadcast_ss(c0 + c);
+          o00 = _mm256_fmadd_ps(x, p0, o00);
+          o01 = _mm256_fmadd_ps(x, p1, o01);
+          x = _mm256_broadcast_ss(c1 + c);
+          o10 = _mm256_fmadd_ps(x, p0, o10);
+          o11 = _mm256_fmadd_ps(x, p1, o11);
+          x = _mm256_broadcast_ss(c2 + c);
+          o20 = _mm256_fmadd_ps(x, p0, o20);
+          o21 = _mm256_fmadd_ps(x, p1, o21);
+          x = _mm256_broadcast_ss(c3 + c);
+          o30 = _mm256_fmadd_ps(x, p0, o30);
+          o31 = _mm256_fmadd_ps(x, p1, o31);
+        }
+        float* oj = out + j * d + i;
+        _mm256_storeu_ps(oj, o00);
+        _mm256_storeu_ps(oj + 8, o01);
+        _mm256_storeu_ps(oj + d, o10);
+        _mm256_storeu_ps(oj + d + 8, o11);
+        _mm256_storeu_ps(oj + 2 * d, o20);
+        _mm256_storeu_ps(oj + 2 * d + 8, o21);
+        _mm256_storeu_ps(oj + 3 * d, o30);
+        _mm256_storeu_ps(oj + 3 * d + 8, o31);
+      }
+    }
+  }
+#endif
+  for (; j < nj; ++j) {  // the tokens left (and every token on the portable path)
+    float* oj = out + j * d;
+    std::copy(mu, mu + d, oj);
+    const float* cj = cp[j];
+    for (int64_t c = 0; c < r; ++c) {
+      const float x = cj[c];
+      const float* pc = P + c * d;
+      for (int64_t i = 0; i < d; ++i) oj[i] += x * pc[i];
+    }
+  }
+}
+
+// The keys of KV head h for a block of a post-hoc latent: k_j = RoPE_pos[j](c_j P_h + mu_h), RoPE in transformers'
+// Llama layout (channel i pairs with i + d/2) at each token's own position.
+inline void rebuild_keys(const PagedArgs& a, int64_t h, const float* const* cp, int64_t nj, const int64_t* pos,
+                         float* k) {
+  const int64_t r = a.kw, d = a.d, half = d / 2;
+  project(a.key_up + h * r * d, a.key_mean + h * d, r, d, cp, nj, k);
+  for (int64_t j = 0; j < nj; ++j) {
+    const int64_t row = std::min<int64_t>(std::max<int64_t>(pos[j], 0), a.rope_rows - 1);
+    const float *cs = a.cos + row * d, *sn = a.sin + row * d;
+    float* kj = k + j * d;
+    int64_t i = 0;
+#ifdef KVK_AVX2
+    for (; i + 8 <= half && half % 8 == 0; i += 8) {
+      const __m256 x1 = _mm256_loadu_ps(kj + i), x2 = _mm256_loadu_ps(kj + half + i);
+      _mm256_storeu_ps(kj + i, _mm256_fmsub_ps(x1, _mm256_loadu_ps(cs + i), _mm256_mul_ps(x2, _mm256_loadu_ps(sn + i))));
+      _mm256_storeu_ps(kj + half + i, _mm256_fmadd_ps(x2, _mm256_loadu_ps(cs + half + i),
+                                                      _mm256_mul_ps(x1, _mm256_loadu_ps(sn + half + i))));
+    }
+#endif
+    for (; i < half; ++i) {
+      const float x1 = kj[i], x2 = kj[half + i];
+      kj[i] = x1 * cs[i] - x2 * sn[i];
+      kj[half + i] = x2 * cs[half + i] + x1 * sn[half + i];
+    }
+  }
+}
+
+// A block of a post-hoc latent made ready for attend_block: keys rebuilt into w.k (kp), and with rebuild_values the
+// values into w.vr (vp, which held the latent's tokens); else vp stays at the latent (summed, projected at the end).
+template <class S>
+inline void posthoc_block(const PagedArgs& a, int64_t h, int64_t nj, S& w, const float** kp, const float** vp) {
+  rebuild_keys(a, h, vp, nj, w.pos.data(), w.k.data());
+  for (int64_t j = 0; j < nj; ++j) kp[j] = w.k.data() + j * a.d;
+  if (!a.rebuild_values) return;
+  const int64_t r = a.kw, d = a.d;
+  project(a.value_up + h * r * d, a.value_mean + h * d, r, d, vp, nj, w.vr.data());
+  for (int64_t j = 0; j < nj; ++j) vp[j] = w.vr.data() + j * d;
 }
 
 // ---------------------------------------------------------------------------------------------- quantized, fused
@@ -578,8 +687,9 @@ inline void q_values(const float* p, const float* zs, float* acc, int64_t dv, in
 
 // ---------------------------------------------------------------------------------------------- the work item
 struct Scratch {
-  std::vector<float> q, qr, acc_q, acc_e, m, l, s, p, k, v, qg, bias, vs, vz, zs, sig;
+  std::vector<float> q, qr, acc_q, acc_e, m, l, s, p, k, v, vr, qg, bias, vs, vz, zs, sig;
   std::vector<int8_t> q8;
+  std::vector<int64_t> pos;
   std::vector<const float*> kp, vp;
   std::vector<const uint8_t*> kc, vc;
 };
@@ -821,8 +931,19 @@ inline void finalize(const PagedArgs& a, const Rows& x, const float* acc_e, cons
   for (int64_t i = x.i0; i < x.i1; ++i) {
     for (int64_t r = 0; r < x.rep; ++r) {
       const int64_t row = (i - x.i0) * x.rep + r;
-      float* dst = a.out + ((x.b * a.Hq + x.h * x.rep + r) * a.n + i) * dv;
+      float* dst = a.out + ((x.b * a.Hq + x.h * x.rep + r) * a.n + i) * a.ow;
       const float inv = l[row] > 0.f ? 1.f / l[row] : 0.f;
+      if (a.posthoc && !a.rebuild_values) {  // the weighted latent's value side, once a row: (acc / l) P_v,h + mu_v,h
+        const int64_t d = a.d;
+        const float* P = a.value_up + x.h * dv * d;
+        const float* mu = a.value_mean + x.h * d;
+        for (int64_t c = 0; c < d; ++c) dst[c] = mu[c];
+        for (int64_t k = 0; k < dv; ++k) {
+          const float f = acc_e[row * dv + k] * inv;
+          for (int64_t c = 0; c < d; ++c) dst[c] += f * P[k * d + c];
+        }
+        continue;
+      }
       for (int64_t c = 0; c < dv; ++c) {
         float o = acc_e[row * dv + c];
         if (acc_q != nullptr) o += dot(acc_q + row * dv, a.rotation + c * a.d, dv);  // R's first dv x dv
@@ -839,6 +960,7 @@ inline void run_item(const PagedArgs& a, int64_t unit, Scratch& w) {
   const int64_t item = unit / a.splits, split = unit % a.splits;
   const int64_t tile = item % a.tiles, h = (item / a.tiles) % a.H, b = item / (a.tiles * a.H);
   const int64_t rep = a.Hq / a.H, d = a.d, dv = a.dv;
+  const int64_t hs = a.posthoc ? 0 : h;  // the slabs' head: a post-hoc latent's one head serves every KV head
   const int64_t i0 = tile * a.tile_tokens, i1 = std::min(a.n, i0 + a.tile_tokens), M = (i1 - i0) * rep;
   // rows: token-major within the tile, the rep query heads of KV head h together
   std::vector<int64_t> qc(M), q0(M), elo(M), ehi(M), slo(M, 0), shi(M, 0);
@@ -902,7 +1024,7 @@ inline void run_item(const PagedArgs& a, int64_t unit, Scratch& w) {
   // fused for a few rows (a decode: the query heads of one KV head); many rows (a prefill tile) amortize one
   // widening of each token over all of them instead, as do a latent's rows (every query head of the layer reads
   // its one head: one widening of a token serves them all, where folding scales into the query costs each row)
-  const bool fused = !a.latent && d % 16 == 0 && dv % 16 == 0 && M <= 8;
+  const bool fused = !a.latent && !a.posthoc && d % 16 == 0 && dv % 16 == 0 && M <= 8;
 #else
   const bool fused = false;
 #endif
@@ -916,14 +1038,23 @@ inline void run_item(const PagedArgs& a, int64_t unit, Scratch& w) {
   if (qb > qa && !fused) {
     const int64_t kcw = a.kw * a.k_bits / 8, vcw = a.vw * a.v_bits / 8, groups = a.tq / a.group;
     const int64_t kse = a.ks_dtype == F32 ? 4 : 2, vse = a.vs_dtype == F32 ? 4 : 2;
-    const int64_t bn = a.latent ? KVK_LATENT_BN : BN;  // a latent's keys are wide: a block stays in L1 (exact_pass)
-    prefetch_quant(a, b, h, qa, std::min(qb, qa + bn));
+    // a latent's keys are wide: a block stays in L1 (exact_pass)
+    const int64_t bn = a.latent ? KVK_LATENT_BN : a.posthoc ? KVK_POSTHOC_BN : BN;
+    prefetch_quant(a, b, hs, qa, std::min(qb, qa + bn));
     for (int64_t t0 = qa; t0 < qb; t0 += bn) {
       const int64_t nj = std::min(bn, qb - t0);
-      if (t0 + bn < qb) prefetch_quant(a, b, h, t0 + bn, std::min(qb, t0 + 2 * bn));
+      if (t0 + bn < qb) prefetch_quant(a, b, hs, t0 + bn, std::min(qb, t0 + 2 * bn));
       for (int64_t j = 0; j < nj; ++j) {
-        const int64_t t = t0 + j, u = t % a.tq, g = h * groups + u / a.group, slot = h * a.tq + u;
+        const int64_t t = t0 + j, u = t % a.tq, g = hs * groups + u / a.group, slot = hs * a.tq + u;
         const uint8_t* base = a.arena + a.q_table[b * a.pq + t / a.tq] * a.page_bytes;
+        if (a.posthoc) {  // the latent c_t, widened: the value, and what the block's keys are rebuilt from
+          float* cj = w.v.data() + j * a.kw;
+          widen_channel(base + a.kc_off + slot * kcw, a.k_bits, base + a.ks_off + g * a.kw * kse,
+                        base + a.kz_off + g * a.kw * kse, a.ks_dtype, a.kw, cj);
+          vp[j] = cj;
+          w.pos[j] = a.positions[b * a.pos_stride + t];
+          continue;
+        }
         float* kj = w.k.data() + j * d;
         widen_channel(base + a.kc_off + slot * kcw, a.k_bits, base + a.ks_off + g * a.kw * kse,
                       base + a.kz_off + g * a.kw * kse, a.ks_dtype, a.kw, kj);
@@ -939,6 +1070,7 @@ inline void run_item(const PagedArgs& a, int64_t unit, Scratch& w) {
         }
         kp[j] = kj;
       }
+      if (a.posthoc) posthoc_block(a, h, nj, w, kp, vp);
       attend_block(M, d, dv, rotated ? w.qr.data() : w.q.data(), kp, vp, t0, nj, lo_r, hi_r, w, acc_q,
                    rotated ? acc_e : nullptr);
     }
@@ -949,11 +1081,12 @@ inline void run_item(const PagedArgs& a, int64_t unit, Scratch& w) {
   // [ea, eb), row r seeing [lo_r[r], hi_r[r])
   auto exact_pass = [&](int64_t ea, int64_t eb, const int64_t* lo_r, const int64_t* hi_r) {
   if (eb > ea) {
-    const int64_t es = a.kv_dtype == F32 ? 4 : 2, bn = a.latent ? KVK_LATENT_BN : BN;
-    prefetch_exact(a, b, h, ea, std::min(eb, ea + bn));
+    const int64_t es = a.kv_dtype == F32 ? 4 : 2;
+    const int64_t bn = a.latent ? KVK_LATENT_BN : a.posthoc ? KVK_POSTHOC_BN : BN;
+    prefetch_exact(a, b, hs, ea, std::min(eb, ea + bn));
     for (int64_t t0 = ea; t0 < eb; t0 += bn) {
       const int64_t nj = std::min(bn, eb - t0);
-      if (t0 + bn < eb) prefetch_exact(a, b, h, t0 + bn, std::min(eb, t0 + 2 * bn));  // the next block's, meanwhile
+      if (t0 + bn < eb) prefetch_exact(a, b, hs, t0 + bn, std::min(eb, t0 + 2 * bn));  // the next block's, meanwhile
       int64_t page = t0 / a.te, u = t0 % a.te;  // pages walked token by token: no division per token
       const uint8_t* base = a.arena + a.exact_table[b * a.pe + page] * a.page_bytes;
       for (int64_t j = 0; j < nj; ++j, ++u) {
@@ -961,9 +1094,17 @@ inline void run_item(const PagedArgs& a, int64_t unit, Scratch& w) {
           u = 0;
           base = a.arena + a.exact_table[b * a.pe + ++page] * a.page_bytes;
         }
-        const uint8_t* kb = base + a.k_off + (h * a.te + u) * a.kw * es;
-        const uint8_t* vb = base + a.v_off + (h * a.te + u) * a.vw * es;
-        if (a.latent) {  // key (c_t, k_rope_t) assembled in the scratch, the value its first dv channels (c_t)
+        const uint8_t* kb = base + a.k_off + (hs * a.te + u) * a.kw * es;
+        const uint8_t* vb = base + a.v_off + (hs * a.te + u) * a.vw * es;
+        if (a.posthoc) {  // the latent c_t: the value (where it lies when fp32), and what the keys are rebuilt from
+          if (a.kv_dtype == F32) {
+            vp[j] = reinterpret_cast<const float*>(kb);
+          } else {
+            widen_exact(kb, a.kv_dtype, a.kw, w.v.data() + j * a.kw);
+            vp[j] = w.v.data() + j * a.kw;
+          }
+          w.pos[j] = a.positions[b * a.pos_stride + a.pq * a.tq + t0 + j];
+        } else if (a.latent) {  // key (c_t, k_rope_t) assembled in the scratch, the value its first dv channels (c_t)
           float* kj = w.k.data() + j * d;
           widen_exact(kb, a.kv_dtype, a.kw, kj);
           widen_exact(vb, a.kv_dtype, a.vw, kj + a.kw);
@@ -979,6 +1120,7 @@ inline void run_item(const PagedArgs& a, int64_t unit, Scratch& w) {
           vp[j] = w.v.data() + j * dv;
         }
       }
+      if (a.posthoc) posthoc_block(a, h, nj, w, kp, vp);
       attend_block(M, d, dv, w.q.data(), kp, vp, t0, nj, lo_r, hi_r, w, acc_e,
                    rotated ? acc_q : nullptr);
     }
@@ -1058,9 +1200,11 @@ inline Scratch scratch(const PagedArgs& a) {
   w.kc.resize(BN);
   w.vc.resize(BN);
   w.k.resize(BN * a.d);
-  w.v.resize(BN * a.dv);
+  w.v.resize(BN * std::max(a.dv, a.kw));
+  w.vr.resize(a.posthoc && a.rebuild_values ? BN * a.d : 0);
   w.kp.resize(BN);
   w.vp.resize(BN);
+  w.pos.resize(a.posthoc ? BN : 0);
   w.q.resize(rows * a.d);
   w.qr.resize(a.rotation ? rows * a.d : 0);
   w.acc_e.resize(rows * a.dv);

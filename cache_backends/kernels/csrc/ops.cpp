@@ -2,7 +2,8 @@
 // `kvserve::paged_attention`, attention of a step's queries over one layer's
 // K/V read in place from the paged pool, every stored form (exact fp32/bf16/fp16 pages, int8/int4/k8v4 codes with
 // their scales, a Hadamard-rotated tier, the exact residual window; a native-MLA latent and rope key, exact or
-// int8/int4 per channel over groups) in one call. The kernel is chosen once per process from what the CPU reports
+// int8/int4 per channel over groups) in one call; `kvserve::paged_latent_attention`, the same over a post-hoc latent
+// (mla on an MHA/GQA model), its keys rebuilt block by block inside the op. The kernel is chosen once per process from what the CPU reports
 // (AVX2 + FMA + F16C, else portable C++) and split over the work items (row, KV head, query tile) with
 // at::parallel_for.
 #include <ATen/Parallel.h>
@@ -43,6 +44,10 @@ bool use_avx2() {
 #define KVK_TILE_ROWS 96
 #endif
 
+#ifndef KVK_POSTHOC_TILE_ROWS
+#define KVK_POSTHOC_TILE_ROWS 384
+#endif
+
 int64_t splits_for(const PagedArgs& a, int64_t items) {
   if (const char* forced = std::getenv("KVSERVE_KERNEL_SPLITS")) return std::max<int64_t>(1, std::atoll(forced));
   const int64_t threads = at::get_num_threads();
@@ -58,7 +63,8 @@ int64_t splits_for(const PagedArgs& a, int64_t items) {
 }
 
 // layout: page_bytes, heads, k_width, v_width, kv_dtype, te, k_off, v_off, tq, group, k_bits, v_bits, ks_dtype,
-// vs_dtype, kc_off, ks_off, kz_off, vc_off, vs_off, vz_off, form. form 0: a K/V pair. form 1: a native-MLA model's
+// vs_dtype, kc_off, ks_off, kz_off, vc_off, vs_off, vz_off, form. form 0: a K/V pair (paged_attention). form 2: a
+// post-hoc latent (paged_latent_attention). form 1: a native-MLA model's
 // latent (absorbed attention, DeepSeek-V2 arXiv 2405.04434 section 2.1.2): the K slab holds the latent c_t (k_width
 // = r), the V slab the shared rope key (v_width = rope), one head each; the query is (q_latent, q_rope), d = r + rope
 // wide, every query head shares the one KV head (MQA), the key is (c_t, k_rope_t) and the value c_t: out is r wide.
@@ -66,10 +72,16 @@ int64_t splits_for(const PagedArgs& a, int64_t items) {
 // zero points, vc/vs/vz the rope key's (k_bits and v_bits their code widths, ks_dtype and vs_dtype their scales').
 constexpr int64_t LAYOUT_LEN = 21;
 
-torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& arena, const torch::Tensor& exact_table,
-                              const torch::Tensor& q_table, const torch::Tensor& ranges, at::IntArrayRef layout,
-                              const std::optional<torch::Tensor>& rotation, double scaling) {
-  TORCH_CHECK(query.device().is_cpu(), "kvserve::paged_attention runs on the CPU");
+// What both attention ops check and fill alike: the query, the pool, the block tables and ranges, the layout's
+// slabs and tiers. The tensors hold the contiguous copies the pointers in `a` point into.
+struct Call {
+  PagedArgs a{};
+  torch::Tensor q, et, qt, rg, out;
+};
+
+void prepare(Call& call, const torch::Tensor& query, const torch::Tensor& arena, const torch::Tensor& exact_table,
+             const torch::Tensor& q_table, const torch::Tensor& ranges, at::IntArrayRef layout, double scaling) {
+  TORCH_CHECK(query.device().is_cpu(), "kvserve's attention ops run on the CPU");
   TORCH_CHECK(query.dim() == 4, "query must be (B, Hq, n, d)");
   TORCH_CHECK(layout.size() == LAYOUT_LEN, "layout must have ", LAYOUT_LEN, " entries");
   TORCH_CHECK(arena.scalar_type() == torch::kUInt8 && arena.dim() == 2 && arena.is_contiguous(),
@@ -79,9 +91,12 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& a
   TORCH_CHECK(ranges.scalar_type() == torch::kInt && ranges.dim() == 3 &&
                   (ranges.size(2) == 3 || ranges.size(2) == 4 || ranges.size(2) == 6),
               "ranges must be (B, n, 3), (B, n, 4) or (B, n, 6) int32");
-  auto q = query.to(torch::kFloat).contiguous();
-  auto et = exact_table.contiguous(), qt = q_table.contiguous(), rg = ranges.contiguous();
-  PagedArgs a{};
+  PagedArgs& a = call.a;
+  call.q = query.to(torch::kFloat).contiguous();
+  call.et = exact_table.contiguous();
+  call.qt = q_table.contiguous();
+  call.rg = ranges.contiguous();
+  const auto& q = call.q;
   a.B = q.size(0);
   a.Hq = q.size(1);
   a.n = q.size(2);
@@ -90,22 +105,8 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& a
   const char* exact = std::getenv("KVSERVE_KERNEL_EXACT_SUMS");  // set, and neither empty nor "0": fp32 sums
   a.int_sums = exact == nullptr || exact[0] == '\0' || (exact[0] == '0' && exact[1] == '\0');
   a.H = layout[1];
-  a.latent = layout[20] == 1;
-  TORCH_CHECK(layout[20] == 0 || layout[20] == 1, "layout's form must be 0 (K/V) or 1 (latent)");
-  if (a.latent) {
-    TORCH_CHECK(layout[2] + layout[3] == a.d, "the query's width must be the latent's plus the rope key's");
-    a.dv = layout[2];
-    a.kw = layout[2];
-    a.vw = layout[3];
-  } else {
-    TORCH_CHECK(layout[2] == a.d, "the query's head_dim must be the keys' width");
-    a.dv = layout[3];
-    a.kw = a.d;
-    a.vw = a.dv;
-  }
-  TORCH_CHECK(a.H > 0 && a.Hq % a.H == 0, "query heads must be a multiple of the KV heads");
   TORCH_CHECK(arena.size(1) == a.page_bytes, "the arena's pages are not page_bytes long");
-  TORCH_CHECK(et.size(0) == a.B && qt.size(0) == a.B && rg.size(0) == a.B && rg.size(1) == a.n,
+  TORCH_CHECK(call.et.size(0) == a.B && call.qt.size(0) == a.B && call.rg.size(0) == a.B && call.rg.size(1) == a.n,
               "block tables and ranges must have one row per query row");
   a.kv_dtype = static_cast<int>(layout[4]);
   a.te = layout[5];
@@ -125,28 +126,37 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& a
   a.vz_off = layout[19];
   TORCH_CHECK(a.te > 0, "an exact page must hold a token");
   TORCH_CHECK(a.tq == 0 || (a.group > 0 && a.tq % a.group == 0), "quantized pages hold whole groups");
-  auto out = torch::empty({a.B, a.Hq, a.n, a.dv}, q.options());
-  torch::Tensor rot, q_rot;
-  if (rotation.has_value() && rotation->defined()) {
-    rot = rotation->to(torch::kFloat).contiguous();
-    TORCH_CHECK(rot.dim() == 2 && rot.size(0) == a.d && rot.size(1) == a.d && (a.d == a.dv || a.latent),
-                "rotation must be (d, d), d == dv (a latent's: block-diagonal, the latent's then the rope key's)");
-    a.rotation = rot.data_ptr<float>();
-    q_rot = at::matmul(q, rot).contiguous();  // once per query row, not once per work unit that reads it
-    a.query_rot = q_rot.data_ptr<float>();
-  }
   a.query = q.data_ptr<float>();
-  a.out = out.data_ptr<float>();
   a.arena = arena.data_ptr<uint8_t>();
-  a.exact_table = et.data_ptr<int64_t>();
-  a.pe = et.size(1);
-  a.q_table = qt.data_ptr<int64_t>();
-  a.pq = qt.size(1);
-  a.ranges = rg.data_ptr<int32_t>();
-  a.rstride = rg.size(2);
+  a.exact_table = call.et.data_ptr<int64_t>();
+  a.pe = call.et.size(1);
+  a.q_table = call.qt.data_ptr<int64_t>();
+  a.pq = call.qt.size(1);
+  a.ranges = call.rg.data_ptr<int32_t>();
+  a.rstride = call.rg.size(2);
   a.scaling = static_cast<float>(scaling);
+}
+
+// The work items of a prepared call (a.H and a.dv set) over the engine's threads, then their splits merged; returns
+// the output in the query's dtype.
+torch::Tensor run(Call& call, const torch::Tensor& query) {
+  PagedArgs& a = call.a;
+  TORCH_CHECK(a.H > 0 && a.Hq % a.H == 0, "query heads must be a multiple of the KV heads");
   const int64_t rep = a.Hq / a.H;
-  a.tile_tokens = std::max<int64_t>(1, KVK_TILE_ROWS / rep);
+  // a post-hoc latent's tiles are larger: every tile rebuilds the keys it reads, so fewer tiles rebuild less often
+  a.tile_tokens = std::max<int64_t>(1, (a.posthoc ? KVK_POSTHOC_TILE_ROWS : KVK_TILE_ROWS) / rep);
+  if (a.posthoc) {
+    // per token and KV head, summing the latent costs r a row, rebuilding the values r * d once and d a row: the
+    // values are rebuilt where a tile's rows make that cheaper (a prefill chunk at a rank above head_dim)
+    const int64_t r = a.kw, d = a.d, rows = std::min(a.n, a.tile_tokens) * rep;
+    a.rebuild_values = r > d && rows * (r - d) > r * d;
+    a.dv = a.rebuild_values ? d : r;
+    a.ow = d;
+  } else {
+    a.ow = a.dv;
+  }
+  call.out = torch::empty({a.B, a.Hq, a.n, a.ow}, call.q.options());
+  a.out = call.out.data_ptr<float>();
   a.tiles = (a.n + a.tile_tokens - 1) / a.tile_tokens;
   const int64_t items = a.B * a.H * a.tiles;
   a.splits = splits_for(a, items);
@@ -173,7 +183,86 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& a
         paged_merge_portable(a, begin, end);
       }
     });
-  return query.scalar_type() == torch::kFloat ? out : out.to(query.scalar_type());
+  return query.scalar_type() == torch::kFloat ? call.out : call.out.to(query.scalar_type());
+}
+
+torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& arena, const torch::Tensor& exact_table,
+                              const torch::Tensor& q_table, const torch::Tensor& ranges, at::IntArrayRef layout,
+                              const std::optional<torch::Tensor>& rotation, double scaling) {
+  Call call;
+  prepare(call, query, arena, exact_table, q_table, ranges, layout, scaling);
+  PagedArgs& a = call.a;
+  a.latent = layout[20] == 1;
+  TORCH_CHECK(layout[20] == 0 || layout[20] == 1, "layout's form must be 0 (K/V) or 1 (latent)");
+  if (a.latent) {
+    TORCH_CHECK(layout[2] + layout[3] == a.d, "the query's width must be the latent's plus the rope key's");
+    a.dv = layout[2];
+    a.kw = layout[2];
+    a.vw = layout[3];
+  } else {
+    TORCH_CHECK(layout[2] == a.d, "the query's head_dim must be the keys' width");
+    a.dv = layout[3];
+    a.kw = a.d;
+    a.vw = a.dv;
+  }
+  torch::Tensor rot, q_rot;
+  if (rotation.has_value() && rotation->defined()) {
+    rot = rotation->to(torch::kFloat).contiguous();
+    TORCH_CHECK(rot.dim() == 2 && rot.size(0) == a.d && rot.size(1) == a.d && (a.d == a.dv || a.latent),
+                "rotation must be (d, d), d == dv (a latent's: block-diagonal, the latent's then the rope key's)");
+    a.rotation = rot.data_ptr<float>();
+    q_rot = at::matmul(call.q, rot).contiguous();  // once per query row, not once per work unit that reads it
+    a.query_rot = q_rot.data_ptr<float>();
+  }
+  return run(call, query);
+}
+
+// Attention over a post-hoc latent (form 2: ``mla`` on an MHA/GQA model) read in place: the layout's one stream is
+// the latent c_t (one head, k_width = r, no V slab); each of the model's H KV heads (key_up, value_up (H, r, d);
+// key_mean, value_mean (H, d)) scores its query heads against keys rebuilt block by block, RoPE_pos(c_t P_h + mu_h)
+// at each slot's position (positions (B, pq * tq + pe * te) int64; cos and sin (rows, d)), and takes as values the
+// latent summed then projected once a row, (Σ p c) P_v,h + mu_v,h, or, where a tile's rows make it cheaper, values
+// rebuilt block by block: the output is (B, Hq, n, d), the attention's.
+torch::Tensor paged_latent_attention(const torch::Tensor& query, const torch::Tensor& arena,
+                                     const torch::Tensor& exact_table, const torch::Tensor& q_table,
+                                     const torch::Tensor& ranges, at::IntArrayRef layout, const torch::Tensor& key_up,
+                                     const torch::Tensor& key_mean, const torch::Tensor& value_up,
+                                     const torch::Tensor& value_mean, const torch::Tensor& positions,
+                                     const torch::Tensor& cos, const torch::Tensor& sin, double scaling) {
+  Call call;
+  prepare(call, query, arena, exact_table, q_table, ranges, layout, scaling);
+  PagedArgs& a = call.a;
+  TORCH_CHECK(layout[20] == 2, "layout's form must be 2 (a post-hoc latent)");
+  TORCH_CHECK(layout[1] == 1 && layout[3] == 0, "a post-hoc latent is one stream of one head");
+  TORCH_CHECK(a.rstride != 6, "a post-hoc latent has no attention sinks");
+  auto up = key_up.to(torch::kFloat).contiguous(), mean = key_mean.to(torch::kFloat).contiguous();
+  auto pos = positions.contiguous(), c = cos.to(torch::kFloat).contiguous(), s = sin.to(torch::kFloat).contiguous();
+  TORCH_CHECK(up.dim() == 3 && up.size(1) == layout[2] && up.size(2) == a.d,
+              "key_up must be (H, r, d): r the latent's width, d the query's head_dim");
+  TORCH_CHECK(mean.dim() == 2 && mean.size(0) == up.size(0) && mean.size(1) == a.d, "key_mean must be (H, d)");
+  auto v_up = value_up.to(torch::kFloat).contiguous(), v_mean = value_mean.to(torch::kFloat).contiguous();
+  TORCH_CHECK(v_up.sizes() == up.sizes() && v_mean.sizes() == mean.sizes(),
+              "value_up and value_mean must be (H, r, d) and (H, d), as key_up and key_mean");
+  TORCH_CHECK(a.d % 2 == 0 && c.dim() == 2 && c.size(1) == a.d && s.sizes() == c.sizes() && c.size(0) > 0,
+              "cos and sin must be (rows, d), d even");
+  TORCH_CHECK(pos.scalar_type() == torch::kLong && pos.dim() == 2 && pos.size(0) == a.B &&
+                  pos.size(1) == a.pq * a.tq + a.pe * a.te,
+              "positions must be (B, pq * tq + pe * te) int64: every slot of the row's quantized then exact pages");
+  a.posthoc = true;
+  a.H = up.size(0);
+  a.kw = layout[2];
+  a.vw = 0;
+  a.dv = layout[2];  // run() sets the accumulators' width: r, or d where the values are rebuilt
+  a.key_up = up.data_ptr<float>();
+  a.key_mean = mean.data_ptr<float>();
+  a.value_up = v_up.data_ptr<float>();
+  a.value_mean = v_mean.data_ptr<float>();
+  a.positions = pos.data_ptr<int64_t>();
+  a.pos_stride = pos.size(1);
+  a.cos = c.data_ptr<float>();
+  a.sin = s.data_ptr<float>();
+  a.rope_rows = c.size(0);
+  return run(call, query);
 }
 
 // Write a step's new K/V (B, H, n, width each, the pool's dtype) into their exact slots: token (b, i) of head h at
@@ -248,6 +337,9 @@ std::string isa() { return use_avx2() ? "avx2" : "portable"; }
 TORCH_LIBRARY(kvserve, m) {
   m.def("paged_attention(Tensor query, Tensor arena, Tensor exact_table, Tensor q_table, Tensor ranges, "
         "int[] layout, Tensor? rotation, float scaling) -> Tensor");
+  m.def("paged_latent_attention(Tensor query, Tensor arena, Tensor exact_table, Tensor q_table, Tensor ranges, "
+        "int[] layout, Tensor key_up, Tensor key_mean, Tensor value_up, Tensor value_mean, Tensor positions, Tensor cos, "
+        "Tensor sin, float scaling) -> Tensor");
   m.def("paged_write(Tensor(a!) arena, Tensor key, Tensor value, Tensor write_pages, Tensor write_slots, "
         "int[] layout) -> ()");
   m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
@@ -256,6 +348,7 @@ TORCH_LIBRARY(kvserve, m) {
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
   m.impl("paged_attention", &paged_attention);
+  m.impl("paged_latent_attention", &paged_latent_attention);
   m.impl("paged_write", &paged_write);
   m.impl("skinny_linear", &skinny_linear);
 }

@@ -38,6 +38,22 @@ struct PagedArgs {
   int64_t kc_off, ks_off, kz_off, vc_off, vs_off, vz_off;  // byte offsets of the quantized slabs: the keys' codes,
                             // scales and zero points (per channel over groups), the values' (per token); a latent's:
                             // the latent's, then the rope key's, both per channel over groups
+  bool posthoc;             // a post-hoc latent (mla on an MHA/GQA model): the K slab holds one head's latent c_t
+                            // (kw = r wide, no V slab), read by each of the model's H KV heads: its key rebuilt in a
+                            // block's scratch, RoPE_pos(c_t P_h + mu_h); its value absorbed (c_t summed, projected
+                            // once a row) or rebuilt (c_t P_v,h + mu_v,h)
+  const float* key_up;      // posthoc: (H, r, d) each KV head's key basis P_h
+  const float* key_mean;    // posthoc: (H, d) each KV head's key mean mu_h
+  const float* value_up;    // posthoc: (H, r, d) each KV head's value basis, (H, d) its mean: applied to a row's
+  const float* value_mean;  // weighted latent when it is written out, or to each token's latent (rebuild_values)
+  bool rebuild_values;      // posthoc: values rebuilt per block (dv = d), cheaper than summing the latent for many
+                            // rows a tile (a prefill's); else the latent is summed (dv = r) and projected once a row
+  int64_t ow;               // elements per output row: dv, or a post-hoc latent's head_dim
+  const int64_t* positions; // posthoc: (B, pos_stride) every slot's position, the quantized tier's pq * tq first
+  int64_t pos_stride;
+  const float* cos;         // posthoc: (rope_rows, d) RoPE's cos and sin per position (rows past the end: the last)
+  const float* sin;
+  int64_t rope_rows;
   float scaling;            // softmax scale
   bool int_sums;            // a decode's 4-bit keys scored in integers (the query rounded to int8 once per key
                             // group); false: fp32 sums throughout (KVSERVE_KERNEL_EXACT_SUMS=1)
