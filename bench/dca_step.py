@@ -2,9 +2,11 @@
 tokens for ``full``, for ``dca`` with every reuse candidate reusing (``threshold=-1``), with none reusing
 (``threshold=1.01``: every layer kept, dca's own bookkeeping only), and reusing with ``align=none`` (the source's
 K/V as they are, no map), alternating over ``--rounds`` rounds; median ms and aten op counts
-(:func:`bench.budget.step_time`).
+(:func:`bench.budget.step_time`). ``--paths kernel torch`` times each setting with the attention kernel (the pages
+read in place: a reuse layer's own and its source's, :func:`cache_backends.dca.paged.attend_in_place_through_map`)
+and with the torch path (gathered), in turn.
 
-    python -m bench.dca_step [--out docs/bench/dca_step.json]
+    python -m bench.dca_step [--paths kernel torch] [--out docs/bench/dca_step.json]
 """
 
 from __future__ import annotations
@@ -35,8 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--paths", nargs="+", choices=["kernel", "torch"], default=["kernel"],
+                   help="attention paths (KV_ATTENTION) each setting runs on, in turn")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
+    from cache_backends import kernels
     keep_step_memory()
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(args.model)
@@ -48,10 +53,13 @@ def main(argv: list[str] | None = None) -> int:
         for label, name, options in SETTINGS:
             backend = create(name, geometry, **options)
             backend.prepare(model, calib)
-            seconds, ops = step_time(model, tok, backend, ids, args.context, args.batch, args.steps, ops=True)
-            row = rows.setdefault(label, {"spec": name, "options": options, "ms": [], "ops": ops})
-            row["ms"].append(round(seconds * 1000, 1))
-            print(f"{label}: {seconds * 1000:.1f} ms, {ops} aten ops", flush=True)
+            for path in args.paths:
+                with kernels.using(path):
+                    seconds, ops = step_time(model, tok, backend, ids, args.context, args.batch, args.steps, ops=True)
+                key = label if args.paths == ["kernel"] else f"{label} [{path}]"
+                row = rows.setdefault(key, {"spec": name, "options": options, "path": path, "ms": [], "ops": ops})
+                row["ms"].append(round(seconds * 1000, 1))
+                print(f"{key}: {seconds * 1000:.1f} ms, {ops} aten ops", flush=True)
     report = {"model": args.model, "batch": args.batch, "context": args.context, "threads": torch.get_num_threads(),
               "rows": rows}
     if args.out:

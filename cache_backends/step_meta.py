@@ -270,6 +270,20 @@ class StepMeta:
         first_code = (lower - self._first).clamp(min=0).to(torch.int32)  # codes are held from position first on
         return torch.cat([ranges, first_code[..., None]], dim=-1)
 
+    def ranges_from(self, lower: torch.Tensor) -> torch.Tensor:
+        """:attr:`ranges` with each query's first visible position raised to ``lower`` (B, n) (a tensor of its own)."""
+        return self._narrow(lower)
+
+    def ranges_before(self, upper: torch.Tensor) -> torch.Tensor:
+        """:attr:`ranges` with each query seeing only the positions below ``upper`` (B, n): its last exact slot and, with
+        a quantized tier, its last code lowered (a tensor of its own)."""
+        ranges = self.ranges.clone()
+        hi = (upper + self._slot_shift).clamp(min=0).to(torch.int32)
+        ranges[..., 2] = torch.minimum(ranges[..., 2], hi)
+        if self.q_width:
+            ranges[..., 0] = torch.minimum(ranges[..., 0], (upper - self._first).clamp(min=0).to(torch.int32))
+        return ranges
+
     _unmasked: torch.Tensor | None = None  # the mask, when it lets every new token see the first unmasked_len tokens
     unmasked_len: int | None = None
 

@@ -13,15 +13,16 @@ from cache_backends.base import KVBackend
 from cache_backends.geometry import ModelGeometry
 from cache_backends.kv_store import KVLayer, KVStore
 from cache_backends.dca.maps import LayerMap, fit_full_linear_map
+from cache_backends import kernels
 from cache_backends.dca.paged import (DCAStepMeta, _CandidateRead, _exact_mask, _similarity_rows, _Source,
-                                      attend_through_map)
+                                      attend_in_place_through_map, attend_through_map, gathered)
 from cache_backends.dca.plan import DCALayout, Feedback, falls_back, probes_after, runtime_threshold
 from cache_backends.dca.similarity import select_reuse_layers, similarity, span_thresholds
 from cache_backends.dca.store import DCAStore
 from cache_backends.estimate import bytes_per_token_per_layer, dca_store_bytes_per_token_per_layer
 from cache_backends.kv_spec import KVSpec
 from cache_backends.page_layout import PageLayout
-from cache_backends.paged import read_layer, write_layer
+from cache_backends.paged import InPlaceRead, in_place_layer, read_layer, write_layer
 from cache_backends.rope import RopeTable
 
 log = logging.getLogger("kvserve.dca")
@@ -292,7 +293,7 @@ class DCABackend(KVBackend):
         if group == 0:
             inner_meta = meta.kept
             write_layer(views[0], j, inner_meta, self.inner.encode_paged(layer, key_states, value_states, inner_meta))
-            reads = read_layer(views[0], j, inner_meta)
+            reads = self._reads(views[0], j, inner_meta)
             if layer + 1 in meta.layout.candidates:  # what the candidate after it reads, rebuilt only if it does
                 meta.sources[layer] = _Source(self.inner, layer, reads, inner_meta, key_states, value_states)
             return reads
@@ -300,9 +301,15 @@ class DCABackend(KVBackend):
         self._measure(meta, i, layer, key_states, value_states)
         own_meta = meta.candidates[i]
         write_layer(views[group], 0, own_meta, self.inner.encode_paged(layer, key_states, value_states, own_meta))
-        reads = read_layer(views[group], 0, own_meta)
-        own_kv = self.inner.stored_kv(layer, reads, own_meta) if any(meta.own_from[i]) else None
-        return _CandidateRead(i, reads, own_kv)
+        return _CandidateRead(i, self._reads(views[group], 0, own_meta), self.inner, layer, own_meta)
+
+    def _reads(self, views, index: int, meta):
+        """A group's layer ``index`` for the attention kernel to read in place where it reads the inner backend's K/V
+        pairs (:func:`cache_backends.kernels.reads_pairs`), else gathered; a source or a candidate's own tokens are
+        gathered later only where the torch path or a similarity needs them."""
+        if self.inner.attends_in_place and kernels.active(views.arena.device) and kernels.reads_pairs(views.layout):
+            return in_place_layer(views, index)
+        return read_layer(views, index, meta)
 
     def _measure(self, meta: DCAStepMeta, i: int, layer: int, key_states, value_states) -> None:
         layout, layer_map, source = meta.layout, self.maps[layer - 1], meta.sources[layer - 1]
@@ -323,6 +330,7 @@ class DCABackend(KVBackend):
                 rows = torch.zeros(meta.batch, dtype=torch.bool, device=own.mask.device)
                 rows[reuse] = True
                 own.mask = torch.where(rows[:, None, None], _exact_mask(own), own.mask)
+                own.mask_replaced = True  # its ranges no longer say what it sees: the torch path attends it
         probed = [r for r, (_, plan) in enumerate(meta.rows) if plan.probe[i]]
         if probed:  # the source's new tokens as stored
             pk, pv = layer_map.predict(*source.new_as_stored(), meta.kept.query_positions, meta.position_limit)
@@ -335,17 +343,24 @@ class DCABackend(KVBackend):
 
     def attend_paged(self, layer, query, reads, meta: DCAStepMeta, scaling, module=None):
         """A kept layer: the inner backend's attention over its group. A candidate: its own pages alone where no row
-        reads its source, else :func:`attend_through_map`."""
+        reads its source, else through its map: read in place by the kernel (:func:`attend_in_place_through_map`)
+        where both groups' pages are, else gathered (:func:`attend_through_map`)."""
         if not isinstance(reads, _CandidateRead):
             return self.inner.attend_paged(layer, query, reads, meta.kept, scaling, module)
         i = reads.index
         own_meta = meta.candidates[i]
         if not any(meta.own_from[i]):
+            if getattr(own_meta, "mask_replaced", False):
+                return self.inner.attend_paged(layer, query, gathered(reads.own, own_meta), own_meta, scaling, module)
             return self.inner.attend_paged(layer, query, reads.own, own_meta, scaling, module)
-        src_reads = meta.sources[layer - 1].kv()
+        source = meta.sources[layer - 1]
         own_from = torch.tensor(meta.own_from[i], device=query.device)
-        return attend_through_map(self.maps[layer - 1], query, src_reads, meta.kept, reads.own_kv, own_meta, own_from,
-                                  scaling, meta.position_limit)
+        if (isinstance(reads.own[0], InPlaceRead) and isinstance(source.reads[0], InPlaceRead)
+                and not getattr(own_meta, "mask_replaced", False)):
+            return attend_in_place_through_map(self.maps[layer - 1], query, source.reads, meta.kept, reads.own,
+                                               own_meta, own_from, scaling, meta.position_limit)
+        return attend_through_map(self.maps[layer - 1], query, source.kv(), meta.kept, reads.own_kv(), own_meta,
+                                  own_from, scaling, meta.position_limit)
 
     def step_feedback(self, meta: DCAStepMeta) -> list[Feedback]:
         return meta.feedback

@@ -1,5 +1,6 @@
 """``dca`` in the paged pool, one step: the kept layers' and each reuse candidate's step metadata, a source layer's
-K/V as the candidate after it reads them, and a candidate's attention through its map and its own pages."""
+K/V as the candidate after it reads them, and a candidate's attention through its map and its own pages (gathered,
+or read in place by the attention kernel)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import torch
 from cache_backends.base import KVBackend
 from cache_backends.dca.maps import LayerMap
 from cache_backends.dca.plan import DCALayout, Feedback
-from cache_backends.paged import StreamRead
+from cache_backends import kernels
+from cache_backends.paged import InPlaceRead, StreamRead
 from cache_backends.paged_attention import grouped_rows, ungroup_rows
 from cache_backends.step_meta import StepMeta
 
@@ -58,19 +60,28 @@ class _Source:
 
     def kv(self) -> tuple:
         if self._kv is None:
-            self._kv = self.inner.stored_kv(self.layer, self.reads, self.meta)
+            self._kv = self.inner.stored_kv(self.layer, gathered(self.reads, self.meta), self.meta)
         return self._kv
 
     def new_as_stored(self) -> tuple:
         return self.inner.as_stored(self.layer, *self.new, self.meta)
 
 
-class _CandidateRead:
-    """What a candidate layer hands its attention: which candidate it is, its own tokens' stored form, and (when a
-    row reads its source) the K/V they stand for (:meth:`KVBackend.stored_kv`)."""
+def gathered(reads: list, meta: StepMeta) -> list[StreamRead]:
+    """``reads`` as gathered streams: those read in place (:class:`cache_backends.paged.InPlaceRead`) gathered now."""
+    return [r.gather(meta) if isinstance(r, InPlaceRead) else r for r in reads]
 
-    def __init__(self, index: int, own: list[StreamRead], own_kv: tuple | None):
-        self.index, self.own, self.own_kv = index, own, own_kv
+
+class _CandidateRead:
+    """What a candidate layer hands its attention: which candidate it is, its own tokens' stored form (in place, or
+    gathered), and (:meth:`own_kv`, when the torch path needs them) the K/V they stand for
+    (:meth:`KVBackend.stored_kv`)."""
+
+    def __init__(self, index: int, own: list, inner: KVBackend, layer: int, meta: StepMeta):
+        self.index, self.own, self._inner, self._layer, self._meta = index, own, inner, layer, meta
+
+    def own_kv(self) -> tuple:
+        return self._inner.stored_kv(self._layer, gathered(self.own, self._meta), self._meta)
 
 
 def _exact_mask(meta: StepMeta) -> torch.Tensor:
@@ -136,3 +147,42 @@ def attend_through_map(layer_map: LayerMap, query: torch.Tensor, src: list[Strea
     # the value map in fp32 (see LayerMap.attend)
     out = mixed.float() @ value_map + value_bias[None, :, None, :] * p_src.sum(-1, keepdim=True).float()
     return (out + own_out.float()).to(query.dtype)
+
+
+def attend_in_place_through_map(layer_map: LayerMap, query: torch.Tensor, src: list, src_meta: StepMeta, own: list,
+                                own_meta: StepMeta, own_from: torch.Tensor, scaling: float,
+                                limit: int) -> torch.Tensor:
+    """:func:`attend_through_map`'s attention with both layers' pages read in place by the kernel: the layer's own
+    tokens (positions from each row's ``own_from``) in one op, its source's (those before) in another with the map
+    folded in (:func:`cache_backends.kernels.mixed_attention`: every source head scored at once, the key bias
+    rotated inside the op; or, with no map, plain attention over the source's pages), each giving its rows'
+    log-sum-exp, and the two merged as one softmax over both (FlashAttention's rescaling, arXiv 2205.14135).
+
+    Args:
+        query: (B, Hq, n, d) after RoPE.
+        src, own: the source layer's and this layer's :class:`cache_backends.paged.InPlaceRead` (K/V pairs of H heads,
+            :func:`cache_backends.kernels.reads_pairs`); src_meta, own_meta: their groups' step metadata.
+        own_from: (B,) the first position each row reads from its own pages.
+        limit: above every position the step reads (:attr:`DCAStepMeta.position_limit`).
+
+    Returns:
+        (B, Hq, n, d) in the query's dtype.
+    """
+    b, hq, n, d = query.shape
+    lower = own_from[:, None].expand(b, n)
+    own_out, own_lse = kernels.attention_lse(query, own[0], own_meta, scaling, own_meta.ranges_from(lower))
+    src_ranges = src_meta.ranges_before(lower)
+    if layer_map.key_mix is None:  # the source's K/V as they are
+        src_out, src_lse = kernels.attention_lse(query, src[0], src_meta, scaling, src_ranges)
+        src_out = src_out.float()
+    else:
+        key_fold, value_map, value_bias = layer_map._per_query_head(hq)
+        folded = torch.cat([query.float() @ key_fold, query.float()], dim=-1)  # (B, Hq, n, (H + 1) d)
+        cos, sin = layer_map.rope.float_tables(limit)
+        mixed, src_lse = kernels.mixed_attention(folded, src[0], src_meta, scaling, src_ranges, layer_map.key_bias,
+                                                 cos, sin)  # (B, Hq, n, H d): normalized, so the bias adds whole
+        src_out = torch.einsum("bqnk,qkd->bqnd", mixed, value_map) + value_bias[None, :, None, :]
+    lse = torch.logaddexp(own_lse, src_lse)
+    w_own = torch.exp(own_lse - lse).nan_to_num(0.0)[..., None]  # a part that saw nothing weighs 0
+    w_src = torch.exp(src_lse - lse).nan_to_num(0.0)[..., None]
+    return (own_out.float() * w_own + src_out * w_src).to(query.dtype)

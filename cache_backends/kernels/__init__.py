@@ -10,8 +10,10 @@ absorbed attention (DeepSeek-V2, arXiv 2405.04434, section 2.1.2): multi-query a
 folded in, over the key (c_t, k_rope_t) and the value c_t, W_UV applied by the caller
 (:func:`cache_backends.absorbed_mla.absorbed_attention`). ``torch.ops.kvserve.paged_latent_attention`` attends a
 post-hoc latent (``mla`` on an MHA/GQA model, exact or ``mla+int8`` / ``mla+int4``, :func:`latent_attention`): each
-KV head's keys rebuilt block by block inside the op and rotated at each token's position, the values absorbed. All
-query heads of one KV head are scored together (GQA),
+KV head's keys rebuilt block by block inside the op and rotated at each token's position, the values absorbed.
+``torch.ops.kvserve.paged_mixed_attention`` attends a ``dca`` reuse layer's source pages with the layer's map folded
+in (:func:`mixed_attention`), and ``paged_attention_lse`` a K/V pair with each row's log-sum-exp
+(:func:`attention_lse`), so that the two parts of a reuse layer merge into one softmax. All query heads of one KV head are scored together (GQA),
 the softmax is computed online (FlashAttention, arXiv 2205.14135), decode rows of different lengths and the tokens
 of a prefill chunk go through the same call (each query token's visible tokens are intervals,
 :attr:`cache_backends.step_meta.StepMeta.ranges`), and the work (row, KV head, query tile) is split over the
@@ -135,6 +137,15 @@ def _register_fake() -> None:
     def _(query, arena, exact_table, q_table, ranges, layout, key_up, key_mean, value_up, value_mean, positions,
           cos, sin, scaling):
         return query.new_empty(query.shape)  # (B, Hq, n, head_dim)
+
+    @torch.library.register_fake("kvserve::paged_attention_lse")
+    def _(query, arena, exact_table, q_table, ranges, layout, scaling):
+        return query.new_empty(*query.shape[:-1], layout[3]), query.new_empty(query.shape[:-1], dtype=torch.float32)
+
+    @torch.library.register_fake("kvserve::paged_mixed_attention")
+    def _(query, arena, exact_table, q_table, ranges, layout, key_bias, positions, cos, sin, scaling):
+        return (query.new_empty(*query.shape[:-1], layout[1] * layout[3]),
+                query.new_empty(query.shape[:-1], dtype=torch.float32))
 
     @torch.library.register_fake("kvserve::skinny_linear")
     def _(x, weight, bias):
@@ -336,6 +347,53 @@ def latent_attention(query: torch.Tensor, latent, meta, scaling: float, bases: t
     return torch.ops.kvserve.paged_latent_attention(query, views.arena, meta.exact_table, meta.q_table, meta.ranges,
                                                     _layer_args(views, latent.layer), *bases, meta.positions, cos,
                                                     sin, scaling)
+
+
+def attention_lse(query: torch.Tensor, keys, meta, scaling: float,
+                  ranges: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`paged_attention` over a K/V pair read in place (not rotated), each query token seeing ``ranges`` (the
+    step's :attr:`~cache_backends.step_meta.StepMeta.ranges`, narrowed), with each row's log-sum-exp of its scaled
+    scores: what merging two attentions over disjoint tokens takes (``dca``: a reuse layer's own pages and its
+    source's, :func:`cache_backends.dca.paged.attend_in_place_through_map`).
+
+    Returns:
+        (B, Hq, n, dv) in the query's dtype, and (B, Hq, n) fp32 log-sum-exp (``-inf`` where a row saw no token).
+    """
+    views = keys.views
+    return torch.ops.kvserve.paged_attention_lse(query, views.arena, meta.exact_table, meta.q_table, ranges,
+                                                 _layer_args(views, keys.layer), scaling)
+
+
+def mixed_attention(query: torch.Tensor, keys, meta, scaling: float, ranges: torch.Tensor, key_bias: torch.Tensor,
+                    cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A ``dca`` reuse layer's attention over its source layer's K/V pages read in place, the layer's map folded in
+    (:class:`cache_backends.dca.maps.LayerMap`): each query head ``q`` of KV head ``h`` scores every source head at
+    once, ``Σ_g fold_g(q) · K_g,t + q · R_t b_h`` (the key bias rotated to each token's position inside the op), and
+    sums every source head's values; the caller applies the value map.
+
+    Args:
+        query: (B, Hq, n, (H + 1) d) fp32: per row, the query folded through the key map for each source head ``g``
+            (``fold_g``), then the query itself.
+        keys: the source layer's :class:`cache_backends.paged.InPlaceRead` (a K/V pair of H heads, not rotated).
+        meta: the source group's step metadata; ``ranges``: the tokens each query sees of it.
+        key_bias: (H, d) the map's pre-RoPE key bias; cos, sin: (rows, d) fp32 RoPE per position.
+
+    Returns:
+        (B, Hq, n, H d) each row's weighted sum of the source heads' values (fp32), and (B, Hq, n) its log-sum-exp.
+    """
+    views = keys.views
+    return torch.ops.kvserve.paged_mixed_attention(query, views.arena, meta.exact_table, meta.q_table, ranges,
+                                                   _layer_args(views, keys.layer), key_bias, meta.positions, cos, sin,
+                                                   scaling)
+
+
+def reads_pairs(layout) -> bool:
+    """Whether a layout is a K/V pair of one width the kernel reads in place, not rotated: what
+    :func:`attention_lse` and :func:`mixed_attention` take."""
+    if not fits(layout) or is_latent(layout) or is_posthoc_latent(layout):
+        return False
+    k, v = layout.streams
+    return k.width == v.width and not (layout.quantization and layout.quantization.rotate)
 
 
 @functools.lru_cache(maxsize=16)

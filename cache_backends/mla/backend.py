@@ -327,13 +327,13 @@ class MLABackend(KVBackend):
         """Layer ``layer``'s bases per KV head for the kernel, in fp32, built once: the keys' (H, r, d) and mean (H, d),
         the values' (H, r, d) and mean (H, d)."""
         cache = self.__dict__.setdefault("_kernel_basis_cache", {})
-        if layer not in cache:
-            g, p = self.geometry, self.bases[layer]
-            h, d = g.num_key_value_heads, g.head_dim
+        p = self.bases[layer]
+        if layer not in cache or cache[layer][0] is not p:  # built anew for a basis fitted or loaded since
+            h, d = self.geometry.num_key_value_heads, self.geometry.head_dim
             up = p.basis.float().reshape(2, h, d, -1).transpose(2, 3)  # (K/V, H, r, d)
             mean = p.mean.float().reshape(2, h, d)
-            cache[layer] = (up[0].contiguous(), mean[0].contiguous(), up[1].contiguous(), mean[1].contiguous())
-        return cache[layer]
+            cache[layer] = (p, (up[0].contiguous(), mean[0].contiguous(), up[1].contiguous(), mean[1].contiguous()))
+        return cache[layer][1]
 
     def _rebuild(self, layer: int, latent: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, T, r) latent at ``positions`` (B, T) → keys after RoPE and values, (B, H, T, d) each."""

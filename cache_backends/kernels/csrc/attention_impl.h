@@ -488,6 +488,43 @@ inline void posthoc_block(const PagedArgs& a, int64_t h, int64_t nj, S& w, const
   for (int64_t j = 0; j < nj; ++j) vp[j] = w.vr.data() + j * d;
 }
 
+// ---------------------------------------------------------------------------------------------- dca's mixed source
+// Token t's key of a dca reuse layer's source for the rows of KV head h, assembled at k (d = (H + 1) kw wide): each
+// source head's key, widened from its tier, then the map's key bias b_h rotated to the token's position; its value
+// at v (H kw wide): each source head's value. `exact` page base (a form 0 exact page) or quantized page base, slot u.
+inline void rope_row(const PagedArgs& a, const float* x, int64_t pos, int64_t w, float* out) {
+  const int64_t row = std::min<int64_t>(std::max<int64_t>(pos, 0), a.rope_rows - 1), half = w / 2;
+  const float *cs = a.cos + row * w, *sn = a.sin + row * w;
+  for (int64_t i = 0; i < half; ++i) {
+    out[i] = x[i] * cs[i] - x[half + i] * sn[i];
+    out[half + i] = x[half + i] * cs[half + i] + x[i] * sn[half + i];
+  }
+}
+
+inline void mixed_exact(const PagedArgs& a, int64_t h, const uint8_t* base, int64_t u, int64_t pos, float* k,
+                        float* v) {
+  const int64_t es = a.kv_dtype == F32 ? 4 : 2, w = a.kw;
+  for (int64_t g = 0; g < a.H; ++g) {
+    widen_exact(base + a.k_off + (g * a.te + u) * w * es, a.kv_dtype, w, k + g * w);
+    widen_exact(base + a.v_off + (g * a.te + u) * w * es, a.kv_dtype, w, v + g * w);
+  }
+  rope_row(a, a.key_bias + h * w, pos, w, k + a.H * w);
+}
+
+inline void mixed_quant(const PagedArgs& a, int64_t h, const uint8_t* base, int64_t u, int64_t pos, float* k,
+                        float* v) {
+  const int64_t w = a.kw, kcw = w * a.k_bits / 8, vcw = w * a.v_bits / 8, groups = a.tq / a.group;
+  const int64_t kse = a.ks_dtype == F32 ? 4 : 2;
+  for (int64_t g = 0; g < a.H; ++g) {
+    const int64_t slot = g * a.tq + u, grp = g * groups + u / a.group;
+    widen_channel(base + a.kc_off + slot * kcw, a.k_bits, base + a.ks_off + grp * w * kse,
+                  base + a.kz_off + grp * w * kse, a.ks_dtype, w, k + g * w);
+    widen_token(base + a.vc_off + slot * vcw, a.v_bits, load_one(base + a.vs_off, a.vs_dtype, slot),
+                load_one(base + a.vz_off, a.vs_dtype, slot), w, v + g * w);
+  }
+  rope_row(a, a.key_bias + h * w, pos, w, k + a.H * w);
+}
+
 // ---------------------------------------------------------------------------------------------- quantized, fused
 #ifdef KVK_AVX2
 // The quantized tier attended straight from its codes (AVX2, head_dim a multiple of 16): a key group's scales fold
@@ -926,13 +963,17 @@ inline Rows rows_of(const PagedArgs& a, int64_t item) {
 }
 
 // out = (acc_q R + acc_e) / l for the rows of `x`, back to (b, h * rep + r, i); acc_q: nullptr unless rotated.
-inline void finalize(const PagedArgs& a, const Rows& x, const float* acc_e, const float* acc_q, const float* l) {
+inline void finalize(const PagedArgs& a, const Rows& x, const float* acc_e, const float* acc_q, const float* m,
+                     const float* l) {
   const int64_t dv = a.dv;
   for (int64_t i = x.i0; i < x.i1; ++i) {
     for (int64_t r = 0; r < x.rep; ++r) {
       const int64_t row = (i - x.i0) * x.rep + r;
       float* dst = a.out + ((x.b * a.Hq + x.h * x.rep + r) * a.n + i) * a.ow;
       const float inv = l[row] > 0.f ? 1.f / l[row] : 0.f;
+      if (a.lse != nullptr)
+        a.lse[(x.b * a.Hq + x.h * x.rep + r) * a.n + i] =
+            l[row] > 0.f ? m[row] + std::log(l[row]) : -std::numeric_limits<float>::infinity();
       if (a.posthoc && !a.rebuild_values) {  // the weighted latent's value side, once a row: (acc / l) P_v,h + mu_v,h
         const int64_t d = a.d;
         const float* P = a.value_up + x.h * dv * d;
@@ -1024,7 +1065,7 @@ inline void run_item(const PagedArgs& a, int64_t unit, Scratch& w) {
   // fused for a few rows (a decode: the query heads of one KV head); many rows (a prefill tile) amortize one
   // widening of each token over all of them instead, as do a latent's rows (every query head of the layer reads
   // its one head: one widening of a token serves them all, where folding scales into the query costs each row)
-  const bool fused = !a.latent && !a.posthoc && d % 16 == 0 && dv % 16 == 0 && M <= 8;
+  const bool fused = !a.latent && !a.posthoc && !a.mixed && d % 16 == 0 && dv % 16 == 0 && M <= 8;
 #else
   const bool fused = false;
 #endif
@@ -1039,7 +1080,7 @@ inline void run_item(const PagedArgs& a, int64_t unit, Scratch& w) {
     const int64_t kcw = a.kw * a.k_bits / 8, vcw = a.vw * a.v_bits / 8, groups = a.tq / a.group;
     const int64_t kse = a.ks_dtype == F32 ? 4 : 2, vse = a.vs_dtype == F32 ? 4 : 2;
     // a latent's keys are wide: a block stays in L1 (exact_pass)
-    const int64_t bn = a.latent ? KVK_LATENT_BN : a.posthoc ? KVK_POSTHOC_BN : BN;
+    const int64_t bn = a.latent ? KVK_LATENT_BN : (a.posthoc || a.mixed) ? KVK_POSTHOC_BN : BN;
     prefetch_quant(a, b, hs, qa, std::min(qb, qa + bn));
     for (int64_t t0 = qa; t0 < qb; t0 += bn) {
       const int64_t nj = std::min(bn, qb - t0);
@@ -1047,6 +1088,12 @@ inline void run_item(const PagedArgs& a, int64_t unit, Scratch& w) {
       for (int64_t j = 0; j < nj; ++j) {
         const int64_t t = t0 + j, u = t % a.tq, g = hs * groups + u / a.group, slot = hs * a.tq + u;
         const uint8_t* base = a.arena + a.q_table[b * a.pq + t / a.tq] * a.page_bytes;
+        if (a.mixed) {  // every source head's key and value, and the rotated key bias, in the scratch
+          mixed_quant(a, h, base, u, a.positions[b * a.pos_stride + t], w.k.data() + j * d, w.v.data() + j * dv);
+          kp[j] = w.k.data() + j * d;
+          vp[j] = w.v.data() + j * dv;
+          continue;
+        }
         if (a.posthoc) {  // the latent c_t, widened: the value, and what the block's keys are rebuilt from
           float* cj = w.v.data() + j * a.kw;
           widen_channel(base + a.kc_off + slot * kcw, a.k_bits, base + a.ks_off + g * a.kw * kse,
@@ -1082,7 +1129,7 @@ inline void run_item(const PagedArgs& a, int64_t unit, Scratch& w) {
   auto exact_pass = [&](int64_t ea, int64_t eb, const int64_t* lo_r, const int64_t* hi_r) {
   if (eb > ea) {
     const int64_t es = a.kv_dtype == F32 ? 4 : 2;
-    const int64_t bn = a.latent ? KVK_LATENT_BN : a.posthoc ? KVK_POSTHOC_BN : BN;
+    const int64_t bn = a.latent ? KVK_LATENT_BN : (a.posthoc || a.mixed) ? KVK_POSTHOC_BN : BN;
     prefetch_exact(a, b, hs, ea, std::min(eb, ea + bn));
     for (int64_t t0 = ea; t0 < eb; t0 += bn) {
       const int64_t nj = std::min(bn, eb - t0);
@@ -1096,7 +1143,12 @@ inline void run_item(const PagedArgs& a, int64_t unit, Scratch& w) {
         }
         const uint8_t* kb = base + a.k_off + (hs * a.te + u) * a.kw * es;
         const uint8_t* vb = base + a.v_off + (hs * a.te + u) * a.vw * es;
-        if (a.posthoc) {  // the latent c_t: the value (where it lies when fp32), and what the keys are rebuilt from
+        if (a.mixed) {  // every source head's key and value, and the rotated key bias, in the scratch
+          mixed_exact(a, h, base, u, a.positions[b * a.pos_stride + a.pq * a.tq + t0 + j], w.k.data() + j * d,
+                      w.v.data() + j * dv);
+          kp[j] = w.k.data() + j * d;
+          vp[j] = w.v.data() + j * dv;
+        } else if (a.posthoc) {  // the latent c_t: the value (where it lies when fp32), and what the keys are rebuilt from
           if (a.kv_dtype == F32) {
             vp[j] = reinterpret_cast<const float*>(kb);
           } else {
@@ -1135,7 +1187,7 @@ inline void run_item(const PagedArgs& a, int64_t unit, Scratch& w) {
   quant_pass(qa, qb, q0.data(), qc.data());
   exact_pass(ea, eb, elo.data(), ehi.data());
   if (a.splits == 1) {
-    finalize(a, rows_of(a, item), acc_e, rotated ? acc_q : nullptr, w.l.data());
+    finalize(a, rows_of(a, item), acc_e, rotated ? acc_q : nullptr, w.m.data(), w.l.data());
     return;
   }
   const int64_t R = a.tile_tokens * rep;  // the partial's rows: m, l, acc_e, then acc_q (with a rotation)
@@ -1179,8 +1231,9 @@ inline void merge_item(const PagedArgs& a, int64_t item, Scratch& w) {
       }
     }
     w.l[r] = l;
+    w.m[r] = m;
   }
-  finalize(a, x, w.acc_e.data(), x.rotated ? w.acc_q.data() : nullptr, w.l.data());
+  finalize(a, x, w.acc_e.data(), x.rotated ? w.acc_q.data() : nullptr, w.m.data(), w.l.data());
 }
 
 inline Scratch scratch(const PagedArgs& a) {

@@ -3,7 +3,9 @@
 // K/V read in place from the paged pool, every stored form (exact fp32/bf16/fp16 pages, int8/int4/k8v4 codes with
 // their scales, a Hadamard-rotated tier, the exact residual window; a native-MLA latent and rope key, exact or
 // int8/int4 per channel over groups) in one call; `kvserve::paged_latent_attention`, the same over a post-hoc latent
-// (mla on an MHA/GQA model), its keys rebuilt block by block inside the op. The kernel is chosen once per process from what the CPU reports
+// (mla on an MHA/GQA model), its keys rebuilt block by block inside the op; `kvserve::paged_attention_lse`, a K/V
+// pair's attention with each row's log-sum-exp, and `kvserve::paged_mixed_attention`, a dca reuse layer's source pages
+// with the layer's map folded in (every source head scored at once). The kernel is chosen once per process from what the CPU reports
 // (AVX2 + FMA + F16C, else portable C++) and split over the work items (row, KV head, query tile) with
 // at::parallel_for.
 #include <ATen/Parallel.h>
@@ -76,7 +78,7 @@ constexpr int64_t LAYOUT_LEN = 21;
 // slabs and tiers. The tensors hold the contiguous copies the pointers in `a` point into.
 struct Call {
   PagedArgs a{};
-  torch::Tensor q, et, qt, rg, out;
+  torch::Tensor q, et, qt, rg, out, pos, cos, sin;
 };
 
 void prepare(Call& call, const torch::Tensor& query, const torch::Tensor& arena, const torch::Tensor& exact_table,
@@ -186,10 +188,82 @@ torch::Tensor run(Call& call, const torch::Tensor& query) {
   return query.scalar_type() == torch::kFloat ? call.out : call.out.to(query.scalar_type());
 }
 
-torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& arena, const torch::Tensor& exact_table,
-                              const torch::Tensor& q_table, const torch::Tensor& ranges, at::IntArrayRef layout,
-                              const std::optional<torch::Tensor>& rotation, double scaling) {
+// Each slot's position and RoPE's tables, checked and pointed at (the ops that rotate inside: a post-hoc latent's
+// keys, a dca source's key bias); the contiguous copies kept in `call`.
+void rope_args(Call& call, const torch::Tensor& positions, const torch::Tensor& cos, const torch::Tensor& sin,
+               int64_t width) {
+  PagedArgs& a = call.a;
+  call.pos = positions.contiguous();
+  call.cos = cos.to(torch::kFloat).contiguous();
+  call.sin = sin.to(torch::kFloat).contiguous();
+  const auto &pos = call.pos, &c = call.cos;
+  TORCH_CHECK(width % 2 == 0 && c.dim() == 2 && c.size(1) == width && call.sin.sizes() == c.sizes() && c.size(0) > 0,
+              "cos and sin must be (rows, d), d even");
+  TORCH_CHECK(pos.scalar_type() == torch::kLong && pos.dim() == 2 && pos.size(0) == a.B &&
+                  pos.size(1) == a.pq * a.tq + a.pe * a.te,
+              "positions must be (B, pq * tq + pe * te) int64: every slot of the row's quantized then exact pages");
+  a.positions = pos.data_ptr<int64_t>();
+  a.pos_stride = pos.size(1);
+  a.cos = c.data_ptr<float>();
+  a.sin = call.sin.data_ptr<float>();
+  a.rope_rows = c.size(0);
+}
+
+// Each row's log-sum-exp of its scaled scores, (B, Hq, n) fp32, written by the call's work (a.lse pointed at it).
+torch::Tensor lse_of(Call& call) {
+  auto lse = torch::empty({call.a.B, call.a.Hq, call.a.n}, call.q.options());
+  call.a.lse = lse.data_ptr<float>();
+  return lse;
+}
+
+void prepare_pair(Call& call, const torch::Tensor& query, const torch::Tensor& arena, const torch::Tensor& exact_table,
+                  const torch::Tensor& q_table, const torch::Tensor& ranges, at::IntArrayRef layout, double scaling);
+
+// paged_attention of a K/V pair (form 0, no rotation), with each row's log-sum-exp: what a caller merging two
+// attentions over disjoint tokens (dca: a reuse layer's own pages and its source's) needs.
+std::tuple<torch::Tensor, torch::Tensor> paged_attention_lse(const torch::Tensor& query, const torch::Tensor& arena,
+                                                             const torch::Tensor& exact_table,
+                                                             const torch::Tensor& q_table, const torch::Tensor& ranges,
+                                                             at::IntArrayRef layout, double scaling) {
   Call call;
+  prepare_pair(call, query, arena, exact_table, q_table, ranges, layout, scaling);
+  TORCH_CHECK(!call.a.latent, "paged_attention_lse takes a K/V pair (form 0)");
+  auto lse = lse_of(call);
+  auto out = run(call, query);
+  return {out, lse};
+}
+
+// A dca reuse layer's attention over its source layer's K/V pages in place (form 0 layout, H heads of width w, not
+// rotated): query (B, Hq, n, (H + 1) w), each row [the query folded through the layer's key map for each source head
+// g ; the query itself]; key_bias (H, w) the map's pre-RoPE key bias per destination head, rotated inside the op to
+// each token's position (positions (B, pq * tq + pe * te) int64, cos and sin (rows, w)). Returns the rows' weighted
+// sums of every source head's values, (B, Hq, n, H w) (the caller applies the value map), and their log-sum-exp.
+std::tuple<torch::Tensor, torch::Tensor> paged_mixed_attention(
+    const torch::Tensor& query, const torch::Tensor& arena, const torch::Tensor& exact_table,
+    const torch::Tensor& q_table, const torch::Tensor& ranges, at::IntArrayRef layout, const torch::Tensor& key_bias,
+    const torch::Tensor& positions, const torch::Tensor& cos, const torch::Tensor& sin, double scaling) {
+  Call call;
+  prepare(call, query, arena, exact_table, q_table, ranges, layout, scaling);
+  PagedArgs& a = call.a;
+  TORCH_CHECK(layout[20] == 0 && layout[2] == layout[3], "the source must be a K/V pair of one width (form 0)");
+  const int64_t w = layout[2];
+  TORCH_CHECK(a.d == (a.H + 1) * w, "the query must be (H + 1) * head_dim wide: the folded queries, then the query");
+  auto bias = key_bias.to(torch::kFloat).contiguous();
+  TORCH_CHECK(bias.dim() == 2 && bias.size(0) == a.H && bias.size(1) == w, "key_bias must be (H, head_dim)");
+  rope_args(call, positions, cos, sin, w);
+  TORCH_CHECK(a.rstride != 6, "a dca source has no attention sinks");
+  a.mixed = true;
+  a.kw = w;
+  a.vw = w;
+  a.dv = a.H * w;
+  a.key_bias = bias.data_ptr<float>();
+  auto lse = lse_of(call);
+  auto out = run(call, query);
+  return {out, lse};
+}
+
+void prepare_pair(Call& call, const torch::Tensor& query, const torch::Tensor& arena, const torch::Tensor& exact_table,
+                  const torch::Tensor& q_table, const torch::Tensor& ranges, at::IntArrayRef layout, double scaling) {
   prepare(call, query, arena, exact_table, q_table, ranges, layout, scaling);
   PagedArgs& a = call.a;
   a.latent = layout[20] == 1;
@@ -205,6 +279,14 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& a
     a.kw = a.d;
     a.vw = a.dv;
   }
+}
+
+torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& arena, const torch::Tensor& exact_table,
+                              const torch::Tensor& q_table, const torch::Tensor& ranges, at::IntArrayRef layout,
+                              const std::optional<torch::Tensor>& rotation, double scaling) {
+  Call call;
+  prepare_pair(call, query, arena, exact_table, q_table, ranges, layout, scaling);
+  PagedArgs& a = call.a;
   torch::Tensor rot, q_rot;
   if (rotation.has_value() && rotation->defined()) {
     rot = rotation->to(torch::kFloat).contiguous();
@@ -236,18 +318,13 @@ torch::Tensor paged_latent_attention(const torch::Tensor& query, const torch::Te
   TORCH_CHECK(layout[1] == 1 && layout[3] == 0, "a post-hoc latent is one stream of one head");
   TORCH_CHECK(a.rstride != 6, "a post-hoc latent has no attention sinks");
   auto up = key_up.to(torch::kFloat).contiguous(), mean = key_mean.to(torch::kFloat).contiguous();
-  auto pos = positions.contiguous(), c = cos.to(torch::kFloat).contiguous(), s = sin.to(torch::kFloat).contiguous();
   TORCH_CHECK(up.dim() == 3 && up.size(1) == layout[2] && up.size(2) == a.d,
               "key_up must be (H, r, d): r the latent's width, d the query's head_dim");
   TORCH_CHECK(mean.dim() == 2 && mean.size(0) == up.size(0) && mean.size(1) == a.d, "key_mean must be (H, d)");
   auto v_up = value_up.to(torch::kFloat).contiguous(), v_mean = value_mean.to(torch::kFloat).contiguous();
   TORCH_CHECK(v_up.sizes() == up.sizes() && v_mean.sizes() == mean.sizes(),
               "value_up and value_mean must be (H, r, d) and (H, d), as key_up and key_mean");
-  TORCH_CHECK(a.d % 2 == 0 && c.dim() == 2 && c.size(1) == a.d && s.sizes() == c.sizes() && c.size(0) > 0,
-              "cos and sin must be (rows, d), d even");
-  TORCH_CHECK(pos.scalar_type() == torch::kLong && pos.dim() == 2 && pos.size(0) == a.B &&
-                  pos.size(1) == a.pq * a.tq + a.pe * a.te,
-              "positions must be (B, pq * tq + pe * te) int64: every slot of the row's quantized then exact pages");
+  rope_args(call, positions, cos, sin, a.d);
   a.posthoc = true;
   a.H = up.size(0);
   a.kw = layout[2];
@@ -257,11 +334,6 @@ torch::Tensor paged_latent_attention(const torch::Tensor& query, const torch::Te
   a.key_mean = mean.data_ptr<float>();
   a.value_up = v_up.data_ptr<float>();
   a.value_mean = v_mean.data_ptr<float>();
-  a.positions = pos.data_ptr<int64_t>();
-  a.pos_stride = pos.size(1);
-  a.cos = c.data_ptr<float>();
-  a.sin = s.data_ptr<float>();
-  a.rope_rows = c.size(0);
   return run(call, query);
 }
 
@@ -340,6 +412,10 @@ TORCH_LIBRARY(kvserve, m) {
   m.def("paged_latent_attention(Tensor query, Tensor arena, Tensor exact_table, Tensor q_table, Tensor ranges, "
         "int[] layout, Tensor key_up, Tensor key_mean, Tensor value_up, Tensor value_mean, Tensor positions, Tensor cos, "
         "Tensor sin, float scaling) -> Tensor");
+  m.def("paged_attention_lse(Tensor query, Tensor arena, Tensor exact_table, Tensor q_table, Tensor ranges, "
+        "int[] layout, float scaling) -> (Tensor, Tensor)");
+  m.def("paged_mixed_attention(Tensor query, Tensor arena, Tensor exact_table, Tensor q_table, Tensor ranges, "
+        "int[] layout, Tensor key_bias, Tensor positions, Tensor cos, Tensor sin, float scaling) -> (Tensor, Tensor)");
   m.def("paged_write(Tensor(a!) arena, Tensor key, Tensor value, Tensor write_pages, Tensor write_slots, "
         "int[] layout) -> ()");
   m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
@@ -349,6 +425,8 @@ TORCH_LIBRARY(kvserve, m) {
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
   m.impl("paged_attention", &paged_attention);
   m.impl("paged_latent_attention", &paged_latent_attention);
+  m.impl("paged_attention_lse", &paged_attention_lse);
+  m.impl("paged_mixed_attention", &paged_mixed_attention);
   m.impl("paged_write", &paged_write);
   m.impl("skinny_linear", &skinny_linear);
 }

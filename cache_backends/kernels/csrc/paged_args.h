@@ -49,6 +49,12 @@ struct PagedArgs {
   bool rebuild_values;      // posthoc: values rebuilt per block (dv = d), cheaper than summing the latent for many
                             // rows a tile (a prefill's); else the latent is summed (dv = r) and projected once a row
   int64_t ow;               // elements per output row: dv, or a post-hoc latent's head_dim
+  bool mixed;               // a dca reuse layer's source (form 0 pages, K/V of H heads of width kw): each query row of
+                            // KV head h is [the query folded through the map for each source head g ; the query]
+                            // (d = (H + 1) kw); its key at token t is [K_0,t ; ... ; K_H-1,t ; RoPE_pos(b_h)], its
+                            // value [V_0,t ; ... ; V_H-1,t] (dv = H kw): every source head scored and summed at once
+  const float* key_bias;    // mixed: (H, kw) the map's pre-RoPE key bias per destination head
+  float* lse;               // (B, Hq, n) each row's log-sum-exp of its scaled scores (-inf: no token seen), or nullptr
   const int64_t* positions; // posthoc: (B, pos_stride) every slot's position, the quantized tier's pq * tq first
   int64_t pos_stride;
   const float* cos;         // posthoc: (rope_rows, d) RoPE's cos and sin per position (rows past the end: the last)
