@@ -235,9 +235,9 @@ class InPlaceRead:
 
 
 def in_place_layer(views: PoolViews, layer: int) -> list[InPlaceRead] | None:
-    """``layer``'s K and V for the attention kernel to read in place, or ``None`` when the kernel is not active for
-    this pool (:func:`cache_backends.kernels.active`) or cannot read this layout (:func:`cache_backends.kernels.fits`):
-    then the caller gathers (:func:`read_layer`)."""
+    """``layer``'s streams (K and V; a post-hoc latent's one) for the attention kernel to read in place, or ``None``
+    when the kernel is not active for this pool (:func:`cache_backends.kernels.active`) or cannot read this layout
+    (:func:`cache_backends.kernels.fits`): then the caller gathers (:func:`read_layer`)."""
     if not kernels.active(views.arena.device) or not kernels.fits(views.layout):
         return None
-    return [InPlaceRead(views, layer, 0), InPlaceRead(views, layer, 1)]
+    return [InPlaceRead(views, layer, s) for s in range(len(views.layout.streams))]

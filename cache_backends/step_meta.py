@@ -275,8 +275,8 @@ class StepMeta:
         return self._narrow(lower)
 
     def ranges_before(self, upper: torch.Tensor) -> torch.Tensor:
-        """:attr:`ranges` with each query seeing only the positions below ``upper`` (B, n): its last exact slot and, with
-        a quantized tier, its last code lowered (a tensor of its own)."""
+        """:attr:`ranges` with each query seeing only the positions below ``upper`` (B, n): its last exact slot and,
+        with a quantized tier, its last code lowered (a tensor of its own)."""
         ranges = self.ranges.clone()
         hi = (upper + self._slot_shift).clamp(min=0).to(torch.int32)
         ranges[..., 2] = torch.minimum(ranges[..., 2], hi)

@@ -1,7 +1,7 @@
 """The attention kernel's post-hoc latent form (``torch.ops.kvserve.paged_latent_attention``: ``mla`` on an MHA/GQA
 model, keys rebuilt block by block inside the op, values absorbed) against the torch path it replaces
 (:meth:`cache_backends.mla.MLABackend.attend_paged` over gathered pages): the same pool, the same step, the same
-queries, for the latent's stored forms (exact fp32/bf16/fp16, ``mla+int8``, ``mla+int4``), GQA ratios 1/3/8,
+queries, for the latent's stored forms (exact fp32/bf16/fp16, ``mla+int8``, ``mla+int4``, rotated), GQA ratios 1/3/8,
 head_dim 64/128, ranks that fill or leave a register block, page sizes that end rows on and off a page boundary,
 shuffled block tables, ragged decode batches, prefill chunks, work split over KV blocks and the portable path."""
 
@@ -30,8 +30,8 @@ pytestmark = pytest.mark.skipif(not kernels.load(), reason=f"the attention kerne
                                                            f"{kernels.status()['reason']}")
 
 # a post-hoc latent's stored forms: exact pages (``mla``), ``mla+int8`` and ``mla+int4`` (per channel over groups of
-# 8 tokens, the newest 8 exact)
-POSTHOC_TIERS = ["exact", "int8", "int4"]
+# 8 tokens, the newest 8 exact), and ``mla+int4:rotate=true`` (codes of the Hadamard-rotated latent)
+POSTHOC_TIERS = ["exact", "int8", "int4", "int4-rotated"]
 # (KV heads, GQA ratio, head_dim, rank): SmolLM2-135M's (3 x 3, 64, its default rank 48), a rank off the register
 # block of four tokens' rebuild, MHA, GQA 8 at head_dim 128
 POSTHOC_SHAPES = [(3, 3, 64, 48), (2, 1, 64, 30), (1, 8, 128, 64), (4, 2, 128, 256)]
@@ -175,15 +175,21 @@ def test_posthoc_mla_keys_are_rotated_at_each_tokens_position():
     torch.testing.assert_close(shifted, ref, rtol=1e-4, atol=1e-4)
 
 
-def test_a_rotated_posthoc_latent_is_gathered_not_read_in_place():
-    """``mla+int4:rotate=true`` on an MHA/GQA model: the op does not read a rotated latent tier, so the layer's
-    reads are gathered and the torch path serves it (said by :func:`kernels.fits`)."""
+def test_a_rotated_posthoc_latent_is_read_in_place_with_rotated_bases():
+    """``mla+int4:rotate=true`` on an MHA/GQA model: the op reads the rotated codes (:func:`kernels.fits`), rebuilding
+    them with ``R P`` (the bases it is handed besides ``P``)."""
     from cache_backends.kv_spec import Quantization
 
     geometry = ModelGeometry(2, 6, 2, 64, 4)
     backend = MLABackend(geometry, rank=32, quantization=Quantization(8, 8, 4, 4, rotate=True))
     layout = PageLayout(backend.kv_spec(), torch.float32, 64 * 1024)
-    assert kernels.is_posthoc_latent(layout) and not kernels.fits(layout)
+    assert kernels.is_posthoc_latent(layout) and kernels.fits(layout)
+    q, _ = torch.linalg.qr(torch.randn(256, 32))
+    backend.bases = [LatentBasis(q, torch.zeros(256))] * 2
+    bases = backend._kernel_bases(0)
+    from cache_backends.quant import hadamard
+
+    assert len(bases) == 5 and torch.allclose(bases[4][0], hadamard(32) @ bases[0], atol=1e-6)
 
 
 def test_the_op_refuses_shapes_that_do_not_match_its_layout():

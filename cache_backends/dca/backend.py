@@ -14,8 +14,8 @@ from cache_backends.geometry import ModelGeometry
 from cache_backends.kv_store import KVLayer, KVStore
 from cache_backends.dca.maps import LayerMap, fit_full_linear_map
 from cache_backends import kernels
-from cache_backends.dca.paged import (DCAStepMeta, _CandidateRead, _exact_mask, _similarity_rows, _Source,
-                                      attend_in_place_through_map, attend_through_map, gathered)
+from cache_backends.dca.paged import (DCAStepMeta, _CandidateRead, _exact_mask, _exact_ranges, _similarity_rows,
+                                      _Source, attend_in_place_through_map, attend_through_map, gathered)
 from cache_backends.dca.plan import DCALayout, Feedback, falls_back, probes_after, runtime_threshold
 from cache_backends.dca.similarity import select_reuse_layers, similarity, span_thresholds
 from cache_backends.dca.store import DCAStore
@@ -304,11 +304,13 @@ class DCABackend(KVBackend):
         return _CandidateRead(i, self._reads(views[group], 0, own_meta), self.inner, layer, own_meta)
 
     def _reads(self, views, index: int, meta):
-        """A group's layer ``index`` for the attention kernel to read in place where it reads the inner backend's K/V
-        pairs (:func:`cache_backends.kernels.reads_pairs`), else gathered; a source or a candidate's own tokens are
+        """A group's layer ``index`` for the attention kernel to read in place where it reads the inner backend's
+        stored form (:func:`cache_backends.kernels.fits`), else gathered; a source or a candidate's own tokens are
         gathered later only where the torch path or a similarity needs them."""
-        if self.inner.attends_in_place and kernels.active(views.arena.device) and kernels.reads_pairs(views.layout):
-            return in_place_layer(views, index)
+        if self.inner.attends_in_place:
+            reads = in_place_layer(views, index)
+            if reads is not None:
+                return reads
         return read_layer(views, index, meta)
 
     def _measure(self, meta: DCAStepMeta, i: int, layer: int, key_states, value_states) -> None:
@@ -329,8 +331,13 @@ class DCABackend(KVBackend):
                 own = meta.candidates[i]
                 rows = torch.zeros(meta.batch, dtype=torch.bool, device=own.mask.device)
                 rows[reuse] = True
-                own.mask = torch.where(rows[:, None, None], _exact_mask(own), own.mask)
-                own.mask_replaced = True  # its ranges no longer say what it sees: the torch path attends it
+                exact = _exact_mask(own)
+                own.mask = torch.where(rows[:, None, None], exact, own.mask)
+                ranges = _exact_ranges(own, exact)  # what the kernel reads: the same tokens as intervals
+                if ranges is None:
+                    own.mask_replaced = True  # no interval says what it sees: the torch path attends it
+                else:
+                    own.ranges = torch.where(rows[:, None, None], ranges, own.ranges)
         probed = [r for r, (_, plan) in enumerate(meta.rows) if plan.probe[i]]
         if probed:  # the source's new tokens as stored
             pk, pv = layer_map.predict(*source.new_as_stored(), meta.kept.query_positions, meta.position_limit)
@@ -355,8 +362,9 @@ class DCABackend(KVBackend):
             return self.inner.attend_paged(layer, query, reads.own, own_meta, scaling, module)
         source = meta.sources[layer - 1]
         own_from = torch.tensor(meta.own_from[i], device=query.device)
-        if (isinstance(reads.own[0], InPlaceRead) and isinstance(source.reads[0], InPlaceRead)
-                and not getattr(own_meta, "mask_replaced", False)):
+        both = (reads.own[0], source.reads[0])
+        if (all(isinstance(r, InPlaceRead) and kernels.reads_pairs(r.views.layout) for r in both)
+                and not getattr(own_meta, "mask_replaced", False)):  # K/V pairs (dca+mla's latent: gathered)
             return attend_in_place_through_map(self.maps[layer - 1], query, source.reads, meta.kept, reads.own,
                                                own_meta, own_from, scaling, meta.position_limit)
         return attend_through_map(self.maps[layer - 1], query, source.kv(), meta.kept, reads.own_kv(), own_meta,

@@ -10,7 +10,7 @@ from cache_backends.base import KVBackend
 from cache_backends.dca.maps import LayerMap
 from cache_backends.dca.plan import DCALayout, Feedback
 from cache_backends import kernels
-from cache_backends.paged import InPlaceRead, StreamRead
+from cache_backends.paged import InPlaceRead, StreamRead, read_layer
 from cache_backends.paged_attention import grouped_rows, ungroup_rows
 from cache_backends.step_meta import StepMeta
 
@@ -69,7 +69,9 @@ class _Source:
 
 def gathered(reads: list, meta: StepMeta) -> list[StreamRead]:
     """``reads`` as gathered streams: those read in place (:class:`cache_backends.paged.InPlaceRead`) gathered now."""
-    return [r.gather(meta) if isinstance(r, InPlaceRead) else r for r in reads]
+    if reads and isinstance(reads[0], InPlaceRead):  # every stream of the layer, in one gather
+        return read_layer(reads[0].views, reads[0].layer, meta)
+    return reads
 
 
 class _CandidateRead:
@@ -92,6 +94,20 @@ def _exact_mask(meta: StepMeta) -> torch.Tensor:
     end = meta.query_positions[:, -1:] + 1  # (B, 1)
     seen = (exact[:, None, :] <= meta.query_positions[:, :, None]) & (exact < end)[:, None, :]
     return torch.cat([torch.zeros_like(meta.mask[..., :tq]), seen], dim=-1)
+
+
+def _exact_ranges(meta: StepMeta, mask: torch.Tensor) -> torch.Tensor | None:
+    """:attr:`StepMeta.ranges` (its shape) saying what an exact-only ``mask`` (:func:`_exact_mask`) says: no codes,
+    each query's exact slots ``[lo, hi)``; ``None`` where a query's slots are not one interval."""
+    seen = mask[..., meta.q_width:]  # (B, n, Te)
+    count = seen.sum(-1)
+    lo = seen.int().argmax(-1)
+    hi = torch.where(count > 0, seen.shape[-1] - seen.flip(-1).int().argmax(-1), lo)
+    if bool((hi - lo != count).any()):
+        return None
+    ranges = torch.zeros_like(meta.ranges)
+    ranges[..., 1], ranges[..., 2] = lo, hi
+    return ranges
 
 
 def _similarity_rows(own_k, own_v, pred_k, pred_v) -> list[float]:

@@ -135,7 +135,7 @@ def _register_fake() -> None:
 
     @torch.library.register_fake("kvserve::paged_latent_attention")
     def _(query, arena, exact_table, q_table, ranges, layout, key_up, key_mean, value_up, value_mean, positions,
-          cos, sin, scaling):
+          cos, sin, rotated_bases, scaling):
         return query.new_empty(query.shape)  # (B, Hq, n, head_dim)
 
     @torch.library.register_fake("kvserve::paged_attention_lse")
@@ -278,13 +278,12 @@ def fits(layout) -> bool:
     """Whether a page layout is one the kernel reads, in fp32/bf16/fp16: two streams, keys per channel and values
     per token with as many heads, a rotated tier only with keys and values as wide; or a native-MLA latent and rope
     key (absorbed attention), in exact pages or quantized (``mla+int8``, ``mla+int4``, rotated or not); or a post-hoc
-    latent (:func:`is_posthoc_latent`), in exact pages or quantized per channel, not rotated."""
+    latent (:func:`is_posthoc_latent`), in exact pages or quantized per channel, rotated or not."""
     streams = layout.streams
     if layout.dtype not in _DTYPES:
         return False
     if is_posthoc_latent(layout):
-        q = layout.quantization
-        return streams[0].axis == "channel" and not (q and q.rotate)
+        return streams[0].axis == "channel"
     if len(streams) != 2:
         return False
     if is_latent(layout):
@@ -334,7 +333,9 @@ def latent_attention(query: torch.Tensor, latent, meta, scaling: float, bases: t
         query: (B, Hq, n, d) after RoPE, Hq a multiple of H.
         latent: the layer's :class:`cache_backends.paged.InPlaceRead` of the latent stream.
         meta: the step's :class:`cache_backends.step_meta.StepMeta` (block tables, :attr:`ranges`, :attr:`positions`).
-        bases: ``(key_up, key_mean, value_up, value_mean)``: (H, r, d), (H, d), (H, r, d), (H, d), fp32.
+        bases: ``(key_up, key_mean, value_up, value_mean)``: (H, r, d), (H, d), (H, r, d), (H, d), fp32; with a
+            rotated quantized tier (codes of ``c R``) a fifth, (2, H, r, d): ``R P_k`` and ``R P_v``, which that
+            tier's codes are rebuilt and projected with (its weighted latents summed apart).
         cos, sin: (rows, d) RoPE per position, fp32; a position past the last row takes the last.
 
     Returns:
@@ -344,9 +345,10 @@ def latent_attention(query: torch.Tensor, latent, meta, scaling: float, bases: t
         RuntimeError: (from the op) for shapes that do not agree with the layout or each other.
     """
     views = latent.views
+    rotated = bases[4] if len(bases) > 4 and meta.q_width else None
     return torch.ops.kvserve.paged_latent_attention(query, views.arena, meta.exact_table, meta.q_table, meta.ranges,
-                                                    _layer_args(views, latent.layer), *bases, meta.positions, cos,
-                                                    sin, scaling)
+                                                    _layer_args(views, latent.layer), *bases[:4], meta.positions, cos,
+                                                    sin, rotated, scaling)
 
 
 def attention_lse(query: torch.Tensor, keys, meta, scaling: float,

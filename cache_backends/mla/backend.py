@@ -325,14 +325,20 @@ class MLABackend(KVBackend):
 
     def _kernel_bases(self, layer: int) -> tuple[torch.Tensor, ...]:
         """Layer ``layer``'s bases per KV head for the kernel, in fp32, built once: the keys' (H, r, d) and mean (H, d),
-        the values' (H, r, d) and mean (H, d)."""
+        the values' (H, r, d) and mean (H, d); with a rotated tier also (2, H, r, d), both bases times its rotation."""
         cache = self.__dict__.setdefault("_kernel_basis_cache", {})
         p = self.bases[layer]
         if layer not in cache or cache[layer][0] is not p:  # built anew for a basis fitted or loaded since
             h, d = self.geometry.num_key_value_heads, self.geometry.head_dim
             up = p.basis.float().reshape(2, h, d, -1).transpose(2, 3)  # (K/V, H, r, d)
             mean = p.mean.float().reshape(2, h, d)
-            cache[layer] = (p, (up[0].contiguous(), mean[0].contiguous(), up[1].contiguous(), mean[1].contiguous()))
+            bases = (up[0].contiguous(), mean[0].contiguous(), up[1].contiguous(), mean[1].contiguous())
+            if self.quantization and self.quantization.rotate:  # codes of c R: rebuilt with R P (R its own inverse)
+                from cache_backends.quant import hadamard
+
+                r = hadamard(up.shape[2], torch.float32, up.device)
+                bases += (torch.einsum("rs,khsd->khrd", r, up).contiguous(),)
+            cache[layer] = (p, bases)
         return cache[layer][1]
 
     def _rebuild(self, layer: int, latent: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

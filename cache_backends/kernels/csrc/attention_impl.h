@@ -452,9 +452,9 @@ inline void project(const float* P, const float* mu, int64_t r, int64_t d, const
 // The keys of KV head h for a block of a post-hoc latent: k_j = RoPE_pos[j](c_j P_h + mu_h), RoPE in transformers'
 // Llama layout (channel i pairs with i + d/2) at each token's own position.
 inline void rebuild_keys(const PagedArgs& a, int64_t h, const float* const* cp, int64_t nj, const int64_t* pos,
-                         float* k) {
+                         float* k, const float* key_up) {
   const int64_t r = a.kw, d = a.d, half = d / 2;
-  project(a.key_up + h * r * d, a.key_mean + h * d, r, d, cp, nj, k);
+  project(key_up + h * r * d, a.key_mean + h * d, r, d, cp, nj, k);
   for (int64_t j = 0; j < nj; ++j) {
     const int64_t row = std::min<int64_t>(std::max<int64_t>(pos[j], 0), a.rope_rows - 1);
     const float *cs = a.cos + row * d, *sn = a.sin + row * d;
@@ -463,7 +463,8 @@ inline void rebuild_keys(const PagedArgs& a, int64_t h, const float* const* cp, 
 #ifdef KVK_AVX2
     for (; i + 8 <= half && half % 8 == 0; i += 8) {
       const __m256 x1 = _mm256_loadu_ps(kj + i), x2 = _mm256_loadu_ps(kj + half + i);
-      _mm256_storeu_ps(kj + i, _mm256_fmsub_ps(x1, _mm256_loadu_ps(cs + i), _mm256_mul_ps(x2, _mm256_loadu_ps(sn + i))));
+      _mm256_storeu_ps(kj + i,
+                       _mm256_fmsub_ps(x1, _mm256_loadu_ps(cs + i), _mm256_mul_ps(x2, _mm256_loadu_ps(sn + i))));
       _mm256_storeu_ps(kj + half + i, _mm256_fmadd_ps(x2, _mm256_loadu_ps(cs + half + i),
                                                       _mm256_mul_ps(x1, _mm256_loadu_ps(sn + half + i))));
     }
@@ -479,12 +480,14 @@ inline void rebuild_keys(const PagedArgs& a, int64_t h, const float* const* cp, 
 // A block of a post-hoc latent made ready for attend_block: keys rebuilt into w.k (kp), and with rebuild_values the
 // values into w.vr (vp, which held the latent's tokens); else vp stays at the latent (summed, projected at the end).
 template <class S>
-inline void posthoc_block(const PagedArgs& a, int64_t h, int64_t nj, S& w, const float** kp, const float** vp) {
-  rebuild_keys(a, h, vp, nj, w.pos.data(), w.k.data());
+inline void posthoc_block(const PagedArgs& a, int64_t h, int64_t nj, S& w, const float** kp, const float** vp,
+                          bool rotated_tier) {
+  rebuild_keys(a, h, vp, nj, w.pos.data(), w.k.data(), rotated_tier ? a.key_up_rot : a.key_up);
   for (int64_t j = 0; j < nj; ++j) kp[j] = w.k.data() + j * a.d;
   if (!a.rebuild_values) return;
   const int64_t r = a.kw, d = a.d;
-  project(a.value_up + h * r * d, a.value_mean + h * d, r, d, vp, nj, w.vr.data());
+  project((rotated_tier ? a.value_up_rot : a.value_up) + h * r * d, a.value_mean + h * d, r, d, vp, nj,
+          w.vr.data());
   for (int64_t j = 0; j < nj; ++j) vp[j] = w.vr.data() + j * d;
 }
 
@@ -975,14 +978,22 @@ inline void finalize(const PagedArgs& a, const Rows& x, const float* acc_e, cons
         a.lse[(x.b * a.Hq + x.h * x.rep + r) * a.n + i] =
             l[row] > 0.f ? m[row] + std::log(l[row]) : -std::numeric_limits<float>::infinity();
       if (a.posthoc && !a.rebuild_values) {  // the weighted latent's value side, once a row: (acc / l) P_v,h + mu_v,h
-        const int64_t d = a.d;
-        const float* P = a.value_up + x.h * dv * d;
+        const int64_t d = a.d;  // (a rotated tier's latents, summed apart, through R P_v,h)
         const float* mu = a.value_mean + x.h * d;
         for (int64_t c = 0; c < d; ++c) dst[c] = mu[c];
-        for (int64_t k = 0; k < dv; ++k) {
-          const float f = acc_e[row * dv + k] * inv;
-          for (int64_t c = 0; c < d; ++c) dst[c] += f * P[k * d + c];
+        for (int t = 0; t < (acc_q != nullptr ? 2 : 1); ++t) {
+          const float* acc = (t == 0 ? acc_e : acc_q) + row * dv;
+          const float* P = (t == 0 ? a.value_up : a.value_up_rot) + x.h * dv * d;
+          for (int64_t k = 0; k < dv; ++k) {
+            const float f = acc[k] * inv;
+            for (int64_t c = 0; c < d; ++c) dst[c] += f * P[k * d + c];
+          }
         }
+        continue;
+      }
+      if (a.posthoc) {  // values rebuilt per block (a rotated tier's with R P_v,h): both tiers' sums in the same space
+        for (int64_t c = 0; c < dv; ++c)
+          dst[c] = (acc_e[row * dv + c] + (acc_q != nullptr ? acc_q[row * dv + c] : 0.f)) * inv;
         continue;
       }
       for (int64_t c = 0; c < dv; ++c) {
@@ -1117,8 +1128,9 @@ inline void run_item(const PagedArgs& a, int64_t unit, Scratch& w) {
         }
         kp[j] = kj;
       }
-      if (a.posthoc) posthoc_block(a, h, nj, w, kp, vp);
-      attend_block(M, d, dv, rotated ? w.qr.data() : w.q.data(), kp, vp, t0, nj, lo_r, hi_r, w, acc_q,
+      if (a.posthoc) posthoc_block(a, h, nj, w, kp, vp, a.rotation != nullptr);
+      // a rotated post-hoc tier is rebuilt with rotated bases: its keys are not rotated, nor is its query
+      attend_block(M, d, dv, rotated && !a.posthoc ? w.qr.data() : w.q.data(), kp, vp, t0, nj, lo_r, hi_r, w, acc_q,
                    rotated ? acc_e : nullptr);
     }
   }
@@ -1148,7 +1160,7 @@ inline void run_item(const PagedArgs& a, int64_t unit, Scratch& w) {
                       w.v.data() + j * dv);
           kp[j] = w.k.data() + j * d;
           vp[j] = w.v.data() + j * dv;
-        } else if (a.posthoc) {  // the latent c_t: the value (where it lies when fp32), and what the keys are rebuilt from
+        } else if (a.posthoc) {  // the latent c_t: the value (in place when fp32), what the keys are rebuilt from
           if (a.kv_dtype == F32) {
             vp[j] = reinterpret_cast<const float*>(kb);
           } else {
@@ -1172,7 +1184,7 @@ inline void run_item(const PagedArgs& a, int64_t unit, Scratch& w) {
           vp[j] = w.v.data() + j * dv;
         }
       }
-      if (a.posthoc) posthoc_block(a, h, nj, w, kp, vp);
+      if (a.posthoc) posthoc_block(a, h, nj, w, kp, vp, false);
       attend_block(M, d, dv, w.q.data(), kp, vp, t0, nj, lo_r, hi_r, w, acc_e,
                    rotated ? acc_q : nullptr);
     }

@@ -5,9 +5,9 @@
 // int8/int4 per channel over groups) in one call; `kvserve::paged_latent_attention`, the same over a post-hoc latent
 // (mla on an MHA/GQA model), its keys rebuilt block by block inside the op; `kvserve::paged_attention_lse`, a K/V
 // pair's attention with each row's log-sum-exp, and `kvserve::paged_mixed_attention`, a dca reuse layer's source pages
-// with the layer's map folded in (every source head scored at once). The kernel is chosen once per process from what the CPU reports
-// (AVX2 + FMA + F16C, else portable C++) and split over the work items (row, KV head, query tile) with
-// at::parallel_for.
+// with the layer's map folded in (every source head scored at once). The kernel is chosen once per process from
+// what the CPU reports (AVX2 + FMA + F16C, else portable C++) and split over the work items (row, KV head, query
+// tile) with at::parallel_for.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <torch/types.h>
@@ -310,7 +310,8 @@ torch::Tensor paged_latent_attention(const torch::Tensor& query, const torch::Te
                                      const torch::Tensor& ranges, at::IntArrayRef layout, const torch::Tensor& key_up,
                                      const torch::Tensor& key_mean, const torch::Tensor& value_up,
                                      const torch::Tensor& value_mean, const torch::Tensor& positions,
-                                     const torch::Tensor& cos, const torch::Tensor& sin, double scaling) {
+                                     const torch::Tensor& cos, const torch::Tensor& sin,
+                                     const std::optional<torch::Tensor>& rotated_bases, double scaling) {
   Call call;
   prepare(call, query, arena, exact_table, q_table, ranges, layout, scaling);
   PagedArgs& a = call.a;
@@ -334,6 +335,15 @@ torch::Tensor paged_latent_attention(const torch::Tensor& query, const torch::Te
   a.key_mean = mean.data_ptr<float>();
   a.value_up = v_up.data_ptr<float>();
   a.value_mean = v_mean.data_ptr<float>();
+  torch::Tensor rot;
+  if (rotated_bases.has_value() && rotated_bases->defined()) {  // a rotated quantized tier: (2, H, r, d), R P_k, R P_v
+    rot = rotated_bases->to(torch::kFloat).contiguous();
+    TORCH_CHECK(rot.dim() == 4 && rot.size(0) == 2 && rot.size(1) == up.size(0) && rot.size(2) == up.size(1) &&
+                    rot.size(3) == a.d, "rotated_bases must be (2, H, r, d): R P_k and R P_v");
+    a.key_up_rot = rot.data_ptr<float>();
+    a.value_up_rot = a.key_up_rot + up.numel();
+    a.rotation = a.key_up_rot;  // marks the tier as summed apart; a post-hoc latent never reads it as R
+  }
   return run(call, query);
 }
 
@@ -410,8 +420,8 @@ TORCH_LIBRARY(kvserve, m) {
   m.def("paged_attention(Tensor query, Tensor arena, Tensor exact_table, Tensor q_table, Tensor ranges, "
         "int[] layout, Tensor? rotation, float scaling) -> Tensor");
   m.def("paged_latent_attention(Tensor query, Tensor arena, Tensor exact_table, Tensor q_table, Tensor ranges, "
-        "int[] layout, Tensor key_up, Tensor key_mean, Tensor value_up, Tensor value_mean, Tensor positions, Tensor cos, "
-        "Tensor sin, float scaling) -> Tensor");
+        "int[] layout, Tensor key_up, Tensor key_mean, Tensor value_up, Tensor value_mean, Tensor positions, "
+        "Tensor cos, Tensor sin, Tensor? rotated_bases, float scaling) -> Tensor");
   m.def("paged_attention_lse(Tensor query, Tensor arena, Tensor exact_table, Tensor q_table, Tensor ranges, "
         "int[] layout, float scaling) -> (Tensor, Tensor)");
   m.def("paged_mixed_attention(Tensor query, Tensor arena, Tensor exact_table, Tensor q_table, Tensor ranges, "

@@ -44,6 +44,9 @@ struct PagedArgs {
                             // once a row) or rebuilt (c_t P_v,h + mu_v,h)
   const float* key_up;      // posthoc: (H, r, d) each KV head's key basis P_h
   const float* key_mean;    // posthoc: (H, d) each KV head's key mean mu_h
+  const float* key_up_rot;  // posthoc with a rotated quantized tier (codes of c R, R a Hadamard rotation, its own
+  const float* value_up_rot;// inverse): (H, r, d) R P_h, the bases its codes are rebuilt and projected with; with
+                            // them `rotation` is set (R, r x r) and that tier's weighted latents sum apart (acc_q)
   const float* value_up;    // posthoc: (H, r, d) each KV head's value basis, (H, d) its mean: applied to a row's
   const float* value_mean;  // weighted latent when it is written out, or to each token's latent (rebuild_values)
   bool rebuild_values;      // posthoc: values rebuilt per block (dv = d), cheaper than summing the latent for many
