@@ -271,12 +271,29 @@ class StepMeta:
         return torch.cat([ranges, first_code[..., None]], dim=-1)
 
     def ranges_from(self, lower: torch.Tensor) -> torch.Tensor:
-        """:attr:`ranges` with each query's first visible position raised to ``lower`` (B, n) (a tensor of its own)."""
-        return self._narrow(lower)
+        """:attr:`ranges` with each query's first visible position raised to ``lower`` (B, n) (a tensor of its own).
+
+        Raises:
+            ValueError: on ranges with attention sinks (a ``window`` group's), which no cut here describes.
+        """
+        if self.ranges.shape[-1] == 3:
+            return self._narrow(lower)
+        if self.ranges.shape[-1] != 4:
+            raise ValueError("ranges with attention sinks cannot be cut at a position")
+        ranges = self.ranges.clone()  # a window's: its first exact slot and first code raised further
+        ranges[..., 1] = torch.maximum(ranges[..., 1], (lower + self._slot_shift).clamp(min=0).to(torch.int32))
+        ranges[..., 3] = torch.maximum(ranges[..., 3], (lower - self._first).clamp(min=0).to(torch.int32))
+        return ranges
 
     def ranges_before(self, upper: torch.Tensor) -> torch.Tensor:
         """:attr:`ranges` with each query seeing only the positions below ``upper`` (B, n): its last exact slot and,
-        with a quantized tier, its last code lowered (a tensor of its own)."""
+        with a quantized tier, its last code lowered (a tensor of its own).
+
+        Raises:
+            ValueError: on ranges with attention sinks.
+        """
+        if self.ranges.shape[-1] > 4:
+            raise ValueError("ranges with attention sinks cannot be cut at a position")
         ranges = self.ranges.clone()
         hi = (upper + self._slot_shift).clamp(min=0).to(torch.int32)
         ranges[..., 2] = torch.minimum(ranges[..., 2], hi)

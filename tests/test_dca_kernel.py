@@ -89,6 +89,18 @@ def test_a_reuse_layer_read_in_place_gives_the_gathered_attention(setup, name, o
     assert any(n_new > 1 for n_new in inner_calls) and any(n_new == 1 for n_new in inner_calls)
 
 
+def _seen(meta, ranges) -> list[list[int]]:
+    """Per row, the positions its first query token sees under ``ranges`` (codes ``[q0, q)``, exact slots ``[lo, hi)``)."""
+    out = []
+    for b in range(ranges.shape[0]):
+        q, lo, hi = (int(x) for x in ranges[b, 0, :3])
+        q0 = int(ranges[b, 0, 3]) if ranges.shape[-1] > 3 else 0
+        codes = meta.positions[b, q0:q].tolist()
+        exact = meta.positions[b, meta.q_width + lo: meta.q_width + hi].tolist()
+        out.append(sorted(codes + exact))
+    return out
+
+
 def test_ranges_before_and_from_split_a_steps_tokens_at_a_position():
     """:meth:`StepMeta.ranges_before` and :meth:`ranges_from` cut each query's visible tokens at a position: the
     two together see what the step's ranges see, and nothing twice (exact and quantized layouts)."""
@@ -103,17 +115,7 @@ def test_ranges_before_and_from_split_a_steps_tokens_at_a_position():
         cut = torch.tensor([[0], [33], [80]])
         before, after = meta.ranges_before(cut), meta.ranges_from(cut)
 
-        def seen(r):  # per row, the positions the ranges let the query see
-            out = []
-            for b in range(3):
-                q, lo, hi = (int(x) for x in r[b, 0, :3])
-                q0 = int(r[b, 0, 3]) if r.shape[-1] > 3 else 0
-                codes = meta.positions[b, q0:q].tolist()
-                exact = meta.positions[b, meta.q_width + lo: meta.q_width + hi].tolist()
-                out.append(sorted(codes + exact))
-            return out
-
-        whole, b_seen, a_seen = seen(meta.ranges), seen(before), seen(after)
+        whole, b_seen, a_seen = (_seen(meta, r) for r in (meta.ranges, before, after))
         for b in range(3):
             assert sorted(b_seen[b] + a_seen[b]) == whole[b]
             assert all(p < int(cut[b]) for p in b_seen[b]) and all(p >= int(cut[b]) for p in a_seen[b])
@@ -169,3 +171,23 @@ def test_a_map_over_pages_in_place_gives_the_gathered_attention(heads, rep, widt
         torch.testing.assert_close(got.float(), gold, rtol=tol, atol=tol)
         for p in (src, own):
             p.commit()
+
+
+def test_a_windows_ranges_are_cut_in_their_own_columns():
+    """On a sliding window's ranges (a fourth column: the first code seen), :meth:`StepMeta.ranges_from` raises that
+    column and the first exact slot instead of adding a column, and the cut keeps what the window already hid."""
+    from cache_backends.page_plan import SeqBlocks
+    from tests.test_kernels import Pool, _grow
+
+    pool = Pool("int8", 2, 64, torch.float32, tokens_per_page=16, seed=4)
+    rows = [SeqBlocks() for _ in range(2)]
+    _grow(pool, rows, [60, 90], chunk=50)
+    meta = pool.write(rows, [1, 1], commit=False).windowed(40)
+    assert meta.ranges.shape[-1] == 4
+    for cut in ([[10], [70]], [[55], [85]]):
+        window = _seen(meta, meta.ranges)
+        after, before = meta.ranges_from(torch.tensor(cut)), meta.ranges_before(torch.tensor(cut))
+        assert after.shape == before.shape == meta.ranges.shape
+        for b, (c,) in enumerate(cut):
+            assert _seen(meta, after)[b] == [p for p in window[b] if p >= c]
+            assert _seen(meta, before)[b] == [p for p in window[b] if p < c]
