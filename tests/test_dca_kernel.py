@@ -17,6 +17,7 @@ from cache_backends.dca.paged import attend_through_map, gathered
 from cache_backends.geometry import ModelGeometry
 from cache_backends.paged import InPlaceRead
 from tests.conftest import fits
+from tests.test_kernels import KERNEL_DTYPES
 
 pytestmark = pytest.mark.skipif(not kernels.load(), reason=f"the attention kernel is not available: "
                                                            f"{kernels.status()['reason']}")
@@ -137,7 +138,7 @@ def _random_map(heads: int, width: int, gen: torch.Generator):
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("tier", ["exact", "int8", "int4"])
 @pytest.mark.parametrize("heads,rep,width", [(2, 3, 64), (3, 1, 32)], ids=["gqa2x3-d64", "mha3-d32"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [d for d in KERNEL_DTYPES if d != torch.float16], ids=str)
 def test_a_map_over_pages_in_place_gives_the_gathered_attention(heads, rep, width, tier, splits, dtype, monkeypatch):
     """A reuse layer's attention through a random map, over a source pool and its own pool read in place, against the
     same pages gathered: GQA and MHA, exact and quantized pages, each row cut at another position (nothing from its
