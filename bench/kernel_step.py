@@ -116,46 +116,55 @@ class LatentRow(Row):
         from types import SimpleNamespace
 
         spec = KVSpec((StreamSpec(1, rank), StreamSpec(1, rope)), layers, dtype.itemsize, TIERS[tier])
-        page = -(-spec.block_bytes(tokens_per_page) // 64) * 64  # a quantized tier's: whole groups, as served
-        self.layout = PageLayout(spec, dtype, page)
+        self.widths, self.gen = (rank, rope), torch.Generator().manual_seed(seed)
+        weight = (torch.randn(q_heads * (nope + v), rank, generator=self.gen) * rank ** -0.5).to(dtype)
+        self.module = SimpleNamespace(qk_nope_head_dim=nope, v_head_dim=v, kv_b_proj=SimpleNamespace(weight=weight))
+        self.q_shape = (batch, q_heads, chunk, nope + rope)
+        self._fill(spec, dtype, tokens_per_page, batch, context, chunk)
+
+    def _fill(self, spec: KVSpec, dtype: torch.dtype, tokens_per_page: int, batch: int, context: int,
+              chunk: int) -> None:
+        """A pool of ``spec``'s pages (a quantized tier's: whole groups, as served) holding ``batch`` rows of
+        ``context`` random tokens, and the metadata of their next step of ``chunk`` tokens each."""
+        self.layout = PageLayout(spec, dtype, -(-spec.block_bytes(tokens_per_page) // 64) * 64)
         per_page = min(t for t in (self.layout.exact_tokens, self.layout.q_tokens) if t)
         pages = batch * ((context + chunk) // per_page + 8) + 8
         self.pool = KVPool(pages, self.layout.page_bytes, {"b": self.layout}, "cpu")
         self.views = self.pool.views["b"]
-        self.layers, self.dtype, self.batch, self.widths = layers, dtype, batch, (rank, rope)
-        self.gen = torch.Generator().manual_seed(seed)
+        self.layers, self.dtype, self.batch, self.chunk = spec.num_layers, dtype, batch, chunk
         self.free = list(range(1, pages))
-        weight = (torch.randn(q_heads * (nope + v), rank, generator=self.gen) * rank ** -0.5).to(dtype)
-        self.module = SimpleNamespace(qk_nope_head_dim=nope, v_head_dim=v, kv_b_proj=SimpleNamespace(weight=weight))
-        self.q_shape = (batch, q_heads, chunk, nope + rope)
         rows = [SeqBlocks() for _ in range(batch)]
         for blocks in rows:
             for n in [min(512, context - t) for t in range(0, context, 512)]:
                 self._write([blocks], n)
                 self._commit()
         self.meta = self._write(rows, chunk)
-        self.chunk = chunk
         self.bytes = sum(self.layout.stored_bytes(b) for b in rows)
+
+    def path_step(self, mode: str, attend) -> float:
+        """Seconds of one step's ``attend(layer, reads)`` over every layer: ``kernel`` reads the pages in place,
+        ``torch`` gathers them (as the torch path's step does)."""
+        with kernels.using(mode):
+            t = time.perf_counter()
+            for layer in range(self.layers):
+                reads = in_place_layer(self.views, layer) if mode == "kernel" else \
+                    read_layer(self.views, layer, self.meta)
+                attend(layer, reads)
+            return time.perf_counter() - t
 
     def new_tokens(self, batch: int, n: int) -> list[torch.Tensor]:
         """One layer's random new latent and rope key, (batch, 1, n, width) each."""
         return [torch.randn(batch, 1, n, w, generator=self.gen).to(self.dtype) for w in self.widths]
 
     def latent_step(self, mode: str) -> float:
-        """Seconds of one step's absorbed attention over every layer: ``kernel`` reads the pages in place, ``torch``
-        gathers them (as the torch path's step does) and attends with torch ops."""
+        """Seconds of one step's absorbed attention over every layer (:meth:`path_step`)."""
         query = torch.randn(*self.q_shape).to(self.dtype)
         scaling = self.q_shape[-1] ** -0.5
-        with kernels.using(mode):
-            t = time.perf_counter()
-            for layer in range(self.layers):
-                reads = in_place_layer(self.views, layer) if mode == "kernel" else \
-                    read_layer(self.views, layer, self.meta)
-                absorbed_attention(query, reads[0], reads[1], self.meta, scaling, self.module)
-            return time.perf_counter() - t
+        return self.path_step(mode, lambda layer, reads: absorbed_attention(query, reads[0], reads[1], self.meta,
+                                                                            scaling, self.module))
 
 
-class PosthocRow(Row):
+class PosthocRow(LatentRow):
     """``batch`` sequences of ``mla``'s post-hoc latent (one head, ``rank`` wide, exact pages or ``tier``'s codes),
     ``context`` tokens each, served by an :class:`cache_backends.mla.MLABackend` of random orthonormal bases."""
 
@@ -173,39 +182,28 @@ class PosthocRow(Row):
         self.backend.bases = [LatentBasis(torch.linalg.qr(torch.randn(width, rank, generator=self.gen))[0],
                                           0.3 * torch.randn(width, generator=self.gen)) for _ in range(layers)]
         self.backend.rope = RopeTable.llama(head_dim, context + chunk + 64, dtype=dtype)
-        spec = self.backend.kv_spec()
-        self.layout = PageLayout(spec, dtype, -(-spec.block_bytes(tokens_per_page) // 64) * 64)
-        per_page = min(t for t in (self.layout.exact_tokens, self.layout.q_tokens) if t)
-        pages = batch * ((context + chunk) // per_page + 8) + 8
-        self.pool = KVPool(pages, self.layout.page_bytes, {"b": self.layout}, "cpu")
-        self.views = self.pool.views["b"]
-        self.layers, self.dtype, self.batch, self.rank = layers, dtype, batch, rank
-        self.free = list(range(1, pages))
-        self.q_shape = (batch, heads * rep, chunk, head_dim)
-        rows = [SeqBlocks() for _ in range(batch)]
-        for blocks in rows:
-            for n in [min(512, context - t) for t in range(0, context, 512)]:
-                self._write([blocks], n)
-                self._commit()
-        self.meta = self._write(rows, chunk)
-        self.bytes = sum(self.layout.stored_bytes(b) for b in rows)
+        self.rank, self.q_shape = rank, (batch, heads * rep, chunk, head_dim)
+        self._fill(self.backend.kv_spec(), dtype, tokens_per_page, batch, context, chunk)
 
     def new_tokens(self, batch: int, n: int) -> list[torch.Tensor]:
         """One layer's random new latents, (batch, 1, n, rank)."""
         return [(3 * torch.randn(batch, 1, n, self.rank, generator=self.gen)).to(self.dtype)]
 
     def posthoc_step(self, mode: str) -> float:
-        """Seconds of one step's attention over every layer (:meth:`MLABackend.attend_paged`): ``kernel`` reads the
-        latent in place, ``torch`` gathers it."""
+        """Seconds of one step's attention over every layer (:meth:`MLABackend.attend_paged`, :meth:`path_step`)."""
         query = torch.randn(*self.q_shape).to(self.dtype)
         scaling = self.q_shape[-1] ** -0.5
-        with kernels.using(mode):
-            t = time.perf_counter()
-            for layer in range(self.layers):
-                reads = in_place_layer(self.views, layer) if mode == "kernel" else \
-                    read_layer(self.views, layer, self.meta)
-                self.backend.attend_paged(layer, query, reads, self.meta, scaling)
-            return time.perf_counter() - t
+        return self.path_step(mode, lambda layer, reads: self.backend.attend_paged(layer, query, reads, self.meta,
+                                                                                   scaling))
+
+
+def kernel_vs_torch(step, rounds: int) -> tuple[float, float]:
+    """Median seconds of ``step(mode)`` with the kernel and with the torch path, taking turns ``rounds`` times."""
+    times = {"kernel": [], "torch": []}
+    for _ in range(rounds):
+        for mode in times:
+            times[mode].append(step(mode))
+    return statistics.median(times["kernel"]), statistics.median(times["torch"])
 
 
 def posthoc_main(args) -> int:
@@ -219,11 +217,7 @@ def posthoc_main(args) -> int:
             for context in args.context:
                 row = PosthocRow(args.layers, args.heads, args.rep, args.head_dim, rank, context, args.page_tokens,
                                  args.batch, args.chunk, dtype, tier=tier)
-                times = {"kernel": [], "torch": []}
-                for _ in range(args.rounds):
-                    for mode in times:
-                        times[mode].append(row.posthoc_step(mode))
-                k, t = statistics.median(times["kernel"]), statistics.median(times["torch"])
+                k, t = kernel_vs_torch(row.posthoc_step, args.rounds)
                 print(f"{tier:<10}{rank:>6}{context:>8}{k * 1e3:>11.2f}{t * 1e3:>10.2f}{t / k:>14.2f}")
     return 0
 
@@ -239,11 +233,7 @@ def latent_main(args) -> int:
         for context in args.context:
             row = LatentRow(args.layers, args.rank, args.rope, args.q_heads, args.nope, args.v_dim, context,
                             args.page_tokens, args.batch, args.chunk, dtype, tier=tier)
-            times = {"kernel": [], "torch": []}
-            for _ in range(args.rounds):
-                for mode in times:
-                    times[mode].append(row.latent_step(mode))
-            k, t = statistics.median(times["kernel"]), statistics.median(times["torch"])
+            k, t = kernel_vs_torch(row.latent_step, args.rounds)
             print(f"{tier:<14}{context:>8}{k * 1e3:>11.2f}{t * 1e3:>10.2f}{t / k:>14.2f}")
     return 0
 

@@ -6,6 +6,7 @@ token's position and the attention mask (:class:`StepMeta`), and the same for a 
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 
@@ -269,6 +270,11 @@ class StepMeta:
             return ranges
         first_code = (lower - self._first).clamp(min=0).to(torch.int32)  # codes are held from position first on
         return torch.cat([ranges, first_code[..., None]], dim=-1)
+
+    @functools.cached_property
+    def query_stop(self) -> int:
+        """Above every position the step reads (its newest query's, plus one): worked out once per step."""
+        return int(self.query_positions.max()) + 1 if self.query_positions.numel() else 1
 
     def ranges_from(self, lower: torch.Tensor) -> torch.Tensor:
         """:attr:`ranges` with each query's first visible position raised to ``lower`` (B, n) (a tensor of its own).

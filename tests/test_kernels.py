@@ -155,6 +155,25 @@ def _grow(pool: Pool, rows: list[SeqBlocks], lengths: list[int], chunk: int) -> 
             pool.write([blocks], [min(chunk, length - blocks.tokens)])
 
 
+def ragged_decode(pool, steps: int) -> None:
+    """Rows of 1, 7, 16 (a page boundary), 45 and 130 tokens, then ``steps`` decode steps of them together, each
+    compared (``pool.compare``, one query row a KV head's group) before it is committed."""
+    lengths = [1, 7, 16, 45, 130]
+    rows = [SeqBlocks() for _ in lengths]
+    _grow(pool, rows, lengths, chunk=24)
+    for _ in range(steps):
+        pool.compare(pool.write(rows, [1] * len(rows), commit=False))
+        pool.commit()
+
+
+def chunk_after_history(pool) -> None:
+    """A 37-token chunk after 70 stored tokens, and the first 37-token chunk of an empty row, each compared."""
+    rows = [SeqBlocks()]
+    _grow(pool, rows, [70], chunk=32)
+    pool.compare(pool.write(rows, [37], commit=False))
+    pool.compare(pool.write([SeqBlocks()], [37], commit=False))
+
+
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
 @pytest.mark.parametrize("tier", list(TIERS))
 @pytest.mark.parametrize("heads,rep,width", SHAPES, ids=[f"h{h}x{r}-d{w}" for h, r, w in SHAPES])
@@ -464,12 +483,7 @@ def test_native_mla_decode_of_a_ragged_batch_matches_absorbed_attention(rank, ro
     1, 7, 16 (a page boundary), 45 and 130 tokens decoding together (quantized tiers drain a group inside the steps)
     give absorbed attention's output over the gathered pages."""
     pool = LatentPool(rank, rope, heads, nope, v, dtype, tokens_per_page=16, seed=rank + rope, tier=tier)
-    lengths = [1, 7, 16, 45, 130]
-    rows = [SeqBlocks() for _ in lengths]
-    _grow(pool, rows, lengths, chunk=24)
-    for _ in range(3 if tier != "exact" else 2):
-        pool.compare(pool.write(rows, [1] * len(rows), commit=False))
-        pool.commit()
+    ragged_decode(pool, 3 if tier != "exact" else 2)
 
 
 @pytest.mark.parametrize("tier", LATENT_TIERS)
@@ -480,10 +494,7 @@ def test_native_mla_prefill_chunk_over_stored_pages_matches_absorbed_attention(r
     """A 37-token chunk (causal within it; quantized tiers drain groups inside it) after 70 stored tokens (most of
     them codes when quantized), and the first chunk of an empty row."""
     pool = LatentPool(rank, rope, heads, nope, v, dtype, tokens_per_page=16, seed=3 * rank + rope, tier=tier)
-    rows = [SeqBlocks()]
-    _grow(pool, rows, [70], chunk=32)
-    pool.compare(pool.write(rows, [37], commit=False))
-    pool.compare(pool.write([SeqBlocks()], [37], commit=False))
+    chunk_after_history(pool)
 
 
 @pytest.mark.parametrize("tier", LATENT_TIERS)

@@ -24,7 +24,8 @@ from cache_backends.page_plan import SeqBlocks
 from cache_backends.paged import InPlaceRead, in_place_layer, read_layer
 from cache_backends.pool import KVPool
 from cache_backends.rope import RopeTable
-from tests.test_kernels import KERNEL_DTYPES, TIERS, TOLERANCE, Pool, _fp32, _grow
+from tests.test_kernels import (KERNEL_DTYPES, TIERS, TOLERANCE, Pool, _fp32, _grow, chunk_after_history,
+                                ragged_decode)
 
 pytestmark = pytest.mark.skipif(not kernels.load(), reason=f"the attention kernel is not available: "
                                                            f"{kernels.status()['reason']}")
@@ -101,12 +102,7 @@ def test_posthoc_mla_decode_of_a_ragged_batch_matches_the_torch_path(heads, rep,
     """Rows of 1, 7, 16 (a page boundary), 45 and 130 tokens decoding together (quantized tiers drain a group inside
     the steps): the keys rebuilt and rotated inside the op give the torch path's rebuilt-K attention."""
     pool = PosthocPool(heads, rep, head_dim, rank, dtype, tokens_per_page=16, seed=rank + head_dim, tier=tier)
-    lengths = [1, 7, 16, 45, 130]
-    rows = [SeqBlocks() for _ in lengths]
-    _grow(pool, rows, lengths, chunk=24)
-    for _ in range(3 if tier != "exact" else 2):
-        pool.compare(pool.write(rows, [1] * len(rows), commit=False))
-        pool.commit()
+    ragged_decode(pool, 3 if tier != "exact" else 2)
 
 
 @pytest.mark.parametrize("tier", POSTHOC_TIERS)
@@ -116,10 +112,7 @@ def test_posthoc_mla_prefill_chunk_over_stored_pages_matches_the_torch_path(head
     """A 37-token chunk (causal within it; quantized tiers drain groups inside it) after 70 stored tokens (most of
     them codes when quantized), and the first chunk of an empty row."""
     pool = PosthocPool(heads, rep, head_dim, rank, dtype, tokens_per_page=16, seed=3 * rank + head_dim, tier=tier)
-    rows = [SeqBlocks()]
-    _grow(pool, rows, [70], chunk=32)
-    pool.compare(pool.write(rows, [37], commit=False))
-    pool.compare(pool.write([SeqBlocks()], [37], commit=False))
+    chunk_after_history(pool)
 
 
 @pytest.mark.parametrize("tier", POSTHOC_TIERS)
@@ -271,7 +264,7 @@ def test_a_posthoc_mla_decode_steps_kv_path_is_two_ops_per_layer():
             latent = [torch.randn(4, 1, 1, 48)]
             pool.backend.rope.float_tables(200)  # the model's constants (built once, not per step)
             pool.backend._kernel_bases(0)
-            meta.rope_stop = 200  # once per step, not per layer
+            _ = meta.query_stop  # worked out once per step, not per layer
             with Count() as counter:
                 write_layer(pool.views, 0, meta, latent)
                 reads = in_place_layer(pool.views, 0) or read_layer(pool.views, 0, meta)

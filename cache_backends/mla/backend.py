@@ -310,7 +310,7 @@ class MLABackend(KVBackend):
         g, p = self.geometry, self.bases[layer]
         h, d, b, hq = g.num_key_value_heads, g.head_dim, query.shape[0], query.shape[1]
         if isinstance(reads[0], InPlaceRead):  # one op: keys (and for a prefill, values) rebuilt block by block
-            cos, sin = self.rope.float_tables(_rope_stop(meta))
+            cos, sin = self.rope.float_tables(meta.query_stop)
             return kernels.latent_attention(query, reads[0], meta, scaling, self._kernel_bases(layer), cos, sin)
         latent = reads[0].read()[0]  # (B, T, r)
         keys = latent @ p.basis[: h * d].to(latent.dtype).T + p.mean[: h * d].to(latent.dtype)
@@ -379,11 +379,3 @@ class MLABackend(KVBackend):
         if self.native:
             return super().reserved_bytes(max_tokens)
         return storage_reserved_bytes(self.quantization, "channel", max_tokens, 1, self.rank, g.dtype_bytes) * g.num_layers
-
-
-def _rope_stop(meta) -> int:
-    """Above every position a step reads (its newest query's, plus one), worked out once per step."""
-    stop = getattr(meta, "rope_stop", None)
-    if stop is None:
-        stop = meta.rope_stop = int(meta.query_positions.max()) + 1 if meta.query_positions.numel() else 1
-    return stop

@@ -21,8 +21,9 @@ constexpr int64_t BN = 64;  // tokens per block (across pages)
 #ifndef KVK_LATENT_BN
 #define KVK_LATENT_BN 16  // tokens per block of a native-MLA latent (at most BN)
 #endif
-#ifndef KVK_POSTHOC_BN
-#define KVK_POSTHOC_BN 32  // tokens per block of a post-hoc latent (at most BN): its rebuilt keys stay in L1
+#ifndef KVK_SCRATCH_BN
+#define KVK_SCRATCH_BN 32  // tokens per block whose keys are built in the scratch (at most BN: they stay in L1): a
+                           // post-hoc latent's, rebuilt; a dca source's, every head's assembled
 #endif
 
 // ---------------------------------------------------------------------------------------------- scalars
@@ -1091,7 +1092,7 @@ inline void run_item(const PagedArgs& a, int64_t unit, Scratch& w) {
     const int64_t kcw = a.kw * a.k_bits / 8, vcw = a.vw * a.v_bits / 8, groups = a.tq / a.group;
     const int64_t kse = a.ks_dtype == F32 ? 4 : 2, vse = a.vs_dtype == F32 ? 4 : 2;
     // a latent's keys are wide: a block stays in L1 (exact_pass)
-    const int64_t bn = a.latent ? KVK_LATENT_BN : (a.posthoc || a.mixed) ? KVK_POSTHOC_BN : BN;
+    const int64_t bn = a.latent ? KVK_LATENT_BN : (a.posthoc || a.mixed) ? KVK_SCRATCH_BN : BN;
     prefetch_quant(a, b, hs, qa, std::min(qb, qa + bn));
     for (int64_t t0 = qa; t0 < qb; t0 += bn) {
       const int64_t nj = std::min(bn, qb - t0);
@@ -1141,7 +1142,7 @@ inline void run_item(const PagedArgs& a, int64_t unit, Scratch& w) {
   auto exact_pass = [&](int64_t ea, int64_t eb, const int64_t* lo_r, const int64_t* hi_r) {
   if (eb > ea) {
     const int64_t es = a.kv_dtype == F32 ? 4 : 2;
-    const int64_t bn = a.latent ? KVK_LATENT_BN : (a.posthoc || a.mixed) ? KVK_POSTHOC_BN : BN;
+    const int64_t bn = a.latent ? KVK_LATENT_BN : (a.posthoc || a.mixed) ? KVK_SCRATCH_BN : BN;
     prefetch_exact(a, b, hs, ea, std::min(eb, ea + bn));
     for (int64_t t0 = ea; t0 < eb; t0 += bn) {
       const int64_t nj = std::min(bn, eb - t0);

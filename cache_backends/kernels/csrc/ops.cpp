@@ -216,8 +216,25 @@ torch::Tensor lse_of(Call& call) {
   return lse;
 }
 
+// prepare(), then the layout's form: a K/V pair (form 0) or a native-MLA latent and rope key (form 1).
 void prepare_pair(Call& call, const torch::Tensor& query, const torch::Tensor& arena, const torch::Tensor& exact_table,
-                  const torch::Tensor& q_table, const torch::Tensor& ranges, at::IntArrayRef layout, double scaling);
+                  const torch::Tensor& q_table, const torch::Tensor& ranges, at::IntArrayRef layout, double scaling) {
+  prepare(call, query, arena, exact_table, q_table, ranges, layout, scaling);
+  PagedArgs& a = call.a;
+  a.latent = layout[20] == 1;
+  TORCH_CHECK(layout[20] == 0 || layout[20] == 1, "layout's form must be 0 (K/V) or 1 (latent)");
+  if (a.latent) {
+    TORCH_CHECK(layout[2] + layout[3] == a.d, "the query's width must be the latent's plus the rope key's");
+    a.dv = layout[2];
+    a.kw = layout[2];
+    a.vw = layout[3];
+  } else {
+    TORCH_CHECK(layout[2] == a.d, "the query's head_dim must be the keys' width");
+    a.dv = layout[3];
+    a.kw = a.d;
+    a.vw = a.dv;
+  }
+}
 
 // paged_attention of a K/V pair (form 0, no rotation), with each row's log-sum-exp: what a caller merging two
 // attentions over disjoint tokens (dca: a reuse layer's own pages and its source's) needs.
@@ -260,25 +277,6 @@ std::tuple<torch::Tensor, torch::Tensor> paged_mixed_attention(
   auto lse = lse_of(call);
   auto out = run(call, query);
   return {out, lse};
-}
-
-void prepare_pair(Call& call, const torch::Tensor& query, const torch::Tensor& arena, const torch::Tensor& exact_table,
-                  const torch::Tensor& q_table, const torch::Tensor& ranges, at::IntArrayRef layout, double scaling) {
-  prepare(call, query, arena, exact_table, q_table, ranges, layout, scaling);
-  PagedArgs& a = call.a;
-  a.latent = layout[20] == 1;
-  TORCH_CHECK(layout[20] == 0 || layout[20] == 1, "layout's form must be 0 (K/V) or 1 (latent)");
-  if (a.latent) {
-    TORCH_CHECK(layout[2] + layout[3] == a.d, "the query's width must be the latent's plus the rope key's");
-    a.dv = layout[2];
-    a.kw = layout[2];
-    a.vw = layout[3];
-  } else {
-    TORCH_CHECK(layout[2] == a.d, "the query's head_dim must be the keys' width");
-    a.dv = layout[3];
-    a.kw = a.d;
-    a.vw = a.dv;
-  }
 }
 
 torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& arena, const torch::Tensor& exact_table,
