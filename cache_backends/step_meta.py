@@ -272,6 +272,13 @@ class StepMeta:
         return torch.cat([ranges, first_code[..., None]], dim=-1)
 
     @functools.cached_property
+    def row_offsets(self) -> list[tuple[int, int]]:
+        """Per row, ``(slot shift, first)`` in plain ints, worked out once per step: position ``p`` is exact slot
+        ``p + shift`` of the row's exact pages and code ``p - first`` of its quantized tier (what
+        :meth:`ranges_from` and :meth:`ranges_before` cut with)."""
+        return list(zip(self._slot_shift[:, 0].tolist(), self._first[:, 0].tolist()))
+
+    @functools.cached_property
     def query_stop(self) -> int:
         """Above every position the step reads (its newest query's, plus one): worked out once per step."""
         return int(self.query_positions.max()) + 1 if self.query_positions.numel() else 1

@@ -1,6 +1,6 @@
 """``dca``'s layers read in place by the attention kernel (:func:`cache_backends.dca.paged.
-attend_in_place_through_map`: the layer's own pages with :func:`kernels.attention_lse`, its source's with the map
-folded in, :func:`kernels.mixed_attention`, merged by their log-sum-exp) against the torch path over the same pages
+attend_in_place_through_map`: the layer's own pages and its source's with the map folded in, merged by their
+log-sum-exp, in one op, :func:`kernels.dca_attention`) against the torch path over the same pages
 gathered (:func:`cache_backends.dca.paged.attend_through_map`), inside the engine's own steps: every reuse layer's
 output of every decode step (rows reading their source, their window, or falling back) compared, and every kept
 layer's and every own-pages-only attention (a prompt's, its tokens read exact under a quantized inner) with the same
@@ -17,7 +17,7 @@ from cache_backends.dca.paged import attend_through_map, gathered
 from cache_backends.geometry import ModelGeometry
 from cache_backends.paged import InPlaceRead
 from tests.conftest import fits
-from tests.test_kernels import KERNEL_DTYPES
+from tests.test_kernels import FOUR_BIT, KERNEL_DTYPES
 
 pytestmark = pytest.mark.skipif(not kernels.load(), reason=f"the attention kernel is not available: "
                                                            f"{kernels.status()['reason']}")
@@ -35,8 +35,10 @@ def setup(ref_model):
 @pytest.mark.parametrize("name,options", [
     ("dca", {"threshold": -1.0, "window": 32}), ("dca", {"threshold": -1.0, "window": 0, "align": "none"}),
     ("dca", {"probe_interval": 2}), ("dca+int8", {"threshold": -1.0}), ("dca+int4", {"threshold": -1.0}),
-    ("dca+int8", {"probe_interval": 3, "window": 0}), ("dca+mla", {"threshold": -1.0})],
-    ids=["reuse-window", "reuse-no-map", "fallbacks", "int8-reuse", "int4-reuse", "int8-fallbacks", "mla-reuse"])
+    ("dca+int4", {"threshold": -1.0, "rotate": True}), ("dca+int8", {"probe_interval": 3, "window": 0}),
+    ("dca+mla", {"threshold": -1.0})],
+    ids=["reuse-window", "reuse-no-map", "fallbacks", "int8-reuse", "int4-reuse", "int4-rotated-reuse",
+         "int8-fallbacks", "mla-reuse"])
 def test_a_reuse_layer_read_in_place_gives_the_gathered_attention(setup, name, options, monkeypatch):
     """Three prompts served together: each reuse layer's attention through the kernel (the source's and its own pages
     in place) equals, within fp32 rounding, the torch path's over the same pages gathered, in every step, as does
@@ -57,9 +59,10 @@ def test_a_reuse_layer_read_in_place_gives_the_gathered_attention(setup, name, o
         got = in_place(layer_map, query, src, src_meta, own, own_meta, own_from, scaling, limit)
         src_kv = backend.inner.stored_kv(0, gathered(src, src_meta), src_meta)
         own_kv = backend.inner.stored_kv(0, gathered(own, own_meta), own_meta)
-        want = attend_through_map(layer_map, query, src_kv, src_meta, own_kv, own_meta, own_from, scaling, limit)
+        want = attend_through_map(layer_map, query, src_kv, src_meta, own_kv, own_meta, torch.tensor(own_from), scaling,
+                                  limit)
         torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4)
-        calls.append((query.shape[2], bool((own_from > 0).any()), bool((own_from == 0).any())))
+        calls.append((query.shape[2], any(p > 0 for p in own_from), any(p == 0 for p in own_from)))
         return got
 
     monkeypatch.setattr(dca_backend, "attend_in_place_through_map", checked)
@@ -136,13 +139,14 @@ def _random_map(heads: int, width: int, gen: torch.Generator):
 
 
 @pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("tier", ["exact", "int8", "int4"])
+@pytest.mark.parametrize("tier", ["exact", "int8", "int4", "int4-rotated"])
 @pytest.mark.parametrize("heads,rep,width", [(2, 3, 64), (3, 1, 32)], ids=["gqa2x3-d64", "mha3-d32"])
 @pytest.mark.parametrize("dtype", [d for d in KERNEL_DTYPES if d != torch.float16], ids=str)
 def test_a_map_over_pages_in_place_gives_the_gathered_attention(heads, rep, width, tier, splits, dtype, monkeypatch):
     """A reuse layer's attention through a random map, over a source pool and its own pool read in place, against the
-    same pages gathered: GQA and MHA, exact and quantized pages, each row cut at another position (nothing from its
-    own pages, most, or nearly all of its source), a decode and a prefill chunk, blocks split over work units or not,
+    same pages gathered: GQA and MHA, exact and quantized pages (rotated too), each row cut at another position
+    (nothing from its own pages, most, or nearly all of its source), a decode and prefill chunks (one of two query
+    tiles), blocks split over work units or not,
     in fp32 (within fp32 rounding) and bf16 (within its rounding of the fp32 sums)."""
     from cache_backends.dca.paged import attend_in_place_through_map
     from cache_backends.page_plan import SeqBlocks
@@ -157,21 +161,63 @@ def test_a_map_over_pages_in_place_gives_the_gathered_attention(heads, rep, widt
     rows = {id(p): [SeqBlocks() for _ in lengths] for p in (src, own)}
     for p in (src, own):
         _grow(p, rows[id(p)], lengths, chunk=64)
-    for n, cut in ((1, [0, 40, 128]), (5, [0, 20, 131])):
+    for n, cut in ((1, [0, 40, 128]), (5, [0, 20, 131]), (140, [0, 90, 150])):  # the last: two query tiles
         metas = [p.write(rows[id(p)], [n] * len(lengths), commit=False) for p in (src, own)]
         query = torch.randn(len(lengths), heads * rep, n, width, generator=gen).to(dtype)
-        own_from, limit, scaling = torch.tensor(cut), max(lengths) + n + 1, width ** -0.5
-        with kernels.exact_sums(tier == "int4"), kernels.using("kernel"):
+        limit, scaling = max(lengths) + n + 1, width ** -0.5
+        with kernels.exact_sums(tier in FOUR_BIT), kernels.using("kernel"):
             got = attend_in_place_through_map(layer_map, query, in_place_layer(src.views, 0), metas[0],
-                                              in_place_layer(own.views, 0), metas[1], own_from, scaling, limit)
+                                              in_place_layer(own.views, 0), metas[1], cut, scaling, limit)
         gold = attend_through_map(layer_map, query.float(), [_fp32(r) for r in read_layer(src.views, 0, metas[0])],
                                   metas[0], [_fp32(r) for r in read_layer(own.views, 0, metas[1])], metas[1],
-                                  own_from, scaling, limit)
+                                  torch.tensor(cut), scaling, limit)
         tol = 2e-4 if dtype == torch.float32 else 2e-2
         assert got.dtype == dtype and got.shape == gold.shape
         torch.testing.assert_close(got.float(), gold, rtol=tol, atol=tol)
         for p in (src, own):
             p.commit()
+
+
+@pytest.mark.parametrize("tier", ["int8", "int4-rotated"])
+def test_a_reuse_layers_decode_is_two_ops(tier):
+    """With the kernel, a reuse layer's decode step writes its own K/V in one op and attends in one: its source's
+    pages through the map and its own pages, the cut between them and the merge all inside it (the torch path:
+    gathers, the fold, the value map and the softmax in many ops)."""
+    from cache_backends.dca.paged import attend_in_place_through_map
+    from cache_backends.page_plan import SeqBlocks
+    from cache_backends.paged import in_place_layer, read_layer, write_layer
+    from tests.test_kernels import CountOps, Pool, _grow
+
+    gen = torch.Generator().manual_seed(7)
+    layer_map = _random_map(3, 64, gen)
+    src, own = (Pool(tier, 3, 64, torch.float32, tokens_per_page=16, seed=s) for s in (1, 2))
+    lengths = [50, 60, 70, 80]
+    rows = {id(p): [SeqBlocks() for _ in lengths] for p in (src, own)}
+    for p in (src, own):
+        _grow(p, rows[id(p)], lengths, chunk=64)
+    counts = {}
+    for mode in ("kernel", "torch"):
+        with kernels.using(mode):
+            metas = [p.write(rows[id(p)], [1] * 4, commit=False) for p in (src, own)]
+            query, new = torch.randn(4, 9, 1, 64), [torch.randn(4, 3, 1, 64) for _ in range(2)]
+            layer_map._per_query_head(9), layer_map.rope.float_tables(200)  # the map's constants: once, not per step
+            _ = metas[0].row_offsets  # the source's (the kept layers' step metadata): once per step
+            with CountOps() as counter:
+                write_layer(own.views, 0, metas[1], new)
+                src_reads = in_place_layer(src.views, 0)
+                own_reads = in_place_layer(own.views, 0)
+                if mode == "kernel":
+                    attend_in_place_through_map(layer_map, query, src_reads, metas[0], own_reads, metas[1],
+                                                [0, 20, 40, 79], 0.125, 200)
+                else:
+                    attend_through_map(layer_map, query, read_layer(src.views, 0, metas[0]), metas[0],
+                                       read_layer(own.views, 0, metas[1]), metas[1], torch.tensor([0, 20, 40, 79]),
+                                       0.125, 200)
+            for p in (src, own):
+                p.commit()
+            counts[mode] = counter.ops
+    assert counts["kernel"] == ["paged_write", "paged_dca_attention"], counts["kernel"]
+    assert len(counts["torch"]) > 20
 
 
 def test_a_windows_ranges_are_cut_in_their_own_columns():

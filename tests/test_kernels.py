@@ -12,6 +12,7 @@ import random
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from cache_backends import kernels
 from cache_backends.kv_spec import KVSpec, Quantization, kv_streams
@@ -332,21 +333,22 @@ def test_the_fused_write_stores_what_the_torch_write_stores(tier, dtype):
     assert torch.equal(arenas[0], arenas[1])
 
 
+class CountOps(TorchDispatchMode):
+    """The ops a block dispatches (views left out), by name, in order: what "ops per layer" counts."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:
+            self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
 def test_a_decode_steps_kv_path_is_two_ops_per_layer():
     """With the kernel, a decode step writes a layer's K and V in one op and attends in one: two ops per layer
     (the torch path: indexed copies per stream, a gather and the attention's ops)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not func.is_view:
-                self.ops.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
     pool = Pool("int8", 3, 64, torch.float32, tokens_per_page=16, seed=5)
     rows = [SeqBlocks() for _ in range(4)]
     _grow(pool, rows, [50, 60, 70, 80], chunk=64)
@@ -356,7 +358,7 @@ def test_a_decode_steps_kv_path_is_two_ops_per_layer():
             meta = pool.write(rows, [1] * 4, commit=False)  # builds the step's metadata (once per step, not per layer)
             query = torch.randn(4, 9, 1, 64)
             new = [torch.randn(4, 3, 1, 64) for _ in range(2)]
-            with Count() as counter:
+            with CountOps() as counter:
                 write_layer(pool.views, 0, meta, new)
                 reads = in_place_layer(pool.views, 0) or read_layer(pool.views, 0, meta)
                 attend_pair(query, reads[0], reads[1], meta, 0.125)

@@ -239,19 +239,8 @@ def test_a_posthoc_mla_decode_steps_kv_path_is_two_ops_per_layer():
     """With the kernel, a decode step of post-hoc ``mla`` writes a layer's latent in one op and attends in one (keys
     rebuilt, values absorbed and projected inside it): no gather, no rebuilt K the size of the context; the torch path
     gathers and rebuilds with many ops."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from cache_backends.paged import write_layer
-
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not func.is_view:
-                self.ops.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
+    from tests.test_kernels import CountOps
 
     pool = PosthocPool(3, 3, 64, 48, torch.float32, tokens_per_page=16, seed=5)
     rows = [SeqBlocks() for _ in range(4)]
@@ -265,7 +254,7 @@ def test_a_posthoc_mla_decode_steps_kv_path_is_two_ops_per_layer():
             pool.backend.rope.float_tables(200)  # the model's constants (built once, not per step)
             pool.backend._kernel_bases(0)
             _ = meta.query_stop  # worked out once per step, not per layer
-            with Count() as counter:
+            with CountOps() as counter:
                 write_layer(pool.views, 0, meta, latent)
                 reads = in_place_layer(pool.views, 0) or read_layer(pool.views, 0, meta)
                 pool.backend.attend_paged(0, query, reads, meta, 0.125)

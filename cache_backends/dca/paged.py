@@ -165,40 +165,40 @@ def attend_through_map(layer_map: LayerMap, query: torch.Tensor, src: list[Strea
     return (out + own_out.float()).to(query.dtype)
 
 
+def cuts_at(src_meta: StepMeta, own_meta: StepMeta, own_from: list[int]) -> list[int]:
+    """Where each row's tokens split between a reuse layer's source and its own pages, as
+    :func:`cache_backends.kernels.dca_attention` takes it: four ints a row, its own pages' first exact slot and first
+    code seen, its source's exact slots' and codes' ends (what :meth:`StepMeta.ranges_from` and
+    :meth:`StepMeta.ranges_before` cut at ``own_from``), in plain ints: no tensor op."""
+    cuts = []
+    for p, (src_shift, src_first), (own_shift, own_first) in zip(own_from, src_meta.row_offsets,
+                                                                   own_meta.row_offsets):
+        cuts += [max(p + own_shift, 0), max(p - own_first, 0), max(p + src_shift, 0), max(p - src_first, 0)]
+    return cuts
+
+
 def attend_in_place_through_map(layer_map: LayerMap, query: torch.Tensor, src: list, src_meta: StepMeta, own: list,
-                                own_meta: StepMeta, own_from: torch.Tensor, scaling: float,
+                                own_meta: StepMeta, own_from: list[int], scaling: float,
                                 limit: int) -> torch.Tensor:
-    """:func:`attend_through_map`'s attention with both layers' pages read in place by the kernel: the layer's own
-    tokens (positions from each row's ``own_from``) in one op, its source's (those before) in another with the map
-    folded in (:func:`cache_backends.kernels.mixed_attention`: every source head scored at once, the key bias
-    rotated inside the op; or, with no map, plain attention over the source's pages), each giving its rows'
-    log-sum-exp, and the two merged as one softmax over both (FlashAttention's rescaling, arXiv 2205.14135).
+    """:func:`attend_through_map`'s attention with both layers' pages read in place by the kernel, in one op
+    (:func:`cache_backends.kernels.dca_attention`): the layer's own tokens (positions from each row's ``own_from``)
+    and its source's (those before) with the map folded in (every source head scored at once, the key bias rotated
+    inside the op; with no map, the source's K/V as they are), merged as one softmax over both.
 
     Args:
         query: (B, Hq, n, d) after RoPE.
         src, own: the source layer's and this layer's :class:`cache_backends.paged.InPlaceRead` (K/V pairs of H heads,
             :func:`cache_backends.kernels.reads_pairs`); src_meta, own_meta: their groups' step metadata.
-        own_from: (B,) the first position each row reads from its own pages.
+        own_from: per row, the first position it reads from its own pages (plain ints).
         limit: above every position the step reads (:attr:`DCAStepMeta.position_limit`).
 
     Returns:
         (B, Hq, n, d) in the query's dtype.
     """
-    b, hq, n, d = query.shape
-    lower = own_from[:, None].expand(b, n)
-    own_out, own_lse = kernels.attention_lse(query, own[0], own_meta, scaling, own_meta.ranges_from(lower))
-    src_ranges = src_meta.ranges_before(lower)
     if layer_map.key_mix is None:  # the source's K/V as they are
-        src_out, src_lse = kernels.attention_lse(query, src[0], src_meta, scaling, src_ranges)
-        src_out = src_out.float()
+        map_args = []
     else:
-        key_fold, value_map, value_bias = layer_map._per_query_head(hq)
-        folded = torch.cat([query.float() @ key_fold, query.float()], dim=-1)  # (B, Hq, n, (H + 1) d)
-        cos, sin = layer_map.rope.float_tables(limit)
-        mixed, src_lse = kernels.mixed_attention(folded, src[0], src_meta, scaling, src_ranges, layer_map.key_bias,
-                                                 cos, sin)  # (B, Hq, n, H d): normalized, so the bias adds whole
-        src_out = torch.einsum("bqnk,qkd->bqnd", mixed, value_map) + value_bias[None, :, None, :]
-    lse = torch.logaddexp(own_lse, src_lse)
-    w_own = torch.exp(own_lse - lse).nan_to_num(0.0)[..., None]  # a part that saw nothing weighs 0
-    w_src = torch.exp(src_lse - lse).nan_to_num(0.0)[..., None]
-    return (own_out.float() * w_own + src_out * w_src).to(query.dtype)
+        key_fold, value_map, value_bias = layer_map._per_query_head(query.shape[1])
+        map_args = [key_fold, value_map, value_bias, layer_map.key_bias, *layer_map.rope.float_tables(limit)]
+    return kernels.dca_attention(query, src[0], src_meta, own[0], own_meta, cuts_at(src_meta, own_meta, own_from),
+                                 scaling, map_args)

@@ -11,9 +11,8 @@ folded in, over the key (c_t, k_rope_t) and the value c_t, W_UV applied by the c
 (:func:`cache_backends.absorbed_mla.absorbed_attention`). ``torch.ops.kvserve.paged_latent_attention`` attends a
 post-hoc latent (``mla`` on an MHA/GQA model, exact or ``mla+int8`` / ``mla+int4``, :func:`latent_attention`): each
 KV head's keys rebuilt block by block inside the op and rotated at each token's position, the values absorbed.
-``torch.ops.kvserve.paged_mixed_attention`` attends a ``dca`` reuse layer's source pages with the layer's map folded
-in (:func:`mixed_attention`), and ``paged_attention_lse`` a K/V pair with each row's log-sum-exp
-(:func:`attention_lse`), so that the two parts of a reuse layer merge into one softmax. All query heads of one KV head are scored together (GQA),
+``torch.ops.kvserve.paged_dca_attention`` attends a ``dca`` reuse layer (:func:`dca_attention`): its source's pages
+with the layer's map folded in and its own pages, merged into one softmax. All query heads of one KV head are scored together (GQA),
 the softmax is computed online (FlashAttention, arXiv 2205.14135), decode rows of different lengths and the tokens
 of a prefill chunk go through the same call (each query token's visible tokens are intervals,
 :attr:`cache_backends.step_meta.StepMeta.ranges`), and the work (row, KV head, query tile) is split over the
@@ -138,14 +137,10 @@ def _register_fake() -> None:
           cos, sin, rotated_bases, scaling):
         return query.new_empty(query.shape)  # (B, Hq, n, head_dim)
 
-    @torch.library.register_fake("kvserve::paged_attention_lse")
-    def _(query, arena, exact_table, q_table, ranges, layout, scaling):
-        return query.new_empty(*query.shape[:-1], layout[3]), query.new_empty(query.shape[:-1], dtype=torch.float32)
-
-    @torch.library.register_fake("kvserve::paged_mixed_attention")
-    def _(query, arena, exact_table, q_table, ranges, layout, key_bias, positions, cos, sin, scaling):
-        return (query.new_empty(*query.shape[:-1], layout[1] * layout[3]),
-                query.new_empty(query.shape[:-1], dtype=torch.float32))
+    @torch.library.register_fake("kvserve::paged_dca_attention")
+    def _(query, src_arena, src_exact_table, src_q_table, src_ranges, src_layout, src_positions, own_arena,
+          own_exact_table, own_q_table, own_ranges, own_layout, cuts, rotation, map_, scaling):
+        return query.new_empty(query.shape)
 
     @torch.library.register_fake("kvserve::skinny_linear")
     def _(x, weight, bias):
@@ -351,51 +346,48 @@ def latent_attention(query: torch.Tensor, latent, meta, scaling: float, bases: t
                                                     sin, rotated, scaling)
 
 
-def attention_lse(query: torch.Tensor, keys, meta, scaling: float,
-                  ranges: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`paged_attention` over a K/V pair read in place (not rotated), each query token seeing ``ranges`` (the
-    step's :attr:`~cache_backends.step_meta.StepMeta.ranges`, narrowed), with each row's log-sum-exp of its scaled
-    scores: what merging two attentions over disjoint tokens takes (``dca``: a reuse layer's own pages and its
-    source's, :func:`cache_backends.dca.paged.attend_in_place_through_map`).
-
-    Returns:
-        (B, Hq, n, dv) in the query's dtype, and (B, Hq, n) fp32 log-sum-exp (``-inf`` where a row saw no token).
-    """
-    views = keys.views
-    return torch.ops.kvserve.paged_attention_lse(query, views.arena, meta.exact_table, meta.q_table, ranges,
-                                                 _layer_args(views, keys.layer), scaling)
-
-
-def mixed_attention(query: torch.Tensor, keys, meta, scaling: float, ranges: torch.Tensor, key_bias: torch.Tensor,
-                    cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A ``dca`` reuse layer's attention over its source layer's K/V pages read in place, the layer's map folded in
-    (:class:`cache_backends.dca.maps.LayerMap`): each query head ``q`` of KV head ``h`` scores every source head at
-    once, ``Σ_g fold_g(q) · K_g,t + q · R_t b_h`` (the key bias rotated to each token's position inside the op), and
-    sums every source head's values; the caller applies the value map.
+def dca_attention(query: torch.Tensor, source, source_meta, own, own_meta, cuts: list[int], scaling: float,
+                  map_args: list[torch.Tensor]) -> torch.Tensor:
+    """A ``dca`` reuse layer's attention (cross-layer KV sharing with a calibrated map; CLA, arXiv 2405.12981), both
+    layers' pages read in place, in one op: each query reads the positions before its row's first own position from
+    its source layer's pages, the map folded in, and the later ones from the layer's own pages, in one softmax (the
+    two parts attended apart and merged by their log-sum-exp, FlashAttention's rescaling, arXiv 2205.14135). With a
+    map, each query head ``q`` of KV head ``h`` scores every source head at once, ``Σ_g fold_g(q) · K_g,t + q · R_t
+    b_h`` (the key bias rotated to each token's position inside the op), and sums every source head's values, mapped
+    once a row; a rotated quantized tier is scored with each part's query rotated instead of the codes.
 
     Args:
-        query: (B, Hq, n, (H + 1) d) fp32: per row, the query folded through the key map for each source head ``g``
-            (``fold_g``), then the query itself.
-        keys: the source layer's :class:`cache_backends.paged.InPlaceRead` (a K/V pair of H heads, not rotated).
-        meta: the source group's step metadata; ``ranges``: the tokens each query sees of it.
-        key_bias: (H, d) the map's pre-RoPE key bias; cos, sin: (rows, d) fp32 RoPE per position.
+        query: (B, Hq, n, d) after RoPE, Hq a multiple of the layers' H KV heads.
+        source, own: the source layer's and this layer's :class:`cache_backends.paged.InPlaceRead` (K/V pairs of H
+            heads of width d, :func:`reads_pairs`); source_meta, own_meta: their groups' step metadata.
+        cuts: four ints a row: its own pages' first exact slot and first code, its source's exact slots' end and
+            codes' end (:func:`cache_backends.dca.paged.cuts_at`).
+        map_args: ``[key_fold (Hq, d, H d), value_map (Hq, H d, d), value_bias (Hq, d), key_bias (H, d), cos, sin
+            (rows, d)]`` fp32, or ``[]``: the source's K/V as they are.
 
     Returns:
-        (B, Hq, n, H d) each row's weighted sum of the source heads' values (fp32), and (B, Hq, n) its log-sum-exp.
+        (B, Hq, n, d) in the query's dtype.
+
+    Raises:
+        RuntimeError: (from the op) for shapes that do not agree with the layouts or each other, or ranges with
+            attention sinks.
     """
-    views = keys.views
-    return torch.ops.kvserve.paged_mixed_attention(query, views.arena, meta.exact_table, meta.q_table, ranges,
-                                                   _layer_args(views, keys.layer), key_bias, meta.positions, cos, sin,
-                                                   scaling)
+    src_views, own_views = source.views, own.views
+    q = own_views.layout.quantization
+    rotation = _rotation(query.shape[-1], 0, query.device) if q and q.rotate else None
+    return torch.ops.kvserve.paged_dca_attention(
+        query, src_views.arena, source_meta.exact_table, source_meta.q_table, source_meta.ranges,
+        _layer_args(src_views, source.layer), source_meta.positions, own_views.arena, own_meta.exact_table,
+        own_meta.q_table, own_meta.ranges, _layer_args(own_views, own.layer), cuts, rotation, map_args, scaling)
 
 
 def reads_pairs(layout) -> bool:
-    """Whether a layout is a K/V pair of one width the kernel reads in place, not rotated: what
-    :func:`attention_lse` and :func:`mixed_attention` take."""
+    """Whether a layout is a K/V pair of one width the kernel reads in place (a rotated tier too): what
+    :func:`dca_attention` takes."""
     if not fits(layout) or is_latent(layout) or is_posthoc_latent(layout):
         return False
     k, v = layout.streams
-    return k.width == v.width and not (layout.quantization and layout.quantization.rotate)
+    return k.width == v.width
 
 
 @functools.lru_cache(maxsize=16)

@@ -493,9 +493,10 @@ inline void posthoc_block(const PagedArgs& a, int64_t h, int64_t nj, S& w, const
 }
 
 // ---------------------------------------------------------------------------------------------- dca's mixed source
-// Token t's key of a dca reuse layer's source for the rows of KV head h, assembled at k (d = (H + 1) kw wide): each
-// source head's key, widened from its tier, then the map's key bias b_h rotated to the token's position; its value
-// at v (H kw wide): each source head's value. `exact` page base (a form 0 exact page) or quantized page base, slot u.
+// Token t's key of a dca reuse layer's source, assembled at k (H kw wide): each source head's key, widened from its
+// tier; its value at v (H kw wide): each source head's value. `base`: the token's exact page (form 0) or quantized
+// page, slot u. Every query head's rows read the same block (the map's key bias, which differs by KV head, is scored
+// apart: mixed_bias_scores).
 inline void rope_row(const PagedArgs& a, const float* x, int64_t pos, int64_t w, float* out) {
   const int64_t row = std::min<int64_t>(std::max<int64_t>(pos, 0), a.rope_rows - 1), half = w / 2;
   const float *cs = a.cos + row * w, *sn = a.sin + row * w;
@@ -505,18 +506,15 @@ inline void rope_row(const PagedArgs& a, const float* x, int64_t pos, int64_t w,
   }
 }
 
-inline void mixed_exact(const PagedArgs& a, int64_t h, const uint8_t* base, int64_t u, int64_t pos, float* k,
-                        float* v) {
+inline void mixed_exact(const PagedArgs& a, const uint8_t* base, int64_t u, float* k, float* v) {
   const int64_t es = a.kv_dtype == F32 ? 4 : 2, w = a.kw;
   for (int64_t g = 0; g < a.H; ++g) {
     widen_exact(base + a.k_off + (g * a.te + u) * w * es, a.kv_dtype, w, k + g * w);
     widen_exact(base + a.v_off + (g * a.te + u) * w * es, a.kv_dtype, w, v + g * w);
   }
-  rope_row(a, a.key_bias + h * w, pos, w, k + a.H * w);
 }
 
-inline void mixed_quant(const PagedArgs& a, int64_t h, const uint8_t* base, int64_t u, int64_t pos, float* k,
-                        float* v) {
+inline void mixed_quant(const PagedArgs& a, const uint8_t* base, int64_t u, float* k, float* v) {
   const int64_t w = a.kw, kcw = w * a.k_bits / 8, vcw = w * a.v_bits / 8, groups = a.tq / a.group;
   const int64_t kse = a.ks_dtype == F32 ? 4 : 2;
   for (int64_t g = 0; g < a.H; ++g) {
@@ -526,7 +524,21 @@ inline void mixed_quant(const PagedArgs& a, int64_t h, const uint8_t* base, int6
     widen_token(base + a.vc_off + slot * vcw, a.v_bits, load_one(base + a.vs_off, a.vs_dtype, slot),
                 load_one(base + a.vz_off, a.vs_dtype, slot), w, v + g * w);
   }
-  rope_row(a, a.key_bias + h * w, pos, w, k + a.H * w);
+}
+
+// A dca source block's key-bias scores into w.bs (rows x BN): row r (query head r % Hq, of KV head (r % Hq) / (Hq /
+// H)) and token j, q_r · RoPE_pos[j](b_h), the query part of the row (w.qb, scaled) against the map's key bias
+// rotated to the token's position (w.pos), once per block and KV head.
+template <class S>
+inline void mixed_bias_scores(const PagedArgs& a, int64_t M, int64_t nj, S& w) {
+  const int64_t kw = a.kw, rep = a.Hq / a.H;
+  for (int64_t g = 0; g < a.H; ++g)
+    for (int64_t j = 0; j < nj; ++j) rope_row(a, a.key_bias + g * kw, w.pos[j], kw, w.rb.data() + (g * BN + j) * kw);
+  for (int64_t r = 0; r < M; ++r) {
+    const float* qb = w.qb.data() + r * kw;
+    const float* rb = w.rb.data() + ((r % a.Hq) / rep) * BN * kw;
+    for (int64_t j = 0; j < nj; ++j) w.bs[r * BN + j] = dot(qb, rb + j * kw, kw);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------- quantized, fused
@@ -728,7 +740,7 @@ inline void q_values(const float* p, const float* zs, float* acc, int64_t dv, in
 
 // ---------------------------------------------------------------------------------------------- the work item
 struct Scratch {
-  std::vector<float> q, qr, acc_q, acc_e, m, l, s, p, k, v, vr, qg, bias, vs, vz, zs, sig;
+  std::vector<float> q, qr, acc_q, acc_e, m, l, s, p, k, v, vr, qg, bias, vs, vz, zs, sig, qb, rb, bs;
   std::vector<int8_t> q8;
   std::vector<int64_t> pos;
   std::vector<const float*> kp, vp;
@@ -737,11 +749,12 @@ struct Scratch {
 
 // One block of nj tokens of a tier, key j at kp[j] and value j at vp[j] (fp32), token t0 of the tier its first;
 // row r sees the tier's tokens [lo[r], hi[r]). Scores with `qs` (M x d), weighted values into `acc` (M x dv);
-// `other`: the other tier's accumulator when the tiers sum apart (a rotated quantized tier), else nullptr. Two
-// neighbouring rows that see the same tokens (the query heads of one KV head) are scored and summed together.
+// `other`: the other tier's accumulator when the tiers sum apart (a rotated quantized tier), else nullptr; `extra`:
+// scores added to the rows' (M x BN, a dca source's key-bias scores), or nullptr. Two neighbouring rows that see the
+// same tokens (the query heads of one KV head) are scored and summed together.
 inline void attend_block(int64_t M, int64_t d, int64_t dv, const float* qs, const float* const* kp,
                          const float* const* vp, int64_t t0, int64_t nj, const int64_t* lo, const int64_t* hi,
-                         Scratch& w, float* acc, float* other) {
+                         Scratch& w, float* acc, float* other, const float* extra = nullptr) {
   constexpr float NEG = -std::numeric_limits<float>::infinity();
   float* s = w.s.data();
   float* p = w.p.data();
@@ -755,6 +768,9 @@ inline void attend_block(int64_t M, int64_t d, int64_t dv, const float* qs, cons
                       std::min<int64_t>(hi[r + 1] - t0, nj) == j1;  // the same tokens of this block
     const int rows = pair ? 2 : 1;
     scores(qs + r * d, pair ? qs + (r + 1) * d : nullptr, kp, j0, j1, d, s, s + BN);
+    if (extra != nullptr)
+      for (int k = 0; k < rows; ++k)
+        for (int64_t j = j0; j < j1; ++j) s[k * BN + j] += extra[(r + k) * BN + j];
     float alpha[2] = {1.f, 1.f};
     for (int k = 0; k < rows; ++k) {
       const int64_t row = r + k;
@@ -945,9 +961,9 @@ inline void codes_seen(const PagedArgs& a, const int32_t* rg, int64_t& q0, int64
 inline Rows rows_of(const PagedArgs& a, int64_t item) {
   Rows x;
   const int64_t tile = item % a.tiles;
-  x.h = (item / a.tiles) % a.H;
-  x.b = item / (a.tiles * a.H);
-  x.rep = a.Hq / a.H;
+  x.h = (item / a.tiles) % a.kv_items;
+  x.b = item / (a.tiles * a.kv_items);
+  x.rep = a.Hq / a.kv_items;
   x.i0 = tile * a.tile_tokens;
   x.i1 = std::min(a.n, x.i0 + a.tile_tokens);
   x.M = (x.i1 - x.i0) * x.rep;
@@ -1011,9 +1027,12 @@ inline void finalize(const PagedArgs& a, const Rows& x, const float* acc_e, cons
 // output; with more, its running max, sum and accumulators go to a.partial for merge_item.
 inline void run_item(const PagedArgs& a, int64_t unit, Scratch& w) {
   const int64_t item = unit / a.splits, split = unit % a.splits;
-  const int64_t tile = item % a.tiles, h = (item / a.tiles) % a.H, b = item / (a.tiles * a.H);
-  const int64_t rep = a.Hq / a.H, d = a.d, dv = a.dv;
+  const int64_t tile = item % a.tiles, h = (item / a.tiles) % a.kv_items, b = item / (a.tiles * a.kv_items);
+  const int64_t rep = a.Hq / a.kv_items, d = a.d, dv = a.dv;
+  // the rows' scoring width: d, or a dca source's H kw (its rows' last kw channels score the key bias apart)
+  const int64_t dk = a.mixed ? a.H * a.kw : d;
   const int64_t hs = a.posthoc ? 0 : h;  // the slabs' head: a post-hoc latent's one head serves every KV head
+  const int64_t heads_read = a.mixed ? a.H : 1;  // slabs a block reads: a dca source's every head (hs = 0)
   const int64_t i0 = tile * a.tile_tokens, i1 = std::min(a.n, i0 + a.tile_tokens), M = (i1 - i0) * rep;
   // rows: token-major within the tile, the rep query heads of KV head h together
   std::vector<int64_t> qc(M), q0(M), elo(M), ehi(M), slo(M, 0), shi(M, 0);
@@ -1033,9 +1052,11 @@ inline void run_item(const PagedArgs& a, int64_t unit, Scratch& w) {
         shi[row] = rg[5];
       }
       const int64_t at = ((b * a.Hq + h * rep + r) * a.n + i) * d;
-      for (int64_t c = 0; c < d; ++c) w.q[row * d + c] = a.query[at + c] * a.scaling;
+      for (int64_t c = 0; c < dk; ++c) w.q[row * dk + c] = a.query[at + c] * a.scaling;
       if (a.query_rot != nullptr)  // q R (R symmetric): scores against rotated codes
-        for (int64_t c = 0; c < d; ++c) w.qr[row * d + c] = a.query_rot[at + c] * a.scaling;
+        for (int64_t c = 0; c < dk; ++c) w.qr[row * dk + c] = a.query_rot[at + c] * a.scaling;
+      if (a.mixed)
+        for (int64_t c = 0; c < a.kw; ++c) w.qb[row * a.kw + c] = a.query[at + dk + c] * a.scaling;
     }
     if (q > lo) {
       q_min = std::min<int64_t>(q_min, lo);
@@ -1093,17 +1114,19 @@ inline void run_item(const PagedArgs& a, int64_t unit, Scratch& w) {
     const int64_t kse = a.ks_dtype == F32 ? 4 : 2, vse = a.vs_dtype == F32 ? 4 : 2;
     // a latent's keys are wide: a block stays in L1 (exact_pass)
     const int64_t bn = a.latent ? KVK_LATENT_BN : (a.posthoc || a.mixed) ? KVK_SCRATCH_BN : BN;
-    prefetch_quant(a, b, hs, qa, std::min(qb, qa + bn));
+    for (int64_t g = 0; g < heads_read; ++g) prefetch_quant(a, b, hs + g, qa, std::min(qb, qa + bn));
     for (int64_t t0 = qa; t0 < qb; t0 += bn) {
       const int64_t nj = std::min(bn, qb - t0);
-      if (t0 + bn < qb) prefetch_quant(a, b, hs, t0 + bn, std::min(qb, t0 + 2 * bn));
+      if (t0 + bn < qb)
+        for (int64_t g = 0; g < heads_read; ++g) prefetch_quant(a, b, hs + g, t0 + bn, std::min(qb, t0 + 2 * bn));
       for (int64_t j = 0; j < nj; ++j) {
         const int64_t t = t0 + j, u = t % a.tq, g = hs * groups + u / a.group, slot = hs * a.tq + u;
         const uint8_t* base = a.arena + a.q_table[b * a.pq + t / a.tq] * a.page_bytes;
-        if (a.mixed) {  // every source head's key and value, and the rotated key bias, in the scratch
-          mixed_quant(a, h, base, u, a.positions[b * a.pos_stride + t], w.k.data() + j * d, w.v.data() + j * dv);
-          kp[j] = w.k.data() + j * d;
+        if (a.mixed) {  // every source head's key and value in the scratch, the token's position for the bias
+          mixed_quant(a, base, u, w.k.data() + j * dk, w.v.data() + j * dv);
+          kp[j] = w.k.data() + j * dk;
           vp[j] = w.v.data() + j * dv;
+          w.pos[j] = a.positions[b * a.pos_stride + t];
           continue;
         }
         if (a.posthoc) {  // the latent c_t, widened: the value, and what the block's keys are rebuilt from
@@ -1130,9 +1153,10 @@ inline void run_item(const PagedArgs& a, int64_t unit, Scratch& w) {
         kp[j] = kj;
       }
       if (a.posthoc) posthoc_block(a, h, nj, w, kp, vp, a.rotation != nullptr);
+      if (a.mixed) mixed_bias_scores(a, M, nj, w);
       // a rotated post-hoc tier is rebuilt with rotated bases: its keys are not rotated, nor is its query
-      attend_block(M, d, dv, rotated && !a.posthoc ? w.qr.data() : w.q.data(), kp, vp, t0, nj, lo_r, hi_r, w, acc_q,
-                   rotated ? acc_e : nullptr);
+      attend_block(M, dk, dv, rotated && !a.posthoc ? w.qr.data() : w.q.data(), kp, vp, t0, nj, lo_r, hi_r, w, acc_q,
+                   rotated ? acc_e : nullptr, a.mixed ? w.bs.data() : nullptr);
     }
   }
   };
@@ -1143,10 +1167,11 @@ inline void run_item(const PagedArgs& a, int64_t unit, Scratch& w) {
   if (eb > ea) {
     const int64_t es = a.kv_dtype == F32 ? 4 : 2;
     const int64_t bn = a.latent ? KVK_LATENT_BN : (a.posthoc || a.mixed) ? KVK_SCRATCH_BN : BN;
-    prefetch_exact(a, b, hs, ea, std::min(eb, ea + bn));
+    for (int64_t g = 0; g < heads_read; ++g) prefetch_exact(a, b, hs + g, ea, std::min(eb, ea + bn));
     for (int64_t t0 = ea; t0 < eb; t0 += bn) {
       const int64_t nj = std::min(bn, eb - t0);
-      if (t0 + bn < eb) prefetch_exact(a, b, hs, t0 + bn, std::min(eb, t0 + 2 * bn));  // the next block's, meanwhile
+      if (t0 + bn < eb)  // the next block's, meanwhile
+        for (int64_t g = 0; g < heads_read; ++g) prefetch_exact(a, b, hs + g, t0 + bn, std::min(eb, t0 + 2 * bn));
       int64_t page = t0 / a.te, u = t0 % a.te;  // pages walked token by token: no division per token
       const uint8_t* base = a.arena + a.exact_table[b * a.pe + page] * a.page_bytes;
       for (int64_t j = 0; j < nj; ++j, ++u) {
@@ -1156,11 +1181,11 @@ inline void run_item(const PagedArgs& a, int64_t unit, Scratch& w) {
         }
         const uint8_t* kb = base + a.k_off + (hs * a.te + u) * a.kw * es;
         const uint8_t* vb = base + a.v_off + (hs * a.te + u) * a.vw * es;
-        if (a.mixed) {  // every source head's key and value, and the rotated key bias, in the scratch
-          mixed_exact(a, h, base, u, a.positions[b * a.pos_stride + a.pq * a.tq + t0 + j], w.k.data() + j * d,
-                      w.v.data() + j * dv);
-          kp[j] = w.k.data() + j * d;
+        if (a.mixed) {  // every source head's key and value in the scratch, the token's position for the bias
+          mixed_exact(a, base, u, w.k.data() + j * dk, w.v.data() + j * dv);
+          kp[j] = w.k.data() + j * dk;
           vp[j] = w.v.data() + j * dv;
+          w.pos[j] = a.positions[b * a.pos_stride + a.pq * a.tq + t0 + j];
         } else if (a.posthoc) {  // the latent c_t: the value (in place when fp32), what the keys are rebuilt from
           if (a.kv_dtype == F32) {
             vp[j] = reinterpret_cast<const float*>(kb);
@@ -1186,8 +1211,9 @@ inline void run_item(const PagedArgs& a, int64_t unit, Scratch& w) {
         }
       }
       if (a.posthoc) posthoc_block(a, h, nj, w, kp, vp, false);
-      attend_block(M, d, dv, w.q.data(), kp, vp, t0, nj, lo_r, hi_r, w, acc_e,
-                   rotated ? acc_q : nullptr);
+      if (a.mixed) mixed_bias_scores(a, M, nj, w);
+      attend_block(M, dk, dv, w.q.data(), kp, vp, t0, nj, lo_r, hi_r, w, acc_e, rotated ? acc_q : nullptr,
+                   a.mixed ? w.bs.data() : nullptr);
     }
   }
   };
@@ -1250,7 +1276,7 @@ inline void merge_item(const PagedArgs& a, int64_t item, Scratch& w) {
 }
 
 inline Scratch scratch(const PagedArgs& a) {
-  const int64_t rows = a.tile_tokens * (a.Hq / a.H);
+  const int64_t rows = a.tile_tokens * (a.Hq / a.kv_items);
   Scratch w;
   w.m.resize(rows);
   w.l.resize(rows);
@@ -1270,7 +1296,10 @@ inline Scratch scratch(const PagedArgs& a) {
   w.vr.resize(a.posthoc && a.rebuild_values ? BN * a.d : 0);
   w.kp.resize(BN);
   w.vp.resize(BN);
-  w.pos.resize(a.posthoc ? BN : 0);
+  w.pos.resize(a.posthoc || a.mixed ? BN : 0);
+  w.qb.resize(a.mixed ? rows * a.kw : 0);
+  w.rb.resize(a.mixed ? a.H * BN * a.kw : 0);
+  w.bs.resize(a.mixed ? rows * BN : 0);
   w.q.resize(rows * a.d);
   w.qr.resize(a.rotation ? rows * a.d : 0);
   w.acc_e.resize(rows * a.dv);

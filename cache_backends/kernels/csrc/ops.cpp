@@ -3,9 +3,9 @@
 // K/V read in place from the paged pool, every stored form (exact fp32/bf16/fp16 pages, int8/int4/k8v4 codes with
 // their scales, a Hadamard-rotated tier, the exact residual window; a native-MLA latent and rope key, exact or
 // int8/int4 per channel over groups) in one call; `kvserve::paged_latent_attention`, the same over a post-hoc latent
-// (mla on an MHA/GQA model), its keys rebuilt block by block inside the op; `kvserve::paged_attention_lse`, a K/V
-// pair's attention with each row's log-sum-exp, and `kvserve::paged_mixed_attention`, a dca reuse layer's source pages
-// with the layer's map folded in (every source head scored at once). The kernel is chosen once per process from
+// (mla on an MHA/GQA model), its keys rebuilt block by block inside the op; `kvserve::paged_dca_attention`, a dca
+// reuse layer's: its source's pages with the layer's map folded in (every source head scored at once) and its own
+// pages, merged into one softmax. The kernel is chosen once per process from
 // what the CPU reports (AVX2 + FMA + F16C, else portable C++) and split over the work items (row, KV head, query
 // tile) with at::parallel_for.
 #include <ATen/Parallel.h>
@@ -13,8 +13,10 @@
 #include <torch/types.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <utility>
 #include <vector>
 
@@ -78,7 +80,7 @@ constexpr int64_t LAYOUT_LEN = 21;
 // slabs and tiers. The tensors hold the contiguous copies the pointers in `a` point into.
 struct Call {
   PagedArgs a{};
-  torch::Tensor q, et, qt, rg, out, pos, cos, sin;
+  torch::Tensor q, et, qt, rg, out, pos, cos, sin, rot, q_rot, bias;
 };
 
 void prepare(Call& call, const torch::Tensor& query, const torch::Tensor& arena, const torch::Tensor& exact_table,
@@ -144,9 +146,11 @@ void prepare(Call& call, const torch::Tensor& query, const torch::Tensor& arena,
 torch::Tensor run(Call& call, const torch::Tensor& query) {
   PagedArgs& a = call.a;
   TORCH_CHECK(a.H > 0 && a.Hq % a.H == 0, "query heads must be a multiple of the KV heads");
-  const int64_t rep = a.Hq / a.H;
-  // a post-hoc latent's tiles are larger: every tile rebuilds the keys it reads, so fewer tiles rebuild less often
-  a.tile_tokens = std::max<int64_t>(1, (a.posthoc ? KVK_POSTHOC_TILE_ROWS : KVK_TILE_ROWS) / rep);
+  a.kv_items = a.mixed ? 1 : a.H;  // a dca source: one item reads every head's block for every query head
+  const int64_t rep = a.Hq / a.kv_items;
+  // a post-hoc latent's and a dca source's tiles are larger: every tile rebuilds (widens every head of) the keys it
+  // reads, so fewer tiles do it less often
+  a.tile_tokens = std::max<int64_t>(1, (a.posthoc || a.mixed ? KVK_POSTHOC_TILE_ROWS : KVK_TILE_ROWS) / rep);
   if (a.posthoc) {
     // per token and KV head, summing the latent costs r a row, rebuilding the values r * d once and d a row: the
     // values are rebuilt where a tile's rows make that cheaper (a prefill chunk at a rank above head_dim)
@@ -160,7 +164,7 @@ torch::Tensor run(Call& call, const torch::Tensor& query) {
   call.out = torch::empty({a.B, a.Hq, a.n, a.ow}, call.q.options());
   a.out = call.out.data_ptr<float>();
   a.tiles = (a.n + a.tile_tokens - 1) / a.tile_tokens;
-  const int64_t items = a.B * a.H * a.tiles;
+  const int64_t items = a.B * a.kv_items * a.tiles;
   a.splits = splits_for(a, items);
   std::vector<float> partial;
   if (a.splits > 1) {
@@ -236,47 +240,145 @@ void prepare_pair(Call& call, const torch::Tensor& query, const torch::Tensor& a
   }
 }
 
-// paged_attention of a K/V pair (form 0, no rotation), with each row's log-sum-exp: what a caller merging two
-// attentions over disjoint tokens (dca: a reuse layer's own pages and its source's) needs.
-std::tuple<torch::Tensor, torch::Tensor> paged_attention_lse(const torch::Tensor& query, const torch::Tensor& arena,
-                                                             const torch::Tensor& exact_table,
-                                                             const torch::Tensor& q_table, const torch::Tensor& ranges,
-                                                             at::IntArrayRef layout, double scaling) {
-  Call call;
-  prepare_pair(call, query, arena, exact_table, q_table, ranges, layout, scaling);
-  TORCH_CHECK(!call.a.latent, "paged_attention_lse takes a K/V pair (form 0)");
-  auto lse = lse_of(call);
-  auto out = run(call, query);
-  return {out, lse};
+// Point a prepared call at a rotated quantized tier: `rot` (d, d) (R's blocks), the query times it once per row.
+void rotate_query(Call& call, const torch::Tensor& rot) {
+  call.rot = rot.to(torch::kFloat).contiguous();
+  call.q_rot = at::matmul(call.q, call.rot).contiguous();  // once per query row, not once per work unit that reads it
+  call.a.rotation = call.rot.data_ptr<float>();
+  call.a.query_rot = call.q_rot.data_ptr<float>();
 }
 
-// A dca reuse layer's attention over its source layer's K/V pages in place (form 0 layout, H heads of width w, not
-// rotated): query (B, Hq, n, (H + 1) w), each row [the query folded through the layer's key map for each source head
-// g ; the query itself]; key_bias (H, w) the map's pre-RoPE key bias per destination head, rotated inside the op to
-// each token's position (positions (B, pq * tq + pe * te) int64, cos and sin (rows, w)). Returns the rows' weighted
-// sums of every source head's values, (B, Hq, n, H w) (the caller applies the value map), and their log-sum-exp.
-std::tuple<torch::Tensor, torch::Tensor> paged_mixed_attention(
-    const torch::Tensor& query, const torch::Tensor& arena, const torch::Tensor& exact_table,
-    const torch::Tensor& q_table, const torch::Tensor& ranges, at::IntArrayRef layout, const torch::Tensor& key_bias,
-    const torch::Tensor& positions, const torch::Tensor& cos, const torch::Tensor& sin, double scaling) {
-  Call call;
-  prepare(call, query, arena, exact_table, q_table, ranges, layout, scaling);
-  PagedArgs& a = call.a;
-  TORCH_CHECK(layout[20] == 0 && layout[2] == layout[3], "the source must be a K/V pair of one width (form 0)");
-  const int64_t w = layout[2];
-  TORCH_CHECK(a.d == (a.H + 1) * w, "the query must be (H + 1) * head_dim wide: the folded queries, then the query");
-  auto bias = key_bias.to(torch::kFloat).contiguous();
-  TORCH_CHECK(bias.dim() == 2 && bias.size(0) == a.H && bias.size(1) == w, "key_bias must be (H, head_dim)");
-  rope_args(call, positions, cos, sin, w);
-  TORCH_CHECK(a.rstride != 6, "a dca source has no attention sinks");
-  a.mixed = true;
-  a.kw = w;
-  a.vw = w;
-  a.dv = a.H * w;
-  a.key_bias = bias.data_ptr<float>();
-  auto lse = lse_of(call);
-  auto out = run(call, query);
-  return {out, lse};
+// A dca reuse layer's ranges (B, n, 3 or 4) cut at each row's first own position, four entries a row in `cuts`:
+// `from` (its own pages): each query's first exact slot raised to cuts[4b] and its first code to cuts[4b + 1] (four
+// columns out); else (its source's): its exact slots ended at cuts[4b + 2] and its codes at cuts[4b + 3].
+torch::Tensor cut_ranges(const torch::Tensor& ranges, at::IntArrayRef cuts, bool from) {
+  TORCH_CHECK(ranges.scalar_type() == torch::kInt && ranges.dim() == 3 && (ranges.size(2) == 3 || ranges.size(2) == 4),
+              "a dca layer's ranges must be (B, n, 3) or (B, n, 4) int32: no attention sinks");
+  const int64_t B = ranges.size(0), n = ranges.size(1), s = ranges.size(2), os = from ? 4 : s;
+  TORCH_CHECK(static_cast<int64_t>(cuts.size()) == 4 * B, "cuts must hold four entries a row");
+  auto in = ranges.contiguous();
+  auto out = torch::empty({B, n, os}, in.options());
+  const int32_t* r = in.data_ptr<int32_t>();
+  int32_t* o = out.data_ptr<int32_t>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i < n; ++i) {
+      const int32_t* src = r + (b * n + i) * s;
+      int32_t* dst = o + (b * n + i) * os;
+      std::copy(src, src + s, dst);
+      if (from) {
+        if (s == 3) dst[3] = 0;
+        dst[1] = std::max<int32_t>(dst[1], static_cast<int32_t>(cuts[4 * b]));
+        dst[3] = std::max<int32_t>(dst[3], static_cast<int32_t>(cuts[4 * b + 1]));
+      } else {
+        dst[2] = std::min<int32_t>(dst[2], static_cast<int32_t>(cuts[4 * b + 2]));
+        dst[0] = std::min<int32_t>(dst[0], static_cast<int32_t>(cuts[4 * b + 3]));
+      }
+    }
+  return out;
+}
+
+// Both parts of a reuse layer are K/V pairs of `w`-wide heads (form 0), the second layout's tier rotated by
+// `rotation` (w, w) when given and the part has codes.
+void check_pair(at::IntArrayRef layout, int64_t w, const char* which) {
+  TORCH_CHECK(layout.size() == LAYOUT_LEN && layout[20] == 0 && layout[2] == w && layout[3] == w, which,
+              " must be a K/V pair (form 0) with keys and values as wide as the query's head_dim");
+}
+
+// A dca reuse layer's attention, in one op (cache_backends/dca/paged.py, attend_in_place_through_map): each query
+// (B, Hq, n, w) reads the positions before its row's first own position from its source layer's pages, the map
+// folded in, and those from it on from the layer's own pages, both in place, in one softmax. With a map (`map`:
+// key_fold (Hq, w, H w), value_map (Hq, H w, w), value_bias (Hq, w), key_bias (H, w), cos and sin (rows, w)) the
+// source's part scores every source head at once: row [q key_fold_0 ; ... ; q key_fold_H-1 ; q] against
+// [K_0,t ; ... ; K_H-1,t ; RoPE_pos(b_h)] (the key bias rotated to each token's position, src_positions), its
+// values [V_0,t ; ... ; V_H-1,t] summed, then mapped once a row (value_map, plus value_bias); with none (an empty
+// `map`) the source's K/V as they are. The two parts are attended apart and merged by their log-sum-exp
+// (FlashAttention's rescaling, arXiv 2205.14135). A rotated quantized tier (rotation (w, w), R symmetric): each
+// part's query rotated (a folded row block by block, its bias part not), its weighted codes summed apart.
+torch::Tensor paged_dca_attention(const torch::Tensor& query, const torch::Tensor& src_arena,
+                                  const torch::Tensor& src_exact_table, const torch::Tensor& src_q_table,
+                                  const torch::Tensor& src_ranges, at::IntArrayRef src_layout,
+                                  const torch::Tensor& src_positions, const torch::Tensor& own_arena,
+                                  const torch::Tensor& own_exact_table, const torch::Tensor& own_q_table,
+                                  const torch::Tensor& own_ranges, at::IntArrayRef own_layout, at::IntArrayRef cuts,
+                                  const std::optional<torch::Tensor>& rotation, at::TensorList map, double scaling) {
+  TORCH_CHECK(query.dim() == 4, "query must be (B, Hq, n, d)");
+  const auto q = query.to(torch::kFloat).contiguous();
+  const int64_t B = q.size(0), Hq = q.size(1), n = q.size(2), w = q.size(3);
+  check_pair(src_layout, w, "the source's layout");
+  check_pair(own_layout, w, "the layer's own layout");
+  torch::Tensor rot;
+  if (rotation.has_value() && rotation->defined()) {
+    rot = rotation->to(torch::kFloat).contiguous();
+    TORCH_CHECK(rot.dim() == 2 && rot.size(0) == w && rot.size(1) == w, "rotation must be (head_dim, head_dim)");
+  }
+  const auto rotates = [&](at::IntArrayRef layout, const torch::Tensor& q_table) {
+    return rot.defined() && layout[8] > 0 && q_table.size(1) > 0;
+  };
+
+  Call own;  // the layer's own tokens
+  prepare_pair(own, q, own_arena, own_exact_table, own_q_table, cut_ranges(own_ranges, cuts, true), own_layout,
+               scaling);
+  if (rotates(own_layout, own_q_table)) rotate_query(own, rot);
+  const auto own_lse = lse_of(own);
+  const auto own_out = run(own, q);  // fp32, (B, Hq, n, w)
+
+  Call src;  // the source's tokens
+  const auto src_cut = cut_ranges(src_ranges, cuts, false);
+  torch::Tensor src_out, value_bias;
+  if (map.empty()) {
+    prepare_pair(src, q, src_arena, src_exact_table, src_q_table, src_cut, src_layout, scaling);
+    if (rotates(src_layout, src_q_table)) rotate_query(src, rot);
+  } else {
+    TORCH_CHECK(map.size() == 6, "map must be [key_fold, value_map, value_bias, key_bias, cos, sin] or empty");
+    const int64_t H = src_layout[1];
+    const auto key_fold = map[0].to(torch::kFloat), value_map = map[1].to(torch::kFloat);
+    value_bias = map[2].to(torch::kFloat);
+    TORCH_CHECK(key_fold.dim() == 3 && key_fold.size(0) == Hq && key_fold.size(1) == w && key_fold.size(2) == H * w,
+                "key_fold must be (Hq, head_dim, H * head_dim)");
+    TORCH_CHECK(value_map.dim() == 3 && value_map.size(0) == Hq && value_map.size(1) == H * w &&
+                    value_map.size(2) == w, "value_map must be (Hq, H * head_dim, head_dim)");
+    TORCH_CHECK(value_bias.dim() == 2 && value_bias.size(0) == Hq && value_bias.size(1) == w,
+                "value_bias must be (Hq, head_dim)");
+    const auto folded = at::cat({at::matmul(q, key_fold), q}, -1).contiguous();  // (B, Hq, n, (H + 1) w)
+    prepare(src, folded, src_arena, src_exact_table, src_q_table, src_cut, src_layout, scaling);
+    PagedArgs& a = src.a;
+    auto bias = map[3].to(torch::kFloat).contiguous();
+    TORCH_CHECK(bias.dim() == 2 && bias.size(0) == a.H && bias.size(1) == w, "key_bias must be (H, head_dim)");
+    src.bias = bias;
+    rope_args(src, src_positions, map[4], map[5], w);
+    a.mixed = true;
+    a.kw = w;
+    a.vw = w;
+    a.dv = a.H * w;
+    a.key_bias = src.bias.data_ptr<float>();
+    if (rotates(src_layout, src_q_table)) {  // R on each source head's block, the bias's block as it is
+      auto blocks = torch::eye((a.H + 1) * w, rot.options());
+      for (int64_t g = 0; g < a.H; ++g) blocks.narrow(0, g * w, w).narrow(1, g * w, w).copy_(rot);
+      rotate_query(src, blocks);
+    }
+  }
+  const auto src_lse = lse_of(src);
+  src_out = run(src, src.q);
+  if (!map.empty()) src_out = at::matmul(src_out, map[1].to(torch::kFloat)) + value_bias.unsqueeze(1);  // normalized:
+  src_out = src_out.contiguous();                                                          // the bias adds whole
+
+  auto out = torch::empty({B, Hq, n, w}, q.options());
+  const float *o = own_out.data_ptr<float>(), *s = src_out.data_ptr<float>();
+  const float *lo = own_lse.data_ptr<float>(), *ls = src_lse.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, B * Hq * n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const float m = std::max(lo[row], ls[row]);
+      const bool any = m > -std::numeric_limits<float>::infinity();  // a row that saw nothing is zero, as the torch path
+      const float wo = any ? std::exp(lo[row] - m) : 0.f, ws = any ? std::exp(ls[row] - m) : 0.f;
+      const float inv = any ? 1.f / (wo + ws) : 0.f;
+      for (int64_t c = 0; c < w; ++c) {
+        const float a = wo > 0.f ? wo * o[row * w + c] : 0.f, b = ws > 0.f ? ws * s[row * w + c] : 0.f;
+        dst[row * w + c] = (a + b) * inv;
+      }
+    }
+  });
+  return query.scalar_type() == torch::kFloat ? out : out.to(query.scalar_type());
 }
 
 torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& arena, const torch::Tensor& exact_table,
@@ -285,14 +387,11 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& a
   Call call;
   prepare_pair(call, query, arena, exact_table, q_table, ranges, layout, scaling);
   PagedArgs& a = call.a;
-  torch::Tensor rot, q_rot;
   if (rotation.has_value() && rotation->defined()) {
-    rot = rotation->to(torch::kFloat).contiguous();
-    TORCH_CHECK(rot.dim() == 2 && rot.size(0) == a.d && rot.size(1) == a.d && (a.d == a.dv || a.latent),
+    TORCH_CHECK(rotation->dim() == 2 && rotation->size(0) == a.d && rotation->size(1) == a.d &&
+                    (a.d == a.dv || a.latent),
                 "rotation must be (d, d), d == dv (a latent's: block-diagonal, the latent's then the rope key's)");
-    a.rotation = rot.data_ptr<float>();
-    q_rot = at::matmul(call.q, rot).contiguous();  // once per query row, not once per work unit that reads it
-    a.query_rot = q_rot.data_ptr<float>();
+    rotate_query(call, *rotation);
   }
   return run(call, query);
 }
@@ -420,10 +519,10 @@ TORCH_LIBRARY(kvserve, m) {
   m.def("paged_latent_attention(Tensor query, Tensor arena, Tensor exact_table, Tensor q_table, Tensor ranges, "
         "int[] layout, Tensor key_up, Tensor key_mean, Tensor value_up, Tensor value_mean, Tensor positions, "
         "Tensor cos, Tensor sin, Tensor? rotated_bases, float scaling) -> Tensor");
-  m.def("paged_attention_lse(Tensor query, Tensor arena, Tensor exact_table, Tensor q_table, Tensor ranges, "
-        "int[] layout, float scaling) -> (Tensor, Tensor)");
-  m.def("paged_mixed_attention(Tensor query, Tensor arena, Tensor exact_table, Tensor q_table, Tensor ranges, "
-        "int[] layout, Tensor key_bias, Tensor positions, Tensor cos, Tensor sin, float scaling) -> (Tensor, Tensor)");
+  m.def("paged_dca_attention(Tensor query, Tensor src_arena, Tensor src_exact_table, Tensor src_q_table, "
+        "Tensor src_ranges, int[] src_layout, Tensor src_positions, Tensor own_arena, Tensor own_exact_table, "
+        "Tensor own_q_table, Tensor own_ranges, int[] own_layout, int[] cuts, Tensor? rotation, Tensor[] map, "
+        "float scaling) -> Tensor");
   m.def("paged_write(Tensor(a!) arena, Tensor key, Tensor value, Tensor write_pages, Tensor write_slots, "
         "int[] layout) -> ()");
   m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
@@ -433,8 +532,7 @@ TORCH_LIBRARY(kvserve, m) {
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
   m.impl("paged_attention", &paged_attention);
   m.impl("paged_latent_attention", &paged_latent_attention);
-  m.impl("paged_attention_lse", &paged_attention_lse);
-  m.impl("paged_mixed_attention", &paged_mixed_attention);
+  m.impl("paged_dca_attention", &paged_dca_attention);
   m.impl("paged_write", &paged_write);
   m.impl("skinny_linear", &skinny_linear);
 }

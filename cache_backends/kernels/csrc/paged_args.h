@@ -55,7 +55,8 @@ struct PagedArgs {
   bool mixed;               // a dca reuse layer's source (form 0 pages, K/V of H heads of width kw): each query row of
                             // KV head h is [the query folded through the map for each source head g ; the query]
                             // (d = (H + 1) kw); its key at token t is [K_0,t ; ... ; K_H-1,t ; RoPE_pos(b_h)], its
-                            // value [V_0,t ; ... ; V_H-1,t] (dv = H kw): every source head scored and summed at once
+                            // value [V_0,t ; ... ; V_H-1,t] (dv = H kw): every source head scored and summed at once,
+                            // a block widened once for every query head (kv_items 1), the bias part scored apart
   const float* key_bias;    // mixed: (H, kw) the map's pre-RoPE key bias per destination head
   float* lse;               // (B, Hq, n) each row's log-sum-exp of its scaled scores (-inf: no token seen), or nullptr
   const int64_t* positions; // posthoc: (B, pos_stride) every slot's position, the quantized tier's pq * tq first
@@ -66,6 +67,8 @@ struct PagedArgs {
   float scaling;            // softmax scale
   bool int_sums;            // a decode's 4-bit keys scored in integers (the query rounded to int8 once per key
                             // group); false: fp32 sums throughout (KVSERVE_KERNEL_EXACT_SUMS=1)
+  int64_t kv_items;         // work items per row and query tile: one per KV head (H), or one for every head (a dca
+                            // source: every query head's rows read the same widened block of every source head)
   int64_t tile_tokens;      // query tokens per work item
   int64_t tiles;            // ceil(n / tile_tokens)
   int64_t splits;           // work units per item (its KV blocks split between them), 1: none
