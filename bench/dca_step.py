@@ -1,7 +1,8 @@
 """Where a ``dca`` decode step's time goes: one engine decode step of ``--batch`` sequences x ``--context`` cached
 tokens for ``full``, for ``dca`` with every reuse candidate reusing (``threshold=-1``), with none reusing
 (``threshold=1.01``: every layer kept, dca's own bookkeeping only), and reusing with ``align=none`` (the source's
-K/V as they are, no map), alternating over ``--rounds`` rounds; median ms and aten op counts
+K/V as they are, no map), and for ``mla`` and ``dca+mla`` (every candidate reusing, its map over the source's
+latent), alternating over ``--rounds`` rounds; median ms and aten op counts
 (:func:`bench.budget.step_time`). ``--paths kernel torch`` times each setting with the attention kernel (the pages
 read in place: a reuse layer's own and its source's, :func:`cache_backends.dca.paged.attend_in_place_through_map`)
 and with the torch path (gathered), in turn.
@@ -19,7 +20,9 @@ import torch
 
 SETTINGS = [("full", "full", {}), ("dca, every candidate reusing", "dca", {"threshold": -1.0}),
             ("dca, none reusing", "dca", {"threshold": 1.01}),
-            ("dca align=none, every candidate reusing", "dca", {"threshold": -1.0, "align": "none"})]
+            ("dca align=none, every candidate reusing", "dca", {"threshold": -1.0, "align": "none"}),
+            ("mla:rank=128", "mla", {"rank": 128}),
+            ("dca+mla:rank=128, every candidate reusing", "dca+mla", {"threshold": -1.0, "rank": 128})]
 
 
 def main(argv: list[str] | None = None) -> int:

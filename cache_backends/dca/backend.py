@@ -362,10 +362,14 @@ class DCABackend(KVBackend):
             return self.inner.attend_paged(layer, query, reads.own, own_meta, scaling, module)
         source = meta.sources[layer - 1]
         both = (reads.own[0], source.reads[0])
-        if (all(isinstance(r, InPlaceRead) and kernels.reads_pairs(r.views.layout) for r in both)
-                and not getattr(own_meta, "mask_replaced", False)):  # K/V pairs (dca+mla's latent: gathered)
+        if (all(isinstance(r, InPlaceRead) and kernels.reads_dca(r.views.layout) for r in both)
+                and not getattr(own_meta, "mask_replaced", False)):
+            latents = ()
+            if kernels.is_posthoc_latent(reads.own[0].views.layout):  # dca+mla: each layer's bases, RoPE's tables
+                latents = (self.inner._kernel_bases(layer - 1), self.inner._kernel_bases(layer),
+                           *self.inner.rope.float_tables(meta.position_limit))
             return attend_in_place_through_map(self.maps[layer - 1], query, source.reads, meta.kept, reads.own,
-                                               own_meta, meta.own_from[i], scaling, meta.position_limit)
+                                               own_meta, meta.own_from[i], scaling, meta.position_limit, latents)
         own_from = torch.tensor(meta.own_from[i], device=query.device)
         return attend_through_map(self.maps[layer - 1], query, source.kv(), meta.kept, reads.own_kv(), own_meta,
                                   own_from, scaling, meta.position_limit)

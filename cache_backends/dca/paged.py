@@ -178,8 +178,8 @@ def cuts_at(src_meta: StepMeta, own_meta: StepMeta, own_from: list[int]) -> list
 
 
 def attend_in_place_through_map(layer_map: LayerMap, query: torch.Tensor, src: list, src_meta: StepMeta, own: list,
-                                own_meta: StepMeta, own_from: list[int], scaling: float,
-                                limit: int) -> torch.Tensor:
+                                own_meta: StepMeta, own_from: list[int], scaling: float, limit: int,
+                                latents: tuple = ()) -> torch.Tensor:
     """:func:`attend_through_map`'s attention with both layers' pages read in place by the kernel, in one op
     (:func:`cache_backends.kernels.dca_attention`): the layer's own tokens (positions from each row's ``own_from``)
     and its source's (those before) with the map folded in (every source head scored at once, the key bias rotated
@@ -188,9 +188,12 @@ def attend_in_place_through_map(layer_map: LayerMap, query: torch.Tensor, src: l
     Args:
         query: (B, Hq, n, d) after RoPE.
         src, own: the source layer's and this layer's :class:`cache_backends.paged.InPlaceRead` (K/V pairs of H heads,
-            :func:`cache_backends.kernels.reads_pairs`); src_meta, own_meta: their groups' step metadata.
+            or post-hoc latents: :func:`cache_backends.kernels.reads_dca`); src_meta, own_meta: their groups' step
+            metadata.
         own_from: per row, the first position it reads from its own pages (plain ints).
         limit: above every position the step reads (:attr:`DCAStepMeta.position_limit`).
+        latents: for post-hoc latents (``dca+mla``), ``(source layer's bases, own bases, cos, sin)``
+            (:func:`cache_backends.kernels.dca_attention`).
 
     Returns:
         (B, Hq, n, d) in the query's dtype.
@@ -201,4 +204,4 @@ def attend_in_place_through_map(layer_map: LayerMap, query: torch.Tensor, src: l
         key_fold, value_map, value_bias = layer_map._per_query_head(query.shape[1])
         map_args = [key_fold, value_map, value_bias, layer_map.key_bias, *layer_map.rope.float_tables(limit)]
     return kernels.dca_attention(query, src[0], src_meta, own[0], own_meta, cuts_at(src_meta, own_meta, own_from),
-                                 scaling, map_args)
+                                 scaling, map_args, latents)

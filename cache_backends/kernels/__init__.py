@@ -12,7 +12,8 @@ folded in, over the key (c_t, k_rope_t) and the value c_t, W_UV applied by the c
 post-hoc latent (``mla`` on an MHA/GQA model, exact or ``mla+int8`` / ``mla+int4``, :func:`latent_attention`): each
 KV head's keys rebuilt block by block inside the op and rotated at each token's position, the values absorbed.
 ``torch.ops.kvserve.paged_dca_attention`` attends a ``dca`` reuse layer (:func:`dca_attention`): its source's pages
-with the layer's map folded in and its own pages, merged into one softmax. All query heads of one KV head are scored together (GQA),
+with the layer's map folded in and its own pages (K/V pairs, or ``dca+mla``'s post-hoc latents), merged into one
+softmax. All query heads of one KV head are scored together (GQA),
 the softmax is computed online (FlashAttention, arXiv 2205.14135), decode rows of different lengths and the tokens
 of a prefill chunk go through the same call (each query token's visible tokens are intervals,
 :attr:`cache_backends.step_meta.StepMeta.ranges`), and the work (row, KV head, query tile) is split over the
@@ -139,7 +140,7 @@ def _register_fake() -> None:
 
     @torch.library.register_fake("kvserve::paged_dca_attention")
     def _(query, src_arena, src_exact_table, src_q_table, src_ranges, src_layout, src_positions, own_arena,
-          own_exact_table, own_q_table, own_ranges, own_layout, cuts, rotation, map_, scaling):
+          own_exact_table, own_q_table, own_ranges, own_layout, own_positions, cuts, rotation, map_, latents, scaling):
         return query.new_empty(query.shape)
 
     @torch.library.register_fake("kvserve::skinny_linear")
@@ -347,23 +348,29 @@ def latent_attention(query: torch.Tensor, latent, meta, scaling: float, bases: t
 
 
 def dca_attention(query: torch.Tensor, source, source_meta, own, own_meta, cuts: list[int], scaling: float,
-                  map_args: list[torch.Tensor]) -> torch.Tensor:
+                  map_args: list[torch.Tensor], latents: tuple = ()) -> torch.Tensor:
     """A ``dca`` reuse layer's attention (cross-layer KV sharing with a calibrated map; CLA, arXiv 2405.12981), both
     layers' pages read in place, in one op: each query reads the positions before its row's first own position from
     its source layer's pages, the map folded in, and the later ones from the layer's own pages, in one softmax (the
     two parts attended apart and merged by their log-sum-exp, FlashAttention's rescaling, arXiv 2205.14135). With a
     map, each query head ``q`` of KV head ``h`` scores every source head at once, ``Σ_g fold_g(q) · K_g,t + q · R_t
     b_h`` (the key bias rotated to each token's position inside the op), and sums every source head's values, mapped
-    once a row; a rotated quantized tier is scored with each part's query rotated instead of the codes.
+    once a row; a rotated quantized tier is scored with each part's query rotated instead of the codes. Under
+    ``dca+mla`` both layers hold post-hoc latents (:func:`is_posthoc_latent`): every source head's keys are rebuilt
+    from the latent inside the op, the latent summed as the values and each head's projected once a row
+    (:func:`latent_attention`'s sums), the layer's own as :func:`latent_attention` does.
 
     Args:
         query: (B, Hq, n, d) after RoPE, Hq a multiple of the layers' H KV heads.
         source, own: the source layer's and this layer's :class:`cache_backends.paged.InPlaceRead` (K/V pairs of H
-            heads of width d, :func:`reads_pairs`); source_meta, own_meta: their groups' step metadata.
+            heads of width d, or post-hoc latents, :func:`reads_dca`); source_meta, own_meta: their groups' step metadata.
         cuts: four ints a row: its own pages' first exact slot and first code, its source's exact slots' end and
             codes' end (:func:`cache_backends.dca.paged.cuts_at`).
         map_args: ``[key_fold (Hq, d, H d), value_map (Hq, H d, d), value_bias (Hq, d), key_bias (H, d), cos, sin
             (rows, d)]`` fp32, or ``[]``: the source's K/V as they are.
+        latents: for post-hoc latents, ``(source bases, own bases, cos, sin)``: each layer's
+            :func:`latent_attention` bases (the first four: a latent under ``dca`` has no rotated tier) and RoPE's
+            (rows, d) fp32 tables; else ``()``.
 
     Returns:
         (B, Hq, n, d) in the query's dtype.
@@ -374,18 +381,26 @@ def dca_attention(query: torch.Tensor, source, source_meta, own, own_meta, cuts:
     """
     src_views, own_views = source.views, own.views
     q = own_views.layout.quantization
-    rotation = _rotation(query.shape[-1], 0, query.device) if q and q.rotate else None
+    rotation, latent_args = None, []
+    if latents:
+        src_bases, own_bases, cos, sin = latents
+        latent_args = [*src_bases[:4], *own_bases[:4], cos, sin]
+    elif q and q.rotate:
+        rotation = _rotation(query.shape[-1], 0, query.device)
     return torch.ops.kvserve.paged_dca_attention(
         query, src_views.arena, source_meta.exact_table, source_meta.q_table, source_meta.ranges,
         _layer_args(src_views, source.layer), source_meta.positions, own_views.arena, own_meta.exact_table,
-        own_meta.q_table, own_meta.ranges, _layer_args(own_views, own.layer), cuts, rotation, map_args, scaling)
+        own_meta.q_table, own_meta.ranges, _layer_args(own_views, own.layer), own_meta.positions, cuts, rotation,
+        map_args, latent_args, scaling)
 
 
-def reads_pairs(layout) -> bool:
-    """Whether a layout is a K/V pair of one width the kernel reads in place (a rotated tier too): what
-    :func:`dca_attention` takes."""
-    if not fits(layout) or is_latent(layout) or is_posthoc_latent(layout):
+def reads_dca(layout) -> bool:
+    """Whether :func:`dca_attention` reads a layout in place: a K/V pair of one width (a rotated tier too), or a
+    post-hoc latent without a rotated tier (``dca+mla``)."""
+    if not fits(layout) or is_latent(layout):
         return False
+    if is_posthoc_latent(layout):
+        return not (layout.quantization and layout.quantization.rotate)
     k, v = layout.streams
     return k.width == v.width
 

@@ -454,7 +454,7 @@ inline void project(const float* P, const float* mu, int64_t r, int64_t d, const
 // Llama layout (channel i pairs with i + d/2) at each token's own position.
 inline void rebuild_keys(const PagedArgs& a, int64_t h, const float* const* cp, int64_t nj, const int64_t* pos,
                          float* k, const float* key_up) {
-  const int64_t r = a.kw, d = a.d, half = d / 2;
+  const int64_t r = a.kw, d = a.hd, half = d / 2;
   project(key_up + h * r * d, a.key_mean + h * d, r, d, cp, nj, k);
   for (int64_t j = 0; j < nj; ++j) {
     const int64_t row = std::min<int64_t>(std::max<int64_t>(pos[j], 0), a.rope_rows - 1);
@@ -486,10 +486,24 @@ inline void posthoc_block(const PagedArgs& a, int64_t h, int64_t nj, S& w, const
   rebuild_keys(a, h, vp, nj, w.pos.data(), w.k.data(), rotated_tier ? a.key_up_rot : a.key_up);
   for (int64_t j = 0; j < nj; ++j) kp[j] = w.k.data() + j * a.d;
   if (!a.rebuild_values) return;
-  const int64_t r = a.kw, d = a.d;
+  const int64_t r = a.kw, d = a.hd;
   project((rotated_tier ? a.value_up_rot : a.value_up) + h * r * d, a.value_mean + h * d, r, d, vp, nj,
           w.vr.data());
   for (int64_t j = 0; j < nj; ++j) vp[j] = w.vr.data() + j * d;
+}
+
+// A block of a dca source held as a post-hoc latent (dca+mla) made ready for attend_block: every KV head g's keys
+// rebuilt, RoPE_pos(c_t P_g + mu_g), side by side in w.k ([K_0,t ; ... ; K_H-1,t], H hd wide); the values stay the
+// latent (summed, then each head's projected once a row: finalize).
+template <class S>
+inline void mixed_latent_block(const PagedArgs& a, int64_t nj, S& w, const float** kp, const float* const* vp,
+                               bool rotated_tier) {
+  const int64_t hd = a.hd, dk = a.H * hd;
+  for (int64_t g = 0; g < a.H; ++g) {
+    rebuild_keys(a, g, vp, nj, w.pos.data(), w.kg.data(), rotated_tier ? a.key_up_rot : a.key_up);
+    for (int64_t j = 0; j < nj; ++j) std::copy(w.kg.data() + j * hd, w.kg.data() + (j + 1) * hd, w.k.data() + j * dk + g * hd);
+  }
+  for (int64_t j = 0; j < nj; ++j) kp[j] = w.k.data() + j * dk;
 }
 
 // ---------------------------------------------------------------------------------------------- dca's mixed source
@@ -531,7 +545,7 @@ inline void mixed_quant(const PagedArgs& a, const uint8_t* base, int64_t u, floa
 // rotated to the token's position (w.pos), once per block and KV head.
 template <class S>
 inline void mixed_bias_scores(const PagedArgs& a, int64_t M, int64_t nj, S& w) {
-  const int64_t kw = a.kw, rep = a.Hq / a.H;
+  const int64_t kw = a.hd, rep = a.Hq / a.H;
   for (int64_t g = 0; g < a.H; ++g)
     for (int64_t j = 0; j < nj; ++j) rope_row(a, a.key_bias + g * kw, w.pos[j], kw, w.rb.data() + (g * BN + j) * kw);
   for (int64_t r = 0; r < M; ++r) {
@@ -740,7 +754,7 @@ inline void q_values(const float* p, const float* zs, float* acc, int64_t dv, in
 
 // ---------------------------------------------------------------------------------------------- the work item
 struct Scratch {
-  std::vector<float> q, qr, acc_q, acc_e, m, l, s, p, k, v, vr, qg, bias, vs, vz, zs, sig, qb, rb, bs;
+  std::vector<float> q, qr, acc_q, acc_e, m, l, s, p, k, v, vr, qg, bias, vs, vz, zs, sig, qb, rb, bs, kg;
   std::vector<int8_t> q8;
   std::vector<int64_t> pos;
   std::vector<const float*> kp, vp;
@@ -995,15 +1009,18 @@ inline void finalize(const PagedArgs& a, const Rows& x, const float* acc_e, cons
         a.lse[(x.b * a.Hq + x.h * x.rep + r) * a.n + i] =
             l[row] > 0.f ? m[row] + std::log(l[row]) : -std::numeric_limits<float>::infinity();
       if (a.posthoc && !a.rebuild_values) {  // the weighted latent's value side, once a row: (acc / l) P_v,h + mu_v,h
-        const int64_t d = a.d;  // (a rotated tier's latents, summed apart, through R P_v,h)
-        const float* mu = a.value_mean + x.h * d;
-        for (int64_t c = 0; c < d; ++c) dst[c] = mu[c];
-        for (int t = 0; t < (acc_q != nullptr ? 2 : 1); ++t) {
-          const float* acc = (t == 0 ? acc_e : acc_q) + row * dv;
-          const float* P = (t == 0 ? a.value_up : a.value_up_rot) + x.h * dv * d;
-          for (int64_t k = 0; k < dv; ++k) {
-            const float f = acc[k] * inv;
-            for (int64_t c = 0; c < d; ++c) dst[c] += f * P[k * d + c];
+        const int64_t d = a.hd;  // (a rotated tier's latents, summed apart, through R P_v,h); a dca source's: every
+        for (int64_t g = a.mixed ? 0 : x.h; g < (a.mixed ? a.H : x.h + 1); ++g) {  // head's, side by side
+          float* out = dst + (a.mixed ? g * d : 0);
+          const float* mu = a.value_mean + g * d;
+          for (int64_t c = 0; c < d; ++c) out[c] = mu[c];
+          for (int t = 0; t < (acc_q != nullptr ? 2 : 1); ++t) {
+            const float* acc = (t == 0 ? acc_e : acc_q) + row * dv;
+            const float* P = (t == 0 ? a.value_up : a.value_up_rot) + g * dv * d;
+            for (int64_t k = 0; k < dv; ++k) {
+              const float f = acc[k] * inv;
+              for (int64_t c = 0; c < d; ++c) out[c] += f * P[k * d + c];
+            }
           }
         }
         continue;
@@ -1030,9 +1047,9 @@ inline void run_item(const PagedArgs& a, int64_t unit, Scratch& w) {
   const int64_t tile = item % a.tiles, h = (item / a.tiles) % a.kv_items, b = item / (a.tiles * a.kv_items);
   const int64_t rep = a.Hq / a.kv_items, d = a.d, dv = a.dv;
   // the rows' scoring width: d, or a dca source's H kw (its rows' last kw channels score the key bias apart)
-  const int64_t dk = a.mixed ? a.H * a.kw : d;
+  const int64_t dk = a.mixed ? a.H * a.hd : d;
   const int64_t hs = a.posthoc ? 0 : h;  // the slabs' head: a post-hoc latent's one head serves every KV head
-  const int64_t heads_read = a.mixed ? a.H : 1;  // slabs a block reads: a dca source's every head (hs = 0)
+  const int64_t heads_read = a.mixed && !a.posthoc ? a.H : 1;  // slabs a block reads: a dca source's every head
   const int64_t i0 = tile * a.tile_tokens, i1 = std::min(a.n, i0 + a.tile_tokens), M = (i1 - i0) * rep;
   // rows: token-major within the tile, the rep query heads of KV head h together
   std::vector<int64_t> qc(M), q0(M), elo(M), ehi(M), slo(M, 0), shi(M, 0);
@@ -1056,7 +1073,7 @@ inline void run_item(const PagedArgs& a, int64_t unit, Scratch& w) {
       if (a.query_rot != nullptr)  // q R (R symmetric): scores against rotated codes
         for (int64_t c = 0; c < dk; ++c) w.qr[row * dk + c] = a.query_rot[at + c] * a.scaling;
       if (a.mixed)
-        for (int64_t c = 0; c < a.kw; ++c) w.qb[row * a.kw + c] = a.query[at + dk + c] * a.scaling;
+        for (int64_t c = 0; c < a.hd; ++c) w.qb[row * a.hd + c] = a.query[at + dk + c] * a.scaling;
     }
     if (q > lo) {
       q_min = std::min<int64_t>(q_min, lo);
@@ -1122,7 +1139,7 @@ inline void run_item(const PagedArgs& a, int64_t unit, Scratch& w) {
       for (int64_t j = 0; j < nj; ++j) {
         const int64_t t = t0 + j, u = t % a.tq, g = hs * groups + u / a.group, slot = hs * a.tq + u;
         const uint8_t* base = a.arena + a.q_table[b * a.pq + t / a.tq] * a.page_bytes;
-        if (a.mixed) {  // every source head's key and value in the scratch, the token's position for the bias
+        if (a.mixed && !a.posthoc) {  // every source head's key and value in the scratch, the token's position
           mixed_quant(a, base, u, w.k.data() + j * dk, w.v.data() + j * dv);
           kp[j] = w.k.data() + j * dk;
           vp[j] = w.v.data() + j * dv;
@@ -1152,7 +1169,10 @@ inline void run_item(const PagedArgs& a, int64_t unit, Scratch& w) {
         }
         kp[j] = kj;
       }
-      if (a.posthoc) posthoc_block(a, h, nj, w, kp, vp, a.rotation != nullptr);
+      if (a.posthoc && a.mixed)
+        mixed_latent_block(a, nj, w, kp, vp, a.rotation != nullptr);
+      else if (a.posthoc)
+        posthoc_block(a, h, nj, w, kp, vp, a.rotation != nullptr);
       if (a.mixed) mixed_bias_scores(a, M, nj, w);
       // a rotated post-hoc tier is rebuilt with rotated bases: its keys are not rotated, nor is its query
       attend_block(M, dk, dv, rotated && !a.posthoc ? w.qr.data() : w.q.data(), kp, vp, t0, nj, lo_r, hi_r, w, acc_q,
@@ -1181,7 +1201,7 @@ inline void run_item(const PagedArgs& a, int64_t unit, Scratch& w) {
         }
         const uint8_t* kb = base + a.k_off + (hs * a.te + u) * a.kw * es;
         const uint8_t* vb = base + a.v_off + (hs * a.te + u) * a.vw * es;
-        if (a.mixed) {  // every source head's key and value in the scratch, the token's position for the bias
+        if (a.mixed && !a.posthoc) {  // every source head's key and value in the scratch, the token's position
           mixed_exact(a, base, u, w.k.data() + j * dk, w.v.data() + j * dv);
           kp[j] = w.k.data() + j * dk;
           vp[j] = w.v.data() + j * dv;
@@ -1210,7 +1230,10 @@ inline void run_item(const PagedArgs& a, int64_t unit, Scratch& w) {
           vp[j] = w.v.data() + j * dv;
         }
       }
-      if (a.posthoc) posthoc_block(a, h, nj, w, kp, vp, false);
+      if (a.posthoc && a.mixed)
+        mixed_latent_block(a, nj, w, kp, vp, false);
+      else if (a.posthoc)
+        posthoc_block(a, h, nj, w, kp, vp, false);
       if (a.mixed) mixed_bias_scores(a, M, nj, w);
       attend_block(M, dk, dv, w.q.data(), kp, vp, t0, nj, lo_r, hi_r, w, acc_e, rotated ? acc_q : nullptr,
                    a.mixed ? w.bs.data() : nullptr);
@@ -1297,8 +1320,9 @@ inline Scratch scratch(const PagedArgs& a) {
   w.kp.resize(BN);
   w.vp.resize(BN);
   w.pos.resize(a.posthoc || a.mixed ? BN : 0);
-  w.qb.resize(a.mixed ? rows * a.kw : 0);
-  w.rb.resize(a.mixed ? a.H * BN * a.kw : 0);
+  w.qb.resize(a.mixed ? rows * a.hd : 0);
+  w.rb.resize(a.mixed ? a.H * BN * a.hd : 0);
+  w.kg.resize(a.mixed && a.posthoc ? BN * a.hd : 0);
   w.bs.resize(a.mixed ? rows * BN : 0);
   w.q.resize(rows * a.d);
   w.qr.resize(a.rotation ? rows * a.d : 0);

@@ -81,6 +81,7 @@ constexpr int64_t LAYOUT_LEN = 21;
 struct Call {
   PagedArgs a{};
   torch::Tensor q, et, qt, rg, out, pos, cos, sin, rot, q_rot, bias;
+  std::vector<torch::Tensor> keep;  // the fp32 copies of a post-hoc latent's bases the pointers in `a` point into
 };
 
 void prepare(Call& call, const torch::Tensor& query, const torch::Tensor& arena, const torch::Tensor& exact_table,
@@ -151,13 +152,17 @@ torch::Tensor run(Call& call, const torch::Tensor& query) {
   // a post-hoc latent's and a dca source's tiles are larger: every tile rebuilds (widens every head of) the keys it
   // reads, so fewer tiles do it less often
   a.tile_tokens = std::max<int64_t>(1, (a.posthoc || a.mixed ? KVK_POSTHOC_TILE_ROWS : KVK_TILE_ROWS) / rep);
-  if (a.posthoc) {
+  if (a.posthoc && !a.mixed) {
     // per token and KV head, summing the latent costs r a row, rebuilding the values r * d once and d a row: the
     // values are rebuilt where a tile's rows make that cheaper (a prefill chunk at a rank above head_dim)
     const int64_t r = a.kw, d = a.d, rows = std::min(a.n, a.tile_tokens) * rep;
     a.rebuild_values = r > d && rows * (r - d) > r * d;
     a.dv = a.rebuild_values ? d : r;
     a.ow = d;
+  } else if (a.posthoc) {  // a dca source held as a latent: the latent summed, every head's values projected from it
+    a.rebuild_values = false;
+    a.dv = a.kw;
+    a.ow = a.H * a.hd;
   } else {
     a.ow = a.dv;
   }
@@ -240,6 +245,46 @@ void prepare_pair(Call& call, const torch::Tensor& query, const torch::Tensor& a
   }
 }
 
+// A prepared call over a post-hoc latent (form 2: the layout's one stream is the latent c_t, one head,
+// k_width = r, no V slab) read by each of the model's H KV heads: key_up, value_up (H, r, hd); key_mean, value_mean
+// (H, hd); hd the heads' width; with a rotated quantized tier (codes of c R) rotated_bases (2, H, r, hd), R P_k and
+// R P_v, that tier's codes are rebuilt and projected with (summed apart).
+void latent_args(Call& call, at::IntArrayRef layout, const torch::Tensor& key_up, const torch::Tensor& key_mean,
+                 const torch::Tensor& value_up, const torch::Tensor& value_mean, const torch::Tensor* rotated_bases,
+                 int64_t hd) {
+  PagedArgs& a = call.a;
+  TORCH_CHECK(layout[20] == 2, "layout's form must be 2 (a post-hoc latent)");
+  TORCH_CHECK(layout[1] == 1 && layout[3] == 0, "a post-hoc latent is one stream of one head");
+  TORCH_CHECK(a.rstride != 6, "a post-hoc latent has no attention sinks");
+  auto up = key_up.to(torch::kFloat).contiguous(), mean = key_mean.to(torch::kFloat).contiguous();
+  TORCH_CHECK(up.dim() == 3 && up.size(1) == layout[2] && up.size(2) == hd,
+              "key_up must be (H, r, d): r the latent's width, d the query's head_dim");
+  TORCH_CHECK(mean.dim() == 2 && mean.size(0) == up.size(0) && mean.size(1) == hd, "key_mean must be (H, d)");
+  auto v_up = value_up.to(torch::kFloat).contiguous(), v_mean = value_mean.to(torch::kFloat).contiguous();
+  TORCH_CHECK(v_up.sizes() == up.sizes() && v_mean.sizes() == mean.sizes(),
+              "value_up and value_mean must be (H, r, d) and (H, d), as key_up and key_mean");
+  a.posthoc = true;
+  a.H = up.size(0);
+  a.hd = hd;
+  a.kw = layout[2];
+  a.vw = 0;
+  a.dv = layout[2];  // run() sets the accumulators' width: r, or d where the values are rebuilt
+  a.key_up = up.data_ptr<float>();
+  a.key_mean = mean.data_ptr<float>();
+  a.value_up = v_up.data_ptr<float>();
+  a.value_mean = v_mean.data_ptr<float>();
+  call.keep.insert(call.keep.end(), {up, mean, v_up, v_mean});
+  if (rotated_bases != nullptr && rotated_bases->defined()) {  // a rotated quantized tier: (2, H, r, d), R P_k, R P_v
+    auto rot = rotated_bases->to(torch::kFloat).contiguous();
+    TORCH_CHECK(rot.dim() == 4 && rot.size(0) == 2 && rot.size(1) == up.size(0) && rot.size(2) == up.size(1) &&
+                    rot.size(3) == hd, "rotated_bases must be (2, H, r, d): R P_k and R P_v");
+    a.key_up_rot = rot.data_ptr<float>();
+    a.value_up_rot = a.key_up_rot + up.numel();
+    a.rotation = a.key_up_rot;  // marks the tier as summed apart; a post-hoc latent never reads it as R
+    call.keep.push_back(rot);
+  }
+}
+
 // Point a prepared call at a rotated quantized tier: `rot` (d, d) (R's blocks), the query times it once per row.
 void rotate_query(Call& call, const torch::Tensor& rot) {
   call.rot = rot.to(torch::kFloat).contiguous();
@@ -277,11 +322,16 @@ torch::Tensor cut_ranges(const torch::Tensor& ranges, at::IntArrayRef cuts, bool
   return out;
 }
 
-// Both parts of a reuse layer are K/V pairs of `w`-wide heads (form 0), the second layout's tier rotated by
-// `rotation` (w, w) when given and the part has codes.
-void check_pair(at::IntArrayRef layout, int64_t w, const char* which) {
-  TORCH_CHECK(layout.size() == LAYOUT_LEN && layout[20] == 0 && layout[2] == w && layout[3] == w, which,
-              " must be a K/V pair (form 0) with keys and values as wide as the query's head_dim");
+// Both parts of a reuse layer hold the inner backend's stored form: K/V pairs of `w`-wide heads (form 0), or a
+// post-hoc latent (form 2, `latent`).
+void check_part(at::IntArrayRef layout, int64_t w, bool latent, const char* which) {
+  TORCH_CHECK(layout.size() == LAYOUT_LEN, which, " must have ", LAYOUT_LEN, " entries");
+  if (latent) {
+    TORCH_CHECK(layout[20] == 2, which, " must be a post-hoc latent (form 2), as the other part's");
+  } else {
+    TORCH_CHECK(layout[20] == 0 && layout[2] == w && layout[3] == w, which,
+                " must be a K/V pair (form 0) with keys and values as wide as the query's head_dim");
+  }
 }
 
 // A dca reuse layer's attention, in one op (cache_backends/dca/paged.py, attend_in_place_through_map): each query
@@ -294,31 +344,58 @@ void check_pair(at::IntArrayRef layout, int64_t w, const char* which) {
 // `map`) the source's K/V as they are. The two parts are attended apart and merged by their log-sum-exp
 // (FlashAttention's rescaling, arXiv 2205.14135). A rotated quantized tier (rotation (w, w), R symmetric): each
 // part's query rotated (a folded row block by block, its bias part not), its weighted codes summed apart.
+// Under dca+mla both parts are post-hoc latents (`latents`: the source layer's key_up, key_mean, value_up,
+// value_mean, the layer's own, then cos and sin (rows, w) for the rebuilt keys; not a rotated tier, which dca+mla
+// never stores): every source head's keys rebuilt from the latent (RoPE at each slot's position), the
+// latent summed as the values and each head's projected once a row; the layer's own as paged_latent_attention.
 torch::Tensor paged_dca_attention(const torch::Tensor& query, const torch::Tensor& src_arena,
                                   const torch::Tensor& src_exact_table, const torch::Tensor& src_q_table,
                                   const torch::Tensor& src_ranges, at::IntArrayRef src_layout,
                                   const torch::Tensor& src_positions, const torch::Tensor& own_arena,
                                   const torch::Tensor& own_exact_table, const torch::Tensor& own_q_table,
-                                  const torch::Tensor& own_ranges, at::IntArrayRef own_layout, at::IntArrayRef cuts,
-                                  const std::optional<torch::Tensor>& rotation, at::TensorList map, double scaling) {
+                                  const torch::Tensor& own_ranges, at::IntArrayRef own_layout,
+                                  const torch::Tensor& own_positions, at::IntArrayRef cuts,
+                                  const std::optional<torch::Tensor>& rotation, at::TensorList map,
+                                  at::TensorList latents, double scaling) {
   TORCH_CHECK(query.dim() == 4, "query must be (B, Hq, n, d)");
   const auto q = query.to(torch::kFloat).contiguous();
   const int64_t B = q.size(0), Hq = q.size(1), n = q.size(2), w = q.size(3);
-  check_pair(src_layout, w, "the source's layout");
-  check_pair(own_layout, w, "the layer's own layout");
+  const bool latent = !latents.empty();
+  TORCH_CHECK(!latent || latents.size() == 10, "latents must be [the source's 4 bases, the layer's 4, cos, sin] or empty");
+  check_part(src_layout, w, latent, "the source's layout");
+  check_part(own_layout, w, latent, "the layer's own layout");
   torch::Tensor rot;
   if (rotation.has_value() && rotation->defined()) {
+    TORCH_CHECK(!latent, "a post-hoc latent under dca has no rotated tier");
     rot = rotation->to(torch::kFloat).contiguous();
     TORCH_CHECK(rot.dim() == 2 && rot.size(0) == w && rot.size(1) == w, "rotation must be (head_dim, head_dim)");
   }
   const auto rotates = [&](at::IntArrayRef layout, const torch::Tensor& q_table) {
     return rot.defined() && layout[8] > 0 && q_table.size(1) > 0;
   };
+  // a latent part: its layer's bases (first: 0 the source, 4 the layer)
+  const auto as_latent = [&](Call& call, at::IntArrayRef layout, int64_t first, const torch::Tensor& positions,
+                             const torch::Tensor& cos, const torch::Tensor& sin) {
+    latent_args(call, layout, latents[first], latents[first + 1], latents[first + 2], latents[first + 3], nullptr, w);
+    rope_args(call, positions, cos, sin, w);
+  };
+
+  // a part attended as its layer stores it, without a map: a latent's own op, or a K/V pair's (rotated or not)
+  const auto as_stored = [&](Call& call, const torch::Tensor& arena, const torch::Tensor& exact_table,
+                             const torch::Tensor& q_table, const torch::Tensor& ranges, at::IntArrayRef layout,
+                             const torch::Tensor& positions, int64_t first) {
+    if (latent) {
+      prepare(call, q, arena, exact_table, q_table, ranges, layout, scaling);
+      as_latent(call, layout, first, positions, latents[8], latents[9]);
+    } else {
+      prepare_pair(call, q, arena, exact_table, q_table, ranges, layout, scaling);
+      if (rotates(layout, q_table)) rotate_query(call, rot);
+    }
+  };
 
   Call own;  // the layer's own tokens
-  prepare_pair(own, q, own_arena, own_exact_table, own_q_table, cut_ranges(own_ranges, cuts, true), own_layout,
-               scaling);
-  if (rotates(own_layout, own_q_table)) rotate_query(own, rot);
+  as_stored(own, own_arena, own_exact_table, own_q_table, cut_ranges(own_ranges, cuts, true), own_layout,
+            own_positions, 4);
   const auto own_lse = lse_of(own);
   const auto own_out = run(own, q);  // fp32, (B, Hq, n, w)
 
@@ -326,11 +403,10 @@ torch::Tensor paged_dca_attention(const torch::Tensor& query, const torch::Tenso
   const auto src_cut = cut_ranges(src_ranges, cuts, false);
   torch::Tensor src_out, value_bias;
   if (map.empty()) {
-    prepare_pair(src, q, src_arena, src_exact_table, src_q_table, src_cut, src_layout, scaling);
-    if (rotates(src_layout, src_q_table)) rotate_query(src, rot);
+    as_stored(src, src_arena, src_exact_table, src_q_table, src_cut, src_layout, src_positions, 0);
   } else {
     TORCH_CHECK(map.size() == 6, "map must be [key_fold, value_map, value_bias, key_bias, cos, sin] or empty");
-    const int64_t H = src_layout[1];
+    const int64_t H = latent ? latents[0].size(0) : src_layout[1];
     const auto key_fold = map[0].to(torch::kFloat), value_map = map[1].to(torch::kFloat);
     value_bias = map[2].to(torch::kFloat);
     TORCH_CHECK(key_fold.dim() == 3 && key_fold.size(0) == Hq && key_fold.size(1) == w && key_fold.size(2) == H * w,
@@ -342,14 +418,19 @@ torch::Tensor paged_dca_attention(const torch::Tensor& query, const torch::Tenso
     const auto folded = at::cat({at::matmul(q, key_fold), q}, -1).contiguous();  // (B, Hq, n, (H + 1) w)
     prepare(src, folded, src_arena, src_exact_table, src_q_table, src_cut, src_layout, scaling);
     PagedArgs& a = src.a;
+    if (latent) {  // keys rebuilt and rotated with the map's RoPE tables, as its key bias
+      as_latent(src, src_layout, 0, src_positions, map[4], map[5]);
+    } else {
+      rope_args(src, src_positions, map[4], map[5], w);
+      a.kw = w;
+      a.vw = w;
+      a.dv = a.H * w;
+      a.hd = w;
+    }
     auto bias = map[3].to(torch::kFloat).contiguous();
     TORCH_CHECK(bias.dim() == 2 && bias.size(0) == a.H && bias.size(1) == w, "key_bias must be (H, head_dim)");
     src.bias = bias;
-    rope_args(src, src_positions, map[4], map[5], w);
     a.mixed = true;
-    a.kw = w;
-    a.vw = w;
-    a.dv = a.H * w;
     a.key_bias = src.bias.data_ptr<float>();
     if (rotates(src_layout, src_q_table)) {  // R on each source head's block, the bias's block as it is
       auto blocks = torch::eye((a.H + 1) * w, rot.options());
@@ -411,36 +492,9 @@ torch::Tensor paged_latent_attention(const torch::Tensor& query, const torch::Te
                                      const std::optional<torch::Tensor>& rotated_bases, double scaling) {
   Call call;
   prepare(call, query, arena, exact_table, q_table, ranges, layout, scaling);
-  PagedArgs& a = call.a;
-  TORCH_CHECK(layout[20] == 2, "layout's form must be 2 (a post-hoc latent)");
-  TORCH_CHECK(layout[1] == 1 && layout[3] == 0, "a post-hoc latent is one stream of one head");
-  TORCH_CHECK(a.rstride != 6, "a post-hoc latent has no attention sinks");
-  auto up = key_up.to(torch::kFloat).contiguous(), mean = key_mean.to(torch::kFloat).contiguous();
-  TORCH_CHECK(up.dim() == 3 && up.size(1) == layout[2] && up.size(2) == a.d,
-              "key_up must be (H, r, d): r the latent's width, d the query's head_dim");
-  TORCH_CHECK(mean.dim() == 2 && mean.size(0) == up.size(0) && mean.size(1) == a.d, "key_mean must be (H, d)");
-  auto v_up = value_up.to(torch::kFloat).contiguous(), v_mean = value_mean.to(torch::kFloat).contiguous();
-  TORCH_CHECK(v_up.sizes() == up.sizes() && v_mean.sizes() == mean.sizes(),
-              "value_up and value_mean must be (H, r, d) and (H, d), as key_up and key_mean");
-  rope_args(call, positions, cos, sin, a.d);
-  a.posthoc = true;
-  a.H = up.size(0);
-  a.kw = layout[2];
-  a.vw = 0;
-  a.dv = layout[2];  // run() sets the accumulators' width: r, or d where the values are rebuilt
-  a.key_up = up.data_ptr<float>();
-  a.key_mean = mean.data_ptr<float>();
-  a.value_up = v_up.data_ptr<float>();
-  a.value_mean = v_mean.data_ptr<float>();
-  torch::Tensor rot;
-  if (rotated_bases.has_value() && rotated_bases->defined()) {  // a rotated quantized tier: (2, H, r, d), R P_k, R P_v
-    rot = rotated_bases->to(torch::kFloat).contiguous();
-    TORCH_CHECK(rot.dim() == 4 && rot.size(0) == 2 && rot.size(1) == up.size(0) && rot.size(2) == up.size(1) &&
-                    rot.size(3) == a.d, "rotated_bases must be (2, H, r, d): R P_k and R P_v");
-    a.key_up_rot = rot.data_ptr<float>();
-    a.value_up_rot = a.key_up_rot + up.numel();
-    a.rotation = a.key_up_rot;  // marks the tier as summed apart; a post-hoc latent never reads it as R
-  }
+  const torch::Tensor* rot = rotated_bases.has_value() ? &*rotated_bases : nullptr;
+  latent_args(call, layout, key_up, key_mean, value_up, value_mean, rot, call.a.d);
+  rope_args(call, positions, cos, sin, call.a.d);
   return run(call, query);
 }
 
@@ -521,8 +575,8 @@ TORCH_LIBRARY(kvserve, m) {
         "Tensor cos, Tensor sin, Tensor? rotated_bases, float scaling) -> Tensor");
   m.def("paged_dca_attention(Tensor query, Tensor src_arena, Tensor src_exact_table, Tensor src_q_table, "
         "Tensor src_ranges, int[] src_layout, Tensor src_positions, Tensor own_arena, Tensor own_exact_table, "
-        "Tensor own_q_table, Tensor own_ranges, int[] own_layout, int[] cuts, Tensor? rotation, Tensor[] map, "
-        "float scaling) -> Tensor");
+        "Tensor own_q_table, Tensor own_ranges, int[] own_layout, Tensor own_positions, int[] cuts, "
+        "Tensor? rotation, Tensor[] map, Tensor[] latents, float scaling) -> Tensor");
   m.def("paged_write(Tensor(a!) arena, Tensor key, Tensor value, Tensor write_pages, Tensor write_slots, "
         "int[] layout) -> ()");
   m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");

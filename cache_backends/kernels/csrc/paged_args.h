@@ -51,13 +51,16 @@ struct PagedArgs {
   const float* value_mean;  // weighted latent when it is written out, or to each token's latent (rebuild_values)
   bool rebuild_values;      // posthoc: values rebuilt per block (dv = d), cheaper than summing the latent for many
                             // rows a tile (a prefill's); else the latent is summed (dv = r) and projected once a row
-  int64_t ow;               // elements per output row: dv, or a post-hoc latent's head_dim
+  int64_t ow;               // elements per output row: dv, or a post-hoc latent's head_dim (under a dca source: H
+                            // head_dim, every head's values side by side)
+  int64_t hd;               // posthoc, mixed: a KV head's key width (head_dim): d, or a dca source's query's w
   bool mixed;               // a dca reuse layer's source (form 0 pages, K/V of H heads of width kw): each query row of
                             // KV head h is [the query folded through the map for each source head g ; the query]
                             // (d = (H + 1) kw); its key at token t is [K_0,t ; ... ; K_H-1,t ; RoPE_pos(b_h)], its
                             // value [V_0,t ; ... ; V_H-1,t] (dv = H kw): every source head scored and summed at once,
                             // a block widened once for every query head (kv_items 1), the bias part scored apart
-  const float* key_bias;    // mixed: (H, kw) the map's pre-RoPE key bias per destination head
+  const float* key_bias;    // mixed: (H, hd) the map's pre-RoPE key bias per destination head; mixed and posthoc
+                            // together: a dca source held as a post-hoc latent (dca+mla), every head's keys rebuilt
   float* lse;               // (B, Hq, n) each row's log-sum-exp of its scaled scores (-inf: no token seen), or nullptr
   const int64_t* positions; // posthoc: (B, pos_stride) every slot's position, the quantized tier's pq * tq first
   int64_t pos_stride;
