@@ -1,7 +1,7 @@
 // Paged attention over the KV pool in place: the body compiled once per instruction set. Included inside a
 // namespace by attention_avx2.cpp (KVK_AVX2 defined, under `#pragma GCC target("avx2,fma,f16c")`) and by
 // attention_portable.cpp; it includes nothing itself (the including file brings <cmath>, <cstring>, <vector>,
-// <algorithm>, <limits> and, for AVX2, <immintrin.h>).
+// <algorithm>, <limits> and, for AVX2, <immintrin.h> and <type_traits>).
 //
 // One work item is (row b, KV head h, a tile of query tokens): the tile's query heads of KV head h (GQA: the
 // rep = Hq / H heads that share it) are scored together against the row's tokens, read straight from its pages
@@ -501,7 +501,8 @@ inline void mixed_latent_block(const PagedArgs& a, int64_t nj, S& w, const float
   const int64_t hd = a.hd, dk = a.H * hd;
   for (int64_t g = 0; g < a.H; ++g) {
     rebuild_keys(a, g, vp, nj, w.pos.data(), w.kg.data(), rotated_tier ? a.key_up_rot : a.key_up);
-    for (int64_t j = 0; j < nj; ++j) std::copy(w.kg.data() + j * hd, w.kg.data() + (j + 1) * hd, w.k.data() + j * dk + g * hd);
+    for (int64_t j = 0; j < nj; ++j)
+      std::copy(w.kg.data() + j * hd, w.kg.data() + (j + 1) * hd, w.k.data() + j * dk + g * hd);
   }
   for (int64_t j = 0; j < nj; ++j) kp[j] = w.k.data() + j * dk;
 }
@@ -754,12 +755,158 @@ inline void q_values(const float* p, const float* zs, float* acc, int64_t dv, in
 
 // ---------------------------------------------------------------------------------------------- the work item
 struct Scratch {
-  std::vector<float> q, qr, acc_q, acc_e, m, l, s, p, k, v, vr, qg, bias, vs, vz, zs, sig, qb, rb, bs, kg;
+  std::vector<float> q, qr, acc_q, acc_e, m, l, s, p, k, v, vr, qg, bias, vs, vz, zs, sig, qb, rb, bs, kg, kt, al;
   std::vector<int8_t> q8;
   std::vector<int64_t> pos;
   std::vector<const float*> kp, vp;
   std::vector<const uint8_t*> kc, vc;
 };
+
+#ifdef KVK_AVX2
+// A prefill tile's rows against a block as two small matrix products (the register blocking of a GEMM micro-kernel,
+// as llama.cpp's and onnxruntime's CPU attention multiply a tile of queries by a block of keys): R rows x 16 tokens
+// of scores, or R rows x 16 channels of weighted values, held in 2R registers while the loop over the shared
+// dimension broadcasts one row's element and loads 16 of the other matrix's. No horizontal sum, and each load
+// serves R rows where the pairwise path's serves two.
+constexpr int64_t GEMM_MIN_ROWS = 12;  // a tile of fewer rows (a decode's query heads) takes the pairwise path
+constexpr int GEMM_ROWS = 6;           // rows a register block holds: 12 accumulators, 2 loads, 1 broadcast
+
+template <int R>
+inline void gemm_scores(const float* q, int64_t d, const float* kt, int64_t njp, float* s) {
+  for (int64_t j = 0; j < njp; j += 16) {
+    __m256 a0[R], a1[R];
+    for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < d; ++c) {
+      const __m256 k0 = _mm256_loadu_ps(kt + c * BN + j), k1 = _mm256_loadu_ps(kt + c * BN + j + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 x = _mm256_broadcast_ss(q + r * d + c);
+        a0[r] = _mm256_fmadd_ps(x, k0, a0[r]);
+        a1[r] = _mm256_fmadd_ps(x, k1, a1[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(s + r * BN + j, a0[r]);
+      _mm256_storeu_ps(s + r * BN + j + 8, a1[r]);
+    }
+  }
+}
+
+template <int R>
+inline void gemm_values(const float* p, const float* const* vp, int64_t ja, int64_t jb, const float* alpha,
+                        float* acc, int64_t dv) {
+  for (int64_t c = 0; c < dv; c += 16) {
+    __m256 a0[R], a1[R];
+    for (int r = 0; r < R; ++r) {
+      const __m256 al = _mm256_broadcast_ss(alpha + r);
+      a0[r] = _mm256_mul_ps(_mm256_loadu_ps(acc + r * dv + c), al);
+      a1[r] = _mm256_mul_ps(_mm256_loadu_ps(acc + r * dv + c + 8), al);
+    }
+    for (int64_t j = ja; j < jb; ++j) {
+      const __m256 v0 = _mm256_loadu_ps(vp[j] + c), v1 = _mm256_loadu_ps(vp[j] + c + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 x = _mm256_broadcast_ss(p + r * BN + j);
+        a0[r] = _mm256_fmadd_ps(x, v0, a0[r]);
+        a1[r] = _mm256_fmadd_ps(x, v1, a1[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(acc + r * dv + c, a0[r]);
+      _mm256_storeu_ps(acc + r * dv + c + 8, a1[r]);
+    }
+  }
+}
+
+// f(R) with R (1..GEMM_ROWS) a compile-time row count: the templates' instance for a register block's rows.
+template <class F>
+inline void with_rows(int64_t rows, F&& f) {
+  switch (rows) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    default: f(std::integral_constant<int, 6>{}); break;
+  }
+}
+
+// attend_block for a tile of many rows (d a multiple of 8, dv of 16): the block's keys transposed once into w.kt
+// (d x BN, the tokens past nj zero), every row's scores over the whole block, then per row its range's online
+// softmax (weights zero outside it), then the weighted values over the tokens some row of a register block sees.
+template <class S>
+inline void attend_block_gemm(int64_t M, int64_t d, int64_t dv, const float* qs, const float* const* kp,
+                              const float* const* vp, int64_t t0, int64_t nj, const int64_t* lo, const int64_t* hi,
+                              S& w, float* acc, float* other, const float* extra) {
+  constexpr float NEG = -std::numeric_limits<float>::infinity();
+  const int64_t njp = (nj + 15) / 16 * 16;
+  float* kt = w.kt.data();
+  int64_t j8 = 0;
+  for (; j8 + 8 <= nj; j8 += 8)  // eight keys' eight channels at a time, transposed in registers
+    for (int64_t c = 0; c < d; c += 8) {
+      __m256 r0 = _mm256_loadu_ps(kp[j8] + c), r1 = _mm256_loadu_ps(kp[j8 + 1] + c);
+      __m256 r2 = _mm256_loadu_ps(kp[j8 + 2] + c), r3 = _mm256_loadu_ps(kp[j8 + 3] + c);
+      __m256 r4 = _mm256_loadu_ps(kp[j8 + 4] + c), r5 = _mm256_loadu_ps(kp[j8 + 5] + c);
+      __m256 r6 = _mm256_loadu_ps(kp[j8 + 6] + c), r7 = _mm256_loadu_ps(kp[j8 + 7] + c);
+      const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+      const __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+      const __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+      const __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+      const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+      const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+      const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+      const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+      float* o = kt + c * BN + j8;
+      _mm256_storeu_ps(o, _mm256_permute2f128_ps(u0, u4, 0x20));
+      _mm256_storeu_ps(o + BN, _mm256_permute2f128_ps(u1, u5, 0x20));
+      _mm256_storeu_ps(o + 2 * BN, _mm256_permute2f128_ps(u2, u6, 0x20));
+      _mm256_storeu_ps(o + 3 * BN, _mm256_permute2f128_ps(u3, u7, 0x20));
+      _mm256_storeu_ps(o + 4 * BN, _mm256_permute2f128_ps(u0, u4, 0x31));
+      _mm256_storeu_ps(o + 5 * BN, _mm256_permute2f128_ps(u1, u5, 0x31));
+      _mm256_storeu_ps(o + 6 * BN, _mm256_permute2f128_ps(u2, u6, 0x31));
+      _mm256_storeu_ps(o + 7 * BN, _mm256_permute2f128_ps(u3, u7, 0x31));
+    }
+  for (int64_t j = j8; j < nj; ++j)
+    for (int64_t c = 0; c < d; ++c) kt[c * BN + j] = kp[j][c];
+  for (int64_t c = 0; c < d; ++c) std::fill(kt + c * BN + nj, kt + c * BN + njp, 0.f);
+  float* s = w.s.data();
+  float* p = w.p.data();
+  float* alpha = w.al.data();
+  for (int64_t r = 0; r < M; r += GEMM_ROWS)
+    with_rows(std::min<int64_t>(GEMM_ROWS, M - r), [&](auto R) { gemm_scores<R>(qs + r * d, d, kt, njp, s + r * BN); });
+  for (int64_t r = 0; r < M; ++r) {
+    float* sr = s + r * BN;
+    float* pr = p + r * BN;
+    const int64_t j0 = std::max<int64_t>(lo[r] - t0, 0), j1 = std::min<int64_t>(hi[r] - t0, nj);
+    alpha[r] = 1.f;
+    if (j0 >= j1) {
+      std::fill(pr, pr + njp, 0.f);
+      continue;
+    }
+    if (extra != nullptr)
+      for (int64_t j = j0; j < j1; ++j) sr[j] += extra[r * BN + j];
+    const float m_new = std::max(w.m[r], max_of(sr, j0, j1));
+    alpha[r] = w.m[r] == NEG ? 0.f : std::exp(w.m[r] - m_new);
+    std::fill(pr, pr + j0, 0.f);
+    w.l[r] = w.l[r] * alpha[r] + exp_row(sr, m_new, j0, j1, pr);
+    std::fill(pr + j1, pr + njp, 0.f);
+    w.m[r] = m_new;
+    if (other != nullptr && alpha[r] != 1.f)  // the other tier's accumulator (rotated codes) rescales too
+      for (int64_t c = 0; c < dv; ++c) other[r * dv + c] *= alpha[r];
+  }
+  for (int64_t r = 0; r < M; r += GEMM_ROWS) {
+    const int rows = static_cast<int>(std::min<int64_t>(GEMM_ROWS, M - r));
+    int64_t ja = nj, jb = 0;  // the tokens any of these rows sees
+    for (int k = 0; k < rows; ++k) {
+      const int64_t j0 = std::max<int64_t>(lo[r + k] - t0, 0), j1 = std::min<int64_t>(hi[r + k] - t0, nj);
+      if (j0 < j1) {
+        ja = std::min(ja, j0);
+        jb = std::max(jb, j1);
+      }
+    }
+    if (ja < jb)
+      with_rows(rows, [&](auto R) { gemm_values<R>(p + r * BN, vp, ja, jb, alpha + r, acc + r * dv, dv); });
+  }
+}
+#endif
 
 // One block of nj tokens of a tier, key j at kp[j] and value j at vp[j] (fp32), token t0 of the tier its first;
 // row r sees the tier's tokens [lo[r], hi[r]). Scores with `qs` (M x d), weighted values into `acc` (M x dv);
@@ -770,6 +917,12 @@ inline void attend_block(int64_t M, int64_t d, int64_t dv, const float* qs, cons
                          const float* const* vp, int64_t t0, int64_t nj, const int64_t* lo, const int64_t* hi,
                          Scratch& w, float* acc, float* other, const float* extra = nullptr) {
   constexpr float NEG = -std::numeric_limits<float>::infinity();
+#ifdef KVK_AVX2
+  if (M >= GEMM_MIN_ROWS && d % 8 == 0 && dv % 16 == 0) {
+    attend_block_gemm(M, d, dv, qs, kp, vp, t0, nj, lo, hi, w, acc, other, extra);
+    return;
+  }
+#endif
   float* s = w.s.data();
   float* p = w.p.data();
   for (int64_t r = 0; r < M;) {
@@ -1308,6 +1461,8 @@ inline Scratch scratch(const PagedArgs& a) {
   w.qg.resize(rows * a.d);
   w.q8.resize(rows * a.d);
   w.sig.resize(rows);
+  w.al.resize(rows);
+  w.kt.resize(BN * a.d);
   w.bias.resize(rows);
   w.zs.resize(rows);
   w.vs.resize(BN);

@@ -361,7 +361,8 @@ torch::Tensor paged_dca_attention(const torch::Tensor& query, const torch::Tenso
   const auto q = query.to(torch::kFloat).contiguous();
   const int64_t B = q.size(0), Hq = q.size(1), n = q.size(2), w = q.size(3);
   const bool latent = !latents.empty();
-  TORCH_CHECK(!latent || latents.size() == 10, "latents must be [the source's 4 bases, the layer's 4, cos, sin] or empty");
+  TORCH_CHECK(!latent || latents.size() == 10,
+              "latents must be [the source's 4 bases, the layer's 4, cos, sin] or empty");
   check_part(src_layout, w, latent, "the source's layout");
   check_part(own_layout, w, latent, "the layer's own layout");
   torch::Tensor rot;
@@ -450,7 +451,8 @@ torch::Tensor paged_dca_attention(const torch::Tensor& query, const torch::Tenso
   at::parallel_for(0, B * Hq * n, 64, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const float m = std::max(lo[row], ls[row]);
-      const bool any = m > -std::numeric_limits<float>::infinity();  // a row that saw nothing is zero, as the torch path
+      // a row that saw nothing is zero, as on the torch path
+      const bool any = m > -std::numeric_limits<float>::infinity();
       const float wo = any ? std::exp(lo[row] - m) : 0.f, ws = any ? std::exp(ls[row] - m) : 0.f;
       const float inv = any ? 1.f / (wo + ws) : 0.f;
       for (int64_t c = 0; c < w; ++c) {
