@@ -107,14 +107,15 @@ class CpuMeter:
 
 
 @contextmanager
-def running(cmd: list[str], env: dict[str, str], health_url: str, timeout: float = 180, inherit: bool = True):
-    """Start a server process (its environment: this one's updated with ``env``, or with ``inherit=False``
-    ``env`` alone), wait for its health URL, yield the process, then stop it.
+def running(cmd: list[str], env: dict[str, str], health_url: str, timeout: float = 180, inherit: bool = True,
+            cwd: Path = REPO):
+    """Start a server process in ``cwd`` (its environment: this one's updated with ``env``, or with
+    ``inherit=False`` ``env`` alone), wait for its health URL, yield the process, then stop it.
 
     Raises:
         RuntimeError: the process exited or was not healthy within ``timeout`` s (with the end of its stderr)."""
     log = tempfile.TemporaryFile()
-    proc = subprocess.Popen(cmd, env={**os.environ, **env} if inherit else env, cwd=REPO, stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(cmd, env={**os.environ, **env} if inherit else env, cwd=cwd, stdout=subprocess.DEVNULL,
                             stderr=log)
 
     def tail() -> str:
