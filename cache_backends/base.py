@@ -195,12 +195,20 @@ class KVBackend(ABC):
         if isinstance(meta, HybridStepMeta):  # the layer's group: its views, its index there, its metadata
             group, index = meta.layout.where[layer]
             views, meta = views[group], meta.groups[group]
-        write_layer(views, index, meta, self.encode_paged(layer, key_states, value_states, meta))
+        self.write_paged(views, index, layer, meta, key_states, value_states)
         if self.attends_in_place:
             reads = in_place_layer(views, index)
             if reads is not None:
                 return reads
         return read_layer(views, index, meta)
+
+    def write_paged(self, views, index: int, layer: int, meta, key_states: torch.Tensor,
+                    value_states: torch.Tensor) -> None:
+        """Write layer ``layer``'s new K/V, (B, num_key_value_heads, n, head_dim) after RoPE, into layer ``index`` of
+        ``views`` as this backend stores them: :meth:`encode_paged`, then :func:`cache_backends.paged.write_layer`
+        (the groups the step drains quantized). A backend whose encoding the attention kernel fuses into the write
+        overrides it."""
+        write_layer(views, index, meta, self.encode_paged(layer, key_states, value_states, meta))
 
     def stored_kv(self, layer: int, reads: list, meta) -> tuple:
         """The keys and values layer ``layer``'s gathered ``reads`` stand for, as two

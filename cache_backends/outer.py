@@ -76,3 +76,6 @@ class OuterBackend(KVBackend):
 
     def encode_paged(self, layer, key_states, value_states, meta):
         return self.inner.encode_paged(layer, key_states, value_states, meta)
+
+    def write_paged(self, views, index, layer, meta, key_states, value_states):
+        self.inner.write_paged(views, index, layer, meta, key_states, value_states)

@@ -235,11 +235,32 @@ def test_rope_tables_in_fp32_are_the_model_dtypes_widened():
     assert math.isclose(float(exact.cos[3, 1]), math.cos(3 * 10_000 ** (-2 / 8)), rel_tol=1e-6)
 
 
+@pytest.mark.parametrize("tier", ["exact", "int8"])
+@pytest.mark.parametrize("dtype", [d for d in KERNEL_DTYPES if d != torch.float16], ids=str)
+def test_the_fused_latent_write_stores_the_encoded_latent(tier, dtype):
+    """:func:`kernels.latent_write` (RoPE undone, the mean taken off, the basis applied, the write: one op) stores the
+    latent :meth:`MLABackend.encode_paged` computes in fp32, in the pool's dtype: a decode and a 37-token chunk at
+    positions past a page boundary, with the groups the step drains quantized as the torch path's write does."""
+    pool = PosthocPool(3, 3, 64, 48, dtype, tokens_per_page=16, seed=9, tier=tier)
+    rows = [SeqBlocks() for _ in range(3)]
+    _grow(pool, rows, [15, 40, 70], chunk=32)
+    for n in (1, 37):
+        meta = pool.write(rows, [n] * 3, commit=False)
+        key, value = torch.randn(3, 3, n, 64, generator=pool.gen), torch.randn(3, 3, n, 64, generator=pool.gen)
+        with kernels.using("kernel"):
+            pool.backend.write_paged(pool.views, 0, 0, meta, key.to(dtype), value.to(dtype))
+        stored = pool.views.exact[0][0][0, meta.write_pages, meta.write_slots].float()  # (B n, r)
+        want = pool.backend.encode_paged(0, key.to(dtype).float(), value.to(dtype).float(), meta)[0]
+        want = want[:, 0].reshape(-1, want.shape[-1]).to(dtype).float()
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(stored, want, rtol=tol, atol=tol)
+        pool.commit()
+
+
 def test_a_posthoc_mla_decode_steps_kv_path_is_two_ops_per_layer():
-    """With the kernel, a decode step of post-hoc ``mla`` writes a layer's latent in one op and attends in one (keys
-    rebuilt, values absorbed and projected inside it): no gather, no rebuilt K the size of the context; the torch path
-    gathers and rebuilds with many ops."""
-    from cache_backends.paged import write_layer
+    """With the kernel, a decode step of post-hoc ``mla`` encodes and writes a layer's latent in one op and attends in
+    one (keys rebuilt, values absorbed and projected inside it): no gather, no rebuilt K the size of the context; the
+    torch path encodes, gathers and rebuilds with many ops."""
     from tests.test_kernels import CountOps
 
     pool = PosthocPool(3, 3, 64, 48, torch.float32, tokens_per_page=16, seed=5)
@@ -250,15 +271,15 @@ def test_a_posthoc_mla_decode_steps_kv_path_is_two_ops_per_layer():
         with kernels.using(mode):
             meta = pool.write(rows, [1] * 4, commit=False)
             query = torch.randn(4, 9, 1, 64)
-            latent = [torch.randn(4, 1, 1, 48)]
+            key, value = torch.randn(4, 3, 1, 64), torch.randn(4, 3, 1, 64)
             pool.backend.rope.float_tables(200)  # the model's constants (built once, not per step)
-            pool.backend._kernel_bases(0)
+            pool.backend._kernel_bases(0), pool.backend._write_basis(0, pool.backend.bases[0])
             _ = meta.query_stop  # worked out once per step, not per layer
             with CountOps() as counter:
-                write_layer(pool.views, 0, meta, latent)
+                pool.backend.write_paged(pool.views, 0, 0, meta, key, value)
                 reads = in_place_layer(pool.views, 0) or read_layer(pool.views, 0, meta)
                 pool.backend.attend_paged(0, query, reads, meta, 0.125)
             pool.commit()
             counts[mode] = counter.ops
-    assert counts["kernel"] == ["index_put_", "paged_latent_attention"], counts["kernel"]
+    assert counts["kernel"] == ["paged_latent_write", "paged_latent_attention"], counts["kernel"]
     assert "index_select" in counts["torch"] and len(counts["torch"]) > 10

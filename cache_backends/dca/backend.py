@@ -22,7 +22,7 @@ from cache_backends.dca.store import DCAStore
 from cache_backends.estimate import bytes_per_token_per_layer, dca_store_bytes_per_token_per_layer
 from cache_backends.kv_spec import KVSpec
 from cache_backends.page_layout import PageLayout
-from cache_backends.paged import InPlaceRead, in_place_layer, read_layer, write_layer
+from cache_backends.paged import InPlaceRead, in_place_layer, read_layer
 from cache_backends.rope import RopeTable
 
 log = logging.getLogger("kvserve.dca")
@@ -292,7 +292,7 @@ class DCABackend(KVBackend):
         group, j = meta.layout.where[layer]
         if group == 0:
             inner_meta = meta.kept
-            write_layer(views[0], j, inner_meta, self.inner.encode_paged(layer, key_states, value_states, inner_meta))
+            self.inner.write_paged(views[0], j, layer, inner_meta, key_states, value_states)
             reads = self._reads(views[0], j, inner_meta)
             if layer + 1 in meta.layout.candidates:  # what the candidate after it reads, rebuilt only if it does
                 meta.sources[layer] = _Source(self.inner, layer, reads, inner_meta, key_states, value_states)
@@ -300,7 +300,7 @@ class DCABackend(KVBackend):
         i = group - 1
         self._measure(meta, i, layer, key_states, value_states)
         own_meta = meta.candidates[i]
-        write_layer(views[group], 0, own_meta, self.inner.encode_paged(layer, key_states, value_states, own_meta))
+        self.inner.write_paged(views[group], 0, layer, own_meta, key_states, value_states)
         return _CandidateRead(i, self._reads(views[group], 0, own_meta), self.inner, layer, own_meta)
 
     def _reads(self, views, index: int, meta):

@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import torch
 
+from cache_backends import kernels
 from cache_backends.base import KVBackend
 from cache_backends.geometry import ModelGeometry
 from cache_backends.kv_store import StreamPairLayer
 from cache_backends.int8.backend import attend_stored, make_storage, quant_spec, storage_reserved_bytes
 from cache_backends.kv_spec import KVSpec, Quantization, kv_streams
+from cache_backends.paged import InPlaceRead, drain_layer
 from cache_backends.paged_attention import attend_pair
 from cache_backends.gqa.spec import default_gqa_groups
 
@@ -282,10 +284,23 @@ class GQABackend(KVBackend):
         key_codec, value_codec = self.codecs[layer]
         return [key_codec.encode(key_states), value_codec.encode(value_states)]
 
+    def write_paged(self, views, index, layer, meta, key_states, value_states):
+        """Where the attention kernel reads the pool: each group's encoding and the write in one op
+        (:func:`cache_backends.kernels.grouped_write`), then the groups the step drains quantized; else
+        :meth:`encode_paged` and the write."""
+        if not (kernels.active(views.arena.device) and kernels.fits(views.layout)):
+            return super().write_paged(views, index, layer, meta, key_states, value_states)
+        key_codec, value_codec = self.codecs[layer]
+        kernels.grouped_write(views, index, meta, key_states, value_states, key_codec.encode_m, value_codec.encode_m)
+        drain_layer(views, index, meta.drain)
+
     def attend_paged(self, layer, query, reads, meta, scaling, module=None):
         """Grouped queries over the G shared heads: the key read-back folded into each query head
-        (``q_h B^k_h^T``), the value read-back applied to each head's output; no head is rebuilt."""
+        (``q_h B^k_h^T``), the value read-back applied to each head's output; no head is rebuilt. Read in place, all
+        three in one op (:func:`cache_backends.kernels.mapped_attention`)."""
         query_map, output_map = self._folded(layer)
+        if isinstance(reads[0], InPlaceRead):
+            return kernels.mapped_attention(query, reads[0], reads[1], meta, scaling, query_map, output_map)
         q = torch.einsum("bhrd,hed->bhre", query, query_map.to(query.dtype))
         out = attend_pair(q, reads[0], reads[1], meta, scaling)  # (B, Hq, n, d) in the shared heads' space
         return torch.einsum("bhrd,hde->bhre", out, output_map.to(out.dtype))

@@ -11,6 +11,9 @@ folded in, over the key (c_t, k_rope_t) and the value c_t, W_UV applied by the c
 (:func:`cache_backends.absorbed_mla.absorbed_attention`). ``torch.ops.kvserve.paged_latent_attention`` attends a
 post-hoc latent (``mla`` on an MHA/GQA model, exact or ``mla+int8`` / ``mla+int4``, :func:`latent_attention`): each
 KV head's keys rebuilt block by block inside the op and rotated at each token's position, the values absorbed.
+``paged_mapped_attention`` is ``paged_attention`` with ``gqa``'s read-backs around it (:func:`mapped_attention`);
+``paged_grouped_write`` and ``paged_latent_write`` encode a step's new K/V into ``gqa``'s shared heads or a post-hoc
+latent and write them (:func:`grouped_write`, :func:`latent_write`), so every backend's decode step is two ops a layer.
 ``torch.ops.kvserve.paged_dca_attention`` attends a ``dca`` reuse layer (:func:`dca_attention`): its source's pages
 with the layer's map folded in and its own pages (K/V pairs, or ``dca+mla``'s post-hoc latents), merged into one
 softmax. All query heads of one KV head are scored together (GQA),
@@ -149,6 +152,18 @@ def _register_fake() -> None:
 
     @torch.library.register_fake("kvserve::paged_write")
     def _(arena, key, value, write_pages, write_slots, layout):
+        return None
+
+    @torch.library.register_fake("kvserve::paged_grouped_write")
+    def _(arena, key, value, key_encode, value_encode, write_pages, write_slots, layout):
+        return None
+
+    @torch.library.register_fake("kvserve::paged_mapped_attention")
+    def _(query, arena, exact_table, q_table, ranges, layout, rotation, query_map, output_map, scaling):
+        return query.new_empty(*query.shape[:-1], output_map.shape[-1])
+
+    @torch.library.register_fake("kvserve::paged_latent_write")
+    def _(arena, key, value, positions, cos, sin, basis, mean, write_pages, write_slots, layout):
         return None
 
     _register_fake.done = True
@@ -316,6 +331,31 @@ def paged_attention(query: torch.Tensor, keys, values, meta, scaling: float) -> 
                                              rotation, scaling)
 
 
+def mapped_attention(query: torch.Tensor, keys, values, meta, scaling: float, query_map: torch.Tensor,
+                     output_map: torch.Tensor) -> torch.Tensor:
+    """``gqa``'s attention (post-hoc head sharing; GQA, arXiv 2305.13245) over its shared heads' pages read in place,
+    in one op: each query head's key read-back folded into its query (``q_h M_h^T``), :func:`paged_attention` over
+    the G shared heads, each head's value read-back applied to its output (``o_h O_h``).
+
+    Args:
+        query: (B, Hq, n, d) after RoPE.
+        keys, values: the layer's :class:`cache_backends.paged.InPlaceRead` (G shared heads).
+        query_map: (Hq, e, d), output_map: (Hq, e, d): each query head's key and value read-back.
+
+    Returns:
+        (B, Hq, n, d) in the query's dtype.
+
+    Raises:
+        RuntimeError: (from the op) for maps that do not fit the query or the layout.
+    """
+    views, layer = keys.views, keys.layer
+    args = _layer_args(views, layer)
+    q = views.layout.quantization
+    rotation = _rotation(args[2], 0, query.device) if q and q.rotate and meta.q_width else None
+    return torch.ops.kvserve.paged_mapped_attention(query, views.arena, meta.exact_table, meta.q_table, meta.ranges,
+                                                    args, rotation, query_map, output_map, scaling)
+
+
 def latent_attention(query: torch.Tensor, latent, meta, scaling: float, bases: tuple, cos: torch.Tensor,
                      sin: torch.Tensor) -> torch.Tensor:
     """Attention of a step's queries over one layer's post-hoc latent (``mla`` on an MHA/GQA model; Palu, arXiv
@@ -422,6 +462,35 @@ def _layer_args(views, layer: int) -> list[int]:
     if args is None:
         args = cache[layer] = layout_args(views.layout, layer)
     return args
+
+
+def latent_write(views, layer: int, meta, key: torch.Tensor, value: torch.Tensor, basis: torch.Tensor,
+                 mean: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Write a step's new tokens of a post-hoc latent layer (``mla`` on an MHA/GQA model) into their exact slots
+    (``meta.write_pages`` and ``write_slots``), in one op: each token's latent ``([RoPE^-1(K) ; V] - mean) basis``,
+    RoPE undone at its own position (``meta.query_positions``), computed in fp32 and stored in the pool's dtype.
+
+    Args:
+        key, value: (B, H, n, d) after RoPE.
+        basis: (2 H d, r) fp32; mean: (2 H d,) fp32 (:class:`cache_backends.mla.basis.LatentBasis`'s).
+        cos, sin: (rows, d) fp32 RoPE per position.
+
+    Raises:
+        RuntimeError: (from the op) for shapes that do not agree with the layout or each other.
+    """
+    torch.ops.kvserve.paged_latent_write(views.arena, key, value, meta.query_positions, cos, sin, basis, mean,
+                                         meta.write_pages, meta.write_slots, _layer_args(views, layer))
+
+
+def grouped_write(views, layer: int, meta, key: torch.Tensor, value: torch.Tensor, key_encode: torch.Tensor,
+                  value_encode: torch.Tensor) -> None:
+    """``gqa``'s write in one op: each group of heads' K and V (B, H, n, d) concatenated and encoded into its shared
+    head (``key_encode``, ``value_encode`` (G, H / G * d, d)), then written into the exact slots as
+    :func:`paged_write` writes."""
+    dtype = views.layout.dtype
+    torch.ops.kvserve.paged_grouped_write(views.arena, key.to(dtype), value.to(dtype), key_encode.to(dtype),
+                                          value_encode.to(dtype), meta.write_pages, meta.write_slots,
+                                          _layer_args(views, layer))
 
 
 def paged_write(views, layer: int, meta, key: torch.Tensor, value: torch.Tensor) -> None:

@@ -35,7 +35,7 @@ from cache_backends.kv_store import KVLayer, KVStore
 from cache_backends.full.backend import FullLayer
 from cache_backends.int8.backend import make_storage, quant_spec, storage_reserved_bytes
 from cache_backends.kv_spec import KVSpec, Quantization, StreamSpec
-from cache_backends.paged import InPlaceRead, StreamRead
+from cache_backends.paged import InPlaceRead, StreamRead, drain_layer
 from cache_backends import kernels
 from cache_backends.paged_attention import group_mask, grouped_rows, masked_softmax, ungroup_rows
 from cache_backends.quant_formats import width_refusal
@@ -299,6 +299,24 @@ class MLABackend(KVBackend):
                       dim=-1)  # (B, n, 2Hd)
         p = self.bases[layer]
         return [((x - p.mean.to(x.dtype)) @ p.basis.to(x.dtype)).unsqueeze(1)]
+
+    def write_paged(self, views, index, layer, meta, key_states, value_states):
+        """Post-hoc, where the attention kernel reads the pool: the encoding and the write in one op
+        (:func:`cache_backends.kernels.latent_write`, the latent in fp32), then the groups the step drains quantized;
+        else :meth:`encode_paged` and the write."""
+        if self.native or not (kernels.active(views.arena.device) and kernels.fits(views.layout)):
+            return super().write_paged(views, index, layer, meta, key_states, value_states)
+        p = self.bases[layer]
+        cos, sin = self.rope.float_tables(meta.query_stop)
+        kernels.latent_write(views, index, meta, key_states, value_states, *self._write_basis(layer, p), cos, sin)
+        drain_layer(views, index, meta.drain)
+
+    def _write_basis(self, layer: int, p) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s basis (2 H d, r) and mean (2 H d,) in fp32 contiguous, built once per basis."""
+        cache = self.__dict__.setdefault("_write_basis_cache", {})
+        if layer not in cache or cache[layer][0] is not p:
+            cache[layer] = (p, (p.basis.float().contiguous(), p.mean.float().contiguous()))
+        return cache[layer][1]
 
     def attend_paged(self, layer, query, reads, meta, scaling, module=None):
         """Native: absorbed attention over the latent and rope key (:func:`absorbed_attention`). Post-hoc: keys

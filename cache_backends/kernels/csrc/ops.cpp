@@ -5,7 +5,9 @@
 // int8/int4 per channel over groups) in one call; `kvserve::paged_latent_attention`, the same over a post-hoc latent
 // (mla on an MHA/GQA model), its keys rebuilt block by block inside the op; `kvserve::paged_dca_attention`, a dca
 // reuse layer's: its source's pages with the layer's map folded in (every source head scored at once) and its own
-// pages, merged into one softmax. The kernel is chosen once per process from
+// pages, merged into one softmax; `kvserve::paged_mapped_attention`, paged_attention with gqa's read-backs around
+// it; `kvserve::paged_grouped_write` and `kvserve::paged_latent_write`, a step's new K/V encoded into gqa's shared
+// heads or a post-hoc latent and written. The kernel is chosen once per process from
 // what the CPU reports (AVX2 + FMA + F16C, else portable C++) and split over the work items (row, KV head, query
 // tile) with at::parallel_for.
 #include <ATen/Parallel.h>
@@ -479,6 +481,24 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& a
   return run(call, query);
 }
 
+// gqa's attention (post-hoc head sharing, GQA arXiv 2305.13245) in one op: each query head's key read-back folded
+// into its query, q_h M_h^T (query_map (Hq, e, d): e the shared heads' width), paged_attention over the shared heads'
+// pages, then each head's value read-back applied to its output, o_h O_h (output_map (Hq, e, d)); (B, Hq, n, d) out.
+torch::Tensor paged_mapped_attention(const torch::Tensor& query, const torch::Tensor& arena,
+                                     const torch::Tensor& exact_table, const torch::Tensor& q_table,
+                                     const torch::Tensor& ranges, at::IntArrayRef layout,
+                                     const std::optional<torch::Tensor>& rotation, const torch::Tensor& query_map,
+                                     const torch::Tensor& output_map, double scaling) {
+  TORCH_CHECK(query.dim() == 4, "query must be (B, Hq, n, d)");
+  const int64_t Hq = query.size(1), d = query.size(3);
+  const auto qm = query_map.to(torch::kFloat), om = output_map.to(torch::kFloat);
+  TORCH_CHECK(qm.dim() == 3 && qm.size(0) == Hq && qm.size(2) == d, "query_map must be (Hq, e, d)");
+  TORCH_CHECK(om.dim() == 3 && om.size(0) == Hq && om.size(1) == qm.size(1), "output_map must be (Hq, e, d_out)");
+  const auto q = at::matmul(query.to(torch::kFloat), qm.transpose(1, 2)).contiguous();  // (B, Hq, n, e)
+  const auto out = at::matmul(paged_attention(q, arena, exact_table, q_table, ranges, layout, rotation, scaling), om);
+  return out.to(query.scalar_type());
+}
+
 // Attention over a post-hoc latent (form 2: ``mla`` on an MHA/GQA model) read in place: the layout's one stream is
 // the latent c_t (one head, k_width = r, no V slab); each of the model's H KV heads (key_up, value_up (H, r, d);
 // key_mean, value_mean (H, d)) scores its query heads against keys rebuilt block by block, RoPE_pos(c_t P_h + mu_h)
@@ -498,6 +518,25 @@ torch::Tensor paged_latent_attention(const torch::Tensor& query, const torch::Te
   latent_args(call, layout, key_up, key_mean, value_up, value_mean, rot, call.a.d);
   rope_args(call, positions, cos, sin, call.a.d);
   return run(call, query);
+}
+
+// gqa's write in one op: each group of m = H / G heads' K (and V) concatenated, (m d), times the group's encoder
+// (key_encode, value_encode (G, m d, d)), then written as paged_write writes (key, value (B, H, n, d)).
+void paged_write(torch::Tensor arena, const torch::Tensor& key, const torch::Tensor& value,
+                 const torch::Tensor& write_pages, const torch::Tensor& write_slots, at::IntArrayRef layout);
+
+void paged_grouped_write(torch::Tensor arena, const torch::Tensor& key, const torch::Tensor& value,
+                         const torch::Tensor& key_encode, const torch::Tensor& value_encode,
+                         const torch::Tensor& write_pages, const torch::Tensor& write_slots, at::IntArrayRef layout) {
+  TORCH_CHECK(key.dim() == 4 && value.sizes() == key.sizes(), "key and value must be (B, H, n, d) alike");
+  const int64_t B = key.size(0), H = key.size(1), n = key.size(2), d = key.size(3), G = key_encode.size(0);
+  TORCH_CHECK(key_encode.dim() == 3 && G > 0 && H % G == 0 && key_encode.size(1) == H / G * d &&
+                  value_encode.sizes() == key_encode.sizes(), "key_encode and value_encode must be (G, H / G * d, e)");
+  const auto encode = [&](const torch::Tensor& x, const torch::Tensor& e) {
+    const auto grouped = x.reshape({B, G, H / G, n, d}).permute({0, 1, 3, 2, 4}).reshape({B, G, n, H / G * d});
+    return at::matmul(grouped.to(e.scalar_type()), e).to(x.scalar_type());  // (B, G, n, e)
+  };
+  paged_write(arena, encode(key, key_encode), encode(value, value_encode), write_pages, write_slots, layout);
 }
 
 // Write a step's new K/V (B, H, n, width each, the pool's dtype) into their exact slots: token (b, i) of head h at
@@ -536,6 +575,79 @@ void paged_write(torch::Tensor arena, const torch::Tensor& key, const torch::Ten
           std::memcpy(page + (h * te + sl[t]) * row, data + b * sb + h * sh + i * si, row);
       }
   }
+}
+
+// The torch dtype of a layout's DType code (layout[4]).
+c10::ScalarType kv_scalar(int64_t code) {
+  return code == F32 ? torch::kFloat : code == BF16 ? torch::kBFloat16 : torch::kHalf;
+}
+
+// A post-hoc latent's write (mla on an MHA/GQA model) in one op: each new token's latent, ([RoPE_pos^-1(K_h) for
+// each head h ; V_h for each head h] - mean) basis (Palu, arXiv 2407.21118; MHA2MLA, arXiv 2502.14837), RoPE undone
+// at the token's own position (positions (B, n) int64; cos and sin (rows, d) fp32, a position past the last row
+// taking the last), computed in fp32 and written into its exact slot (write_pages, write_slots (B * n,) int64) of
+// the layer's one-stream layout (form 2) in the pool's dtype. key, value: (B, H, n, d); basis (2 H d, r); mean
+// (2 H d,).
+void paged_latent_write(torch::Tensor arena, const torch::Tensor& key, const torch::Tensor& value,
+                        const torch::Tensor& positions, const torch::Tensor& cos, const torch::Tensor& sin,
+                        const torch::Tensor& basis, const torch::Tensor& mean, const torch::Tensor& write_pages,
+                        const torch::Tensor& write_slots, at::IntArrayRef layout) {
+  TORCH_CHECK(layout.size() == LAYOUT_LEN && layout[20] == 2 && layout[1] == 1,
+              "layout must be a post-hoc latent's (form 2, one head)");
+  TORCH_CHECK(arena.scalar_type() == torch::kUInt8 && arena.dim() == 2 && arena.is_contiguous() &&
+                  arena.size(1) == layout[0], "arena must be a contiguous (num_pages, page_bytes) uint8 tensor");
+  TORCH_CHECK(key.dim() == 4 && value.sizes() == key.sizes(), "key and value must be (B, H, n, d) alike");
+  const int64_t B = key.size(0), H = key.size(1), n = key.size(2), d = key.size(3), half = d / 2, r = layout[2];
+  const auto k = key.to(torch::kFloat).contiguous(), v = value.to(torch::kFloat).contiguous();
+  const auto c = cos.to(torch::kFloat).contiguous(), sn = sin.to(torch::kFloat).contiguous();
+  const auto pos = positions.contiguous();
+  TORCH_CHECK(d % 2 == 0 && c.dim() == 2 && c.size(1) == d && sn.sizes() == c.sizes() && c.size(0) > 0,
+              "cos and sin must be (rows, d), d even");
+  TORCH_CHECK(pos.scalar_type() == torch::kLong && pos.dim() == 2 && pos.size(0) == B && pos.size(1) == n,
+              "positions must be (B, n) int64");
+  const auto P = basis.to(torch::kFloat).contiguous(), mu = mean.to(torch::kFloat).contiguous();
+  TORCH_CHECK(P.dim() == 2 && P.size(0) == 2 * H * d && P.size(1) == r, "basis must be (2 H d, r): r the layout's");
+  TORCH_CHECK(mu.dim() == 1 && mu.size(0) == 2 * H * d, "mean must be (2 H d,)");
+  auto pages = write_pages.contiguous(), slots = write_slots.contiguous();
+  TORCH_CHECK(pages.scalar_type() == torch::kLong && slots.scalar_type() == torch::kLong &&
+              pages.numel() == B * n && slots.numel() == B * n, "write_pages and write_slots must be (B * n,) int64");
+  const int64_t te = layout[5], num_pages = arena.size(0);
+  const int64_t* pg = pages.data_ptr<int64_t>();
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < B * n; ++t)
+    TORCH_CHECK(pg[t] >= 0 && pg[t] < num_pages && sl[t] >= 0 && sl[t] < te, "a write slot is outside the pool");
+  auto x = torch::empty({B * n, 2 * H * d}, k.options());
+  const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const float *cp = c.data_ptr<float>(), *sp = sn.data_ptr<float>();
+  const float* mp = mu.data_ptr<float>();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  float* xp = x.data_ptr<float>();
+  const int64_t rows = c.size(0);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i < n; ++i) {
+      float* row = xp + (b * n + i) * 2 * H * d;
+      const int64_t at = std::min<int64_t>(std::max<int64_t>(pp[b * n + i], 0), rows - 1);
+      const float *cs = cp + at * d, *si = sp + at * d;
+      for (int64_t h = 0; h < H; ++h) {
+        const float* kk = kp + ((b * H + h) * n + i) * d;
+        const float* vv = vp + ((b * H + h) * n + i) * d;
+        float* ko = row + h * d;
+        float* vo = row + (H + h) * d;
+        for (int64_t j = 0; j < half; ++j) {  // rotated by the opposite angle, over its norm (RopeTable.invert_at)
+          const float n1 = cs[j] * cs[j] + si[j] * si[j];
+          const float n2 = cs[half + j] * cs[half + j] + si[half + j] * si[half + j];
+          ko[j] = (kk[j] * cs[j] + kk[half + j] * si[j]) / n1 - mp[h * d + j];
+          ko[half + j] = (kk[half + j] * cs[half + j] - kk[j] * si[half + j]) / n2 - mp[h * d + half + j];
+        }
+        for (int64_t j = 0; j < d; ++j) vo[j] = vv[j] - mp[(H + h) * d + j];
+      }
+    }
+  const auto latent = at::matmul(x, P).to(kv_scalar(layout[4])).contiguous();  // (B n, r) in the pool's dtype
+  const int64_t row_bytes = r * latent.element_size(), k_off = layout[6];
+  const auto* src = static_cast<const uint8_t*>(latent.data_ptr());
+  uint8_t* base = arena.data_ptr<uint8_t>();
+  for (int64_t t = 0; t < B * n; ++t)
+    std::memcpy(base + pg[t] * layout[0] + k_off + sl[t] * row_bytes, src + t * row_bytes, row_bytes);
 }
 
 // x W^T + bias through the AVX2 kernel for x of at most SKINNY_MAX_ROWS rows (after flattening its leading
@@ -581,6 +693,12 @@ TORCH_LIBRARY(kvserve, m) {
         "Tensor? rotation, Tensor[] map, Tensor[] latents, float scaling) -> Tensor");
   m.def("paged_write(Tensor(a!) arena, Tensor key, Tensor value, Tensor write_pages, Tensor write_slots, "
         "int[] layout) -> ()");
+  m.def("paged_grouped_write(Tensor(a!) arena, Tensor key, Tensor value, Tensor key_encode, Tensor value_encode, "
+        "Tensor write_pages, Tensor write_slots, int[] layout) -> ()");
+  m.def("paged_mapped_attention(Tensor query, Tensor arena, Tensor exact_table, Tensor q_table, Tensor ranges, "
+        "int[] layout, Tensor? rotation, Tensor query_map, Tensor output_map, float scaling) -> Tensor");
+  m.def("paged_latent_write(Tensor(a!) arena, Tensor key, Tensor value, Tensor positions, Tensor cos, Tensor sin, "
+        "Tensor basis, Tensor mean, Tensor write_pages, Tensor write_slots, int[] layout) -> ()");
   m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("kernel_isa() -> str", &isa);
 }
@@ -590,6 +708,9 @@ TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
   m.impl("paged_latent_attention", &paged_latent_attention);
   m.impl("paged_dca_attention", &paged_dca_attention);
   m.impl("paged_write", &paged_write);
+  m.impl("paged_grouped_write", &paged_grouped_write);
+  m.impl("paged_mapped_attention", &paged_mapped_attention);
+  m.impl("paged_latent_write", &paged_latent_write);
   m.impl("skinny_linear", &skinny_linear);
 }
 
