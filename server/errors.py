@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 
 from fastapi import FastAPI, Request
@@ -33,26 +34,60 @@ def validation_error(request: Request, message: str, param: str | None) -> JSONR
     return error_response(400 if is_openai(request) else 422, message, "validation", request, param)
 
 
+def _is_branch(x) -> bool:
+    """Whether a location part is a union branch's type name ("str", "list[int]"), not a field name."""
+    return isinstance(x, str) and ("[" in x or x in ("str", "int", "float", "bool", "list", "dict", "none"))
+
+
 def _first_field(exc: RequestValidationError) -> str | None:
     for err in exc.errors():
-        # Union branches appear in the location as type names ("str", "list[int]"): not field names.
-        loc = [str(x) for x in err.get("loc", ()) if x != "body" and not (
-            isinstance(x, str) and ("[" in x or x in ("str", "int", "float", "bool", "list", "dict", "none")))]
+        loc = [str(x) for x in err.get("loc", ()) if x != "body" and not _is_branch(x)]
         if loc and err.get("type") != "json_invalid":
             return ".".join(loc)
     return None
 
 
+def _type_name(branch: str) -> str:
+    """A union branch as a client reads it: pydantic's validator wrappers dropped
+    (``list[function-before[_integral_float_to_int(), int]]`` → ``list[int]``)."""
+    return re.sub(r"function-(?:before|after|wrap|plain)\[[^,\]]*, ([^\]]+)\]", r"\1", branch)
+
+
 def _describe(exc: RequestValidationError) -> str:
-    parts = []
+    """The errors in one line; a field that matches none of its union's types is said once, naming the types it
+    takes and the JSON type it got, not once per type with pydantic's internal names."""
+    parts, branches = [], {}
     for err in exc.errors():
         if err.get("type") == "json_invalid":
             detail = (err.get("ctx") or {}).get("error", "")
             parts.append(f"invalid JSON at character {err['loc'][-1]}" + (f": {detail}" if detail else ""))
             continue
-        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body") or "body"
-        parts.append(f"{loc}: {err.get('msg')}")
+        loc = [x for x in err.get("loc", ()) if x != "body"]
+        cut = next((i for i, x in enumerate(loc) if _is_branch(x)), None)
+        if cut is not None and cut > 0:  # one branch of a union field
+            field = ".".join(str(x) for x in loc[:cut])
+            if field not in branches:
+                parts.append(field)  # its place in the message, filled below
+                branches[field] = ([], err.get("input"))
+            name = _type_name(str(loc[cut]))
+            if name not in branches[field][0]:
+                branches[field][0].append(name)
+            continue
+        parts.append(f"{'.'.join(str(x) for x in loc) or 'body'}: {err.get('msg')}")
+    for i, part in enumerate(parts):
+        if part in branches:
+            names, got = branches[part]
+            kinds = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+            parts[i] = f"{part}: expected {kinds}; got {_json_type(got)}"
     return "; ".join(parts) or "invalid request"
+
+
+def _json_type(value) -> str:
+    """The JSON type of a value a client sent."""
+    if value is None:
+        return "null"
+    return {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "an array",
+            dict: "an object"}.get(type(value), type(value).__name__)
 
 
 class NotReady(Exception):

@@ -272,9 +272,12 @@ class GenerationService:
              "cache_salt": "cache_salt", **(req.fields or {})}
         inputs, max_field = f["inputs"], f["max_new_tokens"]
         if req.backend not in self.engine.backends:
+            base = req.backend.partition(":")[0].strip()
+            hint = (f"; a request names a served backend alone, e.g. {base!r}: its options are the server's, set "
+                    f"at start-up and shown in /info's kv_backend_params" if base in self.engine.backends else "")
             raise InvalidRequest(f"`{f['kv_backend']}` {req.backend!r} is not served here; allowed: "
                                  f"{', '.join(self.engine.backends)} (a server started with KV_BACKENDS=... "
-                                 f"serves more)", f["kv_backend"])
+                                 f"serves more){hint}", f["kv_backend"])
         self.check_cache_salt(req.cache_salt, f["cache_salt"])
         if not req.prompt:
             raise InvalidRequest(f"`{inputs}` must not be empty", inputs)

@@ -476,6 +476,16 @@ def test_non_finite_numbers_are_refused_naming_the_field(server, raw):
     assert r.status_code == 400 and "logit_bias" in r.json()["error"]["param"]
 
 
+@pytest.mark.parametrize("prompt,got", [({"a": 1}, "an object"), (3.5, "a number"), (True, "a boolean")])
+def test_a_prompt_of_none_of_its_types_is_said_once_in_a_clients_words(server, prompt, got):
+    """A prompt that is none of OpenAI's four forms gets one readable sentence naming them and what was sent, not one
+    error per form with pydantic's validator names (``list[function-before[_integral_float_to_int(), int]]``)."""
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "prompt", r.text
+    assert error["message"] == f"prompt: expected str, list[str], list[int] or list[list[int]]; got {got}", r.text
+
+
 HUGE = 2**70  # more than any integer the engine's messages carry (64 bits)
 
 

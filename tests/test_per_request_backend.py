@@ -80,6 +80,18 @@ def test_openai_extra_body_selects_the_backend(multi):
 def test_unlisted_backend_is_422_naming_the_allowed(multi):
     r = httpx.post(multi.url + "/generate", json={"inputs": "a", "parameters": {"kv_backend": "dca"}})
     assert r.status_code == 422 and "allowed: full, int8, mla+int8" in r.json()["error"]
+    assert "named alone" not in r.json()["error"]
+
+
+@pytest.mark.parametrize("spec", ["int8:group_size=64", "mla+int8:rank=0"])
+def test_a_served_backend_with_options_is_told_to_come_alone(multi, spec):
+    """A request that gives a served backend options (``int8:group_size=64``) is refused saying a request names the
+    backend alone and where its options come from, not merely that the string is not served."""
+    r = httpx.post(multi.url + "/generate", json={"inputs": "a", "parameters": {"kv_backend": spec}})
+    error = r.json()["error"]
+    base = spec.partition(":")[0]
+    assert r.status_code == 422 and f"names a served backend alone, e.g. {base!r}" in error, error
+    assert "kv_backend_params" in error
 
 
 four_bit = server_with({"KV_BACKEND": "int4", "KV_BACKENDS": "full,int8", "KV_INT4_ROTATE": "true",
