@@ -47,6 +47,8 @@ from pathlib import Path
 
 import torch
 
+from cache_backends.kernel_fakes import register_fakes
+
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
@@ -117,56 +119,13 @@ def load() -> bool:
                 lib = build()
                 if not hasattr(torch.ops.kvserve, "paged_attention"):
                     torch.ops.load_library(str(lib))
-                _register_fake()
+                register_fakes()
                 _state["loaded"] = True
             except Exception as exc:  # noqa: BLE001 - any failure means the torch path serves
                 _state["loaded"], _state["error"] = False, str(exc).strip().splitlines()[0][:300]
                 log.warning("kvserve's attention kernel is not available (%s)%s", _state["error"],
                             "" if _state["mode"] == "kernel" else ": the torch path serves")
         return _state["loaded"]
-
-
-def _register_fake() -> None:
-    """Shapes for tracing (``torch.compile``, meta tensors): (B, Hq, n, v_width) in the query's dtype ((B, H, n, r)
-    for a native-MLA latent)."""
-    if getattr(_register_fake, "done", False):
-        return
-
-    @torch.library.register_fake("kvserve::paged_attention")
-    def _(query, arena, exact_table, q_table, ranges, layout, rotation, scaling):
-        return query.new_empty(*query.shape[:-1], layout[2] if layout[20] else layout[3])  # a latent: r wide
-
-    @torch.library.register_fake("kvserve::paged_latent_attention")
-    def _(query, arena, exact_table, q_table, ranges, layout, key_up, key_mean, value_up, value_mean, positions,
-          cos, sin, rotated_bases, scaling):
-        return query.new_empty(query.shape)  # (B, Hq, n, head_dim)
-
-    @torch.library.register_fake("kvserve::paged_dca_attention")
-    def _(query, src_arena, src_exact_table, src_q_table, src_ranges, src_layout, src_positions, own_arena,
-          own_exact_table, own_q_table, own_ranges, own_layout, own_positions, cuts, rotation, map_, latents, scaling):
-        return query.new_empty(query.shape)
-
-    @torch.library.register_fake("kvserve::skinny_linear")
-    def _(x, weight, bias):
-        return x.new_empty(*x.shape[:-1], weight.shape[0])
-
-    @torch.library.register_fake("kvserve::paged_write")
-    def _(arena, key, value, write_pages, write_slots, layout):
-        return None
-
-    @torch.library.register_fake("kvserve::paged_grouped_write")
-    def _(arena, key, value, key_encode, value_encode, write_pages, write_slots, layout):
-        return None
-
-    @torch.library.register_fake("kvserve::paged_mapped_attention")
-    def _(query, arena, exact_table, q_table, ranges, layout, rotation, query_map, output_map, scaling):
-        return query.new_empty(*query.shape[:-1], output_map.shape[-1])
-
-    @torch.library.register_fake("kvserve::paged_latent_write")
-    def _(arena, key, value, positions, cos, sin, basis, mean, write_pages, write_slots, layout):
-        return None
-
-    _register_fake.done = True
 
 
 def configure(mode: str) -> None:
