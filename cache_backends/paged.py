@@ -156,7 +156,7 @@ def write_layer(views: PoolViews, layer: int, meta: StepMeta, new: list[torch.Te
     Args:
         new: per stream, (B, heads, n, width) in batch order.
     """
-    if len(new) == 2 and kernels.active(views.arena.device) and kernels.fits(views.layout):
+    if len(new) == 2 and kernels.reads(views):
         kernels.paged_write(views, layer, meta, new[0], new[1])  # K and V in one op
     else:
         for s, x in enumerate(new):
@@ -238,6 +238,6 @@ def in_place_layer(views: PoolViews, layer: int) -> list[InPlaceRead] | None:
     """``layer``'s streams (K and V; a post-hoc latent's one) for the attention kernel to read in place, or ``None``
     when the kernel is not active for this pool (:func:`cache_backends.kernels.active`) or cannot read this layout
     (:func:`cache_backends.kernels.fits`): then the caller gathers (:func:`read_layer`)."""
-    if not kernels.active(views.arena.device) or not kernels.fits(views.layout):
+    if not kernels.reads(views):
         return None
     return [InPlaceRead(views, layer, s) for s in range(len(views.layout.streams))]

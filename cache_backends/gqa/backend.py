@@ -288,7 +288,7 @@ class GQABackend(KVBackend):
         """Where the attention kernel reads the pool: each group's encoding and the write in one op
         (:func:`cache_backends.kernels.grouped_write`), then the groups the step drains quantized; else
         :meth:`encode_paged` and the write."""
-        if not (kernels.active(views.arena.device) and kernels.fits(views.layout)):
+        if not kernels.reads(views):
             return super().write_paged(views, index, layer, meta, key_states, value_states)
         key_codec, value_codec = self.codecs[layer]
         kernels.grouped_write(views, index, meta, key_states, value_states, key_codec.encode_m, value_codec.encode_m)

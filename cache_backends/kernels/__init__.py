@@ -186,6 +186,12 @@ def active(device) -> bool:
     return load()
 
 
+def reads(views) -> bool:
+    """Whether the kernel reads and writes a pool's pages in place: active on its device (:func:`active`) and
+    fitting its layout (:func:`fits`)."""
+    return active(views.arena.device) and fits(views.layout)
+
+
 def status(device="cpu") -> dict:
     """What attends a step on ``device``, for the start-up log and ``/info``: ``{"path": "cpu-kernel" | "torch",
     "isa": "avx2" | "portable" | None, "reason": str | None}``, and with the kernel ``"int4_key_scores": "int8" |
@@ -447,9 +453,8 @@ def grouped_write(views, layer: int, meta, key: torch.Tensor, value: torch.Tenso
     head (``key_encode``, ``value_encode`` (G, H / G * d, d)), then written into the exact slots as
     :func:`paged_write` writes."""
     dtype = views.layout.dtype
-    torch.ops.kvserve.paged_grouped_write(views.arena, key.to(dtype), value.to(dtype), key_encode.to(dtype),
-                                          value_encode.to(dtype), meta.write_pages, meta.write_slots,
-                                          _layer_args(views, layer))
+    torch.ops.kvserve.paged_grouped_write(views.arena, key.to(dtype), value.to(dtype), key_encode, value_encode,
+                                          meta.write_pages, meta.write_slots, _layer_args(views, layer))
 
 
 def paged_write(views, layer: int, meta, key: torch.Tensor, value: torch.Tensor) -> None:

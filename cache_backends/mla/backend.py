@@ -304,19 +304,12 @@ class MLABackend(KVBackend):
         """Post-hoc, where the attention kernel reads the pool: the encoding and the write in one op
         (:func:`cache_backends.kernels.latent_write`, the latent in fp32), then the groups the step drains quantized;
         else :meth:`encode_paged` and the write."""
-        if self.native or not (kernels.active(views.arena.device) and kernels.fits(views.layout)):
+        if self.native or not kernels.reads(views):
             return super().write_paged(views, index, layer, meta, key_states, value_states)
-        p = self.bases[layer]
+        p = self.bases[layer]  # fp32, as fitted: the op reads it as it is
         cos, sin = self.rope.float_tables(meta.query_stop)
-        kernels.latent_write(views, index, meta, key_states, value_states, *self._write_basis(layer, p), cos, sin)
+        kernels.latent_write(views, index, meta, key_states, value_states, p.basis, p.mean, cos, sin)
         drain_layer(views, index, meta.drain)
-
-    def _write_basis(self, layer: int, p) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``layer``'s basis (2 H d, r) and mean (2 H d,) in fp32 contiguous, built once per basis."""
-        cache = self.__dict__.setdefault("_write_basis_cache", {})
-        if layer not in cache or cache[layer][0] is not p:
-            cache[layer] = (p, (p.basis.float().contiguous(), p.mean.float().contiguous()))
-        return cache[layer][1]
 
     def attend_paged(self, layer, query, reads, meta, scaling, module=None):
         """Native: absorbed attention over the latent and rope key (:func:`absorbed_attention`). Post-hoc: keys

@@ -404,13 +404,14 @@ torch::Tensor paged_dca_attention(const torch::Tensor& query, const torch::Tenso
 
   Call src;  // the source's tokens
   const auto src_cut = cut_ranges(src_ranges, cuts, false);
-  torch::Tensor src_out, value_bias;
+  torch::Tensor src_out, value_map, value_bias;
   if (map.empty()) {
     as_stored(src, src_arena, src_exact_table, src_q_table, src_cut, src_layout, src_positions, 0);
   } else {
     TORCH_CHECK(map.size() == 6, "map must be [key_fold, value_map, value_bias, key_bias, cos, sin] or empty");
     const int64_t H = latent ? latents[0].size(0) : src_layout[1];
-    const auto key_fold = map[0].to(torch::kFloat), value_map = map[1].to(torch::kFloat);
+    const auto key_fold = map[0].to(torch::kFloat);
+    value_map = map[1].to(torch::kFloat);
     value_bias = map[2].to(torch::kFloat);
     TORCH_CHECK(key_fold.dim() == 3 && key_fold.size(0) == Hq && key_fold.size(1) == w && key_fold.size(2) == H * w,
                 "key_fold must be (Hq, head_dim, H * head_dim)");
@@ -443,7 +444,7 @@ torch::Tensor paged_dca_attention(const torch::Tensor& query, const torch::Tenso
   }
   const auto src_lse = lse_of(src);
   src_out = run(src, src.q);
-  if (!map.empty()) src_out = at::matmul(src_out, map[1].to(torch::kFloat)) + value_bias.unsqueeze(1);  // normalized:
+  if (!map.empty()) src_out = at::matmul(src_out, value_map) + value_bias.unsqueeze(1);  // normalized:
   src_out = src_out.contiguous();                                                          // the bias adds whole
 
   auto out = torch::empty({B, Hq, n, w}, q.options());
